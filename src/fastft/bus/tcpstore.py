@@ -1,0 +1,202 @@
+"""TCPStore bus backend (the embedded default).
+
+Layout in the store (names in :class:`fastft.protocol.keys.JobKeys`):
+
+* ``bus/members``: ``id=label;id=label...``, the live subscribers, changed only by
+  compare-and-set loops (join, leave, evict).
+* ``bus/q/{id}``: one queue per subscriber (``queue_push``/``queue_pop``).
+
+A broadcast reads the member set (one round trip) and pushes the message into each other
+member's queue (pushes are pipelined: ~3 us each). No key is created per message, so the
+key space neither grows nor wraps over a long run; queues are emptied by their readers. A
+publisher counts its pushes per subscriber and every ``_CHECK_EVERY`` pushes reads the queue
+length; a queue at ``max_queue`` gets its subscriber evicted and its queue drained in the
+background (a TCPStore queue cannot be deleted, only emptied).
+
+Each endpoint uses two connections of its own (cloned from the store it is given): one for
+publishing and membership, one for the listener's blocking pop, which waits up to
+``idle_pop_s`` and is woken early by a sentinel pushed into its own queue at close.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import threading
+
+import torch.distributed as dist
+
+from fastft.bus.contract import BusConfig
+from fastft.bus.endpoint import WAKE, BusEndpoint
+from fastft.errors import StoreUnreachable
+from fastft.protocol.keys import JobKeys
+
+__all__ = ["StoreTransport", "tcpstore_bus", "host_store", "connect_store", "parse_members"]
+
+log = logging.getLogger(__name__)
+
+_CHECK_EVERY = 64
+
+
+def parse_members(raw: bytes | str) -> dict[str, str]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    out: dict[str, str] = {}
+    for part in text.split(";"):
+        if "=" in part:
+            k, v = part.split("=", 1)
+            out[k] = v
+    return out
+
+
+def _format_members(members: dict[str, str]) -> str:
+    return ";".join(f"{k}={v}" for k, v in members.items())
+
+
+def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> dist.TCPStore:
+    """Start a TCPStore server (port 0: the OS picks one; read ``.port``)."""
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def connect_store(address: str, timeout_s: float = 5.0) -> dist.TCPStore:
+    """Connect to ``HOST:PORT``; raises StoreUnreachable with one clear line if it can't."""
+    host, sep, port_s = address.rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise StoreUnreachable(f"store address {address!r}: use HOST:PORT, e.g. 127.0.0.1:29500")
+    port = int(port_s)
+    try:  # fail fast and quietly before TCPStore's own retry loop and C++ logging
+        with socket.create_connection((host, port), timeout=min(timeout_s, 2.0)):
+            pass
+    except OSError as e:
+        raise StoreUnreachable(f"no store answers at {host}:{port} ({e.strerror or e})") from e
+    try:
+        return dist.TCPStore(
+            host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    except Exception as e:
+        raise StoreUnreachable(f"store at {host}:{port} did not answer: {e}") from e
+
+
+class StoreTransport:
+    def __init__(self, store: dist.Store, config: BusConfig) -> None:
+        self.config = config
+        self.keys = JobKeys(config.job)
+        self._pub = store.clone()  # type: ignore[attr-defined]
+        self._sub: dist.Store | None = None
+        self._lock = threading.Lock()
+        self._pushes: dict[str, int] = {}
+        self.id: str | None = None
+        self.evictions = 0
+        with self._lock:
+            self._pub.compare_set(self.keys.bus_members, "", "")  # create if missing
+
+    # --- membership ------------------------------------------------------------------------
+    def _update(self, fn: object) -> dict[str, str]:
+        assert callable(fn)
+        key = self.keys.bus_members
+        cur = self._pub.compare_set(key, "", "")
+        while True:
+            members = parse_members(cur)
+            new = _format_members(fn(dict(members)))
+            res = self._pub.compare_set(key, cur, new)
+            if res == new.encode():
+                return parse_members(new)
+            cur = res
+
+    def join(self, label: str) -> str:
+        with self._lock:
+            sid = str(self._pub.add(self.keys.bus_ids, 1))
+            self._update(lambda m: {**m, sid: label})
+            self.id = sid
+        if self._sub is None:
+            self._sub = self._pub.clone()  # type: ignore[attr-defined]
+            self._sub.set_timeout(datetime.timedelta(seconds=self.config.idle_pop_s))
+        return sid
+
+    def leave(self) -> None:
+        sid = self.id
+        if sid is None:
+            return
+        with self._lock:
+            self._update(lambda m: {k: v for k, v in m.items() if k != sid})
+            self._drain(self._pub, self.keys.bus_queue(sid))
+
+    def is_member(self) -> bool:
+        with self._lock:
+            return self.id in parse_members(self._pub.get(self.keys.bus_members))
+
+    def evict(self, sid: str) -> None:
+        """Drop subscriber ``sid`` (dead or not reading) and empty its queue."""
+        with self._lock:
+            self._update(lambda m: {k: v for k, v in m.items() if k != sid})
+            self._pub.set(self.keys.bus_evicted(sid), b"1")
+        self.evictions += 1
+        log.warning("bus: evicted subscriber %s (queue reached %d)", sid, self.config.max_queue)
+        drainer = self._pub.clone()  # type: ignore[attr-defined]
+        threading.Thread(
+            target=self._drain,
+            args=(drainer, self.keys.bus_queue(sid)),
+            daemon=True,
+            name=f"fastft-bus-drain-{sid}",
+        ).start()
+
+    @staticmethod
+    def _drain(store: dist.Store, key: str) -> None:
+        try:
+            for _ in range(store.queue_len(key)):  # type: ignore[attr-defined]
+                store.queue_pop(key, block=False)  # type: ignore[attr-defined]
+        except Exception:
+            log.debug("bus: draining %s stopped", key, exc_info=True)
+
+    # --- data ------------------------------------------------------------------------------
+    def push_all(self, data: bytes) -> int:
+        full: list[str] = []
+        n = 0
+        with self._lock:
+            members = parse_members(self._pub.get(self.keys.bus_members))
+            for sid in members:
+                if sid == self.id:
+                    continue
+                key = self.keys.bus_queue(sid)
+                self._pub.queue_push(key, data)  # type: ignore[attr-defined]
+                n += 1
+                count = self._pushes.get(sid, 0) + 1
+                self._pushes[sid] = count
+                if count % _CHECK_EVERY == 0 and (
+                    self._pub.queue_len(key) >= self.config.max_queue  # type: ignore[attr-defined]
+                ):
+                    full.append(sid)
+            if len(self._pushes) > 4 * len(members) + 64:  # forget departed subscribers
+                self._pushes = {k: v for k, v in self._pushes.items() if k in members}
+        for sid in full:
+            self.evict(sid)
+        return n
+
+    def pop(self) -> bytes | None:
+        assert self._sub is not None and self.id is not None
+        try:
+            return bytes(self._sub.queue_pop(self.keys.bus_queue(self.id), block=True))  # type: ignore[attr-defined]
+        except dist.DistStoreError as e:
+            if "timeout" in str(e).lower():
+                return None
+            raise
+
+    def wake(self) -> None:
+        if self.id is None:
+            return
+        with self._lock:
+            self._pub.queue_push(self.keys.bus_queue(self.id), WAKE)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._sub = None
+
+
+def tcpstore_bus(store: dist.Store, config: BusConfig) -> BusEndpoint:
+    """An endpoint on ``store`` (not started). The store object is cloned, not consumed."""
+    return BusEndpoint(config, StoreTransport(store, config))

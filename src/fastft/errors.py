@@ -1,0 +1,45 @@
+"""The one exception root of fastft.
+
+Errors are *values* inside a step (a fault is latched and voted on) and exceptions at the
+boundary. Subclasses are named after what the caller should do:
+
+* :class:`ConfigError` -- fix the configuration (flag, environment variable, argument).
+* :class:`ProtocolError` -- a message on the wire is not ours or is damaged; log and drop it.
+* :class:`BusClosed` -- the bus was closed; stop using it.
+* :class:`StoreUnreachable` -- the coordination store cannot be reached; check HOST:PORT.
+
+Asynchronous interruption of a blocked rank is *not* a ``FastFTError``: it is
+:class:`fastft.interrupt.StepInterrupted`, a ``BaseException`` so that a user's
+``except Exception`` block cannot swallow it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FastFTError",
+    "ConfigError",
+    "ProtocolError",
+    "BusClosed",
+    "StoreUnreachable",
+]
+
+
+class FastFTError(Exception):
+    """Root of every error fastft raises on purpose."""
+
+
+class ConfigError(FastFTError, ValueError):
+    """Bad configuration: the message says which setting and what to change it to."""
+
+
+class ProtocolError(FastFTError, ValueError):
+    """Bytes that are not a valid fastft message for this job (truncated, foreign, bad
+    version, wrong job, bad field). Receivers log and count it; it is never fatal."""
+
+
+class BusClosed(FastFTError, RuntimeError):
+    """The error bus endpoint was closed."""
+
+
+class StoreUnreachable(FastFTError, ConnectionError):
+    """The coordination store (TCPStore) at the given address did not answer."""

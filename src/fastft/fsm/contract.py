@@ -1,0 +1,348 @@
+"""Contract of the step state machine: phases, the state value, events, actions, errors.
+
+Everything here is a frozen value. The machine itself (``fastft.fsm.table``) is a pure
+function ``decide(state, event) -> (state, actions)``; an executor in the runtime performs
+the actions (abort a process group, cast a vote in the store, broadcast on the bus).
+Time enters only through events (``Deadline.now``); nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from fastft.errors import FastFTError
+from fastft.protocol.messages import Severity
+
+__all__ = [
+    "Phase",
+    "StepState",
+    "Event",
+    "QuorumReady",
+    "GradsReady",
+    "LocalFault",
+    "PeerFault",
+    "RollbackRequested",
+    "RollbackAcked",
+    "Decision",
+    "CommitApplied",
+    "HealDone",
+    "DrainRequested",
+    "DrainNoticed",
+    "DrainAcked",
+    "Deadline",
+    "Shutdown",
+    "Action",
+    "ConfigureProcessGroup",
+    "CastVote",
+    "ProposeRollback",
+    "InterruptStep",
+    "BroadcastRollbackRequest",
+    "BroadcastRollbackAck",
+    "AbortProcessGroup",
+    "CancelFutures",
+    "ZeroGrads",
+    "ApplyCommit",
+    "FormEpoch",
+    "FetchState",
+    "SendState",
+    "BroadcastDrainNotice",
+    "SendDrainAck",
+    "DeclareDead",
+    "ExitWorker",
+    "InvalidTransition",
+]
+
+
+class Phase(enum.Enum):
+    """Phases of one worker's step (the seed's second diagram)."""
+
+    INIT = "INIT"
+    NORMAL = "NORMAL"
+    PREPARED = "PREPARED"
+    COMMIT = "COMMIT"
+    ROLLBACK_REQ = "ROLLBACK_REQ"
+    ROLLBACK_SYNC = "ROLLBACK_SYNC"
+    HEALING = "HEALING"
+    DRAIN_COMMIT = "DRAIN_COMMIT"
+    DRAIN_WAIT = "DRAIN_WAIT"
+    EXIT = "EXIT"
+
+
+@dataclass(frozen=True)
+class StepState:
+    """Everything the machine knows about one worker's view of the job.
+
+    ``heard``: members heard from in the current rollback round (a request or an ack);
+    ``acked``: members that finished ROLLBACK_SYNC; ``dead``: members known gone in this
+    epoch (died, hung past the deadline, drained); ``faulty``: members whose state is lost
+    (Fault1), who must heal; ``lost_state``: this worker is Fault1 itself;
+    ``pending_fault``: a fault arrived after the commit decision and is handled after the
+    commit is applied; ``leaving``: members that announced a drain with their vote.
+    """
+
+    phase: Phase
+    rank: int
+    epoch: int = 0
+    step: int = 0
+    members: frozenset[int] = frozenset()
+    heard: frozenset[int] = frozenset()
+    acked: frozenset[int] = frozenset()
+    dead: frozenset[int] = frozenset()
+    faulty: frozenset[int] = frozenset()
+    leaving: frozenset[int] = frozenset()
+    lost_state: bool = False
+    want_drain: bool = False
+    pending_fault: bool = False
+    reason: str = ""
+
+    @property
+    def live(self) -> frozenset[int]:
+        """Members not known dead."""
+        return self.members - self.dead
+
+
+# --- events ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base of every event."""
+
+
+@dataclass(frozen=True)
+class QuorumReady(Event):
+    """A new epoch was agreed: its members, the committed ``step`` it resumes from, and the
+    members that must receive state (Fault1 members and fresh joiners)."""
+
+    epoch: int
+    members: frozenset[int]
+    step: int
+    needs_state: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class GradsReady(Event):
+    """Forward, backward and the gradient sync of the current step finished locally."""
+
+
+@dataclass(frozen=True)
+class LocalFault(Event):
+    """This worker failed inside the step (exception; Fault1 if its state is lost)."""
+
+    severity: Severity
+    cause: str
+
+
+@dataclass(frozen=True)
+class PeerFault(Event):
+    """A peer failed: its own fault report, a process-death notice from its agent, or a
+    hang notice. Fault1 means the peer is gone or its state is lost."""
+
+    rank: int
+    severity: Severity
+    cause: str
+
+
+@dataclass(frozen=True)
+class RollbackRequested(Event):
+    """A member asked to roll back the current step."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class RollbackAcked(Event):
+    """A member finished its rollback barrier (ROLLBACK_SYNC)."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Decision(Event):
+    """The store's one decision for (epoch, step): commit or roll back. ``leaving`` are the
+    members that voted yes with a drain request."""
+
+    commit: bool
+    leaving: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class CommitApplied(Event):
+    """The optimizer update of the committed step was applied locally."""
+
+
+@dataclass(frozen=True)
+class HealDone(Event):
+    """State transfer of the new epoch finished (sent or received)."""
+
+
+@dataclass(frozen=True)
+class DrainRequested(Event):
+    """This worker should leave after its next commit (preemption notice, maintenance)."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class DrainNoticed(Event):
+    """A member announced that it committed and left."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class DrainAcked(Event):
+    """A member acknowledged this worker's drain notice."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Deadline(Event):
+    """The timeout of the current barrier expired at ``now`` (seconds, monotonic): members
+    not heard from are declared dead."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class Shutdown(Event):
+    """Stop now (the job ends or the worker is told to exit)."""
+
+    reason: str = ""
+
+
+# --- actions -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Action:
+    """Base of every action."""
+
+
+@dataclass(frozen=True)
+class ConfigureProcessGroup(Action):
+    """Build a new data-plane process group for ``epoch`` over ``members``."""
+
+    epoch: int
+    members: frozenset[int]
+
+
+@dataclass(frozen=True)
+class CastVote(Action):
+    """Vote yes for committing (epoch, step) in the store."""
+
+    epoch: int
+    step: int
+    want_drain: bool = False
+
+
+@dataclass(frozen=True)
+class ProposeRollback(Action):
+    """Compare-and-set ROLLBACK as the decision of (epoch, step); a no-op if decided."""
+
+    epoch: int
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class InterruptStep(Action):
+    """Interrupt the main thread's step (futures, collectives, signal)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class BroadcastRollbackRequest(Action):
+    epoch: int
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class BroadcastRollbackAck(Action):
+    epoch: int
+    step: int
+
+
+@dataclass(frozen=True)
+class AbortProcessGroup(Action):
+    """Abandon the epoch's process group; it is never reused."""
+
+
+@dataclass(frozen=True)
+class CancelFutures(Action):
+    """Fail every pending future of the step."""
+
+
+@dataclass(frozen=True)
+class ZeroGrads(Action):
+    """Drop the step's gradients."""
+
+
+@dataclass(frozen=True)
+class ApplyCommit(Action):
+    """Apply the optimizer update of ``step``."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class FormEpoch(Action):
+    """Agree on the next epoch without ``exclude``; ``lost_state`` asks for a heal."""
+
+    after_epoch: int
+    exclude: frozenset[int]
+    lost_state: bool
+
+
+@dataclass(frozen=True)
+class FetchState(Action):
+    """Receive the committed state of ``step`` from a live member of ``epoch``."""
+
+    epoch: int
+    step: int
+
+
+@dataclass(frozen=True)
+class SendState(Action):
+    """Take part in sending the committed state of ``step`` to ``receivers``."""
+
+    epoch: int
+    step: int
+    receivers: frozenset[int]
+
+
+@dataclass(frozen=True)
+class BroadcastDrainNotice(Action):
+    epoch: int
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class SendDrainAck(Action):
+    rank: int
+
+
+@dataclass(frozen=True)
+class DeclareDead(Action):
+    """Members silent past the deadline: report them (the agent kills and restarts them)."""
+
+    ranks: frozenset[int]
+
+
+@dataclass(frozen=True)
+class ExitWorker(Action):
+    reason: str
+
+
+class InvalidTransition(FastFTError, RuntimeError):
+    """An event that has no transition in the current phase: a bug in the caller."""
+
+    def __init__(self, phase: Phase, event: Event) -> None:
+        super().__init__(f"no transition for event {type(event).__name__} in phase {phase.name}")
+        self.phase = phase
+        self.event = event

@@ -1,0 +1,49 @@
+"""The fastft wire protocol: message types, their encoding and the store's key names.
+
+Pure: no I/O, no clock reads, no threads.
+"""
+
+from fastft.errors import ProtocolError
+from fastft.protocol.codec import decode, encode
+from fastft.protocol.keys import JobKeys
+from fastft.protocol.messages import (
+    MESSAGE_TYPES,
+    NO_RANK,
+    NO_STEP,
+    WIRE_VERSION,
+    DrainAck,
+    DrainNotice,
+    Fault,
+    HangSuspected,
+    Heartbeat,
+    Inject,
+    Message,
+    ProcessExited,
+    Role,
+    RollbackAck,
+    RollbackRequest,
+    Severity,
+)
+
+__all__ = [
+    "MESSAGE_TYPES",
+    "NO_RANK",
+    "NO_STEP",
+    "WIRE_VERSION",
+    "DrainAck",
+    "DrainNotice",
+    "Fault",
+    "HangSuspected",
+    "Heartbeat",
+    "Inject",
+    "JobKeys",
+    "Message",
+    "ProcessExited",
+    "ProtocolError",
+    "Role",
+    "RollbackAck",
+    "RollbackRequest",
+    "Severity",
+    "decode",
+    "encode",
+]
