@@ -381,6 +381,9 @@ def _exit_ignore(s: StepState, e: Event) -> Result:
 
 P = Phase
 _COLLECTING = (P.ROLLBACK_REQ, P.ROLLBACK_SYNC)
+SAME = None
+"""In a row's targets: the source phase itself (an event that is ignored or latched)."""
+_ROLLBACK = (P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING)
 
 
 def _build() -> dict[tuple[Phase, type[Event]], Rule]:
@@ -388,12 +391,18 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
     running = [p for p in Phase if p is not P.EXIT]
 
     def row(
-        phases: Sequence[Phase], event: type[Event], targets: Sequence[Phase], h: Handler, doc: str
+        phases: Sequence[Phase],
+        event: type[Event],
+        targets: Sequence[Phase | None],
+        h: Handler,
+        doc: str,
     ) -> None:
         for p in phases:
             assert (p, event) not in t, (p, event)
-            t[(p, event)] = Rule(tuple(targets), h, doc)
+            resolved = tuple(dict.fromkeys(p if x is SAME else x for x in targets))
+            t[(p, event)] = Rule(resolved, h, doc)  # type: ignore[arg-type]
 
+    # membership and healing
     row(
         [P.INIT, P.HEALING],
         QuorumReady,
@@ -402,35 +411,48 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         "quorum ready: configure the PG; heal if anyone needs state",
     )
     row([P.HEALING], HealDone, [P.NORMAL], _heal_done, "state transferred")
+    # the step
     row([P.NORMAL], GradsReady, [P.PREPARED], _grads_ready, "compute grads: vote yes")
+    row(
+        [P.PREPARED],
+        Decision,
+        [P.COMMIT, P.DRAIN_COMMIT, *_ROLLBACK],
+        _decision_prepared,
+        "all peers vote yes -> commit (drain if wanted); else rollback",
+    )
+    row([P.NORMAL], Decision, _ROLLBACK, _decision_rollback_only, "a rollback decided by a peer")
+    row([*_ROLLBACK], Decision, [SAME], _decision_rollback_only, "rollback already known")
+    row(
+        [P.COMMIT],
+        CommitApplied,
+        [P.NORMAL, *_ROLLBACK],
+        _commit_applied,
+        "step++ (a latched fault or a leaver re-forms the epoch)",
+    )
+    # local faults
     row(
         [P.NORMAL, P.PREPARED],
         LocalFault,
-        [P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING, P.PREPARED],
+        [P.PREPARED, *_ROLLBACK],
         _local_fault_running,
-        "local error: propose rollback",
+        "local error: propose rollback (after our vote the store decides)",
     )
     row(
-        [P.INIT, P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.COMMIT, P.DRAIN_COMMIT, P.DRAIN_WAIT],
+        [P.INIT, *_COLLECTING, P.COMMIT, P.DRAIN_COMMIT, P.DRAIN_WAIT],
         LocalFault,
-        [P.INIT, P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.COMMIT, P.DRAIN_COMMIT, P.DRAIN_WAIT],
+        [SAME],
         _local_fault_latched,
         "latched (Fault1 marks own state lost)",
     )
     row(
         [P.HEALING],
         LocalFault,
-        [P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING],
+        _ROLLBACK,
         _local_fault_healing,
         "fault during healing: roll back again",
     )
-    row(
-        [P.NORMAL],
-        PeerFault,
-        [P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING],
-        _peer_fault_normal,
-        "remote error: propose rollback",
-    )
+    # peer faults
+    row([P.NORMAL], PeerFault, _ROLLBACK, _peer_fault_normal, "remote error: propose rollback")
     row(
         [P.PREPARED],
         PeerFault,
@@ -438,24 +460,18 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         _peer_fault_prepared,
         "remote error after our vote: propose rollback, the store decides",
     )
-    row(
-        _COLLECTING,
-        PeerFault,
-        [P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING],
-        _peer_fault_collecting,
-        "a dead member counts as heard",
-    )
+    row(_COLLECTING, PeerFault, _ROLLBACK, _peer_fault_collecting, "a dead member counts as heard")
     row(
         [P.INIT, P.COMMIT, P.DRAIN_COMMIT],
         PeerFault,
-        [P.INIT, P.COMMIT, P.DRAIN_COMMIT],
+        [SAME],
         _peer_fault_latched,
         "latched until the commit is applied",
     )
     row(
         [P.HEALING],
         PeerFault,
-        [P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING],
+        _ROLLBACK,
         _peer_fault_healing,
         "fault during healing: roll back again",
     )
@@ -466,13 +482,8 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         _peer_fault_drain_wait,
         "a dead member will not ack",
     )
-    row(
-        [P.NORMAL],
-        RollbackRequested,
-        [P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING],
-        _rollback_req_normal,
-        "rollback_req from a peer",
-    )
+    # the rollback barriers
+    row([P.NORMAL], RollbackRequested, _ROLLBACK, _rollback_req_normal, "rollback_req from a peer")
     row(
         [P.PREPARED],
         RollbackRequested,
@@ -480,69 +491,34 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         _rollback_req_prepared,
         "rollback_req after our vote: the store decides",
     )
-    row(
-        [P.ROLLBACK_REQ],
-        RollbackRequested,
-        [P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING],
-        _rollback_req_collect,
-        "collect requests",
-    )
+    row([P.ROLLBACK_REQ], RollbackRequested, _ROLLBACK, _rollback_req_collect, "collect requests")
     row(
         [P.COMMIT, P.DRAIN_COMMIT],
         RollbackRequested,
-        [P.COMMIT, P.DRAIN_COMMIT],
+        [SAME],
         _rollback_req_latched,
         "peer faulted after the decision: next step rolls back",
     )
     row(
         [P.ROLLBACK_SYNC, P.HEALING, P.INIT, P.DRAIN_WAIT],
         RollbackRequested,
-        [P.ROLLBACK_SYNC, P.HEALING, P.INIT, P.DRAIN_WAIT],
+        [SAME],
         _ignore,
         "already past it",
     )
-    row(
-        _COLLECTING,
-        RollbackAcked,
-        [P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING],
-        _rollback_ack,
-        "collect acks",
-    )
-    row(
-        [P.HEALING, P.NORMAL, P.INIT, P.DRAIN_WAIT],
-        RollbackAcked,
-        [P.HEALING, P.NORMAL, P.INIT, P.DRAIN_WAIT],
-        _ignore,
-        "late ack",
-    )
+    row(_COLLECTING, RollbackAcked, _ROLLBACK, _rollback_ack, "collect acks")
+    row([P.HEALING, P.NORMAL, P.INIT, P.DRAIN_WAIT], RollbackAcked, [SAME], _ignore, "late ack")
     row(
         [P.PREPARED, P.COMMIT, P.DRAIN_COMMIT],
         RollbackAcked,
-        [P.PREPARED, P.COMMIT, P.DRAIN_COMMIT],
+        [SAME],
         _record_ack,
         "early ack: recorded",
     )
-    row(
-        [P.PREPARED],
-        Decision,
-        [P.COMMIT, P.DRAIN_COMMIT, P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING],
-        _decision_prepared,
-        "all peers vote yes -> commit; else rollback",
-    )
-    row(
-        [P.NORMAL, P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING],
-        Decision,
-        [P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING],
-        _decision_rollback_only,
-        "a rollback decided by a peer",
-    )
-    row(
-        [P.COMMIT],
-        CommitApplied,
-        [P.NORMAL, P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING],
-        _commit_applied,
-        "step++",
-    )
+    row(_COLLECTING, Deadline, _ROLLBACK, _deadline, "silent members are declared dead")
+    row([p for p in running if p not in _COLLECTING], Deadline, [SAME], _ignore, "stale timer")
+    # drain
+    row(running, DrainRequested, [SAME], _want_drain, "want_drain (latched)")
     row(
         [P.DRAIN_COMMIT],
         CommitApplied,
@@ -551,43 +527,32 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         "broadcast DRAIN_NOTICE",
     )
     row([P.DRAIN_WAIT], DrainAcked, [P.DRAIN_WAIT, P.EXIT], _drain_acked, "all DRAIN_ACK -> exit")
-    others = [p for p in running if p is not P.DRAIN_WAIT]
-    row(others, DrainAcked, others, _ignore, "late drain ack")
     row(
-        [P.INIT, P.DRAIN_COMMIT, P.DRAIN_WAIT],
-        DrainNoticed,
-        [P.INIT, P.DRAIN_COMMIT, P.DRAIN_WAIT],
-        _drain_noticed_ack_only,
-        "ack; nothing to re-form",
+        [p for p in running if p is not P.DRAIN_WAIT], DrainAcked, [SAME], _ignore, "late drain ack"
     )
-    row(running, DrainRequested, running, _want_drain, "want_drain (latched)")
     row(
         [P.NORMAL, P.PREPARED, P.COMMIT, P.HEALING],
         DrainNoticed,
-        [P.NORMAL, P.PREPARED, P.COMMIT, P.HEALING, P.ROLLBACK_REQ, P.ROLLBACK_SYNC],
+        [SAME, *_ROLLBACK],
         _drain_noticed,
         "a member left: ack, drop it from the next epoch",
     )
     row(
         _COLLECTING,
         DrainNoticed,
-        [P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING],
+        _ROLLBACK,
         _drain_noticed_collect,
         "a drained member counts as dead",
     )
     row(
-        _COLLECTING,
-        Deadline,
-        [P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING],
-        _deadline,
-        "silent members are declared dead",
+        [P.INIT, P.DRAIN_COMMIT, P.DRAIN_WAIT],
+        DrainNoticed,
+        [SAME],
+        _drain_noticed_ack_only,
+        "ack; nothing to re-form",
     )
-    quiet = [p for p in running if p not in _COLLECTING]
-    row(quiet, Deadline, quiet, _ignore, "stale timer")
-    for p in Phase:
-        if p is P.EXIT:
-            continue
-        row([p], Shutdown, [P.EXIT], _shutdown, "stop")
+    # stopping
+    row(running, Shutdown, [P.EXIT], _shutdown, "stop")
     for ev in (
         QuorumReady,
         LocalFault,

@@ -1,0 +1,119 @@
+"""Executing faults of the catalogue inside the target process.
+
+:class:`Injector` holds a rank's share of the :class:`FaultPlan` and the live injections
+that arrive on the bus (``Inject`` messages from ``fastft inject``). Process-level kinds
+(signals, segfault, exit, GIL hang) execute at once in whichever thread sees them (a bus
+listener, for live injection); exception-like kinds (``exception``, ``state_lost``) must be
+raised in the main thread, inside the step, so they are queued and raised by
+:meth:`Injector.fire_due`, which the training loop calls at the start of each step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+from fastft.errors import FastFTError
+from fastft.inject.plan import FaultKind, FaultPlan, FaultSpec
+from fastft.protocol.messages import NO_STEP, Inject, Message
+
+__all__ = ["InjectedFault", "StateLost", "Injector", "execute"]
+
+log = logging.getLogger(__name__)
+
+
+class InjectedFault(FastFTError, RuntimeError):
+    """The ``exception`` fault: a transient error in the step (Fault2)."""
+
+
+class StateLost(FastFTError, RuntimeError):
+    """The ``state_lost`` fault: this worker's state must be healed from a peer (Fault1)."""
+
+
+_IN_MAIN = (FaultKind.EXCEPTION, FaultKind.STATE_LOST)
+
+
+def execute(spec: FaultSpec) -> None:
+    """Perform ``spec`` in this process now. Most kinds do not return."""
+    log.warning("injecting fault %s (rank %d, step %s)", spec.kind.value, spec.rank, spec.at_step)
+    k = spec.kind
+    if k is FaultKind.EXCEPTION:
+        raise InjectedFault(f"injected exception at step {spec.at_step}")
+    if k is FaultKind.STATE_LOST:
+        raise StateLost(f"injected state loss at step {spec.at_step}")
+    if k is FaultKind.SIGKILL:
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif k is FaultKind.SIGTERM:
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif k is FaultKind.SIGSTOP:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif k is FaultKind.SEGFAULT:
+        ctypes.string_at(0)
+    elif k is FaultKind.EXIT:
+        os._exit(int(spec.arg) or 1)
+    elif k is FaultKind.GIL_HANG:
+        # A PyDLL call keeps the GIL: no thread of this process runs Python meanwhile.
+        seconds = int(spec.arg) if spec.arg > 0 else 10**6
+        ctypes.PyDLL(None).sleep(ctypes.c_uint(seconds))
+
+
+class Injector:
+    """One rank's injector. ``on_message`` is a bus callback; ``fire_due`` runs in the
+    main thread at the start of every step."""
+
+    def __init__(
+        self,
+        plan: FaultPlan,
+        rank: int,
+        life: int = 0,
+        *,
+        executor: Callable[[FaultSpec], None] = execute,
+    ) -> None:
+        self.rank = rank
+        self.life = life
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._scheduled = list(plan.for_rank(rank, life))
+        self._queued: list[FaultSpec] = []
+        self.fired: list[tuple[FaultSpec, int]] = []
+
+    def on_message(self, msg: Message) -> None:
+        if not isinstance(msg, Inject) or msg.target_rank != self.rank:
+            return
+        try:
+            spec = FaultSpec(
+                kind=FaultKind(msg.fault_kind),
+                rank=msg.target_rank,
+                at_step=None if msg.at_step == NO_STEP else msg.at_step,
+                life=self.life,
+                arg=msg.arg,
+            )
+        except (ValueError, FastFTError) as e:
+            log.warning("ignoring inject request from rank %d: %s", msg.rank, e)
+            return
+        if spec.at_step is None and spec.kind not in _IN_MAIN:
+            self.fired.append((spec, NO_STEP))
+            self._executor(spec)
+            return
+        with self._lock:
+            (self._scheduled if spec.at_step is not None else self._queued).append(spec)
+
+    def fire_due(self, step: int) -> None:
+        """Fire every fault due at ``step`` (and live ones queued for the main thread)."""
+        with self._lock:
+            due = [s for s in self._scheduled if s.at_step is not None and s.at_step <= step]
+            self._scheduled = [s for s in self._scheduled if s not in due]
+            due = self._queued + due
+            self._queued = []
+        for spec in due:
+            self.fired.append((spec, step))
+            self._executor(spec)
+
+    @property
+    def pending(self) -> tuple[FaultSpec, ...]:
+        with self._lock:
+            return tuple(self._scheduled + self._queued)

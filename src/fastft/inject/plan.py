@@ -1,0 +1,134 @@
+"""The fault catalogue and the one fault plan shared by tests, the demo and the CLI.
+
+A :class:`FaultPlan` is a list of :class:`FaultSpec` and serialises to JSON::
+
+    {"faults": [{"kind": "sigkill", "rank": 1, "at_step": 40},
+                {"kind": "exception", "rank": 0, "at_step": 10, "life": 0}]}
+
+``at_step``: fire when the target starts that step (None: at once, for live injection).
+``life``: fire only in that life of the rank (0 = first start, 1 = after one restart, ...);
+so a restarted worker that heals back to the same step does not fire the fault again.
+``arg``: the kind's parameter (``exit``: exit code; ``gil_hang``/``sigstop``: nothing;
+``hang``-like kinds never return on their own).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastft.errors import ConfigError
+
+__all__ = ["FaultKind", "FaultSpec", "FaultPlan", "FAULT_SEVERITY"]
+
+
+class FaultKind(str, enum.Enum):
+    """The catalogue (NVRx's ``inject_fault`` kinds plus Fault1-without-dying)."""
+
+    EXCEPTION = "exception"
+    """A Python exception in the step (Fault2)."""
+    SIGKILL = "sigkill"
+    """The process is killed (Fault1)."""
+    SIGTERM = "sigterm"
+    """The process is asked to terminate (Fault1)."""
+    SIGSTOP = "sigstop"
+    """The process is stopped: a hang its parent can see (Fault1 once killed)."""
+    GIL_HANG = "gil_hang"
+    """A hang that holds the GIL: no Python thread of the process runs (Fault1)."""
+    SEGFAULT = "segfault"
+    """A segmentation fault (Fault1)."""
+    EXIT = "exit"
+    """``os._exit(arg)`` (Fault1)."""
+    STATE_LOST = "state_lost"
+    """The worker's state is declared lost without dying: it must heal (Fault1)."""
+
+
+FAULT_SEVERITY = {k: (2 if k is FaultKind.EXCEPTION else 1) for k in FaultKind}
+"""Severity (1 = Fault1, 2 = Fault2) of each kind."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: FaultKind
+    rank: int
+    at_step: int | None = None
+    life: int = 0
+    arg: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, FaultKind):
+            try:
+                object.__setattr__(self, "kind", FaultKind(self.kind))
+            except ValueError:
+                kinds = ", ".join(k.value for k in FaultKind)
+                raise ConfigError(
+                    f"unknown fault kind {self.kind!r}; use one of: {kinds}"
+                ) from None
+        for name in ("rank", "life"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"fault {name}={v!r}: use an integer >= 0")
+        if self.at_step is not None and (
+            isinstance(self.at_step, bool) or not isinstance(self.at_step, int) or self.at_step < 0
+        ):
+            raise ConfigError(f"fault at_step={self.at_step!r}: use an integer >= 0 or null")
+        if isinstance(self.arg, bool) or not isinstance(self.arg, (int, float)):
+            raise ConfigError(f"fault arg={self.arg!r}: use a number")
+        object.__setattr__(self, "arg", float(self.arg))
+
+    @property
+    def severity(self) -> int:
+        return FAULT_SEVERITY[self.kind]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"] = self.kind.value
+        return d
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    faults: tuple[FaultSpec, ...] = field(default_factory=tuple)
+
+    def for_rank(self, rank: int, life: int) -> tuple[FaultSpec, ...]:
+        return tuple(f for f in self.faults if f.rank == rank and f.life == life)
+
+    def to_json(self) -> str:
+        return json.dumps({"faults": [f.to_dict() for f in self.faults]}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "fault plan") -> FaultPlan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{source}: not valid JSON ({e})") from e
+        if not isinstance(data, dict) or not isinstance(data.get("faults"), list):
+            raise ConfigError(f'{source}: expected {{"faults": [...]}}')
+        specs = []
+        allowed = {"kind", "rank", "at_step", "life", "arg"}
+        for i, item in enumerate(data["faults"]):
+            if not isinstance(item, dict):
+                raise ConfigError(f"{source}: faults[{i}] must be an object")
+            extra = set(item) - allowed
+            if extra or "kind" not in item or "rank" not in item:
+                raise ConfigError(
+                    f"{source}: faults[{i}] needs 'kind' and 'rank' and may have "
+                    f"{sorted(allowed)}; got {sorted(item)}"
+                )
+            try:
+                specs.append(FaultSpec(**item))
+            except ConfigError as e:
+                raise ConfigError(f"{source}: faults[{i}]: {e}") from None
+        return cls(tuple(specs))
+
+    @classmethod
+    def load(cls, path: str | Path) -> FaultPlan:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ConfigError(f"fault plan {p}: cannot read ({e.strerror})") from e
+        return cls.from_json(text, source=str(p))
