@@ -332,13 +332,22 @@ def _want_drain(s: StepState, e: Event) -> Result:
 
 def _drain_noticed(s: StepState, e: Event) -> Result:
     assert isinstance(e, DrainNoticed)
+    known = e.rank in s.leaving
     s = replace(s, leaving=s.leaving | {e.rank})
-    if s.phase is Phase.NORMAL and e.rank in s.members:
-        # The drained member will not vote on this step: drop it and re-form the epoch.
-        s = replace(s, dead=s.dead | {e.rank})
-        nxt, actions = _begin_rollback(s, f"rank {e.rank} drained", propose=True)
-        return nxt, (SendDrainAck(e.rank), *actions)
-    return s, (SendDrainAck(e.rank),)
+    if known or e.rank not in s.members or s.phase in (Phase.COMMIT, Phase.HEALING):
+        return s, (SendDrainAck(e.rank),)
+    # A leaver the decision did not announce will never vote on this step: drop it.
+    reason = f"rank {e.rank} drained"
+    s = replace(s, dead=s.dead | {e.rank})
+    if s.phase is Phase.PREPARED:
+        s = replace(s, pending_fault=True)
+        return s, (
+            SendDrainAck(e.rank),
+            InterruptStep(reason),
+            ProposeRollback(s.epoch, s.step, reason),
+        )
+    nxt, actions = _begin_rollback(s, reason, propose=True)
+    return nxt, (SendDrainAck(e.rank), *actions)
 
 
 def _drain_noticed_ack_only(s: StepState, e: Event) -> Result:
@@ -384,6 +393,8 @@ _COLLECTING = (P.ROLLBACK_REQ, P.ROLLBACK_SYNC)
 SAME = None
 """In a row's targets: the source phase itself (an event that is ignored or latched)."""
 _ROLLBACK = (P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING)
+_FROM_REQ = _ROLLBACK
+_FROM_SYNC = (P.ROLLBACK_SYNC, P.HEALING)
 
 
 def _build() -> dict[tuple[Phase, type[Event]], Rule]:
@@ -430,12 +441,13 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         "step++ (a latched fault or a leaver re-forms the epoch)",
     )
     # local faults
+    row([P.NORMAL], LocalFault, _ROLLBACK, _local_fault_running, "local error: propose rollback")
     row(
-        [P.NORMAL, P.PREPARED],
+        [P.PREPARED],
         LocalFault,
-        [P.PREPARED, *_ROLLBACK],
+        [P.PREPARED],
         _local_fault_running,
-        "local error: propose rollback (after our vote the store decides)",
+        "local error after our vote: propose rollback, the store decides",
     )
     row(
         [P.INIT, *_COLLECTING, P.COMMIT, P.DRAIN_COMMIT, P.DRAIN_WAIT],
@@ -460,13 +472,26 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         _peer_fault_prepared,
         "remote error after our vote: propose rollback, the store decides",
     )
-    row(_COLLECTING, PeerFault, _ROLLBACK, _peer_fault_collecting, "a dead member counts as heard")
+    row(
+        [P.ROLLBACK_REQ],
+        PeerFault,
+        _FROM_REQ,
+        _peer_fault_collecting,
+        "a dead member counts as heard",
+    )
+    row(
+        [P.ROLLBACK_SYNC],
+        PeerFault,
+        _FROM_SYNC,
+        _peer_fault_collecting,
+        "a dead member counts as heard",
+    )
     row(
         [P.INIT, P.COMMIT, P.DRAIN_COMMIT],
         PeerFault,
         [SAME],
         _peer_fault_latched,
-        "latched until the commit is applied",
+        "latched (handled after the commit is applied)",
     )
     row(
         [P.HEALING],
@@ -506,7 +531,8 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         _ignore,
         "already past it",
     )
-    row(_COLLECTING, RollbackAcked, _ROLLBACK, _rollback_ack, "collect acks")
+    row([P.ROLLBACK_REQ], RollbackAcked, _FROM_REQ, _rollback_ack, "collect acks")
+    row([P.ROLLBACK_SYNC], RollbackAcked, _FROM_SYNC, _rollback_ack, "collect acks")
     row([P.HEALING, P.NORMAL, P.INIT, P.DRAIN_WAIT], RollbackAcked, [SAME], _ignore, "late ack")
     row(
         [P.PREPARED, P.COMMIT, P.DRAIN_COMMIT],
@@ -515,7 +541,8 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         _record_ack,
         "early ack: recorded",
     )
-    row(_COLLECTING, Deadline, _ROLLBACK, _deadline, "silent members are declared dead")
+    row([P.ROLLBACK_REQ], Deadline, _FROM_REQ, _deadline, "silent members are declared dead")
+    row([P.ROLLBACK_SYNC], Deadline, _FROM_SYNC, _deadline, "silent members are declared dead")
     row([p for p in running if p not in _COLLECTING], Deadline, [SAME], _ignore, "stale timer")
     # drain
     row(running, DrainRequested, [SAME], _want_drain, "want_drain (latched)")
@@ -538,9 +565,16 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         "a member left: ack, drop it from the next epoch",
     )
     row(
-        _COLLECTING,
+        [P.ROLLBACK_REQ],
         DrainNoticed,
-        _ROLLBACK,
+        _FROM_REQ,
+        _drain_noticed_collect,
+        "a drained member counts as dead",
+    )
+    row(
+        [P.ROLLBACK_SYNC],
+        DrainNoticed,
+        _FROM_SYNC,
         _drain_noticed_collect,
         "a drained member counts as dead",
     )
