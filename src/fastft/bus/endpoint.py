@@ -156,13 +156,15 @@ class BusEndpoint:
                 continue
             if data is None:
                 if not self._closed.is_set() and not transport.is_member():
+                    old = self.subscriber_id
+                    self.subscriber_id = transport.join(self._label())
                     self.stats.self_evictions += 1
                     log.error(
-                        "bus subscriber %s was evicted (stopped reading?); re-joining, "
+                        "bus subscriber %s was evicted (stopped reading?); re-joined as %s, "
                         "messages in between are lost",
+                        old,
                         self.subscriber_id,
                     )
-                    self.subscriber_id = transport.join(self._label())
                 continue
             if data == WAKE:
                 continue

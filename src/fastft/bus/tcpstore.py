@@ -13,7 +13,9 @@ publisher counts its pushes per subscriber and every ``_CHECK_EVERY`` pushes rea
 length; a queue at ``max_queue`` gets its subscriber evicted and its queue drained in the
 background (a TCPStore queue cannot be deleted, only emptied).
 
-Each endpoint uses two connections of its own (cloned from the store it is given): one for
+Connections are long-lived on purpose: with torch 2.13 every 25th client connection to a
+TCPStore server stalls for 5 s (measured: ``docs/architecture.md``, "Known limits"), so no
+connection is opened on a hot path. Each endpoint uses two connections of its own (cloned from the store it is given): one for
 publishing and membership, one for the listener's blocking pop, which waits up to
 ``idle_pop_s`` and is woken early by a sentinel pushed into its own queue at close.
 """
@@ -89,6 +91,7 @@ class StoreTransport:
         self.keys = JobKeys(config.job)
         self._pub = store.clone()  # type: ignore[attr-defined]
         self._sub: dist.Store | None = None
+        self._drainer: dist.Store | None = None
         self._lock = threading.Lock()
         self._pushes: dict[str, int] = {}
         self.id: str | None = None
@@ -138,7 +141,9 @@ class StoreTransport:
             self._pub.set(self.keys.bus_evicted(sid), b"1")
         self.evictions += 1
         log.warning("bus: evicted subscriber %s (queue reached %d)", sid, self.config.max_queue)
-        drainer = self._pub.clone()  # type: ignore[attr-defined]
+        if self._drainer is None:  # one long-lived connection: new ones can be slow
+            self._drainer = self._pub.clone()  # type: ignore[attr-defined]
+        drainer = self._drainer
         threading.Thread(
             target=self._drain,
             args=(drainer, self.keys.bus_queue(sid)),
@@ -194,7 +199,10 @@ class StoreTransport:
             self._pub.queue_push(self.keys.bus_queue(self.id), WAKE)  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        self._sub = None
+        """Drop both connections now: clients must not outlive their use."""
+        with self._lock:
+            self._sub = self._drainer = None
+            self._pub = None  # type: ignore[assignment]
 
 
 def tcpstore_bus(store: dist.Store, config: BusConfig) -> BusEndpoint:

@@ -1,0 +1,305 @@
+"""The step state machine: every path of the seed's diagram as a scenario, the table's
+completeness, random event sequences, and the generated doc being current."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastft.fsm import (
+    TABLE,
+    AbortProcessGroup,
+    ApplyCommit,
+    BroadcastDrainNotice,
+    BroadcastRollbackAck,
+    BroadcastRollbackRequest,
+    CancelFutures,
+    CastVote,
+    CommitApplied,
+    ConfigureProcessGroup,
+    Deadline,
+    Decision,
+    DeclareDead,
+    DrainAcked,
+    DrainNoticed,
+    DrainRequested,
+    ExitWorker,
+    FetchState,
+    FormEpoch,
+    GradsReady,
+    HealDone,
+    InterruptStep,
+    InvalidTransition,
+    LocalFault,
+    PeerFault,
+    Phase,
+    ProposeRollback,
+    QuorumReady,
+    RollbackAcked,
+    RollbackRequested,
+    SendDrainAck,
+    SendState,
+    Shutdown,
+    StepState,
+    ZeroGrads,
+    decide,
+    initial_state,
+)
+from fastft.fsm.doc import render
+from fastft.protocol import Severity
+
+F1, F2 = Severity.FAULT1, Severity.FAULT2
+ALL = frozenset({0, 1, 2})
+
+
+def run(state: StepState, *events):
+    actions = []
+    for ev in events:
+        state, acts = decide(state, ev)
+        actions.extend(acts)
+    return state, actions
+
+
+def kinds(actions):
+    return [type(a) for a in actions]
+
+
+def normal(rank=0, members=ALL, step=0, epoch=1):
+    s, _ = run(initial_state(rank), QuorumReady(epoch, members, step))
+    assert s.phase is Phase.NORMAL
+    return s
+
+
+def test_init_to_normal_configures_the_process_group():
+    s, acts = run(initial_state(0), QuorumReady(1, ALL, 5))
+    assert s.phase is Phase.NORMAL and s.step == 5 and s.epoch == 1
+    assert acts == [ConfigureProcessGroup(1, ALL)]
+
+
+def test_fault_free_step_commits_and_increments():
+    s, acts = run(normal(), GradsReady(), Decision(commit=True), CommitApplied())
+    assert s.phase is Phase.NORMAL and s.step == 1
+    assert acts == [CastVote(1, 0, False), ApplyCommit(0)]
+
+
+def test_vote_no_rolls_back_through_both_barriers_to_healing_and_normal():
+    s, acts = run(normal(), GradsReady(), Decision(commit=False))
+    assert s.phase is Phase.ROLLBACK_REQ
+    assert BroadcastRollbackRequest(1, 0, "decision: rollback") in acts
+    s, acts = run(s, RollbackRequested(1), RollbackRequested(2))
+    assert s.phase is Phase.ROLLBACK_SYNC
+    assert kinds(acts) == [AbortProcessGroup, CancelFutures, ZeroGrads, BroadcastRollbackAck]
+    s, acts = run(s, RollbackAcked(1), RollbackAcked(2))
+    assert s.phase is Phase.HEALING
+    assert acts == [FormEpoch(after_epoch=1, exclude=frozenset(), lost_state=False)]
+    s, acts = run(s, QuorumReady(2, ALL, 0))
+    assert s.phase is Phase.NORMAL and s.step == 0 and s.epoch == 2  # same step again
+
+
+def test_fault2_of_a_peer_skips_state_transfer():
+    s, acts = run(normal(), PeerFault(2, F2, "exception"))
+    assert s.phase is Phase.ROLLBACK_REQ
+    assert kinds(acts) == [InterruptStep, ProposeRollback, BroadcastRollbackRequest]
+    s, acts = run(s, RollbackRequested(1), RollbackAcked(1), RollbackAcked(2))
+    assert s.phase is Phase.HEALING
+    s, acts = run(s, QuorumReady(2, ALL, 0))
+    assert s.phase is Phase.NORMAL
+    assert not any(isinstance(a, (FetchState, SendState)) for a in acts)
+
+
+def test_fault1_of_a_peer_excludes_it_and_heals_its_replacement():
+    s, acts = run(normal(), PeerFault(2, F1, "sigkill"))
+    assert 2 in s.dead and 2 in s.faulty
+    s, acts = run(s, RollbackRequested(1))
+    assert s.phase is Phase.ROLLBACK_SYNC
+    s, acts = run(s, RollbackAcked(1))
+    assert s.phase is Phase.HEALING
+    assert acts[-1] == FormEpoch(after_epoch=1, exclude=frozenset({2}), lost_state=False)
+    # the restarted rank 2 joins the next epoch and needs state: survivors send it
+    s, acts = run(s, QuorumReady(2, ALL, 0, needs_state=frozenset({2})))
+    assert s.phase is Phase.HEALING
+    assert acts == [ConfigureProcessGroup(2, ALL), SendState(2, 0, frozenset({2}))]
+    s, _ = run(s, HealDone())
+    assert s.phase is Phase.NORMAL and not s.dead
+
+
+def test_restarted_worker_fetches_state_before_its_first_step():
+    s, acts = run(initial_state(2), QuorumReady(3, ALL, 17, needs_state=frozenset({2})))
+    assert s.phase is Phase.HEALING and s.lost_state
+    assert acts == [ConfigureProcessGroup(3, ALL), FetchState(3, 17)]
+    with pytest.raises(InvalidTransition):
+        decide(s, GradsReady())  # S4: no contribution before the heal
+    s, _ = run(s, HealDone())
+    assert s.phase is Phase.NORMAL and s.step == 17 and not s.lost_state
+
+
+def test_local_fault1_marks_own_state_lost_and_asks_for_heal():
+    s, acts = run(normal(), LocalFault(F1, "state lost"))
+    assert s.lost_state
+    s, acts = run(s, RollbackRequested(1), RollbackRequested(2), RollbackAcked(1), RollbackAcked(2))
+    assert acts[-1] == FormEpoch(after_epoch=1, exclude=frozenset(), lost_state=True)
+
+
+def test_fault_after_our_vote_lets_the_store_decide():
+    s, acts = run(normal(), GradsReady(), PeerFault(1, F2, "late"))
+    assert s.phase is Phase.PREPARED and s.pending_fault
+    assert kinds(acts) == [CastVote, InterruptStep, ProposeRollback]
+    # the commit won the compare-and-set: apply it, then roll back the next step
+    s, acts = run(s, Decision(commit=True))
+    assert s.phase is Phase.COMMIT and acts == [ApplyCommit(0)]
+    s, acts = run(s, CommitApplied())
+    assert s.phase is Phase.ROLLBACK_REQ and s.step == 1
+
+
+def test_fault_between_decision_and_application_is_latched():
+    s, _ = run(normal(), GradsReady(), Decision(commit=True))
+    s, acts = run(s, PeerFault(2, F1, "sigkill"))
+    assert s.phase is Phase.COMMIT and acts == []
+    s, acts = run(s, CommitApplied())
+    assert s.phase is Phase.ROLLBACK_REQ and s.step == 1  # the commit stands (S1)
+    assert ProposeRollback(1, 1, "fault after the commit decision") in acts
+
+
+def test_two_ranks_failing_in_the_same_step():
+    s, _ = run(
+        normal(rank=0, members=frozenset({0, 1, 2, 3})),
+        PeerFault(1, F1, "a"),
+        PeerFault(2, F1, "b"),
+        RollbackRequested(3),
+        RollbackAcked(3),
+    )
+    assert s.phase is Phase.HEALING and s.dead == {1, 2}
+
+
+def test_fault_during_healing_restarts_the_rollback():
+    s, _ = run(normal(), PeerFault(2, F1, "x"), RollbackRequested(1), RollbackAcked(1))
+    assert s.phase is Phase.HEALING
+    s, acts = run(s, PeerFault(1, F1, "again"))
+    assert s.phase is Phase.HEALING  # alone: straight through both barriers
+    assert acts[-1] == FormEpoch(after_epoch=1, exclude=frozenset({1, 2}), lost_state=False)
+
+
+def test_deadline_declares_silent_members_dead():
+    s, _ = run(normal(), PeerFault(2, F2, "x"))
+    s, acts = run(s, Deadline(now=10.0))
+    assert DeclareDead(frozenset({1})) == acts[0]  # rank 2 reported its own fault: heard
+    assert s.phase is Phase.ROLLBACK_SYNC  # rank 2 is alive: it must still ack
+    s, acts = run(s, RollbackAcked(2))
+    assert s.phase is Phase.HEALING and acts[-1].exclude == {1}
+
+
+def test_drain_path_commit_notice_acks_exit():
+    s, acts = run(normal(), DrainRequested("preempted"), GradsReady())
+    assert acts[-1] == CastVote(1, 0, True)
+    s, acts = run(s, Decision(commit=True, leaving=frozenset({0})))
+    assert s.phase is Phase.DRAIN_COMMIT
+    s, acts = run(s, CommitApplied())
+    assert s.phase is Phase.DRAIN_WAIT and isinstance(acts[0], BroadcastDrainNotice)
+    s, acts = run(s, DrainAcked(1), DrainAcked(2))
+    assert s.phase is Phase.EXIT and acts == [ExitWorker("drained")]
+
+
+def test_survivors_of_a_drain_reform_without_rollback():
+    s, _ = run(normal(rank=1), GradsReady(), Decision(commit=True, leaving=frozenset({0})))
+    s, acts = run(s, CommitApplied())
+    assert s.phase is Phase.HEALING and s.step == 1
+    assert acts == [FormEpoch(after_epoch=1, exclude=frozenset({0}), lost_state=False)]
+    s, acts = run(s, DrainNoticed(0))
+    assert acts == [SendDrainAck(0)]
+
+
+def test_shutdown_from_everywhere():
+    for phase in Phase:
+        s, acts = decide(StepState(phase=phase, rank=0), Shutdown("bye"))
+        assert s.phase is Phase.EXIT
+
+
+def test_invalid_transition_names_phase_and_event():
+    with pytest.raises(InvalidTransition, match="CommitApplied.*NORMAL"):
+        decide(normal(), CommitApplied())
+    with pytest.raises(InvalidTransition, match="Decision"):
+        decide(normal(), Decision(commit=True))  # no commit without our vote
+
+
+# Events that arrive from the network or from timers can come in any phase: each must
+# have a row everywhere (never an InvalidTransition).
+ASYNC_EVENTS = [
+    PeerFault,
+    RollbackRequested,
+    RollbackAcked,
+    DrainNoticed,
+    DrainAcked,
+    DrainRequested,
+    Deadline,
+    Shutdown,
+]
+
+
+@pytest.mark.parametrize("event", ASYNC_EVENTS, ids=lambda e: e.__name__)
+def test_asynchronous_events_are_defined_in_every_phase(event):
+    for phase in Phase:
+        assert (phase, event) in TABLE, f"{event.__name__} undefined in {phase.name}"
+
+
+def test_table_targets_are_valid_phases():
+    for (phase, event), rule in TABLE.items():
+        assert rule.targets and all(isinstance(t, Phase) for t in rule.targets)
+        assert rule.doc
+
+
+def test_generated_doc_is_current():
+    doc = Path(__file__).parents[2] / "docs" / "fsm.md"
+    assert doc.read_text() == render(), "run: fastft fsm-doc > docs/fsm.md"
+
+
+ranks = st.integers(0, 3)
+events = st.one_of(
+    st.builds(
+        QuorumReady,
+        st.integers(1, 5),
+        st.frozensets(ranks, min_size=1),
+        st.integers(0, 5),
+        st.frozensets(ranks),
+    ),
+    st.just(GradsReady()),
+    st.builds(LocalFault, st.sampled_from(Severity), st.just("x")),
+    st.builds(PeerFault, ranks, st.sampled_from(Severity), st.just("x")),
+    st.builds(RollbackRequested, ranks),
+    st.builds(RollbackAcked, ranks),
+    st.builds(Decision, st.booleans(), st.frozensets(ranks)),
+    st.just(CommitApplied()),
+    st.just(HealDone()),
+    st.builds(DrainRequested),
+    st.builds(DrainNoticed, ranks),
+    st.builds(DrainAcked, ranks),
+    st.builds(Deadline, st.floats(0, 100)),
+)
+
+
+@given(st.lists(events, max_size=60))
+@settings(max_examples=400)
+def test_random_event_sequences_stay_defined(seq):
+    s = initial_state(0)
+    for ev in seq:
+        before = s
+        try:
+            s, actions = decide(s, ev)
+        except InvalidTransition as e:
+            assert e.phase is before.phase and e.event is ev
+            assert (before.phase, type(ev)) not in TABLE or isinstance(ev, Decision)
+            continue
+        assert isinstance(s.phase, Phase)
+        assert s.phase in TABLE[(before.phase, type(ev))].targets
+        # steps never go back within an epoch, and advance only by a commit
+        if s.epoch == before.epoch and not isinstance(ev, QuorumReady):
+            assert s.step in (before.step, before.step + 1)
+            if s.step == before.step + 1:
+                assert isinstance(ev, CommitApplied)
+        assert s.dead <= s.members | s.dead  # sets stay sets
+        if any(isinstance(a, ApplyCommit) for a in actions):
+            assert before.phase is Phase.PREPARED and isinstance(ev, Decision) and ev.commit
+        if s.phase is Phase.EXIT:
+            break
