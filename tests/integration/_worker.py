@@ -45,6 +45,7 @@ def main() -> None:
         time.sleep(0.001)
     out: dict[str, object] = {"rank": rank}
     if rank == world - 1 and mode == "raise":
+        time.sleep(0.5)  # the others are inside the allreduce by now
         try:
             raise ValueError("loss is NaN")
         except ValueError as e:

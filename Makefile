@@ -1,0 +1,37 @@
+# fastft: `make test` is the one test command (CI runs it); `make bench` the benchmarks.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip install -q -c constraints.txt
+
+.PHONY: test unit lint bench demo fsm-doc clean
+
+$(BIN)/activate:
+	$(PY) -m venv $(VENV)
+
+# torch first, pinned by constraints.txt (the CPU build of 2.13.0 is available offline;
+# any other version pulls gigabytes of CUDA packages), then the package with its dev extras.
+$(VENV)/.installed: $(BIN)/activate pyproject.toml constraints.txt
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
+	touch $@
+
+test: $(VENV)/.installed
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q tests
+
+unit: $(VENV)/.installed
+	$(BIN)/python -m pytest -q tests/unit
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+bench: $(VENV)/.installed
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/bus_latency.py
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/interrupt_latency.py
+
+fsm-doc: $(VENV)/.installed
+	$(BIN)/fastft fsm-doc > docs/fsm.md
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,103 @@
+"""The CLI: bad flags and unreachable stores give one line and exit code 2; inject,
+report-error and bus tail work against a real store."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fastft.bus import BusConfig, tcpstore_bus
+from fastft.inject import FaultKind
+from fastft.protocol import Fault, Heartbeat, Inject, Severity
+
+
+def fastft(*args, env=None, timeout=60):
+    return subprocess.run([sys.executable, "-m", "fastft.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("args", [
+    ["inject", "--store", "127.0.0.1:1", "--job", "j", "--rank", "0", "--kind", "meteor"],
+    ["inject", "--job", "j", "--rank", "0", "--kind", "sigkill"],
+    ["inject", "--store", "nonsense", "--job", "j", "--rank", "0", "--kind", "sigkill"],
+    ["inject", "--store", "127.0.0.1:PORT", "--job", "j", "--rank", "0", "--kind", "sigkill"],
+    ["inject", "--store", "127.0.0.1:1", "--job", "j", "--rank", "-3", "--kind", "sigkill"],
+    ["report-error", "--store", "127.0.0.1:PORT", "--job", "j", "--rank", "0"],
+    ["bus", "tail", "--store", "127.0.0.1:PORT", "--job", "j"],
+    ["frobnicate"],
+])
+def test_bad_flags_and_unreachable_stores_give_one_line_and_exit_2(args):
+    port = str(free_port())
+    r = fastft(*[a.replace("PORT", port) for a in args], env={"FASTFT_STORE": ""})
+    assert r.returncode == 2, r
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "NumPy" not in ln
+             and "_conversion_method_template" not in ln]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("fastft") and "error" in lines[0]
+
+
+def test_inject_and_report_error_reach_a_subscriber(store):
+    with tcpstore_bus(store, BusConfig(job="cli", rank=0, incarnation=1)) as sub:
+        addr = f"127.0.0.1:{store.port}"
+        r = fastft("inject", "--store", addr, "--job", "cli", "--rank", "0", "--kind",
+                   "sigstop", "--at-step", "12")
+        assert r.returncode == 0, r.stderr
+        m = sub.recv(10)
+        assert isinstance(m, Inject) and m.target_rank == 0 and m.at_step == 12
+        assert FaultKind(m.fault_kind) is FaultKind.SIGSTOP
+        r = fastft("report-error", "--rank", "3", "--cause", "Xid 79: GPU fell off the bus",
+                   "--severity", "fault1", env={"FASTFT_STORE": addr, "FASTFT_JOB": "cli"})
+        assert r.returncode == 0, r.stderr
+        m = sub.recv(10)
+        assert isinstance(m, Fault) and m.faulty_rank == 3 and m.severity is Severity.FAULT1
+        assert m.cause.startswith("Xid 79")
+
+
+def test_bus_tail_prints_traffic(store):
+    addr = f"127.0.0.1:{store.port}"
+    p = subprocess.Popen([sys.executable, "-m", "fastft.cli", "bus", "tail", "--store", addr,
+                          "--job", "cli", "--count", "2", "--timeout", "30", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with tcpstore_bus(store, BusConfig(job="cli", rank=5, incarnation=9,
+                                           subscribe=False)) as pub:
+            from fastft.protocol import JobKeys
+            key = JobKeys("cli").bus_members
+            deadline = time.monotonic() + 30
+            while not store.get(key):  # the tail has joined
+                assert time.monotonic() < deadline and p.poll() is None
+                time.sleep(0.02)
+            pub.publish_raw(b"junk")
+            pub.broadcast(Heartbeat(job="cli", epoch=2, rank=5, incarnation=9, step=33))
+            pub.broadcast(Heartbeat(job="cli", epoch=2, rank=5, incarnation=9, step=34))
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert [x["step"] for x in lines] == [33, 34] and lines[0]["kind"] == "Heartbeat"
+    assert "1 malformed" in err
+
+
+def test_plan_check(tmp_path):
+    good = tmp_path / "plan.json"
+    good.write_text('{"faults": [{"kind": "sigkill", "rank": 1, "at_step": 4}]}')
+    r = fastft("plan", "check", str(good))
+    assert r.returncode == 0 and "rank 1 life 0: sigkill at step 4" in r.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"faults": [{"kind": "meteor", "rank": 1}]}')
+    r = fastft("plan", "check", str(bad))
+    assert r.returncode == 2 and "meteor" in r.stderr
