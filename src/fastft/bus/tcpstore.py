@@ -66,7 +66,7 @@ def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) 
     )
 
 
-def connect_store(address: str, timeout_s: float = 5.0) -> dist.TCPStore:
+def connect_store(address: str, timeout_s: float = 30.0) -> dist.TCPStore:
     """Connect to ``HOST:PORT``; raises StoreUnreachable with one clear line if it can't."""
     host, sep, port_s = address.rpartition(":")
     if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:

@@ -1,0 +1,110 @@
+"""Broadcast latency to the LAST of N subscribers over the TCPStore bus.
+
+N = 4, 16, 64; subscribers are threads spread over up to 8 processes (64 = 8 x 8). The
+publisher stamps CLOCK_MONOTONIC (shared by all processes of one machine) into the
+message's ``step``; each subscriber records arrival - stamp; per message the latency is the
+largest over all subscribers. Results: bench/results/bus_latency.json and a table.
+
+    python bench/bus_latency.py [--messages 200] [--gap-ms 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import summary_ms, table, write  # noqa: E402
+
+JOB = "bench-bus"
+
+SUBSCRIBER = r"""
+import json, sys, threading, time
+from fastft.bus import BusConfig, connect_store, tcpstore_bus
+port, count, first_rank, messages = map(int, sys.argv[1:5])
+store = connect_store(f"127.0.0.1:{port}")
+lat = {}
+eps = []
+done = threading.Semaphore(0)
+for i in range(count):
+    ep = tcpstore_bus(store, BusConfig(job="bench-bus", rank=first_rank + i, incarnation=1))
+    got = []
+    def cb(m, got=got):
+        now = time.monotonic_ns()
+        if m.epoch == 1:
+            got.append((m.seq, (now - m.step) / 1e9))
+            if len(got) == messages:
+                done.release()
+    ep.subscribe(cb)
+    eps.append((ep.start(), got))
+store.add("bench/ready", count)
+for _ in eps:
+    done.acquire(timeout=400)
+print(json.dumps([g for _, g in eps]), flush=True)
+for ep, _ in eps:
+    ep.close()
+"""
+
+
+def run(n: int, messages: int, gap_s: float) -> dict[str, object]:
+    from fastft.bus import BusConfig, host_store, tcpstore_bus
+    from fastft.protocol import Heartbeat
+
+    store = host_store()
+    procs_n = min(8, n)
+    per = [n // procs_n + (1 if i < n % procs_n else 0) for i in range(procs_n)]
+    env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    procs, first = [], 0
+    for count in per:
+        procs.append(subprocess.Popen([sys.executable, "-c", SUBSCRIBER, str(store.port),
+                                       str(count), str(first), str(messages)],
+                                      stdout=subprocess.PIPE, text=True, env=env))
+        first += count
+    try:
+        deadline = time.monotonic() + 400
+        while int(store.add("bench/ready", 0)) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError("subscribers did not start")
+            time.sleep(0.05)
+        pub = tcpstore_bus(store, BusConfig(job=JOB, rank=999, incarnation=1,
+                                            subscribe=False)).start()
+        for _ in range(messages):
+            pub.broadcast(Heartbeat(job=JOB, epoch=1, rank=999, incarnation=1,
+                                    step=time.monotonic_ns()))
+            time.sleep(gap_s)
+        per_msg: dict[int, float] = {}
+        for p in procs:
+            out, _ = p.communicate(timeout=400)
+            for sub in json.loads(out):
+                for seq, lat in sub:
+                    per_msg[seq] = max(per_msg.get(seq, 0.0), lat)
+        pub.close()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert len(per_msg) == messages, f"{len(per_msg)} of {messages} messages reached all"
+    return {"subscribers": n, "processes": procs_n, **summary_ms(list(per_msg.values()))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--messages", type=int, default=200)
+    ap.add_argument("--gap-ms", type=float, default=5.0)
+    ap.add_argument("--subscribers", type=int, nargs="+", default=[4, 16, 64])
+    a = ap.parse_args()
+    rows = [run(n, a.messages, a.gap_ms / 1e3) for n in a.subscribers]
+    path = write("bus_latency", rows, {"messages": a.messages, "gap_ms": a.gap_ms})
+    print("Broadcast -> last of N subscribers (TCPStore bus, loopback)")
+    print(table(rows, ["subscribers", "processes", "n", "p50_ms", "p99_ms", "max_ms"]))
+    print(f"written: {path}")
+
+
+if __name__ == "__main__":
+    main()
