@@ -23,9 +23,13 @@ def summary_ms(values_s: list[float]) -> dict[str, float]:
 def write(name: str, rows: list[dict[str, object]], meta: dict[str, object]) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
-    doc = {"benchmark": name, "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
-           **meta, "rows": rows}
+    doc = {
+        "benchmark": name,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
+        **meta,
+        "rows": rows,
+    }
     path.write_text(json.dumps(doc, indent=2))
     return path
 
@@ -37,6 +41,7 @@ def table(rows: list[dict[str, object]], cols: list[str]) -> str:
     widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols]
     line = "| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    body = ["| " + " | ".join(fmt(r[c]).ljust(w) for c, w in zip(cols, widths)) + " |"
-            for r in rows]
+    body = [
+        "| " + " | ".join(fmt(r[c]).ljust(w) for c, w in zip(cols, widths)) + " |" for r in rows
+    ]
     return "\n".join([line, sep, *body])

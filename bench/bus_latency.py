@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -61,9 +60,22 @@ def run(n: int, messages: int, gap_s: float) -> dict[str, object]:
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
     procs, first = [], 0
     for count in per:
-        procs.append(subprocess.Popen([sys.executable, "-c", SUBSCRIBER, str(store.port),
-                                       str(count), str(first), str(messages)],
-                                      stdout=subprocess.PIPE, text=True, env=env))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    SUBSCRIBER,
+                    str(store.port),
+                    str(count),
+                    str(first),
+                    str(messages),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
         first += count
     try:
         deadline = time.monotonic() + 400
@@ -71,11 +83,13 @@ def run(n: int, messages: int, gap_s: float) -> dict[str, object]:
             if time.monotonic() > deadline:
                 raise TimeoutError("subscribers did not start")
             time.sleep(0.05)
-        pub = tcpstore_bus(store, BusConfig(job=JOB, rank=999, incarnation=1,
-                                            subscribe=False)).start()
+        pub = tcpstore_bus(
+            store, BusConfig(job=JOB, rank=999, incarnation=1, subscribe=False)
+        ).start()
         for _ in range(messages):
-            pub.broadcast(Heartbeat(job=JOB, epoch=1, rank=999, incarnation=1,
-                                    step=time.monotonic_ns()))
+            pub.broadcast(
+                Heartbeat(job=JOB, epoch=1, rank=999, incarnation=1, step=time.monotonic_ns())
+            )
             time.sleep(gap_s)
         per_msg: dict[int, float] = {}
         for p in procs:

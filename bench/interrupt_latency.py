@@ -41,8 +41,15 @@ def in_process(case: str, trials: int) -> list[float]:
 
     sub.subscribe(on_msg)
     pub = tcpstore_bus(store, BusConfig(job=JOB, rank=1, incarnation=1, subscribe=False)).start()
-    fault = Fault(job=JOB, epoch=0, rank=1, incarnation=1, severity=Severity.FAULT2,
-                  cause="bench", faulty_rank=1)
+    fault = Fault(
+        job=JOB,
+        epoch=0,
+        rank=1,
+        incarnation=1,
+        severity=Severity.FAULT2,
+        cause="bench",
+        faulty_rank=1,
+    )
     out = []
     for i in range(trials):
         intr.begin_step(0, i)
@@ -116,20 +123,35 @@ def collective(trials: int) -> list[float]:
 
     store = host_store()
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    procs = [subprocess.Popen([sys.executable, "-c", COLLECTIVE_WORKER, str(r),
-                               str(store.port), str(trials)], stdout=subprocess.PIPE,
-                              text=True, env=env) for r in range(3)]
-    agent = tcpstore_bus(store, BusConfig(job=JOB, rank=-1, incarnation=7,
-                                          subscribe=False)).start()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", COLLECTIVE_WORKER, str(r), str(store.port), str(trials)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(3)
+    ]
+    agent = tcpstore_bus(store, BusConfig(job=JOB, rank=-1, incarnation=7, subscribe=False)).start()
     try:
         for i in range(trials):
             pid = int(store.get(f"stop/{i}"))
             while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
                 time.sleep(0.001)
             time.sleep(0.05)  # survivors are blocked in the allreduce
-            agent.broadcast(HangSuspected(job=JOB, epoch=0, rank=-1, incarnation=7, step=i,
-                                          hung_rank=2, hung_incarnation=pid,
-                                          silent_for_s=0.0, stopped=True))
+            agent.broadcast(
+                HangSuspected(
+                    job=JOB,
+                    epoch=0,
+                    rank=-1,
+                    incarnation=7,
+                    step=i,
+                    hung_rank=2,
+                    hung_incarnation=pid,
+                    silent_for_s=0.0,
+                    stopped=True,
+                )
+            )
             while int(store.add(f"done/{i}", 0)) < 2:
                 time.sleep(0.001)
             os.kill(pid, signal.SIGCONT)
@@ -155,8 +177,13 @@ def main() -> None:
     rows = []
     for case in ("sleeping", "busy", "future"):
         rows.append({"blocked_in": case, **summary_ms(in_process(case, a.trials))})
-    rows.append({"blocked_in": "gloo allreduce, SIGSTOPped peer (3 procs)",
-                 **summary_ms(collective(a.collective_trials))})
+    if a.collective_trials > 0:
+        rows.append(
+            {
+                "blocked_in": "gloo allreduce, SIGSTOPped peer (3 procs)",
+                **summary_ms(collective(a.collective_trials)),
+            }
+        )
     path = write("interrupt_latency", rows, {"trials": a.trials})
     print("Interrupt latency: bus message received -> main thread interrupted")
     print(table(rows, ["blocked_in", "n", "p50_ms", "p99_ms", "max_ms"]))

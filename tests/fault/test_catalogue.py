@@ -33,18 +33,25 @@ print("returned", flush=True)
 
 
 def run_child(kind, arg=0.0):
-    return subprocess.Popen([sys.executable, "-c", CHILD, kind, str(arg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, kind, str(arg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        bufsize=0,
+    )
 
 
-@pytest.mark.parametrize("kind, arg, expect", [
-    ("exception", 0, 41),
-    ("state_lost", 0, 42),
-    ("sigkill", 0, -signal.SIGKILL),
-    ("sigterm", 0, -signal.SIGTERM),
-    ("segfault", 0, -signal.SIGSEGV),
-    ("exit", 7, 7),
-])
+@pytest.mark.parametrize(
+    "kind, arg, expect",
+    [
+        ("exception", 0, 41),
+        ("state_lost", 0, 42),
+        ("sigkill", 0, -signal.SIGKILL),
+        ("sigterm", 0, -signal.SIGTERM),
+        ("segfault", 0, -signal.SIGSEGV),
+        ("exit", 7, 7),
+    ],
+)
 def test_fault_kinds_end_the_process_as_documented(kind, arg, expect):
     p = run_child(kind, arg)
     p.communicate(timeout=60)

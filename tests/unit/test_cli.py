@@ -18,8 +18,13 @@ from fastft.protocol import Fault, Heartbeat, Inject, Severity
 
 
 def fastft(*args, env=None, timeout=60):
-    return subprocess.run([sys.executable, "-m", "fastft.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "fastft.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def free_port():
@@ -28,22 +33,28 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("args", [
-    ["inject", "--store", "127.0.0.1:1", "--job", "j", "--rank", "0", "--kind", "meteor"],
-    ["inject", "--job", "j", "--rank", "0", "--kind", "sigkill"],
-    ["inject", "--store", "nonsense", "--job", "j", "--rank", "0", "--kind", "sigkill"],
-    ["inject", "--store", "127.0.0.1:PORT", "--job", "j", "--rank", "0", "--kind", "sigkill"],
-    ["inject", "--store", "127.0.0.1:1", "--job", "j", "--rank", "-3", "--kind", "sigkill"],
-    ["report-error", "--store", "127.0.0.1:PORT", "--job", "j", "--rank", "0"],
-    ["bus", "tail", "--store", "127.0.0.1:PORT", "--job", "j"],
-    ["frobnicate"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["inject", "--store", "127.0.0.1:1", "--job", "j", "--rank", "0", "--kind", "meteor"],
+        ["inject", "--job", "j", "--rank", "0", "--kind", "sigkill"],
+        ["inject", "--store", "nonsense", "--job", "j", "--rank", "0", "--kind", "sigkill"],
+        ["inject", "--store", "127.0.0.1:PORT", "--job", "j", "--rank", "0", "--kind", "sigkill"],
+        ["inject", "--store", "127.0.0.1:1", "--job", "j", "--rank", "-3", "--kind", "sigkill"],
+        ["report-error", "--store", "127.0.0.1:PORT", "--job", "j", "--rank", "0"],
+        ["bus", "tail", "--store", "127.0.0.1:PORT", "--job", "j"],
+        ["frobnicate"],
+    ],
+)
 def test_bad_flags_and_unreachable_stores_give_one_line_and_exit_2(args):
     port = str(free_port())
     r = fastft(*[a.replace("PORT", port) for a in args], env={"FASTFT_STORE": ""})
     assert r.returncode == 2, r
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "NumPy" not in ln
-             and "_conversion_method_template" not in ln]
+    lines = [
+        ln
+        for ln in r.stderr.splitlines()
+        if ln.strip() and "NumPy" not in ln and "_conversion_method_template" not in ln
+    ]
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("fastft") and "error" in lines[0]
 
@@ -51,14 +62,33 @@ def test_bad_flags_and_unreachable_stores_give_one_line_and_exit_2(args):
 def test_inject_and_report_error_reach_a_subscriber(store):
     with tcpstore_bus(store, BusConfig(job="cli", rank=0, incarnation=1)) as sub:
         addr = f"127.0.0.1:{store.port}"
-        r = fastft("inject", "--store", addr, "--job", "cli", "--rank", "0", "--kind",
-                   "sigstop", "--at-step", "12")
+        r = fastft(
+            "inject",
+            "--store",
+            addr,
+            "--job",
+            "cli",
+            "--rank",
+            "0",
+            "--kind",
+            "sigstop",
+            "--at-step",
+            "12",
+        )
         assert r.returncode == 0, r.stderr
         m = sub.recv(10)
         assert isinstance(m, Inject) and m.target_rank == 0 and m.at_step == 12
         assert FaultKind(m.fault_kind) is FaultKind.SIGSTOP
-        r = fastft("report-error", "--rank", "3", "--cause", "Xid 79: GPU fell off the bus",
-                   "--severity", "fault1", env={"FASTFT_STORE": addr, "FASTFT_JOB": "cli"})
+        r = fastft(
+            "report-error",
+            "--rank",
+            "3",
+            "--cause",
+            "Xid 79: GPU fell off the bus",
+            "--severity",
+            "fault1",
+            env={"FASTFT_STORE": addr, "FASTFT_JOB": "cli"},
+        )
         assert r.returncode == 0, r.stderr
         m = sub.recv(10)
         assert isinstance(m, Fault) and m.faulty_rank == 3 and m.severity is Severity.FAULT1
@@ -67,13 +97,33 @@ def test_inject_and_report_error_reach_a_subscriber(store):
 
 def test_bus_tail_prints_traffic(store):
     addr = f"127.0.0.1:{store.port}"
-    p = subprocess.Popen([sys.executable, "-m", "fastft.cli", "bus", "tail", "--store", addr,
-                          "--job", "cli", "--count", "2", "--timeout", "30", "--json"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fastft.cli",
+            "bus",
+            "tail",
+            "--store",
+            addr,
+            "--job",
+            "cli",
+            "--count",
+            "2",
+            "--timeout",
+            "30",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        with tcpstore_bus(store, BusConfig(job="cli", rank=5, incarnation=9,
-                                           subscribe=False)) as pub:
+        with tcpstore_bus(
+            store, BusConfig(job="cli", rank=5, incarnation=9, subscribe=False)
+        ) as pub:
             from fastft.protocol import JobKeys
+
             key = JobKeys("cli").bus_members
             deadline = time.monotonic() + 30
             while not store.get(key):  # the tail has joined

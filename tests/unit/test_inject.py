@@ -12,20 +12,27 @@ from fastft.protocol import Heartbeat, Inject
 
 
 def test_plan_round_trips_through_json():
-    plan = FaultPlan((FaultSpec(FaultKind.SIGKILL, rank=1, at_step=40),
-                      FaultSpec("exception", rank=0, at_step=10, life=1, arg=3)))
+    plan = FaultPlan(
+        (
+            FaultSpec(FaultKind.SIGKILL, rank=1, at_step=40),
+            FaultSpec("exception", rank=0, at_step=10, life=1, arg=3),
+        )
+    )
     assert FaultPlan.from_json(plan.to_json()) == plan
 
 
-@pytest.mark.parametrize("text, match", [
-    ("not json", "not valid JSON"),
-    ("[]", "faults"),
-    ('{"faults": [{"kind": "meteor", "rank": 0}]}', "unknown fault kind 'meteor'"),
-    ('{"faults": [{"kind": "sigkill"}]}', "needs 'kind' and 'rank'"),
-    ('{"faults": [{"kind": "sigkill", "rank": -1}]}', "rank=-1"),
-    ('{"faults": [{"kind": "sigkill", "rank": 0, "at_step": "soon"}]}', "at_step"),
-    ('{"faults": [{"kind": "sigkill", "rank": 0, "when": 3}]}', "when"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("not json", "not valid JSON"),
+        ("[]", "faults"),
+        ('{"faults": [{"kind": "meteor", "rank": 0}]}', "unknown fault kind 'meteor'"),
+        ('{"faults": [{"kind": "sigkill"}]}', "needs 'kind' and 'rank'"),
+        ('{"faults": [{"kind": "sigkill", "rank": -1}]}', "rank=-1"),
+        ('{"faults": [{"kind": "sigkill", "rank": 0, "at_step": "soon"}]}', "at_step"),
+        ('{"faults": [{"kind": "sigkill", "rank": 0, "when": 3}]}', "when"),
+    ],
+)
 def test_bad_plans_say_what_to_fix(text, match):
     with pytest.raises(ConfigError, match=match):
         FaultPlan.from_json(text)
@@ -37,9 +44,13 @@ def test_load_missing_file_is_a_config_error(tmp_path):
 
 
 def test_injector_fires_due_faults_once_and_only_in_their_life():
-    plan = FaultPlan((FaultSpec("exception", rank=0, at_step=3),
-                      FaultSpec("sigkill", rank=0, at_step=5, life=1),
-                      FaultSpec("sigkill", rank=1, at_step=2)))
+    plan = FaultPlan(
+        (
+            FaultSpec("exception", rank=0, at_step=3),
+            FaultSpec("sigkill", rank=0, at_step=5, life=1),
+            FaultSpec("sigkill", rank=1, at_step=2),
+        )
+    )
     fired = []
     inj = Injector(plan, rank=0, life=0, executor=fired.append)
     for step in range(10):
