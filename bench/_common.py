@@ -39,9 +39,10 @@ def table(rows: list[dict[str, object]], cols: list[str]) -> str:
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
     widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols]
-    line = "| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |"
+    line = "| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     body = [
-        "| " + " | ".join(fmt(r[c]).ljust(w) for c, w in zip(cols, widths)) + " |" for r in rows
+        "| " + " | ".join(fmt(r[c]).ljust(w) for c, w in zip(cols, widths, strict=True)) + " |"
+        for r in rows
     ]
     return "\n".join([line, sep, *body])

@@ -117,6 +117,11 @@ os._exit(0)
 """
 
 
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def collective(trials: int) -> list[float]:
     from fastft.bus import BusConfig, host_store, tcpstore_bus
     from fastft.protocol import HangSuspected
@@ -136,7 +141,7 @@ def collective(trials: int) -> list[float]:
     try:
         for i in range(trials):
             pid = int(store.get(f"stop/{i}"))
-            while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            while _proc_state(pid) != "T":
                 time.sleep(0.001)
             time.sleep(0.05)  # survivors are blocked in the allreduce
             agent.broadcast(

@@ -8,7 +8,6 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import replace
 
 from fastft.bus.contract import BusConfig, BusStats, Callback, Transport
@@ -196,13 +195,3 @@ class BusEndpoint:
     def _label(self) -> str:
         c = self.config
         return f"{c.rank}.{c.incarnation}.{int(c.role)}"
-
-
-def wait_for(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0.001) -> bool:
-    """Poll ``pred`` until true or ``timeout_s`` passes (tests and tools)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval_s)
-    return pred()

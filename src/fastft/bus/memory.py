@@ -23,18 +23,10 @@ class MemoryHub:
         self.lock = threading.Condition()
         self.queues: dict[str, deque[bytes]] = {}
         self.labels: dict[str, str] = {}
-        self.evicted: set[str] = set()
         self._ids = itertools.count(1)
 
     def new_id(self) -> str:
         return str(next(self._ids))
-
-    def evict(self, sub: str) -> None:
-        with self.lock:
-            if self.queues.pop(sub, None) is not None:
-                self.labels.pop(sub, None)
-                self.evicted.add(sub)
-            self.lock.notify_all()
 
 
 class MemoryTransport:
@@ -71,7 +63,6 @@ class MemoryTransport:
                 if len(q) >= self.config.max_queue:
                     self.hub.queues.pop(sub)
                     self.hub.labels.pop(sub, None)
-                    self.hub.evicted.add(sub)
                     self.evictions += 1
                     continue
                 q.append(data)

@@ -26,6 +26,7 @@ import datetime
 import logging
 import socket
 import threading
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -100,8 +101,7 @@ class StoreTransport:
             self._pub.compare_set(self.keys.bus_members, "", "")  # create if missing
 
     # --- membership ------------------------------------------------------------------------
-    def _update(self, fn: object) -> dict[str, str]:
-        assert callable(fn)
+    def _update(self, fn: Callable[[dict[str, str]], dict[str, str]]) -> dict[str, str]:
         key = self.keys.bus_members
         cur = self._pub.compare_set(key, "", "")
         while True:
@@ -118,7 +118,7 @@ class StoreTransport:
             self._update(lambda m: {**m, sid: label})
             self.id = sid
         if self._sub is None:
-            self._sub = self._pub.clone()  # type: ignore[attr-defined]
+            self._sub = self._pub.clone()
             self._sub.set_timeout(datetime.timedelta(seconds=self.config.idle_pop_s))
         return sid
 
@@ -138,11 +138,10 @@ class StoreTransport:
         """Drop subscriber ``sid`` (dead or not reading) and empty its queue."""
         with self._lock:
             self._update(lambda m: {k: v for k, v in m.items() if k != sid})
-            self._pub.set(self.keys.bus_evicted(sid), b"1")
         self.evictions += 1
         log.warning("bus: evicted subscriber %s (queue reached %d)", sid, self.config.max_queue)
         if self._drainer is None:  # one long-lived connection: new ones can be slow
-            self._drainer = self._pub.clone()  # type: ignore[attr-defined]
+            self._drainer = self._pub.clone()
         drainer = self._drainer
         threading.Thread(
             target=self._drain,
@@ -154,8 +153,8 @@ class StoreTransport:
     @staticmethod
     def _drain(store: dist.Store, key: str) -> None:
         try:
-            for _ in range(store.queue_len(key)):  # type: ignore[attr-defined]
-                store.queue_pop(key, block=False)  # type: ignore[attr-defined]
+            for _ in range(store.queue_len(key)):
+                store.queue_pop(key, block=False)
         except Exception:
             log.debug("bus: draining %s stopped", key, exc_info=True)
 
@@ -169,12 +168,12 @@ class StoreTransport:
                 if sid == self.id:
                     continue
                 key = self.keys.bus_queue(sid)
-                self._pub.queue_push(key, data)  # type: ignore[attr-defined]
+                self._pub.queue_push(key, data)
                 n += 1
                 count = self._pushes.get(sid, 0) + 1
                 self._pushes[sid] = count
                 if count % _CHECK_EVERY == 0 and (
-                    self._pub.queue_len(key) >= self.config.max_queue  # type: ignore[attr-defined]
+                    self._pub.queue_len(key) >= self.config.max_queue
                 ):
                     full.append(sid)
             if len(self._pushes) > 4 * len(members) + 64:  # forget departed subscribers
@@ -186,7 +185,7 @@ class StoreTransport:
     def pop(self) -> bytes | None:
         assert self._sub is not None and self.id is not None
         try:
-            return bytes(self._sub.queue_pop(self.keys.bus_queue(self.id), block=True))  # type: ignore[attr-defined]
+            return bytes(self._sub.queue_pop(self.keys.bus_queue(self.id), block=True))
         except dist.DistStoreError as e:
             if "timeout" in str(e).lower():
                 return None
@@ -196,13 +195,13 @@ class StoreTransport:
         if self.id is None:
             return
         with self._lock:
-            self._pub.queue_push(self.keys.bus_queue(self.id), WAKE)  # type: ignore[attr-defined]
+            self._pub.queue_push(self.keys.bus_queue(self.id), WAKE)
 
     def close(self) -> None:
         """Drop both connections now: clients must not outlive their use."""
         with self._lock:
             self._sub = self._drainer = None
-            self._pub = None  # type: ignore[assignment]
+            self._pub = None
 
 
 def tcpstore_bus(store: dist.Store, config: BusConfig) -> BusEndpoint:

@@ -411,7 +411,7 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         for p in phases:
             assert (p, event) not in t, (p, event)
             resolved = tuple(dict.fromkeys(p if x is SAME else x for x in targets))
-            t[(p, event)] = Rule(resolved, h, doc)  # type: ignore[arg-type]
+            t[(p, event)] = Rule(resolved, h, doc)
 
     # membership and healing
     row(

@@ -59,7 +59,7 @@ def allreduce(
     pg: dist.ProcessGroup,
     tensors: Sequence[torch.Tensor],
     interrupter: Interrupter,
-    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,  # type: ignore[assignment]
 ) -> None:
     """Sum (or ``op``) ``tensors`` in place across ``pg``; interruptible."""
     interrupter.check()

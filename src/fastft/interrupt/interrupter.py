@@ -23,7 +23,6 @@ thread. State shared with the listener thread is guarded by one lock.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import signal
 import threading
@@ -52,9 +51,8 @@ class Interrupter:
     Any thread may call :meth:`interrupt`.
     """
 
-    def __init__(self, signum: int = DEFAULT_SIGNAL, *, use_signal: bool = True) -> None:
+    def __init__(self, signum: int = DEFAULT_SIGNAL) -> None:
         self.signum = signum
-        self.use_signal = use_signal
         self._lock = threading.Lock()
         self._main_ident: int | None = None
         self._prev_handler: Any = None
@@ -77,8 +75,7 @@ class Interrupter:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("Interrupter.install() must run in the main thread")
         self._main_ident = threading.main_thread().ident
-        if self.use_signal:
-            self._prev_handler = signal.signal(self.signum, self._on_signal)
+        self._prev_handler = signal.signal(self.signum, self._on_signal)
         self._installed = True
         return self
 
@@ -87,7 +84,7 @@ class Interrupter:
         if not self._installed:
             return
         self._installed = False
-        if self.use_signal and threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():
             signal.signal(self.signum, self._prev_handler or signal.SIG_DFL)
 
     def __enter__(self) -> Interrupter:
@@ -175,7 +172,10 @@ class Interrupter:
     ) -> bool:
         """Interrupt the current step (any thread). ``epoch``/``step``, when given, must
         match the armed step, else the call is stale and ignored. Returns True if this call
-        interrupted the step, False if it was already interrupted or stale."""
+        interrupted the step, False if it was already interrupted or stale.
+
+        Called from the main thread itself, nothing is raised here: the step is marked
+        aborted and the next ``check()``, interruptible wait or end of ``atomic()`` raises."""
         with self._lock:
             if epoch is not None and epoch != self._epoch:
                 return False
@@ -217,22 +217,13 @@ class Interrupter:
             raise exc
 
     def _poke_main(self) -> None:
-        if self.use_signal:
-            assert self._main_ident is not None
-            signal.pthread_kill(self._main_ident, self.signum)
-        else:  # no signal: raise asynchronously at the next bytecode (not in sleeps)
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(self._main_ident or 0), ctypes.py_object(_AsyncInterrupt)
-            )
+        assert self._main_ident is not None
+        signal.pthread_kill(self._main_ident, self.signum)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._exc is None or self._atomic_depth > 0:
             return  # stale signal, or deferred to the end of atomic()
         self.raise_if_interrupted()
-
-
-class _AsyncInterrupt(BaseException):
-    """Raised by PyThreadState_SetAsyncExc when signals are off; see ``use_signal``."""
 
 
 def _fail(fut: torch.futures.Future[Any], exc: StepInterrupted) -> None:

@@ -28,10 +28,6 @@ class JobKeys:
         """The FIFO queue of one subscriber."""
         return f"{self.root}/bus/q/{subscriber}"
 
-    def bus_evicted(self, subscriber: str) -> str:
-        """Set when a subscriber is evicted (dead or not reading)."""
-        return f"{self.root}/bus/evicted/{subscriber}"
-
     @property
     def bus_ids(self) -> str:
         """Counter that hands out subscriber ids."""

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 from fastft.bus.contract import BusConfig
 from fastft.bus.endpoint import BusEndpoint
 from fastft.bus.memory import MemoryHub, memory_bus
 from fastft.protocol.messages import Role
 
-__all__ = ["FakeClock", "MemoryBus", "MemoryHub"]
+__all__ = ["FakeClock", "MemoryBus", "MemoryHub", "wait_for"]
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0.001) -> bool:
+    """Poll ``pred`` until it is true or ``timeout_s`` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval_s)
+    return pred()
 
 
 def MemoryBus(  # noqa: N802 - a factory that reads like a class
