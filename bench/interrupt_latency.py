@@ -55,8 +55,10 @@ def in_process(case: str, trials: int) -> list[float]:
         intr.begin_step(0, i)
         t_recv.clear()
         timer = threading.Timer(0.002, pub.broadcast, args=(fault,))
-        timer.start()
         try:
+            # Armed from here on: the interrupt may land while start() still waits for the
+            # timer thread, so start() belongs inside the try, like all code after arming.
+            timer.start()
             if case == "sleeping":
                 time.sleep(10)
             elif case == "busy":
@@ -91,7 +93,7 @@ intr = Interrupter().install()
 recv = []
 bus = tcpstore_bus(store, BusConfig(job="bench-int", rank=rank, incarnation=os.getpid())).start()
 def cb(m):
-    if isinstance(m, HangSuspected):
+    if isinstance(m, HangSuspected) and m.hung_rank != rank:  # not about ourselves
         recv.append(time.perf_counter())
         intr.interrupt("peer stopped", message=m, step=m.step)
 bus.subscribe(cb)
@@ -106,6 +108,7 @@ for i in range(trials):
         store.set(f"stop/{i}", str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)
         continue
+    store.add(f"in/{i}", 1)  # the agent waits for both survivors to get here
     try:
         allreduce(pg, [torch.ones(1024)], intr)
     except StepInterrupted:
@@ -143,7 +146,9 @@ def collective(trials: int) -> list[float]:
             pid = int(store.get(f"stop/{i}"))
             while _proc_state(pid) != "T":
                 time.sleep(0.001)
-            time.sleep(0.05)  # survivors are blocked in the allreduce
+            while int(store.add(f"in/{i}", 0)) < 2:
+                time.sleep(0.001)
+            time.sleep(0.05)  # survivors are blocked in the measured allreduce
             agent.broadcast(
                 HangSuspected(
                     job=JOB,

@@ -21,6 +21,7 @@ from fastft.fsm import (
     CommitApplied,
     ConfigureProcessGroup,
     Deadline,
+    JoinRequested,
     Decision,
     DeclareDead,
     DrainAcked,
@@ -235,6 +236,7 @@ ASYNC_EVENTS = [
     DrainRequested,
     Deadline,
     Shutdown,
+    JoinRequested,
 ]
 
 
@@ -276,6 +278,7 @@ events = st.one_of(
     st.builds(DrainNoticed, ranks),
     st.builds(DrainAcked, ranks),
     st.builds(Deadline, st.floats(0, 100)),
+    st.builds(JoinRequested, ranks),
 )
 
 
@@ -304,3 +307,18 @@ def test_random_event_sequences_stay_defined(seq):
             assert before.phase is Phase.PREPARED and isinstance(ev, Decision) and ev.commit
         if s.phase is Phase.EXIT:
             break
+
+
+def test_a_join_request_re_forms_the_epoch_after_the_next_commit():
+    s, _ = decide(initial_state(0), QuorumReady(1, frozenset({0, 1}), 0))
+    s, acts = decide(s, JoinRequested(2))
+    assert s.phase is Phase.NORMAL and s.joining and acts == ()
+    s, _ = decide(s, GradsReady())
+    s, acts = decide(s, Decision(commit=True))
+    assert acts == (ApplyCommit(0),)
+    s, acts = decide(s, CommitApplied())
+    assert s.phase is Phase.HEALING and s.step == 1 and not s.joining
+    assert acts == (FormEpoch(after_epoch=1, exclude=frozenset(), lost_state=False),)
+    # a member's own duplicate request changes nothing
+    s2, _ = decide(initial_state(0), QuorumReady(1, frozenset({0, 1}), 0))
+    assert not decide(s2, JoinRequested(1))[0].joining

@@ -32,6 +32,7 @@ __all__ = [
     "DrainAcked",
     "Deadline",
     "Shutdown",
+    "JoinRequested",
     "Action",
     "ConfigureProcessGroup",
     "CastVote",
@@ -78,7 +79,8 @@ class StepState:
     epoch (died, hung past the deadline, drained); ``faulty``: members whose state is lost
     (Fault1), who must heal; ``lost_state``: this worker is Fault1 itself;
     ``pending_fault``: a fault arrived after the commit decision and is handled after the
-    commit is applied; ``leaving``: members that announced a drain with their vote.
+    commit is applied; ``leaving``: members that announced a drain with their vote; ``joining``: a worker
+    waits to be admitted, so the epoch is re-formed after the next commit.
     """
 
     phase: Phase
@@ -94,6 +96,7 @@ class StepState:
     lost_state: bool = False
     want_drain: bool = False
     pending_fault: bool = False
+    joining: bool = False
     reason: str = ""
 
     @property
@@ -194,6 +197,13 @@ class DrainNoticed(Event):
 @dataclass(frozen=True)
 class DrainAcked(Event):
     """A member acknowledged this worker's drain notice."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class JoinRequested(Event):
+    """A started or restarted worker (``rank``) waits to be admitted to the next epoch."""
 
     rank: int
 

@@ -45,6 +45,7 @@ from fastft.fsm.contract import (
     HealDone,
     InterruptStep,
     InvalidTransition,
+    JoinRequested,
     LocalFault,
     PeerFault,
     Phase,
@@ -303,10 +304,11 @@ def _commit_applied(s: StepState, e: Event) -> Result:
     if s.pending_fault or s.dead:
         s = replace(s, pending_fault=False)
         return _begin_rollback(s, "fault after the commit decision", propose=True)
-    if s.leaving:
+    if s.leaving or s.joining:
         # Every survivor read the same decision (with the same leavers) from the store:
-        # no barrier is needed to agree that the next epoch excludes them.
-        s = replace(s, phase=Phase.HEALING, dead=s.dead | s.leaving)
+        # no barrier is needed to agree that the next epoch excludes them. Joiners are
+        # admitted by the formation itself (they registered in the store).
+        s = replace(s, phase=Phase.HEALING, dead=s.dead | s.leaving, joining=False)
         return s, (FormEpoch(after_epoch=s.epoch, exclude=s.dead, lost_state=s.lost_state),)
     return replace(s, phase=Phase.NORMAL), ()
 
@@ -371,6 +373,13 @@ def _deadline(s: StepState, e: Event) -> Result:
     s = replace(s, dead=s.dead | silent, faulty=s.faulty | silent)
     nxt, actions = (_maybe_sync if s.phase is Phase.ROLLBACK_REQ else _maybe_heal)(s, ())
     return nxt, (DeclareDead(silent), *actions)
+
+
+def _join_requested(s: StepState, e: Event) -> Result:
+    assert isinstance(e, JoinRequested)
+    if e.rank in s.members and e.rank not in s.dead:
+        return s, ()  # a member's own (late or duplicate) request: nothing to admit
+    return replace(s, joining=True), ()
 
 
 def _ignore(s: StepState, e: Event) -> Result:
@@ -585,6 +594,21 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         _drain_noticed_ack_only,
         "ack; nothing to re-form",
     )
+    # joins
+    row(
+        [P.NORMAL, P.PREPARED, P.COMMIT],
+        JoinRequested,
+        [SAME],
+        _join_requested,
+        "a worker waits to join: re-form after the next commit",
+    )
+    row(
+        [P.INIT, *_COLLECTING, P.HEALING, P.DRAIN_COMMIT, P.DRAIN_WAIT],
+        JoinRequested,
+        [SAME],
+        _ignore,
+        "a formation is under way or not ours to run (joiners re-announce)",
+    )
     # stopping
     row(running, Shutdown, [P.EXIT], _shutdown, "stop")
     for ev in (
@@ -599,6 +623,7 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         Deadline,
         Shutdown,
         DrainRequested,
+        JoinRequested,
     ):
         row([P.EXIT], ev, [P.EXIT], _exit_ignore, "exited: ignore")
     return t

@@ -64,6 +64,8 @@ class Interrupter:
         self._futures: set[torch.futures.Future[Any]] = set()
         self._hooks: list[Callable[[], None]] = []
         self._atomic_depth = 0
+        self._armed = True  # step 0 of epoch 0 is armed until the first end_step()
+        self._shielded: set[Any] = set()
         self.interrupts = 0
         self.deliveries = 0
 
@@ -100,6 +102,28 @@ class Interrupter:
             self._exc = None
             self._token = threading.Lock()
             self._futures.clear()
+            self._armed = True
+
+    def end_step(self) -> None:
+        """Disarm: the step's outcome is being decided; later interrupts are ignored (the
+        runtime learns of the fault through its state machine instead)."""
+        with self._lock:
+            self._armed = False
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
+
+    def shield(self, *functions: Callable[..., Any]) -> None:
+        """Never raise from the signal handler while one of ``functions`` is on the main
+        thread's stack (the runtime's own step machinery: raising inside a context
+        manager's ``__enter__``/``__exit__`` would escape the ``with`` statement). The
+        step stays marked aborted; the shielded code checks it at its own safe points."""
+        for fn in functions:
+            code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+            if code is None:
+                raise TypeError(f"cannot shield {fn!r}: not a Python function")
+            self._shielded.add(code)
 
     @property
     def epoch(self) -> int:
@@ -181,7 +205,7 @@ class Interrupter:
                 return False
             if step is not None and step != self._step:
                 return False
-            if self._exc is not None:
+            if not self._armed or self._exc is not None:
                 return False
             exc = StepInterrupted(reason, epoch=self._epoch, step=self._step, message=message)
             self._exc = exc
@@ -221,8 +245,14 @@ class Interrupter:
         signal.pthread_kill(self._main_ident, self.signum)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._exc is None or self._atomic_depth > 0:
+        if self._exc is None or self._atomic_depth > 0 or not self._armed:
             return  # stale signal, or deferred to the end of atomic()
+        if self._shielded:
+            f = frame
+            while f is not None:
+                if f.f_code in self._shielded:
+                    return
+                f = f.f_back
         self.raise_if_interrupted()
 
 

@@ -32,3 +32,38 @@ class JobKeys:
     def bus_ids(self) -> str:
         """Counter that hands out subscriber ids."""
         return f"{self.root}/bus/next_id"
+
+    # --- runtime: decisions and epochs ----------------------------------------------------
+    def votes(self, epoch: int, step: int) -> str:
+        """Counter of yes-votes for (epoch, step)."""
+        return f"{self.root}/rt/{epoch}/{step}/votes"
+
+    def decision(self, epoch: int, step: int) -> str:
+        """The one decision of (epoch, step): ``C`` (commit) or ``R...`` (rollback, reason);
+        written once by compare-and-set."""
+        return f"{self.root}/rt/{epoch}/{step}/decision"
+
+    def leaving(self, epoch: int, step: int, rank: int) -> str:
+        """Set when ``rank`` voted yes for (epoch, step) with a drain request."""
+        return f"{self.root}/rt/{epoch}/{step}/leaving/{rank}"
+
+    @property
+    def latest_epoch(self) -> str:
+        """Number of the newest formed epoch (absent before the first)."""
+        return f"{self.root}/ep/latest"
+
+    def epoch_members(self, epoch: int) -> str:
+        """The agreed member list of ``epoch`` (JSON), written once by compare-and-set."""
+        return f"{self.root}/ep/{epoch}/members"
+
+    def epoch_arrival(self, epoch: int, rank: int) -> str:
+        """A member of the previous epoch arrived at the formation of ``epoch``."""
+        return f"{self.root}/ep/{epoch}/arrived/{rank}"
+
+    def joiner(self, rank: int) -> str:
+        """A started or restarted worker waiting to be admitted (its incarnation)."""
+        return f"{self.root}/join/{rank}"
+
+    def pg_prefix(self, epoch: int) -> str:
+        """Store prefix of the data-plane process group of ``epoch``."""
+        return f"{self.root}/pg/{epoch}/"

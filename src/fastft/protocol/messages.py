@@ -35,6 +35,7 @@ __all__ = [
     "DrainAck",
     "Inject",
     "Heartbeat",
+    "JoinRequest",
     "MESSAGE_TYPES",
     "NO_RANK",
     "NO_STEP",
@@ -287,6 +288,14 @@ class Heartbeat(Message):
     KIND: ClassVar[int] = 9
 
 
+@dataclass(frozen=True, kw_only=True)
+class JoinRequest(Message):
+    """The sender (``rank``, ``incarnation``: a started or restarted worker) waits to be
+    admitted to the next epoch; members re-form the epoch after their next commit."""
+
+    KIND: ClassVar[int] = 10
+
+
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.KIND: cls
     for cls in (
@@ -299,6 +308,7 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         DrainAck,
         Inject,
         Heartbeat,
+        JoinRequest,
     )
 }
 
