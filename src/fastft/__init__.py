@@ -1,0 +1,27 @@
+"""fastft: fast fault tolerance for distributed training.
+
+``import fastft`` is cheap (torch is imported on first use)::
+
+    ft = fastft.init()
+    ft.register(model=model, optimizer=opt)
+    while ft.step < total_steps:
+        with ft.transaction() as tx:
+            ...
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastft.runtime import Runtime, RuntimeConfig, Transaction, init
+
+__all__ = ["init", "Runtime", "RuntimeConfig", "Transaction"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from fastft import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'fastft' has no attribute {name!r}")

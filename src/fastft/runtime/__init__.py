@@ -1,0 +1,20 @@
+"""The worker side of fastft: ``init``, ``register``, the transactional step, epochs and
+healing. See :mod:`fastft.runtime.worker`."""
+
+from fastft.runtime.contract import EpochView, Member, RuntimeConfig, WorkerExit
+from fastft.runtime.events import EventLog, read_events
+from fastft.runtime.state import StateRegistry
+from fastft.runtime.worker import Runtime, Transaction, init
+
+__all__ = [
+    "EpochView",
+    "EventLog",
+    "Member",
+    "Runtime",
+    "RuntimeConfig",
+    "StateRegistry",
+    "Transaction",
+    "WorkerExit",
+    "init",
+    "read_events",
+]

@@ -1,0 +1,203 @@
+"""Contract of the worker runtime: its configuration, epoch views and errors.
+
+The launcher (``fastft run``) hands a worker its configuration through the environment
+(``FASTFT_*`` variables, see :meth:`RuntimeConfig.from_env`); tests build it directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from fastft.errors import ConfigError, FastFTError
+
+__all__ = ["RuntimeConfig", "Member", "EpochView", "WorkerExit", "ENV"]
+
+ENV = {
+    "store": "FASTFT_STORE",
+    "job": "FASTFT_JOB",
+    "rank": "FASTFT_RANK",
+    "world_size": "FASTFT_WORLD_SIZE",
+    "min_replicas": "FASTFT_MIN_REPLICAS",
+    "life": "FASTFT_LIFE",
+    "run_dir": "FASTFT_RUN_DIR",
+    "inject": "FASTFT_INJECT",
+    "heartbeat": "FASTFT_HEARTBEAT_FILE",
+    "seed": "FASTFT_SEED",
+}
+"""Environment variables the launcher sets for each worker."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything one worker needs to know about its job.
+
+    ``rank``: this worker's slot (0 .. world_size-1), stable across restarts;
+    ``world_size``: number of slots; ``min_replicas``: fewest members an epoch may have
+    (survivors wait for restarted workers below it; ``world_size`` keeps the world fixed);
+    ``life``: how many times this slot was started before (the fault plan uses it);
+    ``rollback_timeout_s``: how long a rollback barrier waits for a silent member before
+    declaring it dead (hangs are normally caught sooner by the agent);
+    ``start_timeout_s``: how long the first epoch waits for every slot;
+    ``pg_timeout_s``: the data plane's own timeout (a backstop: faults interrupt sooner);
+    ``max_step_retries``: consecutive local exceptions at one step before the exception
+    is re-raised (a deterministic bug must not loop forever);
+    ``backend``: ``gloo`` or ``nccl`` (``auto``: nccl when CUDA is available).
+    """
+
+    store: str
+    job: str
+    rank: int
+    world_size: int
+    min_replicas: int | None = None
+    life: int = 0
+    run_dir: str | None = None
+    inject: str | None = None
+    heartbeat_file: str | None = None
+    seed: int = 0
+    rollback_timeout_s: float = 5.0
+    start_timeout_s: float = 300.0
+    pg_timeout_s: float = 60.0
+    max_step_retries: int = 3
+    backend: str = "auto"
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if ":" not in self.store:
+            raise ConfigError(f"store {self.store!r}: expected HOST:PORT")
+        if not self.job or "/" in self.job:
+            raise ConfigError(f"job {self.job!r}: must be non-empty without '/'")
+        if self.world_size < 1:
+            raise ConfigError(f"world_size={self.world_size}: must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank={self.rank}: must be in 0..{self.world_size - 1}")
+        mr = self.world_size if self.min_replicas is None else self.min_replicas
+        if not 1 <= mr <= self.world_size:
+            raise ConfigError(f"min_replicas={mr}: must be in 1..{self.world_size}")
+        object.__setattr__(self, "min_replicas", mr)
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"backend={self.backend!r}: use auto, gloo or nccl")
+        if self.max_step_retries < 0:
+            raise ConfigError("max_step_retries must be >= 0")
+
+    @property
+    def min_members(self) -> int:
+        assert self.min_replicas is not None
+        return self.min_replicas
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> RuntimeConfig:
+        """Read the launcher's variables; a missing or malformed one is a ConfigError
+        that names it (run the script under ``fastft run``, or set it)."""
+        env = os.environ if env is None else env
+
+        def need(key: str) -> str:
+            name = ENV[key]
+            if key in overrides:
+                return str(overrides[key])
+            v = env.get(name)
+            if not v:
+                raise ConfigError(
+                    f"{name} is not set: start the script with `fastft run` "
+                    f"(or pass {key}= to fastft.init)"
+                )
+            return v
+
+        def num(key: str, default: int | None) -> int | None:
+            if key in overrides:
+                return int(overrides[key])  # type: ignore[call-overload]
+            v = env.get(ENV[key])
+            if v is None or v == "":
+                return default
+            try:
+                return int(v)
+            except ValueError:
+                raise ConfigError(f"{ENV[key]}={v!r}: expected an integer") from None
+
+        try:
+            rank = int(need("rank"))
+            world = int(need("world_size"))
+        except ValueError as e:
+            raise ConfigError(f"FASTFT_RANK / FASTFT_WORLD_SIZE must be integers: {e}") from None
+        rest = {k: v for k, v in overrides.items() if k not in ENV}
+        return cls(
+            store=need("store"),
+            job=need("job"),
+            rank=rank,
+            world_size=world,
+            min_replicas=num("min_replicas", None),
+            life=num("life", 0) or 0,
+            run_dir=str(overrides.get("run_dir", env.get(ENV["run_dir"]) or "")) or None,
+            inject=str(overrides.get("inject", env.get(ENV["inject"]) or "")) or None,
+            heartbeat_file=env.get(ENV["heartbeat"]) or None,
+            seed=num("seed", 0) or 0,
+            **rest,  # type: ignore[arg-type]
+        )
+
+
+@dataclass(frozen=True, order=True)
+class Member:
+    """One life of one worker: its slot ``rank`` and ``incarnation``."""
+
+    rank: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class EpochView:
+    """An agreed epoch: its members (sorted by rank), the committed ``step`` it resumes
+    from, the members that must receive state, and the member that sends it (None when
+    no member holds state: the job starts from scratch)."""
+
+    epoch: int
+    members: tuple[Member, ...]
+    step: int
+    needs_state: frozenset[int]
+    source: int | None
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        return frozenset(m.rank for m in self.members)
+
+    def index(self, rank: int) -> int:
+        """Dense rank of ``rank`` in this epoch's process group."""
+        for i, m in enumerate(self.members):
+            if m.rank == rank:
+                return i
+        raise KeyError(f"rank {rank} is not a member of epoch {self.epoch}")
+
+    def incarnation(self, rank: int) -> int:
+        return self.members[self.index(rank)].incarnation
+
+    def has(self, rank: int, incarnation: int) -> bool:
+        return any(m.rank == rank and m.incarnation == incarnation for m in self.members)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "epoch": self.epoch,
+                "members": [[m.rank, m.incarnation] for m in self.members],
+                "step": self.step,
+                "needs_state": sorted(self.needs_state),
+                "source": self.source,
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> EpochView:
+        d = json.loads(raw)
+        return cls(
+            epoch=int(d["epoch"]),
+            members=tuple(sorted(Member(int(r), int(i)) for r, i in d["members"])),
+            step=int(d["step"]),
+            needs_state=frozenset(int(r) for r in d["needs_state"]),
+            source=None if d["source"] is None else int(d["source"]),
+        )
+
+
+class WorkerExit(FastFTError, RuntimeError):
+    """This worker must stop: it was excluded from the job, or the job is shutting down.
+    Under ``fastft run`` the agent decides whether to restart it."""

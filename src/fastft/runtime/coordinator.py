@@ -1,0 +1,253 @@
+"""The store side of the runtime: one decision per (epoch, step), and epoch formation.
+
+Decisions (S2). A member that finished a step votes by incrementing ``votes(e, s)``; the
+vote that completes the count writes ``C`` into ``decision(e, s)`` by compare-and-set. A
+member that knows of a fault writes ``R<reason>`` the same way. Whichever write lands
+first is the decision; every member reads it. A vote never infers success from a
+collective that merely returned.
+
+Epoch formation (barrier semantics). Epoch ``E`` is *closed* when its member list is
+written into ``epoch_members(E)`` by compare-and-set; every worker adopts the list it
+reads. Survivors of ``E-1`` mark their arrival; the *coordinator* (the lowest rank a
+survivor still believes alive) waits until every survivor it expects arrived or the
+rollback timeout passed, admits the workers registered as joiners, and closes ``E`` when
+at least ``min_replicas`` take part (otherwise it waits for joiners). A survivor that
+finds ``E`` closed without itself becomes a joiner. Joiners only wait for a closed epoch
+that lists them, except when every slot of the job is a joiner (the first start, or
+every worker was lost), where the lowest joiner closes the epoch itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from fastft.protocol.keys import JobKeys
+from fastft.runtime.contract import EpochView, Member
+
+__all__ = ["Coordinator", "COMMIT", "ROLLBACK"]
+
+log = logging.getLogger(__name__)
+
+COMMIT = "C"
+ROLLBACK = "R"
+_POLL_S = 0.002
+
+
+class Coordinator:
+    """Decisions and formations for one worker, over its own store client (the main
+    thread's; the listener thread proposes rollbacks through a second client)."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        keys: JobKeys,
+        rank: int,
+        incarnation: int,
+        world_size: int,
+        min_members: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.keys = keys
+        self.me = Member(rank, incarnation)
+        self.world_size = world_size
+        self.min_members = min_members
+        self.clock = clock
+        self.dead: set[Member] = set()
+        """Incarnations known dead: never admitted as joiners."""
+
+    # --- decisions -------------------------------------------------------------------------
+    def vote(self, epoch: int, step: int, n_members: int, *, leaving: bool = False) -> None:
+        """Vote yes; the completing vote proposes COMMIT."""
+        if leaving:
+            self.store.set(self.keys.leaving(epoch, step, self.me.rank), "1")
+        if int(self.store.add(self.keys.votes(epoch, step), 1)) == n_members:
+            self.store.compare_set(self.keys.decision(epoch, step), "", COMMIT)
+
+    @staticmethod
+    def propose_rollback(store: dist.Store, keys: JobKeys, epoch: int, step: int, reason: str) -> str:
+        """CAS ROLLBACK as the decision; returns the decision that holds."""
+        got = store.compare_set(keys.decision(epoch, step), "", ROLLBACK + reason[:200])
+        return bytes(got).decode(errors="replace")
+
+    def await_decision(self, epoch: int, step: int, timeout_s: float) -> str | None:
+        """The decision of (epoch, step) if made within ``timeout_s``, else None."""
+        key = self.keys.decision(epoch, step)
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=timeout_s))
+        except dist.DistStoreError:
+            return None
+        return bytes(self.store.get(key)).decode(errors="replace")
+
+    def leavers(self, epoch: int, step: int, ranks: frozenset[int]) -> frozenset[int]:
+        return frozenset(r for r in ranks if self.store.check([self.keys.leaving(epoch, step, r)]))
+
+    def forget(self, epoch: int, step: int, ranks: frozenset[int] = frozenset()) -> None:
+        """Delete the keys of a decided step nobody reads any more."""
+        for key in (self.keys.votes(epoch, step), self.keys.decision(epoch, step)):
+            self.store.delete_key(key)
+        for r in ranks:
+            self.store.delete_key(self.keys.leaving(epoch, step, r))
+
+    # --- epochs ----------------------------------------------------------------------------
+    def latest_epoch(self) -> int:
+        k = self.keys.latest_epoch
+        return int(self.store.get(k)) if self.store.check([k]) else 0
+
+    def closed(self, epoch: int) -> EpochView | None:
+        k = self.keys.epoch_members(epoch)
+        if not self.store.check([k]):
+            return None
+        return EpochView.from_json(self.store.get(k))
+
+    def register_joiner(self) -> None:
+        self.store.set(self.keys.joiner(self.me.rank), str(self.me.incarnation))
+
+    def joiners(self, exclude: frozenset[int] = frozenset()) -> dict[int, int]:
+        """Registered joiners by rank -> incarnation."""
+        out = {}
+        for r in range(self.world_size):
+            if r in exclude:
+                continue
+            k = self.keys.joiner(r)
+            if self.store.check([k]):
+                raw = self.store.get(k)
+                if raw and Member(r, int(raw)) not in self.dead:
+                    out[r] = int(raw)
+        return out
+
+    def _close(self, view: EpochView) -> EpochView:
+        got = self.store.compare_set(self.keys.epoch_members(view.epoch), "", view.to_json())
+        agreed = EpochView.from_json(got)
+        if agreed == view:
+            self.store.set(self.keys.latest_epoch, str(view.epoch))
+            for m in view.members:
+                if m.rank in view.needs_state and m != self.me:
+                    k = self.keys.joiner(m.rank)
+                    if self.store.check([k]) and int(self.store.get(k) or 0) == m.incarnation:
+                        self.store.delete_key(k)
+            log.info("closed epoch %d: %s", view.epoch, view.to_json())
+        return agreed
+
+    def form_as_survivor(
+        self,
+        prev: EpochView,
+        exclude: frozenset[int],
+        *,
+        step: int,
+        lost_state: bool,
+        timeout_s: float,
+        cancelled: Callable[[], bool],
+    ) -> EpochView | None:
+        """Take part in forming ``prev.epoch + 1``. Returns the closed view (which may not
+        list this worker: it must then join), or None if ``cancelled()`` became true."""
+        epoch = prev.epoch + 1
+        me = self.me.rank
+        arrival = {"inc": self.me.incarnation, "step": step, "lost": lost_state}
+        self.store.set(self.keys.epoch_arrival(epoch, me), json.dumps(arrival))
+        expected = sorted(m.rank for m in prev.members if m.rank not in exclude)
+        deadline = self.clock() + timeout_s
+        while True:
+            view = self.closed(epoch)
+            if view is not None:
+                return view
+            if cancelled():
+                return None
+            if expected and expected[0] == me:
+                view = self._try_close(prev, expected, deadline)
+                if view is not None:
+                    return view
+            time.sleep(_POLL_S)
+
+    def _try_close(self, prev: EpochView, expected: list[int], deadline: float) -> EpochView | None:
+        epoch = prev.epoch + 1
+        arrived: dict[int, dict[str, object]] = {}
+        for m in prev.members:
+            k = self.keys.epoch_arrival(epoch, m.rank)
+            if self.store.check([k]):
+                arrived[m.rank] = json.loads(self.store.get(k))
+        if not set(expected) <= set(arrived) and self.clock() < deadline:
+            return None
+        joiners = self.joiners(exclude=frozenset(arrived))
+        if len(arrived) + len(joiners) < self.min_members:
+            return None  # wait for restarted workers
+        members = [Member(r, int(a["inc"])) for r, a in arrived.items()]  # type: ignore[call-overload]
+        members += [Member(r, inc) for r, inc in joiners.items()]
+        with_state = sorted(r for r, a in arrived.items() if not a["lost"])
+        needs = frozenset(joiners) | frozenset(r for r, a in arrived.items() if a["lost"])
+        steps = {int(a["step"]) for r, a in arrived.items() if not a["lost"]}  # type: ignore[call-overload]
+        if len(steps) > 1:
+            log.error("survivors disagree on the committed step: %s", steps)
+        step = max(steps) if steps else 0
+        view = EpochView(
+            epoch=epoch,
+            members=tuple(sorted(members)),
+            step=step,
+            needs_state=needs if with_state else frozenset(),
+            source=with_state[0] if with_state else None,
+        )
+        return self._close(view)
+
+    def form_as_joiner(
+        self,
+        *,
+        start_timeout_s: float,
+        cancelled: Callable[[], bool],
+        announce: Callable[[], None],
+        announce_every_s: float = 0.2,
+    ) -> EpochView | None:
+        """Wait to be admitted to an epoch (registering as a joiner); returns the view or
+        None if ``cancelled()``."""
+        self.register_joiner()
+        started = self.clock()
+        next_announce = started
+        seen = self.latest_epoch()
+        while True:
+            if cancelled():
+                return None
+            now = self.clock()
+            if now >= next_announce:
+                announce()
+                next_announce = now + announce_every_s
+            latest = self.latest_epoch()
+            for e in range(max(seen, 1), latest + 1):
+                view = self.closed(e)
+                if view is not None and view.has(self.me.rank, self.me.incarnation):
+                    return view
+            seen = latest
+            joiners = self.joiners()
+            first_start = latest == 0
+            everyone = len(joiners) == self.world_size
+            enough_late = (
+                first_start
+                and now - started > start_timeout_s
+                and len(joiners) >= self.min_members
+            )
+            if (everyone or enough_late) and min(joiners) == self.me.rank:
+                members = tuple(sorted(Member(r, inc) for r, inc in joiners.items()))
+                source = members[0].rank
+                view = EpochView(
+                    epoch=latest + 1,
+                    members=members,
+                    step=0,
+                    # At the first start every worker built its model from the same seed;
+                    # the lowest sends its state anyway so that S3 holds from step 0.
+                    needs_state=frozenset(m.rank for m in members) - {source},
+                    source=source,
+                )
+                if not first_start:
+                    log.error(
+                        "every worker of the job was lost: starting again from step 0 "
+                        "with freshly initialized state"
+                    )
+                agreed = self._close(view)
+                if agreed.has(self.me.rank, self.me.incarnation):
+                    return agreed
+            time.sleep(0.01)

@@ -1,0 +1,190 @@
+"""What a step may change and a heal must transfer: the state registry.
+
+Registered objects follow the ``state_dict()/load_state_dict()`` protocol (``nn.Module``,
+``torch.optim.Optimizer``, stateful samplers and data loaders, or anything of the user's).
+The model and the optimizer change only when a step commits, so a rollback only drops
+gradients; module buffers (BatchNorm running stats) and other registered objects change
+during the forward pass or when data is drawn, so they are snapshotted when a step begins
+and restored when it rolls back. A heal sends everything, plus the committed step.
+
+RNG: the runtime reseeds Python, NumPy and torch from (seed, step, rank) at the start of
+every step attempt, so a retried step draws the same numbers as the first attempt and a
+restarted worker draws what it would have drawn: RNG state is a function of the step and
+needs no transfer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import random
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["Stateful", "StateRegistry", "reseed"]
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed every global RNG from (seed, step, rank): deterministic per step attempt."""
+    s = (seed * 1_000_003 + step) * 1_000_033 + rank
+    s &= 2**63 - 1
+    random.seed(s)
+    torch.manual_seed(s)
+    try:
+        import numpy as np
+
+        np.random.seed(s & (2**32 - 1))
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+
+
+class StateRegistry:
+    """The objects a worker registered, by name."""
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._others: dict[str, Stateful] = {}
+        self._step_snapshot: dict[str, Any] | None = None
+
+    def register(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        **others: Stateful,
+    ) -> None:
+        if model is not None:
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+            self.model = model
+        if optimizer is not None:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(
+                    f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}"
+                )
+            self.optimizer = optimizer
+        for name, obj in others.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(
+                    f"{name}: {type(obj).__name__} has no state_dict()/load_state_dict(); "
+                    "wrap it or register what it depends on"
+                )
+            self._others[name] = obj
+
+    # --- per step --------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Snapshot what a rolled-back step must undo: buffers and other objects."""
+        snap: dict[str, Any] = {}
+        if self.model is not None:
+            snap["buffers"] = [b.detach().clone() for b in self.model.buffers()]
+        for name, obj in self._others.items():
+            snap[name] = _clone(obj.state_dict())
+        self._step_snapshot = snap
+
+    def rollback(self) -> None:
+        """Drop the step's gradients and restore what the step changed."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        elif self.model is not None:
+            self.model.zero_grad(set_to_none=True)
+        snap = self._step_snapshot
+        if snap is None:
+            return
+        if self.model is not None and "buffers" in snap:
+            with torch.no_grad():
+                for b, saved in zip(self.model.buffers(), snap["buffers"], strict=True):
+                    b.copy_(saved)
+        for name, obj in self._others.items():
+            if name in snap:
+                obj.load_state_dict(_clone(snap[name]))
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients to reduce, in parameter order (parameters without one get zeros,
+        so every member reduces the same layout)."""
+        if self.model is None:
+            raise RuntimeError("register(model=...) before reducing gradients")
+        out = []
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.append(p.grad)
+        return out
+
+    # --- healing ---------------------------------------------------------------------------
+    def state(self, step: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"step": step}
+        if self.model is not None:
+            out["model"] = self.model.state_dict()
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer.state_dict()
+        out["others"] = {name: obj.state_dict() for name, obj in self._others.items()}
+        return out
+
+    def serialize(self, step: int) -> bytes:
+        buf = io.BytesIO()
+        torch.save(self.state(step), buf)
+        return buf.getvalue()
+
+    def load(self, blob: bytes) -> int:
+        """Load a peer's committed state; returns its step."""
+        st = torch.load(io.BytesIO(blob), weights_only=False)
+        if self.model is not None and "model" in st:
+            self.model.load_state_dict(st["model"])
+        if self.optimizer is not None and "optimizer" in st:
+            self.optimizer.load_state_dict(st["optimizer"])
+        for name, obj in self._others.items():
+            if name in st["others"]:
+                obj.load_state_dict(st["others"][name])
+        self._step_snapshot = None
+        return int(st["step"])
+
+    def digest(self, step: int) -> str:
+        """Hash of the replicated state (parameters, optimizer state, step): equal on
+        every member after every commit (S3)."""
+        h = hashlib.sha256(str(step).encode())
+        if self.model is not None:
+            for name, p in self.model.named_parameters():
+                h.update(name.encode())
+                h.update(_bytes(p))
+        if self.optimizer is not None:
+            for t in _tensors(self.optimizer.state_dict()["state"]):
+                h.update(_bytes(t))
+        return h.hexdigest()[:16]
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            yield from _tensors(obj[k])
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone(v) for v in obj)
+    return obj

@@ -1,0 +1,762 @@
+"""The worker runtime: the transactional step, epochs and healing on one worker.
+
+One :class:`Runtime` per process. Its brain is the pure state machine
+(:func:`fastft.fsm.decide`); this module is its executor. Events come from two threads:
+the bus listener (peers' faults, rollback requests and acks, joins) and the main thread
+(the step finished, a local exception, a decision read from the store). Both feed
+:meth:`Runtime._feed`, which runs ``decide`` under one lock and performs the *immediate*
+actions on the spot (interrupt the step, propose ROLLBACK in the store, broadcast on the
+bus) and queues the rest (vote, apply the commit, drop gradients, form the next epoch,
+build its process group, send or fetch state) for the main thread, which runs them in
+:meth:`Runtime._drive`.
+
+The main thread is interrupted (``fastft.interrupt``) only inside the user's step body;
+the runtime's own machinery is shielded from the signal and checks the state machine at
+its own safe points instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import datetime
+import logging
+import mmap
+import os
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastft.bus import BusConfig, connect_store, tcpstore_bus
+from fastft.fsm import (
+    AbortProcessGroup,
+    Action,
+    ApplyCommit,
+    BroadcastDrainNotice,
+    BroadcastRollbackAck,
+    BroadcastRollbackRequest,
+    CancelFutures,
+    CastVote,
+    CommitApplied,
+    ConfigureProcessGroup,
+    Deadline,
+    Decision,
+    DeclareDead,
+    DrainAcked,
+    DrainNoticed,
+    Event,
+    ExitWorker,
+    FetchState,
+    FormEpoch,
+    GradsReady,
+    HealDone,
+    InterruptStep,
+    InvalidTransition,
+    JoinRequested,
+    LocalFault,
+    PeerFault,
+    Phase,
+    ProposeRollback,
+    QuorumReady,
+    RollbackAcked,
+    RollbackRequested,
+    SendDrainAck,
+    SendState,
+    Shutdown,
+    StepState,
+    ZeroGrads,
+    decide,
+    initial_state,
+)
+from fastft.inject import FaultPlan, Injector, StateLost
+from fastft.interrupt import Interrupter, StepInterrupted
+from fastft.interrupt import allreduce as interruptible_allreduce
+from fastft.interrupt import broadcast as interruptible_broadcast
+from fastft.protocol import (
+    DrainAck,
+    DrainNotice,
+    Fault,
+    HangSuspected,
+    Inject,
+    JobKeys,
+    JoinRequest,
+    Message,
+    ProcessExited,
+    RollbackAck,
+    RollbackRequest,
+    Severity,
+)
+from fastft.runtime.contract import EpochView, Member, RuntimeConfig, WorkerExit
+from fastft.runtime.coordinator import COMMIT, Coordinator
+from fastft.runtime.events import EventLog
+from fastft.runtime.state import StateRegistry, reseed
+
+__all__ = ["Runtime", "Transaction", "init"]
+
+log = logging.getLogger(__name__)
+
+_MAIN_ACTIONS = (
+    CastVote,
+    ApplyCommit,
+    ZeroGrads,
+    ConfigureProcessGroup,
+    FormEpoch,
+    FetchState,
+    SendState,
+    ExitWorker,
+)
+_WAIT_S = 0.05
+_STEP_CYCLE = (Phase.NORMAL, Phase.PREPARED, Phase.COMMIT)
+
+
+class Transaction:
+    """One attempt of one step; use as a context manager from :meth:`Runtime.transaction`.
+
+    ``step``: the step number; ``rank``/``world``: this worker's dense rank and the
+    number of members in the current epoch (partition the step's global batch by them);
+    ``committed`` is set when the ``with`` block ends.
+    """
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        self.step = -1
+        self.epoch = -1
+        self.rank = -1
+        self.world = 0
+        self.committed = False
+
+    def __enter__(self) -> Transaction:
+        return self._rt._enter(self)
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
+        return self._rt._exit(self, et, ev)
+
+    def allreduce_gradients(self, model: nn.Module | None = None) -> None:
+        """Average the gradients of the registered model over the epoch (interruptible)."""
+        self._rt._allreduce_gradients(model)
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> None:
+        """Sum ``tensors`` in place over the epoch's members (interruptible)."""
+        rt = self._rt
+        with rt._waiting():
+            interruptible_allreduce(rt._require_pg(), tensors, rt.interrupter)
+
+
+class Runtime:
+    """fastft on one worker. Build it with :func:`init`."""
+
+    def __init__(self, config: RuntimeConfig, *, store: dist.Store | None = None) -> None:
+        self.config = config
+        self.rank = config.rank
+        self.incarnation = secrets.randbits(62) | 1
+        self.me = Member(self.rank, self.incarnation)
+        self.keys = JobKeys(config.job)
+        self.events = EventLog(config.run_dir, f"rank {self.rank}")
+        self.registry = StateRegistry()
+        self._store = store if store is not None else connect_store(config.store)
+        self._side_store = self._store.clone()  # type: ignore[attr-defined]
+        self._side_lock = threading.Lock()
+        self.coord = Coordinator(
+            self._store, self.keys, self.rank, self.incarnation,
+            config.world_size, config.min_members,
+        )
+        self.interrupter = Interrupter().install()
+        self.interrupter.end_step()
+        self.interrupter.shield(
+            Runtime._enter, Runtime._exit, Runtime._drive, Runtime._run_main_action,
+            Runtime.close,
+        )
+        plan = FaultPlan.load(config.inject) if config.inject else FaultPlan(faults=())
+        self.injector = Injector(plan, self.rank, config.life)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._fsm: StepState = initial_state(self.rank)
+        self._phase_since = time.monotonic()
+        self._todo: collections.deque[Action] = collections.deque()
+        self._view: EpochView | None = None
+        self._pg: Any = None
+        self._pg_epoch = -1
+        self._abandoned: list[Any] = []  # never destroyed mid-operation, never reused
+        self._dead: set[Member] = set()
+        self._closing = False
+        self._retries = 0
+        self._registered = False
+        self.commits = 0
+        self.rollbacks = 0
+        self._hb = _Heartbeat(config.heartbeat_file)
+        self._wait_depth = 0
+        self.bus = tcpstore_bus(
+            self._store,
+            BusConfig(job=config.job, rank=self.rank, incarnation=self.incarnation),
+        )
+        self.bus.subscribe(self._on_message)
+        self.bus.start()
+        self.events.emit("worker_start", incarnation=self.incarnation, life=config.life,
+                         pid=os.getpid())
+
+    # --- public API ------------------------------------------------------------------------
+    def register(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        **others: Any,
+    ) -> Runtime:
+        """Register what a step changes and a heal transfers, then join the job: returns
+        once this worker is a member of an epoch and holds the committed state."""
+        self.registry.register(model, optimizer, **others)
+        self._registered = True
+        self._drive(lambda s: s.phase is Phase.NORMAL)
+        return self
+
+    @property
+    def step(self) -> int:
+        """Number of committed steps (the step the next transaction runs)."""
+        return self._fsm.step
+
+    @property
+    def epoch(self) -> int:
+        return self._fsm.epoch
+
+    @property
+    def world(self) -> int:
+        return len(self._view.members) if self._view else 0
+
+    def transaction(self) -> Transaction:
+        """``with ft.transaction() as tx:`` one step: commits on every member or on none."""
+        return Transaction(self)
+
+    def digest(self) -> str:
+        """Hash of the replicated state at the current step (S3)."""
+        return self.registry.digest(self.step)
+
+    def close(self) -> None:
+        """Leave the job. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        with self._lock:
+            self._feed_locked(Shutdown("closed"))
+            self._cond.notify_all()
+        self.events.emit("worker_stop", step=self._fsm.step, commits=self.commits,
+                         rollbacks=self.rollbacks)
+        self.bus.close()
+        self.interrupter.close()
+        self._hb.close()
+        self.events.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the step --------------------------------------------------------------------------
+    def _enter(self, tx: Transaction) -> Transaction:
+        if not self._registered:
+            raise RuntimeError("call ft.register(model=..., optimizer=...) before a transaction")
+        self._drive(lambda s: s.phase is Phase.NORMAL)
+        s = self._fsm
+        view = self._view
+        assert view is not None
+        tx.step, tx.epoch = s.step, s.epoch
+        tx.rank, tx.world = view.index(self.rank), len(view.members)
+        reseed(self.config.seed, s.step, tx.rank)
+        self.registry.begin_step()
+        self._hb.beat()
+        self.interrupter.begin_step(s.epoch, s.step)
+        try:
+            self.injector.fire_due(s.step)
+        except Exception as e:  # an injected exception: a local fault of this step
+            self._local_fault(e)
+        return tx
+
+    def _exit(self, tx: Transaction, et: Any, ev: Any) -> bool:
+        self.interrupter.end_step()
+        self._hb.beat()
+        step = tx.step
+        if et is None:
+            with self._lock:
+                if self._fsm.phase is Phase.NORMAL and self._fsm.step == step:
+                    self._feed_locked(GradsReady())
+            self._drive(lambda s: s.step != step or s.phase not in (
+                Phase.PREPARED, Phase.COMMIT, Phase.DRAIN_COMMIT))
+            tx.committed = self._fsm.step > step
+            if tx.committed:
+                self._retries = 0
+            return False
+        if isinstance(ev, StepInterrupted):
+            self.events.emit("interrupted", epoch=tx.epoch, step=step, reason=ev.reason,
+                             source_rank=ev.source_rank)
+            return True
+        if isinstance(ev, Exception):
+            self._retries += 1
+            self._local_fault(ev)
+            if self._retries > self.config.max_step_retries:
+                log.error("step %d failed %d times in a row: giving up", step, self._retries)
+                return False
+            return True
+        return False  # KeyboardInterrupt, SystemExit, ...
+
+    def _local_fault(self, exc: BaseException) -> None:
+        severity = Severity.FAULT1 if isinstance(exc, StateLost) else Severity.FAULT2
+        cause = f"{type(exc).__name__}: {exc}"
+        self.events.emit("local_fault", step=self._fsm.step, epoch=self._fsm.epoch,
+                         severity=severity.name, cause=cause[:500])
+        self.bus.broadcast(Fault(
+            job=self.config.job, epoch=self._fsm.epoch, rank=self.rank,
+            incarnation=self.incarnation, step=self._fsm.step, severity=severity,
+            cause=cause[:2000], faulty_rank=self.rank, faulty_incarnation=self.incarnation,
+        ))
+        with self._lock:
+            self._feed_locked(LocalFault(severity, cause[:200]))
+
+    def _allreduce_gradients(self, model: nn.Module | None) -> None:
+        if model is not None and self.registry.model is None:
+            self.registry.register(model=model)
+        grads = self.registry.gradients()
+        pg = self._require_pg()
+        flat = torch._utils._flatten_dense_tensors(grads)
+        with self._waiting():
+            interruptible_allreduce(pg, [flat], self.interrupter)
+        flat.div_(self.world)
+        for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(r)
+
+    def _require_pg(self) -> Any:
+        self.interrupter.check()
+        if self._pg is None:
+            raise RuntimeError("no process group: collectives run inside ft.transaction()")
+        return self._pg
+
+    # --- the executor ----------------------------------------------------------------------
+    def _feed_locked(self, event: Event) -> None:
+        before = self._fsm
+        try:
+            new, actions = decide(before, event)
+        except InvalidTransition as e:
+            log.error("state machine: %s (ignored)", e)
+            return
+        self._fsm = new
+        if new.phase is not before.phase:
+            self._phase_since = time.monotonic()
+        if new.phase is not before.phase and not (
+            before.phase in _STEP_CYCLE and new.phase in _STEP_CYCLE
+        ):  # the fault-free cycle NORMAL -> PREPARED -> COMMIT is logged as commits
+            self.events.emit("phase", frm=before.phase.name, to=new.phase.name,
+                             epoch=new.epoch, step=new.step, on=type(event).__name__,
+                             reason=new.reason or None)
+        for a in actions:
+            if isinstance(a, _MAIN_ACTIONS):
+                self._todo.append(a)
+            else:
+                self._run_immediate(a)
+        self._cond.notify_all()
+
+    def _feed(self, event: Event) -> None:
+        with self._lock:
+            self._feed_locked(event)
+
+    def _run_immediate(self, a: Action) -> None:
+        job, s = self.config.job, self._fsm
+        hdr = dict(job=job, epoch=s.epoch, rank=self.rank, incarnation=self.incarnation,
+                   step=s.step)
+        if isinstance(a, InterruptStep):
+            if self.interrupter.interrupt(a.reason, epoch=s.epoch):
+                self.events.emit("interrupt", epoch=s.epoch, step=s.step, reason=a.reason)
+        elif isinstance(a, ProposeRollback):
+            with self._side_lock:
+                got = Coordinator.propose_rollback(
+                    self._side_store, self.keys, a.epoch, a.step, a.reason)
+            self.events.emit("propose_rollback", epoch=a.epoch, step=a.step, reason=a.reason,
+                             decision=got[:1])
+        elif isinstance(a, BroadcastRollbackRequest):
+            self.bus.broadcast(RollbackRequest(**hdr, reason=a.reason[:2000]))
+        elif isinstance(a, BroadcastRollbackAck):
+            self.bus.broadcast(RollbackAck(**hdr))
+        elif isinstance(a, AbortProcessGroup):
+            if self._pg is not None:
+                self._abandoned.append(self._pg)
+                if hasattr(self._pg, "abort") and self._backend() == "nccl":
+                    try:
+                        self._pg.abort()
+                    except Exception:  # pragma: no cover - NCCL only
+                        log.exception("process group abort failed")
+                self._pg = None
+        elif isinstance(a, CancelFutures):
+            pass  # the interrupt already failed every pending future of the step
+        elif isinstance(a, BroadcastDrainNotice):
+            self.bus.broadcast(DrainNotice(**hdr, reason=a.reason[:2000]))
+        elif isinstance(a, SendDrainAck):
+            self.bus.broadcast(DrainAck(**hdr, drained_rank=a.rank))
+        elif isinstance(a, DeclareDead):
+            view = self._view
+            for r in sorted(a.ranks):
+                inc = view.incarnation(r) if view and r in view.ranks else 0
+                self.events.emit("declare_dead", rank=r, incarnation=inc, epoch=s.epoch)
+                self.bus.broadcast(Fault(
+                    **hdr, severity=Severity.FAULT1, cause="silent during rollback",
+                    faulty_rank=r, faulty_incarnation=inc))
+        else:  # pragma: no cover - a new action without an executor
+            raise AssertionError(f"no executor for {a}")
+
+    def _drive(self, done: Callable[[StepState], bool]) -> None:
+        """Main thread: run queued actions until ``done(state)``."""
+        while True:
+            with self._lock:
+                action = self._todo.popleft() if self._todo else None
+                if action is None:
+                    s = self._fsm
+                    if done(s):
+                        return
+                    if s.phase is Phase.EXIT:
+                        raise WorkerExit(s.reason or "worker left the job")
+                    if (s.phase in (Phase.ROLLBACK_REQ, Phase.ROLLBACK_SYNC)
+                            and time.monotonic() - self._phase_since
+                            > self.config.rollback_timeout_s):
+                        self._phase_since = time.monotonic()
+                        self._feed_locked(Deadline(time.monotonic()))
+                        continue
+                    if s.phase is Phase.INIT:
+                        action = _JOIN
+                    else:
+                        self._hb.beat()
+                        self._cond.wait(_WAIT_S)
+                        continue
+            self._hb.beat()
+            self._run_main_action(action)
+
+    def _run_main_action(self, a: Action) -> None:
+        if a is _JOIN:
+            self._join()
+        elif isinstance(a, CastVote):
+            self._vote(a)
+        elif isinstance(a, ApplyCommit):
+            self._apply_commit(a)
+        elif isinstance(a, ZeroGrads):
+            self.registry.rollback()
+            self.rollbacks += 1
+            self.events.emit("rollback", epoch=self._fsm.epoch, step=self._fsm.step,
+                             reason=self._fsm.reason)
+        elif isinstance(a, FormEpoch):
+            self._form(a)
+        elif isinstance(a, ConfigureProcessGroup):
+            self._configure_pg(a)
+        elif isinstance(a, FetchState | SendState):
+            self._heal(a)
+        elif isinstance(a, ExitWorker):
+            self.events.emit("exit", reason=a.reason)
+            if not self._closing:
+                raise WorkerExit(a.reason)
+        else:  # pragma: no cover
+            raise AssertionError(f"no executor for {a}")
+
+    # --- votes and commits -----------------------------------------------------------------
+    def _vote(self, a: CastVote) -> None:
+        view = self._view
+        assert view is not None
+        t0 = time.monotonic()
+        self.coord.vote(a.epoch, a.step, len(view.members), leaving=a.want_drain)
+        while True:
+            got = self.coord.await_decision(a.epoch, a.step, 0.5)
+            if got is not None or self._closing:
+                break
+            self._hb.beat()
+        commit = got == COMMIT
+        if commit and view.index(self.rank) == 0 and a.step > 0:
+            self.coord.forget(a.epoch, a.step - 1)  # every member has read it by now
+        self.events.emit("decision", epoch=a.epoch, step=a.step,
+                         decision="commit" if commit else "rollback",
+                         reason=None if commit or got is None else got[1:],
+                         wait_ms=round((time.monotonic() - t0) * 1e3, 3))
+        self._feed(Decision(commit=commit))
+
+    def _apply_commit(self, a: ApplyCommit) -> None:
+        opt = self.registry.optimizer
+        with self.interrupter.atomic():
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        self.commits += 1
+        digest = (
+            self.registry.digest(a.step + 1)
+            if self.config.extra.get("check_every") == "1"
+            else None
+        )
+        self.events.emit("commit", epoch=self._fsm.epoch, step=a.step, digest=digest)
+        self._feed(CommitApplied())
+
+    # --- epochs and healing ----------------------------------------------------------------
+    def _cancelled(self, phase: Phase) -> Callable[[], bool]:
+        def check() -> bool:
+            self._hb.beat()
+            return self._closing or self._fsm.phase is not phase
+        return check
+
+    def _announce_join(self) -> None:
+        self.bus.broadcast(JoinRequest(job=self.config.job, epoch=0, rank=self.rank,
+                                       incarnation=self.incarnation))
+
+    def _join(self) -> None:
+        self.events.emit("join_wait", incarnation=self.incarnation)
+        t0 = time.monotonic()
+        view = self.coord.form_as_joiner(
+            start_timeout_s=self.config.start_timeout_s,
+            cancelled=self._cancelled(Phase.INIT),
+            announce=self._announce_join,
+        )
+        if view is not None:
+            self._adopt(view, waited_s=time.monotonic() - t0)
+
+    def _form(self, a: FormEpoch) -> None:
+        prev = self._view
+        assert prev is not None
+        t0 = time.monotonic()
+        exclude = a.exclude | frozenset(m.rank for m in prev.members if m in self._dead)
+        view = self.coord.form_as_survivor(
+            prev, exclude, step=self._fsm.step, lost_state=a.lost_state,
+            timeout_s=self.config.rollback_timeout_s, cancelled=self._cancelled(Phase.HEALING),
+        )
+        if view is None:
+            return
+        if not view.has(self.rank, self.incarnation):
+            self.events.emit("excluded", epoch=view.epoch)
+            with self._lock:
+                self._feed_locked(QuorumReady(view.epoch, view.ranks, view.step, view.needs_state))
+            return
+        self._adopt(view, waited_s=time.monotonic() - t0)
+
+    def _adopt(self, view: EpochView, waited_s: float) -> None:
+        self.events.emit("epoch", epoch=view.epoch, members=[m.rank for m in view.members],
+                         step=view.step, needs_state=sorted(view.needs_state),
+                         source=view.source, form_ms=round(waited_s * 1e3, 3))
+        with self._lock:
+            self._view = view
+            self._feed_locked(QuorumReady(view.epoch, view.ranks, view.step, view.needs_state))
+            for m in view.members:  # deaths we heard of while the epoch was being formed
+                if m in self._dead and m != self.me:
+                    self._feed_locked(PeerFault(m.rank, Severity.FAULT1, "died during formation"))
+
+    def _backend(self) -> str:
+        b = self.config.backend
+        if b == "auto":
+            return "nccl" if torch.cuda.is_available() else "gloo"
+        return b
+
+    def _configure_pg(self, a: ConfigureProcessGroup) -> None:
+        view = self._view
+        assert view is not None and view.epoch == a.epoch
+        t0 = time.monotonic()
+        store = dist.PrefixStore(self.keys.pg_prefix(a.epoch), self._store)
+        timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
+        rank, size = view.index(self.rank), len(view.members)
+        backend = self._backend()
+
+        def build() -> Any:
+            if backend == "nccl":  # pragma: no cover - checked on a GPU machine only
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", self.rank)) % max(1, torch.cuda.device_count()))
+                return dist.ProcessGroupNCCL(store, rank, size, opts)
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+        # Built in a daemon thread: connecting to a member that died meanwhile blocks in
+        # C++ until the timeout, and the death must be able to cancel the wait.
+        fut: cf.Future[Any] = cf.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(build())
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name=f"fastft-pg-{a.epoch}", daemon=True).start()
+        phase = self._fsm.phase
+        cancelled = self._cancelled(phase)
+        while True:
+            try:
+                pg = fut.result(timeout=_WAIT_S)
+                break
+            except cf.TimeoutError:
+                if cancelled() or self._fsm.epoch != a.epoch:
+                    return
+            except Exception as e:
+                self._local_fault(e)
+                return
+        self._pg, self._pg_epoch = pg, a.epoch
+        self.events.emit("process_group", epoch=a.epoch, backend=backend, size=size,
+                         build_ms=round((time.monotonic() - t0) * 1e3, 3))
+
+    def _heal(self, a: FetchState | SendState) -> None:
+        view = self._view
+        assert view is not None and view.source is not None
+        if self._pg is None or self._pg_epoch != a.epoch:
+            return  # the process group was not built (cancelled): the fsm moved on
+        t0 = time.monotonic()
+        src = view.index(view.source)
+        sending = self.rank == view.source
+        self.interrupter.begin_step(a.epoch, -1 - a.step)
+        try:
+            blob = self.registry.serialize(a.step) if sending else b""
+            size = torch.tensor([len(blob)], dtype=torch.int64)
+            with self._waiting():
+                interruptible_broadcast(self._pg, [size], src, self.interrupter)
+                buf = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if sending
+                       else torch.empty(int(size.item()), dtype=torch.uint8))
+                interruptible_broadcast(self._pg, [buf], src, self.interrupter)
+        except (StepInterrupted, Exception) as e:
+            self.events.emit("heal_aborted", epoch=a.epoch, reason=str(e)[:300])
+            if not isinstance(e, StepInterrupted):
+                self._local_fault(e)
+            return
+        finally:
+            self.interrupter.end_step()
+        if isinstance(a, FetchState) or self.rank in view.needs_state:
+            step = self.registry.load(buf.numpy().tobytes())
+            assert step == view.step, (step, view.step)
+        self.events.emit("heal", epoch=a.epoch, step=a.step, role="send" if sending else
+                         ("fetch" if self.rank in view.needs_state else "relay"),
+                         bytes=int(size.item()), heal_ms=round((time.monotonic() - t0) * 1e3, 3))
+        self._feed(HealDone())
+
+    # --- the bus ---------------------------------------------------------------------------
+    def _on_message(self, m: Message) -> None:
+        if isinstance(m, Inject):
+            self.injector.on_message(m)
+            return
+        view = self._view
+        if isinstance(m, Fault | ProcessExited | HangSuspected):
+            if isinstance(m, Fault):
+                r, inc, sev, cause = m.faulty_rank, m.faulty_incarnation, m.severity, m.cause
+            elif isinstance(m, ProcessExited):
+                r, inc, sev = m.exited_rank, m.exited_incarnation, Severity.FAULT1
+                how = f"signal {m.signal}" if m.signal is not None else f"code {m.exit_code}"
+                cause = f"rank {r} exited ({how})"
+            else:
+                r, inc, sev = m.hung_rank, m.hung_incarnation, Severity.FAULT1
+                cause = f"rank {r} {'stopped' if m.stopped else 'hung'}"
+            if r == self.rank and inc in (0, self.incarnation):
+                if isinstance(m, Fault) and m.sender != (self.rank, self.incarnation):
+                    # a monitor or an operator reports this worker faulty
+                    self._feed(LocalFault(sev, f"reported by {m.role.name.lower()}: {cause}"[:200]))
+                return
+            if sev is Severity.FAULT1:
+                if inc:
+                    self._dead.add(Member(r, inc))
+                    self.coord.dead.add(Member(r, inc))
+            if view is not None and r in view.ranks and inc in (0, view.incarnation(r)):
+                self.events.emit("peer_fault", rank=r, incarnation=inc, severity=sev.name,
+                                 cause=cause[:300], kind=type(m).__name__, sent=m.wall_time,
+                                 epoch=self._fsm.epoch, step=self._fsm.step)
+                self._feed(PeerFault(r, sev, cause[:200]))
+            return
+        if view is None or m.rank == self.rank:
+            if isinstance(m, JoinRequest) and m.rank != self.rank:
+                self._feed(JoinRequested(m.rank))
+            return
+        member = view.has(m.rank, m.incarnation)
+        if isinstance(m, RollbackRequest):
+            if member and m.epoch == self._fsm.epoch:
+                self._feed(RollbackRequested(m.rank))
+        elif isinstance(m, RollbackAck):
+            if member and m.epoch == self._fsm.epoch:
+                self._feed(RollbackAcked(m.rank))
+        elif isinstance(m, DrainNotice):
+            if member:
+                self._feed(DrainNoticed(m.rank))
+        elif isinstance(m, DrainAck):
+            if m.drained_rank == self.rank:
+                self._feed(DrainAcked(m.rank))
+        elif isinstance(m, JoinRequest):
+            self._feed(JoinRequested(m.rank))
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _waiting(self) -> _Waiting:
+        return _Waiting(self)
+
+
+class _Waiting:
+    """Marks the main thread as blocked in an interruptible wait: the heartbeat thread
+    keeps beating for it (the agent must not take a waiting worker for a hung one)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def __enter__(self) -> None:
+        self.rt._hb.waiting(True)
+
+    def __exit__(self, *exc: object) -> None:
+        self.rt._hb.waiting(False)
+
+
+class _Heartbeat:
+    """Progress for the agent's hang detector: CLOCK_MONOTONIC of the last sign of life
+    in a small shared file. The main thread beats at every step boundary and wait loop;
+    while it is blocked in an interruptible wait a helper thread beats for it. A main
+    thread that holds the GIL or loops without returning stops the beats."""
+
+    _FMT = "<d"
+
+    def __init__(self, path: str | None) -> None:
+        self._mm: mmap.mmap | None = None
+        self._waiting = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if path:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            os.ftruncate(fd, 8)
+            self._mm = mmap.mmap(fd, 8)
+            os.close(fd)
+            self.beat()
+            self._thread = threading.Thread(target=self._run, name="fastft-heartbeat",
+                                            daemon=True)
+            self._thread.start()
+
+    def beat(self) -> None:
+        if self._mm is not None:
+            self._mm[0:8] = struct.pack(self._FMT, time.monotonic())
+
+    def waiting(self, on: bool) -> None:
+        (self._waiting.set if on else self._waiting.clear)()
+        self.beat()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            if self._waiting.is_set():
+                self.beat()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1)
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+
+def read_heartbeat(path: str) -> float | None:
+    """The last beat written to ``path`` (CLOCK_MONOTONIC seconds), None if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(8)
+        return struct.unpack("<d", data)[0] if len(data) == 8 else None
+    except OSError:
+        return None
+
+
+_JOIN = Action()
+
+
+def init(config: RuntimeConfig | None = None, **overrides: Any) -> Runtime:
+    """Start fastft in this worker: reads what ``fastft run`` put in the environment (or
+    ``config``), connects to the job's store and joins its error bus. Then call
+    :meth:`Runtime.register` with the model and optimizer."""
+    if config is None:
+        config = RuntimeConfig.from_env(**overrides)
+    return Runtime(config)
