@@ -5,6 +5,9 @@
 * ``fastft bus tail``     print bus traffic as it happens
 * ``fastft plan check``   validate a fault plan file
 * ``fastft fsm-doc``      print the state machine's table as Markdown
+* ``fastft run``          the node agent: start, watch and restart the workers of a job
+* ``fastft report``       the timeline and figures of a finished run
+* ``fastft demo``         4 workers, one fault of each kind, checked against a clean run
 
 Flags fall back to environment variables (``FASTFT_STORE``, ``FASTFT_JOB``). Bad flags and
 unreachable stores print one line on stderr and exit with code 2.
@@ -86,6 +89,41 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("path")
 
     sub.add_parser("fsm-doc", help="print the step state machine as Markdown")
+
+    p = sub.add_parser(
+        "run",
+        help="run a training script under the node agent",
+        description="Start NPROC workers of SCRIPT on this node, host the job's store (node 0), "
+        "restart workers that die or hang. Use `-m module` for a module.",
+    )
+    p.add_argument("--nproc", type=int, default=1, help="workers on this node")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (one agent each)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index")
+    p.add_argument("--store", default=None, help="HOST:PORT of the store (node 0 hosts it)")
+    p.add_argument("--job", default="job", help="job id")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts per worker")
+    p.add_argument("--inject", default=None, help="fault plan JSON (fastft plan check)")
+    p.add_argument("--hang-timeout", type=float, default=30.0,
+                   help="seconds without progress before a worker is killed")
+    p.add_argument("--min-replicas", type=int, default=None,
+                   help="fewest workers an epoch may have (default: all: the world is fixed)")
+    p.add_argument("--run-dir", default=None, help="event log and heartbeats (default: temp)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check-every", type=int, default=0,
+                   help="log the state digest every N commits (S3 check)")
+    p.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
+    p.add_argument("script", nargs="?", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+
+    p = sub.add_parser("report", help="timeline and figures of a run")
+    p.add_argument("run_dir", help="the run directory (fastft run --run-dir)")
+    p.add_argument("--json", action="store_true", help="figures as JSON")
+
+    p = sub.add_parser("demo", help="the demo: 4 workers, one fault of each kind")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--no-live", action="store_true", help="no live display")
     return parser
 
 
@@ -263,6 +301,63 @@ def _cmd_fsm_doc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from fastft.errors import FastFTError
+    from fastft.launch import Agent, LaunchConfig
+
+    rest = list(args.args or [])
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    if args.module:
+        command = [sys.executable, "-m", args.module, *([args.script] if args.script else []), *rest]
+    elif args.script:
+        if not os.path.exists(args.script):
+            _fail(f"script {args.script!r} not found")
+        command = [sys.executable, args.script, *rest]
+    else:
+        _fail("no script: fastft run [flags] script.py [args] (or -m module)")
+    try:
+        cfg = LaunchConfig(
+            command=tuple(command),
+            nproc=args.nproc,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            store=args.store,
+            job=args.job,
+            max_restarts=args.max_restarts,
+            inject=args.inject,
+            hang_timeout_s=args.hang_timeout,
+            min_replicas=args.min_replicas,
+            run_dir=args.run_dir,
+            seed=args.seed,
+            check_every=args.check_every,
+        )
+        agent = Agent(cfg)
+    except FastFTError as e:
+        _fail(str(e))
+    return agent.run()
+
+
+def _cmd_report_run(args: argparse.Namespace) -> int:
+    from fastft.report import render_report, summarize
+
+    try:
+        figures = summarize(args.run_dir)
+    except FileNotFoundError:
+        _fail(f"{args.run_dir}: no events.jsonl (is it a fastft run directory?)")
+    if args.json:
+        print(json.dumps(figures, indent=2, default=str))
+    else:
+        print(render_report(args.run_dir, figures))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from fastft.demo.main import run_demo
+
+    return run_demo(steps=args.steps, nproc=args.nproc, run_dir=args.run_dir, live=not args.no_live)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # torch's C++ logging prints multi-line traces for a refused connection; the CLI
     # reports one line instead. Must be set before torch is imported.
@@ -272,6 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "inject": _cmd_inject,
         "report-error": _cmd_report,
         "fsm-doc": _cmd_fsm_doc,
+        "run": _cmd_run,
+        "report": _cmd_report_run,
+        "demo": _cmd_demo,
     }
     if args.cmd == "bus":
         return _cmd_tail(args)

@@ -26,6 +26,8 @@ ENV = {
     "inject": "FASTFT_INJECT",
     "heartbeat": "FASTFT_HEARTBEAT_FILE",
     "seed": "FASTFT_SEED",
+    "incarnation": "FASTFT_INCARNATION",
+    "check_every": "FASTFT_CHECK_EVERY",
 }
 """Environment variables the launcher sets for each worker."""
 
@@ -44,7 +46,9 @@ class RuntimeConfig:
     ``pg_timeout_s``: the data plane's own timeout (a backstop: faults interrupt sooner);
     ``max_step_retries``: consecutive local exceptions at one step before the exception
     is re-raised (a deterministic bug must not loop forever);
-    ``backend``: ``gloo`` or ``nccl`` (``auto``: nccl when CUDA is available).
+    ``backend``: ``gloo`` or ``nccl`` (``auto``: nccl when CUDA is available);
+    ``incarnation``: chosen by the agent (so it can name the process when it dies),
+    random when None; ``check_every``: log the state digest (S3) every N commits (0: never).
     """
 
     store: str
@@ -62,6 +66,8 @@ class RuntimeConfig:
     pg_timeout_s: float = 60.0
     max_step_retries: int = 3
     backend: str = "auto"
+    incarnation: int | None = None
+    check_every: int = 0
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -133,6 +139,8 @@ class RuntimeConfig:
             inject=str(overrides.get("inject", env.get(ENV["inject"]) or "")) or None,
             heartbeat_file=env.get(ENV["heartbeat"]) or None,
             seed=num("seed", 0) or 0,
+            incarnation=num("incarnation", None),
+            check_every=num("check_every", 0) or 0,
             **rest,  # type: ignore[arg-type]
         )
 

@@ -155,7 +155,7 @@ class Runtime:
     def __init__(self, config: RuntimeConfig, *, store: dist.Store | None = None) -> None:
         self.config = config
         self.rank = config.rank
-        self.incarnation = secrets.randbits(62) | 1
+        self.incarnation = config.incarnation or (secrets.randbits(62) | 1)
         self.me = Member(self.rank, self.incarnation)
         self.keys = JobKeys(config.job)
         self.events = EventLog(config.run_dir, f"rank {self.rank}")
@@ -484,11 +484,8 @@ class Runtime:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         self.commits += 1
-        digest = (
-            self.registry.digest(a.step + 1)
-            if self.config.extra.get("check_every") == "1"
-            else None
-        )
+        every = self.config.check_every
+        digest = self.registry.digest(a.step + 1) if every and (a.step + 1) % every == 0 else None
         self.events.emit("commit", epoch=self._fsm.epoch, step=a.step, digest=digest)
         self._feed(CommitApplied())
 

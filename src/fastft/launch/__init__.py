@@ -1,0 +1,5 @@
+"""The node agent and launcher: ``fastft run``."""
+
+from fastft.launch.agent import Agent, LaunchConfig
+
+__all__ = ["Agent", "LaunchConfig"]

@@ -1,0 +1,393 @@
+"""The node agent: hosts the job's store (on node 0), spawns the workers of its node,
+watches them and restarts them.
+
+Detection without polling: a thread blocks in ``waitid(P_ALL, WEXITED | WSTOPPED)``, so
+the kernel tells the agent the moment a worker exits, is killed or is stopped (SIGSTOP);
+the agent publishes ``ProcessExited`` / ``HangSuspected(stopped=True)`` on the error bus at
+once, kills a stopped worker, and restarts dead ones (a new incarnation, Fault1: it heals
+from a live peer). A worker that is alive but makes no progress (a GIL-holding loop, a
+deadlock) stops writing its heartbeat; after ``hang_timeout`` the agent publishes
+``HangSuspected`` and kills it. SIGINT/SIGTERM are forwarded so the job stops cleanly,
+and every worker gets ``PR_SET_PDEATHSIG`` so that none outlives a killed agent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastft.bus import BusConfig, connect_store, host_store, tcpstore_bus
+from fastft.errors import ConfigError
+from fastft.protocol import (
+    NO_RANK,
+    Fault,
+    HangSuspected,
+    JobKeys,
+    Message,
+    ProcessExited,
+    Role,
+    Severity,
+)
+from fastft.runtime.contract import ENV
+from fastft.runtime.events import EventLog
+from fastft.runtime.worker import read_heartbeat
+
+__all__ = ["Agent", "LaunchConfig"]
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """``fastft run`` flags. ``command``: the worker command line."""
+
+    command: tuple[str, ...]
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    store: str | None = None
+    job: str = "job"
+    max_restarts: int = 3
+    inject: str | None = None
+    hang_timeout_s: float = 30.0
+    start_grace_s: float = 120.0
+    min_replicas: int | None = None
+    run_dir: str | None = None
+    seed: int = 0
+    check_every: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ConfigError("no worker command: fastft run [flags] script.py [args]")
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc {self.nproc}: must be >= 1")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"--node-rank {self.node_rank} with --nnodes {self.nnodes}: "
+                "node rank must be in 0..nnodes-1"
+            )
+        if self.nnodes > 1 and not self.store:
+            raise ConfigError("--nnodes > 1 needs --store HOST:PORT (node 0 hosts it)")
+        if self.store is not None:
+            host, _, port = self.store.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"--store {self.store!r}: expected HOST:PORT")
+        if self.max_restarts < 0:
+            raise ConfigError("--max-restarts must be >= 0")
+        if self.hang_timeout_s <= 0:
+            raise ConfigError("--hang-timeout must be > 0 seconds")
+        world = self.nproc * self.nnodes
+        if self.min_replicas is not None and not 1 <= self.min_replicas <= world:
+            raise ConfigError(f"--min-replicas {self.min_replicas}: must be in 1..{world}")
+        if self.inject is not None:
+            from fastft.inject import FaultPlan
+
+            FaultPlan.load(self.inject)  # fails now, with the plan's own message
+        if "/" in self.job or not self.job:
+            raise ConfigError(f"--job {self.job!r}: non-empty, without '/'")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
+@dataclass
+class _Slot:
+    rank: int
+    life: int = 0
+    incarnation: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    heartbeat: str = ""
+    done: bool = False
+
+
+class Agent:
+    """One per node. :meth:`run` blocks until the job ends and returns the exit code."""
+
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="fastft-run-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(self.run_dir, f"agent {config.node_rank}")
+        self.keys = JobKeys(config.job)
+        self._server = None
+        if config.node_rank == 0 and (config.store is None or _is_local(config.store)):
+            port = int(config.store.rpartition(":")[2]) if config.store else 0
+            host = "127.0.0.1" if config.store is None else config.store.rpartition(":")[0]
+            self._server = host_store(host, port)
+            self.store_addr = f"127.0.0.1:{self._server.port}"
+        else:
+            assert config.store is not None
+            self.store_addr = config.store
+        self.store = connect_store(self.store_addr)
+        self.bus = tcpstore_bus(
+            self.store,
+            BusConfig(job=config.job, rank=NO_RANK, incarnation=secrets.randbits(62) | 1,
+                      role=Role.AGENT),
+        )
+        first = config.node_rank * config.nproc
+        self.slots = {r: _Slot(r) for r in range(first, first + config.nproc)}
+        self._by_pid: dict[int, _Slot] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping: int | None = None
+        self._failed: str | None = None
+        self.restarts = 0
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def run(self) -> int:
+        prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.bus.subscribe(self._on_message)
+        self.bus.start()
+        self.events.emit("agent_start", store=self.store_addr, nproc=self.config.nproc,
+                         node_rank=self.config.node_rank, world_size=self.config.world_size,
+                         pid=os.getpid())
+        print(f"fastft: job {self.config.job}, store {self.store_addr}, "
+              f"run dir {self.run_dir}", file=sys.stderr, flush=True)
+        try:
+            for slot in self.slots.values():
+                self._spawn(slot)
+            reaper = threading.Thread(target=self._reap, name="fastft-agent-reaper", daemon=True)
+            reaper.start()
+            self._watch()
+            code = self._finish()
+        finally:
+            self._kill_all(signal.SIGKILL, grace_s=0)
+            for s, h in prev.items():
+                signal.signal(s, h)
+            self.bus.close()
+            self.events.emit("agent_stop", restarts=self.restarts, failed=self._failed)
+            self.events.close()
+        return code
+
+    def _finish(self) -> int:
+        if self._stopping is not None:
+            return 128 + self._stopping
+        if self._failed:
+            print(f"fastft: job failed: {self._failed}", file=sys.stderr, flush=True)
+            return 1
+        # Node 0 hosts the store: it waits until every other node's agent is done.
+        self.store.add(f"{self.keys.root}/agents_done", 1)
+        if self._server is not None and self.config.nnodes > 1:
+            deadline = time.monotonic() + 60
+            while int(self.store.add(f"{self.keys.root}/agents_done", 0)) < self.config.nnodes:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        return 0
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self._stopping is None:
+            self._stopping = signum
+            self._wake.set()
+
+    # --- workers ---------------------------------------------------------------------------
+    def _spawn(self, slot: _Slot) -> None:
+        cfg = self.config
+        slot.incarnation = secrets.randbits(62) | 1
+        slot.heartbeat = str(self.run_dir / f".heartbeat-{slot.rank}")
+        env = {
+            **os.environ,
+            **cfg.env,
+            "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+            ENV["store"]: self.store_addr,
+            ENV["job"]: cfg.job,
+            ENV["rank"]: str(slot.rank),
+            ENV["world_size"]: str(cfg.world_size),
+            ENV["life"]: str(slot.life),
+            ENV["run_dir"]: str(self.run_dir),
+            ENV["heartbeat"]: slot.heartbeat,
+            ENV["incarnation"]: str(slot.incarnation),
+            ENV["seed"]: str(cfg.seed),
+            ENV["check_every"]: str(cfg.check_every),
+        }
+        if cfg.min_replicas is not None:
+            env[ENV["min_replicas"]] = str(cfg.min_replicas)
+        if cfg.inject:
+            env[ENV["inject"]] = str(Path(cfg.inject).resolve())
+        try:
+            os.unlink(slot.heartbeat)
+        except FileNotFoundError:
+            pass
+        with self._lock:
+            slot.proc = subprocess.Popen(list(cfg.command), env=env, preexec_fn=_die_with_parent)
+            slot.started = time.monotonic()
+            self._by_pid[slot.proc.pid] = slot
+        self._wake.set()
+        self.events.emit("spawn", rank=slot.rank, life=slot.life, pid=slot.proc.pid,
+                         incarnation=slot.incarnation)
+
+    def _reap(self) -> None:
+        """Blocks in waitid: the kernel reports exits and stops the moment they happen."""
+        while True:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WSTOPPED)
+            except ChildProcessError:
+                if self._all_done() or self._stopping is not None:
+                    return
+                self._wake.wait(0.05)
+                continue
+            except InterruptedError:
+                continue
+            if info is None:
+                continue
+            t = time.monotonic()
+            with self._lock:
+                slot = self._by_pid.get(info.si_pid)
+            if slot is None:
+                continue
+            if info.si_code == os.CLD_STOPPED:
+                self._on_stopped(slot, t)
+            elif info.si_code in (os.CLD_EXITED, os.CLD_KILLED, os.CLD_DUMPED):
+                code = info.si_status if info.si_code == os.CLD_EXITED else None
+                sig = info.si_status if info.si_code != os.CLD_EXITED else None
+                self._on_exit(slot, code, sig, t)
+
+    def _on_stopped(self, slot: _Slot, t: float) -> None:
+        self.events.emit("worker_stopped", rank=slot.rank, incarnation=slot.incarnation,
+                         detected=t)
+        self._publish(HangSuspected(
+            job=self.config.job, epoch=0, rank=NO_RANK, incarnation=0, role=Role.AGENT,
+            hung_rank=slot.rank, hung_incarnation=slot.incarnation, silent_for_s=0.0,
+            stopped=True))
+        self._kill(slot)
+
+    def _on_exit(self, slot: _Slot, code: int | None, sig: int | None, t: float) -> None:
+        assert slot.proc is not None
+        slot.proc.returncode = code if code is not None else -(sig or 0)
+        with self._lock:
+            self._by_pid.pop(slot.proc.pid, None)
+        self.events.emit("worker_exit", rank=slot.rank, incarnation=slot.incarnation,
+                         exit_code=code, signal=sig, life=slot.life, detected=t)
+        self._publish(ProcessExited(
+            job=self.config.job, epoch=0, rank=NO_RANK, incarnation=0, role=Role.AGENT,
+            exited_rank=slot.rank, exited_incarnation=slot.incarnation, exit_code=code,
+            signal=sig))
+        self._forget_joiner(slot)
+        if code == 0:
+            slot.done = True
+        elif self._stopping is not None:
+            slot.done = True
+        elif slot.life < self.config.max_restarts:
+            slot.life += 1
+            self.restarts += 1
+            self.events.emit("restart", rank=slot.rank, life=slot.life)
+            self._spawn(slot)
+        else:
+            self._failed = (f"rank {slot.rank} failed ({'code ' + str(code) if sig is None else 'signal ' + str(sig)}) "
+                            f"and has no restarts left (--max-restarts {self.config.max_restarts})")
+            slot.done = True
+        self._wake.set()
+
+    def _forget_joiner(self, slot: _Slot) -> None:
+        key = self.keys.joiner(slot.rank)
+        try:
+            if self.store.check([key]) and self.store.get(key) == str(slot.incarnation).encode():
+                self.store.delete_key(key)
+        except Exception:  # noqa: BLE001 - best effort
+            log.debug("could not clear joiner key of rank %d", slot.rank, exc_info=True)
+
+    def _watch(self) -> None:
+        """Main loop: hang detection and the end of the job."""
+        period = min(0.1, self.config.hang_timeout_s / 10)
+        while True:
+            self._wake.wait(period)
+            self._wake.clear()
+            if self._stopping is not None:
+                self.events.emit("stop", signal=self._stopping)
+                self._kill_all(signal.SIGTERM, grace_s=5.0)
+                return
+            if self._failed:
+                self._kill_all(signal.SIGTERM, grace_s=2.0)
+                return
+            if self._all_done():
+                return
+            now = time.monotonic()
+            for slot in list(self.slots.values()):
+                self._check_hang(slot, now)
+
+    def _check_hang(self, slot: _Slot, now: float) -> None:
+        if slot.done or slot.proc is None or slot.proc.returncode is not None:
+            return
+        beat = read_heartbeat(slot.heartbeat)
+        if beat is None or beat < slot.started:
+            if now - slot.started > self.config.start_grace_s:
+                beat = slot.started
+            else:
+                return  # still starting (imports): no heartbeat yet
+        silent = now - beat
+        if silent > self.config.hang_timeout_s:
+            self.events.emit("worker_hung", rank=slot.rank, incarnation=slot.incarnation,
+                             silent_s=round(silent, 3), detected=now)
+            self._publish(HangSuspected(
+                job=self.config.job, epoch=0, rank=NO_RANK, incarnation=0, role=Role.AGENT,
+                hung_rank=slot.rank, hung_incarnation=slot.incarnation,
+                silent_for_s=round(silent, 3), stopped=False))
+            self._kill(slot)
+
+    def _on_message(self, m: Message) -> None:
+        # A worker declared silent by its peers: kill it if it is one of ours (restart).
+        if isinstance(m, Fault) and m.severity is Severity.FAULT1 and m.rank != m.faulty_rank:
+            slot = self.slots.get(m.faulty_rank)
+            if slot and slot.incarnation == m.faulty_incarnation and not slot.done:
+                self.events.emit("kill_declared_dead", rank=slot.rank, cause=m.cause)
+                self._kill(slot)
+
+    def _kill(self, slot: _Slot, sig: int = signal.SIGKILL) -> None:
+        with self._lock:
+            p = slot.proc
+            if p is None or p.returncode is not None or p.pid not in self._by_pid:
+                return
+            try:
+                os.kill(p.pid, sig)
+                if sig != signal.SIGKILL:
+                    os.kill(p.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def _kill_all(self, sig: int, grace_s: float) -> None:
+        for slot in self.slots.values():
+            slot.done = True
+            self._kill(slot, sig)
+        deadline = time.monotonic() + grace_s
+        while self._by_pid and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for slot in self.slots.values():
+            self._kill(slot, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while self._by_pid and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _all_done(self) -> bool:
+        return all(s.done for s in self.slots.values())
+
+    def _publish(self, msg: Message) -> None:
+        try:
+            self.bus.broadcast(msg)
+        except Exception:  # noqa: BLE001 - the bus must not take the agent down
+            log.exception("agent: could not publish %s", type(msg).__name__)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the agent dies (no orphans)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _is_local(addr: str) -> bool:
+    host = addr.rpartition(":")[0]
+    return host in ("127.0.0.1", "localhost", "0.0.0.0", "::1")
