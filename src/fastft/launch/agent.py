@@ -92,6 +92,14 @@ class LaunchConfig:
         world = self.nproc * self.nnodes
         if self.min_replicas is not None and not 1 <= self.min_replicas <= world:
             raise ConfigError(f"--min-replicas {self.min_replicas}: must be in 1..{world}")
+        if self.min_replicas is not None and self.min_replicas < world:
+            # Shrinking the world while a worker restarts is built (runtime, formation) but
+            # not yet reliable: rejoining a shrunk epoch can stall on the data plane's
+            # timeout. Refuse it rather than ship a mode that is known to misbehave.
+            raise ConfigError(
+                f"--min-replicas {self.min_replicas} < world size {world}: an elastic world "
+                "is not supported yet; leave --min-replicas unset (fixed world)"
+            )
         if self.inject is not None:
             from fastft.inject import FaultPlan
 
@@ -281,6 +289,12 @@ class Agent:
         if code == 0:
             slot.done = True
         elif self._stopping is not None:
+            slot.done = True
+        elif any(s.done and s.proc is not None and s.proc.returncode == 0
+                 for s in self.slots.values()):
+            # Peers already finished the job: there is nothing left to rejoin.
+            self._failed = (f"rank {slot.rank} failed ({code=}, {sig=}) after other workers "
+                            "had finished the job")
             slot.done = True
         elif slot.life < self.config.max_restarts:
             slot.life += 1

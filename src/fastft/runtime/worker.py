@@ -17,6 +17,7 @@ its own safe points instead.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures as cf
 import datetime
@@ -25,6 +26,7 @@ import mmap
 import os
 import secrets
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -75,7 +77,7 @@ from fastft.fsm import (
     decide,
     initial_state,
 )
-from fastft.inject import FaultPlan, Injector, StateLost
+from fastft.inject import FaultPlan, FaultSpec, Injector, StateLost, execute
 from fastft.interrupt import Interrupter, StepInterrupted
 from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.interrupt import broadcast as interruptible_broadcast
@@ -174,7 +176,7 @@ class Runtime:
             Runtime.close,
         )
         plan = FaultPlan.load(config.inject) if config.inject else FaultPlan(faults=())
-        self.injector = Injector(plan, self.rank, config.life)
+        self.injector = Injector(plan, self.rank, config.life, executor=self._inject)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._fsm: StepState = initial_state(self.rank)
@@ -383,6 +385,7 @@ class Runtime:
         elif isinstance(a, AbortProcessGroup):
             if self._pg is not None:
                 self._abandoned.append(self._pg)
+                _exit_without_destructors_later()
                 if hasattr(self._pg, "abort") and self._backend() == "nccl":
                     try:
                         self._pg.abort()
@@ -622,6 +625,11 @@ class Runtime:
                          bytes=int(size.item()), heal_ms=round((time.monotonic() - t0) * 1e3, 3))
         self._feed(HealDone())
 
+    def _inject(self, spec: FaultSpec) -> None:
+        self.events.emit("injected", kind=spec.kind.value, step=self._fsm.step,
+                         epoch=self._fsm.epoch, incarnation=self.incarnation)
+        execute(spec)
+
     # --- the bus ---------------------------------------------------------------------------
     def _on_message(self, m: Message) -> None:
         if isinstance(m, Inject):
@@ -748,6 +756,32 @@ def read_heartbeat(path: str) -> float | None:
 
 
 _JOIN = Action()
+_exit_status = [0]
+_hooked = [False]
+
+
+def _exit_without_destructors_later() -> None:
+    """An abandoned process group may still own an operation stuck on a dead peer; its
+    C++ destructor at interpreter shutdown would abort the process (std::terminate). Once
+    a group was abandoned, end the process at exit without running destructors, keeping
+    the exit status (1 after an uncaught exception)."""
+    if _hooked[0]:
+        return
+    _hooked[0] = True
+    prev_hook = sys.excepthook
+
+    def hook(*args: Any) -> None:
+        _exit_status[0] = 1
+        prev_hook(*args)
+
+    sys.excepthook = hook
+
+    def leave() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status[0])
+
+    atexit.register(leave)
 
 
 def init(config: RuntimeConfig | None = None, **overrides: Any) -> Runtime:

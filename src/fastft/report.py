@@ -1,0 +1,98 @@
+"""``fastft report RUN_DIR``: the timeline and the figures of a run, from its event log.
+
+Per fault: when it happened (the injection, the local exception, or the agent seeing the
+exit/stop/hang), when the first survivor was interrupted (detection), when the survivors
+next committed a step (recovery), and when a restarted worker committed again (rejoin).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from fastft.runtime.events import read_events
+
+__all__ = ["summarize", "render_report"]
+
+_FAULT_EVENTS = ("injected", "local_fault", "worker_exit", "worker_stopped", "worker_hung")
+
+
+def _rank_of(src: str) -> int | None:
+    return int(src.split()[1]) if src.startswith("rank ") else None
+
+
+def summarize(run_dir: str | Path) -> dict[str, Any]:
+    ev = read_events(run_dir)
+    commits = [e for e in ev if e["event"] == "commit"]
+    faults: list[dict[str, Any]] = []
+    for e in ev:
+        name = e["event"]
+        if name == "worker_exit" and e.get("exit_code") == 0:
+            continue
+        if name not in _FAULT_EVENTS:
+            continue
+        rank = e.get("rank", _rank_of(e["src"]))
+        inc = e.get("incarnation")
+        t = e["mono"]
+        # one fault: an injection, then the local exception / exit / stop it caused
+        if faults and faults[-1]["rank"] == rank and t - faults[-1]["t"] < 5.0:
+            faults[-1]["seen_as"].append(name)
+            continue
+        faults.append({"rank": rank, "incarnation": inc, "t": t, "kind": e.get("kind", name),
+                       "seen_as": [name], "step": e.get("step")})
+    for f in faults:
+        t, r = f["t"], f["rank"]
+        others = [e for e in ev if e["mono"] >= t and _rank_of(e["src"]) not in (None, r)]
+        intr = next((e for e in others if e["event"] in ("interrupt", "peer_fault")), None)
+        nxt = next((e for e in others if e["event"] == "commit"), None)
+        back = next((e for e in ev if e["mono"] > t and e["event"] == "commit"
+                     and _rank_of(e["src"]) == r and e.get("epoch", 0) > 0
+                     and "worker_exit" in f["seen_as"] + ["worker_exit"]), None)
+        f["detect_ms"] = None if intr is None else round((intr["mono"] - t) * 1e3, 2)
+        f["recover_ms"] = None if nxt is None else round((nxt["mono"] - t) * 1e3, 2)
+        f["rejoin_ms"] = (round((back["mono"] - t) * 1e3, 2)
+                          if back is not None and any(s in f["seen_as"] for s in
+                                                       ("worker_exit", "worker_stopped",
+                                                        "worker_hung")) else None)
+        f["recovered"] = nxt is not None
+    steps = sorted({e["step"] for e in commits})
+    rolled = {(e["epoch"], e["step"]) for e in ev if e["event"] == "rollback"}
+    per_rank: dict[str, list[float]] = {}
+    for e in commits:
+        per_rank.setdefault(e["src"], []).append(e["mono"])
+    gaps = [b - a for ts in per_rank.values() for a, b in zip(ts, ts[1:], strict=False)]
+    step_s = statistics.median(gaps) if gaps else 0.0
+    span = (max(e["mono"] for e in commits) - min(e["mono"] for e in commits)) if commits else 0
+    goodput = min(1.0, len(steps) * step_s / span) if span > 0 else None
+    return {
+        "run_dir": str(run_dir),
+        "steps_committed": len(steps),
+        "last_step": steps[-1] if steps else None,
+        "steps_rolled_back": len(rolled),
+        "epochs": len({e["epoch"] for e in ev if e["event"] == "epoch"}),
+        "heals": sum(1 for e in ev if e["event"] == "heal" and e.get("role") == "fetch"),
+        "restarts": sum(1 for e in ev if e["event"] == "restart"),
+        "median_step_ms": round(step_s * 1e3, 3),
+        "goodput": None if goodput is None else round(goodput, 3),
+        "faults": faults,
+    }
+
+
+def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
+    lines = [f"fastft run {run_dir}", ""]
+    lines.append("| # | rank | fault | step | detected (ms) | survivors' next commit (ms) "
+                 "| restarted worker committing (ms) |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for i, f in enumerate(s["faults"], 1):
+        def fmt(v: Any) -> str:
+            return "-" if v is None else f"{v:.1f}"
+        lines.append(f"| {i} | {f['rank']} | {f['kind']} | {f['step'] if f['step'] is not None else '-'} "
+                     f"| {fmt(f['detect_ms'])} | {fmt(f['recover_ms'])} | {fmt(f['rejoin_ms'])} |")
+    lines.append("")
+    lines.append(
+        f"steps committed {s['steps_committed']}, rolled back {s['steps_rolled_back']}, "
+        f"epochs {s['epochs']}, heals {s['heals']}, restarts {s['restarts']}, "
+        f"median step {s['median_step_ms']} ms, goodput {s['goodput']}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,158 @@
+"""The runtime under faults, end to end: `fastft run` with 3 Gloo workers on CPU.
+
+Each faulty run is checked against a fault-free run of the same seed: identical final
+state on every worker (S5, bitwise: the world is fixed), identical state digests on all
+members after every commit (S3), and every worker's history of committed steps without
+a step applied twice or skipped (S1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from fastft.runtime import read_events
+
+STEPS = 30
+pytestmark = pytest.mark.timeout(180)
+
+
+def fastft_run(tmp: Path, name: str, *flags: str, plan: list[dict] | None = None,
+               steps: int = STEPS, timeout: float = 150) -> Path:
+    run = tmp / name
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--run-dir", str(run),
+           "--check-every", "1", "--job", name, *flags]
+    if plan is not None:
+        run.mkdir(parents=True)
+        (run / "plan.json").write_text(json.dumps({"faults": plan}))
+        cmd += ["--inject", str(run / "plan.json")]
+    cmd += ["-m", "fastft.demo.train", "--", "--steps", str(steps), "--out", str(run / "out")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return run
+
+
+def finals(run: Path) -> dict[int, dict]:
+    return {int(f.stem.split("rank")[1]): json.loads(f.read_text())
+            for f in (run / "out").glob("final-rank*.json")}
+
+
+def check_s1_s3(run: Path, steps: int = STEPS) -> None:
+    ev = read_events(run)
+    by_step: dict[int, set[str]] = defaultdict(set)
+    history: dict[tuple[str, int], list[int]] = defaultdict(list)
+    life: dict[str, int] = defaultdict(int)
+    for e in ev:
+        if e["event"] == "worker_start":
+            life[e["src"]] = e["incarnation"]
+        if e["event"] == "commit":
+            by_step[e["step"]].add(e["digest"])
+            history[(e["src"], life[e["src"]])].append(e["step"])
+    assert sorted(by_step) == list(range(steps)), "a step was never committed"
+    for step, digests in by_step.items():
+        assert len(digests) == 1, f"S3: members disagree after step {step}: {digests}"
+    for who, seq in history.items():
+        assert seq == list(range(seq[0], seq[0] + len(seq))), f"S1: {who} applied {seq}"
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> dict[int, dict]:
+    run = fastft_run(tmp_path_factory.mktemp("clean"), "clean")
+    check_s1_s3(run)
+    f = finals(run)
+    assert len(f) == 3 and len({v["digest"] for v in f.values()}) == 1
+    return f
+
+
+def test_exception_sigkill_and_sigstop_end_bitwise_equal_to_a_clean_run(tmp_path, clean):
+    plan = [
+        {"kind": "exception", "rank": 1, "at_step": 6},
+        {"kind": "sigkill", "rank": 2, "at_step": 12},
+        {"kind": "sigstop", "rank": 0, "at_step": 20},
+    ]
+    run = fastft_run(tmp_path, "faulty", plan=plan)
+    check_s1_s3(run)
+    got = finals(run)
+    assert {v["digest"] for v in got.values()} == {clean[0]["digest"]}
+    ev = read_events(run)
+    assert sum(e["event"] == "restart" for e in ev) == 2  # the killed and the stopped one
+    heals = [e for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"] > 0]
+    assert {e["src"] for e in heals} == {"rank 2", "rank 0"}  # S4: restarted ones healed
+    # the exception was a Fault2: rolled back without any restart or transfer for rank 1
+    assert not any(e["event"] == "worker_exit" and e["rank"] == 1 for e in ev)
+
+
+def test_rank0_killed_and_state_lost_are_survived(tmp_path, clean):
+    plan = [
+        {"kind": "sigkill", "rank": 0, "at_step": 5},
+        {"kind": "state_lost", "rank": 1, "at_step": 15},
+    ]
+    run = fastft_run(tmp_path, "rank0", plan=plan)
+    check_s1_s3(run)
+    assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
+    ev = read_events(run)
+    fetched = {e["src"] for e in ev if e["event"] == "heal" and e["role"] == "fetch"
+               and e["step"] > 0}
+    assert fetched == {"rank 0", "rank 1"}  # the restarted rank 0 and the Fault1 rank 1
+
+
+def test_gil_hang_is_killed_after_the_hang_timeout(tmp_path, clean):
+    plan = [{"kind": "gil_hang", "rank": 2, "at_step": 8, "arg": 600}]
+    run = fastft_run(tmp_path, "gil", "--hang-timeout", "2", plan=plan)
+    check_s1_s3(run)
+    assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
+    ev = read_events(run)
+    assert any(e["event"] == "worker_hung" and e["rank"] == 2 for e in ev)
+
+
+def test_two_agents_form_one_job(tmp_path, clean):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "multi"
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"faults": [{"kind": "sigkill", "rank": 3, "at_step": 7}]}))
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2", "--nnodes", "2",
+               "--node-rank", str(node), "--store", f"127.0.0.1:{port}", "--job", "multi",
+               "--run-dir", str(run), "--check-every", "1", "--inject", str(plan),
+               "-m", "fastft.demo.train", "--", "--steps", "16", "--batch", "96",
+               "--out", str(run / "out")]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        outs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    check_s1_s3(run, steps=16)
+    got = finals(run)
+    assert sorted(got) == [0, 1, 2, 3] and len({v["digest"] for v in got.values()}) == 1
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--nproc", "0"], "--nproc 0"),
+        (["--nproc", "3", "--min-replicas", "2"], "elastic world is not supported"),
+        (["--nproc", "2", "--nnodes", "2"], "needs --store"),
+        (["--nproc", "2", "--inject", "/nonexistent/plan.json"], "plan"),
+    ],
+)
+def test_bad_launch_flags_fail_at_start(flags, needle):
+    p = subprocess.run([sys.executable, "-m", "fastft.cli", "run", *flags, "-m", "x"],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"})
+    assert p.returncode == 2
+    assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
