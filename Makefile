@@ -1,4 +1,4 @@
-# fastft: `make test` is the one test command (CI runs it); `make bench` the benchmarks.
+# fastft: `make demo` runs the demo, `make test` the tests (CI runs it), `make bench` the benchmarks.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -30,6 +30,10 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/bus_latency.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/interrupt_latency.py
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/bus_soak.py
+
+demo: $(VENV)/.installed
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/fastft demo
 
 fsm-doc: $(VENV)/.installed
 	$(BIN)/fastft fsm-doc > docs/fsm.md
