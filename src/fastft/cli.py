@@ -103,14 +103,23 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--job", default="job", help="job id")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts per worker")
     p.add_argument("--inject", default=None, help="fault plan JSON (fastft plan check)")
-    p.add_argument("--hang-timeout", type=float, default=30.0,
-                   help="seconds without progress before a worker is killed")
-    p.add_argument("--min-replicas", type=int, default=None,
-                   help="fewest workers an epoch may have (default: all: the world is fixed)")
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without progress before a worker is killed",
+    )
+    p.add_argument(
+        "--min-replicas",
+        type=int,
+        default=None,
+        help="fewest workers an epoch may have (default: all: the world is fixed)",
+    )
     p.add_argument("--run-dir", default=None, help="event log and heartbeats (default: temp)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--check-every", type=int, default=0,
-                   help="log the state digest every N commits (S3 check)")
+    p.add_argument(
+        "--check-every", type=int, default=0, help="log the state digest every N commits (S3 check)"
+    )
     p.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
@@ -309,7 +318,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if rest[:1] == ["--"]:
         rest = rest[1:]
     if args.module:
-        command = [sys.executable, "-m", args.module, *([args.script] if args.script else []), *rest]
+        command = [
+            sys.executable,
+            "-m",
+            args.module,
+            *([args.script] if args.script else []),
+            *rest,
+        ]
     elif args.script:
         if not os.path.exists(args.script):
             _fail(f"script {args.script!r} not found")

@@ -15,7 +15,12 @@ from fastft.runtime.events import read_events
 
 __all__ = ["summarize", "render_report"]
 
-_FAULT_EVENTS = ("injected", "local_fault", "worker_exit", "worker_stopped", "worker_hung")
+_PROCESS_EVENTS = ("worker_exit", "worker_stopped", "worker_hung")
+_FAULT_EVENTS = ("injected", "local_fault", *_PROCESS_EVENTS)
+
+
+def _ms(e: dict[str, Any] | None, t: float) -> float | None:
+    return None if e is None else round((e["mono"] - t) * 1e3, 2)
 
 
 def _rank_of(src: str) -> int | None:
@@ -39,22 +44,37 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         if faults and faults[-1]["rank"] == rank and t - faults[-1]["t"] < 5.0:
             faults[-1]["seen_as"].append(name)
             continue
-        faults.append({"rank": rank, "incarnation": inc, "t": t, "kind": e.get("kind", name),
-                       "seen_as": [name], "step": e.get("step")})
+        faults.append(
+            {
+                "rank": rank,
+                "incarnation": inc,
+                "t": t,
+                "kind": e.get("kind", name),
+                "seen_as": [name],
+                "step": e.get("step"),
+            }
+        )
     for f in faults:
         t, r = f["t"], f["rank"]
         others = [e for e in ev if e["mono"] >= t and _rank_of(e["src"]) not in (None, r)]
         intr = next((e for e in others if e["event"] in ("interrupt", "peer_fault")), None)
         nxt = next((e for e in others if e["event"] == "commit"), None)
-        back = next((e for e in ev if e["mono"] > t and e["event"] == "commit"
-                     and _rank_of(e["src"]) == r and e.get("epoch", 0) > 0
-                     and "worker_exit" in f["seen_as"] + ["worker_exit"]), None)
-        f["detect_ms"] = None if intr is None else round((intr["mono"] - t) * 1e3, 2)
-        f["recover_ms"] = None if nxt is None else round((nxt["mono"] - t) * 1e3, 2)
-        f["rejoin_ms"] = (round((back["mono"] - t) * 1e3, 2)
-                          if back is not None and any(s in f["seen_as"] for s in
-                                                       ("worker_exit", "worker_stopped",
-                                                        "worker_hung")) else None)
+        restarted = any(s in f["seen_as"] for s in _PROCESS_EVENTS)
+        back = (
+            next(
+                (
+                    e
+                    for e in ev
+                    if e["mono"] > t and e["event"] == "commit" and _rank_of(e["src"]) == r
+                ),
+                None,
+            )
+            if restarted
+            else None
+        )
+        f["detect_ms"] = _ms(intr, t)
+        f["recover_ms"] = _ms(nxt, t)
+        f["rejoin_ms"] = _ms(back, t)
         f["recovered"] = nxt is not None
     steps = sorted({e["step"] for e in commits})
     rolled = {(e["epoch"], e["step"]) for e in ev if e["event"] == "rollback"}
@@ -81,14 +101,20 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
 
 def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
     lines = [f"fastft run {run_dir}", ""]
-    lines.append("| # | rank | fault | step | detected (ms) | survivors' next commit (ms) "
-                 "| restarted worker committing (ms) |")
+    lines.append(
+        "| # | rank | fault | step | detected (ms) | survivors' next commit (ms) "
+        "| restarted worker committing (ms) |"
+    )
     lines.append("|---|---|---|---|---|---|---|")
     for i, f in enumerate(s["faults"], 1):
+
         def fmt(v: Any) -> str:
             return "-" if v is None else f"{v:.1f}"
-        lines.append(f"| {i} | {f['rank']} | {f['kind']} | {f['step'] if f['step'] is not None else '-'} "
-                     f"| {fmt(f['detect_ms'])} | {fmt(f['recover_ms'])} | {fmt(f['rejoin_ms'])} |")
+
+        lines.append(
+            f"| {i} | {f['rank']} | {f['kind']} | {f['step'] if f['step'] is not None else '-'} "
+            f"| {fmt(f['detect_ms'])} | {fmt(f['recover_ms'])} | {fmt(f['rejoin_ms'])} |"
+        )
     lines.append("")
     lines.append(
         f"steps committed {s['steps_committed']}, rolled back {s['steps_rolled_back']}, "

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,11 +25,30 @@ STEPS = 30
 pytestmark = pytest.mark.timeout(180)
 
 
-def fastft_run(tmp: Path, name: str, *flags: str, plan: list[dict] | None = None,
-               steps: int = STEPS, timeout: float = 150) -> Path:
+def fastft_run(
+    tmp: Path,
+    name: str,
+    *flags: str,
+    plan: list[dict] | None = None,
+    steps: int = STEPS,
+    timeout: float = 150,
+) -> Path:
     run = tmp / name
-    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--run-dir", str(run),
-           "--check-every", "1", "--job", name, *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastft.cli",
+        "run",
+        "--nproc",
+        "3",
+        "--run-dir",
+        str(run),
+        "--check-every",
+        "1",
+        "--job",
+        name,
+        *flags,
+    ]
     if plan is not None:
         run.mkdir(parents=True)
         (run / "plan.json").write_text(json.dumps({"faults": plan}))
@@ -40,8 +60,10 @@ def fastft_run(tmp: Path, name: str, *flags: str, plan: list[dict] | None = None
 
 
 def finals(run: Path) -> dict[int, dict]:
-    return {int(f.stem.split("rank")[1]): json.loads(f.read_text())
-            for f in (run / "out").glob("final-rank*.json")}
+    return {
+        int(f.stem.split("rank")[1]): json.loads(f.read_text())
+        for f in (run / "out").glob("final-rank*.json")
+    }
 
 
 def check_s1_s3(run: Path, steps: int = STEPS) -> None:
@@ -86,8 +108,9 @@ def test_exception_sigkill_and_sigstop_end_bitwise_equal_to_a_clean_run(tmp_path
     heals = [e for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"] > 0]
     assert {e["src"] for e in heals} == {"rank 2", "rank 0"}  # S4: restarted ones healed
     # the exception was a Fault2: rolled back without any restart or transfer for rank 1
-    assert not any(e["event"] == "worker_exit" and e["rank"] == 1 and e["exit_code"] != 0
-                   for e in ev)
+    assert not any(
+        e["event"] == "worker_exit" and e["rank"] == 1 and e["exit_code"] != 0 for e in ev
+    )
 
 
 def test_rank0_killed_is_survived(tmp_path, clean):
@@ -98,8 +121,9 @@ def test_rank0_killed_is_survived(tmp_path, clean):
     check_s1_s3(run)
     assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
     ev = read_events(run)
-    fetched = {e["src"] for e in ev if e["event"] == "heal" and e["role"] == "fetch"
-               and e["step"] > 0}
+    fetched = {
+        e["src"] for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"] > 0
+    }
     assert fetched == {"rank 0"}  # the restarted rank 0 healed from a survivor
 
 
@@ -121,15 +145,51 @@ def test_two_agents_form_one_job(tmp_path, clean):
     plan.write_text(json.dumps({"faults": [{"kind": "sigkill", "rank": 3, "at_step": 7}]}))
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2", "--nnodes", "2",
-               "--node-rank", str(node), "--store", f"127.0.0.1:{port}", "--job", "multi",
-               "--run-dir", str(run), "--check-every", "1", "--inject", str(plan),
-               "-m", "fastft.demo.train", "--", "--steps", "16", "--batch", "96",
-               "--out", str(run / "out")]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "fastft.cli",
+            "run",
+            "--nproc",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--store",
+            f"127.0.0.1:{port}",
+            "--job",
+            "multi",
+            "--run-dir",
+            str(run),
+            "--check-every",
+            "1",
+            "--inject",
+            str(plan),
+            "-m",
+            "fastft.demo.train",
+            "--",
+            "--steps",
+            "16",
+            "--batch",
+            "96",
+            "--out",
+            str(run / "out"),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     try:
-        outs = [p.communicate(timeout=150) for p in procs]
+        # If one agent fails, the other would wait for its workers: stop it at once.
+        deadline = time.monotonic() + 150
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.1)
+        for p in procs:
+            if p.poll() is None and any(q.returncode not in (None, 0) for q in procs):
+                p.terminate()
+        outs = [p.communicate(timeout=30) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -151,8 +211,12 @@ def test_two_agents_form_one_job(tmp_path, clean):
     ],
 )
 def test_bad_launch_flags_fail_at_start(flags, needle):
-    p = subprocess.run([sys.executable, "-m", "fastft.cli", "run", *flags, "-m", "x"],
-                       capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"})
+    p = subprocess.run(
+        [sys.executable, "-m", "fastft.cli", "run", *flags, "-m", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"},
+    )
     assert p.returncode == 2
     assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -26,6 +26,7 @@ import datetime
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -67,17 +68,25 @@ def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) 
     )
 
 
-def connect_store(address: str, timeout_s: float = 30.0) -> dist.TCPStore:
-    """Connect to ``HOST:PORT``; raises StoreUnreachable with one clear line if it can't."""
+def connect_store(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) -> dist.TCPStore:
+    """Connect to ``HOST:PORT``; raises StoreUnreachable with one clear line if it can't.
+    ``wait_s``: keep trying that long while nothing listens yet (an agent of another node
+    may start before node 0 hosts the store); 0 fails at once."""
     host, sep, port_s = address.rpartition(":")
     if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
         raise StoreUnreachable(f"store address {address!r}: use HOST:PORT, e.g. 127.0.0.1:29500")
     port = int(port_s)
-    try:  # fail fast and quietly before TCPStore's own retry loop and C++ logging
-        with socket.create_connection((host, port), timeout=min(timeout_s, 2.0)):
-            pass
-    except OSError as e:
-        raise StoreUnreachable(f"no store answers at {host}:{port} ({e.strerror or e})") from e
+    deadline = time.monotonic() + wait_s
+    while True:  # fail fast and quietly before TCPStore's own retry loop and C++ logging
+        try:
+            with socket.create_connection((host, port), timeout=min(timeout_s, 2.0)):
+                break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise StoreUnreachable(
+                    f"no store answers at {host}:{port} ({e.strerror or e})"
+                ) from e
+            time.sleep(0.05)
     try:
         return dist.TCPStore(
             host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)

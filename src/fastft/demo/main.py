@@ -28,8 +28,20 @@ def _plan(steps: int) -> list[dict[str, object]]:
 
 
 def _run(run: Path, nproc: int, steps: int, plan: list[dict[str, object]] | None) -> int:
-    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", str(nproc), "--run-dir",
-           str(run), "--job", run.name, "--check-every", "10"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastft.cli",
+        "run",
+        "--nproc",
+        str(nproc),
+        "--run-dir",
+        str(run),
+        "--job",
+        run.name,
+        "--check-every",
+        "10",
+    ]
     if plan:
         run.mkdir(parents=True, exist_ok=True)
         (run / "plan.json").write_text(json.dumps({"faults": plan}))
@@ -42,8 +54,9 @@ def _digests(run: Path) -> set[str]:
     return {json.loads(f.read_text())["digest"] for f in (run / "out").glob("final-rank*.json")}
 
 
-def run_demo(steps: int = 200, nproc: int = 4, run_dir: str | None = None,
-             live: bool = False) -> int:
+def run_demo(
+    steps: int = 200, nproc: int = 4, run_dir: str | None = None, live: bool = False
+) -> int:
     root = Path(run_dir or tempfile.mkdtemp(prefix="fastft-demo-"))
     print(f"fastft demo: {nproc} workers, {steps} steps, runs in {root}", flush=True)
     t0 = time.monotonic()
@@ -61,6 +74,8 @@ def run_demo(steps: int = 200, nproc: int = 4, run_dir: str | None = None,
     recovered = all(f["recovered"] for f in figures["faults"])
     print()
     print(f"final state digest, fault-free: {sorted(clean)}  with faults: {sorted(faulty)}")
-    print(f"S5 equivalence: {'HOLDS' if equal else 'FAILED'}; every fault recovered: "
-          f"{'yes' if recovered else 'NO'}; {time.monotonic() - t0:.0f} s")
+    print(
+        f"S5 equivalence: {'HOLDS' if equal else 'FAILED'}; every fault recovered: "
+        f"{'yes' if recovered else 'NO'}; {time.monotonic() - t0:.0f} s"
+    )
     return 0 if equal and recovered else 1

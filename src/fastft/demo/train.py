@@ -31,7 +31,9 @@ def build(hidden: int, seed: int, layers: int = 2) -> nn.Module:
     return nn.Sequential(*mods)
 
 
-def batch(step: int, rank: int, world: int, seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    step: int, rank: int, world: int, seed: int, size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 100_003 + step)
     x = torch.randn(size, 32, generator=g)
     y = torch.sin(x[:, :1] * 3) + 0.1 * x[:, 1:2]
@@ -68,8 +70,15 @@ def main(argv: list[str] | None = None) -> None:
         a.out.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), a.out / f"final-rank{ft.rank}.pt")
         (a.out / f"final-rank{ft.rank}.json").write_text(
-            json.dumps({"step": ft.step, "digest": ft.digest(), "pid": os.getpid(),
-                        "commits": ft.commits, "rollbacks": ft.rollbacks})
+            json.dumps(
+                {
+                    "step": ft.step,
+                    "digest": ft.digest(),
+                    "pid": os.getpid(),
+                    "commits": ft.commits,
+                    "rollbacks": ft.rollbacks,
+                }
+            )
         )
     ft.close()
 

@@ -63,6 +63,7 @@ class LaunchConfig:
     inject: str | None = None
     hang_timeout_s: float = 30.0
     start_grace_s: float = 120.0
+    store_wait_s: float = 60.0
     min_replicas: int | None = None
     run_dir: str | None = None
     seed: int = 0
@@ -141,11 +142,12 @@ class Agent:
         else:
             assert config.store is not None
             self.store_addr = config.store
-        self.store = connect_store(self.store_addr)
+        self.store = connect_store(self.store_addr, wait_s=config.store_wait_s)
         self.bus = tcpstore_bus(
             self.store,
-            BusConfig(job=config.job, rank=NO_RANK, incarnation=secrets.randbits(62) | 1,
-                      role=Role.AGENT),
+            BusConfig(
+                job=config.job, rank=NO_RANK, incarnation=secrets.randbits(62) | 1, role=Role.AGENT
+            ),
         )
         first = config.node_rank * config.nproc
         self.slots = {r: _Slot(r) for r in range(first, first + config.nproc)}
@@ -161,11 +163,19 @@ class Agent:
         prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.bus.subscribe(self._on_message)
         self.bus.start()
-        self.events.emit("agent_start", store=self.store_addr, nproc=self.config.nproc,
-                         node_rank=self.config.node_rank, world_size=self.config.world_size,
-                         pid=os.getpid())
-        print(f"fastft: job {self.config.job}, store {self.store_addr}, "
-              f"run dir {self.run_dir}", file=sys.stderr, flush=True)
+        self.events.emit(
+            "agent_start",
+            store=self.store_addr,
+            nproc=self.config.nproc,
+            node_rank=self.config.node_rank,
+            world_size=self.config.world_size,
+            pid=os.getpid(),
+        )
+        print(
+            f"fastft: job {self.config.job}, store {self.store_addr}, run dir {self.run_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             for slot in self.slots.values():
                 self._spawn(slot)
@@ -236,8 +246,9 @@ class Agent:
             slot.started = time.monotonic()
             self._by_pid[slot.proc.pid] = slot
         self._wake.set()
-        self.events.emit("spawn", rank=slot.rank, life=slot.life, pid=slot.proc.pid,
-                         incarnation=slot.incarnation)
+        self.events.emit(
+            "spawn", rank=slot.rank, life=slot.life, pid=slot.proc.pid, incarnation=slot.incarnation
+        )
 
     def _reap(self) -> None:
         """Blocks in waitid: the kernel reports exits and stops the moment they happen."""
@@ -266,12 +277,20 @@ class Agent:
                 self._on_exit(slot, code, sig, t)
 
     def _on_stopped(self, slot: _Slot, t: float) -> None:
-        self.events.emit("worker_stopped", rank=slot.rank, incarnation=slot.incarnation,
-                         detected=t)
-        self._publish(HangSuspected(
-            job=self.config.job, epoch=0, rank=NO_RANK, incarnation=0, role=Role.AGENT,
-            hung_rank=slot.rank, hung_incarnation=slot.incarnation, silent_for_s=0.0,
-            stopped=True))
+        self.events.emit("worker_stopped", rank=slot.rank, incarnation=slot.incarnation, detected=t)
+        self._publish(
+            HangSuspected(
+                job=self.config.job,
+                epoch=0,
+                rank=NO_RANK,
+                incarnation=0,
+                role=Role.AGENT,
+                hung_rank=slot.rank,
+                hung_incarnation=slot.incarnation,
+                silent_for_s=0.0,
+                stopped=True,
+            )
+        )
         self._kill(slot)
 
     def _on_exit(self, slot: _Slot, code: int | None, sig: int | None, t: float) -> None:
@@ -279,22 +298,39 @@ class Agent:
         slot.proc.returncode = code if code is not None else -(sig or 0)
         with self._lock:
             self._by_pid.pop(slot.proc.pid, None)
-        self.events.emit("worker_exit", rank=slot.rank, incarnation=slot.incarnation,
-                         exit_code=code, signal=sig, life=slot.life, detected=t)
-        self._publish(ProcessExited(
-            job=self.config.job, epoch=0, rank=NO_RANK, incarnation=0, role=Role.AGENT,
-            exited_rank=slot.rank, exited_incarnation=slot.incarnation, exit_code=code,
-            signal=sig))
+        self.events.emit(
+            "worker_exit",
+            rank=slot.rank,
+            incarnation=slot.incarnation,
+            exit_code=code,
+            signal=sig,
+            life=slot.life,
+            detected=t,
+        )
+        self._publish(
+            ProcessExited(
+                job=self.config.job,
+                epoch=0,
+                rank=NO_RANK,
+                incarnation=0,
+                role=Role.AGENT,
+                exited_rank=slot.rank,
+                exited_incarnation=slot.incarnation,
+                exit_code=code,
+                signal=sig,
+            )
+        )
         self._forget_joiner(slot)
-        if code == 0:
+        if code == 0 or self._stopping is not None:
             slot.done = True
-        elif self._stopping is not None:
-            slot.done = True
-        elif any(s.done and s.proc is not None and s.proc.returncode == 0
-                 for s in self.slots.values()):
+        elif any(
+            s.done and s.proc is not None and s.proc.returncode == 0 for s in self.slots.values()
+        ):
             # Peers already finished the job: there is nothing left to rejoin.
-            self._failed = (f"rank {slot.rank} failed ({code=}, {sig=}) after other workers "
-                            "had finished the job")
+            self._failed = (
+                f"rank {slot.rank} failed ({code=}, {sig=}) after other workers "
+                "had finished the job"
+            )
             slot.done = True
         elif slot.life < self.config.max_restarts:
             slot.life += 1
@@ -302,8 +338,10 @@ class Agent:
             self.events.emit("restart", rank=slot.rank, life=slot.life)
             self._spawn(slot)
         else:
-            self._failed = (f"rank {slot.rank} failed ({'code ' + str(code) if sig is None else 'signal ' + str(sig)}) "
-                            f"and has no restarts left (--max-restarts {self.config.max_restarts})")
+            self._failed = (
+                f"rank {slot.rank} failed ({'code ' + str(code) if sig is None else 'signal ' + str(sig)}) "
+                f"and has no restarts left (--max-restarts {self.config.max_restarts})"
+            )
             slot.done = True
         self._wake.set()
 
@@ -345,12 +383,26 @@ class Agent:
                 return  # still starting (imports): no heartbeat yet
         silent = now - beat
         if silent > self.config.hang_timeout_s:
-            self.events.emit("worker_hung", rank=slot.rank, incarnation=slot.incarnation,
-                             silent_s=round(silent, 3), detected=now)
-            self._publish(HangSuspected(
-                job=self.config.job, epoch=0, rank=NO_RANK, incarnation=0, role=Role.AGENT,
-                hung_rank=slot.rank, hung_incarnation=slot.incarnation,
-                silent_for_s=round(silent, 3), stopped=False))
+            self.events.emit(
+                "worker_hung",
+                rank=slot.rank,
+                incarnation=slot.incarnation,
+                silent_s=round(silent, 3),
+                detected=now,
+            )
+            self._publish(
+                HangSuspected(
+                    job=self.config.job,
+                    epoch=0,
+                    rank=NO_RANK,
+                    incarnation=0,
+                    role=Role.AGENT,
+                    hung_rank=slot.rank,
+                    hung_incarnation=slot.incarnation,
+                    silent_for_s=round(silent, 3),
+                    stopped=False,
+                )
+            )
             self._kill(slot)
 
     def _on_message(self, m: Message) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastft.errors import ConfigError, FastFTError
 
@@ -68,7 +68,6 @@ class RuntimeConfig:
     backend: str = "auto"
     incarnation: int | None = None
     check_every: int = 0
-    extra: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if ":" not in self.store:

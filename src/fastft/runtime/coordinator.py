@@ -72,7 +72,9 @@ class Coordinator:
             self.store.compare_set(self.keys.decision(epoch, step), "", COMMIT)
 
     @staticmethod
-    def propose_rollback(store: dist.Store, keys: JobKeys, epoch: int, step: int, reason: str) -> str:
+    def propose_rollback(
+        store: dist.Store, keys: JobKeys, epoch: int, step: int, reason: str
+    ) -> str:
         """CAS ROLLBACK as the decision; returns the decision that holds."""
         got = store.compare_set(keys.decision(epoch, step), "", ROLLBACK + reason[:200])
         return bytes(got).decode(errors="replace")
@@ -226,9 +228,7 @@ class Coordinator:
             first_start = latest == 0
             everyone = len(joiners) == self.world_size
             enough_late = (
-                first_start
-                and now - started > start_timeout_s
-                and len(joiners) >= self.min_members
+                first_start and now - started > start_timeout_s and len(joiners) >= self.min_members
             )
             if (everyone or enough_late) and min(joiners) == self.me.rank:
                 members = tuple(sorted(Member(r, inc) for r, inc in joiners.items()))

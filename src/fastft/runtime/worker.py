@@ -166,13 +166,20 @@ class Runtime:
         self._side_store = self._store.clone()  # type: ignore[attr-defined]
         self._side_lock = threading.Lock()
         self.coord = Coordinator(
-            self._store, self.keys, self.rank, self.incarnation,
-            config.world_size, config.min_members,
+            self._store,
+            self.keys,
+            self.rank,
+            self.incarnation,
+            config.world_size,
+            config.min_members,
         )
         self.interrupter = Interrupter().install()
         self.interrupter.end_step()
         self.interrupter.shield(
-            Runtime._enter, Runtime._exit, Runtime._drive, Runtime._run_main_action,
+            Runtime._enter,
+            Runtime._exit,
+            Runtime._drive,
+            Runtime._run_main_action,
             Runtime.close,
         )
         plan = FaultPlan.load(config.inject) if config.inject else FaultPlan(faults=())
@@ -200,8 +207,9 @@ class Runtime:
         )
         self.bus.subscribe(self._on_message)
         self.bus.start()
-        self.events.emit("worker_start", incarnation=self.incarnation, life=config.life,
-                         pid=os.getpid())
+        self.events.emit(
+            "worker_start", incarnation=self.incarnation, life=config.life, pid=os.getpid()
+        )
 
     # --- public API ------------------------------------------------------------------------
     def register(
@@ -246,8 +254,9 @@ class Runtime:
         with self._lock:
             self._feed_locked(Shutdown("closed"))
             self._cond.notify_all()
-        self.events.emit("worker_stop", step=self._fsm.step, commits=self.commits,
-                         rollbacks=self.rollbacks)
+        self.events.emit(
+            "worker_stop", step=self._fsm.step, commits=self.commits, rollbacks=self.rollbacks
+        )
         self.bus.close()
         self.interrupter.close()
         self._hb.close()
@@ -287,15 +296,24 @@ class Runtime:
             with self._lock:
                 if self._fsm.phase is Phase.NORMAL and self._fsm.step == step:
                     self._feed_locked(GradsReady())
-            self._drive(lambda s: s.step != step or s.phase not in (
-                Phase.PREPARED, Phase.COMMIT, Phase.DRAIN_COMMIT))
+            self._drive(
+                lambda s: (
+                    s.step != step
+                    or s.phase not in (Phase.PREPARED, Phase.COMMIT, Phase.DRAIN_COMMIT)
+                )
+            )
             tx.committed = self._fsm.step > step
             if tx.committed:
                 self._retries = 0
             return False
         if isinstance(ev, StepInterrupted):
-            self.events.emit("interrupted", epoch=tx.epoch, step=step, reason=ev.reason,
-                             source_rank=ev.source_rank)
+            self.events.emit(
+                "interrupted",
+                epoch=tx.epoch,
+                step=step,
+                reason=ev.reason,
+                source_rank=ev.source_rank,
+            )
             return True
         if isinstance(ev, Exception):
             self._retries += 1
@@ -309,13 +327,26 @@ class Runtime:
     def _local_fault(self, exc: BaseException) -> None:
         severity = Severity.FAULT1 if isinstance(exc, StateLost) else Severity.FAULT2
         cause = f"{type(exc).__name__}: {exc}"
-        self.events.emit("local_fault", step=self._fsm.step, epoch=self._fsm.epoch,
-                         severity=severity.name, cause=cause[:500])
-        self.bus.broadcast(Fault(
-            job=self.config.job, epoch=self._fsm.epoch, rank=self.rank,
-            incarnation=self.incarnation, step=self._fsm.step, severity=severity,
-            cause=cause[:2000], faulty_rank=self.rank, faulty_incarnation=self.incarnation,
-        ))
+        self.events.emit(
+            "local_fault",
+            step=self._fsm.step,
+            epoch=self._fsm.epoch,
+            severity=severity.name,
+            cause=cause[:500],
+        )
+        self.bus.broadcast(
+            Fault(
+                job=self.config.job,
+                epoch=self._fsm.epoch,
+                rank=self.rank,
+                incarnation=self.incarnation,
+                step=self._fsm.step,
+                severity=severity,
+                cause=cause[:2000],
+                faulty_rank=self.rank,
+                faulty_incarnation=self.incarnation,
+            )
+        )
         with self._lock:
             self._feed_locked(LocalFault(severity, cause[:200]))
 
@@ -351,9 +382,15 @@ class Runtime:
         if new.phase is not before.phase and not (
             before.phase in _STEP_CYCLE and new.phase in _STEP_CYCLE
         ):  # the fault-free cycle NORMAL -> PREPARED -> COMMIT is logged as commits
-            self.events.emit("phase", frm=before.phase.name, to=new.phase.name,
-                             epoch=new.epoch, step=new.step, on=type(event).__name__,
-                             reason=new.reason or None)
+            self.events.emit(
+                "phase",
+                frm=before.phase.name,
+                to=new.phase.name,
+                epoch=new.epoch,
+                step=new.step,
+                on=type(event).__name__,
+                reason=new.reason or None,
+            )
         for a in actions:
             if isinstance(a, _MAIN_ACTIONS):
                 self._todo.append(a)
@@ -366,18 +403,25 @@ class Runtime:
             self._feed_locked(event)
 
     def _run_immediate(self, a: Action) -> None:
-        job, s = self.config.job, self._fsm
-        hdr = dict(job=job, epoch=s.epoch, rank=self.rank, incarnation=self.incarnation,
-                   step=s.step)
+        s = self._fsm
+        hdr: dict[str, Any] = dict(
+            job=self.config.job,
+            epoch=s.epoch,
+            rank=self.rank,
+            incarnation=self.incarnation,
+            step=s.step,
+        )
         if isinstance(a, InterruptStep):
             if self.interrupter.interrupt(a.reason, epoch=s.epoch):
                 self.events.emit("interrupt", epoch=s.epoch, step=s.step, reason=a.reason)
         elif isinstance(a, ProposeRollback):
             with self._side_lock:
                 got = Coordinator.propose_rollback(
-                    self._side_store, self.keys, a.epoch, a.step, a.reason)
-            self.events.emit("propose_rollback", epoch=a.epoch, step=a.step, reason=a.reason,
-                             decision=got[:1])
+                    self._side_store, self.keys, a.epoch, a.step, a.reason
+                )
+            self.events.emit(
+                "propose_rollback", epoch=a.epoch, step=a.step, reason=a.reason, decision=got[:1]
+            )
         elif isinstance(a, BroadcastRollbackRequest):
             self.bus.broadcast(RollbackRequest(**hdr, reason=a.reason[:2000]))
         elif isinstance(a, BroadcastRollbackAck):
@@ -403,9 +447,15 @@ class Runtime:
             for r in sorted(a.ranks):
                 inc = view.incarnation(r) if view and r in view.ranks else 0
                 self.events.emit("declare_dead", rank=r, incarnation=inc, epoch=s.epoch)
-                self.bus.broadcast(Fault(
-                    **hdr, severity=Severity.FAULT1, cause="silent during rollback",
-                    faulty_rank=r, faulty_incarnation=inc))
+                self.bus.broadcast(
+                    Fault(
+                        **hdr,
+                        severity=Severity.FAULT1,
+                        cause="silent during rollback",
+                        faulty_rank=r,
+                        faulty_incarnation=inc,
+                    )
+                )
         else:  # pragma: no cover - a new action without an executor
             raise AssertionError(f"no executor for {a}")
 
@@ -420,9 +470,10 @@ class Runtime:
                         return
                     if s.phase is Phase.EXIT:
                         raise WorkerExit(s.reason or "worker left the job")
-                    if (s.phase in (Phase.ROLLBACK_REQ, Phase.ROLLBACK_SYNC)
-                            and time.monotonic() - self._phase_since
-                            > self.config.rollback_timeout_s):
+                    if (
+                        s.phase in (Phase.ROLLBACK_REQ, Phase.ROLLBACK_SYNC)
+                        and time.monotonic() - self._phase_since > self.config.rollback_timeout_s
+                    ):
                         self._phase_since = time.monotonic()
                         self._feed_locked(Deadline(time.monotonic()))
                         continue
@@ -445,8 +496,9 @@ class Runtime:
         elif isinstance(a, ZeroGrads):
             self.registry.rollback()
             self.rollbacks += 1
-            self.events.emit("rollback", epoch=self._fsm.epoch, step=self._fsm.step,
-                             reason=self._fsm.reason)
+            self.events.emit(
+                "rollback", epoch=self._fsm.epoch, step=self._fsm.step, reason=self._fsm.reason
+            )
         elif isinstance(a, FormEpoch):
             self._form(a)
         elif isinstance(a, ConfigureProcessGroup):
@@ -474,10 +526,14 @@ class Runtime:
         commit = got == COMMIT
         if commit and view.index(self.rank) == 0 and a.step > 0:
             self.coord.forget(a.epoch, a.step - 1)  # every member has read it by now
-        self.events.emit("decision", epoch=a.epoch, step=a.step,
-                         decision="commit" if commit else "rollback",
-                         reason=None if commit or got is None else got[1:],
-                         wait_ms=round((time.monotonic() - t0) * 1e3, 3))
+        self.events.emit(
+            "decision",
+            epoch=a.epoch,
+            step=a.step,
+            decision="commit" if commit else "rollback",
+            reason=None if commit or got is None else got[1:],
+            wait_ms=round((time.monotonic() - t0) * 1e3, 3),
+        )
         self._feed(Decision(commit=commit))
 
     def _apply_commit(self, a: ApplyCommit) -> None:
@@ -497,11 +553,13 @@ class Runtime:
         def check() -> bool:
             self._hb.beat()
             return self._closing or self._fsm.phase is not phase
+
         return check
 
     def _announce_join(self) -> None:
-        self.bus.broadcast(JoinRequest(job=self.config.job, epoch=0, rank=self.rank,
-                                       incarnation=self.incarnation))
+        self.bus.broadcast(
+            JoinRequest(job=self.config.job, epoch=0, rank=self.rank, incarnation=self.incarnation)
+        )
 
     def _join(self) -> None:
         self.events.emit("join_wait", incarnation=self.incarnation)
@@ -520,8 +578,12 @@ class Runtime:
         t0 = time.monotonic()
         exclude = a.exclude | frozenset(m.rank for m in prev.members if m in self._dead)
         view = self.coord.form_as_survivor(
-            prev, exclude, step=self._fsm.step, lost_state=a.lost_state,
-            timeout_s=self.config.rollback_timeout_s, cancelled=self._cancelled(Phase.HEALING),
+            prev,
+            exclude,
+            step=self._fsm.step,
+            lost_state=a.lost_state,
+            timeout_s=self.config.rollback_timeout_s,
+            cancelled=self._cancelled(Phase.HEALING),
         )
         if view is None:
             return
@@ -533,9 +595,15 @@ class Runtime:
         self._adopt(view, waited_s=time.monotonic() - t0)
 
     def _adopt(self, view: EpochView, waited_s: float) -> None:
-        self.events.emit("epoch", epoch=view.epoch, members=[m.rank for m in view.members],
-                         step=view.step, needs_state=sorted(view.needs_state),
-                         source=view.source, form_ms=round(waited_s * 1e3, 3))
+        self.events.emit(
+            "epoch",
+            epoch=view.epoch,
+            members=[m.rank for m in view.members],
+            step=view.step,
+            needs_state=sorted(view.needs_state),
+            source=view.source,
+            form_ms=round(waited_s * 1e3, 3),
+        )
         with self._lock:
             self._view = view
             self._feed_locked(QuorumReady(view.epoch, view.ranks, view.step, view.needs_state))
@@ -562,7 +630,9 @@ class Runtime:
             if backend == "nccl":  # pragma: no cover - checked on a GPU machine only
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", self.rank)) % max(1, torch.cuda.device_count()))
+                torch.cuda.set_device(
+                    int(os.environ.get("LOCAL_RANK", self.rank)) % max(1, torch.cuda.device_count())
+                )
                 return dist.ProcessGroupNCCL(store, rank, size, opts)
             return dist.ProcessGroupGloo(store, rank, size, timeout)
 
@@ -590,8 +660,13 @@ class Runtime:
                 self._local_fault(e)
                 return
         self._pg, self._pg_epoch = pg, a.epoch
-        self.events.emit("process_group", epoch=a.epoch, backend=backend, size=size,
-                         build_ms=round((time.monotonic() - t0) * 1e3, 3))
+        self.events.emit(
+            "process_group",
+            epoch=a.epoch,
+            backend=backend,
+            size=size,
+            build_ms=round((time.monotonic() - t0) * 1e3, 3),
+        )
 
     def _heal(self, a: FetchState | SendState) -> None:
         view = self._view
@@ -601,14 +676,17 @@ class Runtime:
         t0 = time.monotonic()
         src = view.index(view.source)
         sending = self.rank == view.source
-        self.interrupter.begin_step(a.epoch, -1 - a.step)
+        self.interrupter.begin_step(a.epoch, a.step)  # a fault of this epoch ends the heal
         try:
             blob = self.registry.serialize(a.step) if sending else b""
             size = torch.tensor([len(blob)], dtype=torch.int64)
             with self._waiting():
                 interruptible_broadcast(self._pg, [size], src, self.interrupter)
-                buf = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if sending
-                       else torch.empty(int(size.item()), dtype=torch.uint8))
+                buf = (
+                    torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                    if sending
+                    else torch.empty(int(size.item()), dtype=torch.uint8)
+                )
                 interruptible_broadcast(self._pg, [buf], src, self.interrupter)
         except (StepInterrupted, Exception) as e:
             self.events.emit("heal_aborted", epoch=a.epoch, reason=str(e)[:300])
@@ -620,14 +698,24 @@ class Runtime:
         if isinstance(a, FetchState) or self.rank in view.needs_state:
             step = self.registry.load(buf.numpy().tobytes())
             assert step == view.step, (step, view.step)
-        self.events.emit("heal", epoch=a.epoch, step=a.step, role="send" if sending else
-                         ("fetch" if self.rank in view.needs_state else "relay"),
-                         bytes=int(size.item()), heal_ms=round((time.monotonic() - t0) * 1e3, 3))
+        self.events.emit(
+            "heal",
+            epoch=a.epoch,
+            step=a.step,
+            role="send" if sending else ("fetch" if self.rank in view.needs_state else "relay"),
+            bytes=int(size.item()),
+            heal_ms=round((time.monotonic() - t0) * 1e3, 3),
+        )
         self._feed(HealDone())
 
     def _inject(self, spec: FaultSpec) -> None:
-        self.events.emit("injected", kind=spec.kind.value, step=self._fsm.step,
-                         epoch=self._fsm.epoch, incarnation=self.incarnation)
+        self.events.emit(
+            "injected",
+            kind=spec.kind.value,
+            step=self._fsm.step,
+            epoch=self._fsm.epoch,
+            incarnation=self.incarnation,
+        )
         execute(spec)
 
     # --- the bus ---------------------------------------------------------------------------
@@ -651,20 +739,25 @@ class Runtime:
                     # a monitor or an operator reports this worker faulty
                     self._feed(LocalFault(sev, f"reported by {m.role.name.lower()}: {cause}"[:200]))
                 return
-            if sev is Severity.FAULT1:
-                if inc:
-                    self._dead.add(Member(r, inc))
-                    self.coord.dead.add(Member(r, inc))
+            if sev is Severity.FAULT1 and inc:
+                self._dead.add(Member(r, inc))
+                self.coord.dead.add(Member(r, inc))
             if view is not None and r in view.ranks and inc in (0, view.incarnation(r)):
-                self.events.emit("peer_fault", rank=r, incarnation=inc, severity=sev.name,
-                                 cause=cause[:300], kind=type(m).__name__, sent=m.wall_time,
-                                 epoch=self._fsm.epoch, step=self._fsm.step)
+                self.events.emit(
+                    "peer_fault",
+                    rank=r,
+                    incarnation=inc,
+                    severity=sev.name,
+                    cause=cause[:300],
+                    kind=type(m).__name__,
+                    sent=m.wall_time,
+                    epoch=self._fsm.epoch,
+                    step=self._fsm.step,
+                )
                 self._feed(PeerFault(r, sev, cause[:200]))
             return
         if view is None or m.rank == self.rank:
-            if isinstance(m, JoinRequest) and m.rank != self.rank:
-                self._feed(JoinRequested(m.rank))
-            return
+            return  # not in an epoch yet (joins are admitted by the formation), or our own
         member = view.has(m.rank, m.incarnation)
         if isinstance(m, RollbackRequest):
             if member and m.epoch == self._fsm.epoch:
@@ -719,8 +812,7 @@ class _Heartbeat:
             self._mm = mmap.mmap(fd, 8)
             os.close(fd)
             self.beat()
-            self._thread = threading.Thread(target=self._run, name="fastft-heartbeat",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._run, name="fastft-heartbeat", daemon=True)
             self._thread.start()
 
     def beat(self) -> None:
