@@ -40,9 +40,25 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         rank = e.get("rank", _rank_of(e["src"]))
         inc = e.get("incarnation")
         t = e["mono"]
-        # one fault: an injection, then the local exception / exit / stop it caused
-        if faults and faults[-1]["rank"] == rank and t - faults[-1]["t"] < 5.0:
-            faults[-1]["seen_as"].append(name)
+        recent = [f for f in faults if t - f["t"] < 1.0]
+        # one fault: an injection, then the local exception / exit / stop / hang it caused
+        # (same life of the same worker; a hang is seen only after the hang timeout)
+        same = next(
+            (
+                f
+                for f in reversed(faults)
+                if f["rank"] == rank
+                and f["incarnation"] == inc
+                and (name in _PROCESS_EVENTS or t - f["t"] < 1.0)
+            ),
+            None,
+        )
+        if same is not None:
+            same["seen_as"].append(name)
+            continue
+        # a survivor's collective failing on the dead peer's reset connection
+        if name == "local_fault" and recent and "CollectiveFailed" in e.get("cause", ""):
+            recent[-1]["secondary"] += 1
             continue
         faults.append(
             {
@@ -52,13 +68,27 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                 "kind": e.get("kind", name),
                 "seen_as": [name],
                 "step": e.get("step"),
+                "epoch": max(
+                    (x["epoch"] for x in ev if x["event"] == "epoch" and x["mono"] <= t), default=0
+                ),
+                "secondary": 0,
             }
         )
     for f in faults:
         t, r = f["t"], f["rank"]
         others = [e for e in ev if e["mono"] >= t and _rank_of(e["src"]) not in (None, r)]
         intr = next((e for e in others if e["event"] in ("interrupt", "peer_fault")), None)
-        nxt = next((e for e in others if e["event"] == "commit"), None)
+        # the survivors' next commit of the interrupted step (or, when the step is not
+        # known, of a later epoch): a commit of a step decided before the fault does not count
+        nxt = next(
+            (
+                e
+                for e in others
+                if e["event"] == "commit"
+                and (e["step"] >= f["step"] if f["step"] is not None else e["epoch"] > f["epoch"])
+            ),
+            None,
+        )
         restarted = any(s in f["seen_as"] for s in _PROCESS_EVENTS)
         back = (
             next(
@@ -112,7 +142,9 @@ def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
             return "-" if v is None else f"{v:.1f}"
 
         lines.append(
-            f"| {i} | {f['rank']} | {f['kind']} | {f['step'] if f['step'] is not None else '-'} "
+            f"| {i} | {f['rank']} | {f['kind']}"
+            + (f" (+{f['secondary']} peer collectives failed)" if f["secondary"] else "")
+            + f" | {f['step'] if f['step'] is not None else '-'} "
             f"| {fmt(f['detect_ms'])} | {fmt(f['recover_ms'])} | {fmt(f['rejoin_ms'])} |"
         )
     lines.append("")

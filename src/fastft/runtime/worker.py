@@ -333,6 +333,7 @@ class Runtime:
             epoch=self._fsm.epoch,
             severity=severity.name,
             cause=cause[:500],
+            incarnation=self.incarnation,
         )
         self.bus.broadcast(
             Fault(
