@@ -148,3 +148,24 @@ def test_install_outside_main_thread_is_refused():
     t.start()
     t.join()
     assert errors
+
+
+def test_a_disarmed_step_is_not_interrupted(intr):
+    intr.end_step()
+    assert intr.interrupt("late") is False
+    assert not intr.aborted
+    time.sleep(0.05)  # no signal may arrive either
+
+
+def test_shielded_code_is_never_interrupted_by_the_signal(intr):
+    def machinery():
+        t = later(lambda: intr.interrupt("x"), delay=0.02)
+        time.sleep(0.15)  # the signal lands here and must not raise
+        t.join()
+        return "finished"
+
+    intr.shield(machinery)
+    assert machinery() == "finished"
+    assert intr.aborted  # the step is still marked aborted: the next check raises
+    with pytest.raises(StepInterrupted):
+        intr.check()
