@@ -348,8 +348,9 @@ class Agent:
     def _forget_joiner(self, slot: _Slot) -> None:
         key = self.keys.joiner(slot.rank)
         try:
-            if self.store.check([key]) and self.store.get(key) == str(slot.incarnation).encode():
-                self.store.delete_key(key)
+            # Joiner keys are cleared, never deleted: a worker may be between its check
+            # and its get of the key, and a get of a missing key blocks for the timeout.
+            self.store.compare_set(key, str(slot.incarnation), "")
         except Exception:  # noqa: BLE001 - best effort
             log.debug("could not clear joiner key of rank %d", slot.rank, exc_info=True)
 
@@ -403,6 +404,8 @@ class Agent:
                     stopped=False,
                 )
             )
+            self._kill(slot, signal.SIGUSR1)  # the worker prints its stacks, then dies
+            time.sleep(0.2)
             self._kill(slot)
 
     def _on_message(self, m: Message) -> None:

@@ -62,6 +62,7 @@ class Coordinator:
         self.clock = clock
         self.dead: set[Member] = set()
         """Incarnations known dead: never admitted as joiners."""
+        self._joiner_keys_exist = False
 
     # --- decisions -------------------------------------------------------------------------
     def vote(self, epoch: int, step: int, n_members: int, *, leaving: bool = False) -> None:
@@ -113,28 +114,34 @@ class Coordinator:
         self.store.set(self.keys.joiner(self.me.rank), str(self.me.incarnation))
 
     def joiners(self, exclude: frozenset[int] = frozenset()) -> dict[int, int]:
-        """Registered joiners by rank -> incarnation."""
+        """Registered joiners by rank -> incarnation (one round trip once the keys exist).
+
+        A joiner key holds an incarnation or "" once its worker was admitted or died; keys
+        are cleared by compare-and-set and never deleted, because a ``get`` of a key that
+        vanished after a ``check`` blocks for the store's whole timeout."""
+        keys = [self.keys.joiner(r) for r in range(self.world_size)]
+        if not self._joiner_keys_exist:
+            for k in keys:
+                self.store.compare_set(k, "", "")  # creates "" if missing, else no change
+            self._joiner_keys_exist = True
         out = {}
-        for r in range(self.world_size):
-            if r in exclude:
+        for r, raw in enumerate(self.store.multi_get(keys)):
+            if r in exclude or not raw:
                 continue
-            k = self.keys.joiner(r)
-            if self.store.check([k]):
-                raw = self.store.get(k)
-                if raw and Member(r, int(raw)) not in self.dead:
-                    out[r] = int(raw)
+            inc = int(raw)
+            if Member(r, inc) not in self.dead:
+                out[r] = inc
         return out
 
-    def _close(self, view: EpochView) -> EpochView:
+    def _close(self, view: EpochView, admitted: dict[int, int]) -> EpochView:
+        """Close ``view.epoch`` with ``view`` unless another view closed it first; the
+        closer clears the joiner keys of the joiners it ``admitted`` (rank -> incarnation)."""
         got = self.store.compare_set(self.keys.epoch_members(view.epoch), "", view.to_json())
         agreed = EpochView.from_json(got)
         if agreed == view:
             self.store.set(self.keys.latest_epoch, str(view.epoch))
-            for m in view.members:
-                if m.rank in view.needs_state and m != self.me:
-                    k = self.keys.joiner(m.rank)
-                    if self.store.check([k]) and int(self.store.get(k) or 0) == m.incarnation:
-                        self.store.delete_key(k)
+            for r, inc in admitted.items():
+                self.store.compare_set(self.keys.joiner(r), str(inc), "")
             log.info("closed epoch %d: %s", view.epoch, view.to_json())
         return agreed
 
@@ -195,7 +202,7 @@ class Coordinator:
             needs_state=needs if with_state else frozenset(),
             source=with_state[0] if with_state else None,
         )
-        return self._close(view)
+        return self._close(view, joiners)
 
     def form_as_joiner(
         self,
@@ -247,7 +254,7 @@ class Coordinator:
                         "every worker of the job was lost: starting again from step 0 "
                         "with freshly initialized state"
                     )
-                agreed = self._close(view)
+                agreed = self._close(view, joiners)
                 if agreed.has(self.me.rank, self.me.incarnation):
                     return agreed
             time.sleep(0.01)

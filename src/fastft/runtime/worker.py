@@ -21,10 +21,12 @@ import atexit
 import collections
 import concurrent.futures as cf
 import datetime
+import faulthandler
 import logging
 import mmap
 import os
 import secrets
+import signal
 import struct
 import sys
 import threading
@@ -115,6 +117,7 @@ _MAIN_ACTIONS = (
     ExitWorker,
 )
 _WAIT_S = 0.05
+_HEALING_ACTIONS = (FormEpoch, ConfigureProcessGroup, FetchState, SendState)
 _STEP_CYCLE = (Phase.NORMAL, Phase.PREPARED, Phase.COMMIT)
 
 
@@ -173,6 +176,10 @@ class Runtime:
             config.world_size,
             config.min_members,
         )
+        if threading.current_thread() is threading.main_thread():
+            # The agent sends SIGUSR1 before it kills a worker it found hung: every
+            # thread's Python stack goes to stderr (works while a thread holds the GIL).
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         self.interrupter = Interrupter().install()
         self.interrupter.end_step()
         self.interrupter.shield(
@@ -188,7 +195,10 @@ class Runtime:
         self._cond = threading.Condition(self._lock)
         self._fsm: StepState = initial_state(self.rank)
         self._phase_since = time.monotonic()
-        self._todo: collections.deque[Action] = collections.deque()
+        self._phase_changes = 0
+        self._action_gen = 0
+        self._todo: collections.deque[tuple[int, Action]] = collections.deque()
+        """Main-thread actions, each with the count of phase changes when it was queued."""
         self._view: EpochView | None = None
         self._pg: Any = None
         self._pg_epoch = -1
@@ -380,6 +390,7 @@ class Runtime:
         self._fsm = new
         if new.phase is not before.phase:
             self._phase_since = time.monotonic()
+            self._phase_changes += 1
         if new.phase is not before.phase and not (
             before.phase in _STEP_CYCLE and new.phase in _STEP_CYCLE
         ):  # the fault-free cycle NORMAL -> PREPARED -> COMMIT is logged as commits
@@ -394,7 +405,7 @@ class Runtime:
             )
         for a in actions:
             if isinstance(a, _MAIN_ACTIONS):
-                self._todo.append(a)
+                self._todo.append((self._phase_changes, a))
             else:
                 self._run_immediate(a)
         self._cond.notify_all()
@@ -464,7 +475,11 @@ class Runtime:
         """Main thread: run queued actions until ``done(state)``."""
         while True:
             with self._lock:
-                action = self._todo.popleft() if self._todo else None
+                queued, action = self._todo.popleft() if self._todo else (0, None)
+                if isinstance(action, _HEALING_ACTIONS) and queued != self._phase_changes:
+                    # queued by a healing that a later fault ended: the new one queued its own
+                    log.debug("dropping stale %s", action)
+                    continue
                 if action is None:
                     s = self._fsm
                     if done(s):
@@ -484,6 +499,7 @@ class Runtime:
                         self._hb.beat()
                         self._cond.wait(_WAIT_S)
                         continue
+                self._action_gen = queued if action is not _JOIN else self._phase_changes
             self._hb.beat()
             self._run_main_action(action)
 
@@ -551,9 +567,14 @@ class Runtime:
 
     # --- epochs and healing ----------------------------------------------------------------
     def _cancelled(self, phase: Phase) -> Callable[[], bool]:
+        """A check for long main-thread waits: true once the job closes or the state
+        machine left ``phase``, even if it came back to it meanwhile (a fault during a
+        formation or a process-group build queues a new one; the old wait is stale)."""
+        changes = self._action_gen
+
         def check() -> bool:
             self._hb.beat()
-            return self._closing or self._fsm.phase is not phase
+            return self._closing or self._fsm.phase is not phase or self._phase_changes != changes
 
         return check
 
@@ -741,6 +762,11 @@ class Runtime:
                     self._feed(LocalFault(sev, f"reported by {m.role.name.lower()}: {cause}"[:200]))
                 return
             if sev is Severity.FAULT1 and inc:
+                if Member(r, inc) in self._dead:
+                    # one death, several messages (stopped, then killed; declared dead,
+                    # then exited): the first one already started the recovery
+                    log.debug("rank %d incarnation %d: already known dead (%s)", r, inc, cause)
+                    return
                 self._dead.add(Member(r, inc))
                 self.coord.dead.add(Member(r, inc))
             if view is not None and r in view.ranks and inc in (0, view.incarnation(r)):

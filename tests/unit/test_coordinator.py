@@ -1,0 +1,137 @@
+"""The store side of the runtime on a real TCPStore: one decision per step, and epochs."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from fastft.bus import host_store
+from fastft.protocol.keys import JobKeys
+from fastft.runtime.contract import EpochView, Member
+from fastft.runtime.coordinator import COMMIT, ROLLBACK, Coordinator
+
+pytestmark = pytest.mark.timeout(60)
+JOB = "coord"
+
+
+@pytest.fixture
+def server():
+    s = host_store()
+    yield s
+    del s
+
+
+def client(server: dist.TCPStore, timeout_s: float = 2.0) -> dist.TCPStore:
+    # a short store timeout: a get that blocks on a missing key fails the test at once
+    return dist.TCPStore(
+        "127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def coord(server: dist.TCPStore, rank: int, inc: int, world: int = 3) -> Coordinator:
+    return Coordinator(client(server), JobKeys(JOB), rank, inc, world, world)
+
+
+def test_the_completing_vote_commits(server):
+    cs = [coord(server, r, 10 + r) for r in range(3)]
+    for c in cs[:2]:
+        c.vote(1, 0, 3)
+    assert cs[0].await_decision(1, 0, 0.05) is None  # not decided before the last vote
+    cs[2].vote(1, 0, 3)
+    assert {c.await_decision(1, 0, 1.0) for c in cs} == {COMMIT}
+
+
+def test_a_rollback_proposed_first_beats_the_commit(server):
+    cs = [coord(server, r, 10 + r) for r in range(3)]
+    keys = JobKeys(JOB)
+    cs[0].vote(1, 5, 3)
+    got = Coordinator.propose_rollback(cs[1].store, keys, 1, 5, "rank 2 died")
+    assert got == ROLLBACK + "rank 2 died"
+    cs[1].vote(1, 5, 3)
+    cs[2].vote(1, 5, 3)  # the completing vote finds the decision taken
+    assert {c.await_decision(1, 5, 1.0) for c in cs} == {ROLLBACK + "rank 2 died"}
+    # and a rollback after the commit does not change it
+    for c in cs:
+        c.vote(1, 6, 3)
+    assert Coordinator.propose_rollback(cs[0].store, keys, 1, 6, "late") == COMMIT
+
+
+def test_forget_removes_a_decided_steps_keys(server):
+    c = coord(server, 0, 1, world=1)
+    c.vote(1, 0, 1)
+    assert c.await_decision(1, 0, 1.0) == COMMIT
+    c.forget(1, 0)
+    assert c.await_decision(1, 0, 0.05) is None
+
+
+def test_cleared_joiner_keys_never_block_a_reader(server):
+    """Regression: joiner keys were deleted once admitted; a reader between its check and
+    its get of the key then blocked for the store's whole timeout (30 s in a job)."""
+    c0, c1 = coord(server, 0, 100), coord(server, 1, 101)
+    c1.register_joiner()
+    assert c0.joiners() == {1: 101}
+    c0.store.compare_set(JobKeys(JOB).joiner(1), "101", "")  # what admission and the agent do
+    assert c0.joiners() == {}
+    c0.dead.add(Member(1, 101))
+    c1.register_joiner()
+    assert c0.joiners() == {}, "a dead incarnation is never admitted"
+
+
+def _join_all(cs: list[Coordinator]) -> list[EpochView | None]:
+    out: list[EpochView | None] = [None] * len(cs)
+
+    def run(i: int) -> None:
+        out[i] = cs[i].form_as_joiner(
+            start_timeout_s=30, cancelled=lambda: False, announce=lambda: None
+        )
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    return out
+
+
+def test_first_start_forms_one_epoch_with_everyone(server):
+    cs = [coord(server, r, 10 + r) for r in range(3)]
+    views = _join_all(cs)
+    assert all(v is not None for v in views)
+    assert len(set(views)) == 1
+    v = views[0]
+    assert v is not None and v.epoch == 1 and v.ranks == frozenset({0, 1, 2})
+    assert v.source == 0 and v.needs_state == frozenset({1, 2})
+    assert cs[0].joiners() == {}, "admitted joiners are cleared"
+
+
+def test_survivors_exclude_the_dead_and_admit_its_restart(server):
+    cs = [coord(server, r, 10 + r) for r in range(3)]
+    first = _join_all(cs)[0]
+    assert first is not None
+    restarted = coord(server, 2, 99)
+    restarted.register_joiner()
+    out: dict[int, EpochView | None] = {}
+
+    def survive(c: Coordinator) -> None:
+        out[c.me.rank] = c.form_as_survivor(
+            first,
+            frozenset({2}),
+            step=7,
+            lost_state=False,
+            timeout_s=5,
+            cancelled=lambda: False,
+        )
+
+    threads = [threading.Thread(target=survive, args=(c,)) for c in cs[:2]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert out[0] == out[1]
+    v = out[0]
+    assert v is not None and v.epoch == 2 and v.step == 7
+    assert v.members == (Member(0, 10), Member(1, 11), Member(2, 99))
+    assert v.needs_state == frozenset({2}) and v.source == 0
