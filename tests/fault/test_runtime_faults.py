@@ -113,18 +113,25 @@ def test_exception_sigkill_and_sigstop_end_bitwise_equal_to_a_clean_run(tmp_path
     )
 
 
-def test_rank0_killed_is_survived(tmp_path, clean):
-    # state_lost (Fault1 without dying) is not in this plan: in the runtime it re-forms
-    # the epoch over and over (a known bug, see the issue's closing note).
-    plan = [{"kind": "sigkill", "rank": 0, "at_step": 5}]
+def test_rank0_killed_and_a_state_loss_are_survived(tmp_path, clean):
+    plan = [
+        {"kind": "sigkill", "rank": 0, "at_step": 5},
+        # Fault1 without dying: the injection fills rank 1's parameters with NaN
+        {"kind": "state_lost", "rank": 1, "at_step": 14},
+    ]
     run = fastft_run(tmp_path, "rank0", plan=plan)
     check_s1_s3(run)
     assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
     ev = read_events(run)
-    fetched = {
-        e["src"] for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"] > 0
-    }
-    assert fetched == {"rank 0"}  # the restarted rank 0 healed from a survivor
+    fetched = [
+        (e["src"], e["step"])
+        for e in ev
+        if e["event"] == "heal" and e["role"] == "fetch" and e["step"] > 0
+    ]
+    # the restarted rank 0 healed from a survivor, then rank 1 healed its lost state
+    assert fetched == [("rank 0", 5), ("rank 1", 14)]
+    assert sum(e["event"] == "restart" for e in ev) == 1  # the state loss restarts nothing
+    assert sum(e["event"] == "epoch" and e["src"] == "rank 2" for e in ev) == 3
 
 
 def test_gil_hang_is_killed_after_the_hang_timeout(tmp_path, clean):

@@ -79,7 +79,7 @@ from fastft.fsm import (
     decide,
     initial_state,
 )
-from fastft.inject import FaultPlan, FaultSpec, Injector, StateLost, execute
+from fastft.inject import FaultKind, FaultPlan, FaultSpec, Injector, StateLost, execute
 from fastft.interrupt import Interrupter, StepInterrupted
 from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.interrupt import broadcast as interruptible_broadcast
@@ -738,6 +738,11 @@ class Runtime:
             epoch=self._fsm.epoch,
             incarnation=self.incarnation,
         )
+        if spec.kind is FaultKind.STATE_LOST:
+            # make the loss real: a worker that failed to heal ends with a wrong digest
+            with torch.no_grad():
+                for t in self.registry.model.parameters() if self.registry.model else ():
+                    t.fill_(float("nan"))
         execute(spec)
 
     # --- the bus ---------------------------------------------------------------------------
@@ -761,7 +766,10 @@ class Runtime:
                     # a monitor or an operator reports this worker faulty
                     self._feed(LocalFault(sev, f"reported by {m.role.name.lower()}: {cause}"[:200]))
                 return
-            if sev is Severity.FAULT1 and inc:
+            self_reported = isinstance(m, Fault) and m.sender == (r, inc)
+            if sev is Severity.FAULT1 and inc and not self_reported:
+                # dead (exited, hung, declared dead); a worker that reports its own Fault1
+                # lost its state but lives: it re-forms with the others and heals
                 if Member(r, inc) in self._dead:
                     # one death, several messages (stopped, then killed; declared dead,
                     # then exited): the first one already started the recovery
