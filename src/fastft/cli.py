@@ -113,7 +113,10 @@ def _build() -> argparse.ArgumentParser:
         "--min-replicas",
         type=int,
         default=None,
-        help="fewest workers an epoch may have (default: all: the world is fixed)",
+        help=(
+            "fewest workers an epoch may have; below the world size the survivors go on "
+            "without a lost worker and it rejoins when restarted (default: all, fixed world)"
+        ),
     )
     p.add_argument("--run-dir", default=None, help="event log and heartbeats (default: temp)")
     p.add_argument("--seed", type=int, default=0)

@@ -143,6 +143,64 @@ def test_gil_hang_is_killed_after_the_hang_timeout(tmp_path, clean):
     assert any(e["event"] == "worker_hung" and e["rank"] == 2 for e in ev)
 
 
+def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
+    """--min-replicas 2 of 3: the survivors go on without the killed worker, the restarted
+    one heals and joins again at a step boundary. Every sample of every committed step is
+    consumed exactly once (S5, shrinking world), and the result equals one process training
+    on the whole global batch, up to summation order."""
+    steps, batch = 100, 96
+    plan = [{"kind": "sigkill", "rank": 2, "at_step": 5}]
+    run = tmp_path / "elastic"
+    run.mkdir()
+    (run / "plan.json").write_text(json.dumps({"faults": plan}))
+    cmd = [
+        *(sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--min-replicas", "2"),
+        *("--run-dir", str(run), "--check-every", "1", "--job", "elastic"),
+        *("--inject", str(run / "plan.json"), "-m", "fastft.demo.train", "--"),
+        *("--steps", str(steps), "--batch", str(batch), "--step-time", "0.08"),
+        *("--out", str(run / "out")),
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    check_s1_s3(run, steps=steps)
+    ev = read_events(run)
+    sizes = [len(e["members"]) for e in ev if e["event"] == "epoch" and e["src"] == "rank 0"]
+    assert sizes == [3, 2, 3], sizes  # shrank at once, grew back when rank 2 returned
+    # exactly once: the shards of each committed step tile the global batch
+    shards: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for e in ev:
+        if e["event"] == "commit":
+            lo, hi, n = e["shard"]
+            assert n == batch
+            shards[e["step"]].append((lo, hi))
+    for step, parts in shards.items():
+        parts.sort()
+        assert parts[0][0] == 0 and parts[-1][1] == batch, (step, parts)
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False)), (step, parts)
+    assert len(shards[4]) == 3 and len(shards[5]) == 2  # the killed step ran with 2
+    assert any(e["event"] == "heal" and e["src"] == "rank 2" and e["step"] > 5 for e in ev)
+    # equal to one process on the whole batch
+    import torch
+    from torch import nn
+
+    from fastft.demo.train import batch as global_batch
+    from fastft.demo.train import build
+
+    torch.set_num_threads(1)
+    model = build(64, 0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = global_batch(step, 0, batch)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    want = model.state_dict()
+    for r in range(3):
+        got = torch.load(run / "out" / f"final-rank{r}.pt")
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5, msg=f"rank {r} {k}")
+
+
 def test_two_agents_form_one_job(tmp_path, clean):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -212,7 +270,7 @@ def test_two_agents_form_one_job(tmp_path, clean):
     "flags, needle",
     [
         (["--nproc", "0"], "--nproc 0"),
-        (["--nproc", "3", "--min-replicas", "2"], "elastic world is not supported"),
+        (["--nproc", "3", "--min-replicas", "4"], "--min-replicas 4"),
         (["--nproc", "2", "--nnodes", "2"], "needs --store"),
         (["--nproc", "2", "--inject", "/nonexistent/plan.json"], "plan"),
     ],

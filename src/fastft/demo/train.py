@@ -1,9 +1,11 @@
 """The demo's (and the tests') training script: an MLP on synthetic regression data.
 
 Run it under ``fastft run``. The global batch of step ``s`` is drawn from a generator
-seeded with (seed, s) and split evenly over the epoch's members, so a fault-free run and a
-run with faults consume the same samples in the same order: with a fixed world the final
-parameters are bitwise equal (S5).
+seeded with (seed, s) and split over the epoch's members by ``tx.shard``, so a fault-free
+run and a run with faults consume the same samples in the same order: with a fixed world
+the final parameters are bitwise equal (S5); when the world shrinks every sample of every
+committed step is still consumed once, and the result equals the fault-free run up to
+floating-point summation order.
 
     fastft run --nproc 4 -m fastft.demo.train -- --steps 300 --out OUT
 """
@@ -31,15 +33,12 @@ def build(hidden: int, seed: int, layers: int = 2) -> nn.Module:
     return nn.Sequential(*mods)
 
 
-def batch(
-    step: int, rank: int, world: int, seed: int, size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: the same samples whoever is alive."""
     g = torch.Generator().manual_seed(seed * 100_003 + step)
     x = torch.randn(size, 32, generator=g)
     y = torch.sin(x[:, :1] * 3) + 0.1 * x[:, 1:2]
-    per = size // world
-    lo = rank * per
-    return x[lo : lo + per], y[lo : lo + per]
+    return x, y
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,8 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     ft.register(model=model, optimizer=opt)
     while ft.step < a.steps:
         with ft.transaction() as tx:
-            x, y = batch(tx.step, tx.rank, tx.world, a.seed, a.batch)
-            loss = nn.functional.mse_loss(model(x), y)
+            x, y = batch(tx.step, a.seed, a.batch)
+            mine = tx.shard(a.batch)  # this member's samples of the step's global batch
+            loss = nn.functional.mse_loss(model(x[mine]), y[mine])
             loss.backward()
             if a.step_time:
                 time.sleep(a.step_time)

@@ -93,14 +93,6 @@ class LaunchConfig:
         world = self.nproc * self.nnodes
         if self.min_replicas is not None and not 1 <= self.min_replicas <= world:
             raise ConfigError(f"--min-replicas {self.min_replicas}: must be in 1..{world}")
-        if self.min_replicas is not None and self.min_replicas < world:
-            # Shrinking the world while a worker restarts is built (runtime, formation) but
-            # not yet reliable: rejoining a shrunk epoch can stall on the data plane's
-            # timeout. Refuse it rather than ship a mode that is known to misbehave.
-            raise ConfigError(
-                f"--min-replicas {self.min_replicas} < world size {world}: an elastic world "
-                "is not supported yet; leave --min-replicas unset (fixed world)"
-            )
         if self.inject is not None:
             from fastft.inject import FaultPlan
 

@@ -60,6 +60,12 @@ class JobKeys:
         """A member of the previous epoch arrived at the formation of ``epoch``."""
         return f"{self.root}/ep/{epoch}/arrived/{rank}"
 
+    @property
+    def finished(self) -> str:
+        """Set (to the final step) by a member that closed after its last committed step:
+        a worker still waiting to join learns there is nothing left to join."""
+        return f"{self.root}/finished"
+
     def joiner(self, rank: int) -> str:
         """A started or restarted worker waiting to be admitted (its incarnation)."""
         return f"{self.root}/join/{rank}"

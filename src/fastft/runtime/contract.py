@@ -208,3 +208,16 @@ class EpochView:
 class WorkerExit(FastFTError, RuntimeError):
     """This worker must stop: it was excluded from the job, or the job is shutting down.
     Under ``fastft run`` the agent decides whether to restart it."""
+
+
+class JobFinished(SystemExit):
+    """Raised in a worker that was waiting to join when the other members finished the
+    job (they closed after their last step): there is nothing left to train. A
+    ``SystemExit`` with status 0, so an unhandled one ends the worker cleanly."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(0)
+        self.step = step
+
+    def __str__(self) -> str:
+        return f"the job finished at step {self.step} while this worker was waiting to join"

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from fastft.protocol.keys import JobKeys
-from fastft.runtime.contract import EpochView, Member
+from fastft.runtime.contract import EpochView, JobFinished, Member
 
 __all__ = ["Coordinator", "COMMIT", "ROLLBACK"]
 
@@ -213,7 +213,7 @@ class Coordinator:
         announce_every_s: float = 0.2,
     ) -> EpochView | None:
         """Wait to be admitted to an epoch (registering as a joiner); returns the view or
-        None if ``cancelled()``."""
+        None if ``cancelled()``; raises JobFinished if the members finished meanwhile."""
         self.register_joiner()
         started = self.clock()
         next_announce = started
@@ -221,6 +221,8 @@ class Coordinator:
         while True:
             if cancelled():
                 return None
+            if self.store.check([self.keys.finished]):
+                raise JobFinished(int(self.store.get(self.keys.finished)))
             now = self.clock()
             if now >= next_announce:
                 announce()

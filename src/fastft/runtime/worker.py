@@ -97,7 +97,7 @@ from fastft.protocol import (
     RollbackRequest,
     Severity,
 )
-from fastft.runtime.contract import EpochView, Member, RuntimeConfig, WorkerExit
+from fastft.runtime.contract import EpochView, JobFinished, Member, RuntimeConfig, WorkerExit
 from fastft.runtime.coordinator import COMMIT, Coordinator
 from fastft.runtime.events import EventLog
 from fastft.runtime.state import StateRegistry, reseed
@@ -143,8 +143,23 @@ class Transaction:
     def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
         return self._rt._exit(self, et, ev)
 
+    def shard(self, n: int) -> slice:
+        """This member's part of the step's global batch of ``n`` samples: contiguous and
+        balanced (the first ``n % world`` members take one more), so whatever the epoch's
+        size every sample of a committed step is consumed exactly once (S5 when the world
+        shrinks). After it, :meth:`allreduce_gradients` weights each member's gradient by
+        its share: the result is the gradient of the mean over the whole global batch."""
+        if n < self.world:
+            raise ValueError(f"a global batch of {n} samples cannot feed {self.world} members")
+        per, extra = divmod(n, self.world)
+        lo = self.rank * per + min(self.rank, extra)
+        hi = lo + per + (1 if self.rank < extra else 0)
+        self._rt._share = (lo, hi, n)
+        return slice(lo, hi)
+
     def allreduce_gradients(self, model: nn.Module | None = None) -> None:
-        """Average the gradients of the registered model over the epoch (interruptible)."""
+        """Average the gradients of the registered model over the epoch (interruptible);
+        weighted by the members' shares when :meth:`shard` was used."""
         self._rt._allreduce_gradients(model)
 
     def allreduce(self, tensors: list[torch.Tensor]) -> None:
@@ -207,6 +222,8 @@ class Runtime:
         self._closing = False
         self._retries = 0
         self._registered = False
+        self._share: tuple[int, int, int] | None = None
+        """(lo, hi, n): the slice of the global batch this member took in this step."""
         self.commits = 0
         self.rollbacks = 0
         self._hb = _Heartbeat(config.heartbeat_file)
@@ -261,6 +278,16 @@ class Runtime:
         if self._closing:
             return
         self._closing = True
+        view = self._view
+        if (
+            self._fsm.phase is Phase.NORMAL
+            and view is not None
+            and view.has(self.rank, self.incarnation)
+        ):
+            try:  # a member ends after a committed step: joiners need not wait any more
+                self._store.set(self.keys.finished, str(self._fsm.step))
+            except Exception:  # noqa: BLE001 - the store may be gone at the very end
+                log.debug("could not mark the job finished", exc_info=True)
         with self._lock:
             self._feed_locked(Shutdown("closed"))
             self._cond.notify_all()
@@ -288,6 +315,7 @@ class Runtime:
         assert view is not None
         tx.step, tx.epoch = s.step, s.epoch
         tx.rank, tx.world = view.index(self.rank), len(view.members)
+        self._share = None
         reseed(self.config.seed, s.step, tx.rank)
         self.registry.begin_step()
         self._hb.beat()
@@ -367,9 +395,14 @@ class Runtime:
         grads = self.registry.gradients()
         pg = self._require_pg()
         flat = torch._utils._flatten_dense_tensors(grads)
+        share = self._share
+        if share is not None:
+            lo, hi, n = share
+            flat.mul_((hi - lo) / n)
         with self._waiting():
             interruptible_allreduce(pg, [flat], self.interrupter)
-        flat.div_(self.world)
+        if share is None:
+            flat.div_(self.world)
         for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
             g.copy_(r)
 
@@ -562,7 +595,8 @@ class Runtime:
         self.commits += 1
         every = self.config.check_every
         digest = self.registry.digest(a.step + 1) if every and (a.step + 1) % every == 0 else None
-        self.events.emit("commit", epoch=self._fsm.epoch, step=a.step, digest=digest)
+        share = list(self._share) if self._share is not None else None
+        self.events.emit("commit", epoch=self._fsm.epoch, step=a.step, digest=digest, shard=share)
         self._feed(CommitApplied())
 
     # --- epochs and healing ----------------------------------------------------------------
@@ -586,11 +620,17 @@ class Runtime:
     def _join(self) -> None:
         self.events.emit("join_wait", incarnation=self.incarnation)
         t0 = time.monotonic()
-        view = self.coord.form_as_joiner(
-            start_timeout_s=self.config.start_timeout_s,
-            cancelled=self._cancelled(Phase.INIT),
-            announce=self._announce_join,
-        )
+        try:
+            view = self.coord.form_as_joiner(
+                start_timeout_s=self.config.start_timeout_s,
+                cancelled=self._cancelled(Phase.INIT),
+                announce=self._announce_join,
+            )
+        except JobFinished as e:
+            self.events.emit("job_finished", step=e.step)
+            log.warning("%s", e)
+            self.close()
+            raise
         if view is not None:
             self._adopt(view, waited_s=time.monotonic() - t0)
 
