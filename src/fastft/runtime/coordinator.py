@@ -19,7 +19,6 @@ every worker was lost), where the lowest joiner closes the epoch itself.
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import time
@@ -53,8 +52,12 @@ class Coordinator:
         min_members: int,
         *,
         clock: Callable[[], float] = time.monotonic,
+        decision_store: dist.Store | None = None,
     ) -> None:
         self.store = store
+        self.decision_store = decision_store if decision_store is not None else store
+        """Where members block for a decision; give it a short timeout (set_timeout): a
+        wait that times out returns None and the caller checks whether to go on."""
         self.keys = keys
         self.me = Member(rank, incarnation)
         self.world_size = world_size
@@ -65,12 +68,15 @@ class Coordinator:
         self._joiner_keys_exist = False
 
     # --- decisions -------------------------------------------------------------------------
-    def vote(self, epoch: int, step: int, n_members: int, *, leaving: bool = False) -> None:
-        """Vote yes; the completing vote proposes COMMIT."""
+    def vote(self, epoch: int, step: int, n_members: int, *, leaving: bool = False) -> str | None:
+        """Vote yes; the completing vote proposes COMMIT and returns the decision that
+        holds (a rollback may have landed first). Other votes return None: wait for it."""
         if leaving:
             self.store.set(self.keys.leaving(epoch, step, self.me.rank), "1")
         if int(self.store.add(self.keys.votes(epoch, step), 1)) == n_members:
-            self.store.compare_set(self.keys.decision(epoch, step), "", COMMIT)
+            got = self.store.compare_set(self.keys.decision(epoch, step), "", COMMIT)
+            return bytes(got).decode(errors="replace")
+        return None
 
     @staticmethod
     def propose_rollback(
@@ -80,24 +86,23 @@ class Coordinator:
         got = store.compare_set(keys.decision(epoch, step), "", ROLLBACK + reason[:200])
         return bytes(got).decode(errors="replace")
 
-    def await_decision(self, epoch: int, step: int, timeout_s: float) -> str | None:
-        """The decision of (epoch, step) if made within ``timeout_s``, else None."""
-        key = self.keys.decision(epoch, step)
+    def await_decision(self, epoch: int, step: int) -> str | None:
+        """The decision of (epoch, step), or None if it was not made within the decision
+        store's timeout (one blocking ``get``: the server answers when the key is set)."""
         try:
-            self.store.wait([key], datetime.timedelta(seconds=timeout_s))
+            got = self.decision_store.get(self.keys.decision(epoch, step))
         except dist.DistStoreError:
             return None
-        return bytes(self.store.get(key)).decode(errors="replace")
+        return bytes(got).decode(errors="replace")
 
     def leavers(self, epoch: int, step: int, ranks: frozenset[int]) -> frozenset[int]:
         return frozenset(r for r in ranks if self.store.check([self.keys.leaving(epoch, step, r)]))
 
-    def forget(self, epoch: int, step: int, ranks: frozenset[int] = frozenset()) -> None:
+    @staticmethod
+    def forget_keys(store: dist.Store, keys: JobKeys, epoch: int, step: int) -> None:
         """Delete the keys of a decided step nobody reads any more."""
-        for key in (self.keys.votes(epoch, step), self.keys.decision(epoch, step)):
-            self.store.delete_key(key)
-        for r in ranks:
-            self.store.delete_key(self.keys.leaving(epoch, step, r))
+        for key in (keys.votes(epoch, step), keys.decision(epoch, step)):
+            store.delete_key(key)
 
     # --- epochs ----------------------------------------------------------------------------
     def latest_epoch(self) -> int:

@@ -38,7 +38,11 @@ def reseed(seed: int, step: int, rank: int) -> None:
     s = (seed * 1_000_003 + step) * 1_000_033 + rank
     s &= 2**63 - 1
     random.seed(s)
-    torch.manual_seed(s)
+    # torch.manual_seed also visits every accelerator backend (~0.1 ms per call on CPU);
+    # the CPU generator and, once CUDA is in use, the CUDA ones are all a step needs.
+    torch.default_generator.manual_seed(s)
+    if torch.cuda.is_initialized():  # pragma: no cover - GPU machines only
+        torch.cuda.manual_seed_all(s)
     try:
         import numpy as np
 

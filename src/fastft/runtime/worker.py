@@ -25,6 +25,7 @@ import faulthandler
 import logging
 import mmap
 import os
+import queue
 import secrets
 import signal
 import struct
@@ -117,6 +118,7 @@ _MAIN_ACTIONS = (
     ExitWorker,
 )
 _WAIT_S = 0.05
+_DECISION_WAIT_S = 0.5
 _HEALING_ACTIONS = (FormEpoch, ConfigureProcessGroup, FetchState, SendState)
 _STEP_CYCLE = (Phase.NORMAL, Phase.PREPARED, Phase.COMMIT)
 
@@ -183,6 +185,8 @@ class Runtime:
         self._store = store if store is not None else connect_store(config.store)
         self._side_store = self._store.clone()  # type: ignore[attr-defined]
         self._side_lock = threading.Lock()
+        decisions = self._store.clone()  # type: ignore[attr-defined]
+        decisions.set_timeout(datetime.timedelta(seconds=_DECISION_WAIT_S))
         self.coord = Coordinator(
             self._store,
             self.keys,
@@ -190,7 +194,13 @@ class Runtime:
             self.incarnation,
             config.world_size,
             config.min_members,
+            decision_store=decisions,
         )
+        self._garbage: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._collector = threading.Thread(
+            target=self._collect, name="fastft-store-gc", daemon=True
+        )
+        self._collector.start()
         if threading.current_thread() is threading.main_thread():
             # The agent sends SIGUSR1 before it kills a worker it found hung: every
             # thread's Python stack goes to stderr (works while a thread holds the GIL).
@@ -294,6 +304,8 @@ class Runtime:
         self.events.emit(
             "worker_stop", step=self._fsm.step, commits=self.commits, rollbacks=self.rollbacks
         )
+        self._garbage.put(None)
+        self._collector.join(timeout=1)
         self.bus.close()
         self.interrupter.close()
         self._hb.close()
@@ -567,15 +579,15 @@ class Runtime:
         view = self._view
         assert view is not None
         t0 = time.monotonic()
-        self.coord.vote(a.epoch, a.step, len(view.members), leaving=a.want_drain)
-        while True:
-            got = self.coord.await_decision(a.epoch, a.step, 0.5)
-            if got is not None or self._closing:
+        got = self.coord.vote(a.epoch, a.step, len(view.members), leaving=a.want_drain)
+        while got is None:
+            got = self.coord.await_decision(a.epoch, a.step)
+            if self._closing:
                 break
             self._hb.beat()
         commit = got == COMMIT
         if commit and view.index(self.rank) == 0 and a.step > 0:
-            self.coord.forget(a.epoch, a.step - 1)  # every member has read it by now
+            self._garbage.put((a.epoch, a.step - 1))  # every member has read it by now
         self.events.emit(
             "decision",
             epoch=a.epoch,
@@ -585,6 +597,19 @@ class Runtime:
             wait_ms=round((time.monotonic() - t0) * 1e3, 3),
         )
         self._feed(Decision(commit=commit))
+
+    def _collect(self) -> None:
+        """Thread: delete the keys of decided steps off the training path (the side
+        store's connection, shared with rollback proposals under its lock)."""
+        while True:
+            item = self._garbage.get()
+            if item is None:
+                return
+            try:
+                with self._side_lock:
+                    Coordinator.forget_keys(self._side_store, self.keys, *item)
+            except Exception:  # noqa: BLE001 - a leftover key costs a few bytes
+                log.debug("store gc: could not delete the keys of %s", item, exc_info=True)
 
     def _apply_commit(self, a: ApplyCommit) -> None:
         opt = self.registry.optimizer

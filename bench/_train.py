@@ -1,0 +1,83 @@
+"""The training loop the recovery benchmark times, in two modes on the same model and data:
+
+* ``ddp``: plain ``torch.distributed`` + ``DistributedDataParallel`` (no fault tolerance:
+  the overhead floor). Launched by ``bench/recovery.py`` with MASTER_ADDR/PORT, RANK.
+* ``fastft``: the same step inside ``ft.transaction()``, launched by ``fastft run``.
+
+Each rank writes ``{out}/steps-rank{r}.json``: the wall time of every step (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fastft.demo.train import batch, build
+
+
+def shard(n: int, rank: int, world: int) -> slice:
+    per, extra = divmod(n, world)
+    lo = rank * per + min(rank, extra)
+    return slice(lo, lo + per + (1 if rank < extra else 0))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["ddp", "fastft"], required=True)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--hidden", type=int, default=88)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=96)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    model = build(a.hidden, 0, a.layers)
+    times: list[float] = []
+    if a.mode == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+        dist.barrier()
+        for step in range(a.steps):
+            t0 = time.perf_counter()
+            x, y = batch(step, 0, a.batch)
+            mine = shard(a.batch, rank, world)
+            nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+        dist.barrier()
+        dist.destroy_process_group()
+    else:
+        import fastft
+
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        ft = fastft.init()
+        ft.register(model=model, optimizer=opt)
+        rank = ft.rank
+        while ft.step < a.steps:
+            t0 = time.perf_counter()
+            with ft.transaction() as tx:
+                x, y = batch(tx.step, 0, a.batch)
+                mine = tx.shard(a.batch)
+                nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+                tx.allreduce_gradients()
+            if tx.committed:
+                times.append(time.perf_counter() - t0)
+        ft.close()
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"steps-rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "s": times}))
+
+
+if __name__ == "__main__":
+    main()

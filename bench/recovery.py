@@ -1,0 +1,257 @@
+"""Recovery and overhead, side by side in one run: 3 replicas (Gloo, CPU), an MLP of ~10k
+and one of ~4M parameters.
+
+* steady step time: plain DDP (``torch.distributed``, no fault tolerance: the floor) and
+  fastft's transactional step on the same model and data; ratio and extra ms per step;
+* faults (SIGKILL, exception, SIGSTOP of one replica, mid-run) under ``fastft run``, in a
+  fixed world (survivors wait for the restarted replica) and an elastic one
+  (``--min-replicas 2``: survivors go on at once, the restarted replica rejoins): time from
+  the fault to the survivors' next commit, steps rolled back, and the time until the
+  restarted replica commits again. Target: 50 ms + one step time.
+
+torchft is not run here yet (its integration is a separate issue); the README quotes the
+issue's torchft measurements for context only.
+
+    python bench/recovery.py [--trials 3] [--sizes small,large] [--quick]
+
+Results: bench/results/recovery.json and two tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import table, write  # noqa: E402
+
+HERE = Path(__file__).parent
+WORKER = str(HERE / "_train.py")
+NPROC = 3
+SIZES = {  # name -> (hidden, layers)
+    "small": (88, 2),  # 10,825 parameters
+    "large": (1024, 5),  # 4,232,193 parameters
+}
+
+
+def n_params(hidden: int, layers: int) -> int:
+    return 32 * hidden + hidden + (layers - 1) * (hidden * hidden + hidden) + hidden + 1
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _step_times(out: Path, skip: int) -> list[float]:
+    """Per-step wall time, the slowest rank's at each step (the job's step time)."""
+    per_rank = [json.loads(f.read_text())["s"] for f in sorted(out.glob("steps-rank*.json"))]
+    n = min(len(s) for s in per_rank)
+    return [max(s[i] for s in per_rank) for i in range(skip, n)]
+
+
+def run_ddp(hidden: int, layers: int, steps: int, tmp: Path) -> list[float]:
+    out = tmp / "ddp"
+    port = _free_port()
+    procs = []
+    for r in range(NPROC):
+        env = {
+            **_env(),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(r),
+            "WORLD_SIZE": str(NPROC),
+        }
+        cmd = [sys.executable, WORKER, "--mode", "ddp", "--steps", str(steps)]
+        cmd += ["--hidden", str(hidden), "--layers", str(layers), "--out", str(out)]
+        procs.append(subprocess.Popen(cmd, env=env))
+    try:
+        for p in procs:
+            if p.wait(timeout=600) != 0:
+                raise RuntimeError(f"DDP worker failed with {p.returncode}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return _step_times(out, skip=10)
+
+
+def run_fastft(
+    hidden: int,
+    layers: int,
+    steps: int,
+    tmp: Path,
+    name: str,
+    *,
+    plan: list[dict[str, object]] | None = None,
+    elastic: bool = False,
+) -> Path:
+    run = tmp / name
+    run.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", str(NPROC)]
+    cmd += ["--run-dir", str(run), "--job", name]
+    if elastic:
+        cmd += ["--min-replicas", str(NPROC - 1)]
+    if plan:
+        (run / "plan.json").write_text(json.dumps({"faults": plan}))
+        cmd += ["--inject", str(run / "plan.json")]
+    cmd += [WORKER, "--mode", "fastft", "--steps", str(steps)]
+    cmd += ["--hidden", str(hidden), "--layers", str(layers), "--out", str(run / "out")]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"fastft run {name} failed: {p.stderr[-2000:]}")
+    return run
+
+
+def steady(size: str, steps: int, tmp: Path) -> dict[str, object]:
+    hidden, layers = SIZES[size]
+    ddp = statistics.median(run_ddp(hidden, layers, steps, tmp / size))
+    run = run_fastft(hidden, layers, steps, tmp / size, f"steady-{size}")
+    fft = statistics.median(_step_times(run / "out", skip=10))
+    return {
+        "model": size,
+        "params": n_params(hidden, layers),
+        "ddp_step_ms": round(ddp * 1e3, 3),
+        "fastft_step_ms": round(fft * 1e3, 3),
+        "ratio": round(fft / ddp, 3),
+        "extra_ms_per_step": round((fft - ddp) * 1e3, 3),
+    }
+
+
+def fault_trial(
+    size: str, kind: str, elastic: bool, step_s: float, trial: int, tmp: Path
+) -> dict[str, object]:
+    from fastft.report import summarize
+
+    hidden, layers = SIZES[size]
+    at = 20
+    # long enough after the fault for the restarted replica to start, heal and commit
+    steps = at + max(40, math.ceil(12.0 / max(step_s, 1e-3)))
+    world = "elastic" if elastic else "fixed"
+    name = f"{size}-{kind}-{world}-{trial}"
+    plan = [{"kind": kind, "rank": 1 + trial % (NPROC - 1), "at_step": at}]
+    run = run_fastft(hidden, layers, steps, tmp / size, name, plan=plan, elastic=elastic)
+    s = summarize(run)
+    f = s["faults"][0]
+    return {
+        "model": size,
+        "fault": kind,
+        "world": world,
+        "trial": trial,
+        "detect_ms": f["detect_ms"],
+        "next_commit_ms": f["recover_ms"],
+        "steps_rolled_back": s["steps_rolled_back"],
+        "rejoin_ms": f["rejoin_ms"],
+        "step_ms": s["median_step_ms"],
+        "faults_seen": len(s["faults"]),
+    }
+
+
+def _median(rows: list[dict[str, object]], key: str) -> float | None:
+    vals = [float(r[key]) for r in rows if r[key] is not None]  # type: ignore[arg-type]
+    return round(statistics.median(vals), 1) if vals else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--sizes", default="small,large")
+    ap.add_argument("--faults", default="sigkill,exception,sigstop")
+    ap.add_argument("--steps", type=int, default=0, help="steady steps (default by size)")
+    ap.add_argument("--quick", action="store_true", help="1 trial, small model only")
+    a = ap.parse_args()
+    sizes = ["small"] if a.quick else a.sizes.split(",")
+    trials = 1 if a.quick else a.trials
+    for s in sizes:
+        if s not in SIZES:
+            ap.error(f"--sizes: unknown size {s!r} (use {', '.join(SIZES)})")
+    kinds = a.faults.split(",")
+    tmp = Path(tempfile.mkdtemp(prefix="fastft-recovery-"))
+    steady_rows, trial_rows = [], []
+    for size in sizes:
+        steps = a.steps or (300 if size == "small" else 60)
+        row = steady(size, steps, tmp)
+        steady_rows.append(row)
+        print(f"steady {size}: {row}", flush=True)
+        step_s = float(row["fastft_step_ms"]) / 1e3  # type: ignore[arg-type]
+        for kind in kinds:
+            for elastic in (False, True):
+                for t in range(trials if size == "small" else 1):
+                    r = fault_trial(size, kind, elastic, step_s, t, tmp)
+                    trial_rows.append(r)
+                    print(f"  {r}", flush=True)
+    summary = []
+    for size in sizes:
+        step_ms = next(float(r["fastft_step_ms"]) for r in steady_rows if r["model"] == size)  # type: ignore[arg-type]
+        for kind in kinds:
+            for world in ("fixed", "elastic"):
+                rows = [
+                    r
+                    for r in trial_rows
+                    if r["model"] == size and r["fault"] == kind and r["world"] == world
+                ]
+                nxt = _median(rows, "next_commit_ms")
+                target = round(50 + step_ms, 1)
+                summary.append(
+                    {
+                        "model": size,
+                        "fault": kind,
+                        "world": world,
+                        "trials": len(rows),
+                        "detect_p50_ms": _median(rows, "detect_ms"),
+                        "next_commit_p50_ms": nxt,
+                        "target_ms": target,
+                        "met": "yes" if nxt is not None and nxt <= target else "no",
+                        "rolled_back": _median(rows, "steps_rolled_back"),
+                        "rejoin_p50_ms": _median(rows, "rejoin_ms"),
+                    }
+                )
+    path = write(
+        "recovery",
+        summary,
+        {"nproc": NPROC, "steady": steady_rows, "trials": trial_rows, "torchft": "not run"},
+    )
+    print()
+    print(
+        table(
+            steady_rows,
+            ["model", "params", "ddp_step_ms", "fastft_step_ms", "ratio", "extra_ms_per_step"],
+        )
+    )
+    print()
+    print(
+        table(
+            summary,
+            [
+                "model",
+                "fault",
+                "world",
+                "trials",
+                "detect_p50_ms",
+                "next_commit_p50_ms",
+                "target_ms",
+                "met",
+                "rolled_back",
+                "rejoin_p50_ms",
+            ],
+        )
+    )
+    print(f"\nresults: {path}")
+
+
+if __name__ == "__main__":
+    main()
