@@ -134,6 +134,103 @@ def test_rank0_killed_and_a_state_loss_are_survived(tmp_path, clean):
     assert sum(e["event"] == "epoch" and e["src"] == "rank 2" for e in ev) == 3
 
 
+def test_two_ranks_in_one_step_and_a_death_between_decision_and_apply(tmp_path, clean):
+    plan = [
+        # two ranks fail in the same step: one dies, one raises
+        {"kind": "sigkill", "rank": 1, "at_step": 6},
+        {"kind": "exception", "rank": 2, "at_step": 6},
+        # step 14 is decided COMMIT; rank 0 dies before applying it: the survivors
+        # apply it (S2), the restarted rank 0 heals to step 15
+        {"kind": "sigkill", "rank": 0, "at_step": 14, "point": "commit"},
+    ]
+    run = fastft_run(tmp_path, "same-step", plan=plan)
+    check_s1_s3(run)
+    assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
+    ev = read_events(run)
+    assert sum(e["event"] == "restart" for e in ev) == 2
+    decided = {(e["src"], e["step"]) for e in ev if e["event"] == "decision"}
+    committed = {(e["src"], e["step"]) for e in ev if e["event"] == "commit"}
+    assert ("rank 0", 14) in decided and ("rank 0", 14) not in committed  # died in between
+    assert {"rank 1", "rank 2"} <= {s for s, st in committed if st == 14}
+    fetched = [(e["src"], e["step"]) for e in ev if e["event"] == "heal" and e["role"] == "fetch"]
+    assert ("rank 1", 6) in fetched and ("rank 0", 15) in fetched
+
+
+def test_deaths_while_healing(tmp_path, clean):
+    plan = [
+        # rank 1 dies; its restart dies again while healing; the third life heals
+        {"kind": "sigkill", "rank": 1, "at_step": 5},
+        {"kind": "sigkill", "rank": 1, "life": 1, "at_step": 5, "point": "heal"},
+        # rank 0 dies; rank 2, sending or relaying the heal to its restart, dies too
+        {"kind": "sigkill", "rank": 0, "at_step": 15},
+        {"kind": "sigkill", "rank": 2, "at_step": 15, "point": "heal"},
+    ]
+    run = fastft_run(tmp_path, "heal-deaths", plan=plan)
+    check_s1_s3(run)
+    assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
+    ev = read_events(run)
+    lives = {(e["rank"], e["life"]) for e in ev if e["event"] == "spawn"}
+    assert {(1, 2), (0, 1), (2, 1)} <= lives  # rank 1 lived three times
+    injected = [(e["src"], e["step"]) for e in ev if e["event"] == "injected"]
+    assert len(injected) == 4, injected
+
+
+def test_a_worker_lost_while_the_bus_is_flooded(tmp_path, clean):
+    """The agent hosts the store: while an outside publisher floods the bus with valid
+    and malformed messages, a worker is killed; recovery and S5 are unaffected."""
+    import threading
+
+    from fastft.bus import BusConfig, connect_store, tcpstore_bus
+    from fastft.protocol import Heartbeat
+
+    run = tmp_path / "flood"
+    run.mkdir()
+    (run / "plan.json").write_text(
+        json.dumps({"faults": [{"kind": "sigkill", "rank": 1, "at_step": 20}]})
+    )
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    cmd = [
+        *(sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--job", "flood"),
+        *("--store", f"127.0.0.1:{port}", "--run-dir", str(run), "--check-every", "1"),
+        *("--inject", str(run / "plan.json"), "-m", "fastft.demo.train", "--"),
+        *("--steps", str(STEPS), "--step-time", "0.05", "--out", str(run / "out")),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stop = threading.Event()
+    sent = [0]
+
+    def flood() -> None:
+        store = connect_store(f"127.0.0.1:{port}", wait_s=60)
+        bus = tcpstore_bus(store, BusConfig(job="flood", rank=99, incarnation=5)).start()
+        try:
+            while not stop.is_set() and proc.poll() is None:
+                bus.broadcast(Heartbeat(job="flood", epoch=0, rank=99, incarnation=5))
+                bus.publish_raw(b"\x00garbage")  # malformed: counted and dropped
+                sent[0] += 2
+        except Exception:
+            if proc.poll() is None:  # the store goes away only when the job ends
+                raise
+        finally:
+            bus.close()
+
+    t = threading.Thread(target=flood, name="flood", daemon=True)
+    t.start()
+    try:
+        _, err = proc.communicate(timeout=150)
+    finally:
+        stop.set()
+        t.join(timeout=10)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert sent[0] > 1000
+    check_s1_s3(run)
+    assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
+
+
 def test_gil_hang_is_killed_after_the_hang_timeout(tmp_path, clean):
     plan = [{"kind": "gil_hang", "rank": 2, "at_step": 8, "arg": 600}]
     run = fastft_run(tmp_path, "gil", "--hang-timeout", "2", plan=plan)

@@ -79,3 +79,41 @@ def test_live_injection_from_the_bus():
     inj.fire_due(7)
     assert fired[-1].kind is FaultKind.EXIT and fired[-1].arg == 3.0
     assert json.loads(FaultPlan(tuple(fired)).to_json())["faults"][0]["kind"] == "sigstop"
+
+
+def test_faults_at_the_commit_and_heal_points_fire_only_there():
+    plan = FaultPlan.from_json(
+        json.dumps(
+            {
+                "faults": [
+                    {"kind": "sigkill", "rank": 0, "at_step": 3, "point": "commit"},
+                    {"kind": "sigstop", "rank": 0, "at_step": 5, "point": "heal"},
+                    {"kind": "exception", "rank": 0, "at_step": 4},
+                ]
+            }
+        )
+    )
+    fired: list[tuple[str, str]] = []
+    inj = Injector(plan, rank=0, executor=lambda s: fired.append((s.kind.value, s.point)))
+    inj.fire_due(6)  # the start of a step fires only step-point faults
+    assert fired == [("exception", "step")]
+    inj.fire_due(2, point="commit")
+    inj.fire_due(4, point="heal")
+    assert len(fired) == 1
+    inj.fire_due(3, point="commit")
+    inj.fire_due(5, point="heal")
+    assert fired[1:] == [("sigkill", "commit"), ("sigstop", "heal")]
+    assert inj.pending == ()
+
+
+@pytest.mark.parametrize(
+    "item, match",
+    [
+        ({"kind": "sigkill", "rank": 0, "at_step": 1, "point": "later"}, "point='later'"),
+        ({"kind": "sigkill", "rank": 0, "point": "heal"}, "needs an at_step"),
+        ({"kind": "exception", "rank": 0, "at_step": 1, "point": "commit"}, "process faults"),
+    ],
+)
+def test_bad_fault_points_say_what_to_fix(item, match):
+    with pytest.raises(ConfigError, match=match):
+        FaultPlan.from_json(json.dumps({"faults": [item]}))

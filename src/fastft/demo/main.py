@@ -27,7 +27,9 @@ def _plan(steps: int) -> list[dict[str, object]]:
     ]
 
 
-def _run(run: Path, nproc: int, steps: int, plan: list[dict[str, object]] | None) -> int:
+def _run(
+    run: Path, nproc: int, steps: int, plan: list[dict[str, object]] | None, live: bool = False
+) -> int:
     cmd = [
         sys.executable,
         "-m",
@@ -47,7 +49,18 @@ def _run(run: Path, nproc: int, steps: int, plan: list[dict[str, object]] | None
         (run / "plan.json").write_text(json.dumps({"faults": plan}))
         cmd += ["--inject", str(run / "plan.json")]
     cmd += ["-m", "fastft.demo.train", "--", "--steps", str(steps), "--out", str(run / "out")]
-    return subprocess.run(cmd, timeout=600).returncode
+    if not live:
+        return subprocess.run(cmd, timeout=600).returncode
+    from fastft.demo.live import follow
+
+    with open(run.parent / f"{run.name}.log", "w") as log:  # the launcher's own lines
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            return follow(run, f"{run.name}: {nproc} workers, {steps} steps", proc)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
 
 
 def _digests(run: Path) -> set[str]:
@@ -58,14 +71,15 @@ def run_demo(
     steps: int = 200, nproc: int = 4, run_dir: str | None = None, live: bool = False
 ) -> int:
     root = Path(run_dir or tempfile.mkdtemp(prefix="fastft-demo-"))
+    live = live and sys.stdout.isatty()  # a live display only on a terminal
     print(f"fastft demo: {nproc} workers, {steps} steps, runs in {root}", flush=True)
     t0 = time.monotonic()
     print("1/2 fault-free run ...", flush=True)
-    if _run(root / "clean", nproc, steps, None) != 0:
+    if _run(root / "clean", nproc, steps, None, live) != 0:
         print("fault-free run failed", file=sys.stderr)
         return 1
     print(f"2/2 run with faults: {json.dumps(_plan(steps))}", flush=True)
-    code = _run(root / "faulty", nproc, steps, _plan(steps))
+    code = _run(root / "faulty", nproc, steps, _plan(steps), live)
     figures = summarize(root / "faulty")
     print()
     print(render_report(root / "faulty", figures))

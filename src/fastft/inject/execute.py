@@ -102,13 +102,19 @@ class Injector:
         with self._lock:
             (self._scheduled if spec.at_step is not None else self._queued).append(spec)
 
-    def fire_due(self, step: int) -> None:
-        """Fire every fault due at ``step`` (and live ones queued for the main thread)."""
+    def fire_due(self, step: int, point: str = "step") -> None:
+        """Fire every fault due at ``step`` and ``point`` (at ``step``, also live ones
+        queued for the main thread)."""
         with self._lock:
-            due = [s for s in self._scheduled if s.at_step is not None and s.at_step <= step]
+            due = [
+                s
+                for s in self._scheduled
+                if s.point == point and s.at_step is not None and s.at_step <= step
+            ]
             self._scheduled = [s for s in self._scheduled if s not in due]
-            due = self._queued + due
-            self._queued = []
+            if point == "step":
+                due = self._queued + due
+                self._queued = []
         for spec in due:
             self.fired.append((spec, step))
             self._executor(spec)

@@ -10,6 +10,8 @@ A :class:`FaultPlan` is a list of :class:`FaultSpec` and serialises to JSON::
 so a restarted worker that heals back to the same step does not fire the fault again.
 ``arg``: the kind's parameter (``exit``: exit code; ``gil_hang``/``sigstop``: nothing;
 ``hang``-like kinds never return on their own).
+``point``: ``step`` (default), ``commit`` (between the COMMIT decision of ``at_step`` and
+its application) or ``heal`` (while healing to step ``at_step``, before the transfer).
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ FAULT_SEVERITY = {k: (2 if k is FaultKind.EXCEPTION else 1) for k in FaultKind}
 """Severity (1 = Fault1, 2 = Fault2) of each kind."""
 
 
+POINTS = ("step", "commit", "heal")
+"""Where a scheduled fault fires: at the start of the step (``step``); after the step was
+decided COMMIT and before this worker applied it (``commit``); while healing to the step,
+before the state transfer (``heal``)."""
+
+
 @dataclass(frozen=True)
 class FaultSpec:
     kind: FaultKind
@@ -57,6 +65,7 @@ class FaultSpec:
     at_step: int | None = None
     life: int = 0
     arg: float = 0.0
+    point: str = "step"
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):
@@ -78,6 +87,16 @@ class FaultSpec:
         if isinstance(self.arg, bool) or not isinstance(self.arg, (int, float)):
             raise ConfigError(f"fault arg={self.arg!r}: use a number")
         object.__setattr__(self, "arg", float(self.arg))
+        if self.point not in POINTS:
+            raise ConfigError(f"fault point={self.point!r}: use one of {', '.join(POINTS)}")
+        if self.point != "step":
+            if self.at_step is None:
+                raise ConfigError(f"fault point={self.point!r} needs an at_step")
+            if self.kind in (FaultKind.EXCEPTION, FaultKind.STATE_LOST):
+                raise ConfigError(
+                    f"fault {self.kind.value} at point={self.point!r}: only process faults "
+                    "(sigkill, sigterm, sigstop, gil_hang, segfault, exit) fire there"
+                )
 
     @property
     def severity(self) -> int:
@@ -108,7 +127,7 @@ class FaultPlan:
         if not isinstance(data, dict) or not isinstance(data.get("faults"), list):
             raise ConfigError(f'{source}: expected {{"faults": [...]}}')
         specs = []
-        allowed = {"kind", "rank", "at_step", "life", "arg"}
+        allowed = {"kind", "rank", "at_step", "life", "arg", "point"}
         for i, item in enumerate(data["faults"]):
             if not isinstance(item, dict):
                 raise ConfigError(f"{source}: faults[{i}] must be an object")

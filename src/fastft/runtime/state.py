@@ -59,6 +59,8 @@ class StateRegistry:
         self.optimizer: torch.optim.Optimizer | None = None
         self._others: dict[str, Stateful] = {}
         self._step_snapshot: dict[str, Any] | None = None
+        self._bucket: torch.Tensor | None = None
+        self._bucket_ptrs: list[int] = []
 
     def register(
         self,
@@ -95,11 +97,11 @@ class StateRegistry:
         self._step_snapshot = snap
 
     def rollback(self) -> None:
-        """Drop the step's gradients and restore what the step changed."""
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        elif self.model is not None:
-            self.model.zero_grad(set_to_none=True)
+        """Drop the step's gradients and restore what the step changed. The gradient
+        bucket is dropped too, not zeroed: an allreduce abandoned on a dead peer may still
+        write into it; the next step builds a new one."""
+        self._bucket, self._bucket_ptrs = None, []
+        self.zero_grads()
         snap = self._step_snapshot
         if snap is None:
             return
@@ -110,6 +112,51 @@ class StateRegistry:
         for name, obj in self._others.items():
             if name in snap:
                 obj.load_state_dict(_clone(snap[name]))
+
+    def grad_bucket(self) -> torch.Tensor | None:
+        """One flat tensor that every trainable parameter's ``.grad`` is a view of (as
+        DDP's ``gradient_as_bucket_view``): backward accumulates straight into it and the
+        allreduce runs on it in place, without a flatten and an unflatten copy per step.
+        Built on first use (copying any gradients that exist), rebuilt if something
+        replaced a ``.grad``; None if the parameters do not share a dtype and device."""
+        if self.model is None:
+            raise RuntimeError("register(model=...) before reducing gradients")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params or len({(p.dtype, p.device) for p in params}) != 1:
+            return None
+        flat = self._bucket
+        if (
+            flat is not None
+            and all(
+                p.grad is not None and p.grad.data_ptr() == ptr
+                for p, ptr in zip(params, self._bucket_ptrs, strict=False)
+            )
+            and len(params) == len(self._bucket_ptrs)
+        ):
+            return flat
+        flat = torch.zeros(
+            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+        )
+        off = 0
+        for p in params:
+            view = flat[off : off + p.numel()].view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+            off += p.numel()
+        self._bucket = flat
+        self._bucket_ptrs = [p.grad.data_ptr() for p in params]  # type: ignore[union-attr]
+        return flat
+
+    def zero_grads(self) -> None:
+        """Zero the gradients, in place in the bucket when there is one (keeping the
+        views), else by dropping them."""
+        if self._bucket is not None:
+            self._bucket.zero_()
+        elif self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        elif self.model is not None:
+            self.model.zero_grad(set_to_none=True)
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradients to reduce, in parameter order (parameters without one get zeros,

@@ -404,9 +404,12 @@ class Runtime:
     def _allreduce_gradients(self, model: nn.Module | None) -> None:
         if model is not None and self.registry.model is None:
             self.registry.register(model=model)
-        grads = self.registry.gradients()
+        flat = self.registry.grad_bucket()
+        grads: list[torch.Tensor] = []
+        if flat is None:  # mixed dtypes or devices: flatten a copy
+            grads = self.registry.gradients()
+            flat = torch._utils._flatten_dense_tensors(grads)
         pg = self._require_pg()
-        flat = torch._utils._flatten_dense_tensors(grads)
         share = self._share
         if share is not None:
             lo, hi, n = share
@@ -415,8 +418,10 @@ class Runtime:
             interruptible_allreduce(pg, [flat], self.interrupter)
         if share is None:
             flat.div_(self.world)
-        for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-            g.copy_(r)
+        if grads:
+            unflat = torch._utils._unflatten_dense_tensors(flat, grads)
+            for g, r in zip(grads, unflat, strict=True):
+                g.copy_(r)
 
     def _require_pg(self) -> Any:
         self.interrupter.check()
@@ -612,11 +617,12 @@ class Runtime:
                 log.debug("store gc: could not delete the keys of %s", item, exc_info=True)
 
     def _apply_commit(self, a: ApplyCommit) -> None:
+        self.injector.fire_due(a.step, point="commit")  # tests: death after the decision
         opt = self.registry.optimizer
         with self.interrupter.atomic():
             if opt is not None:
                 opt.step()
-                opt.zero_grad(set_to_none=True)
+            self.registry.zero_grads()
         self.commits += 1
         every = self.config.check_every
         digest = self.registry.digest(a.step + 1) if every and (a.step + 1) % every == 0 else None
@@ -760,6 +766,7 @@ class Runtime:
         assert view is not None and view.source is not None
         if self._pg is None or self._pg_epoch != a.epoch:
             return  # the process group was not built (cancelled): the fsm moved on
+        self.injector.fire_due(a.step, point="heal")  # tests: death while healing
         t0 = time.monotonic()
         src = view.index(view.source)
         sending = self.rank == view.source

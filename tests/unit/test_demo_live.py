@@ -1,0 +1,44 @@
+"""The demo's live view folds the event log into each worker's phase, step and faults."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from fastft.demo.live import LiveState
+from fastft.runtime import EventLog
+
+
+def test_live_view_follows_the_event_log(tmp_path):
+    agent, r0, r1 = (EventLog(tmp_path, s) for s in ("agent 0", "rank 0", "rank 1"))
+    state = LiveState(tmp_path, "demo")
+    state.poll()  # nothing written yet
+    assert state.workers == {}
+    for r in (0, 1):
+        agent.emit("spawn", rank=r, life=0, pid=100 + r, incarnation=r + 7)
+    r0.emit("epoch", epoch=1, members=[0, 1], step=0, needs_state=[1], source=0, form_ms=1.0)
+    r0.emit("phase", frm="INIT", to="HEALING", epoch=1, step=0, on="QuorumReady", reason=None)
+    r0.emit("phase", frm="HEALING", to="NORMAL", epoch=1, step=0, on="HealDone", reason=None)
+    for s in range(3):
+        r0.emit("commit", epoch=1, step=s, digest=None, shard=None)
+        r1.emit("commit", epoch=1, step=s, digest=None, shard=None)
+    r1.emit("injected", kind="sigkill", step=3, epoch=1, incarnation=8)
+    agent.emit("worker_exit", rank=1, incarnation=8, exit_code=None, signal=9, life=0)
+    state.poll()
+    assert (state.workers[0].phase, state.workers[0].step, state.workers[0].epoch) == (
+        "NORMAL",
+        3,
+        1,
+    )
+    assert state.workers[1].phase == "DEAD"
+    assert len(state.faults) == 2 and "injected sigkill into rank 1" in state.faults[0]
+    agent.emit("spawn", rank=1, life=1, pid=200, incarnation=9)
+    r1.emit("heal", epoch=2, step=3, role="fetch", bytes=1000, heal_ms=4.0)
+    state.poll()
+    w = state.workers[1]
+    assert (w.phase, w.life) == ("INIT", 1) and "healed at step 3" in w.last
+    console = Console(record=True, width=120)
+    console.print(state.render())
+    text = console.export_text()
+    assert "rank 1 exited (signal 9)" in text and "NORMAL" in text
+    for log in (agent, r0, r1):
+        log.close()
