@@ -31,6 +31,7 @@ bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/bus_latency.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/interrupt_latency.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/bus_soak.py
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/recovery.py
 
 demo: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/fastft demo

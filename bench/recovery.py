@@ -7,7 +7,8 @@ and one of ~4M parameters.
   fixed world (survivors wait for the restarted replica) and an elastic one
   (``--min-replicas 2``: survivors go on at once, the restarted replica rejoins): time from
   the fault to the survivors' next commit, steps rolled back, and the time until the
-  restarted replica commits again. Target: 50 ms + one step time.
+  restarted replica commits again; also a fixed world with a warm spare. Target: 50 ms +
+  one step time.
 
 torchft is not run here yet (its integration is a separate issue); the README quotes the
 issue's torchft measurements for context only.
@@ -36,6 +37,10 @@ from _common import table, write  # noqa: E402
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_train.py")
 NPROC = 3
+WORLDS = ("fixed", "fixed+spare", "elastic")
+"""fixed: survivors wait for the restarted replica (a new Python process); fixed+spare: the
+same with ``--warm-spares 1`` (a process with torch imported takes the lost rank);
+elastic: ``--min-replicas 2``, survivors go on at once and the replica rejoins later."""
 SIZES = {  # name -> (hidden, layers)
     "small": (88, 2),  # 10,825 parameters
     "large": (1024, 5),  # 4,232,193 parameters
@@ -98,14 +103,16 @@ def run_fastft(
     name: str,
     *,
     plan: list[dict[str, object]] | None = None,
-    elastic: bool = False,
+    world: str = "fixed",
 ) -> Path:
     run = tmp / name
     run.mkdir(parents=True)
     cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", str(NPROC)]
     cmd += ["--run-dir", str(run), "--job", name]
-    if elastic:
+    if world == "elastic":
         cmd += ["--min-replicas", str(NPROC - 1)]
+    if world == "fixed+spare":
+        cmd += ["--warm-spares", "1"]
     if plan:
         (run / "plan.json").write_text(json.dumps({"faults": plan}))
         cmd += ["--inject", str(run / "plan.json")]
@@ -132,6 +139,7 @@ def steady(size: str, steps: int, repeats: int, tmp: Path) -> dict[str, object]:
         "model": size,
         "params": n_params(hidden, layers),
         "pairs": repeats,
+        "ratio_range": f"{min(p[0] for p in pairs):.2f}-{max(p[0] for p in pairs):.2f}",
         "ddp_step_ms": round(ddp * 1e3, 3),
         "fastft_step_ms": round(fft * 1e3, 3),
         "ratio": round(ratio, 3),
@@ -140,7 +148,7 @@ def steady(size: str, steps: int, repeats: int, tmp: Path) -> dict[str, object]:
 
 
 def fault_trial(
-    size: str, kind: str, elastic: bool, step_s: float, trial: int, tmp: Path
+    size: str, kind: str, world: str, step_s: float, trial: int, tmp: Path
 ) -> dict[str, object]:
     from fastft.report import summarize
 
@@ -148,10 +156,9 @@ def fault_trial(
     at = 20
     # long enough after the fault for the restarted replica to start, heal and commit
     steps = at + max(40, math.ceil(12.0 / max(step_s, 1e-3)))
-    world = "elastic" if elastic else "fixed"
-    name = f"{size}-{kind}-{world}-{trial}"
+    name = f"{size}-{kind}-{world.replace('+', '-')}-{trial}"
     plan = [{"kind": kind, "rank": 1 + trial % (NPROC - 1), "at_step": at}]
-    run = run_fastft(hidden, layers, steps, tmp / size, name, plan=plan, elastic=elastic)
+    run = run_fastft(hidden, layers, steps, tmp / size, name, plan=plan, world=world)
     s = summarize(run)
     f = s["faults"][0]
     return {
@@ -197,16 +204,16 @@ def main() -> None:
         print(f"steady {size}: {row}", flush=True)
         step_s = float(row["fastft_step_ms"]) / 1e3  # type: ignore[arg-type]
         for kind in kinds:
-            for elastic in (False, True):
+            for world in WORLDS:
                 for t in range(trials if size == "small" else 1):
-                    r = fault_trial(size, kind, elastic, step_s, t, tmp)
+                    r = fault_trial(size, kind, world, step_s, t, tmp)
                     trial_rows.append(r)
                     print(f"  {r}", flush=True)
     summary = []
     for size in sizes:
         step_ms = next(float(r["fastft_step_ms"]) for r in steady_rows if r["model"] == size)  # type: ignore[arg-type]
         for kind in kinds:
-            for world in ("fixed", "elastic"):
+            for world in WORLDS:
                 rows = [
                     r
                     for r in trial_rows
@@ -244,6 +251,7 @@ def main() -> None:
                 "ddp_step_ms",
                 "fastft_step_ms",
                 "ratio",
+                "ratio_range",
                 "extra_ms_per_step",
             ],
         )

@@ -118,6 +118,13 @@ def _build() -> argparse.ArgumentParser:
             "without a lost worker and it rejoins when restarted (default: all, fixed world)"
         ),
     )
+    p.add_argument(
+        "--warm-spares",
+        type=int,
+        default=0,
+        help="processes kept ready with torch imported; a restarted worker becomes one "
+        "instead of starting Python (default 0)",
+    )
     p.add_argument("--run-dir", default=None, help="event log and heartbeats (default: temp)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -136,6 +143,12 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--no-live", action="store_true", help="no live display")
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="survivors go on without a lost worker (--min-replicas nproc/2); the check is "
+        "then: every sample consumed once and parameters equal up to summation order",
+    )
     return parser
 
 
@@ -346,6 +359,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             inject=args.inject,
             hang_timeout_s=args.hang_timeout,
             min_replicas=args.min_replicas,
+            warm_spares=args.warm_spares,
             run_dir=args.run_dir,
             seed=args.seed,
             check_every=args.check_every,
@@ -373,7 +387,15 @@ def _cmd_report_run(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from fastft.demo.main import run_demo
 
-    return run_demo(steps=args.steps, nproc=args.nproc, run_dir=args.run_dir, live=not args.no_live)
+    if args.steps < 20 or args.nproc < 2:
+        _fail("demo: use --steps >= 20 and --nproc >= 2")
+    return run_demo(
+        steps=args.steps,
+        nproc=args.nproc,
+        run_dir=args.run_dir,
+        live=not args.no_live,
+        elastic=args.elastic,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

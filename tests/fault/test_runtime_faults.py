@@ -113,16 +113,19 @@ def test_exception_sigkill_and_sigstop_end_bitwise_equal_to_a_clean_run(tmp_path
     )
 
 
-def test_rank0_killed_and_a_state_loss_are_survived(tmp_path, clean):
+def test_rank0_killed_and_a_state_loss_are_survived_with_a_warm_spare(tmp_path, clean):
     plan = [
         {"kind": "sigkill", "rank": 0, "at_step": 5},
         # Fault1 without dying: the injection fills rank 1's parameters with NaN
         {"kind": "state_lost", "rank": 1, "at_step": 14},
     ]
-    run = fastft_run(tmp_path, "rank0", plan=plan)
+    # the restarted rank 0 is a warm spare (torch already imported) given rank 0's place
+    run = fastft_run(tmp_path, "rank0", "--warm-spares", "1", plan=plan)
     check_s1_s3(run)
     assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
     ev = read_events(run)
+    spawns = [(e["rank"], e["life"], e["warm"]) for e in ev if e["event"] == "spawn"]
+    assert (0, 1, True) in spawns and sum(e["event"] == "spare_start" for e in ev) == 2
     fetched = [
         (e["src"], e["step"])
         for e in ev
@@ -368,6 +371,7 @@ def test_two_agents_form_one_job(tmp_path, clean):
     [
         (["--nproc", "0"], "--nproc 0"),
         (["--nproc", "3", "--min-replicas", "4"], "--min-replicas 4"),
+        (["--nproc", "2", "--warm-spares", "3"], "--warm-spares 3"),
         (["--nproc", "2", "--nnodes", "2"], "needs --store"),
         (["--nproc", "2", "--inject", "/nonexistent/plan.json"], "plan"),
     ],

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from fastft.bus import host_store
 from fastft.protocol.keys import JobKeys
 from fastft.runtime.contract import EpochView, Member
-from fastft.runtime.coordinator import COMMIT, ROLLBACK, Coordinator
+from fastft.runtime.coordinator import ADMIT, COMMIT, ROLLBACK, Coordinator
 
 pytestmark = pytest.mark.timeout(60)
 JOB = "coord"
@@ -138,3 +138,11 @@ def test_survivors_exclude_the_dead_and_admit_its_restart(server):
     assert v is not None and v.epoch == 2 and v.step == 7
     assert v.members == (Member(0, 10), Member(1, 11), Member(2, 99))
     assert v.needs_state == frozenset({2}) and v.source == 0
+
+
+def test_a_vote_with_a_join_request_makes_the_commit_admit_joiners(server):
+    cs = [coord(server, r, 10 + r) for r in range(3)]
+    assert cs[0].vote(1, 3, 3) is None
+    assert cs[1].vote(1, 3, 3, joining=True) is None  # only one member saw the request
+    assert cs[2].vote(1, 3, 3) == COMMIT + ADMIT  # the completing vote knows from the count
+    assert {c.await_decision(1, 3) for c in cs} == {COMMIT + ADMIT}

@@ -309,12 +309,13 @@ def test_random_event_sequences_stay_defined(seq):
             break
 
 
-def test_a_join_request_re_forms_the_epoch_after_the_next_commit():
+def test_a_join_request_re_forms_the_epoch_once_the_decision_says_so():
     s, _ = decide(initial_state(0), QuorumReady(1, frozenset({0, 1}), 0))
     s, acts = decide(s, JoinRequested(2))
     assert s.phase is Phase.NORMAL and s.joining and acts == ()
-    s, _ = decide(s, GradsReady())
-    s, acts = decide(s, Decision(commit=True))
+    s, acts = decide(s, GradsReady())
+    assert acts == (CastVote(1, 0, False, joining=True),)  # the request goes with the vote
+    s, acts = decide(s, Decision(commit=True, admit=True))
     assert acts == (ApplyCommit(0),)
     s, acts = decide(s, CommitApplied())
     assert s.phase is Phase.HEALING and s.step == 1 and not s.joining
@@ -322,3 +323,16 @@ def test_a_join_request_re_forms_the_epoch_after_the_next_commit():
     # a member's own duplicate request changes nothing
     s2, _ = decide(initial_state(0), QuorumReady(1, frozenset({0, 1}), 0))
     assert not decide(s2, JoinRequested(1))[0].joining
+
+
+def test_a_join_request_latched_after_the_vote_waits_for_the_next_decision():
+    """Regression (elastic demo, 60 s stall): one member re-formed on a request the others
+    had not seen yet while they entered the next step's allreduce."""
+    s, _ = decide(initial_state(0), QuorumReady(1, frozenset({0, 1}), 0))
+    s, _ = decide(s, GradsReady())
+    s, _ = decide(s, JoinRequested(2))  # after this member voted
+    s, _ = decide(s, Decision(commit=True))  # nobody asked to admit with this step
+    s, acts = decide(s, CommitApplied())
+    assert s.phase is Phase.NORMAL and s.joining and acts == ()
+    s, acts = decide(s, GradsReady())
+    assert acts == (CastVote(1, 1, False, joining=True),)

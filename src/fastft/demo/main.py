@@ -28,7 +28,13 @@ def _plan(steps: int) -> list[dict[str, object]]:
 
 
 def _run(
-    run: Path, nproc: int, steps: int, plan: list[dict[str, object]] | None, live: bool = False
+    run: Path,
+    nproc: int,
+    steps: int,
+    plan: list[dict[str, object]] | None,
+    live: bool = False,
+    flags: tuple[str, ...] = (),
+    train: tuple[str, ...] = (),
 ) -> int:
     cmd = [
         sys.executable,
@@ -43,12 +49,14 @@ def _run(
         run.name,
         "--check-every",
         "10",
+        *flags,
     ]
     if plan:
         run.mkdir(parents=True, exist_ok=True)
         (run / "plan.json").write_text(json.dumps({"faults": plan}))
         cmd += ["--inject", str(run / "plan.json")]
     cmd += ["-m", "fastft.demo.train", "--", "--steps", str(steps), "--out", str(run / "out")]
+    cmd += train
     if not live:
         return subprocess.run(cmd, timeout=600).returncode
     from fastft.demo.live import follow
@@ -67,27 +75,75 @@ def _digests(run: Path) -> set[str]:
     return {json.loads(f.read_text())["digest"] for f in (run / "out").glob("final-rank*.json")}
 
 
+def _max_param_diff(a: Path, b: Path) -> float:
+    import torch
+
+    worst = 0.0
+    ref = torch.load(next((a / "out").glob("final-rank*.pt")))
+    for f in (b / "out").glob("final-rank*.pt"):
+        got = torch.load(f)
+        for k, v in ref.items():
+            worst = max(worst, float((got[k] - v).abs().max()))
+    return worst
+
+
+def _samples_once(run: Path) -> bool:
+    """Every committed step's shards tile its global batch (S5 when the world shrinks)."""
+    from fastft.runtime import read_events
+
+    shards: dict[int, list[tuple[int, int, int]]] = {}
+    for e in read_events(run):
+        if e["event"] == "commit" and e.get("shard"):
+            shards.setdefault(e["step"], []).append(tuple(e["shard"]))
+    for parts in shards.values():
+        parts.sort()
+        n = parts[0][2]
+        if parts[0][0] != 0 or parts[-1][1] != n:
+            return False
+        if any(x[1] != y[0] for x, y in zip(parts, parts[1:], strict=False)):
+            return False
+    return bool(shards)
+
+
 def run_demo(
-    steps: int = 200, nproc: int = 4, run_dir: str | None = None, live: bool = False
+    steps: int = 200,
+    nproc: int = 4,
+    run_dir: str | None = None,
+    live: bool = False,
+    elastic: bool = False,
 ) -> int:
     root = Path(run_dir or tempfile.mkdtemp(prefix="fastft-demo-"))
     live = live and sys.stdout.isatty()  # a live display only on a terminal
-    print(f"fastft demo: {nproc} workers, {steps} steps, runs in {root}", flush=True)
+    mode = f"elastic (--min-replicas {max(1, nproc // 2)})" if elastic else "fixed world"
+    print(f"fastft demo: {nproc} workers, {steps} steps, {mode}, runs in {root}", flush=True)
+    # elastic: slower steps, so that restarted workers (~2 s of start-up) get back in
+    train = ("--step-time", "0.03") if elastic else ()
+    # warm spares: a killed worker's place is taken by a process with torch imported
+    flags: tuple[str, ...] = ("--warm-spares", "3")
+    if elastic:
+        flags += ("--min-replicas", str(max(1, nproc // 2)))
     t0 = time.monotonic()
     print("1/2 fault-free run ...", flush=True)
-    if _run(root / "clean", nproc, steps, None, live) != 0:
+    if _run(root / "clean", nproc, steps, None, live, train=train) != 0:
         print("fault-free run failed", file=sys.stderr)
         return 1
     print(f"2/2 run with faults: {json.dumps(_plan(steps))}", flush=True)
-    code = _run(root / "faulty", nproc, steps, _plan(steps), live)
+    code = _run(root / "faulty", nproc, steps, _plan(steps), live, flags, train)
     figures = summarize(root / "faulty")
     print()
     print(render_report(root / "faulty", figures))
-    clean, faulty = _digests(root / "clean"), _digests(root / "faulty")
-    equal = code == 0 and len(clean) == 1 and clean == faulty
-    recovered = all(f["recovered"] for f in figures["faults"])
+    recovered = all(f["recovered"] for f in figures["faults"]) and len(figures["faults"]) >= 4
     print()
-    print(f"final state digest, fault-free: {sorted(clean)}  with faults: {sorted(faulty)}")
+    if elastic:
+        diff = _max_param_diff(root / "clean", root / "faulty") if code == 0 else float("inf")
+        once = code == 0 and _samples_once(root / "faulty")
+        equal = once and diff <= 1e-4
+        print(f"every sample of every committed step consumed once: {'yes' if once else 'NO'}")
+        print(f"largest parameter difference to the fault-free run: {diff:.3g}")
+    else:
+        clean, faulty = _digests(root / "clean"), _digests(root / "faulty")
+        equal = code == 0 and len(clean) == 1 and clean == faulty
+        print(f"final state digest, fault-free: {sorted(clean)}  with faults: {sorted(faulty)}")
     print(
         f"S5 equivalence: {'HOLDS' if equal else 'FAILED'}; every fault recovered: "
         f"{'yes' if recovered else 'NO'}; {time.monotonic() - t0:.0f} s"

@@ -80,7 +80,8 @@ class StepState:
     (Fault1), who must heal; ``lost_state``: this worker is Fault1 itself;
     ``pending_fault``: a fault arrived after the commit decision and is handled after the
     commit is applied; ``leaving``: members that announced a drain with their vote; ``joining``: a worker
-    waits to be admitted, so the epoch is re-formed after the next commit.
+    waits to be admitted (latched from its JoinRequest, sent with the next vote);
+    ``admit``: the decision of this step says to re-form the epoch after the commit.
     """
 
     phase: Phase
@@ -97,6 +98,7 @@ class StepState:
     want_drain: bool = False
     pending_fault: bool = False
     joining: bool = False
+    admit: bool = False
     reason: str = ""
 
     @property
@@ -168,6 +170,9 @@ class Decision(Event):
 
     commit: bool
     leaving: frozenset[int] = frozenset()
+    admit: bool = False
+    """A member voted with a join request latched: after this commit every member re-forms
+    the epoch to admit the waiting workers (agreed, because it is part of the decision)."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +251,8 @@ class CastVote(Action):
     epoch: int
     step: int
     want_drain: bool = False
+    joining: bool = False
+    """A worker waits to join: ask for the epoch to be re-formed after this step."""
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,8 @@ def _heal_done(s: StepState, e: Event) -> Result:
 
 
 def _grads_ready(s: StepState, e: Event) -> Result:
-    return replace(s, phase=Phase.PREPARED), (CastVote(s.epoch, s.step, s.want_drain),)
+    vote = CastVote(s.epoch, s.step, s.want_drain, joining=s.joining)
+    return replace(s, phase=Phase.PREPARED), (vote,)
 
 
 def _local_fault_running(s: StepState, e: Event) -> Result:
@@ -284,7 +285,7 @@ def _decision_prepared(s: StepState, e: Event) -> Result:
     if not e.commit:
         s = replace(s, pending_fault=False)
         return _begin_rollback(s, s.reason or "decision: rollback", propose=False)
-    s = replace(s, leaving=s.leaving | (e.leaving - {s.rank}))
+    s = replace(s, leaving=s.leaving | (e.leaving - {s.rank}), admit=e.admit)
     phase = Phase.DRAIN_COMMIT if s.want_drain else Phase.COMMIT
     return replace(s, phase=phase), (ApplyCommit(s.step),)
 
@@ -304,11 +305,13 @@ def _commit_applied(s: StepState, e: Event) -> Result:
     if s.pending_fault or s.dead:
         s = replace(s, pending_fault=False)
         return _begin_rollback(s, "fault after the commit decision", propose=True)
-    if s.leaving or s.joining:
-        # Every survivor read the same decision (with the same leavers) from the store:
-        # no barrier is needed to agree that the next epoch excludes them. Joiners are
-        # admitted by the formation itself (they registered in the store).
-        s = replace(s, phase=Phase.HEALING, dead=s.dead | s.leaving, joining=False)
+    if s.leaving or s.admit:
+        # Every survivor read the same decision (with the same leavers, and whether to
+        # admit joiners) from the store: no barrier is needed to agree on re-forming.
+        # Joiners are admitted by the formation itself (they registered in the store).
+        # A join request latched after this member voted is not enough: the others may
+        # not have seen it; it goes with the next vote.
+        s = replace(s, phase=Phase.HEALING, dead=s.dead | s.leaving, joining=False, admit=False)
         return s, (FormEpoch(after_epoch=s.epoch, exclude=s.dead, lost_state=s.lost_state),)
     return replace(s, phase=Phase.NORMAL), ()
 

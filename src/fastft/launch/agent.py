@@ -28,6 +28,7 @@ from pathlib import Path
 
 from fastft.bus import BusConfig, connect_store, host_store, tcpstore_bus
 from fastft.errors import ConfigError
+from fastft.launch.spare import order_line
 from fastft.protocol import (
     NO_RANK,
     Fault,
@@ -68,6 +69,7 @@ class LaunchConfig:
     run_dir: str | None = None
     seed: int = 0
     check_every: int = 0
+    warm_spares: int = 0
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -93,6 +95,16 @@ class LaunchConfig:
         world = self.nproc * self.nnodes
         if self.min_replicas is not None and not 1 <= self.min_replicas <= world:
             raise ConfigError(f"--min-replicas {self.min_replicas}: must be in 1..{world}")
+        if not 0 <= self.warm_spares <= self.nproc:
+            raise ConfigError(f"--warm-spares {self.warm_spares}: use 0..{self.nproc}")
+        if self.warm_spares and (
+            len(self.command) < 2
+            or os.path.basename(self.command[0]) != os.path.basename(sys.executable)
+        ):
+            raise ConfigError(
+                "--warm-spares needs a Python worker (script.py or -m module), "
+                f"not {self.command[0]!r}"
+            )
         if self.inject is not None:
             from fastft.inject import FaultPlan
 
@@ -144,6 +156,8 @@ class Agent:
         first = config.node_rank * config.nproc
         self.slots = {r: _Slot(r) for r in range(first, first + config.nproc)}
         self._by_pid: dict[int, _Slot] = {}
+        self._spares: list[subprocess.Popen[bytes]] = []
+        self._dead_spares: set[int] = set()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping: int | None = None
@@ -171,11 +185,14 @@ class Agent:
         try:
             for slot in self.slots.values():
                 self._spawn(slot)
+            for _ in range(self.config.warm_spares):
+                self._start_spare()
             reaper = threading.Thread(target=self._reap, name="fastft-agent-reaper", daemon=True)
             reaper.start()
             self._watch()
             code = self._finish()
         finally:
+            self._stop_spares()
             self._kill_all(signal.SIGKILL, grace_s=0)
             for s, h in prev.items():
                 signal.signal(s, h)
@@ -233,14 +250,70 @@ class Agent:
             os.unlink(slot.heartbeat)
         except FileNotFoundError:
             pass
+        spare = self._take_spare() if slot.life > 0 else None
         with self._lock:
-            slot.proc = subprocess.Popen(list(cfg.command), env=env, preexec_fn=_die_with_parent)
+            if spare is not None:
+                assert spare.stdin is not None
+                spare.stdin.write(order_line(env, list(cfg.command)))
+                spare.stdin.close()
+                slot.proc = spare
+            else:
+                slot.proc = subprocess.Popen(
+                    list(cfg.command), env=env, preexec_fn=_die_with_parent
+                )
             slot.started = time.monotonic()
             self._by_pid[slot.proc.pid] = slot
         self._wake.set()
         self.events.emit(
-            "spawn", rank=slot.rank, life=slot.life, pid=slot.proc.pid, incarnation=slot.incarnation
+            "spawn",
+            rank=slot.rank,
+            life=slot.life,
+            pid=slot.proc.pid,
+            incarnation=slot.incarnation,
+            warm=spare is not None,
         )
+        if spare is not None:
+            self._start_spare()  # the next failure gets one too
+
+    # --- warm spares -----------------------------------------------------------------------
+    def _start_spare(self) -> None:
+        if self._stopping is not None or self._failed:
+            return
+        env = {**os.environ, **self.config.env}
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        p = subprocess.Popen(
+            [self.config.command[0], "-m", "fastft.launch.spare"],
+            env=env,
+            stdin=subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+        )
+        with self._lock:
+            self._spares.append(p)
+        self.events.emit("spare_start", pid=p.pid)
+
+    def _take_spare(self) -> subprocess.Popen[bytes] | None:
+        with self._lock:
+            while self._spares:
+                p = self._spares.pop(0)
+                if p.pid not in self._dead_spares:
+                    return p
+        return None
+
+    def _stop_spares(self) -> None:
+        with self._lock:
+            spares, self._spares = self._spares, []
+        for p in spares:
+            try:
+                assert p.stdin is not None
+                p.stdin.close()  # an idle spare reads EOF and exits
+                os.kill(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, OSError):
+                pass
+        for p in spares:
+            try:
+                os.waitpid(p.pid, 0)
+            except ChildProcessError:
+                pass  # already reaped by the reaper thread
 
     def _reap(self) -> None:
         """Blocks in waitid: the kernel reports exits and stops the moment they happen."""
@@ -259,6 +332,8 @@ class Agent:
             t = time.monotonic()
             with self._lock:
                 slot = self._by_pid.get(info.si_pid)
+                if slot is None and any(p.pid == info.si_pid for p in self._spares):
+                    self._dead_spares.add(info.si_pid)  # never hand out a dead spare
             if slot is None:
                 continue
             if info.si_code == os.CLD_STOPPED:

@@ -29,12 +29,16 @@ import torch.distributed as dist
 from fastft.protocol.keys import JobKeys
 from fastft.runtime.contract import EpochView, JobFinished, Member
 
-__all__ = ["Coordinator", "COMMIT", "ROLLBACK"]
+__all__ = ["Coordinator", "ADMIT", "COMMIT", "ROLLBACK"]
 
 log = logging.getLogger(__name__)
 
 COMMIT = "C"
+ADMIT = "J"
+"""Suffix of a commit decision: re-form the epoch after it to admit waiting workers."""
 ROLLBACK = "R"
+JOIN_FLAG = 1 << 20
+"""Added to a vote by a member that saw a join request (epochs have fewer members)."""
 _POLL_S = 0.002
 
 
@@ -68,14 +72,30 @@ class Coordinator:
         self._joiner_keys_exist = False
 
     # --- decisions -------------------------------------------------------------------------
-    def vote(self, epoch: int, step: int, n_members: int, *, leaving: bool = False) -> str | None:
+    def vote(
+        self,
+        epoch: int,
+        step: int,
+        n_members: int,
+        *,
+        leaving: bool = False,
+        joining: bool = False,
+    ) -> str | None:
         """Vote yes; the completing vote proposes COMMIT and returns the decision that
-        holds (a rollback may have landed first). Other votes return None: wait for it."""
+        holds (a rollback may have landed first). Other votes return None: wait for it.
+
+        ``joining``: this member saw a worker waiting to join. The vote then adds
+        ``JOIN_FLAG + 1`` instead of 1, so the completing vote knows from the counter alone,
+        with no extra round trip, whether any member asked, and decides ``CJ`` (commit,
+        then re-form the epoch to admit) instead of ``C``."""
         if leaving:
             self.store.set(self.keys.leaving(epoch, step, self.me.rank), "1")
-        if int(self.store.add(self.keys.votes(epoch, step), 1)) == n_members:
-            got = self.store.compare_set(self.keys.decision(epoch, step), "", COMMIT)
-            return bytes(got).decode(errors="replace")
+        inc = 1 + (JOIN_FLAG if joining else 0)
+        got = int(self.store.add(self.keys.votes(epoch, step), inc))
+        if got % JOIN_FLAG == n_members:
+            decision = COMMIT + (ADMIT if got >= JOIN_FLAG else "")
+            cas = self.store.compare_set(self.keys.decision(epoch, step), "", decision)
+            return bytes(cas).decode(errors="replace")
         return None
 
     @staticmethod

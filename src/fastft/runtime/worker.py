@@ -99,7 +99,7 @@ from fastft.protocol import (
     Severity,
 )
 from fastft.runtime.contract import EpochView, JobFinished, Member, RuntimeConfig, WorkerExit
-from fastft.runtime.coordinator import COMMIT, Coordinator
+from fastft.runtime.coordinator import ADMIT, COMMIT, Coordinator
 from fastft.runtime.events import EventLog
 from fastft.runtime.state import StateRegistry, reseed
 
@@ -584,13 +584,16 @@ class Runtime:
         view = self._view
         assert view is not None
         t0 = time.monotonic()
-        got = self.coord.vote(a.epoch, a.step, len(view.members), leaving=a.want_drain)
+        got = self.coord.vote(
+            a.epoch, a.step, len(view.members), leaving=a.want_drain, joining=a.joining
+        )
         while got is None:
             got = self.coord.await_decision(a.epoch, a.step)
             if self._closing:
                 break
             self._hb.beat()
-        commit = got == COMMIT
+        commit = got is not None and got[:1] == COMMIT
+        admit = commit and got == COMMIT + ADMIT
         if commit and view.index(self.rank) == 0 and a.step > 0:
             self._garbage.put((a.epoch, a.step - 1))  # every member has read it by now
         self.events.emit(
@@ -599,9 +602,10 @@ class Runtime:
             step=a.step,
             decision="commit" if commit else "rollback",
             reason=None if commit or got is None else got[1:],
+            admit=admit,
             wait_ms=round((time.monotonic() - t0) * 1e3, 3),
         )
-        self._feed(Decision(commit=commit))
+        self._feed(Decision(commit=commit, admit=admit))
 
     def _collect(self) -> None:
         """Thread: delete the keys of decided steps off the training path (the side
