@@ -213,7 +213,8 @@ def test_a_worker_lost_while_the_bus_is_flooded(tmp_path, clean):
                 bus.publish_raw(b"\x00garbage")  # malformed: counted and dropped
                 sent[0] += 2
         except Exception:
-            if proc.poll() is None:  # the store goes away only when the job ends
+            # the store goes away only when the job ends (every worker wrote its result)
+            if len(list((run / "out").glob("final-rank*.json"))) < 3:
                 raise
         finally:
             bus.close()
