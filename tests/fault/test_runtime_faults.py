@@ -235,6 +235,27 @@ def test_a_worker_lost_while_the_bus_is_flooded(tmp_path, clean):
     assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
 
 
+def test_sigterm_segfault_and_exit_code_end_bitwise_equal_to_a_clean_run(tmp_path, clean):
+    """The rest of the catalogue under the runtime (each a Fault1: restart and heal)."""
+    plan = [
+        {"kind": "sigterm", "rank": 0, "at_step": 5},
+        {"kind": "segfault", "rank": 1, "at_step": 12},
+        {"kind": "exit", "rank": 2, "at_step": 19, "arg": 3},
+    ]
+    run = fastft_run(tmp_path, "rest", "--warm-spares", "1", plan=plan)
+    check_s1_s3(run)
+    assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
+    ev = read_events(run)
+    exits = {
+        (e["rank"], e["exit_code"], e["signal"])
+        for e in ev
+        if e["event"] == "worker_exit" and (e["exit_code"] or e["signal"])
+    }
+    assert exits == {(0, None, 15), (1, None, 11), (2, 3, None)}
+    fetched = {e["src"] for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"]}
+    assert fetched == {"rank 0", "rank 1", "rank 2"}
+
+
 def test_gil_hang_is_killed_after_the_hang_timeout(tmp_path, clean):
     plan = [{"kind": "gil_hang", "rank": 2, "at_step": 8, "arg": 600}]
     run = fastft_run(tmp_path, "gil", "--hang-timeout", "2", plan=plan)
