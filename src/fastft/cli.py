@@ -107,7 +107,14 @@ def _build() -> argparse.ArgumentParser:
         "--hang-timeout",
         type=float,
         default=30.0,
-        help="seconds without progress before a worker is killed",
+        help="seconds without progress before a worker is killed (the most, with --adaptive-hang)",
+    )
+    p.add_argument(
+        "--adaptive-hang",
+        action="store_true",
+        help="hang timeout = 20x the longest recent gap between a worker's heartbeats "
+        "(at least 2 s, at most --hang-timeout); use ft.no_hang_check() around long work "
+        "between steps",
     )
     p.add_argument(
         "--min-replicas",
@@ -358,6 +365,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             inject=args.inject,
             hang_timeout_s=args.hang_timeout,
+            adaptive_hang=args.adaptive_hang,
             min_replicas=args.min_replicas,
             warm_spares=args.warm_spares,
             run_dir=args.run_dir,

@@ -258,11 +258,15 @@ def test_sigterm_segfault_and_exit_code_end_bitwise_equal_to_a_clean_run(tmp_pat
 
 def test_gil_hang_is_killed_after_the_hang_timeout(tmp_path, clean):
     plan = [{"kind": "gil_hang", "rank": 2, "at_step": 8, "arg": 600}]
-    run = fastft_run(tmp_path, "gil", "--hang-timeout", "2", plan=plan)
+    # adaptive: 20x the longest gap between heartbeats of ~10 ms steps, floored at 2 s,
+    # instead of the 30 s maximum
+    run = fastft_run(tmp_path, "gil", "--adaptive-hang", "--hang-timeout", "30", plan=plan)
     check_s1_s3(run)
     assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
     ev = read_events(run)
-    assert any(e["event"] == "worker_hung" and e["rank"] == 2 for e in ev)
+    hung = [e for e in ev if e["event"] == "worker_hung"]
+    assert [e["rank"] for e in hung] == [2]
+    assert 2.0 <= hung[0]["timeout_s"] < 10, hung
 
 
 def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):

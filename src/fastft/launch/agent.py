@@ -63,6 +63,10 @@ class LaunchConfig:
     max_restarts: int = 3
     inject: str | None = None
     hang_timeout_s: float = 30.0
+    adaptive_hang: bool = False
+    """Scale the hang timeout to the workers' observed steps: ``HANG_GAPS`` times the
+    longest recent gap between heartbeats, at least ``HANG_FLOOR_S``, at most
+    ``hang_timeout_s`` (which also applies until a worker committed its first step)."""
     start_grace_s: float = 120.0
     store_wait_s: float = 60.0
     min_replicas: int | None = None
@@ -126,6 +130,10 @@ class _Slot:
     started: float = 0.0
     heartbeat: str = ""
     done: bool = False
+
+
+HANG_GAPS = 20.0
+HANG_FLOOR_S = 2.0
 
 
 class Agent:
@@ -423,7 +431,7 @@ class Agent:
 
     def _watch(self) -> None:
         """Main loop: hang detection and the end of the job."""
-        period = min(0.1, self.config.hang_timeout_s / 10)
+        period = min(0.02, self.config.hang_timeout_s / 10)  # a hang is seen within 20 ms
         while True:
             self._wake.wait(period)
             self._wake.clear()
@@ -443,19 +451,24 @@ class Agent:
     def _check_hang(self, slot: _Slot, now: float) -> None:
         if slot.done or slot.proc is None or slot.proc.returncode is not None:
             return
-        beat = read_heartbeat(slot.heartbeat)
+        hb = read_heartbeat(slot.heartbeat)
+        beat, gap = hb if hb is not None else (None, 0.0)
         if beat is None or beat < slot.started:
             if now - slot.started > self.config.start_grace_s:
                 beat = slot.started
             else:
                 return  # still starting (imports): no heartbeat yet
         silent = now - beat
-        if silent > self.config.hang_timeout_s:
+        timeout = self.config.hang_timeout_s
+        if self.config.adaptive_hang and gap > 0:
+            timeout = min(timeout, max(HANG_FLOOR_S, HANG_GAPS * gap))
+        if silent > timeout:
             self.events.emit(
                 "worker_hung",
                 rank=slot.rank,
                 incarnation=slot.incarnation,
                 silent_s=round(silent, 3),
+                timeout_s=round(timeout, 3),
                 detected=now,
             )
             self._publish(

@@ -279,6 +279,12 @@ class Runtime:
         """``with ft.transaction() as tx:`` one step: commits on every member or on none."""
         return Transaction(self)
 
+    def no_hang_check(self) -> _Waiting:
+        """A context manager for long work between steps (evaluation, a checkpoint): the
+        heartbeat goes on while it runs, so the agent's hang timeout (adaptive or not)
+        does not kill the worker. A real hang inside it is not detected."""
+        return _Waiting(self)
+
     def digest(self) -> str:
         """Hash of the replicated state at the current step (S3)."""
         return self.registry.digest(self.step)
@@ -628,6 +634,7 @@ class Runtime:
                 opt.step()
             self.registry.zero_grads()
         self.commits += 1
+        self._hb.tracking = True
         every = self.config.check_every
         digest = self.registry.digest(a.step + 1) if every and (a.step + 1) % every == 0 else None
         share = list(self._share) if self._share is not None else None
@@ -905,30 +912,43 @@ class _Waiting:
 
 
 class _Heartbeat:
-    """Progress for the agent's hang detector: CLOCK_MONOTONIC of the last sign of life
-    in a small shared file. The main thread beats at every step boundary and wait loop;
-    while it is blocked in an interruptible wait a helper thread beats for it. A main
-    thread that holds the GIL or loops without returning stops the beats."""
+    """Progress for the agent's hang detector, in a small shared file: CLOCK_MONOTONIC of
+    the last sign of life, and the longest gap between beats seen lately (0 until the first
+    commit), which an agent with ``--adaptive-hang`` scales into its timeout. The main
+    thread beats at every step boundary and wait loop; while it is blocked in an
+    interruptible wait a helper thread beats for it. A main thread that holds the GIL or
+    loops without returning stops the beats."""
 
-    _FMT = "<d"
+    _FMT = "<dd"
+    _DECAY = 0.999  # per beat: the longest gap fades over a few thousand beats
 
     def __init__(self, path: str | None) -> None:
         self._mm: mmap.mmap | None = None
         self._waiting = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._prev = 0.0
+        self._gap = 0.0
+        self.tracking = False
+        """Set after the first commit: gaps before it (start-up, healing) are not steps."""
         if path:
+            size = struct.calcsize(self._FMT)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            os.ftruncate(fd, 8)
-            self._mm = mmap.mmap(fd, 8)
+            os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size)
             os.close(fd)
             self.beat()
             self._thread = threading.Thread(target=self._run, name="fastft-heartbeat", daemon=True)
             self._thread.start()
 
     def beat(self) -> None:
-        if self._mm is not None:
-            self._mm[0:8] = struct.pack(self._FMT, time.monotonic())
+        if self._mm is None:
+            return
+        now = time.monotonic()
+        if self.tracking and self._prev:
+            self._gap = max(now - self._prev, self._gap * self._DECAY)
+        self._prev = now
+        self._mm[0:16] = struct.pack(self._FMT, now, self._gap)
 
     def waiting(self, on: bool) -> None:
         (self._waiting.set if on else self._waiting.clear)()
@@ -948,12 +968,13 @@ class _Heartbeat:
             self._mm = None
 
 
-def read_heartbeat(path: str) -> float | None:
-    """The last beat written to ``path`` (CLOCK_MONOTONIC seconds), None if unreadable."""
+def read_heartbeat(path: str) -> tuple[float, float] | None:
+    """(last beat in CLOCK_MONOTONIC seconds, longest recent gap between beats; 0 before
+    the first commit) from ``path``; None if unreadable."""
     try:
         with open(path, "rb") as f:
-            data = f.read(8)
-        return struct.unpack("<d", data)[0] if len(data) == 8 else None
+            data = f.read(16)
+        return struct.unpack("<dd", data) if len(data) == 16 else None
     except OSError:
         return None
 
