@@ -3,12 +3,13 @@ and one of ~4M parameters.
 
 * steady step time: plain DDP (``torch.distributed``, no fault tolerance: the floor) and
   fastft's transactional step on the same model and data; ratio and extra ms per step;
-* faults (SIGKILL, exception, SIGSTOP of one replica, mid-run) under ``fastft run``, in a
+* faults (SIGKILL, exception, SIGSTOP, a GIL-holding hang of one replica, mid-run) under
+  ``fastft run --adaptive-hang``, in a
   fixed world (survivors wait for the restarted replica) and an elastic one
   (``--min-replicas 2``: survivors go on at once, the restarted replica rejoins): time from
   the fault to the survivors' next commit, steps rolled back, and the time until the
   restarted replica commits again; also a fixed world with a warm spare. Target: 50 ms +
-  one step time.
+  one step time (for the hang: + the adaptive hang timeout).
 
 torchft is not run here yet (its integration is a separate issue); the README quotes the
 issue's torchft measurements for context only.
@@ -33,6 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import table, write  # noqa: E402
+
+from fastft.runtime import read_events  # noqa: E402
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_train.py")
@@ -108,7 +111,7 @@ def run_fastft(
     run = tmp / name
     run.mkdir(parents=True)
     cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", str(NPROC)]
-    cmd += ["--run-dir", str(run), "--job", name]
+    cmd += ["--run-dir", str(run), "--job", name, "--adaptive-hang"]
     if world == "elastic":
         cmd += ["--min-replicas", str(NPROC - 1)]
     if world == "fixed+spare":
@@ -157,10 +160,13 @@ def fault_trial(
     # long enough after the fault for the restarted replica to start, heal and commit
     steps = at + max(40, math.ceil(12.0 / max(step_s, 1e-3)))
     name = f"{size}-{kind}-{world.replace('+', '-')}-{trial}"
-    plan = [{"kind": kind, "rank": 1 + trial % (NPROC - 1), "at_step": at}]
+    plan: list[dict[str, object]] = [{"kind": kind, "rank": 1 + trial % (NPROC - 1), "at_step": at}]
+    if kind == "gil_hang":
+        plan[0]["arg"] = 600  # holds the GIL until the agent kills it
     run = run_fastft(hidden, layers, steps, tmp / size, name, plan=plan, world=world)
     s = summarize(run)
     f = s["faults"][0]
+    hung = [e for e in read_events(run) if e["event"] == "worker_hung"]
     return {
         "model": size,
         "fault": kind,
@@ -172,6 +178,7 @@ def fault_trial(
         "rejoin_ms": f["rejoin_ms"],
         "step_ms": s["median_step_ms"],
         "faults_seen": len(s["faults"]),
+        "hang_timeout_ms": round(hung[0]["timeout_s"] * 1e3, 1) if hung else None,
     }
 
 
@@ -184,7 +191,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--sizes", default="small,large")
-    ap.add_argument("--faults", default="sigkill,exception,sigstop", help="or none")
+    ap.add_argument("--faults", default="sigkill,exception,sigstop,gil_hang", help="or none")
     ap.add_argument("--steps", type=int, default=0, help="steady steps (default by size)")
     ap.add_argument("--repeats", type=int, default=3, help="DDP/fastft pairs for the ratio")
     ap.add_argument("--quick", action="store_true", help="1 trial, small model only")
@@ -220,7 +227,8 @@ def main() -> None:
                     if r["model"] == size and r["fault"] == kind and r["world"] == world
                 ]
                 nxt = _median(rows, "next_commit_ms")
-                target = round(50 + step_ms, 1)
+                # a true hang: the (adaptive) hang timeout + 50 ms + one step
+                target = round(50 + step_ms + (_median(rows, "hang_timeout_ms") or 0.0), 1)
                 summary.append(
                     {
                         "model": size,

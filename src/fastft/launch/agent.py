@@ -485,7 +485,7 @@ class Agent:
                 )
             )
             self._kill(slot, signal.SIGUSR1)  # the worker prints its stacks, then dies
-            time.sleep(0.2)
+            time.sleep(0.05)  # faulthandler writes from its C handler: ms
             self._kill(slot)
 
     def _on_message(self, m: Message) -> None:
