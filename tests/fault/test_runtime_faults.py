@@ -54,8 +54,10 @@ def fastft_run(
         (run / "plan.json").write_text(json.dumps({"faults": plan}))
         cmd += ["--inject", str(run / "plan.json")]
     cmd += ["-m", "fastft.demo.train", "--", "--steps", str(steps), "--out", str(run / "out")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stderr[-3000:]
+    run.mkdir(parents=True, exist_ok=True)
+    with open(run / "launcher.log", "w") as log:  # kept: hung workers' stack dumps land here
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert p.returncode == 0, (run / "launcher.log").read_text()[-3000:]
     return run
 
 

@@ -147,16 +147,21 @@ def _recv_or_closed(ep):
 
 def test_a_subscriber_that_stops_reading_is_evicted_and_memory_stays_bounded(make):
     gate = threading.Event()
-    slow = make(1, max_queue=64, idle_pop_s=0.2)
+    slow = make(1, max_queue=64, idle_pop_s=0.2, stale_s=0.3)
     slow.subscribe(lambda m: gate.wait(10))  # stops reading after the first message
     fast = make(2)
-    pub = make(0, subscribe=False, max_queue=64)
-    n = 64 * 6
-    for i in range(n):
+    pub = make(0, subscribe=False, max_queue=64, stale_s=0.3)
+    i = 0
+    deadline = time.monotonic() + 10
+    # evicted once its queue is full and it has not read for stale_s
+    while pub.stats.evicted_peers == 0 and time.monotonic() < deadline:
         pub.broadcast(hb(0, i))
         m = fast.recv(5.0)  # the reading subscriber gets everything, in order
         assert m is not None and m.step == i
+        i += 1
+        time.sleep(0.001)  # a steady stream, so that stale_s passes before the hard cap
     assert pub.stats.evicted_peers == 1 and fast.stats.self_evictions == 0
+    assert i < 16 * 64, "evicted for not reading, not by the hard cap"
     if make.kind == "tcpstore":
         keys = JobKeys(JOB)
         assert wait_for(

@@ -11,8 +11,12 @@ Guarantees every backend keeps (tests in ``tests/unit/test_bus_*.py`` run agains
 * A publisher that dies half-way through a broadcast stalls no one: each subscriber's queue
   is written independently and no one waits on a publisher.
 * A subscriber that stops reading cannot grow memory without bound: once its queue holds
-  ``max_queue`` messages it is evicted (dropped from the member set, its queue drained); a
-  subscriber that finds itself evicted logs it, counts it and re-joins.
+  ``max_queue`` messages and it has not read for ``stale_s`` (TCPStore backend; the memory
+  backend evicts at once), or its queue holds ``HARD_CAP x max_queue`` messages, it is
+  evicted (dropped from the member set, its queue drained). A subscriber that is reading
+  but behind a flooding publisher is not evicted before the hard cap: evicting it would
+  cut a live worker off from fault notices. One that finds itself evicted logs it,
+  counts it and re-joins.
 * Bytes that are not a valid message of this job are logged and counted (``malformed``),
   never delivered and never fatal.
 * ``close()`` returns within ~100 ms and is idempotent.
@@ -32,12 +36,17 @@ __all__ = ["BusConfig", "BusStats", "ErrorBus", "Callback", "Transport"]
 Callback = Callable[[Message], None]
 
 
+HARD_CAP = 16
+"""A queue this many times ``max_queue`` long is evicted even if its reader is alive."""
+
+
 @dataclass(frozen=True)
 class BusConfig:
     """Configuration of one bus endpoint.
 
     ``rank``/``incarnation``/``role`` identify the sender in every message it broadcasts.
-    ``max_queue``: a subscriber whose queue reaches this many messages is evicted.
+    ``max_queue``: a subscriber whose queue reaches this many messages is evicted if it has
+    not read for ``stale_s`` seconds (always at ``HARD_CAP`` times as many).
     ``idle_pop_s``: the listener's blocking pop returns after this many seconds without a
     message to check that it is still a member (closing does not wait for it: ``close()``
     wakes the listener at once). ``local_buffer``: messages kept for ``recv()``; older ones
@@ -51,6 +60,7 @@ class BusConfig:
     subscribe: bool = True
     max_queue: int = 1024
     idle_pop_s: float = 10.0
+    stale_s: float = 2.0
     local_buffer: int = 4096
 
     def __post_init__(self) -> None:
@@ -58,6 +68,8 @@ class BusConfig:
             raise ConfigError(f"job id {self.job!r}: use a non-empty id without '/'")
         if self.max_queue < 16:
             raise ConfigError(f"max_queue={self.max_queue}: use at least 16")
+        if not 0.05 <= self.stale_s <= 3600:
+            raise ConfigError(f"stale_s={self.stale_s}: use 0.05 .. 3600 seconds")
         if not 0.01 <= self.idle_pop_s <= 3600:
             raise ConfigError(f"idle_pop_s={self.idle_pop_s}: use 0.01 .. 3600 seconds")
         if self.local_buffer < 1:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from fastft.bus.contract import BusConfig
+from fastft.bus.contract import HARD_CAP, BusConfig
 from fastft.bus.endpoint import WAKE, BusEndpoint
 from fastft.errors import StoreUnreachable
 from fastft.protocol.keys import JobKeys
@@ -104,6 +104,9 @@ class StoreTransport:
         self._drainer: dist.Store | None = None
         self._lock = threading.Lock()
         self._pushes: dict[str, int] = {}
+        self._alive_seen: dict[str, tuple[bytes, float]] = {}
+        self._alive_n = 0
+        self._alive_t = 0.0
         self.id: str | None = None
         self.evictions = 0
         with self._lock:
@@ -124,6 +127,7 @@ class StoreTransport:
     def join(self, label: str) -> str:
         with self._lock:
             sid = str(self._pub.add(self.keys.bus_ids, 1))
+            self._pub.set(self.keys.bus_alive(sid), "0")
             self._update(lambda m: {**m, sid: label})
             self.id = sid
         if self._sub is None:
@@ -181,18 +185,38 @@ class StoreTransport:
                 n += 1
                 count = self._pushes.get(sid, 0) + 1
                 self._pushes[sid] = count
-                if count % _CHECK_EVERY == 0 and (
-                    self._pub.queue_len(key) >= self.config.max_queue
-                ):
-                    full.append(sid)
+                if count % _CHECK_EVERY == 0:
+                    qlen = self._pub.queue_len(key)
+                    if qlen >= HARD_CAP * self.config.max_queue or (
+                        qlen >= self.config.max_queue and self._stale(sid)
+                    ):
+                        full.append(sid)
             if len(self._pushes) > 4 * len(members) + 64:  # forget departed subscribers
                 self._pushes = {k: v for k, v in self._pushes.items() if k in members}
+                self._alive_seen = {k: v for k, v in self._alive_seen.items() if k in members}
         for sid in full:
             self.evict(sid)
         return n
 
+    def _stale(self, sid: str) -> bool:
+        """Whether ``sid``'s reader has not read for ``stale_s`` (its alive counter did not
+        move since this publisher first saw the value). Under the transport lock."""
+        key = self.keys.bus_alive(sid)
+        value = bytes(self._pub.get(key)) if self._pub.check([key]) else b""
+        now = time.monotonic()
+        seen = self._alive_seen.get(sid)
+        if seen is None or seen[0] != value:
+            self._alive_seen[sid] = (value, now)
+            return value == b""
+        return now - seen[1] >= self.config.stale_s
+
     def pop(self) -> bytes | None:
         assert self._sub is not None and self.id is not None
+        now = time.monotonic()
+        if now - self._alive_t >= self.config.stale_s / 4:  # reading: say so, cheaply
+            self._alive_n += 1
+            self._alive_t = now
+            self._sub.set(self.keys.bus_alive(self.id), str(self._alive_n))
         try:
             return bytes(self._sub.queue_pop(self.keys.bus_queue(self.id), block=True))
         except dist.DistStoreError as e:

@@ -130,6 +130,8 @@ class _Slot:
     started: float = 0.0
     heartbeat: str = ""
     done: bool = False
+    hung: int = 0
+    """The incarnation last reported hung (killed; not reported twice)."""
 
 
 HANG_GAPS = 20.0
@@ -451,6 +453,8 @@ class Agent:
     def _check_hang(self, slot: _Slot, now: float) -> None:
         if slot.done or slot.proc is None or slot.proc.returncode is not None:
             return
+        if slot.hung == slot.incarnation:
+            return  # reported and killed; its exit is on the way
         hb = read_heartbeat(slot.heartbeat)
         beat, gap = hb if hb is not None else (None, 0.0)
         if beat is None or beat < slot.started:
@@ -484,9 +488,11 @@ class Agent:
                     stopped=False,
                 )
             )
-            self._kill(slot, signal.SIGUSR1)  # the worker prints its stacks, then dies
+            inc = slot.incarnation
+            slot.hung = inc  # reported once, even if the exit takes a while to be seen
+            self._kill(slot, signal.SIGUSR1, incarnation=inc)  # it prints its stacks
             time.sleep(0.05)  # faulthandler writes from its C handler: ms
-            self._kill(slot)
+            self._kill(slot, incarnation=inc)  # never the restarted life in the slot
 
     def _on_message(self, m: Message) -> None:
         # A worker declared silent by its peers: kill it if it is one of ours (restart).
@@ -496,11 +502,13 @@ class Agent:
                 self.events.emit("kill_declared_dead", rank=slot.rank, cause=m.cause)
                 self._kill(slot)
 
-    def _kill(self, slot: _Slot, sig: int = signal.SIGKILL) -> None:
+    def _kill(self, slot: _Slot, sig: int = signal.SIGKILL, incarnation: int | None = None) -> None:
         with self._lock:
             p = slot.proc
             if p is None or p.returncode is not None or p.pid not in self._by_pid:
                 return
+            if incarnation is not None and slot.incarnation != incarnation:
+                return  # the slot holds a newer life by now
             try:
                 os.kill(p.pid, sig)
                 if sig != signal.SIGKILL:

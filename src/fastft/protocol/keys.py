@@ -28,6 +28,10 @@ class JobKeys:
         """The FIFO queue of one subscriber."""
         return f"{self.root}/bus/q/{subscriber}"
 
+    def bus_alive(self, subscriber: str) -> str:
+        """A counter the subscriber's reader bumps while it reads (eviction checks it)."""
+        return f"{self.root}/bus/alive/{subscriber}"
+
     @property
     def bus_ids(self) -> str:
         """Counter that hands out subscriber ids."""

@@ -222,6 +222,7 @@ class Runtime:
         self._phase_since = time.monotonic()
         self._phase_changes = 0
         self._action_gen = 0
+        self._step_gen = 0
         self._todo: collections.deque[tuple[int, Action]] = collections.deque()
         """Main-thread actions, each with the count of phase changes when it was queued."""
         self._view: EpochView | None = None
@@ -338,6 +339,7 @@ class Runtime:
         self.registry.begin_step()
         self._hb.beat()
         self.interrupter.begin_step(s.epoch, s.step)
+        self._step_gen = self._phase_changes
         try:
             self.injector.fire_due(s.step)
         except Exception as e:  # an injected exception: a local fault of this step
@@ -373,38 +375,46 @@ class Runtime:
             return True
         if isinstance(ev, Exception):
             self._retries += 1
-            self._local_fault(ev)
+            self._local_fault(ev, gen=self._step_gen)
             if self._retries > self.config.max_step_retries:
                 log.error("step %d failed %d times in a row: giving up", step, self._retries)
                 return False
             return True
         return False  # KeyboardInterrupt, SystemExit, ...
 
-    def _local_fault(self, exc: BaseException) -> None:
+    def _local_fault(self, exc: BaseException, gen: int | None = None) -> None:
+        """Report this worker's own fault: event, bus, state machine. ``gen``: the count of
+        phase changes when the failed work began; if the state machine moved since (a
+        peer's fault already rolled the step back, and perhaps finished the rollback), the
+        failure is a consequence of that fault and starts nothing: a second rollback
+        cycle there would wait for members that are already past it."""
         severity = Severity.FAULT1 if isinstance(exc, StateLost) else Severity.FAULT2
         cause = f"{type(exc).__name__}: {exc}"
-        self.events.emit(
-            "local_fault",
-            step=self._fsm.step,
-            epoch=self._fsm.epoch,
-            severity=severity.name,
-            cause=cause[:500],
-            incarnation=self.incarnation,
-        )
-        self.bus.broadcast(
-            Fault(
-                job=self.config.job,
-                epoch=self._fsm.epoch,
-                rank=self.rank,
-                incarnation=self.incarnation,
-                step=self._fsm.step,
-                severity=severity,
-                cause=cause[:2000],
-                faulty_rank=self.rank,
-                faulty_incarnation=self.incarnation,
-            )
-        )
         with self._lock:
+            if gen is not None and gen != self._phase_changes and severity is Severity.FAULT2:
+                self.events.emit("local_fault_superseded", step=self._fsm.step, cause=cause[:300])
+                return
+            self.events.emit(
+                "local_fault",
+                step=self._fsm.step,
+                epoch=self._fsm.epoch,
+                severity=severity.name,
+                cause=cause[:500],
+                incarnation=self.incarnation,
+            )
+            self.bus.broadcast(
+                Fault(
+                    job=self.config.job,
+                    epoch=self._fsm.epoch,
+                    rank=self.rank,
+                    incarnation=self.incarnation,
+                    step=self._fsm.step,
+                    severity=severity,
+                    cause=cause[:2000],
+                    faulty_rank=self.rank,
+                    faulty_incarnation=self.incarnation,
+                )
+            )
             self._feed_locked(LocalFault(severity, cause[:200]))
 
     def _allreduce_gradients(self, model: nn.Module | None) -> None:
@@ -515,6 +525,9 @@ class Runtime:
             for r in sorted(a.ranks):
                 inc = view.incarnation(r) if view and r in view.ranks else 0
                 self.events.emit("declare_dead", rank=r, incarnation=inc, epoch=s.epoch)
+                if inc:  # its exit notice, when the agent has killed it, is no new fault
+                    self._dead.add(Member(r, inc))
+                    self.coord.dead.add(Member(r, inc))
                 self.bus.broadcast(
                     Fault(
                         **hdr,
@@ -761,7 +774,7 @@ class Runtime:
                 if cancelled() or self._fsm.epoch != a.epoch:
                     return
             except Exception as e:
-                self._local_fault(e)
+                self._local_fault(e, gen=self._action_gen)
                 return
         self._pg, self._pg_epoch = pg, a.epoch
         self.events.emit(
@@ -796,7 +809,7 @@ class Runtime:
         except (StepInterrupted, Exception) as e:
             self.events.emit("heal_aborted", epoch=a.epoch, reason=str(e)[:300])
             if not isinstance(e, StepInterrupted):
-                self._local_fault(e)
+                self._local_fault(e, gen=self._action_gen)
             return
         finally:
             self.interrupter.end_step()
