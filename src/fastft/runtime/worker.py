@@ -238,7 +238,6 @@ class Runtime:
         self.commits = 0
         self.rollbacks = 0
         self._hb = _Heartbeat(config.heartbeat_file)
-        self._wait_depth = 0
         self.bus = tcpstore_bus(
             self._store,
             BusConfig(job=config.job, rank=self.rank, incarnation=self.incarnation),
