@@ -261,11 +261,16 @@ class Agent:
         except FileNotFoundError:
             pass
         spare = self._take_spare() if slot.life > 0 else None
-        with self._lock:
-            if spare is not None:
+        if spare is not None:
+            try:
                 assert spare.stdin is not None
                 spare.stdin.write(order_line(env, list(cfg.command)))
                 spare.stdin.close()
+            except OSError:  # it died before it was needed: start the worker cold
+                log.warning("warm spare %d is gone; starting rank %d cold", spare.pid, slot.rank)
+                spare = None
+        with self._lock:
+            if spare is not None:
                 slot.proc = spare
             else:
                 slot.proc = subprocess.Popen(
