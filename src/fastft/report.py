@@ -13,7 +13,33 @@ from typing import Any
 
 from fastft.runtime.events import read_events
 
-__all__ = ["summarize", "render_report"]
+__all__ = ["summarize", "render_report", "shards_by_step", "untiled_steps"]
+
+
+def shards_by_step(events: list[dict[str, Any]]) -> dict[int, list[tuple[int, int, int]]]:
+    """The ``(lo, hi, n)`` slices of the global batch each member committed, per step
+    (from ``tx.shard``; steps without shards are absent)."""
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for e in events:
+        if e["event"] == "commit" and e.get("shard"):
+            lo, hi, n = e["shard"]
+            out.setdefault(e["step"], []).append((lo, hi, n))
+    for parts in out.values():
+        parts.sort()
+    return out
+
+
+def untiled_steps(shards: dict[int, list[tuple[int, int, int]]]) -> list[int]:
+    """Committed steps whose shards do not cover their global batch exactly once (S5 when
+    the world shrinks: every sample of every committed step consumed once)."""
+    bad = []
+    for step, parts in sorted(shards.items()):
+        n = parts[0][2]
+        ends = [p[0] for p in parts[1:]] == [p[1] for p in parts[:-1]]
+        if parts[0][0] != 0 or parts[-1][1] != n or not ends or {p[2] for p in parts} != {n}:
+            bad.append(step)
+    return bad
+
 
 _PROCESS_EVENTS = ("worker_exit", "worker_stopped", "worker_hung")
 _FAULT_EVENTS = ("injected", "local_fault", *_PROCESS_EVENTS)

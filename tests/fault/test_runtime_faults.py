@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from fastft.report import shards_by_step, untiled_steps
 from fastft.runtime import read_events
 
 STEPS = 30
@@ -295,16 +296,9 @@ def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     sizes = [len(e["members"]) for e in ev if e["event"] == "epoch" and e["src"] == "rank 0"]
     assert sizes == [3, 2, 3], sizes  # shrank at once, grew back when rank 2 returned
     # exactly once: the shards of each committed step tile the global batch
-    shards: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for e in ev:
-        if e["event"] == "commit":
-            lo, hi, n = e["shard"]
-            assert n == batch
-            shards[e["step"]].append((lo, hi))
-    for step, parts in shards.items():
-        parts.sort()
-        assert parts[0][0] == 0 and parts[-1][1] == batch, (step, parts)
-        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False)), (step, parts)
+    shards = shards_by_step(ev)
+    assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []
+    assert {p[2] for parts in shards.values() for p in parts} == {batch}
     assert len(shards[4]) == 3 and len(shards[5]) == 2  # the killed step ran with 2
     assert any(e["event"] == "heal" and e["src"] == "rank 2" and e["step"] > 5 for e in ev)
     # equal to one process on the whole batch

@@ -42,3 +42,19 @@ def test_live_view_follows_the_event_log(tmp_path):
     assert "rank 1 exited (signal 9)" in text and "NORMAL" in text
     for log in (agent, r0, r1):
         log.close()
+
+
+def test_untiled_steps_finds_a_gap_an_overlap_and_a_missing_end():
+    from fastft.report import shards_by_step, untiled_steps
+
+    def commit(step, lo, hi, n=6):
+        return {"event": "commit", "step": step, "shard": [lo, hi, n]}
+
+    ev = [commit(0, 0, 3), commit(0, 3, 6)]  # tiles
+    ev += [commit(1, 0, 2), commit(1, 3, 6)]  # a gap
+    ev += [commit(2, 0, 4), commit(2, 3, 6)]  # an overlap
+    ev += [commit(3, 0, 3)]  # half the batch never consumed
+    ev += [{"event": "commit", "step": 4, "shard": None}]  # no shards: not counted
+    shards = shards_by_step(ev)
+    assert sorted(shards) == [0, 1, 2, 3]
+    assert untiled_steps(shards) == [1, 2, 3]

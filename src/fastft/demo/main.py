@@ -88,21 +88,11 @@ def _max_param_diff(a: Path, b: Path) -> float:
 
 
 def _samples_once(run: Path) -> bool:
-    """Every committed step's shards tile its global batch (S5 when the world shrinks)."""
+    from fastft.report import shards_by_step, untiled_steps
     from fastft.runtime import read_events
 
-    shards: dict[int, list[tuple[int, int, int]]] = {}
-    for e in read_events(run):
-        if e["event"] == "commit" and e.get("shard"):
-            shards.setdefault(e["step"], []).append(tuple(e["shard"]))
-    for parts in shards.values():
-        parts.sort()
-        n = parts[0][2]
-        if parts[0][0] != 0 or parts[-1][1] != n:
-            return False
-        if any(x[1] != y[0] for x, y in zip(parts, parts[1:], strict=False)):
-            return False
-    return bool(shards)
+    shards = shards_by_step(read_events(run))
+    return bool(shards) and not untiled_steps(shards)
 
 
 def run_demo(

@@ -25,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fastft.bus import BusConfig, connect_store, host_store, tcpstore_bus
 from fastft.errors import ConfigError
@@ -362,11 +363,7 @@ class Agent:
         self.events.emit("worker_stopped", rank=slot.rank, incarnation=slot.incarnation, detected=t)
         self._publish(
             HangSuspected(
-                job=self.config.job,
-                epoch=0,
-                rank=NO_RANK,
-                incarnation=0,
-                role=Role.AGENT,
+                **self._hdr,
                 hung_rank=slot.rank,
                 hung_incarnation=slot.incarnation,
                 silent_for_s=0.0,
@@ -391,11 +388,7 @@ class Agent:
         )
         self._publish(
             ProcessExited(
-                job=self.config.job,
-                epoch=0,
-                rank=NO_RANK,
-                incarnation=0,
-                role=Role.AGENT,
+                **self._hdr,
                 exited_rank=slot.rank,
                 exited_incarnation=slot.incarnation,
                 exit_code=code,
@@ -482,11 +475,7 @@ class Agent:
             )
             self._publish(
                 HangSuspected(
-                    job=self.config.job,
-                    epoch=0,
-                    rank=NO_RANK,
-                    incarnation=0,
-                    role=Role.AGENT,
+                    **self._hdr,
                     hung_rank=slot.rank,
                     hung_incarnation=slot.incarnation,
                     silent_for_s=round(silent, 3),
@@ -536,6 +525,11 @@ class Agent:
 
     def _all_done(self) -> bool:
         return all(s.done for s in self.slots.values())
+
+    @property
+    def _hdr(self) -> dict[str, Any]:
+        """The header of what the agent publishes: no rank, no epoch of its own."""
+        return dict(job=self.config.job, epoch=0, rank=NO_RANK, incarnation=0, role=Role.AGENT)
 
     def _publish(self, msg: Message) -> None:
         try:

@@ -115,9 +115,6 @@ class Coordinator:
             return None
         return bytes(got).decode(errors="replace")
 
-    def leavers(self, epoch: int, step: int, ranks: frozenset[int]) -> frozenset[int]:
-        return frozenset(r for r in ranks if self.store.check([self.keys.leaving(epoch, step, r)]))
-
     @staticmethod
     def forget_keys(store: dist.Store, keys: JobKeys, epoch: int, step: int) -> None:
         """Delete the keys of a decided step nobody reads any more."""
