@@ -132,6 +132,26 @@ def _build() -> argparse.ArgumentParser:
         help="processes kept ready with torch imported; a restarted worker becomes one "
         "instead of starting Python (default 0)",
     )
+    p.add_argument(
+        "--torchft",
+        choices=["fastft", "plain"],
+        default=None,
+        help="run torchft replicas (one per worker) and start their lighthouse: 'fastft' "
+        "(ManagerFFT workers; the lighthouse hears deaths on the error bus) or 'plain' "
+        "(torchft's own lighthouse; exits restarted, stops and hangs left to torchft)",
+    )
+    p.add_argument(
+        "--lighthouse-heartbeat-ms",
+        type=int,
+        default=5000,
+        help="torchft lighthouse heartbeat timeout (torchft's default 5000)",
+    )
+    p.add_argument(
+        "--lighthouse-join-ms",
+        type=int,
+        default=60000,
+        help="torchft lighthouse join timeout (torchft's default 60000)",
+    )
     p.add_argument("--run-dir", default=None, help="event log and heartbeats (default: temp)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -371,6 +391,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             run_dir=args.run_dir,
             seed=args.seed,
             check_every=args.check_every,
+            torchft=args.torchft,
+            lighthouse_heartbeat_ms=args.lighthouse_heartbeat_ms,
+            lighthouse_join_ms=args.lighthouse_join_ms,
         )
         agent = Agent(cfg)
     except FastFTError as e:

@@ -18,6 +18,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,12 @@ class LaunchConfig:
     seed: int = 0
     check_every: int = 0
     warm_spares: int = 0
+    torchft: str | None = None
+    """``fastft``: every worker is a torchft replica (ManagerFFT) and node 0 starts a
+    :class:`BusLighthouse`; ``plain``: torchft's own lighthouse and torchft's own failure
+    handling (only exits are restarted; for baselines)."""
+    lighthouse_heartbeat_ms: int = 5000
+    lighthouse_join_ms: int = 60000
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -114,6 +121,17 @@ class LaunchConfig:
             from fastft.inject import FaultPlan
 
             FaultPlan.load(self.inject)  # fails now, with the plan's own message
+        if self.torchft not in (None, "fastft", "plain"):
+            raise ConfigError(f"--torchft {self.torchft!r}: use fastft or plain")
+        if self.torchft is not None:
+            if self.lighthouse_heartbeat_ms < 1 or self.lighthouse_join_ms < 1:
+                raise ConfigError("--lighthouse-heartbeat-ms and --lighthouse-join-ms must be >= 1")
+            try:
+                import torchft  # noqa: F401
+            except ImportError as e:
+                raise ConfigError(
+                    f"--torchft needs torchft: pip install 'fastft[torchft]' ({e})"
+                ) from e
         if "/" in self.job or not self.job:
             raise ConfigError(f"--job {self.job!r}: non-empty, without '/'")
 
@@ -174,6 +192,8 @@ class Agent:
         self._stopping: int | None = None
         self._failed: str | None = None
         self.restarts = 0
+        self.lighthouse: Any = None
+        self.lighthouse_addr = ""
 
     # --- lifecycle -------------------------------------------------------------------------
     def run(self) -> int:
@@ -194,6 +214,7 @@ class Agent:
             flush=True,
         )
         try:
+            self._start_lighthouse()
             for slot in self.slots.values():
                 self._spawn(slot)
             for _ in range(self.config.warm_spares):
@@ -205,6 +226,15 @@ class Agent:
         finally:
             self._stop_spares()
             self._kill_all(signal.SIGKILL, grace_s=0)
+            if isinstance(self.lighthouse, subprocess.Popen):
+                self.lighthouse.terminate()
+                try:
+                    self.lighthouse.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.lighthouse.kill()
+                    self.lighthouse.wait()
+            elif self.lighthouse is not None:
+                self.lighthouse.shutdown()
             for s, h in prev.items():
                 signal.signal(s, h)
             self.bus.close()
@@ -255,6 +285,11 @@ class Agent:
         }
         if cfg.min_replicas is not None:
             env[ENV["min_replicas"]] = str(cfg.min_replicas)
+        if cfg.torchft:
+            env["TORCHFT_LIGHTHOUSE"] = self.lighthouse_addr
+            env["REPLICA_GROUP_ID"] = str(slot.rank)
+            env["NUM_REPLICA_GROUPS"] = str(cfg.world_size)
+            env.setdefault("RUST_LOG", "warn")  # torchft's per-step INFO logs halve a small step
         if cfg.inject:
             env[ENV["inject"]] = str(Path(cfg.inject).resolve())
         try:
@@ -361,6 +396,9 @@ class Agent:
 
     def _on_stopped(self, slot: _Slot, t: float) -> None:
         self.events.emit("worker_stopped", rank=slot.rank, incarnation=slot.incarnation, detected=t)
+        if self.config.torchft == "plain":
+            slot.hung = slot.incarnation  # torchft's baseline: left to torchft's timeouts
+            return
         self._publish(
             HangSuspected(
                 **self._hdr,
@@ -444,6 +482,9 @@ class Agent:
                 return
             if self._all_done():
                 return
+            if self.config.torchft == "plain":
+                self._end_stopped()
+                continue  # no heartbeats: torchft's own timeouts handle hangs
             now = time.monotonic()
             for slot in list(self.slots.values()):
                 self._check_hang(slot, now)
@@ -522,6 +563,62 @@ class Agent:
         deadline = time.monotonic() + 5
         while self._by_pid and time.monotonic() < deadline:
             time.sleep(0.01)
+
+    def _end_stopped(self) -> None:
+        """torchft's baseline leaves a stopped worker stopped; once every other worker
+        finished, end it so that the job ends."""
+        live = [s for s in self.slots.values() if not s.done]
+        if live and all(s.hung == s.incarnation for s in live):
+            for s in live:
+                self._kill(s, incarnation=s.incarnation)
+
+    def _start_lighthouse(self) -> None:
+        """torchft's lighthouse for ``--torchft``: on node 0, in a process of its own
+        (``fastft``: :class:`BusLighthouse`, a bus subscriber) or in the agent
+        (``plain``: torchft's own); other nodes read its address from the store."""
+        cfg = self.config
+        if cfg.torchft is None:
+            return
+        from fastft.integrations.torchft.lighthouse import lighthouse_key
+
+        key = lighthouse_key(cfg.job)
+        if cfg.node_rank != 0:
+            self.lighthouse_addr = self.store.get(key).decode()
+            return
+        local = self.store_addr.startswith("127.0.0.1:")
+        host = "127.0.0.1" if local else "0.0.0.0"
+        adv = "127.0.0.1" if local else socket.gethostname()
+        if cfg.torchft == "plain":
+            os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at INFO
+            from torchft._torchft import LighthouseServer
+
+            self.lighthouse = LighthouseServer(
+                bind=f"{host}:0",
+                min_replicas=cfg.min_replicas or 1,
+                join_timeout_ms=cfg.lighthouse_join_ms,
+                heartbeat_timeout_ms=cfg.lighthouse_heartbeat_ms,
+            )
+            port = int(self.lighthouse.address().rpartition(":")[2])
+            self.store.set(key, f"http://{adv}:{port}")
+        else:
+            self.lighthouse = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "fastft.integrations.torchft.lighthouse",
+                    f"--store={self.store_addr}",
+                    f"--job={cfg.job}",
+                    f"--bind={host}:0",
+                    f"--advertise={adv}",
+                    f"--min-replicas={cfg.min_replicas or 1}",
+                    f"--heartbeat-ms={cfg.lighthouse_heartbeat_ms}",
+                    f"--join-ms={cfg.lighthouse_join_ms}",
+                    f"--run-dir={self.run_dir}",
+                ],
+                preexec_fn=_die_with_parent,
+            )
+        self.lighthouse_addr = self.store.get(key).decode()  # waits for it (store timeout)
+        self.events.emit("lighthouse_ready", kind=cfg.torchft, address=self.lighthouse_addr)
 
     def _all_done(self) -> bool:
         return all(s.done for s in self.slots.values())

@@ -237,7 +237,7 @@ class Runtime:
         """(lo, hi, n): the slice of the global batch this member took in this step."""
         self.commits = 0
         self.rollbacks = 0
-        self._hb = _Heartbeat(config.heartbeat_file)
+        self._hb = Heartbeat(config.heartbeat_file)
         self.bus = tcpstore_bus(
             self._store,
             BusConfig(job=config.job, rank=self.rank, incarnation=self.incarnation),
@@ -506,7 +506,7 @@ class Runtime:
         elif isinstance(a, AbortProcessGroup):
             if self._pg is not None:
                 self._abandoned.append(self._pg)
-                _exit_without_destructors_later()
+                exit_without_destructors_later()
                 if hasattr(self._pg, "abort") and self._backend() == "nccl":
                     try:
                         self._pg.abort()
@@ -923,7 +923,7 @@ class _Waiting:
         self.rt._hb.waiting(False)
 
 
-class _Heartbeat:
+class Heartbeat:
     """Progress for the agent's hang detector, in a small shared file: CLOCK_MONOTONIC of
     the last sign of life, and the longest gap between beats seen lately (0 until the first
     commit), which an agent with ``--adaptive-hang`` scales into its timeout. The main
@@ -996,7 +996,7 @@ _exit_status = [0]
 _hooked = [False]
 
 
-def _exit_without_destructors_later() -> None:
+def exit_without_destructors_later() -> None:
     """An abandoned process group may still own an operation stuck on a dead peer; its
     C++ destructor at interpreter shutdown would abort the process (std::terminate). Once
     a group was abandoned, end the process at exit without running destructors, keeping

@@ -1,0 +1,321 @@
+"""A torchft lighthouse that listens to the error bus.
+
+It speaks torchft's ``LighthouseService`` (gRPC: ``Quorum``, ``Heartbeat``), so an unchanged
+torchft ``Manager`` uses it like torchft's own lighthouse, and decides quorums by torchft's
+rule with torchft's default settings (:mod:`.quorum`). The one difference: deaths the node
+agents see (a process exit, a stop, a hang they kill) reach it over the bus, and that
+replica is out of the next quorum at once instead of ``heartbeat_timeout`` later.
+
+``fastft run --torchft`` starts one on node 0 (127.0.0.1 for a single-node job). The
+protobuf messages are built at run time from their field numbers; fields this module does
+not know (newer torchft releases add some to ``QuorumMember``) are kept as received and
+sent back unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+from fastft.integrations.torchft.quorum import (
+    LighthouseOptions,
+    Member,
+    QuorumState,
+    compute_quorum,
+    parse_replica_id,
+    quorum_changed,
+)
+from fastft.protocol.messages import Fault, HangSuspected, Message, ProcessExited, Severity
+
+__all__ = ["BusLighthouse"]
+
+log = logging.getLogger(__name__)
+
+
+def _messages() -> dict[str, Any]:
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, timestamp_pb2
+
+    F = descriptor_pb2.FieldDescriptorProto
+    pool = descriptor_pool.DescriptorPool()
+    pool.AddSerializedFile(timestamp_pb2.DESCRIPTOR.serialized_pb)
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name="fastft_torchft_lighthouse.proto",
+        package="torchft",
+        syntax="proto3",
+        dependency=["google/protobuf/timestamp.proto"],
+    )
+
+    def msg(name: str, *fields: tuple[str, int, int, str | None, bool]) -> None:
+        d = fdp.message_type.add(name=name)
+        for fname, num, ftype, tname, repeated in fields:
+            f = d.field.add(name=fname, number=num, type=ftype)
+            f.label = F.LABEL_REPEATED if repeated else F.LABEL_OPTIONAL
+            if tname:
+                f.type_name = tname
+
+    S, I64, U64, B, M = F.TYPE_STRING, F.TYPE_INT64, F.TYPE_UINT64, F.TYPE_BOOL, F.TYPE_MESSAGE
+    msg(
+        "QuorumMember",
+        ("replica_id", 1, S, None, False),
+        ("address", 2, S, None, False),
+        ("store_address", 3, S, None, False),
+        ("step", 4, I64, None, False),
+        ("world_size", 5, U64, None, False),
+        ("shrink_only", 6, B, None, False),
+        ("data", 7, S, None, False),
+        ("commit_failures", 8, I64, None, False),
+    )
+    msg(
+        "Quorum",
+        ("quorum_id", 1, I64, None, False),
+        ("participants", 2, M, ".torchft.QuorumMember", True),
+        ("created", 3, M, ".google.protobuf.Timestamp", False),
+    )
+    msg("LighthouseQuorumRequest", ("requester", 1, M, ".torchft.QuorumMember", False))
+    msg("LighthouseQuorumResponse", ("quorum", 1, M, ".torchft.Quorum", False))
+    msg("LighthouseHeartbeatRequest", ("replica_id", 1, S, None, False))
+    msg("LighthouseHeartbeatResponse")
+    pool.Add(fdp)
+    return {
+        d.name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"torchft.{d.name}"))
+        for d in fdp.message_type
+    }
+
+
+class BusLighthouse:
+    """torchft's lighthouse service on ``bind`` (``host:port``; port 0: the OS picks).
+
+    :meth:`on_message` is an error-bus callback: feed it every bus message (the agent
+    does). ``emit(kind, **fields)`` receives one event per quorum issued and per replica
+    marked dead.
+    """
+
+    def __init__(
+        self,
+        bind: str = "127.0.0.1:0",
+        options: LighthouseOptions | None = None,
+        *,
+        emit: Callable[..., None] | None = None,
+        max_workers: int = 256,
+    ) -> None:
+        import grpc
+
+        self.options = options or LighthouseOptions()
+        self._emit = emit or (lambda kind, **f: None)
+        self._pb = _messages()
+        self._state = QuorumState()
+        self._dead_lives: set[tuple[int, int]] = set()
+        self._cond = threading.Condition()
+        self._gen = 0
+        self._issued: deque[tuple[int, Any, frozenset[str]]] = deque(maxlen=64)
+        self._stop = threading.Event()
+        pb = self._pb
+        handler = grpc.method_handlers_generic_handler(
+            "torchft.LighthouseService",
+            {
+                "Quorum": grpc.unary_unary_rpc_method_handler(
+                    self._quorum,
+                    request_deserializer=pb["LighthouseQuorumRequest"].FromString,
+                    response_serializer=pb["LighthouseQuorumResponse"].SerializeToString,
+                ),
+                "Heartbeat": grpc.unary_unary_rpc_method_handler(
+                    self._heartbeat,
+                    request_deserializer=pb["LighthouseHeartbeatRequest"].FromString,
+                    response_serializer=pb["LighthouseHeartbeatResponse"].SerializeToString,
+                ),
+            },
+        )
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+        self._server.add_generic_rpc_handlers((handler,))
+        host = bind.rpartition(":")[0] or "127.0.0.1"
+        self.port = self._server.add_insecure_port(bind)
+        if not self.port:
+            raise OSError(f"lighthouse: cannot bind {bind!r}")
+        self.host = host.strip("[]")
+        self._ticker = threading.Thread(target=self._tick_loop, name="fastft-lighthouse", daemon=True)
+
+    @property
+    def address(self) -> str:
+        """What workers put in ``TORCHFT_LIGHTHOUSE``."""
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> BusLighthouse:
+        self._server.start()
+        self._ticker.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._server.stop(grace=0)
+
+    def __enter__(self) -> BusLighthouse:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the bus ---------------------------------------------------------------------------
+    def on_message(self, m: Message) -> None:
+        if isinstance(m, ProcessExited):
+            self.mark_dead(m.exited_rank, m.exited_incarnation, "exited")
+        elif isinstance(m, HangSuspected):  # its agent kills it
+            self.mark_dead(m.hung_rank, m.hung_incarnation, "stopped" if m.stopped else "hung")
+        elif isinstance(m, Fault) and m.severity is Severity.FAULT1 and m.rank != m.faulty_rank:
+            self.mark_dead(m.faulty_rank, m.faulty_incarnation, m.cause)  # declared dead
+
+    def mark_dead(self, rank: int, incarnation: int, why: str = "") -> None:
+        """Replica life (rank, incarnation) is gone: unhealthy now, and re-run the quorum."""
+        with self._cond:
+            if (rank, incarnation) in self._dead_lives:
+                return
+            self._dead_lives.add((rank, incarnation))
+            gone = [r for r in self._state.heartbeats if parse_replica_id(r) == (rank, incarnation)]
+            for r in gone:
+                self._state.dead.add(r)
+                self._state.participants.pop(r, None)
+            self._tick_locked()
+        self._emit("lighthouse_dead", rank=rank, incarnation=incarnation, why=why, replicas=gone)
+
+    # --- service ---------------------------------------------------------------------------
+    def _seen(self, replica_id: str, now: float) -> bool:
+        """Record a sign of life; False if that life was reported dead."""
+        if parse_replica_id(replica_id) in self._dead_lives:
+            self._state.dead.add(replica_id)
+            return False
+        self._state.heartbeats[replica_id] = now
+        return True
+
+    def _heartbeat(self, req: Any, ctx: Any) -> Any:
+        with self._cond:
+            self._seen(req.replica_id, time.monotonic())
+        return self._pb["LighthouseHeartbeatResponse"]()
+
+    def _quorum(self, req: Any, ctx: Any) -> Any:
+        import grpc
+
+        r = req.requester
+        rid = r.replica_id
+        if not rid:
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing requester")
+        member = Member(rid, int(r.step), bool(r.shrink_only), r.SerializeToString())
+        with self._cond:
+            gen = self._gen
+            if self._seen(rid, time.monotonic()):
+                self._state.participants[rid] = (time.monotonic(), member)
+            self._tick_locked()
+            while not self._stop.is_set():
+                for g, quorum, ids in list(self._issued):
+                    if g <= gen:
+                        continue
+                    gen = g
+                    if rid in ids:
+                        return self._pb["LighthouseQuorumResponse"](quorum=quorum)
+                    # Not in it: ask again for the next one (torchft does the same).
+                    if rid not in self._state.dead:
+                        self._state.participants[rid] = (time.monotonic(), member)
+                remaining = ctx.time_remaining()
+                if remaining is not None and remaining <= 0 or not ctx.is_active():
+                    ctx.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no quorum in time")
+                self._cond.wait(0.5 if remaining is None else min(0.5, remaining))
+        ctx.abort(grpc.StatusCode.UNAVAILABLE, "lighthouse stopping")
+        raise AssertionError("unreachable")
+
+    def _tick_loop(self) -> None:
+        period = self.options.quorum_tick_ms / 1000
+        while not self._stop.wait(period):
+            with self._cond:
+                self._tick_locked()
+
+    def _tick_locked(self) -> None:
+        st = self._state
+        members, why = compute_quorum(time.monotonic(), st, self.options)
+        if members is None:
+            log.debug("no quorum yet: %s", why)
+            return
+        changed = quorum_changed(members, st.prev)
+        if changed:
+            st.quorum_id += 1
+        pb = self._pb
+        quorum = pb["Quorum"](quorum_id=st.quorum_id)
+        for m in members:
+            quorum.participants.append(pb["QuorumMember"].FromString(m.raw))
+        quorum.created.GetCurrentTime()
+        st.prev = members
+        st.participants.clear()
+        self._gen += 1
+        self._issued.append((self._gen, quorum, frozenset(m.replica_id for m in members)))
+        self._cond.notify_all()
+        if not changed:
+            return
+        log.info("quorum %d: %s (%s)", st.quorum_id, [m.replica_id for m in members], why)
+        self._emit(
+            "lighthouse_quorum",
+            quorum_id=st.quorum_id,
+            members=[m.replica_id for m in members],
+            steps=[m.step for m in members],
+            why=why,
+        )
+
+
+def lighthouse_key(job: str) -> str:
+    """Store key where the running lighthouse publishes its address."""
+    return f"fastft/{job}/torchft/lighthouse"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fastft.integrations.torchft.lighthouse``: the lighthouse process that
+    ``fastft run --torchft fastft`` starts on node 0. It is a bus subscriber like any other
+    and publishes its address in the job's store. It runs apart from the agent because
+    gRPC's threads do not survive the agent's fork of a worker."""
+    import argparse
+    import secrets
+    import signal
+
+    from fastft.bus import BusConfig, connect_store, tcpstore_bus
+    from fastft.protocol import NO_RANK, Role
+    from fastft.runtime.events import EventLog
+
+    ap = argparse.ArgumentParser(prog="fastft-lighthouse")
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--job", required=True)
+    ap.add_argument("--bind", default="127.0.0.1:0")
+    ap.add_argument("--advertise", default="127.0.0.1")
+    ap.add_argument("--min-replicas", type=int, default=1)
+    ap.add_argument("--heartbeat-ms", type=int, default=5000)
+    ap.add_argument("--join-ms", type=int, default=60000)
+    ap.add_argument("--run-dir", default=None)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s lighthouse %(message)s")
+    events = EventLog(a.run_dir, "lighthouse")
+    store = connect_store(a.store, wait_s=30)
+    lh = BusLighthouse(
+        a.bind,
+        LighthouseOptions(a.min_replicas, a.join_ms, 100, a.heartbeat_ms),
+        emit=events.emit,
+    )
+    bus = tcpstore_bus(
+        store,
+        BusConfig(job=a.job, rank=NO_RANK, incarnation=secrets.randbits(62) | 1, role=Role.MONITOR),
+    )
+    bus.subscribe(lh.on_message)
+    stop = threading.Event()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
+    with lh, bus.start():
+        address = f"http://{a.advertise}:{lh.port}"
+        store.set(lighthouse_key(a.job), address)
+        events.emit("lighthouse_start", address=address, options=repr(lh.options))
+        stop.wait()
+    events.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,428 @@
+"""``ManagerFFT``: torchft's ``Manager`` on fastft's error bus.
+
+A torchft survivor learns of a dead or hung peer only when a collective times out or the
+lighthouse stops seeing the peer's heartbeats (seconds to a minute). ``ManagerFFT`` is a
+drop-in subclass that joins the job's error bus (``fastft run --torchft`` provides it):
+
+* ``report_error(e)`` does what torchft does and also broadcasts a :class:`Fault` (cause,
+  rank, incarnation, step), and an uncaught exception is broadcast before the process dies;
+* a peer's fault, a death or stop seen by a node agent, or a hang an agent reports, for a
+  member of the current quorum, marks the step errored *now* and fails the in-flight
+  collectives, so the DDP hook returns, ``should_commit()`` says no at once, and the next
+  quorum (from :class:`~fastft.integrations.torchft.lighthouse.BusLighthouse`, which hears
+  the same deaths) leaves the dead replica out without waiting for its heartbeat to expire;
+* bus messages that are not in the protocol are logged and counted, never fatal (the bus
+  endpoint does it).
+
+Failing a blocked collective: the process group is wrapped so that every collective's
+``wait()`` waits on a future of ours, which the collective's completion resolves *or* a bus
+fault fails (a Gloo ``abort()`` does not release an allreduce whose peer is stopped). The
+abandoned operation keeps running on the old communicator, which torchft replaces at the
+next quorum; it is kept alive (its destructor would block on the dead peer) and the process
+ends without running destructors. On CUDA (NCCL) the works are not wrapped: the
+communicator is aborted instead, which NCCL supports. Not checked on a GPU here.
+
+Everything the launcher does not provide falls back to torchft's behaviour: outside
+``fastft run`` there is no bus and ``ManagerFFT`` is a plain ``Manager`` with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchft.manager import Manager
+from torchft.process_group import ProcessGroup, ProcessGroupWrapper
+
+from fastft.bus import BusConfig, BusEndpoint, connect_store, tcpstore_bus
+from fastft.errors import FastFTError
+from fastft.inject import FaultPlan, Injector
+from fastft.integrations.torchft.quorum import fastft_replica_id, parse_replica_id
+from fastft.protocol.messages import Fault, HangSuspected, Message, ProcessExited, Severity
+from fastft.runtime.contract import ENV
+from fastft.runtime.events import EventLog
+from fastft.runtime.worker import Heartbeat, exit_without_destructors_later
+
+__all__ = ["ManagerFFT", "PeerFailed"]
+
+log = logging.getLogger(__name__)
+
+
+class PeerFailed(FastFTError, RuntimeError):
+    """A member of this step's quorum failed (told by the error bus): the step is void."""
+
+
+class _Pending:
+    """The in-flight collectives of the current communicator, and whether it is poisoned
+    (a member is known dead: new collectives fail at once)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.futures: set[torch.futures.Future[Any]] = set()
+        self.poisoned: Exception | None = None
+        self.abandoned: list[Any] = []
+        self.on_block: Callable[[bool], None] = lambda on: None
+
+    def fail_all(self, exc: Exception) -> int:
+        with self.lock:
+            self.poisoned = exc
+            futs, self.futures = self.futures, set()
+        n = 0
+        for f in futs:
+            try:
+                f.set_exception(exc)
+                n += 1
+            except RuntimeError:  # completed meanwhile
+                pass
+        return n
+
+
+class _BusWork(dist._Work):
+    """A collective whose ``wait()`` a bus fault can end."""
+
+    def __init__(self, work: dist._Work, pending: _Pending) -> None:
+        super().__init__()
+        self._work = work
+        self._pending = pending
+        self._fut: torch.futures.Future[Any] = torch.futures.Future()
+        with pending.lock:
+            poisoned = pending.poisoned
+            if poisoned is None:
+                pending.futures.add(self._fut)
+        if poisoned is not None:
+            self._fut.set_exception(poisoned)
+            pending.abandoned.append(work)
+            return
+        fut = self._fut
+
+        def relay(src: torch.futures.Future[Any]) -> None:
+            with pending.lock:
+                pending.futures.discard(fut)
+            try:
+                value = src.value()
+            except Exception as e:  # the collective failed by itself
+                try:
+                    fut.set_exception(e)
+                except RuntimeError:
+                    pass
+                return
+            try:
+                fut.set_result(value)
+            except RuntimeError:  # already failed by a bus fault
+                pass
+
+        work.get_future().then(relay)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._pending.on_block(True)
+        try:
+            self._fut.wait()
+        except Exception:
+            self._pending.abandoned.append(self._work)  # still running: keep it alive
+            exit_without_destructors_later()
+            raise
+        finally:
+            self._pending.on_block(False)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._fut
+
+    def synchronize(self) -> None:
+        pass
+
+    def block_current_stream(self) -> None:
+        pass
+
+
+class _BusProcessGroup(ProcessGroupWrapper):
+    """Wraps the user's torchft process group; collectives return :class:`_BusWork`."""
+
+    def __init__(self, pg: ProcessGroup, pending: _Pending) -> None:
+        super().__init__(pg=pg)
+        self._inner = pg
+        self._pending = pending
+        self._wrap = not torch.cuda.is_available()
+
+    def _wrap_work(self, work: dist._Work, opts: object) -> dist._Work:
+        return _BusWork(work, self._pending) if self._wrap else work
+
+    def reconfigure(self, opts: Any) -> Any:
+        with self._pending.lock:
+            self._pending.poisoned = None
+        if self._pending.abandoned:
+            # The old communicator still runs an abandoned operation: keep it referenced
+            # (torchft drops it now; its destructor would wait for the dead peer).
+            self._pending.abandoned.append(self._inner.parent)
+        return super().reconfigure(opts)
+
+    def abort(self, errored: bool = True) -> None:
+        if not self._wrap:  # NCCL: aborting the communicator releases its waiters
+            self._inner.abort(errored)
+
+    def errored(self) -> Exception | None:
+        return self._inner.errored()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+
+class _QuorumTap:
+    """Forwards to torchft's ManagerClient and reports each quorum's members."""
+
+    def __init__(self, client: Any, on_quorum: Callable[[Any], None]) -> None:
+        self._client = client
+        self._on_quorum = on_quorum
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        q = self._client._quorum(*args, **kwargs)
+        self._on_quorum(q)
+        return q
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _advertised_host() -> str:
+    store = os.environ.get(ENV["store"], "")
+    return "127.0.0.1" if store.startswith("127.0.0.1:") else socket.gethostname()
+
+
+class ManagerFFT(Manager):
+    """``torchft.Manager`` that joins fastft's error bus. Same arguments as ``Manager``.
+
+    Under ``fastft run --torchft`` every worker is one replica group of one process; its
+    replica id becomes ``fastft-<rank>-<incarnation>/<replica_id>``, and when no store is
+    given (``store_addr``/``MASTER_ADDR``) the manager hosts its group's store itself.
+    """
+
+    def __init__(self, pg: ProcessGroup, *args: Any, **kwargs: Any) -> None:
+        env = os.environ
+        self._fft_store_server: Any = None
+        self.bus: BusEndpoint | None = None
+        self.events: EventLog | None = None
+        self._hb = Heartbeat(None)
+        self._members: set[tuple[int, int]] | None = None
+        """(rank, incarnation) of the current quorum; None while a quorum is formed."""
+        self._dead: set[tuple[int, int]] = set()
+        self._fft_lock = threading.Lock()
+        self._pending = _Pending()
+        self.peer_faults = 0
+        self.interrupted = 0
+        under_fastft = bool(env.get(ENV["store"]))
+        if under_fastft:
+            self.fft_rank = int(env[ENV["rank"]])
+            self.fft_incarnation = int(env[ENV["incarnation"]])
+            kwargs["replica_id"] = fastft_replica_id(
+                self.fft_rank,
+                self.fft_incarnation,
+                str(kwargs.get("replica_id") or env.get("REPLICA_GROUP_ID", self.fft_rank)),
+            )
+            kwargs.setdefault("hostname", _advertised_host())
+            if (
+                kwargs.get("store_addr") is None
+                and "MASTER_ADDR" not in env
+                and int(kwargs.get("world_size") or env.get("WORLD_SIZE", "1")) == 1
+            ):
+                self._fft_store_server = dist.TCPStore(
+                    "127.0.0.1", 0, is_master=True, wait_for_workers=False
+                )
+                kwargs["store_addr"] = "127.0.0.1"
+                kwargs["store_port"] = self._fft_store_server.port
+                kwargs.setdefault("rank", 0)
+                kwargs.setdefault("world_size", 1)
+        else:
+            self.fft_rank, self.fft_incarnation = -1, 0
+            log.warning("ManagerFFT outside `fastft run`: no error bus, plain torchft Manager")
+        super().__init__(_BusProcessGroup(pg, self._pending), *args, **kwargs)
+        self._client = _QuorumTap(self._client, self._on_quorum)
+        if not under_fastft:
+            return
+        run_dir = env.get(ENV["run_dir"])
+        if run_dir:
+            self.events = EventLog(run_dir, f"replica {self.fft_rank}")
+        self._hb = Heartbeat(env.get(ENV["heartbeat"]))
+        self._pending.on_block = self._hb.waiting
+        self._store = connect_store(env[ENV["store"]])
+        self.bus = tcpstore_bus(
+            self._store,
+            BusConfig(job=env[ENV["job"]], rank=self.fft_rank, incarnation=self.fft_incarnation),
+        )
+        self.bus.subscribe(self._on_message)
+        self.bus.start()
+        plan_path = env.get(ENV["inject"])
+        plan = FaultPlan.load(plan_path) if plan_path else FaultPlan(faults=())
+        self.injector = Injector(plan, self.fft_rank, int(env.get(ENV["life"], "0")))
+        self._prev_hook = sys.excepthook
+        sys.excepthook = self._excepthook
+        self._emit("replica_start", replica_id=self._replica_id)
+
+    # --- torchft's API, extended -----------------------------------------------------------
+    def report_error(self, e: Exception) -> None:
+        """torchft's ``report_error``; also tells every peer, unless ``e`` is a consequence
+        of a peer's fault that the bus already told."""
+        super().report_error(e)
+        if isinstance(e, PeerFailed) or self._pending.poisoned is not None:
+            return
+        self._broadcast_fault("reported_error", e)
+
+    def start_quorum(self, *args: Any, **kwargs: Any) -> None:
+        self._hb.beat()
+        if self.bus is not None:
+            self.injector.fire_due(self.current_step())
+        with self._fft_lock:
+            self._members = None
+        with self._blocked():
+            super().start_quorum(*args, **kwargs)
+
+    def wait_quorum(self) -> None:
+        with self._blocked():
+            super().wait_quorum()
+
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
+        with self._blocked():
+            ok = super().should_commit(timeout)
+        self._hb.tracking = self._hb.tracking or ok
+        self._hb.beat()
+        self._emit(
+            "commit" if ok else "rollback",
+            step=self.current_step() - (1 if ok else 0),
+            quorum=self._quorum_id,
+            reason="" if ok else repr(self.errored())[:300],
+        )
+        return ok
+
+    def shutdown(self, wait: bool = True) -> None:
+        if self.bus is not None:
+            self.bus.close()
+        self._hb.close()
+        super().shutdown(wait=wait)
+        if self.events is not None:
+            self.events.close()
+
+    # --- the bus ---------------------------------------------------------------------------
+    def _on_message(self, m: Message) -> None:
+        me = (self.fft_rank, self.fft_incarnation)
+        if isinstance(m, ProcessExited):
+            who, why = (m.exited_rank, m.exited_incarnation), "exited"
+        elif isinstance(m, HangSuspected):
+            who, why = (m.hung_rank, m.hung_incarnation), "stopped" if m.stopped else "hung"
+        elif isinstance(m, Fault):
+            who, why = (m.faulty_rank, m.faulty_incarnation), m.cause
+        else:
+            return
+        if who == me or who[0] < 0:
+            return
+        with self._fft_lock:
+            if not (isinstance(m, Fault) and m.severity is Severity.FAULT2):
+                self._dead.add(who)
+            members = self._members
+        # While a quorum is being formed (members None) a death only goes in the dead set:
+        # _on_quorum fails the step if the new quorum still holds it. Failing it now could
+        # void a step whose quorum already left the dead replica out, and a replica that
+        # skips a step's collectives leaves its peers waiting for Gloo's timeout.
+        if members is None or who not in members:
+            return
+        if isinstance(m, Fault) and m.severity is Severity.FAULT2 and m.step != self.current_step():
+            return
+        self._fail_step(who, why, m)
+
+    def _fail_step(self, who: tuple[int, int], why: str, m: Message | None) -> None:
+        exc = PeerFailed(f"replica rank {who[0]} (incarnation {who[1]}): {why}")
+        self.peer_faults += 1
+        super().report_error(exc)
+        n = self._pending.fail_all(exc)
+        self._pg.abort()  # NCCL only (see _BusProcessGroup.abort)
+        self.interrupted += n
+        self._emit(
+            "peer_fault",
+            faulty_rank=who[0],
+            cause=why,
+            step=self.current_step(),
+            interrupted=n,
+            latency_ms=round((_wall() - m.wall_time) * 1000, 3) if m and m.wall_time else None,
+        )
+
+    def _on_quorum(self, q: Any) -> None:
+        lives = {parse_replica_id(r) for r in getattr(q, "replica_ids", ())}
+        with self._fft_lock:
+            changed = q.quorum_id != self._quorum_id
+            members = {x for x in lives if x is not None}
+            self._members = members
+            dead = members & self._dead
+        if changed:
+            self._emit(
+                "quorum",
+                quorum=q.quorum_id,
+                members=sorted(r for r, _ in members),
+                heal=bool(q.heal),
+                max_step=q.max_step,
+            )
+        for who in dead:  # it died after the lighthouse formed this quorum
+            self._fail_step(who, "dead member in the new quorum", None)
+
+    def _broadcast_fault(self, cause: str, e: BaseException) -> None:
+        if self.bus is None or self.bus.closed:
+            return
+        try:
+            self.bus.broadcast(
+                Fault(
+                    job=self.bus.config.job,
+                    epoch=max(self._quorum_id, 0),
+                    rank=self.fft_rank,
+                    incarnation=self.fft_incarnation,
+                    step=self.current_step(),
+                    severity=Severity.FAULT2,
+                    cause=cause,
+                    faulty_rank=self.fft_rank,
+                    faulty_incarnation=self.fft_incarnation,
+                    detail=f"{type(e).__name__}: {e}"[:2000],
+                )
+            )
+        except Exception:  # noqa: BLE001 - telling peers must never add a failure
+            log.exception("could not broadcast the fault")
+
+    def _excepthook(self, *args: Any) -> None:
+        if len(args) == 3 and isinstance(args[1], Exception):
+            self._broadcast_fault("uncaught_exception", args[1])
+        self._prev_hook(*args)
+
+    def _blocked(self) -> _Blocked:
+        return _Blocked(self._hb)
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.emit(kind, **fields)
+
+
+class _Blocked:
+    """The main thread waits in torchft: the heartbeat thread beats for it."""
+
+    def __init__(self, hb: Heartbeat) -> None:
+        self.hb = hb
+
+    def __enter__(self) -> None:
+        self.hb.waiting(True)
+
+    def __exit__(self, *exc: object) -> None:
+        self.hb.waiting(False)
+
+
+def _wall() -> float:
+    import time
+
+    return time.time()

@@ -1,0 +1,121 @@
+"""torchft's quorum rule, with fastft's one addition: a replica the error bus reported dead
+is unhealthy at once.
+
+This is the pure core of :class:`~fastft.integrations.torchft.lighthouse.BusLighthouse`: no
+clock, no I/O. The rule is torchft's lighthouse rule (``quorum_compute`` in its
+``lighthouse.rs``), unchanged, so a job behaves as under torchft's own lighthouse with the
+same settings -- except that a replica whose process the node agent saw die (or stop, or
+hang) drops out of the healthy set now instead of ``heartbeat_timeout`` after its last
+heartbeat. That wait is what costs a torchft job ~5 s per lost replica with default
+settings: until the dead replica's heartbeat expires, the survivors' next quorum waits for
+it as a straggler.
+
+Replica ids tie a torchft replica to a fastft worker: :class:`ManagerFFT` names its replica
+``fastft-<rank>-<incarnation>/<user id>`` (torchft appends ``:<uuid>``), so a bus report
+about (rank, incarnation) names exactly one life of one replica.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+__all__ = [
+    "LighthouseOptions",
+    "Member",
+    "QuorumState",
+    "compute_quorum",
+    "fastft_replica_id",
+    "parse_replica_id",
+]
+
+_ID = re.compile(r"^fastft-(\d+)-(\d+)/")
+
+
+def fastft_replica_id(rank: int, incarnation: int, user_id: str) -> str:
+    """The replica id :class:`ManagerFFT` gives torchft for worker ``rank`` in one life."""
+    return f"fastft-{rank}-{incarnation}/{user_id}"
+
+
+def parse_replica_id(replica_id: str) -> tuple[int, int] | None:
+    """(rank, incarnation) of a replica id made by :func:`fastft_replica_id`, else None."""
+    m = _ID.match(replica_id)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+@dataclass(frozen=True)
+class LighthouseOptions:
+    """torchft's lighthouse flags, with torchft's defaults."""
+
+    min_replicas: int = 1
+    join_timeout_ms: int = 60_000
+    quorum_tick_ms: int = 100
+    heartbeat_timeout_ms: int = 5_000
+
+    def __post_init__(self) -> None:
+        for name in ("min_replicas", "join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"lighthouse {name}={getattr(self, name)}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One quorum request: the replica id, its step and whether it asked to shrink only.
+    ``raw`` is the request's member record as received; it is sent back unchanged."""
+
+    replica_id: str
+    step: int = 0
+    shrink_only: bool = False
+    raw: bytes = b""
+
+
+@dataclass
+class QuorumState:
+    """What the lighthouse knows. Times are seconds on one monotonic clock."""
+
+    participants: dict[str, tuple[float, Member]] = field(default_factory=dict)
+    heartbeats: dict[str, float] = field(default_factory=dict)
+    prev: tuple[Member, ...] | None = None
+    quorum_id: int = 0
+    dead: set[str] = field(default_factory=set)
+    """Replicas the bus reported dead: never healthy again (a new life has a new id)."""
+
+    def healthy(self, now: float, opt: LighthouseOptions) -> set[str]:
+        limit = opt.heartbeat_timeout_ms / 1000
+        return {
+            r for r, t in self.heartbeats.items() if now - t < limit and r not in self.dead
+        }
+
+
+def compute_quorum(
+    now: float, state: QuorumState, opt: LighthouseOptions
+) -> tuple[tuple[Member, ...] | None, str]:
+    """The next quorum (participants sorted by replica id) or None, and why."""
+    healthy = state.healthy(now, opt)
+    joined = {r: v for r, v in state.participants.items() if r in healthy}
+    candidates = sorted((m for _, m in joined.values()), key=lambda m: m.replica_id)
+    shrink_only = any(m.shrink_only for _, m in joined.values())
+    meta = (
+        f"[{len(joined)}/{len(state.participants)} participants healthy]"
+        f"[{len(healthy)} heartbeating][shrink_only={shrink_only}]"
+    )
+    if state.prev is not None:
+        prev_ids = {m.replica_id for m in state.prev}
+        if shrink_only:
+            candidates = [m for m in candidates if m.replica_id in prev_ids]
+        # Fast quorum: every member of the previous quorum asked again.
+        if all(r in joined for r in prev_ids):
+            return tuple(candidates), f"fast quorum {meta}"
+    if len(joined) < opt.min_replicas:
+        return None, f"only {len(joined)} participants, need {opt.min_replicas} {meta}"
+    if len(joined) <= len(healthy) // 2:  # split brain: at least half the live replicas
+        return None, f"only {len(joined)} of {len(healthy)} healthy replicas joined {meta}"
+    all_joined = len(joined) == len(healthy)
+    first = min((t for t, _ in joined.values()), default=now)
+    if not all_joined and now - first < opt.join_timeout_ms / 1000:
+        return None, f"waiting {len(healthy) - len(joined)} stragglers {meta}"
+    return tuple(candidates), f"quorum {meta}"
+
+
+def quorum_changed(a: tuple[Member, ...], b: tuple[Member, ...] | None) -> bool:
+    return b is None or [m.replica_id for m in a] != [m.replica_id for m in b]
