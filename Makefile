@@ -10,10 +10,11 @@ $(BIN)/activate:
 	$(PY) -m venv $(VENV)
 
 # torch first, pinned by constraints.txt (the CPU build of 2.13.0 is available offline;
-# any other version pulls gigabytes of CUDA packages), then the package with its dev extras.
+# any other version pulls gigabytes of CUDA packages), then the package with its dev and
+# torchft extras (the torchft integration's tests run in CI).
 $(VENV)/.installed: $(BIN)/activate pyproject.toml constraints.txt
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev]'
+	$(PIP) -e '.[dev,torchft]'
 	touch $@
 
 test: $(VENV)/.installed
@@ -23,8 +24,8 @@ unit: $(VENV)/.installed
 	$(BIN)/python -m pytest -q tests/unit
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
 	$(BIN)/mypy
 
 bench: $(VENV)/.installed

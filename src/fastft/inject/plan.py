@@ -11,7 +11,8 @@ so a restarted worker that heals back to the same step does not fire the fault a
 ``arg``: the kind's parameter (``exit``: exit code; ``gil_hang``/``sigstop``: nothing;
 ``hang``-like kinds never return on their own).
 ``point``: ``step`` (default), ``commit`` (between the COMMIT decision of ``at_step`` and
-its application) or ``heal`` (while healing to step ``at_step``, before the transfer).
+its application), ``heal`` (while healing to step ``at_step``, before the transfer) or
+``collective`` (as the step's gradient collective starts: its peers are inside it).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ FAULT_SEVERITY = {k: (2 if k is FaultKind.EXCEPTION else 1) for k in FaultKind}
 """Severity (1 = Fault1, 2 = Fault2) of each kind."""
 
 
-POINTS = ("step", "commit", "heal")
+POINTS = ("step", "commit", "heal", "collective")
 """Where a scheduled fault fires: at the start of the step (``step``); after the step was
 decided COMMIT and before this worker applied it (``commit``); while healing to the step,
 before the state transfer (``heal``)."""
@@ -92,7 +93,9 @@ class FaultSpec:
         if self.point != "step":
             if self.at_step is None:
                 raise ConfigError(f"fault point={self.point!r} needs an at_step")
-            if self.kind in (FaultKind.EXCEPTION, FaultKind.STATE_LOST):
+            if self.kind is FaultKind.STATE_LOST or (
+                self.kind is FaultKind.EXCEPTION and self.point != "collective"
+            ):
                 raise ConfigError(
                     f"fault {self.kind.value} at point={self.point!r}: only process faults "
                     "(sigkill, sigterm, sigstop, gil_hang, segfault, exit) fire there"

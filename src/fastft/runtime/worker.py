@@ -162,6 +162,7 @@ class Transaction:
     def allreduce_gradients(self, model: nn.Module | None = None) -> None:
         """Average the gradients of the registered model over the epoch (interruptible);
         weighted by the members' shares when :meth:`shard` was used."""
+        self._rt.injector.fire_due(self.step, point="collective")
         self._rt._allreduce_gradients(model)
 
     def allreduce(self, tensors: list[torch.Tensor]) -> None:

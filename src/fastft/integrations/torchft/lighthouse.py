@@ -137,7 +137,9 @@ class BusLighthouse:
         if not self.port:
             raise OSError(f"lighthouse: cannot bind {bind!r}")
         self.host = host.strip("[]")
-        self._ticker = threading.Thread(target=self._tick_loop, name="fastft-lighthouse", daemon=True)
+        self._ticker = threading.Thread(
+            target=self._tick_loop, name="fastft-lighthouse", daemon=True
+        )
 
     @property
     def address(self) -> str:
@@ -167,8 +169,10 @@ class BusLighthouse:
             self.mark_dead(m.exited_rank, m.exited_incarnation, "exited")
         elif isinstance(m, HangSuspected):  # its agent kills it
             self.mark_dead(m.hung_rank, m.hung_incarnation, "stopped" if m.stopped else "hung")
-        elif isinstance(m, Fault) and m.severity is Severity.FAULT1 and m.rank != m.faulty_rank:
-            self.mark_dead(m.faulty_rank, m.faulty_incarnation, m.cause)  # declared dead
+        elif isinstance(m, Fault) and m.severity is Severity.FAULT1:
+            # Declared dead by peers, or a replica's own report that it is dying
+            # (ManagerFFT's uncaught-exception hook): either way that life is over.
+            self.mark_dead(m.faulty_rank, m.faulty_incarnation, m.cause)
 
     def mark_dead(self, rank: int, incarnation: int, why: str = "") -> None:
         """Replica life (rank, incarnation) is gone: unhealthy now, and re-run the quorum."""

@@ -249,7 +249,7 @@ class ManagerFFT(Manager):
             self.fft_rank, self.fft_incarnation = -1, 0
             log.warning("ManagerFFT outside `fastft run`: no error bus, plain torchft Manager")
         super().__init__(_BusProcessGroup(pg, self._pending), *args, **kwargs)
-        self._client = _QuorumTap(self._client, self._on_quorum)
+        self._client = _QuorumTap(self._client, self._on_quorum)  # type: ignore[has-type]
         if not under_fastft:
             return
         run_dir = env.get(ENV["run_dir"])
@@ -288,6 +288,11 @@ class ManagerFFT(Manager):
             self._members = None
         with self._blocked():
             super().start_quorum(*args, **kwargs)
+
+    def allreduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.bus is not None:
+            self.injector.fire_due(self.current_step(), point="collective")
+        return super().allreduce(tensor, *args, **kwargs)
 
     def wait_quorum(self) -> None:
         with self._blocked():
@@ -375,7 +380,9 @@ class ManagerFFT(Manager):
         for who in dead:  # it died after the lighthouse formed this quorum
             self._fail_step(who, "dead member in the new quorum", None)
 
-    def _broadcast_fault(self, cause: str, e: BaseException) -> None:
+    def _broadcast_fault(
+        self, cause: str, e: BaseException, severity: Severity = Severity.FAULT2
+    ) -> None:
         if self.bus is None or self.bus.closed:
             return
         try:
@@ -386,7 +393,7 @@ class ManagerFFT(Manager):
                     rank=self.fft_rank,
                     incarnation=self.fft_incarnation,
                     step=self.current_step(),
-                    severity=Severity.FAULT2,
+                    severity=severity,
                     cause=cause,
                     faulty_rank=self.fft_rank,
                     faulty_incarnation=self.fft_incarnation,
@@ -398,7 +405,9 @@ class ManagerFFT(Manager):
 
     def _excepthook(self, *args: Any) -> None:
         if len(args) == 3 and isinstance(args[1], Exception):
-            self._broadcast_fault("uncaught_exception", args[1])
+            # This process is going away (its state with it): Fault1, so the lighthouse and
+            # the peers drop it now rather than when the interpreter has finished exiting.
+            self._broadcast_fault("uncaught_exception", args[1], Severity.FAULT1)
         self._prev_hook(*args)
 
     def _blocked(self) -> _Blocked:

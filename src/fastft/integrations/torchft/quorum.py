@@ -82,9 +82,7 @@ class QuorumState:
 
     def healthy(self, now: float, opt: LighthouseOptions) -> set[str]:
         limit = opt.heartbeat_timeout_ms / 1000
-        return {
-            r for r, t in self.heartbeats.items() if now - t < limit and r not in self.dead
-        }
+        return {r for r, t in self.heartbeats.items() if now - t < limit and r not in self.dead}
 
 
 def compute_quorum(

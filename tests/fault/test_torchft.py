@@ -1,0 +1,101 @@
+"""ManagerFFT inside torchft, end to end, in the style of torchft's own integration tests:
+3 replicas on CPU with Gloo and a real lighthouse on a port the OS chose, started by
+``fastft run --torchft fastft`` around the unchanged example script. One replica is
+SIGKILLed, raises, or is SIGSTOPped *inside* the gradient allreduce; the survivors go on
+in a quorum without it, the restarted replica heals from a live peer, and every replica
+ends at the same step with the same parameters."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastft.integrations.torchft.quorum import parse_replica_id
+from fastft.runtime import read_events
+
+pytestmark = pytest.mark.timeout(150)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchft_ddp.py"
+STEPS = 120
+FAULT_STEP = 30
+
+
+def run_example(tmp: Path, kind: str) -> tuple[Path, str]:
+    run = tmp / kind
+    run.mkdir(parents=True)
+    plan = {"faults": [{"kind": kind, "rank": 1, "at_step": FAULT_STEP, "point": "collective"}]}
+    (run / "plan.json").write_text(json.dumps(plan))
+    cmd = [
+        sys.executable, "-m", "fastft.cli", "run", "--torchft", "fastft", "--nproc", "3",
+        "--warm-spares", "1", "--job", kind, "--run-dir", str(run),
+        "--inject", str(run / "plan.json"), str(EXAMPLE), "--steps", str(STEPS),
+    ]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=130)
+    out = p.stdout + p.stderr
+    (run / "launcher.log").write_text(out)
+    assert p.returncode == 0, out[-3000:]
+    return run, out
+
+
+@pytest.mark.parametrize("kind", ["sigkill", "exception", "sigstop"])
+def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
+    run, out = run_example(tmp_path, kind)
+    ev = read_events(run)
+
+    # Every replica (the restarted one included) finished every step, with equal state.
+    finals = re.findall(r"replica (\d) step (\d+) digest (\w+)", out)
+    assert sorted(r for r, _, _ in finals) == ["0", "1", "2"], out[-2000:]
+    assert {s for _, s, _ in finals} == {str(STEPS)}
+    assert len({d for _, _, d in finals}) == 1, f"replicas disagree: {finals}"
+
+    # Rank 1 was lost once and restarted.
+    lost = [
+        e for e in ev
+        if e["src"] == "agent 0" and e.get("rank") == 1
+        and e["event"] in ("worker_exit", "worker_stopped") and e.get("exit_code") != 0
+    ]  # fmt: skip
+    assert lost, "the fault never happened"
+    first_life = lost[0]["incarnation"]
+    told = [  # the bus may tell before the process is gone (an uncaught exception)
+        e["mono"] for e in ev
+        if (e["event"] == "lighthouse_dead" and e["rank"] == 1)
+        or (e["event"] == "peer_fault" and e["faulty_rank"] == 1)
+    ]  # fmt: skip
+    t_fault = min([lost[0]["mono"], *told])
+
+    # The lighthouse dropped it on the bus report, and the survivors' next quorum left it
+    # out (no wait for its heartbeat to expire, no Gloo timeout).
+    assert any(e["event"] == "lighthouse_dead" and e["rank"] == 1 for e in ev)
+    after = [e for e in ev if e["event"] == "quorum" and e["mono"] >= t_fault]
+    shrunk = [e for e in after if e["members"] == [0, 2]]
+    assert {e["src"] for e in shrunk} == {"replica 0", "replica 2"}, after
+    rollbacks = [e for e in ev if e["event"] == "rollback"]
+    assert not any("Timed out" in e.get("reason", "") for e in rollbacks), rollbacks
+    assert len(rollbacks) <= 4, rollbacks  # the one broken step, at most once per survivor
+
+    # The survivors kept committing in the shrunk quorum.
+    shrunk_ids = {e["quorum"] for e in shrunk}
+    assert any(e["event"] == "commit" and e["quorum"] in shrunk_ids for e in ev)
+
+    # The restarted replica (a new life of rank 1) healed from a live peer, then rejoined.
+    healed = [
+        e for e in ev
+        if e["event"] == "quorum" and e["src"] == "replica 1" and e["heal"]
+        and e["mono"] > t_fault
+    ]  # fmt: skip
+    assert healed, "the restarted replica never healed"
+    assert healed[0]["max_step"] >= FAULT_STEP
+    starts = [e for e in ev if e["event"] == "replica_start" and e["src"] == "replica 1"]
+    lives = {parse_replica_id(e["replica_id"]) for e in starts}
+    assert len(lives) == 2 and (1, first_life) in lives
+
+    if kind == "sigstop":  # a stopped peer closes no connection: the survivors' blocked
+        # allreduce was failed by the bus (a killed one's sockets close by themselves)
+        faults = [e for e in ev if e["event"] == "peer_fault" and e["faulty_rank"] == 1]
+        assert {e["src"] for e in faults} == {"replica 0", "replica 2"}
+        assert all(e["interrupted"] >= 1 for e in faults), faults

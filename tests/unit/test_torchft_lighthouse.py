@@ -1,0 +1,139 @@
+"""The torchft lighthouse rule (pure) and BusLighthouse over real gRPC with torchft's own
+client: a replica the bus reports dead leaves the next quorum at once."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+
+from fastft.integrations.torchft import BusLighthouse, LighthouseOptions
+from fastft.integrations.torchft.quorum import (
+    Member,
+    QuorumState,
+    compute_quorum,
+    fastft_replica_id,
+    parse_replica_id,
+)
+from fastft.protocol import Fault, ProcessExited, Severity
+
+OPT = LighthouseOptions(min_replicas=1)
+
+
+def _state(
+    now: float, joined: list[str], beating: list[str], prev: list[str] | None
+) -> QuorumState:
+    st = QuorumState()
+    for r in beating:
+        st.heartbeats[r] = now - 0.1
+    for r in joined:
+        st.participants[r] = (now - 0.05, Member(r))
+    st.prev = tuple(Member(r) for r in prev) if prev is not None else None
+    return st
+
+
+def test_replica_ids_round_trip() -> None:
+    rid = fastft_replica_id(3, 12345, "train_ddp_3") + ":uuid-1"
+    assert parse_replica_id(rid) == (3, 12345)
+    assert parse_replica_id("train_ddp_3:uuid") is None
+
+
+def test_fast_quorum_when_every_previous_member_asks() -> None:
+    st = _state(100.0, ["a", "b", "c"], ["a", "b", "c"], ["a", "b", "c"])
+    members, why = compute_quorum(100.0, st, OPT)
+    assert members is not None and [m.replica_id for m in members] == ["a", "b", "c"]
+    assert why.startswith("fast")
+
+
+def test_dead_but_heartbeating_replica_stalls_torchft_rule_until_expiry() -> None:
+    # torchft's rule: c died 0.1 s ago, its heartbeat is fresh: the survivors wait.
+    st = _state(100.0, ["a", "b"], ["a", "b", "c"], ["a", "b", "c"])
+    assert compute_quorum(100.0, st, OPT)[0] is None
+    # ... until its heartbeat expires (5 s by default; a and b keep beating).
+    st.heartbeats.update(a=104.9, b=104.9)
+    assert compute_quorum(100.0 + 5.0, st, OPT)[0] is not None
+    st.heartbeats.update(a=99.9, b=99.9)
+    # fastft's addition: reported dead on the bus, it is out at once.
+    st.dead.add("c")
+    members, _ = compute_quorum(100.0, st, OPT)
+    assert members is not None and [m.replica_id for m in members] == ["a", "b"]
+
+
+def test_split_brain_and_min_replicas() -> None:
+    st = _state(100.0, ["a"], ["a", "b", "c", "d"], None)
+    assert compute_quorum(200.0, st, OPT)[0] is None  # 1 of 4 live replicas
+    st = _state(100.0, ["a", "b"], ["a", "b"], None)
+    assert compute_quorum(100.0, st, LighthouseOptions(min_replicas=3))[0] is None
+
+
+def test_join_timeout_waits_for_stragglers() -> None:
+    st = _state(100.0, ["a", "b"], ["a", "b", "c"], None)
+    assert compute_quorum(100.0, st, OPT)[0] is None
+    st.heartbeats.update(a=159.9, b=159.9, c=159.9)  # c beats but never asks
+    assert compute_quorum(100.0 + 60.0, st, OPT)[0] is not None
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="heartbeat_timeout_ms"):
+        LighthouseOptions(heartbeat_timeout_ms=0)
+
+
+@pytest.mark.timeout(60)
+def test_bus_lighthouse_serves_torchft_clients_and_drops_the_dead() -> None:
+    from torchft._torchft import LighthouseClient
+
+    ids = [fastft_replica_id(r, 7 + r, f"train_{r}") + ":u" for r in range(3)]
+    with BusLighthouse("127.0.0.1:0", LighthouseOptions(min_replicas=1)) as lh:
+        client = LighthouseClient(lh.address, timedelta(seconds=5))
+        results: dict[str, object] = {}
+
+        def ask(rid: str, step: int) -> None:
+            results[rid] = LighthouseClient(lh.address, timedelta(seconds=5)).quorum(
+                replica_id=rid, timeout=timedelta(seconds=20), step=step
+            )
+
+        for rid in ids:  # all three heartbeat first, then ask together
+            client.heartbeat(rid)
+        threads = [threading.Thread(target=ask, args=(rid, 4)) for rid in ids]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        q1 = results[ids[0]]
+        assert sorted(p.replica_id for p in q1.participants) == sorted(ids)  # type: ignore[attr-defined]
+
+        # Replica 2 dies. Its heartbeat is still fresh; without the bus the others would
+        # wait 5 s for it. The agent's report drops it now.
+        hdr = dict(job="j", epoch=0, rank=-1, incarnation=1)
+        lh.on_message(ProcessExited(**hdr, exited_rank=2, exited_incarnation=9, signal=9))
+        results.clear()
+        threads = [threading.Thread(target=ask, args=(rid, 5)) for rid in ids[:2]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(4)  # well under the 5 s heartbeat timeout
+        assert set(results) == set(ids[:2])
+        q2 = results[ids[0]]
+        assert sorted(p.replica_id for p in q2.participants) == sorted(ids[:2])  # type: ignore[attr-defined]
+        assert q2.quorum_id == q1.quorum_id + 1  # type: ignore[attr-defined]
+
+        # A replica's own report that it is dying (uncaught exception) counts as well,
+        # and a later heartbeat from that life does not bring it back.
+        lh.on_message(
+            Fault(
+                job="j",
+                epoch=0,
+                rank=1,
+                incarnation=8,
+                severity=Severity.FAULT1,
+                cause="uncaught_exception",
+                faulty_rank=1,
+                faulty_incarnation=8,
+            )
+        )
+        client.heartbeat(ids[1])
+        results.clear()
+        ask(ids[0], 6)
+        q3 = results[ids[0]]
+        assert [p.replica_id for p in q3.participants] == [ids[0]]  # type: ignore[attr-defined]
