@@ -11,8 +11,8 @@ and one of ~4M parameters.
   restarted replica commits again; also a fixed world with a warm spare. Target: 50 ms +
   one step time (for the hang: + the adaptive hang timeout).
 
-torchft is not run here yet (its integration is a separate issue); the README quotes the
-issue's torchft measurements for context only.
+torchft runs side by side with fastft (native and ManagerFFT) in bench/torchft_recovery.py,
+on this benchmark's small model.
 
     python bench/recovery.py [--trials 3] [--sizes small,large] [--quick]
 
@@ -112,9 +112,9 @@ def run_fastft(
     run.mkdir(parents=True)
     cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", str(NPROC)]
     cmd += ["--run-dir", str(run), "--job", name, "--adaptive-hang"]
-    if world == "elastic":
+    if world.startswith("elastic"):
         cmd += ["--min-replicas", str(NPROC - 1)]
-    if world == "fixed+spare":
+    if world.endswith("+spare"):
         cmd += ["--warm-spares", "1"]
     if plan:
         (run / "plan.json").write_text(json.dumps({"faults": plan}))
