@@ -85,8 +85,8 @@ def torchft_trial(variant: str, kind: str, trial: int, tmp: Path) -> dict[str, o
     steps = [
         b["t"] - a["t"]
         for v in survivors
-        for a, b in zip(v, v[1:])
-        if a["event"] == b["event"] == "commit" and 10 <= a["step"] and b["step"] < AT
+        for a, b in zip(v, v[1:], strict=False)
+        if a["event"] == b["event"] == "commit" and a["step"] >= 10 and b["step"] < AT
     ]
     return {
         "variant": variant,

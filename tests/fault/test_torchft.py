@@ -48,7 +48,8 @@ def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
     ev = read_events(run)
 
     # Every replica (the restarted one included) finished every step, with equal state.
-    finals = re.findall(r"replica (\d) step (\d+) digest ([0-9a-f]{16})", out)  # lines may interleave
+    # (output lines of the replicas may interleave: match the 16-digit digest exactly)
+    finals = re.findall(r"replica (\d) step (\d+) digest ([0-9a-f]{16})", out)
     assert sorted(r for r, _, _ in finals) == ["0", "1", "2"], out[-2000:]
     assert {s for _, s, _ in finals} == {str(STEPS)}
     assert len({d for _, _, d in finals}) == 1, f"replicas disagree: {finals}"
