@@ -434,8 +434,8 @@ class Agent:
             )
         )
         self._forget_joiner(slot)
-        if code == 0 or self._stopping is not None:
-            slot.done = True
+        if code == 0 or self._stopping is not None or slot.done:
+            slot.done = True  # (done already: a stopped torchft baseline ended by _end_stopped)
         elif any(
             s.done and s.proc is not None and s.proc.returncode == 0 for s in self.slots.values()
         ):
@@ -570,6 +570,7 @@ class Agent:
         live = [s for s in self.slots.values() if not s.done]
         if live and all(s.hung == s.incarnation for s in live):
             for s in live:
+                s.done = True
                 self._kill(s, incarnation=s.incarnation)
 
     def _start_lighthouse(self) -> None:
