@@ -95,8 +95,9 @@ def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
     lives = {parse_replica_id(e["replica_id"]) for e in starts}
     assert len(lives) == 2 and (1, first_life) in lives
 
-    if kind == "sigstop":  # a stopped peer closes no connection: the survivors' blocked
-        # allreduce was failed by the bus (a killed one's sockets close by themselves)
+    if kind == "sigstop":  # a stopped peer closes no connection: only the bus tells the
+        # survivors (a killed one's sockets close by themselves)
         faults = [e for e in ev if e["event"] == "peer_fault" and e["faulty_rank"] == 1]
         assert {e["src"] for e in faults} == {"replica 0", "replica 2"}
-        assert all(e["interrupted"] >= 1 for e in faults), faults
+        # (a survivor still in its forward pass has nothing in flight: its allreduce then
+        # fails at once on the poisoned communicator, so `interrupted` may be 0)
