@@ -13,10 +13,10 @@
 For SIGKILL, exception and SIGSTOP of replica 1 as its gradient allreduce starts (its
 peers are inside it): time from the fault to the moment both survivors committed again,
 steps rolled back, and time until the restarted replica commits again (each run has one
-warm spare). Fault-free step time: the median step before the fault; ratio to torchft
-default.
+warm spare). Fault-free step time: plain torchft vs ManagerFFT in interleaved fault-free
+runs (median step after warm-up), and the median step before the fault of each fault run.
 
-    python bench/torchft_recovery.py [--trials 1] [--faults sigkill,exception,sigstop]
+    python bench/torchft_recovery.py [--trials 3] [--faults sigkill,exception,sigstop]
 
 Results: bench/results/torchft_recovery.json and a table.
 """
@@ -79,7 +79,12 @@ def torchft_trial(variant: str, kind: str, trial: int, tmp: Path) -> dict[str, o
     restarted = [
         v for k, v in logs.items() if k.startswith("replica1-") and v[0].get("life", 0) > 0
     ]
-    nexts = [min(e["t"] for e in v if e["event"] == "commit" and e["t"] > fault) for v in survivors]
+    # The survivors' next commit of the step the fault broke (or a later one): a survivor
+    # may still commit the step before it after the fault (the faulty replica was ahead).
+    nexts = [
+        min(e["t"] for e in v if e["event"] == "commit" and e["t"] > fault and e["step"] >= AT)
+        for v in survivors
+    ]
     rolled = sum(1 for v in survivors for e in v if e["event"] == "rollback" and e["t"] > fault)
     rejoin = [min(e["t"] for e in v if e["event"] == "commit") for v in restarted]
     steps = [
@@ -96,6 +101,41 @@ def torchft_trial(variant: str, kind: str, trial: int, tmp: Path) -> dict[str, o
         "steps_rolled_back": rolled,
         "rejoin_ms": round((min(rejoin) - fault) * 1e3, 1) if rejoin else None,
         "step_ms": round(statistics.median(steps) * 1e3, 2) if steps else None,
+    }
+
+
+def steady_pairs(pairs: int, steps: int, tmp: Path) -> dict[str, object]:
+    """Fault-free step time, plain torchft vs ManagerFFT (both with torchft's default
+    timeouts), in interleaved pairs: median step of the survivors' commits after warm-up."""
+    out: dict[str, list[float]] = {"torchft default": [], "ManagerFFT": []}
+    for i in range(pairs):
+        for variant in out:
+            mode, wflags, lflags = VARIANTS[variant]
+            name = f"steady-{variant.replace(' ', '-')}-{i}"
+            run = tmp / name
+            hidden, layers = SIZES["small"]
+            cmd = [sys.executable, "-m", "fastft.cli", "run", "--torchft", mode, "--nproc", "3"]
+            cmd += ["--run-dir", str(run), "--job", name, *lflags]
+            cmd += [WORKER, *wflags, "--steps", str(steps), "--hidden", str(hidden)]
+            cmd += ["--layers", str(layers), "--out", str(run / "out")]
+            env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+            if p.returncode != 0:
+                raise RuntimeError(f"{name} failed: {(p.stdout + p.stderr)[-2000:]}")
+            gaps = []
+            for f in (run / "out").glob("replica*.jsonl"):
+                v = [json.loads(line) for line in f.read_text().splitlines()]
+                c = [e for e in v if e["event"] == "commit" and e["step"] >= steps // 4]
+                gaps += [b["t"] - a["t"] for a, b in zip(c, c[1:], strict=False)]
+            out[variant].append(statistics.median(gaps) * 1e3)
+    ratios = sorted(f / t for t, f in zip(out["torchft default"], out["ManagerFFT"], strict=True))
+    med = {k: round(statistics.median(v), 3) for k, v in out.items()}
+    return {
+        "pairs": pairs,
+        "torchft_step_ms": med["torchft default"],
+        "managerfft_step_ms": med["ManagerFFT"],
+        "ratio": round(statistics.median(ratios), 3),
+        "ratio_range": f"{ratios[0]:.3f}-{ratios[-1]:.3f}",
     }
 
 
@@ -122,13 +162,19 @@ def native_trial(kind: str, trial: int, tmp: Path) -> dict[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trials", type=int, default=1)
+    ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--faults", default="sigkill,exception,sigstop")
     ap.add_argument("--variants", default=",".join([*VARIANTS, "fastft native"]))
+    ap.add_argument("--steady-pairs", type=int, default=3, help="fault-free pairs (0: skip)")
+    ap.add_argument("--steady-steps", type=int, default=400)
     a = ap.parse_args()
+    steady: dict[str, object] = {}
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="fastft-torchft-bench-") as d:
         tmp = Path(d)
+        if a.steady_pairs:
+            steady = steady_pairs(a.steady_pairs, a.steady_steps, tmp)
+            print(json.dumps(steady), flush=True)
         for trial in range(a.trials):
             for kind in a.faults.split(","):
                 for variant in a.variants.split(","):
@@ -167,9 +213,13 @@ def main() -> None:
                 }
             )
     path = write(
-        "torchft_recovery", rows, {"summary": summary, "at_step": AT, "steps": STEPS, "nproc": 3}
+        "torchft_recovery",
+        rows,
+        {"summary": summary, "steady": steady, "at_step": AT, "steps": STEPS, "nproc": 3},
     )
     print(table(summary, list(summary[0])))
+    if steady:
+        print(table([steady], list(steady)))
     print(f"results: {path}")
 
 

@@ -1,9 +1,10 @@
 """ManagerFFT inside torchft, end to end, in the style of torchft's own integration tests:
 3 replicas on CPU with Gloo and a real lighthouse on a port the OS chose, started by
 ``fastft run --torchft fastft`` around the unchanged example script. One replica is
-SIGKILLed, raises, or is SIGSTOPped *inside* the gradient allreduce; the survivors go on
+SIGKILLed, raises, is SIGSTOPped or hangs *inside* the gradient allreduce; the survivors go on
 in a quorum without it, the restarted replica heals from a live peer, and every replica
-ends at the same step with the same parameters."""
+ends at the same step with the same parameters. A replica hung while holding the GIL is
+found by the agent's adaptive hang timeout."""
 
 from __future__ import annotations
 
@@ -28,11 +29,14 @@ FAULT_STEP = 30
 def run_example(tmp: Path, kind: str) -> tuple[Path, str]:
     run = tmp / kind
     run.mkdir(parents=True)
-    plan = {"faults": [{"kind": kind, "rank": 1, "at_step": FAULT_STEP, "point": "collective"}]}
+    fault = {"kind": kind, "rank": 1, "at_step": FAULT_STEP, "point": "collective"}
+    if kind == "gil_hang":
+        fault["arg"] = 600  # holds the GIL until the agent kills it
+    plan = {"faults": [fault]}
     (run / "plan.json").write_text(json.dumps(plan))
     cmd = [
         sys.executable, "-m", "fastft.cli", "run", "--torchft", "fastft", "--nproc", "3",
-        "--warm-spares", "1", "--job", kind, "--run-dir", str(run),
+        "--warm-spares", "1", "--job", kind, "--run-dir", str(run), "--adaptive-hang",
         "--inject", str(run / "plan.json"), str(EXAMPLE), "--steps", str(STEPS),
     ]  # fmt: skip
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=130)
@@ -42,7 +46,7 @@ def run_example(tmp: Path, kind: str) -> tuple[Path, str]:
     return run, out
 
 
-@pytest.mark.parametrize("kind", ["sigkill", "exception", "sigstop"])
+@pytest.mark.parametrize("kind", ["sigkill", "exception", "sigstop", "gil_hang"])
 def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
     run, out = run_example(tmp_path, kind)
     ev = read_events(run)
@@ -94,6 +98,12 @@ def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
     starts = [e for e in ev if e["event"] == "replica_start" and e["src"] == "replica 1"]
     lives = {parse_replica_id(e["replica_id"]) for e in starts}
     assert len(lives) == 2 and (1, first_life) in lives
+
+    if kind == "gil_hang":  # a true hang: found by the agent's (adaptive) hang timeout,
+        # not by Gloo's 60 s, and the survivors, blocked meanwhile, were not taken for hung
+        hung = [e for e in ev if e["event"] == "worker_hung"]
+        assert [e["rank"] for e in hung] == [1], hung
+        assert hung[0]["timeout_s"] < 30, hung
 
     if kind == "sigstop":  # a stopped peer closes no connection: only the bus tells the
         # survivors (a killed one's sockets close by themselves)

@@ -315,6 +315,10 @@ class Runtime:
         self._collector.join(timeout=1)
         self.bus.close()
         self.interrupter.close()
+        if threading.current_thread() is threading.main_thread():
+            # The interrupter restored SIGUSR1's default action (terminate): a stack-dump
+            # request that arrives while the process exits must not kill it.
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         self._hb.close()
         self.events.close()
 
@@ -972,11 +976,17 @@ class Heartbeat:
             if self._waiting.is_set():
                 self.beat()
 
+    EXIT_GRACE_S = 60.0
+    """After close, the agent gives the process this long to exit before it calls it hung
+    (interpreter teardown, torch's thread joins: seconds on a loaded machine, no beats)."""
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1)
         if self._mm is not None:
+            # A last beat in the future: the worker is leaving, not hung.
+            self._mm[0:16] = struct.pack(self._FMT, time.monotonic() + self.EXIT_GRACE_S, 0.0)
             self._mm.close()
             self._mm = None
 

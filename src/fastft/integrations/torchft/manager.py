@@ -28,8 +28,10 @@ Everything the launcher does not provide falls back to torchft's behaviour: outs
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -257,6 +259,9 @@ class ManagerFFT(Manager):
             self.events = EventLog(run_dir, f"replica {self.fft_rank}")
         self._hb = Heartbeat(env.get(ENV["heartbeat"]))
         self._pending.on_block = self._hb.waiting
+        if threading.current_thread() is threading.main_thread():
+            # The agent sends SIGUSR1 before it kills a replica it found hung: stacks first.
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         self._store = connect_store(env[ENV["store"]])
         self.bus = tcpstore_bus(
             self._store,
@@ -409,6 +414,14 @@ class ManagerFFT(Manager):
             # the peers drop it now rather than when the interpreter has finished exiting.
             self._broadcast_fault("uncaught_exception", args[1], Severity.FAULT1)
         self._prev_hook(*args)
+        if self.bus is not None:
+            # End now, with status 1: interpreter teardown would run torch's C++
+            # destructors, which abort ("terminate called without an active exception")
+            # or wait on a peer, so the replica would be restarted late or counted as a
+            # crash after the job ended.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     def _blocked(self) -> _Blocked:
         return _Blocked(self._hb)
