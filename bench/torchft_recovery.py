@@ -10,11 +10,15 @@
   under ``fastft run --torchft fastft`` (BusLighthouse);
 * ``fastft native``: fastft's own runtime on the same model (elastic world, cold restart).
 
-For SIGKILL, exception and SIGSTOP of replica 1 as its gradient allreduce starts (its
-peers are inside it): time from the fault to the moment both survivors committed again,
+For SIGKILL, exception, SIGSTOP and a GIL-holding hang of replica 1 as its gradient
+allreduce starts (its peers are inside it): time from the fault to the moment both survivors committed again,
 steps rolled back, and time until the restarted replica commits again (each run has one
 warm spare). Fault-free step time: plain torchft vs ManagerFFT in interleaved fault-free
 runs (median step after warm-up), and the median step before the fault of each fault run.
+
+The GIL hang is run for ManagerFFT (``--adaptive-hang``) and fastft native only: under
+plain torchft the hung replica's Rust heartbeat thread keeps beating, so the survivors wait
+for Gloo's timeout (60 s default) and then for the lighthouse's join timeout (60 s).
 
     python bench/torchft_recovery.py [--trials 3] [--faults sigkill,exception,sigstop]
 
@@ -59,11 +63,15 @@ def torchft_trial(variant: str, kind: str, trial: int, tmp: Path) -> dict[str, o
     name = f"{variant.replace(' ', '-')}-{kind}-{trial}"
     run = tmp / name
     run.mkdir(parents=True)
-    plan = {"faults": [{"kind": kind, "rank": 1, "at_step": AT, "point": "collective"}]}
-    (run / "plan.json").write_text(json.dumps(plan))
+    fault: dict[str, object] = {"kind": kind, "rank": 1, "at_step": AT, "point": "collective"}
+    if kind == "gil_hang":
+        fault["arg"] = 600  # holds the GIL until the agent kills it
+    (run / "plan.json").write_text(json.dumps({"faults": [fault]}))
     hidden, layers = SIZES["small"]
     cmd = [sys.executable, "-m", "fastft.cli", "run", "--torchft", mode, "--nproc", "3"]
     cmd += ["--warm-spares", "1", "--run-dir", str(run), "--job", name, *lflags]
+    if mode == "fastft":
+        cmd += ["--adaptive-hang"]
     cmd += [WORKER, *wflags, "--steps", str(STEPS), "--hidden", str(hidden)]
     cmd += ["--layers", str(layers), "--out", str(run / "out")]
     env = {**os.environ, "BENCH_PLAN": str(run / "plan.json"), "TORCH_CPP_LOG_LEVEL": "ERROR"}
@@ -144,6 +152,8 @@ def native_trial(kind: str, trial: int, tmp: Path) -> dict[str, object]:
     plan: list[dict[str, object]] = [
         {"kind": kind, "rank": 1, "at_step": AT, "point": "collective"}
     ]
+    if kind == "gil_hang":
+        plan[0]["arg"] = 600
     run = run_fastft(
         hidden, layers, NATIVE_STEPS, tmp, f"native-{kind}-{trial}", plan=plan, world="elastic"
     )
@@ -163,7 +173,7 @@ def native_trial(kind: str, trial: int, tmp: Path) -> dict[str, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--faults", default="sigkill,exception,sigstop")
+    ap.add_argument("--faults", default="sigkill,exception,sigstop,gil_hang")
     ap.add_argument("--variants", default=",".join([*VARIANTS, "fastft native"]))
     ap.add_argument("--steady-pairs", type=int, default=3, help="fault-free pairs (0: skip)")
     ap.add_argument("--steady-steps", type=int, default=400)
@@ -178,6 +188,8 @@ def main() -> None:
         for trial in range(a.trials):
             for kind in a.faults.split(","):
                 for variant in a.variants.split(","):
+                    if kind == "gil_hang" and variant.startswith("torchft"):
+                        continue  # see the module docstring
                     if variant == "fastft native":
                         row = native_trial(kind, trial, tmp)
                     else:
