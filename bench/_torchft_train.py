@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
+    torch.set_num_threads(1)  # as bench/_train.py: 3 replicas share 2 cores
 
     from torchft import DistributedDataParallel, Optimizer, ProcessGroupGloo
     from torchft.manager import Manager
