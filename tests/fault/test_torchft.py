@@ -107,7 +107,10 @@ def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
 
     if kind == "sigstop":  # a stopped peer closes no connection: only the bus tells the
         # survivors (a killed one's sockets close by themselves)
-        faults = [e for e in ev if e["event"] == "peer_fault" and e["faulty_rank"] == 1]
-        assert {e["src"] for e in faults} == {"replica 0", "replica 2"}
+        told = {e["src"] for e in ev if e["event"] == "peer_fault" and e["faulty_rank"] == 1}
+        rolled = {e["src"] for e in rollbacks if e["mono"] >= t_fault}
+        # a survivor that rolled back was told by the bus (there was no timeout, above);
+        # one whose quorum already left rank 1 out had nothing to roll back
+        assert rolled <= told, (rolled, told)
         # (a survivor still in its forward pass has nothing in flight: its allreduce then
         # fails at once on the poisoned communicator, so `interrupted` may be 0)

@@ -295,7 +295,10 @@ class ManagerFFT(Manager):
             super().start_quorum(*args, **kwargs)
 
     def allreduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if self.bus is not None:
+        if self.bus is not None and self.injector.pending:
+            # After the quorum (torchft waits for it here anyway): a fault at point
+            # "collective" then hits a step whose peers are in, or entering, the allreduce.
+            self.wait_quorum()
             self.injector.fire_due(self.current_step(), point="collective")
         return super().allreduce(tensor, *args, **kwargs)
 
