@@ -1,7 +1,9 @@
 """Benchmark worker for bench/torchft_recovery.py: one torchft replica (DDP + optimizer
 wrappers, Gloo) with ``Manager`` or ``ManagerFFT``, the MLP of bench/_train.py. Both
 managers fire the fault plan (``BENCH_PLAN``) at the same point, as the gradient allreduce
-starts, and log every step's outcome with CLOCK_MONOTONIC to ``--out``."""
+is called (before torchft waits for the step's asynchronous quorum, so in some trials the
+faulty replica stops before its peers' quorum is complete: the same for every variant),
+and log every step's outcome with CLOCK_MONOTONIC to ``--out``."""
 
 from __future__ import annotations
 
