@@ -13,8 +13,9 @@
 For SIGKILL, exception, SIGSTOP and a GIL-holding hang of replica 1 as its gradient
 allreduce starts (its peers are inside it): time from the fault to the moment both survivors committed again,
 steps rolled back, and time until the restarted replica commits again (each run has one
-warm spare). Fault-free step time: plain torchft vs ManagerFFT in interleaved fault-free
-runs (median step after warm-up), and the median step before the fault of each fault run.
+warm spare). Fault-free step time: plain torchft, plain torchft with BusLighthouse, and
+ManagerFFT in interleaved fault-free runs (median step after warm-up), and the median step
+before the fault of each fault run.
 
 The GIL hang is run for ManagerFFT (``--adaptive-hang``) and fastft native only: under
 plain torchft the hung replica's Rust heartbeat thread keeps beating, so the survivors wait
@@ -58,31 +59,63 @@ VARIANTS = {  # name -> (fastft run --torchft, worker flags, lighthouse flags)
 }
 
 
+STEADY = {  # fault-free pairs; the middle one splits ManagerFFT's cost from the lighthouse's
+    "torchft default": VARIANTS["torchft default"],
+    "torchft + BusLighthouse": ("fastft", ["--manager", "plain"], []),
+    "ManagerFFT": VARIANTS["ManagerFFT"],
+}
+
+
+def run_replicas(
+    variant: tuple[str, list[str], list[str]],
+    run: Path,
+    steps: int,
+    *flags: str,
+    env: dict[str, str] | None = None,
+) -> dict[str, list[dict]]:
+    """``fastft run --torchft`` 3 replicas of the worker; each replica life's log by name
+    (``replica<group>-<pid>``)."""
+    mode, wflags, lflags = variant
+    hidden, layers = SIZES["small"]
+    run.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--torchft", mode, "--nproc", "3"]
+    cmd += ["--run-dir", str(run), "--job", run.name, *lflags, *flags]
+    cmd += [WORKER, *wflags, "--steps", str(steps), "--hidden", str(hidden)]
+    cmd += ["--layers", str(layers), "--out", str(run / "out")]
+    env = {**os.environ, **(env or {}), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    (run / "launcher.log").write_text(p.stdout + p.stderr)
+    if p.returncode != 0:
+        raise RuntimeError(f"{run.name} failed: {(p.stdout + p.stderr)[-2000:]}")
+    return {
+        f.stem: [json.loads(line) for line in f.read_text().splitlines()]
+        for f in (run / "out").glob("replica*.jsonl")
+    }
+
+
+def commit_gaps(log: list[dict], lo: int, hi: int) -> list[float]:
+    """Seconds between consecutive commits of steps lo..hi-1 in one replica's log."""
+    return [
+        b["t"] - a["t"]
+        for a, b in zip(log, log[1:], strict=False)
+        if a["event"] == b["event"] == "commit" and a["step"] >= lo and b["step"] < hi
+    ]
+
+
 def torchft_trial(variant: str, kind: str, trial: int, tmp: Path) -> dict[str, object]:
-    mode, wflags, lflags = VARIANTS[variant]
-    name = f"{variant.replace(' ', '-')}-{kind}-{trial}"
-    run = tmp / name
+    run = tmp / f"{variant.replace(' ', '-')}-{kind}-{trial}"
     run.mkdir(parents=True)
     fault: dict[str, object] = {"kind": kind, "rank": 1, "at_step": AT, "point": "collective"}
     if kind == "gil_hang":
         fault["arg"] = 600  # holds the GIL until the agent kills it
     (run / "plan.json").write_text(json.dumps({"faults": [fault]}))
-    hidden, layers = SIZES["small"]
-    cmd = [sys.executable, "-m", "fastft.cli", "run", "--torchft", mode, "--nproc", "3"]
-    cmd += ["--warm-spares", "1", "--run-dir", str(run), "--job", name, *lflags]
-    if mode == "fastft":
-        cmd += ["--adaptive-hang"]
-    cmd += [WORKER, *wflags, "--steps", str(STEPS), "--hidden", str(hidden)]
-    cmd += ["--layers", str(layers), "--out", str(run / "out")]
-    env = {**os.environ, "BENCH_PLAN": str(run / "plan.json"), "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    (run / "launcher.log").write_text(p.stdout + p.stderr)
-    if p.returncode != 0:
-        raise RuntimeError(f"{name} failed: {(p.stdout + p.stderr)[-2000:]}")
-    logs: dict[str, list[dict]] = {}
-    for f in (run / "out").glob("replica*.jsonl"):
-        logs[f.stem] = [json.loads(line) for line in f.read_text().splitlines()]
-    fault = min(e["t"] for v in logs.values() for e in v if e["event"] == "fault")
+    flags = ["--warm-spares", "1"]
+    if VARIANTS[variant][0] == "fastft":
+        flags += ["--adaptive-hang"]
+    logs = run_replicas(
+        VARIANTS[variant], run, STEPS, *flags, env={"BENCH_PLAN": str(run / "plan.json")}
+    )
+    t_fault = min(e["t"] for v in logs.values() for e in v if e["event"] == "fault")
     survivors = [v for k, v in logs.items() if not k.startswith("replica1-")]
     restarted = [
         v for k, v in logs.items() if k.startswith("replica1-") and v[0].get("life", 0) > 0
@@ -90,57 +123,38 @@ def torchft_trial(variant: str, kind: str, trial: int, tmp: Path) -> dict[str, o
     # The survivors' next commit of the step the fault broke (or a later one): a survivor
     # may still commit the step before it after the fault (the faulty replica was ahead).
     nexts = [
-        min(e["t"] for e in v if e["event"] == "commit" and e["t"] > fault and e["step"] >= AT)
+        min(e["t"] for e in v if e["event"] == "commit" and e["t"] > t_fault and e["step"] >= AT)
         for v in survivors
     ]
-    rolled = sum(1 for v in survivors for e in v if e["event"] == "rollback" and e["t"] > fault)
+    rolled = sum(1 for v in survivors for e in v if e["event"] == "rollback" and e["t"] > t_fault)
     rejoin = [min(e["t"] for e in v if e["event"] == "commit") for v in restarted]
-    steps = [
-        b["t"] - a["t"]
-        for v in survivors
-        for a, b in zip(v, v[1:], strict=False)
-        if a["event"] == b["event"] == "commit" and a["step"] >= 10 and b["step"] < AT
-    ]
+    steps = [g for v in survivors for g in commit_gaps(v, 10, AT)]
     return {
         "variant": variant,
         "fault": kind,
         "trial": trial,
-        "next_commit_ms": round((max(nexts) - fault) * 1e3, 1),
+        "next_commit_ms": round((max(nexts) - t_fault) * 1e3, 1),
         "steps_rolled_back": rolled,
-        "rejoin_ms": round((min(rejoin) - fault) * 1e3, 1) if rejoin else None,
+        "rejoin_ms": round((min(rejoin) - t_fault) * 1e3, 1) if rejoin else None,
         "step_ms": round(statistics.median(steps) * 1e3, 2) if steps else None,
     }
 
 
 def steady_pairs(pairs: int, steps: int, tmp: Path) -> dict[str, object]:
-    """Fault-free step time, plain torchft vs ManagerFFT (both with torchft's default
-    timeouts), in interleaved pairs: median step of the survivors' commits after warm-up."""
-    out: dict[str, list[float]] = {"torchft default": [], "ManagerFFT": []}
+    """Fault-free step time in interleaved rounds of :data:`STEADY` (torchft's default
+    timeouts everywhere): median gap between commits after warm-up."""
+    out: dict[str, list[float]] = {v: [] for v in STEADY}
     for i in range(pairs):
-        for variant in out:
-            mode, wflags, lflags = VARIANTS[variant]
-            name = f"steady-{variant.replace(' ', '-')}-{i}"
-            run = tmp / name
-            hidden, layers = SIZES["small"]
-            cmd = [sys.executable, "-m", "fastft.cli", "run", "--torchft", mode, "--nproc", "3"]
-            cmd += ["--run-dir", str(run), "--job", name, *lflags]
-            cmd += [WORKER, *wflags, "--steps", str(steps), "--hidden", str(hidden)]
-            cmd += ["--layers", str(layers), "--out", str(run / "out")]
-            env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-            if p.returncode != 0:
-                raise RuntimeError(f"{name} failed: {(p.stdout + p.stderr)[-2000:]}")
-            gaps = []
-            for f in (run / "out").glob("replica*.jsonl"):
-                v = [json.loads(line) for line in f.read_text().splitlines()]
-                c = [e for e in v if e["event"] == "commit" and e["step"] >= steps // 4]
-                gaps += [b["t"] - a["t"] for a, b in zip(c, c[1:], strict=False)]
-            out[variant].append(statistics.median(gaps) * 1e3)
+        for name, variant in STEADY.items():
+            logs = run_replicas(variant, tmp / f"steady-{name.replace(' ', '-')}-{i}", steps)
+            gaps = [g for v in logs.values() for g in commit_gaps(v, steps // 4, steps)]
+            out[name].append(statistics.median(gaps) * 1e3)
     ratios = sorted(f / t for t, f in zip(out["torchft default"], out["ManagerFFT"], strict=True))
     med = {k: round(statistics.median(v), 3) for k, v in out.items()}
     return {
         "pairs": pairs,
         "torchft_step_ms": med["torchft default"],
+        "torchft_buslighthouse_step_ms": med["torchft + BusLighthouse"],
         "managerfft_step_ms": med["ManagerFFT"],
         "ratio": round(statistics.median(ratios), 3),
         "ratio_range": f"{ratios[0]:.3f}-{ratios[-1]:.3f}",

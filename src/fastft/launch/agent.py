@@ -128,6 +128,9 @@ class LaunchConfig:
                 raise ConfigError("--lighthouse-heartbeat-ms and --lighthouse-join-ms must be >= 1")
             try:
                 import torchft  # noqa: F401
+
+                if self.torchft == "fastft":
+                    import grpc  # noqa: F401  (BusLighthouse)
             except ImportError as e:
                 raise ConfigError(
                     f"--torchft needs torchft: pip install 'fastft[torchft]' ({e})"
@@ -618,7 +621,15 @@ class Agent:
                 ],
                 preexec_fn=_die_with_parent,
             )
-        self.lighthouse_addr = self.store.get(key).decode()  # waits for it (store timeout)
+            deadline = time.monotonic() + self.config.store_wait_s
+            while not self.store.check([key]):
+                if self.lighthouse.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the torchft lighthouse did not start (exit code "
+                        f"{self.lighthouse.returncode}); its error is above"
+                    )
+                time.sleep(0.01)
+        self.lighthouse_addr = self.store.get(key).decode()
         self.events.emit("lighthouse_ready", kind=cfg.torchft, address=self.lighthouse_addr)
 
     def _all_done(self) -> bool:

@@ -280,11 +280,11 @@ class Runtime:
         """``with ft.transaction() as tx:`` one step: commits on every member or on none."""
         return Transaction(self)
 
-    def no_hang_check(self) -> _Waiting:
+    def no_hang_check(self) -> _Blocked:
         """A context manager for long work between steps (evaluation, a checkpoint): the
         heartbeat goes on while it runs, so the agent's hang timeout (adaptive or not)
         does not kill the worker. A real hang inside it is not detected."""
-        return _Waiting(self)
+        return self._hb.blocked
 
     def digest(self) -> str:
         """Hash of the replicated state at the current step (S3)."""
@@ -910,22 +910,23 @@ class Runtime:
             self._feed(JoinRequested(m.rank))
 
     # --- helpers ---------------------------------------------------------------------------
-    def _waiting(self) -> _Waiting:
-        return _Waiting(self)
+    def _waiting(self) -> _Blocked:
+        return self._hb.blocked
 
 
-class _Waiting:
-    """Marks the main thread as blocked in an interruptible wait: the heartbeat thread
-    keeps beating for it (the agent must not take a waiting worker for a hung one)."""
+class _Blocked:
+    """``with hb.blocked:`` the main thread is blocked in an interruptible wait: the
+    heartbeat thread keeps beating for it (the agent must not take a waiting worker for a
+    hung one). One reusable object per heartbeat."""
 
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    def __init__(self, hb: Heartbeat) -> None:
+        self.hb = hb
 
     def __enter__(self) -> None:
-        self.rt._hb.waiting(True)
+        self.hb.waiting(True)
 
     def __exit__(self, *exc: object) -> None:
-        self.rt._hb.waiting(False)
+        self.hb.waiting(False)
 
 
 class Heartbeat:
@@ -948,6 +949,7 @@ class Heartbeat:
         self._gap = 0.0
         self.tracking = False
         """Set after the first commit: gaps before it (start-up, healing) are not steps."""
+        self.blocked = _Blocked(self)
         if path:
             size = struct.calcsize(self._FMT)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

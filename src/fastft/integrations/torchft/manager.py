@@ -35,6 +35,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -71,6 +72,9 @@ class _Pending:
         self.futures: set[torch.futures.Future[Any]] = set()
         self.poisoned: Exception | None = None
         self.abandoned: list[Any] = []
+        """Works abandoned in flight and the communicators they run on: never destroyed."""
+        self.dirty = False
+        """An operation was abandoned on the current communicator."""
         self.on_block: Callable[[bool], None] = lambda on: None
 
     def fail_all(self, exc: Exception) -> int:
@@ -102,6 +106,7 @@ class _BusWork(dist._Work):
         if poisoned is not None:
             self._fut.set_exception(poisoned)
             pending.abandoned.append(work)
+            pending.dirty = True
             return
         fut = self._fut
 
@@ -129,6 +134,7 @@ class _BusWork(dist._Work):
             self._fut.wait()
         except Exception:
             self._pending.abandoned.append(self._work)  # still running: keep it alive
+            self._pending.dirty = True
             exit_without_destructors_later()
             raise
         finally:
@@ -163,10 +169,11 @@ class _BusProcessGroup(ProcessGroupWrapper):
     def reconfigure(self, opts: Any) -> Any:
         with self._pending.lock:
             self._pending.poisoned = None
-        if self._pending.abandoned:
+        if self._pending.dirty:
             # The old communicator still runs an abandoned operation: keep it referenced
             # (torchft drops it now; its destructor would wait for the dead peer).
             self._pending.abandoned.append(self._inner.parent)
+            self._pending.dirty = False
         return super().reconfigure(opts)
 
     def abort(self, errored: bool = True) -> None:
@@ -291,7 +298,7 @@ class ManagerFFT(Manager):
             self.injector.fire_due(self.current_step())
         with self._fft_lock:
             self._members = None
-        with self._blocked():
+        with self._hb.blocked:
             super().start_quorum(*args, **kwargs)
 
     def allreduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -303,11 +310,14 @@ class ManagerFFT(Manager):
         return super().allreduce(tensor, *args, **kwargs)
 
     def wait_quorum(self) -> None:
-        with self._blocked():
+        fut = self._quorum_future
+        if fut is not None and fut.done():  # torchft asks several times per step
+            return super().wait_quorum()
+        with self._hb.blocked:
             super().wait_quorum()
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
-        with self._blocked():
+        with self._hb.blocked:
             ok = super().should_commit(timeout)
         self._hb.tracking = self._hb.tracking or ok
         self._hb.beat()
@@ -367,7 +377,7 @@ class ManagerFFT(Manager):
             cause=why,
             step=self.current_step(),
             interrupted=n,
-            latency_ms=round((_wall() - m.wall_time) * 1000, 3) if m and m.wall_time else None,
+            latency_ms=round((time.time() - m.wall_time) * 1000, 3) if m and m.wall_time else None,
         )
 
     def _on_quorum(self, q: Any) -> None:
@@ -417,7 +427,7 @@ class ManagerFFT(Manager):
             # the peers drop it now rather than when the interpreter has finished exiting.
             self._broadcast_fault("uncaught_exception", args[1], Severity.FAULT1)
         self._prev_hook(*args)
-        if self.bus is not None:
+        if self.bus is not None and not self.bus.closed:
             # End now, with status 1: interpreter teardown would run torch's C++
             # destructors, which abort ("terminate called without an active exception")
             # or wait on a peer, so the replica would be restarted late or counted as a
@@ -426,28 +436,6 @@ class ManagerFFT(Manager):
             sys.stderr.flush()
             os._exit(1)
 
-    def _blocked(self) -> _Blocked:
-        return _Blocked(self._hb)
-
     def _emit(self, kind: str, **fields: Any) -> None:
         if self.events is not None:
             self.events.emit(kind, **fields)
-
-
-class _Blocked:
-    """The main thread waits in torchft: the heartbeat thread beats for it."""
-
-    def __init__(self, hb: Heartbeat) -> None:
-        self.hb = hb
-
-    def __enter__(self) -> None:
-        self.hb.waiting(True)
-
-    def __exit__(self, *exc: object) -> None:
-        self.hb.waiting(False)
-
-
-def _wall() -> float:
-    import time
-
-    return time.time()
