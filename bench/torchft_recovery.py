@@ -1,5 +1,5 @@
-"""torchft with and without fastft's error bus, side by side in one run, on one model
-(the ~10k-parameter MLP of bench/recovery.py), 3 Gloo replicas, one fault schedule:
+"""torchft with and without fastft's error bus, side by side in one run, 3 Gloo replicas,
+one fault schedule, on the models of bench/recovery.py:
 
 * ``torchft default``: torchft's ``Manager`` and lighthouse with their default timeouts
   (Gloo 60 s, Manager 30 s, lighthouse heartbeat 5 s, join 60 s); the node agent only
@@ -10,12 +10,16 @@
   under ``fastft run --torchft fastft`` (BusLighthouse);
 * ``fastft native``: fastft's own runtime on the same model (elastic world, cold restart).
 
-For SIGKILL, exception, SIGSTOP and a GIL-holding hang of replica 1 as its gradient
-allreduce starts (its peers are inside it): time from the fault to the moment both survivors committed again,
-steps rolled back, and time until the restarted replica commits again (each run has one
-warm spare). Fault-free step time: plain torchft, plain torchft with BusLighthouse, and
-ManagerFFT in interleaved fault-free runs (median step after warm-up), and the median step
-before the fault of each fault run.
+Faults, on the ~10k-parameter model: SIGKILL, exception, SIGSTOP and a GIL-holding hang of
+replica 1 as its gradient allreduce starts (its peers are inside it): time from the fault
+to the moment both survivors committed again, steps rolled back, and time until the
+restarted replica commits again (each run has one warm spare).
+
+Fault-free, on both models (``--steady-sizes``): plain torchft, plain torchft on
+BusLighthouse (splits ManagerFFT's own cost from the Python lighthouse's) and ManagerFFT in
+interleaved runs, each round in another order: the median step after warm-up, and the CPU
+per step of the workers and of the control plane (agent and lighthouse process), sampled
+over the same window. The median step before the fault of each fault run is reported too.
 
 The GIL hang is run for ManagerFFT (``--adaptive-hang``) and fastft native only: under
 plain torchft the hung replica's Rust heartbeat thread keeps beating, so the survivors wait
@@ -35,7 +39,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import table, write  # noqa: E402
@@ -72,25 +79,67 @@ def run_replicas(
     steps: int,
     *flags: str,
     env: dict[str, str] | None = None,
+    size: str = "small",
+    cpu: list[tuple[float, dict[str, float]]] | None = None,
 ) -> dict[str, list[dict]]:
     """``fastft run --torchft`` 3 replicas of the worker; each replica life's log by name
-    (``replica<group>-<pid>``)."""
+    (``replica<group>-<pid>``). With ``cpu``, appends (CLOCK_MONOTONIC, CPU seconds so far
+    of the agent, the lighthouse process and the workers) every 0.1 s."""
     mode, wflags, lflags = variant
-    hidden, layers = SIZES["small"]
+    hidden, layers = SIZES[size]
     run.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "fastft.cli", "run", "--torchft", mode, "--nproc", "3"]
     cmd += ["--run-dir", str(run), "--job", run.name, *lflags, *flags]
     cmd += [WORKER, *wflags, "--steps", str(steps), "--hidden", str(hidden)]
     cmd += ["--layers", str(layers), "--out", str(run / "out")]
     env = {**os.environ, **(env or {}), "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    (run / "launcher.log").write_text(p.stdout + p.stderr)
+    with open(run / "launcher.log", "w") as log:
+        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            if cpu is not None:
+                sample_cpu(p, cpu)
+            p.wait(timeout=600)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     if p.returncode != 0:
-        raise RuntimeError(f"{run.name} failed: {(p.stdout + p.stderr)[-2000:]}")
+        raise RuntimeError(f"{run.name} failed: {(run / 'launcher.log').read_text()[-2000:]}")
     return {
         f.stem: [json.loads(line) for line in f.read_text().splitlines()]
         for f in (run / "out").glob("replica*.jsonl")
     }
+
+
+def sample_cpu(p: subprocess.Popen[bytes], out: list[tuple[float, dict[str, float]]]) -> None:
+    """Until ``p`` ends: CPU seconds (user + system) of its process tree by role."""
+    root = psutil.Process(p.pid)
+    last: dict[int, tuple[str, float]] = {}
+    while p.poll() is None:
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            break
+        for proc in procs:
+            try:
+                line = " ".join(proc.cmdline())
+                t = proc.cpu_times()
+            except psutil.Error:
+                continue
+            role = (
+                "agent"
+                if proc.pid == p.pid
+                else "lighthouse"
+                if "torchft.lighthouse" in line
+                else "workers"
+            )
+            last[proc.pid] = (role, t.user + t.system)
+        now = time.monotonic()
+        roles = {"agent": 0.0, "lighthouse": 0.0, "workers": 0.0}
+        for role, c in last.values():
+            roles[role] += c
+        out.append((now, roles))
+        time.sleep(0.1)
 
 
 def commit_gaps(log: list[dict], lo: int, hi: int) -> list[float]:
@@ -140,25 +189,62 @@ def torchft_trial(variant: str, kind: str, trial: int, tmp: Path) -> dict[str, o
     }
 
 
-def steady_pairs(pairs: int, steps: int, tmp: Path) -> dict[str, object]:
+def steady_pairs(pairs: int, steps: int, size: str, tmp: Path) -> dict[str, object]:
     """Fault-free step time in interleaved rounds of :data:`STEADY` (torchft's default
-    timeouts everywhere): median gap between commits after warm-up."""
+    timeouts everywhere): median gap between commits after warm-up, and CPU per step of
+    the workers (3 replicas together) and of the control plane (agent and lighthouse;
+    plain torchft's lighthouse runs inside the agent), measured over the same window."""
     out: dict[str, list[float]] = {v: [] for v in STEADY}
+    cpu_out: dict[str, list[dict[str, float]]] = {v: [] for v in STEADY}
+    names = list(STEADY)
     for i in range(pairs):
-        for name, variant in STEADY.items():
-            logs = run_replicas(variant, tmp / f"steady-{name.replace(' ', '-')}-{i}", steps)
+        for name in names[i % 3 :] + names[: i % 3]:  # each round starts with another
+            variant = STEADY[name]
+            samples: list[tuple[float, dict[str, float]]] = []
+            run = tmp / f"steady-{size}-{name.replace(' ', '-').replace('+', '')}-{i}"
+            logs = run_replicas(variant, run, steps, size=size, cpu=samples)
             gaps = [g for v in logs.values() for g in commit_gaps(v, steps // 4, steps)]
             out[name].append(statistics.median(gaps) * 1e3)
+            cpu_out[name].append(cpu_per_step(logs, samples, steps // 4))
     ratios = sorted(f / t for t, f in zip(out["torchft default"], out["ManagerFFT"], strict=True))
     med = {k: round(statistics.median(v), 3) for k, v in out.items()}
+
+    def cpu(name: str, role: str) -> float:
+        return round(statistics.median(c[role] for c in cpu_out[name]), 3)
+
     return {
+        "size": size,
         "pairs": pairs,
         "torchft_step_ms": med["torchft default"],
         "torchft_buslighthouse_step_ms": med["torchft + BusLighthouse"],
         "managerfft_step_ms": med["ManagerFFT"],
         "ratio": round(statistics.median(ratios), 3),
         "ratio_range": f"{ratios[0]:.3f}-{ratios[-1]:.3f}",
+        "torchft_control_cpu_ms": cpu("torchft default", "control"),
+        "managerfft_control_cpu_ms": cpu("ManagerFFT", "control"),
+        "torchft_worker_cpu_ms": cpu("torchft default", "workers"),
+        "buslighthouse_worker_cpu_ms": cpu("torchft + BusLighthouse", "workers"),
+        "managerfft_worker_cpu_ms": cpu("ManagerFFT", "workers"),
     }
+
+
+def cpu_per_step(
+    logs: dict[str, list[dict]], samples: list[tuple[float, dict[str, float]]], lo: int
+) -> dict[str, float]:
+    """CPU milliseconds per committed step, from the first sample after every replica
+    committed step ``lo`` to the last sample before the first replica finished."""
+    start = max(
+        e["t"] for v in logs.values() for e in v if e["event"] == "commit" and e["step"] == lo
+    )
+    end = min(max(e["t"] for e in v if e["event"] == "commit") for v in logs.values())
+    window = [(t, c) for t, c in samples if start <= t <= end]
+    if len(window) < 2:
+        return {"control": float("nan"), "workers": float("nan")}
+    (t0, c0), (t1, c1) = window[0], window[-1]
+    some = next(iter(logs.values()))
+    n = sum(1 for e in some if e["event"] == "commit" and t0 < e["t"] <= t1)
+    control = (c1["agent"] + c1["lighthouse"]) - (c0["agent"] + c0["lighthouse"])
+    return {"control": control / n * 1e3, "workers": (c1["workers"] - c0["workers"]) / n * 1e3}
 
 
 def native_trial(kind: str, trial: int, tmp: Path) -> dict[str, object]:
@@ -190,15 +276,18 @@ def main() -> None:
     ap.add_argument("--faults", default="sigkill,exception,sigstop,gil_hang")
     ap.add_argument("--variants", default=",".join([*VARIANTS, "fastft native"]))
     ap.add_argument("--steady-pairs", type=int, default=3, help="fault-free pairs (0: skip)")
-    ap.add_argument("--steady-steps", type=int, default=400)
+    ap.add_argument("--steady-steps", type=int, default=400, help="per run, small model")
+    ap.add_argument("--steady-sizes", default="small,large", help="models of bench/recovery.py")
     a = ap.parse_args()
-    steady: dict[str, object] = {}
+    steady: list[dict[str, object]] = []
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="fastft-torchft-bench-") as d:
         tmp = Path(d)
-        if a.steady_pairs:
-            steady = steady_pairs(a.steady_pairs, a.steady_steps, tmp)
-            print(json.dumps(steady), flush=True)
+        for size in a.steady_sizes.split(",") if a.steady_pairs else ():
+            # ~130 ms steps at 4M parameters: fewer steps give the same warm-up share
+            steps = a.steady_steps if size == "small" else max(40, a.steady_steps // 4)
+            steady.append(steady_pairs(a.steady_pairs, steps, size, tmp))
+            print(json.dumps(steady[-1]), flush=True)
         for trial in range(a.trials):
             for kind in a.faults.split(","):
                 for variant in a.variants.split(","):
@@ -243,9 +332,10 @@ def main() -> None:
         rows,
         {"summary": summary, "steady": steady, "at_step": AT, "steps": STEPS, "nproc": 3},
     )
-    print(table(summary, list(summary[0])))
+    if summary:
+        print(table(summary, list(summary[0])))
     if steady:
-        print(table([steady], list(steady)))
+        print(table(steady, list(steady[0])))
     print(f"results: {path}")
 
 
