@@ -34,6 +34,7 @@ bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/bus_soak.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/recovery.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/torchft_recovery.py
+	$(BIN)/python bench/lighthouse_rpc.py
 
 demo: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/fastft demo

@@ -33,6 +33,7 @@ Results: bench/results/torchft_recovery.json and a table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -53,8 +54,10 @@ from fastft.report import summarize  # noqa: E402
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_torchft_train.py")
 AT = 40
-STEPS = 220
-NATIVE_STEPS = 2000  # ~5 ms steps: the restarted replica must arrive before the end
+STEPS = {"small": 220, "large": 150}
+NATIVE_STEPS = {"small": 2000, "large": 150}
+"""Native runs: the cold-restarted replica (2-3 s) must arrive before the end (~5 ms steps
+at 10k parameters, ~65 ms at 4M)."""
 VARIANTS = {  # name -> (fastft run --torchft, worker flags, lighthouse flags)
     "torchft default": ("plain", ["--manager", "plain"], []),
     "torchft lowest": (
@@ -151,8 +154,10 @@ def commit_gaps(log: list[dict], lo: int, hi: int) -> list[float]:
     ]
 
 
-def torchft_trial(variant: str, kind: str, trial: int, tmp: Path) -> dict[str, object]:
-    run = tmp / f"{variant.replace(' ', '-')}-{kind}-{trial}"
+def torchft_trial(
+    variant: str, kind: str, trial: int, tmp: Path, size: str = "small"
+) -> dict[str, object]:
+    run = tmp / f"{variant.replace(' ', '-')}-{size}-{kind}-{trial}"
     run.mkdir(parents=True)
     fault: dict[str, object] = {"kind": kind, "rank": 1, "at_step": AT, "point": "collective"}
     if kind == "gil_hang":
@@ -162,7 +167,12 @@ def torchft_trial(variant: str, kind: str, trial: int, tmp: Path) -> dict[str, o
     if VARIANTS[variant][0] == "fastft":
         flags += ["--adaptive-hang"]
     logs = run_replicas(
-        VARIANTS[variant], run, STEPS, *flags, env={"BENCH_PLAN": str(run / "plan.json")}
+        VARIANTS[variant],
+        run,
+        STEPS[size],
+        *flags,
+        env={"BENCH_PLAN": str(run / "plan.json")},
+        size=size,
     )
     t_fault = min(e["t"] for v in logs.values() for e in v if e["event"] == "fault")
     survivors = [v for k, v in logs.items() if not k.startswith("replica1-")]
@@ -179,6 +189,7 @@ def torchft_trial(variant: str, kind: str, trial: int, tmp: Path) -> dict[str, o
     rejoin = [min(e["t"] for e in v if e["event"] == "commit") for v in restarted]
     steps = [g for v in survivors for g in commit_gaps(v, 10, AT)]
     return {
+        "size": size,
         "variant": variant,
         "fault": kind,
         "trial": trial,
@@ -247,19 +258,19 @@ def cpu_per_step(
     return {"control": control / n * 1e3, "workers": (c1["workers"] - c0["workers"]) / n * 1e3}
 
 
-def native_trial(kind: str, trial: int, tmp: Path) -> dict[str, object]:
-    hidden, layers = SIZES["small"]
+def native_trial(kind: str, trial: int, tmp: Path, size: str = "small") -> dict[str, object]:
+    hidden, layers = SIZES[size]
     plan: list[dict[str, object]] = [
         {"kind": kind, "rank": 1, "at_step": AT, "point": "collective"}
     ]
     if kind == "gil_hang":
         plan[0]["arg"] = 600
-    run = run_fastft(
-        hidden, layers, NATIVE_STEPS, tmp, f"native-{kind}-{trial}", plan=plan, world="elastic"
-    )
+    name = f"native-{size}-{kind}-{trial}"
+    run = run_fastft(hidden, layers, NATIVE_STEPS[size], tmp, name, plan=plan, world="elastic")
     s = summarize(run)
     f = s["faults"][0]
     return {
+        "size": size,
         "variant": "fastft native",
         "fault": kind,
         "trial": trial,
@@ -278,6 +289,7 @@ def main() -> None:
     ap.add_argument("--steady-pairs", type=int, default=3, help="fault-free pairs (0: skip)")
     ap.add_argument("--steady-steps", type=int, default=400, help="per run, small model")
     ap.add_argument("--steady-sizes", default="small,large", help="models of bench/recovery.py")
+    ap.add_argument("--fault-sizes", default="small", help="models for the fault trials")
     a = ap.parse_args()
     steady: list[dict[str, object]] = []
     rows: list[dict[str, object]] = []
@@ -288,45 +300,51 @@ def main() -> None:
             steps = a.steady_steps if size == "small" else max(40, a.steady_steps // 4)
             steady.append(steady_pairs(a.steady_pairs, steps, size, tmp))
             print(json.dumps(steady[-1]), flush=True)
-        for trial in range(a.trials):
-            for kind in a.faults.split(","):
-                for variant in a.variants.split(","):
-                    if kind == "gil_hang" and variant.startswith("torchft"):
-                        continue  # see the module docstring
-                    if variant == "fastft native":
-                        row = native_trial(kind, trial, tmp)
-                    else:
-                        row = torchft_trial(variant, kind, trial, tmp)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+        for size, trial, kind, variant in itertools.product(
+            a.fault_sizes.split(","), range(a.trials), a.faults.split(","), a.variants.split(",")
+        ):
+            if kind == "gil_hang" and variant.startswith("torchft"):
+                continue  # see the module docstring
+            if variant == "fastft native":
+                row = native_trial(kind, trial, tmp, size)
+            else:
+                row = torchft_trial(variant, kind, trial, tmp, size)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     summary: list[dict[str, object]] = []
-    base_step = statistics.median(
-        [float(r["step_ms"]) for r in rows if r["variant"] == "torchft default" and r["step_ms"]]
-        or [float("nan")]
-    )
-    for variant in a.variants.split(","):
-        for kind in a.faults.split(","):
-            rs = [r for r in rows if r["variant"] == variant and r["fault"] == kind]
-            if not rs:
-                continue
+    for size, variant, kind in itertools.product(
+        a.fault_sizes.split(","), a.variants.split(","), a.faults.split(",")
+    ):
+        base = [
+            float(r["step_ms"])  # type: ignore[arg-type]
+            for r in rows
+            if r["variant"] == "torchft default" and r["size"] == size and r["step_ms"]
+        ]
+        base_step = statistics.median(base or [float("nan")])
+        rs = [
+            r for r in rows if r["variant"] == variant and r["fault"] == kind and r["size"] == size
+        ]
+        if not rs:
+            continue
 
-            def med(key: str, rs: list[dict[str, object]] = rs) -> float | None:
-                vals = [float(r[key]) for r in rs if r[key] is not None]  # type: ignore[arg-type]
-                return round(statistics.median(vals), 1) if vals else None
+        def med(key: str, rs: list[dict[str, object]] = rs) -> float | None:
+            vals = [float(r[key]) for r in rs if r[key] is not None]  # type: ignore[arg-type]
+            return round(statistics.median(vals), 1) if vals else None
 
-            step = med("step_ms")
-            summary.append(
-                {
-                    "variant": variant,
-                    "fault": kind,
-                    "trials": len(rs),
-                    "next_commit_ms_p50": med("next_commit_ms"),
-                    "steps_rolled_back": med("steps_rolled_back"),
-                    "rejoin_ms_p50": med("rejoin_ms"),
-                    "step_ms": step,
-                    "step_vs_torchft": round(step / base_step, 3) if step else None,
-                }
-            )
+        step = med("step_ms")
+        summary.append(
+            {
+                "size": size,
+                "variant": variant,
+                "fault": kind,
+                "trials": len(rs),
+                "next_commit_ms_p50": med("next_commit_ms"),
+                "steps_rolled_back": med("steps_rolled_back"),
+                "rejoin_ms_p50": med("rejoin_ms"),
+                "step_ms": step,
+                "step_vs_torchft": round(step / base_step, 3) if step else None,
+            }
+        )
     path = write(
         "torchft_recovery",
         rows,
