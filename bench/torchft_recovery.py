@@ -10,10 +10,11 @@ one fault schedule, on the models of bench/recovery.py:
   under ``fastft run --torchft fastft`` (BusLighthouse);
 * ``fastft native``: fastft's own runtime on the same model (elastic world, cold restart).
 
-Faults, on the ~10k-parameter model: SIGKILL, exception, SIGSTOP and a GIL-holding hang of
-replica 1 as its gradient allreduce starts (its peers are inside it): time from the fault
-to the moment both survivors committed again, steps rolled back, and time until the
-restarted replica commits again (each run has one warm spare).
+Faults, on the ~10k-parameter model (``--fault-sizes small,large`` adds the 4M one):
+SIGKILL, exception, SIGSTOP and a GIL-holding hang of replica 1 as its gradient allreduce
+starts (its peers are inside it): time from the fault to the moment both survivors
+committed again, steps rolled back, and time until the restarted replica commits again
+(each run has one warm spare).
 
 Fault-free, on both models (``--steady-sizes``): plain torchft, plain torchft on
 BusLighthouse (splits ManagerFFT's own cost from the Python lighthouse's) and ManagerFFT in
@@ -118,7 +119,8 @@ def sample_cpu(p: subprocess.Popen[bytes], out: list[tuple[float, dict[str, floa
     """Until ``p`` ends: CPU seconds (user + system) of its process tree by role."""
     root = psutil.Process(p.pid)
     last: dict[int, tuple[str, float]] = {}
-    while p.poll() is None:
+    deadline = time.monotonic() + 600  # as run_replicas' wait
+    while p.poll() is None and time.monotonic() < deadline:
         try:
             procs = [root, *root.children(recursive=True)]
         except psutil.Error:
