@@ -12,7 +12,7 @@ and one of ~4M parameters.
   one step time (for the hang: + the adaptive hang timeout).
 
 torchft runs side by side with fastft (native and ManagerFFT) in bench/torchft_recovery.py,
-on this benchmark's small model.
+on this benchmark's models (fault trials on the 4M one with ``--fault-sizes large``).
 
     python bench/recovery.py [--trials 3] [--sizes small,large] [--quick]
 
