@@ -13,9 +13,9 @@ publisher counts its pushes per subscriber and every ``_CHECK_EVERY`` pushes rea
 length; a queue at ``max_queue`` gets its subscriber evicted and its queue drained in the
 background (a TCPStore queue cannot be deleted, only emptied).
 
-Connections are long-lived on purpose: with torch 2.13 every 25th client connection to a
-TCPStore server stalls for 5 s (measured: ``docs/architecture.md``, "Known limits"), so no
-connection is opened on a hot path. Each endpoint uses two connections of its own (cloned from the store it is given): one for
+Connections are long-lived on purpose: every new TCPStore connection costs torch 2.13 a
+reverse DNS lookup, which can stall for 5 s (``docs/architecture.md``, "Known limit"), so
+no connection is opened on a hot path. Each endpoint uses two connections of its own (cloned from the store it is given): one for
 publishing and membership, one for the listener's blocking pop, which waits up to
 ``idle_pop_s`` and is woken early by a sentinel pushed into its own queue at close.
 """
