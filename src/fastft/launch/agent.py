@@ -336,7 +336,9 @@ class Agent:
         env = {**os.environ, **self.config.env}
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         p = subprocess.Popen(
-            [self.config.command[0], "-m", "fastft.launch.spare"],
+            # not `-m fastft.launch.spare`: the package imports that module first, and
+            # runpy warns that it runs a module already in sys.modules
+            [self.config.command[0], "-c", "from fastft.launch.spare import main; main()"],
             env=env,
             stdin=subprocess.PIPE,
             preexec_fn=_die_with_parent,

@@ -5,7 +5,7 @@ environment and command line on stdin (one JSON line) and the spare becomes that
 running the script in-process with ``runpy``: the restart costs the script's own set-up
 and the heal, not the interpreter's start.
 
-    python -m fastft.launch.spare        # started by the agent (fastft run --warm-spares N)
+    python -c 'from fastft.launch.spare import main; main()'   # the agent (--warm-spares N)
 """
 
 from __future__ import annotations
