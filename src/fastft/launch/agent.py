@@ -610,8 +610,9 @@ class Agent:
             self.lighthouse = subprocess.Popen(
                 [
                     sys.executable,
-                    "-m",
-                    "fastft.integrations.torchft.lighthouse",
+                    "-c",  # not -m: the package imports the module first (runpy warns)
+                    "import sys; from fastft.integrations.torchft.lighthouse import main; "
+                    "sys.exit(main())",
                     f"--store={self.store_addr}",
                     f"--job={cfg.job}",
                     f"--bind={host}:0",

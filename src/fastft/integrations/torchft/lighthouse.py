@@ -274,7 +274,7 @@ def lighthouse_key(job: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fastft.integrations.torchft.lighthouse``: the lighthouse process that
+    """The lighthouse process (``fastft.integrations.torchft.lighthouse.main``) that
     ``fastft run --torchft fastft`` starts on node 0. It is a bus subscriber like any other
     and publishes its address in the job's store. It runs apart from the agent because
     gRPC's threads do not survive the agent's fork of a worker."""
