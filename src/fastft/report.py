@@ -50,7 +50,10 @@ def _ms(e: dict[str, Any] | None, t: float) -> float | None:
 
 
 def _rank_of(src: str) -> int | None:
-    return int(src.split()[1]) if src.startswith("rank ") else None
+    """The worker rank of an event's source: ``rank N`` (native runtime) or ``replica N``
+    (ManagerFFT, one replica group per worker)."""
+    kind, _, n = src.partition(" ")
+    return int(n) if kind in ("rank", "replica") and n.isdigit() else None
 
 
 def summarize(run_dir: str | Path) -> dict[str, Any]:
@@ -146,8 +149,11 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "steps_committed": len(steps),
         "last_step": steps[-1] if steps else None,
         "steps_rolled_back": len(rolled),
-        "epochs": len({e["epoch"] for e in ev if e["event"] == "epoch"}),
-        "heals": sum(1 for e in ev if e["event"] == "heal" and e.get("role") == "fetch"),
+        # epochs of the native runtime, or torchft quorums under ManagerFFT
+        "epochs": len({e["epoch"] for e in ev if e["event"] == "epoch"})
+        + len({e["quorum"] for e in ev if e["event"] == "quorum"}),
+        "heals": sum(1 for e in ev if e["event"] == "heal" and e.get("role") == "fetch")
+        + sum(1 for e in ev if e["event"] == "quorum" and e.get("heal")),
         "restarts": sum(1 for e in ev if e["event"] == "restart"),
         "median_step_ms": round(step_s * 1e3, 3),
         "goodput": None if goodput is None else round(goodput, 3),

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fastft.integrations.torchft.quorum import parse_replica_id
+from fastft.report import summarize
 from fastft.runtime import read_events
 
 pytestmark = pytest.mark.timeout(150)
@@ -98,6 +99,17 @@ def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
     starts = [e for e in ev if e["event"] == "replica_start" and e["src"] == "replica 1"]
     lives = {parse_replica_id(e["replica_id"]) for e in starts}
     assert len(lives) == 2 and (1, first_life) in lives
+
+    # `fastft report` reads the run like a native one: the one fault, timed from its
+    # injection, recovered by the survivors, and the restarted replica committing again.
+    report = summarize(run)
+    assert [(f["rank"], f["kind"], f["step"]) for f in report["faults"]] == [
+        (1, kind, FAULT_STEP)
+    ], report["faults"]
+    fault = report["faults"][0]
+    assert fault["recovered"] and fault["recover_ms"] is not None, fault
+    assert fault["rejoin_ms"] is not None, fault
+    assert report["last_step"] == STEPS - 1 and report["heals"] >= 1, report
 
     if kind == "gil_hang":  # a true hang: found by the agent's (adaptive) hang timeout,
         # not by Gloo's 60 s, and the survivors, blocked meanwhile, were not taken for hung

@@ -15,6 +15,7 @@ from fastft.integrations.torchft.quorum import (
     compute_quorum,
     fastft_replica_id,
     parse_replica_id,
+    quorum_changed,
 )
 from fastft.protocol import Fault, ProcessExited, Severity
 
@@ -58,6 +59,18 @@ def test_dead_but_heartbeating_replica_stalls_torchft_rule_until_expiry() -> Non
     st.dead.add("c")
     members, _ = compute_quorum(100.0, st, OPT)
     assert members is not None and [m.replica_id for m in members] == ["a", "b"]
+
+
+def test_new_quorum_id_after_a_failed_commit() -> None:
+    # torchft's rule: same members, same id (no process-group rebuild) ...
+    a = (Member("a"), Member("b"))
+    assert not quorum_changed(a, a)
+    assert quorum_changed((Member("a"),), a)
+    assert quorum_changed(a, None)
+    # ... unless a member failed its last commit: its peers may hold an abandoned
+    # collective on the old communicator, so every member must rebuild it
+    failed = (Member("a", commit_failures=1), Member("b"))
+    assert quorum_changed(failed, a)
 
 
 def test_split_brain_and_min_replicas() -> None:

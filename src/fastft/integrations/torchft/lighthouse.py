@@ -2,9 +2,10 @@
 
 It speaks torchft's ``LighthouseService`` (gRPC: ``Quorum``, ``Heartbeat``), so an unchanged
 torchft ``Manager`` uses it like torchft's own lighthouse, and decides quorums by torchft's
-rule with torchft's default settings (:mod:`.quorum`). The one difference: deaths the node
+rule with torchft's default settings (:mod:`.quorum`). The differences: deaths the node
 agents see (a process exit, a stop, a hang they kill) reach it over the bus, and that
-replica is out of the next quorum at once instead of ``heartbeat_timeout`` later.
+replica is out of the next quorum at once instead of ``heartbeat_timeout`` later; and a
+quorum after a failed commit gets a new id, so every member rebuilds its communicator.
 
 ``fastft run --torchft`` starts one on node 0 (127.0.0.1 for a single-node job). The
 protobuf messages are built at run time from their field numbers; fields this module does
@@ -208,7 +209,9 @@ class BusLighthouse:
         rid = r.replica_id
         if not rid:
             ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing requester")
-        member = Member(rid, int(r.step), bool(r.shrink_only), r.SerializeToString())
+        member = Member(
+            rid, int(r.step), bool(r.shrink_only), r.SerializeToString(), int(r.commit_failures)
+        )
         with self._cond:
             gen = self._gen
             if self._seen(rid, time.monotonic()):

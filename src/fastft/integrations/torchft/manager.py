@@ -47,7 +47,7 @@ from torchft.process_group import ProcessGroup, ProcessGroupWrapper
 
 from fastft.bus import BusConfig, BusEndpoint, connect_store, tcpstore_bus
 from fastft.errors import FastFTError
-from fastft.inject import FaultPlan, Injector
+from fastft.inject import FaultPlan, FaultSpec, Injector, execute
 from fastft.integrations.torchft.quorum import fastft_replica_id, parse_replica_id
 from fastft.protocol.messages import Fault, HangSuspected, Message, ProcessExited, Severity
 from fastft.runtime.contract import ENV
@@ -284,7 +284,9 @@ class ManagerFFT(Manager):
         self.bus.start()
         plan_path = env.get(ENV["inject"])
         plan = FaultPlan.load(plan_path) if plan_path else FaultPlan(faults=())
-        self.injector = Injector(plan, self.fft_rank, int(env.get(ENV["life"], "0")))
+        self.injector = Injector(
+            plan, self.fft_rank, int(env.get(ENV["life"], "0")), executor=self._inject
+        )
         self._prev_hook = sys.excepthook
         sys.excepthook = self._excepthook
         self._emit("replica_start", replica_id=self._replica_id)
@@ -330,6 +332,7 @@ class ManagerFFT(Manager):
         self._emit(
             "commit" if ok else "rollback",
             step=self.current_step() - (1 if ok else 0),
+            epoch=self._quorum_id,  # a quorum is what an epoch is to the native runtime
             quorum=self._quorum_id,
             reason="" if ok else repr(self.errored())[:300],
         )
@@ -366,7 +369,13 @@ class ManagerFFT(Manager):
         # skips a step's collectives leaves its peers waiting for Gloo's timeout.
         if members is None or who not in members:
             return
-        if isinstance(m, Fault) and m.severity is Severity.FAULT2 and m.step != self.current_step():
+        if (
+            isinstance(m, Fault)
+            and m.severity is Severity.FAULT2
+            and (m.step != self.current_step() or m.epoch != max(self._quorum_id, 0))
+        ):
+            # a report about another step, or about this step number in an earlier quorum
+            # (the step failed there and is being retried): not about this attempt
             return
         self._fail_step(who, why, m)
 
@@ -442,6 +451,17 @@ class ManagerFFT(Manager):
             sys.stderr.flush()
             os._exit(1)
 
-    def _emit(self, kind: str, **fields: Any) -> None:
+    def _inject(self, spec: FaultSpec) -> None:
+        """Fire a planned fault, logged first (``fastft report`` times it from here)."""
+        self._emit(
+            "injected",
+            kind=spec.kind.value,
+            step=self.current_step(),
+            epoch=self._quorum_id,
+            incarnation=self.fft_incarnation,
+        )
+        execute(spec)
+
+    def _emit(self, event: str, **fields: Any) -> None:
         if self.events is not None:
-            self.events.emit(kind, **fields)
+            self.events.emit(event, **fields)

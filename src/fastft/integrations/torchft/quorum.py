@@ -1,5 +1,5 @@
-"""torchft's quorum rule, with fastft's one addition: a replica the error bus reported dead
-is unhealthy at once.
+"""torchft's quorum rule, with fastft's two additions: a replica the error bus reported dead
+is unhealthy at once, and a quorum in which a member failed its last commit gets a new id.
 
 This is the pure core of :class:`~fastft.integrations.torchft.lighthouse.BusLighthouse`: no
 clock, no I/O. The rule is torchft's lighthouse rule (``quorum_compute`` in its
@@ -9,6 +9,14 @@ hang) drops out of the healthy set now instead of ``heartbeat_timeout`` after it
 heartbeat. That wait is what costs a torchft job ~5 s per lost replica with default
 settings: until the dead replica's heartbeat expires, the survivors' next quorum waits for
 it as a straggler.
+
+The new id after a failed commit: a step that failed on a peer's fault leaves collectives
+abandoned on the members' communicators (ManagerFFT fails them without waiting, and a
+member that failed before its allreduce never issued its own). torchft rebuilds the process
+group only when the quorum id changes, and under torchft's rule the id changes only with
+the membership. A failed commit in an unchanged membership would otherwise keep the old
+communicator, whose next collective then meets the abandoned one. Every member of such a
+quorum rebuilds its process group, which costs a few milliseconds, only after a failed step.
 
 Replica ids tie a torchft replica to a fastft worker: :class:`ManagerFFT` names its replica
 ``fastft-<rank>-<incarnation>/<user id>`` (torchft appends ``:<uuid>``), so a bus report
@@ -67,6 +75,8 @@ class Member:
     step: int = 0
     shrink_only: bool = False
     raw: bytes = b""
+    commit_failures: int = 0
+    """Failed commits since the member's last successful one (torchft sends it)."""
 
 
 @dataclass
@@ -116,4 +126,10 @@ def compute_quorum(
 
 
 def quorum_changed(a: tuple[Member, ...], b: tuple[Member, ...] | None) -> bool:
-    return b is None or [m.replica_id for m in a] != [m.replica_id for m in b]
+    """Whether quorum ``a`` after ``b`` needs a new id: other members (torchft's rule), or a
+    member whose last commit failed (see the module docstring)."""
+    return (
+        b is None
+        or [m.replica_id for m in a] != [m.replica_id for m in b]
+        or any(m.commit_failures > 0 for m in a)
+    )
