@@ -14,6 +14,7 @@ from torchft import ProcessGroupGloo  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
 
 from fastft.integrations.torchft import ManagerFFT  # noqa: E402
+from fastft.protocol import Fault, Severity  # noqa: E402
 from fastft.runtime.contract import ENV  # noqa: E402
 
 
@@ -70,3 +71,83 @@ def test_user_settings_are_kept(manager_kwargs: dict[str, Any]) -> None:
     )
     assert manager_kwargs["heartbeat_interval"] == timedelta(milliseconds=200)
     assert manager_kwargs["hostname"] == "node7"
+
+
+class _Quorum:
+    def __init__(self, quorum_id: int, ranks: list[tuple[int, int]]) -> None:
+        self.quorum_id = quorum_id
+        self.replica_ids = [f"fastft-{r}-{i}/train:uuid" for r, i in ranks]
+        self.heal = False
+        self.max_step = 0
+
+
+def _report(rank: int, inc: int, step: int, epoch: int) -> Fault:
+    return Fault(
+        job="j",
+        epoch=epoch,
+        rank=rank,
+        incarnation=inc,
+        step=step,
+        severity=Severity.FAULT2,
+        cause="reported_error",
+        faulty_rank=rank,
+        faulty_incarnation=inc,
+    )
+
+
+@pytest.fixture
+def replica(monkeypatch: pytest.MonkeyPatch) -> ManagerFFT:
+    """Replica rank 0 (incarnation 1) at step 30 of quorum 3, with members 0, 1 and 2."""
+
+    def fake_init(self: Manager, pg: Any, *args: Any, **kwargs: Any) -> None:
+        self._pg = pg
+        self._client = object()
+        self._errored = None
+        self._step = 30
+        self._quorum_id = 3
+        self._quorum_future = None
+
+    monkeypatch.setattr(Manager, "__init__", fake_init)
+    for name in ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    m = ManagerFFT(pg=ProcessGroupGloo())
+    m.fft_rank, m.fft_incarnation = 0, 1
+    m._on_quorum(_Quorum(3, [(0, 1), (1, 5), (2, 7)]))
+    return m
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_report_fails_this_attempt_of_the_step(replica: ManagerFFT) -> None:
+    replica._on_message(_report(1, 5, 29, 3))  # another step: ignored
+    assert replica.peer_faults == 0 and replica.errored() is None
+    replica._on_message(_report(1, 5, 30, 3))
+    assert replica.peer_faults == 1 and replica.errored() is not None
+
+
+@pytest.mark.timeout(30)
+def test_a_late_report_about_a_rolled_back_attempt_is_ignored(replica: ManagerFFT) -> None:
+    # Step 30 failed in quorum 2 and was rolled back; it is retried in quorum 3. A report
+    # sent from quorum 2 about step 30 arrives late: not about this attempt (seen in a run:
+    # the survivor failed its retry while its peer committed).
+    replica._rolled_back = (30, 2)
+    replica._on_message(_report(2, 7, 30, 2))
+    assert replica.peer_faults == 0 and replica.errored() is None
+    # A report from a sender that had not yet seen quorum 3 still counts when this
+    # replica has not rolled back step 30 in any quorum since.
+    replica._rolled_back = (29, 3)
+    replica._on_message(_report(2, 7, 30, 2))
+    assert replica.peer_faults == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_report_while_the_quorum_forms_is_decided_by_the_quorum(replica: ManagerFFT) -> None:
+    replica._members = None  # start_quorum: the next quorum is being formed
+    replica._on_message(_report(1, 5, 30, 3))
+    assert replica.peer_faults == 0  # not yet: it may not be a member of the new quorum
+    replica._on_quorum(_Quorum(3, [(0, 1), (1, 5), (2, 7)]))
+    assert replica.peer_faults == 1  # it is: this attempt fails now, not at Gloo's timeout
+
+    replica._members = None
+    replica._on_message(_report(1, 5, 30, 3))
+    replica._on_quorum(_Quorum(4, [(0, 1), (2, 7)]))  # the reporter is not a member
+    assert replica.peer_faults == 1

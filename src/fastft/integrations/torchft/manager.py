@@ -230,6 +230,10 @@ class ManagerFFT(Manager):
         self._members: set[tuple[int, int]] | None = None
         """(rank, incarnation) of the current quorum; None while a quorum is formed."""
         self._dead: set[tuple[int, int]] = set()
+        self._reported: list[tuple[tuple[int, int], str, Fault]] = []
+        """Fault2 reports that arrived while a quorum was being formed: _on_quorum decides."""
+        self._rolled_back: tuple[int, int] = (-1, -1)
+        """(step, quorum id) of this replica's last rolled-back attempt."""
         self._fft_lock = threading.Lock()
         self._pending = _Pending()
         self.peer_faults = 0
@@ -329,6 +333,8 @@ class ManagerFFT(Manager):
             ok = super().should_commit(timeout)
         self._hb.tracking = self._hb.tracking or ok
         self._hb.beat()
+        if not ok:
+            self._rolled_back = (self.current_step(), self._quorum_id)
         self._emit(
             "commit" if ok else "rollback",
             step=self.current_step() - (1 if ok else 0),
@@ -359,25 +365,31 @@ class ManagerFFT(Manager):
             return
         if who == me or who[0] < 0:
             return
+        report = m if isinstance(m, Fault) and m.severity is Severity.FAULT2 else None
+        if report is not None and not self._about_this_attempt(report):
+            return
         with self._fft_lock:
-            if not (isinstance(m, Fault) and m.severity is Severity.FAULT2):
+            if report is None:
                 self._dead.add(who)
             members = self._members
-        # While a quorum is being formed (members None) a death only goes in the dead set:
-        # _on_quorum fails the step if the new quorum still holds it. Failing it now could
-        # void a step whose quorum already left the dead replica out, and a replica that
-        # skips a step's collectives leaves its peers waiting for Gloo's timeout.
+            if members is None and report is not None:
+                self._reported.append((who, why, report))
+        # While a quorum is being formed (members None) a death only goes in the dead set
+        # (a report in the list above): _on_quorum fails the step if the new quorum still
+        # holds that replica. Failing it now could void a step whose quorum already left
+        # the dead replica out, and a replica that skips a step's collectives leaves its
+        # peers waiting for Gloo's timeout.
         if members is None or who not in members:
             return
-        if (
-            isinstance(m, Fault)
-            and m.severity is Severity.FAULT2
-            and (m.step != self.current_step() or m.epoch != max(self._quorum_id, 0))
-        ):
-            # a report about another step, or about this step number in an earlier quorum
-            # (the step failed there and is being retried): not about this attempt
-            return
         self._fail_step(who, why, m)
+
+    def _about_this_attempt(self, m: Fault) -> bool:
+        """Whether a peer's Fault2 report is about the step this replica is attempting: the
+        same step, and not an attempt this replica already rolled back (a late report
+        from an earlier quorum while the step is retried in a new one). The sender's quorum
+        id alone cannot tell: it may report before its own quorum of the step arrived."""
+        step, quorum = self._rolled_back
+        return m.step == self.current_step() and not (m.step == step and m.epoch <= quorum)
 
     def _fail_step(self, who: tuple[int, int], why: str, m: Message | None) -> None:
         exc = PeerFailed(f"replica rank {who[0]} (incarnation {who[1]}): {why}")
@@ -402,6 +414,7 @@ class ManagerFFT(Manager):
             members = {x for x in lives if x is not None}
             self._members = members
             dead = members & self._dead
+            reported, self._reported = self._reported, []
         if changed:
             self._emit(
                 "quorum",
@@ -412,6 +425,12 @@ class ManagerFFT(Manager):
             )
         for who in dead:  # it died after the lighthouse formed this quorum
             self._fail_step(who, "dead member in the new quorum", None)
+        if dead:
+            return
+        for who, why, m in reported:  # a member reported an error while this quorum formed
+            if who in members and self._about_this_attempt(m):
+                self._fail_step(who, why, m)
+                return
 
     def _broadcast_fault(
         self, cause: str, e: BaseException, severity: Severity = Severity.FAULT2
