@@ -92,7 +92,17 @@ def main() -> None:
     )
     ddp = DistributedDataParallel(manager, model)
     opt = Optimizer(manager, inner)
-    note(event="ready", life=int(os.environ.get("FASTFT_LIFE", "0")))
+    life = int(os.environ.get("FASTFT_LIFE", "0"))
+    if life == 0:
+        # Start together: with min_replicas 1 a replica whose start-up (import torch) was
+        # quicker forms the first quorum alone and trains ahead, and its fault then finds
+        # its peers still at step 0 (seen in a trial: 0.66 s "recovery" that was catch-up).
+        (a.out / f"up-{replica}").touch()
+        deadline = time.monotonic() + 120
+        groups = int(os.environ.get("NUM_REPLICA_GROUPS", "3"))
+        while len(list(a.out.glob("up-*"))) < groups and time.monotonic() < deadline:
+            time.sleep(0.01)
+    note(event="ready", life=life)
     while manager.current_step() < a.steps:
         step = manager.current_step()
         x, y = batch(step, replica, a.batch // 3)
