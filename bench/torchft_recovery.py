@@ -211,7 +211,8 @@ def steady_pairs(pairs: int, steps: int, size: str, tmp: Path) -> dict[str, obje
     cpu_out: dict[str, list[dict[str, float]]] = {v: [] for v in STEADY}
     names = list(STEADY)
     for i in range(pairs):
-        for name in names[i % 3 :] + names[: i % 3]:  # each round starts with another
+        k = i % len(names)
+        for name in names[k:] + names[:k]:  # each round starts with another
             variant = STEADY[name]
             samples: list[tuple[float, dict[str, float]]] = []
             run = tmp / f"steady-{size}-{name.replace(' ', '-').replace('+', '')}-{i}"

@@ -1,5 +1,7 @@
-"""What ManagerFFT passes to torchft's Manager under ``fastft run``: its defaults, and the
-user's own settings kept. torchft's constructor is stopped right after it is called."""
+"""ManagerFFT without a running torchft (its constructor stubbed): what it passes to
+torchft's Manager under ``fastft run`` (its defaults, the user's own settings kept), and how
+it decides on a peer's Fault2 report (this attempt of the step, a late report about an
+attempt already rolled back, a report that arrives while a quorum forms)."""
 
 from __future__ import annotations
 

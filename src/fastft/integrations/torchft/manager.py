@@ -250,7 +250,8 @@ class ManagerFFT(Manager):
             kwargs.setdefault("hostname", _advertised_host())
             # The bus reports a replica's death; the lighthouse's heartbeat (5 s timeout)
             # is only the backstop for a node lost with its agent. torchft beats every
-            # 100 ms, and each beat costs the Python BusLighthouse ~0.5 ms of CPU.
+            # 100 ms, and each beat costs the Python BusLighthouse ~0.7 ms of CPU
+            # (bench/lighthouse_rpc.py).
             kwargs.setdefault("heartbeat_interval", timedelta(seconds=1))
             if (
                 kwargs.get("store_addr") is None
