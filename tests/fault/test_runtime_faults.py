@@ -154,7 +154,12 @@ def test_two_ranks_in_one_step_and_a_death_between_decision_and_apply(tmp_path, 
     assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
     ev = read_events(run)
     assert sum(e["event"] == "restart" for e in ev) == 2
-    decided = {(e["src"], e["step"]) for e in ev if e["event"] == "decision"}
+    # the "commit" point fires after the COMMIT decision, before it is applied
+    decided = {
+        (e["src"], e["step"])
+        for e in ev
+        if e["event"] == "injected" and e["point"] == "commit" and e["kind"] == "sigkill"
+    }
     committed = {(e["src"], e["step"]) for e in ev if e["event"] == "commit"}
     assert ("rank 0", 14) in decided and ("rank 0", 14) not in committed  # died in between
     assert {"rank 1", "rank 2"} <= {s for s, st in committed if st == 14}

@@ -285,9 +285,9 @@ def _decision_prepared(s: StepState, e: Event) -> Result:
     if not e.commit:
         s = replace(s, pending_fault=False)
         return _begin_rollback(s, s.reason or "decision: rollback", propose=False)
-    s = replace(s, leaving=s.leaving | (e.leaving - {s.rank}), admit=e.admit)
     phase = Phase.DRAIN_COMMIT if s.want_drain else Phase.COMMIT
-    return replace(s, phase=phase), (ApplyCommit(s.step),)
+    s = replace(s, phase=phase, leaving=s.leaving | (e.leaving - {s.rank}), admit=e.admit)
+    return s, (ApplyCommit(s.step),)
 
 
 def _decision_rollback_only(s: StepState, e: Event) -> Result:

@@ -238,6 +238,7 @@ class Runtime:
         """(lo, hi, n): the slice of the global batch this member took in this step."""
         self.commits = 0
         self.rollbacks = 0
+        self._decision_wait_ms: float | None = None
         self._hb = Heartbeat(config.heartbeat_file)
         self.bus = tcpstore_bus(
             self._store,
@@ -619,15 +620,19 @@ class Runtime:
         admit = commit and got == COMMIT + ADMIT
         if commit and view.index(self.rank) == 0 and a.step > 0:
             self._garbage.put((a.epoch, a.step - 1))  # every member has read it by now
-        self.events.emit(
-            "decision",
-            epoch=a.epoch,
-            step=a.step,
-            decision="commit" if commit else "rollback",
-            reason=None if commit or got is None else got[1:],
-            admit=admit,
-            wait_ms=round((time.monotonic() - t0) * 1e3, 3),
-        )
+        wait_ms = round((time.monotonic() - t0) * 1e3, 3)
+        if commit and not admit:  # the fault-free path: one line per step, the commit's
+            self._decision_wait_ms = wait_ms
+        else:
+            self.events.emit(
+                "decision",
+                epoch=a.epoch,
+                step=a.step,
+                decision="commit" if commit else "rollback",
+                reason=None if commit or got is None else got[1:],
+                admit=admit,
+                wait_ms=wait_ms,
+            )
         self._feed(Decision(commit=commit, admit=admit))
 
     def _collect(self) -> None:
@@ -655,7 +660,15 @@ class Runtime:
         every = self.config.check_every
         digest = self.registry.digest(a.step + 1) if every and (a.step + 1) % every == 0 else None
         share = list(self._share) if self._share is not None else None
-        self.events.emit("commit", epoch=self._fsm.epoch, step=a.step, digest=digest, shard=share)
+        self.events.emit(
+            "commit",
+            epoch=self._fsm.epoch,
+            step=a.step,
+            digest=digest,
+            shard=share,
+            wait_ms=self._decision_wait_ms,
+        )
+        self._decision_wait_ms = None
         self._feed(CommitApplied())
 
     # --- epochs and healing ----------------------------------------------------------------
@@ -834,6 +847,7 @@ class Runtime:
         self.events.emit(
             "injected",
             kind=spec.kind.value,
+            point=spec.point,
             step=self._fsm.step,
             epoch=self._fsm.epoch,
             incarnation=self.incarnation,
