@@ -2,6 +2,9 @@
 
 * ``ddp``: plain ``torch.distributed`` + ``DistributedDataParallel`` (no fault tolerance:
   the overhead floor). Launched by ``bench/recovery.py`` with MASTER_ADDR/PORT, RANK.
+  ``--extra-sync`` adds one allreduce of a single element per step: what one more
+  agreement round per step costs on this machine, a reference for the fault-tolerant steps,
+  which agree on a decision every step.
 * ``fastft``: the same step inside ``ft.transaction()``, launched by ``fastft run``.
 
 Each rank writes ``{out}/steps-rank{r}.json``: the wall time of every step (seconds).
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=96)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--extra-sync", action="store_true", help="ddp: + one 1-element allreduce")
     a = ap.parse_args()
     torch.set_num_threads(1)
     model = build(a.hidden, 0, a.layers)
@@ -53,6 +57,8 @@ def main() -> None:
             x, y = batch(step, 0, a.batch)
             mine = shard(a.batch, rank, world)
             nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
+            if a.extra_sync:
+                dist.all_reduce(torch.ones(1))
             opt.step()
             opt.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - t0)

@@ -2,7 +2,9 @@
 and one of ~4M parameters.
 
 * steady step time: plain DDP (``torch.distributed``, no fault tolerance: the floor) and
-  fastft's transactional step on the same model and data; ratio and extra ms per step;
+  fastft's transactional step on the same model and data; ratio and extra ms per step; and,
+  as a reference, DDP with one more 1-element allreduce per step (what one agreement round
+  per step costs here: fastft agrees on a COMMIT decision in the store every step);
 * faults (SIGKILL, exception, SIGSTOP, a GIL-holding hang of one replica, mid-run) under
   ``fastft run --adaptive-hang``, in a
   fixed world (survivors wait for the restarted replica) and an elastic one
@@ -71,8 +73,10 @@ def _step_times(out: Path, skip: int) -> list[float]:
     return [max(s[i] for s in per_rank) for i in range(skip, n)]
 
 
-def run_ddp(hidden: int, layers: int, steps: int, tmp: Path) -> list[float]:
-    out = tmp / "ddp"
+def run_ddp(
+    hidden: int, layers: int, steps: int, tmp: Path, *, extra_sync: bool = False
+) -> list[float]:
+    out = tmp / ("ddp-sync" if extra_sync else "ddp")
     port = _free_port()
     procs = []
     for r in range(NPROC):
@@ -85,6 +89,7 @@ def run_ddp(hidden: int, layers: int, steps: int, tmp: Path) -> list[float]:
         }
         cmd = [sys.executable, WORKER, "--mode", "ddp", "--steps", str(steps)]
         cmd += ["--hidden", str(hidden), "--layers", str(layers), "--out", str(out)]
+        cmd += ["--extra-sync"] if extra_sync else []
         procs.append(subprocess.Popen(cmd, env=env))
     try:
         for p in procs:
@@ -128,16 +133,20 @@ def run_fastft(
 
 
 def steady(size: str, steps: int, repeats: int, tmp: Path) -> dict[str, object]:
-    """DDP and fastft alternately, ``repeats`` pairs: the shared machine drifts, so the
-    ratio is taken within each pair and the median pair reported."""
+    """DDP, fastft and DDP + one 1-element allreduce per step in turn, ``repeats`` rounds:
+    the shared machine drifts, so the ratio is taken within each round and the median
+    round reported."""
     hidden, layers = SIZES[size]
     pairs = []
     for i in range(repeats):
         ddp = statistics.median(run_ddp(hidden, layers, steps, tmp / size / f"r{i}"))
         run = run_fastft(hidden, layers, steps, tmp / size / f"r{i}", f"steady-{size}-{i}")
         fft = statistics.median(_step_times(run / "out", skip=10))
-        pairs.append((fft / ddp, ddp, fft))
-    ratio, ddp, fft = sorted(pairs)[len(pairs) // 2]
+        sync = statistics.median(
+            run_ddp(hidden, layers, steps, tmp / size / f"r{i}", extra_sync=True)
+        )
+        pairs.append((fft / ddp, ddp, fft, sync))
+    ratio, ddp, fft, sync = sorted(pairs)[len(pairs) // 2]
     return {
         "model": size,
         "params": n_params(hidden, layers),
@@ -147,6 +156,8 @@ def steady(size: str, steps: int, repeats: int, tmp: Path) -> dict[str, object]:
         "fastft_step_ms": round(fft * 1e3, 3),
         "ratio": round(ratio, 3),
         "extra_ms_per_step": round((fft - ddp) * 1e3, 3),
+        "ddp_sync_step_ms": round(sync * 1e3, 3),
+        "sync_extra_ms": round((sync - ddp) * 1e3, 3),
     }
 
 
@@ -261,6 +272,8 @@ def main() -> None:
                 "ratio",
                 "ratio_range",
                 "extra_ms_per_step",
+                "ddp_sync_step_ms",
+                "sync_extra_ms",
             ],
         )
     )
