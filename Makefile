@@ -35,6 +35,7 @@ bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/recovery.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/torchft_recovery.py
 	$(BIN)/python bench/lighthouse_rpc.py
+	$(BIN)/python bench/kill_teardown.py
 
 demo: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/fastft demo
