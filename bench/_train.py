@@ -7,7 +7,8 @@
   which agree on a decision every step.
 * ``fastft``: the same step inside ``ft.transaction()``, launched by ``fastft run``.
 
-Each rank writes ``{out}/steps-rank{r}.json``: the wall time of every step (seconds).
+Each rank writes ``{out}/steps-rank{r}.json``: the wall time of every step (seconds), and
+the process's CPU time (all its threads) per step after the first ``WARMUP`` steps.
 """
 
 from __future__ import annotations
@@ -22,6 +23,27 @@ import torch
 from torch import nn
 
 from fastft.demo.train import batch, build
+
+WARMUP = 10
+
+
+class CpuClock:
+    """CPU seconds of this process from the end of warm-up to the end of the run."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.steps = 0
+
+    def tick(self, steps_done: int) -> None:
+        if steps_done == WARMUP:
+            self.start = time.process_time()
+        elif steps_done > WARMUP:
+            self.steps = steps_done - WARMUP
+
+    def per_step(self) -> float | None:
+        if self.start is None or not self.steps:
+            return None
+        return (time.process_time() - self.start) / self.steps
 
 
 def shard(n: int, rank: int, world: int) -> slice:
@@ -43,6 +65,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model = build(a.hidden, 0, a.layers)
     times: list[float] = []
+    clock = CpuClock()
     if a.mode == "ddp":
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
@@ -62,10 +85,11 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - t0)
+            clock.tick(len(times))
         dist.barrier()
         # torch 2.13's Gloo teardown at exit sometimes aborts ("terminate called without
         # an active exception"): write the result and leave without destructors
-        _write(a.out, rank, times)
+        _write(a.out, rank, times, clock.per_step())
         os._exit(0)
     else:
         import fastft
@@ -83,13 +107,16 @@ def main() -> None:
                 tx.allreduce_gradients()
             if tx.committed:
                 times.append(time.perf_counter() - t0)
+                clock.tick(len(times))
+        cpu = clock.per_step()
         ft.close()
-    _write(a.out, rank, times)
+    _write(a.out, rank, times, cpu)
 
 
-def _write(out: Path, rank: int, times: list[float]) -> None:
+def _write(out: Path, rank: int, times: list[float], cpu_s: float | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"steps-rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "s": times}))
+    doc = {"pid": os.getpid(), "s": times, "cpu_s_per_step": cpu_s}
+    (out / f"steps-rank{rank}.json").write_text(json.dumps(doc))
 
 
 if __name__ == "__main__":

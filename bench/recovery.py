@@ -73,6 +73,12 @@ def _step_times(out: Path, skip: int) -> list[float]:
     return [max(s[i] for s in per_rank) for i in range(skip, n)]
 
 
+def _cpu_ms(out: Path) -> float | None:
+    """CPU per step of all the workers together (each process's threads, after warm-up)."""
+    per = [json.loads(f.read_text()).get("cpu_s_per_step") for f in out.glob("steps-rank*.json")]
+    return round(sum(per) * 1e3, 3) if per and None not in per else None
+
+
 def run_ddp(
     hidden: int, layers: int, steps: int, tmp: Path, *, extra_sync: bool = False
 ) -> list[float]:
@@ -139,14 +145,16 @@ def steady(size: str, steps: int, repeats: int, tmp: Path) -> dict[str, object]:
     hidden, layers = SIZES[size]
     pairs = []
     for i in range(repeats):
-        ddp = statistics.median(run_ddp(hidden, layers, steps, tmp / size / f"r{i}"))
-        run = run_fastft(hidden, layers, steps, tmp / size / f"r{i}", f"steady-{size}-{i}")
+        d = tmp / size / f"r{i}"
+        ddp = statistics.median(run_ddp(hidden, layers, steps, d))
+        run = run_fastft(hidden, layers, steps, d, f"steady-{size}-{i}")
         fft = statistics.median(_step_times(run / "out", skip=10))
-        sync = statistics.median(
-            run_ddp(hidden, layers, steps, tmp / size / f"r{i}", extra_sync=True)
-        )
-        pairs.append((fft / ddp, ddp, fft, sync))
-    ratio, ddp, fft, sync = sorted(pairs)[len(pairs) // 2]
+        sync = statistics.median(run_ddp(hidden, layers, steps, d, extra_sync=True))
+        cpu = (_cpu_ms(d / "ddp"), _cpu_ms(run / "out"))
+        pairs.append((fft / ddp, ddp, fft, sync, cpu))
+    ratio, ddp, fft, sync, _ = sorted(pairs, key=lambda p: p[0])[len(pairs) // 2]
+    ddp_cpu = [p[4][0] for p in pairs if p[4][0] is not None]
+    fft_cpu = [p[4][1] for p in pairs if p[4][1] is not None]
     return {
         "model": size,
         "params": n_params(hidden, layers),
@@ -158,6 +166,10 @@ def steady(size: str, steps: int, repeats: int, tmp: Path) -> dict[str, object]:
         "extra_ms_per_step": round((fft - ddp) * 1e3, 3),
         "ddp_sync_step_ms": round(sync * 1e3, 3),
         "sync_extra_ms": round((sync - ddp) * 1e3, 3),
+        # the workers' CPU per step (3 processes, every thread; not the store host),
+        # median over the rounds
+        "ddp_cpu_ms": round(statistics.median(ddp_cpu), 3) if ddp_cpu else None,
+        "fastft_cpu_ms": round(statistics.median(fft_cpu), 3) if fft_cpu else None,
     }
 
 
@@ -274,6 +286,8 @@ def main() -> None:
                 "extra_ms_per_step",
                 "ddp_sync_step_ms",
                 "sync_extra_ms",
+                "ddp_cpu_ms",
+                "fastft_cpu_ms",
             ],
         )
     )
