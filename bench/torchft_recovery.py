@@ -4,6 +4,9 @@ one fault schedule, on the models of bench/recovery.py:
 * ``torchft default``: torchft's ``Manager`` and lighthouse with their default timeouts
   (Gloo 60 s, Manager 30 s, lighthouse heartbeat 5 s, join 60 s); the node agent only
   restarts a replica that exits (as torchrun would);
+* ``torchft tuned``: timeouts a production job could afford (lighthouse heartbeat 1 s,
+  ten of torchft's 100 ms beats; join 1 s; Gloo and Manager 10 s, room for a large
+  model's collectives);
 * ``torchft lowest``: the lowest setting at which torchft still runs here (heartbeat
   100 ms, join 100 ms, Gloo 0.25 s, Manager 1 s), far below what a production job affords;
 * ``ManagerFFT``: the same script with ``ManagerFFT`` and torchft's *default* timeouts,
@@ -61,6 +64,11 @@ NATIVE_STEPS = {"small": 2000, "large": 150}
 at 10k parameters, ~65 ms at 4M)."""
 VARIANTS = {  # name -> (fastft run --torchft, worker flags, lighthouse flags)
     "torchft default": ("plain", ["--manager", "plain"], []),
+    "torchft tuned": (
+        "plain",
+        ["--manager", "plain", "--pg-timeout", "10", "--timeout", "10"],
+        ["--lighthouse-heartbeat-ms", "1000", "--lighthouse-join-ms", "1000"],
+    ),
     "torchft lowest": (
         "plain",
         ["--manager", "plain", "--pg-timeout", "0.25", "--timeout", "1"],
