@@ -55,3 +55,42 @@ def test_state_round_trips_for_healing():
             p.add_(1)
     assert r.digest(7) != d
     assert r.load(blob) == 7 and r.digest(7) == d
+
+
+def test_packed_state_round_trips_for_healing():
+    """The heal's wire form: a header and flat tensors, loaded by a fresh worker's registry
+    (no optimizer state yet), gives the same digest, optimizer state and other objects."""
+    m, r = _setup()
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    r.register(optimizer=opt, counter=_Counter(5))
+    for _ in range(2):
+        m(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    header, flats = r.pack(9)
+    assert len(header) < 4096 and all(f.dim() == 1 for f in flats)
+    torch.manual_seed(1)
+    m2 = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    r2 = StateRegistry()
+    r2.register(model=m2, optimizer=torch.optim.Adam(m2.parameters(), lr=0.1), counter=_Counter(0))
+    got = StateRegistry.allocate(header)
+    assert [(g.dtype, g.numel()) for g in got] == [(f.dtype, f.numel()) for f in flats]
+    for g, f in zip(got, flats, strict=True):
+        g.copy_(f)  # what the broadcast does
+    assert r2.load_packed(header, got) == 9
+    assert r2.digest(9) == r.digest(9)
+    assert r2._others["counter"].n == 5
+    for p2, p1 in zip(m2.parameters(), m.parameters(), strict=True):
+        s1, s2 = opt.state[p1], r2.optimizer.state[p2]
+        assert torch.equal(s1["exp_avg"], s2["exp_avg"]) and float(s1["step"]) == float(s2["step"])
+
+
+class _Counter:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, st: dict[str, int]) -> None:
+        self.n = st["n"]

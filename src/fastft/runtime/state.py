@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
+import pickle
 import random
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -187,9 +189,62 @@ class StateRegistry:
         torch.save(self.state(step), buf)
         return buf.getvalue()
 
+    def pack(self, step: int) -> tuple[bytes, list[torch.Tensor]]:
+        """The state for a heal as a small header and a few flat tensors, one per section
+        (model, optimizer, others) and dtype and device, which the collective sends as they
+        are: no serialization of tensor data, one copy on each side instead of torch.save's
+        several. The header pickles the state with every tensor replaced by a reference,
+        and the layout the receivers allocate from (:meth:`allocate`)."""
+        st = self.state(step)
+        sections, layout, flats = {}, [], []
+        for name, obj in st.items():
+            tensors: list[torch.Tensor] = []
+            buf = io.BytesIO()
+            _RefPickler(buf, tensors).dump(obj)
+            sections[name] = buf.getvalue()
+            groups: dict[tuple[torch.dtype, str], list[int]] = {}
+            for i, t in enumerate(tensors):
+                groups.setdefault((t.dtype, t.device.type), []).append(i)
+            for (dtype, dev), idx in groups.items():
+                parts = [tensors[i].detach().reshape(-1) for i in idx]
+                flats.append(torch.cat(parts) if parts else torch.empty(0, dtype=dtype))
+                shapes = [(i, tuple(tensors[i].shape)) for i in idx]
+                layout.append((name, str(dtype).removeprefix("torch."), dev, shapes))
+        header = pickle.dumps({"sections": sections, "layout": layout, "n": len(flats)})
+        return header, flats
+
+    @staticmethod
+    def allocate(header: bytes) -> list[torch.Tensor]:
+        """Empty flat tensors to receive what :meth:`pack` sent with ``header``."""
+        meta = pickle.loads(header)
+        out = []
+        for _name, dtype, dev, shapes in meta["layout"]:
+            n = sum(math.prod(shape) for _, shape in shapes)
+            device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else dev
+            out.append(torch.empty(n, dtype=getattr(torch, dtype), device=device))
+        return out
+
+    def load_packed(self, header: bytes, flats: list[torch.Tensor]) -> int:
+        """Load a state received as :meth:`pack` sent it; returns its step."""
+        meta = pickle.loads(header)
+        tensors: dict[str, dict[int, torch.Tensor]] = {}
+        for (name, _dtype, _dev, shapes), flat in zip(meta["layout"], flats, strict=True):
+            off = 0
+            for i, shape in shapes:
+                n = math.prod(shape)
+                tensors.setdefault(name, {})[i] = flat[off : off + n].view(shape)
+                off += n
+        st = {
+            name: _RefUnpickler(io.BytesIO(blob), tensors.get(name, {})).load()
+            for name, blob in meta["sections"].items()
+        }
+        return self._apply(st)
+
     def load(self, blob: bytes) -> int:
         """Load a peer's committed state; returns its step."""
-        st = torch.load(io.BytesIO(blob), weights_only=False)
+        return self._apply(torch.load(io.BytesIO(blob), weights_only=False))
+
+    def _apply(self, st: dict[str, Any]) -> int:
         if self.model is not None and "model" in st:
             self.model.load_state_dict(st["model"])
         if self.optimizer is not None and "optimizer" in st:
@@ -212,6 +267,29 @@ class StateRegistry:
             for t in _tensors(self.optimizer.state_dict()["state"]):
                 h.update(_bytes(t))
         return h.hexdigest()[:16]
+
+
+class _RefPickler(pickle.Pickler):
+    """Pickles everything but tensors, which it appends to ``tensors`` and references."""
+
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._tensors = tensors
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if isinstance(obj, torch.Tensor):
+            self._tensors.append(obj)
+            return len(self._tensors) - 1
+        return None
+
+
+class _RefUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: dict[int, torch.Tensor]) -> None:
+        super().__init__(file)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        return self._tensors[int(pid)]
 
 
 def _bytes(t: torch.Tensor) -> bytes:

@@ -745,6 +745,12 @@ class Runtime:
                 if m in self._dead and m != self.me:
                     self._feed_locked(PeerFault(m.rank, Severity.FAULT1, "died during formation"))
 
+    def _comm_device(self) -> torch.device:
+        """Where this epoch's collectives take tensors: NCCL needs them on the GPU."""
+        if self._backend() == "nccl":  # pragma: no cover - GPU machines only
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def _backend(self) -> str:
         b = self.config.backend
         if b == "auto":
@@ -813,16 +819,27 @@ class Runtime:
         sending = self.rank == view.source
         self.interrupter.begin_step(a.epoch, a.step)  # a fault of this epoch ends the heal
         try:
-            blob = self.registry.serialize(a.step) if sending else b""
-            size = torch.tensor([len(blob)], dtype=torch.int64)
+            # a small header (the state with tensors referenced, and their layout), then
+            # one flat tensor per section, dtype and device, each sent as it is
+            header, flats = self.registry.pack(a.step) if sending else (b"", [])
+            dev = self._comm_device()
+            size = torch.tensor([len(header)], dtype=torch.int64, device=dev)
             with self._waiting():
                 interruptible_broadcast(self._pg, [size], src, self.interrupter)
-                buf = (
-                    torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                hbuf = (
+                    torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev)
                     if sending
-                    else torch.empty(int(size.item()), dtype=torch.uint8)
+                    else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
                 )
-                interruptible_broadcast(self._pg, [buf], src, self.interrupter)
+                interruptible_broadcast(self._pg, [hbuf], src, self.interrupter)
+                if not sending:
+                    header = hbuf.cpu().numpy().tobytes()
+                    flats = StateRegistry.allocate(header)
+                for flat in flats:
+                    wire = flat if flat.device == dev else flat.to(dev)
+                    interruptible_broadcast(self._pg, [wire], src, self.interrupter)
+                    if wire is not flat:  # pragma: no cover - NCCL: CPU state via the GPU
+                        flat.copy_(wire)
         except (StepInterrupted, Exception) as e:
             self.events.emit("heal_aborted", epoch=a.epoch, reason=str(e)[:300])
             if not isinstance(e, StepInterrupted):
@@ -831,14 +848,14 @@ class Runtime:
         finally:
             self.interrupter.end_step()
         if isinstance(a, FetchState) or self.rank in view.needs_state:
-            step = self.registry.load(buf.numpy().tobytes())
+            step = self.registry.load_packed(header, flats)
             assert step == view.step, (step, view.step)
         self.events.emit(
             "heal",
             epoch=a.epoch,
             step=a.step,
             role="send" if sending else ("fetch" if self.rank in view.needs_state else "relay"),
-            bytes=int(size.item()),
+            bytes=len(header) + sum(f.numel() * f.element_size() for f in flats),
             heal_ms=round((time.monotonic() - t0) * 1e3, 3),
         )
         self._feed(HealDone())
