@@ -158,6 +158,9 @@ class _Slot:
 
 HANG_GAPS = 20.0
 HANG_FLOOR_S = 2.0
+SPARE_REFILL_MAX_S = 2.0
+"""A spare handed out is replaced once the worker it became has committed, or after this
+long: a new spare's imports (~1 s of CPU) would compete with the recovery it is part of."""
 
 
 class Agent:
@@ -190,6 +193,8 @@ class Agent:
         self._by_pid: dict[int, _Slot] = {}
         self._spares: list[subprocess.Popen[bytes]] = []
         self._dead_spares: set[int] = set()
+        self._spares_owed: list[tuple[float, _Slot, int]] = []
+        """(deadline, slot, incarnation) of each spare handed out and not yet replaced."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping: int | None = None
@@ -326,8 +331,11 @@ class Agent:
             incarnation=slot.incarnation,
             warm=spare is not None,
         )
-        if spare is not None:
-            self._start_spare()  # the next failure gets one too
+        if spare is not None:  # the next failure gets one too, once this one recovered
+            with self._lock:
+                self._spares_owed.append(
+                    (time.monotonic() + SPARE_REFILL_MAX_S, slot, slot.incarnation)
+                )
 
     # --- warm spares -----------------------------------------------------------------------
     def _start_spare(self) -> None:
@@ -346,6 +354,22 @@ class Agent:
         with self._lock:
             self._spares.append(p)
         self.events.emit("spare_start", pid=p.pid)
+
+    def _refill_spares(self, now: float) -> None:
+        """Start the spares owed whose worker committed (its heartbeat tracks step gaps
+        from its first commit on), died again, or waited ``SPARE_REFILL_MAX_S``."""
+        with self._lock:
+            owed, self._spares_owed = self._spares_owed, []
+        keep = []
+        for deadline, slot, inc in owed:
+            hb = read_heartbeat(slot.heartbeat) if slot.incarnation == inc else None
+            committed = hb is not None and hb[0] >= slot.started and hb[1] > 0
+            if now >= deadline or slot.incarnation != inc or slot.done or committed:
+                self._start_spare()
+            else:
+                keep.append((deadline, slot, inc))
+        with self._lock:
+            self._spares_owed = keep + self._spares_owed
 
     def _take_spare(self) -> subprocess.Popen[bytes] | None:
         with self._lock:
@@ -487,6 +511,8 @@ class Agent:
                 return
             if self._all_done():
                 return
+            if self._spares_owed:
+                self._refill_spares(time.monotonic())
             if self.config.torchft == "plain":
                 self._end_stopped()
                 continue  # no heartbeats: torchft's own timeouts handle hangs
