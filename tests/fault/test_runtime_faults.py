@@ -129,6 +129,16 @@ def test_rank0_killed_and_a_state_loss_are_survived_with_a_warm_spare(tmp_path, 
     ev = read_events(run)
     spawns = [(e["rank"], e["life"], e["warm"]) for e in ev if e["event"] == "spawn"]
     assert (0, 1, True) in spawns and sum(e["event"] == "spare_start" for e in ev) == 2
+    # the replacement spare starts once the worker the spare became has committed (its
+    # imports would compete with the recovery), not when the spare is handed out
+    handed = next(e["mono"] for e in ev if e["event"] == "spawn" and e["warm"])
+    refill = [e["mono"] for e in ev if e["event"] == "spare_start"][1]
+    back = min(
+        e["mono"]
+        for e in ev
+        if e["event"] == "commit" and e["src"] == "rank 0" and e["mono"] > handed
+    )
+    assert back <= refill < handed + 2.5, (handed, back, refill)
     fetched = [
         (e["src"], e["step"])
         for e in ev
