@@ -196,7 +196,9 @@ class StateRegistry:
         several. The header pickles the state with every tensor replaced by a reference,
         and the layout the receivers allocate from (:meth:`allocate`)."""
         st = self.state(step)
-        sections, layout, flats = {}, [], []
+        sections: dict[str, bytes] = {}
+        layout: list[tuple[str, str, str, list[tuple[int, tuple[int, ...]]]]] = []
+        flats: list[torch.Tensor] = []
         for name, obj in st.items():
             tensors: list[torch.Tensor] = []
             buf = io.BytesIO()
@@ -206,11 +208,10 @@ class StateRegistry:
             for i, t in enumerate(tensors):
                 groups.setdefault((t.dtype, t.device.type), []).append(i)
             for (dtype, dev), idx in groups.items():
-                parts = [tensors[i].detach().reshape(-1) for i in idx]
-                flats.append(torch.cat(parts) if parts else torch.empty(0, dtype=dtype))
+                flats.append(torch.cat([tensors[i].detach().reshape(-1) for i in idx]))
                 shapes = [(i, tuple(tensors[i].shape)) for i in idx]
                 layout.append((name, str(dtype).removeprefix("torch."), dev, shapes))
-        header = pickle.dumps({"sections": sections, "layout": layout, "n": len(flats)})
+        header = pickle.dumps({"sections": sections, "layout": layout})
         return header, flats
 
     @staticmethod
