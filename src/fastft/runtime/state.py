@@ -184,11 +184,6 @@ class StateRegistry:
         out["others"] = {name: obj.state_dict() for name, obj in self._others.items()}
         return out
 
-    def serialize(self, step: int) -> bytes:
-        buf = io.BytesIO()
-        torch.save(self.state(step), buf)
-        return buf.getvalue()
-
     def pack(self, step: int) -> tuple[bytes, list[torch.Tensor]]:
         """The state for a heal as a small header and a few flat tensors, one per section
         (model, optimizer, others) and dtype and device, which the collective sends as they
@@ -240,10 +235,6 @@ class StateRegistry:
             for name, blob in meta["sections"].items()
         }
         return self._apply(st)
-
-    def load(self, blob: bytes) -> int:
-        """Load a peer's committed state; returns its step."""
-        return self._apply(torch.load(io.BytesIO(blob), weights_only=False))
 
     def _apply(self, st: dict[str, Any]) -> int:
         if self.model is not None and "model" in st:

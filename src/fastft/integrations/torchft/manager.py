@@ -476,6 +476,7 @@ class ManagerFFT(Manager):
         self._emit(
             "injected",
             kind=spec.kind.value,
+            point=spec.point,
             step=self.current_step(),
             epoch=self._quorum_id,
             incarnation=self.fft_incarnation,
