@@ -152,6 +152,13 @@ def _build() -> argparse.ArgumentParser:
         default=60000,
         help="torchft lighthouse join timeout (torchft's default 60000)",
     )
+    p.add_argument(
+        "--no-exit-trace",
+        dest="exit_trace",
+        action="store_false",
+        help="do not trace the workers' exit sentinels (deaths are then seen after the "
+        "kernel freed their memory, 15-50 ms later); lets a debugger or py-spy attach",
+    )
     p.add_argument("--run-dir", default=None, help="event log and heartbeats (default: temp)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -394,6 +401,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             torchft=args.torchft,
             lighthouse_heartbeat_ms=args.lighthouse_heartbeat_ms,
             lighthouse_join_ms=args.lighthouse_join_ms,
+            exit_trace=args.exit_trace,
         )
         agent = Agent(cfg)
     except FastFTError as e:

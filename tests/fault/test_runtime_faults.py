@@ -114,6 +114,12 @@ def test_exception_sigkill_and_sigstop_end_bitwise_equal_to_a_clean_run(tmp_path
     assert not any(
         e["event"] == "worker_exit" and e["rank"] == 1 and e["exit_code"] != 0 for e in ev
     )
+    # The kill was seen through the exit trace, before the kernel freed the worker's memory
+    # (the waitid path would say "waitid"), and so was the stop.
+    (kill,) = [e for e in ev if e["event"] == "worker_exit" and e["rank"] == 2 and e["life"] == 0]
+    assert kill["signal"] == 9 and kill["via"] == "exit_trace"
+    (stop,) = [e for e in ev if e["event"] == "worker_stopped"]
+    assert stop["rank"] == 0 and stop["via"] in ("exit_trace", "waitid")
 
 
 def test_rank0_killed_and_a_state_loss_are_survived_with_a_warm_spare(tmp_path, clean):

@@ -1,8 +1,10 @@
 """The node agent: hosts the job's store (on node 0), spawns the workers of its node,
 watches them and restarts them.
 
-Detection without polling: a thread blocks in ``waitid(P_ALL, WEXITED | WSTOPPED)``, so
-the kernel tells the agent the moment a worker exits, is killed or is stopped (SIGSTOP);
+Detection without polling: a thread per worker blocks in ``waitid(WEXITED | WSTOPPED)``,
+so the kernel tells the agent the moment a worker exits, is killed or is stopped
+(SIGSTOP), and a thread traces each worker's exit sentinel, which reports a death before
+the kernel has freed the worker's memory (:mod:`fastft.launch.exit_trace`);
 the agent publishes ``ProcessExited`` / ``HangSuspected(stopped=True)`` on the error bus at
 once, kills a stopped worker, and restarts dead ones (a new incarnation, Fault1: it heals
 from a live peer). A worker that is alive but makes no progress (a GIL-holding loop, a
@@ -30,6 +32,7 @@ from typing import Any
 
 from fastft.bus import BusConfig, connect_store, host_store, tcpstore_bus
 from fastft.errors import ConfigError
+from fastft.launch.exit_trace import ExitTracer
 from fastft.launch.spare import order_line
 from fastft.protocol import (
     NO_RANK,
@@ -82,6 +85,10 @@ class LaunchConfig:
     handling (only exits are restarted; for baselines)."""
     lighthouse_heartbeat_ms: int = 5000
     lighthouse_join_ms: int = 60000
+    exit_trace: bool = True
+    """Trace each worker's exit sentinel (:mod:`fastft.launch.exit_trace`): a death is
+    published before the kernel frees the worker's memory (~15-50 ms sooner). Off: a
+    debugger or a blocking ``py-spy`` can attach to the workers."""
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -154,6 +161,8 @@ class _Slot:
     done: bool = False
     hung: int = 0
     """The incarnation last reported hung (killed; not reported twice)."""
+    stopped: int = 0
+    """The incarnation last reported stopped."""
 
 
 HANG_GAPS = 20.0
@@ -193,6 +202,9 @@ class Agent:
         self._by_pid: dict[int, _Slot] = {}
         self._spares: list[subprocess.Popen[bytes]] = []
         self._dead_spares: set[int] = set()
+        self._restarts_due: list[_Slot] = []
+        """Slots to restart, spawned by the main thread: a child's PR_SET_PDEATHSIG fires
+        when the *thread* that forked it ends, and the threads that see exits are short-lived."""
         self._spares_owed: list[tuple[float, _Slot, int]] = []
         """(deadline, slot, incarnation) of each spare handed out and not yet replaced."""
         self._lock = threading.Lock()
@@ -200,6 +212,7 @@ class Agent:
         self._stopping: int | None = None
         self._failed: str | None = None
         self.restarts = 0
+        self.tracer = ExitTracer()
         self.lighthouse: Any = None
         self.lighthouse_addr = ""
 
@@ -227,8 +240,6 @@ class Agent:
                 self._spawn(slot)
             for _ in range(self.config.warm_spares):
                 self._start_spare()
-            reaper = threading.Thread(target=self._reap, name="fastft-agent-reaper", daemon=True)
-            reaper.start()
             self._watch()
             code = self._finish()
         finally:
@@ -291,6 +302,9 @@ class Agent:
             ENV["seed"]: str(cfg.seed),
             ENV["check_every"]: str(cfg.check_every),
         }
+        trace_path = str(self.run_dir / f".exit-trace-{slot.rank}-{slot.life}")
+        if cfg.exit_trace and self.tracer.refused is None:
+            env[ENV["exit_trace"]] = trace_path
         if cfg.min_replicas is not None:
             env[ENV["min_replicas"]] = str(cfg.min_replicas)
         if cfg.torchft:
@@ -322,6 +336,10 @@ class Agent:
                 )
             slot.started = time.monotonic()
             self._by_pid[slot.proc.pid] = slot
+        if spare is None:
+            self._reap(slot.proc.pid)
+        if ENV["exit_trace"] in env:
+            self._trace_exit(slot, slot.proc.pid, trace_path)
         self._wake.set()
         self.events.emit(
             "spawn",
@@ -336,6 +354,25 @@ class Agent:
                 self._spares_owed.append(
                     (time.monotonic() + SPARE_REFILL_MAX_S, slot, slot.incarnation)
                 )
+
+    def _trace_exit(self, slot: _Slot, pid: int, path: str) -> None:
+        """Hear of this worker's death as it starts (:mod:`fastft.launch.exit_trace`)."""
+        claimed = [False]
+
+        def report(code: int | None, sig: int | None, t: float) -> None:
+            claimed[0] = self._claim_exit(slot, pid, code, sig, t, "exit_trace")
+
+        def after(code: int | None, sig: int | None, t: float) -> None:
+            if claimed[0]:
+                self._after_exit(slot, code, sig)
+
+        def stopped(t: float) -> None:
+            with self._lock:
+                mine = self._by_pid.get(pid) is slot
+            if mine:
+                self._on_stopped(slot, t, "exit_trace")
+
+        self.tracer.watch(pid, path, lambda: pid in self._by_pid, report, after, stopped)
 
     # --- warm spares -----------------------------------------------------------------------
     def _start_spare(self) -> None:
@@ -353,6 +390,7 @@ class Agent:
         )
         with self._lock:
             self._spares.append(p)
+        self._reap(p.pid)
         self.events.emit("spare_start", pid=p.pid)
 
     def _refill_spares(self, now: float) -> None:
@@ -395,16 +433,21 @@ class Agent:
             except ChildProcessError:
                 pass  # already reaped by the reaper thread
 
-    def _reap(self) -> None:
-        """Blocks in waitid: the kernel reports exits and stops the moment they happen."""
+    def _reap(self, pid: int) -> None:
+        """Start the thread that blocks in ``waitid`` for child ``pid``: the kernel reports
+        its exit or stop the moment it happens. One thread per child, each waiting for its
+        own pid: a ``waitid(P_ALL)`` would also take the exit-trace stops of the traced
+        sentinel threads (a tracer's whole thread group may wait for its tracees)."""
+        threading.Thread(
+            target=self._reap_loop, args=(pid,), name=f"fastft-reaper-{pid}", daemon=True
+        ).start()
+
+    def _reap_loop(self, pid: int) -> None:
         while True:
             try:
-                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WSTOPPED)
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WSTOPPED)
             except ChildProcessError:
-                if self._all_done() or self._stopping is not None:
-                    return
-                self._wake.wait(0.05)
-                continue
+                return  # reaped elsewhere (_stop_spares)
             except InterruptedError:
                 continue
             if info is None:
@@ -417,14 +460,22 @@ class Agent:
             if slot is None:
                 continue
             if info.si_code == os.CLD_STOPPED:
-                self._on_stopped(slot, t)
+                self._on_stopped(slot, t, "waitid")
             elif info.si_code in (os.CLD_EXITED, os.CLD_KILLED, os.CLD_DUMPED):
                 code = info.si_status if info.si_code == os.CLD_EXITED else None
                 sig = info.si_status if info.si_code != os.CLD_EXITED else None
-                self._on_exit(slot, code, sig, t)
+                self._on_exit(slot, info.si_pid, code, sig, t, "waitid")
+            if info.si_code != os.CLD_STOPPED:
+                return
 
-    def _on_stopped(self, slot: _Slot, t: float) -> None:
-        self.events.emit("worker_stopped", rank=slot.rank, incarnation=slot.incarnation, detected=t)
+    def _on_stopped(self, slot: _Slot, t: float, via: str) -> None:
+        with self._lock:  # the exit trace and waitid may both see it
+            if slot.stopped == slot.incarnation:
+                return
+            slot.stopped = slot.incarnation
+        self.events.emit(
+            "worker_stopped", rank=slot.rank, incarnation=slot.incarnation, detected=t, via=via
+        )
         if self.config.torchft == "plain":
             slot.hung = slot.incarnation  # torchft's baseline: left to torchft's timeouts
             return
@@ -439,11 +490,22 @@ class Agent:
         )
         self._kill(slot)
 
-    def _on_exit(self, slot: _Slot, code: int | None, sig: int | None, t: float) -> None:
-        assert slot.proc is not None
-        slot.proc.returncode = code if code is not None else -(sig or 0)
+    def _on_exit(
+        self, slot: _Slot, pid: int, code: int | None, sig: int | None, t: float, via: str
+    ) -> None:
+        if self._claim_exit(slot, pid, code, sig, t, via):
+            self._after_exit(slot, code, sig)
+
+    def _claim_exit(
+        self, slot: _Slot, pid: int, code: int | None, sig: int | None, t: float, via: str
+    ) -> bool:
+        """Report the exit of ``pid`` once (the exit trace usually sees it first, waitid
+        later); False if it was reported already."""
         with self._lock:
-            self._by_pid.pop(slot.proc.pid, None)
+            if self._by_pid.pop(pid, None) is None:
+                return False
+        assert slot.proc is not None and slot.proc.pid == pid
+        slot.proc.returncode = code if code is not None else -(sig or 0)
         self.events.emit(
             "worker_exit",
             rank=slot.rank,
@@ -452,6 +514,7 @@ class Agent:
             signal=sig,
             life=slot.life,
             detected=t,
+            via=via,
         )
         self._publish(
             ProcessExited(
@@ -462,6 +525,9 @@ class Agent:
                 signal=sig,
             )
         )
+        return True
+
+    def _after_exit(self, slot: _Slot, code: int | None, sig: int | None) -> None:
         self._forget_joiner(slot)
         if code == 0 or self._stopping is not None or slot.done:
             slot.done = True  # (done already: a stopped torchft baseline ended by _end_stopped)
@@ -478,7 +544,8 @@ class Agent:
             slot.life += 1
             self.restarts += 1
             self.events.emit("restart", rank=slot.rank, life=slot.life)
-            self._spawn(slot)
+            with self._lock:
+                self._restarts_due.append(slot)
         else:
             self._failed = (
                 f"rank {slot.rank} failed ({'code ' + str(code) if sig is None else 'signal ' + str(sig)}) "
@@ -511,6 +578,10 @@ class Agent:
                 return
             if self._all_done():
                 return
+            with self._lock:
+                due, self._restarts_due = self._restarts_due, []
+            for slot in due:
+                self._spawn(slot)
             if self._spares_owed:
                 self._refill_spares(time.monotonic())
             if self.config.torchft == "plain":

@@ -28,6 +28,7 @@ ENV = {
     "seed": "FASTFT_SEED",
     "incarnation": "FASTFT_INCARNATION",
     "check_every": "FASTFT_CHECK_EVERY",
+    "exit_trace": "FASTFT_EXIT_TRACE_FILE",
 }
 """Environment variables the launcher sets for each worker."""
 
@@ -60,6 +61,7 @@ class RuntimeConfig:
     run_dir: str | None = None
     inject: str | None = None
     heartbeat_file: str | None = None
+    exit_trace_file: str | None = None
     seed: int = 0
     rollback_timeout_s: float = 5.0
     start_timeout_s: float = 300.0
@@ -137,6 +139,7 @@ class RuntimeConfig:
             run_dir=str(overrides.get("run_dir", env.get(ENV["run_dir"]) or "")) or None,
             inject=str(overrides.get("inject", env.get(ENV["inject"]) or "")) or None,
             heartbeat_file=env.get(ENV["heartbeat"]) or None,
+            exit_trace_file=env.get(ENV["exit_trace"]) or None,
             seed=num("seed", 0) or 0,
             incarnation=num("incarnation", None),
             check_every=num("check_every", 0) or 0,

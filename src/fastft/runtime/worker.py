@@ -101,6 +101,7 @@ from fastft.protocol import (
 from fastft.runtime.contract import EpochView, JobFinished, Member, RuntimeConfig, WorkerExit
 from fastft.runtime.coordinator import ADMIT, COMMIT, Coordinator
 from fastft.runtime.events import EventLog
+from fastft.runtime.sentinel import start_exit_sentinel
 from fastft.runtime.state import StateRegistry, reseed
 
 __all__ = ["Runtime", "Transaction", "init"]
@@ -240,6 +241,7 @@ class Runtime:
         self.rollbacks = 0
         self._decision_wait_ms: float | None = None
         self._hb = Heartbeat(config.heartbeat_file)
+        start_exit_sentinel(config.exit_trace_file)
         self.bus = tcpstore_bus(
             self._store,
             BusConfig(job=config.job, rank=self.rank, incarnation=self.incarnation),

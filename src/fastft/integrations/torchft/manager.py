@@ -52,6 +52,7 @@ from fastft.integrations.torchft.quorum import fastft_replica_id, parse_replica_
 from fastft.protocol.messages import Fault, HangSuspected, Message, ProcessExited, Severity
 from fastft.runtime.contract import ENV
 from fastft.runtime.events import EventLog
+from fastft.runtime.sentinel import start_exit_sentinel
 from fastft.runtime.worker import Heartbeat, exit_without_destructors_later
 
 __all__ = ["ManagerFFT", "PeerFailed"]
@@ -276,6 +277,7 @@ class ManagerFFT(Manager):
         if run_dir:
             self.events = EventLog(run_dir, f"replica {self.fft_rank}")
         self._hb = Heartbeat(env.get(ENV["heartbeat"]))
+        start_exit_sentinel(env.get(ENV["exit_trace"]))
         self._pending.on_block = self._hb.waiting
         if threading.current_thread() is threading.main_thread():
             # The agent sends SIGUSR1 before it kills a replica it found hung: stacks first.
