@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from fastft.bus import host_store
 from fastft.protocol.keys import JobKeys
-from fastft.runtime.contract import EpochView, Member
+from fastft.runtime.contract import EpochView, JobFinished, Member
 from fastft.runtime.coordinator import ADMIT, COMMIT, ROLLBACK, Coordinator
 
 pytestmark = pytest.mark.timeout(60)
@@ -146,3 +146,39 @@ def test_a_vote_with_a_join_request_makes_the_commit_admit_joiners(server):
     assert cs[1].vote(1, 3, 3, joining=True) is None  # only one member saw the request
     assert cs[2].vote(1, 3, 3) == COMMIT + ADMIT  # the completing vote knows from the count
     assert {c.await_decision(1, 3) for c in cs} == {COMMIT + ADMIT}
+
+
+def test_a_survivor_waiting_for_a_peer_that_finished_the_job_ends_too(server):
+    # Ranks 0 and 2 applied the last commit (step 60) and closed; rank 1 took rank 0's
+    # clean exit for a fault and re-forms. With too few members to close an epoch it would
+    # wait for restarts forever; the finished mark ends its wait.
+    cs = [coord(server, r, 10 + r) for r in range(3)]
+    first = _join_all(cs)[0]
+    assert first is not None
+    c = cs[1]
+    c.min_members = 2
+
+    cs[0].store.set(JobKeys(JOB).finished, "60")
+    with pytest.raises(JobFinished) as e:
+        c.form_as_survivor(
+            first,
+            frozenset({0, 2}),
+            step=60,
+            lost_state=False,
+            timeout_s=0.1,
+            cancelled=lambda: False,
+        )
+    assert e.value.step == 60 and e.value.code == 0
+    # a worker behind the finished step does not take that exit: it keeps waiting
+    t0 = c.clock()
+    assert (
+        c.form_as_survivor(
+            first,
+            frozenset({0, 2}),
+            step=59,
+            lost_state=False,
+            timeout_s=0.1,
+            cancelled=lambda: c.clock() - t0 > 0.5,
+        )
+        is None
+    )

@@ -214,13 +214,14 @@ class WorkerExit(FastFTError, RuntimeError):
 
 
 class JobFinished(SystemExit):
-    """Raised in a worker that was waiting to join when the other members finished the
-    job (they closed after their last step): there is nothing left to train. A
-    ``SystemExit`` with status 0, so an unhandled one ends the worker cleanly."""
+    """Raised in a worker that was waiting for an epoch (to join, or to re-form after a
+    peer's exit that turned out to be the end of the job) when the other members had
+    finished the job (they closed after their last step): there is nothing left to train.
+    A ``SystemExit`` with status 0, so an unhandled one ends the worker cleanly."""
 
     def __init__(self, step: int) -> None:
         super().__init__(0)
         self.step = step
 
     def __str__(self) -> str:
-        return f"the job finished at step {self.step} while this worker was waiting to join"
+        return f"the job finished at step {self.step} while this worker was waiting for an epoch"

@@ -40,6 +40,8 @@ ROLLBACK = "R"
 JOIN_FLAG = 1 << 20
 """Added to a vote by a member that saw a join request (epochs have fewer members)."""
 _POLL_S = 0.002
+_FINISHED_CHECK_AFTER_S = 0.2
+"""A formation waiting longer than this also checks whether the job already finished."""
 
 
 class Coordinator:
@@ -132,6 +134,11 @@ class Coordinator:
             return None
         return EpochView.from_json(self.store.get(k))
 
+    def finished_at(self) -> int | None:
+        """The step at which a member closed after finishing the job, if one did."""
+        k = self.keys.finished
+        return int(self.store.get(k)) if self.store.check([k]) else None
+
     def register_joiner(self) -> None:
         self.store.set(self.keys.joiner(self.me.rank), str(self.me.incarnation))
 
@@ -178,19 +185,26 @@ class Coordinator:
         cancelled: Callable[[], bool],
     ) -> EpochView | None:
         """Take part in forming ``prev.epoch + 1``. Returns the closed view (which may not
-        list this worker: it must then join), or None if ``cancelled()`` became true."""
+        list this worker: it must then join), or None if ``cancelled()`` became true; raises
+        JobFinished if, while it waits, the job turns out finished at a step this worker has
+        committed too (a member that finished closed, and its clean exit looked like a fault)."""
         epoch = prev.epoch + 1
         me = self.me.rank
         arrival = {"inc": self.me.incarnation, "step": step, "lost": lost_state}
         self.store.set(self.keys.epoch_arrival(epoch, me), json.dumps(arrival))
         expected = sorted(m.rank for m in prev.members if m.rank not in exclude)
-        deadline = self.clock() + timeout_s
+        started = self.clock()
+        deadline = started + timeout_s
         while True:
             view = self.closed(epoch)
             if view is not None:
                 return view
             if cancelled():
                 return None
+            if self.clock() - started > _FINISHED_CHECK_AFTER_S and not lost_state:
+                done = self.finished_at()
+                if done is not None and step >= done:
+                    raise JobFinished(done)
             if expected and expected[0] == me:
                 view = self._try_close(prev, expected, deadline)
                 if view is not None:
@@ -243,8 +257,9 @@ class Coordinator:
         while True:
             if cancelled():
                 return None
-            if self.store.check([self.keys.finished]):
-                raise JobFinished(int(self.store.get(self.keys.finished)))
+            done = self.finished_at()
+            if done is not None:
+                raise JobFinished(done)
             now = self.clock()
             if now >= next_announce:
                 announce()

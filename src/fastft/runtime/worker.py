@@ -713,14 +713,20 @@ class Runtime:
         assert prev is not None
         t0 = time.monotonic()
         exclude = a.exclude | frozenset(m.rank for m in prev.members if m in self._dead)
-        view = self.coord.form_as_survivor(
-            prev,
-            exclude,
-            step=self._fsm.step,
-            lost_state=a.lost_state,
-            timeout_s=self.config.rollback_timeout_s,
-            cancelled=self._cancelled(Phase.HEALING),
-        )
+        try:
+            view = self.coord.form_as_survivor(
+                prev,
+                exclude,
+                step=self._fsm.step,
+                lost_state=a.lost_state,
+                timeout_s=self.config.rollback_timeout_s,
+                cancelled=self._cancelled(Phase.HEALING),
+            )
+        except JobFinished as e:
+            self.events.emit("job_finished", step=e.step)
+            log.warning("the job finished at step %d while this worker re-formed", e.step)
+            self.close()
+            raise
         if view is None:
             return
         if not view.has(self.rank, self.incarnation):
@@ -891,6 +897,11 @@ class Runtime:
                 r, inc, sev = m.exited_rank, m.exited_incarnation, Severity.FAULT1
                 how = f"signal {m.signal}" if m.signal is not None else f"code {m.exit_code}"
                 cause = f"rank {r} exited ({how})"
+                if m.exit_code == 0 and self._job_finished():
+                    # It finished the job after the last step, which this worker voted for
+                    # too and is still applying: an end, not a fault.
+                    self.events.emit("peer_finished", rank=r, incarnation=inc)
+                    return
             else:
                 r, inc, sev = m.hung_rank, m.hung_incarnation, Severity.FAULT1
                 cause = f"rank {r} {'stopped' if m.stopped else 'hung'}"
@@ -943,6 +954,15 @@ class Runtime:
             self._feed(JoinRequested(m.rank))
 
     # --- helpers ---------------------------------------------------------------------------
+    def _job_finished(self) -> bool:
+        """Whether a member marked the job finished (it closed after a committed step)."""
+        try:
+            with self._side_lock:
+                return bool(self._side_store.check([self.keys.finished]))
+        except Exception:  # noqa: BLE001 - then a clean exit counts as a fault, as before
+            log.debug("could not read the job's finished mark", exc_info=True)
+            return False
+
     def _waiting(self) -> _Blocked:
         return self._hb.blocked
 
