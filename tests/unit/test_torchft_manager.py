@@ -16,7 +16,7 @@ from torchft import ProcessGroupGloo  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
 
 from fastft.integrations.torchft import ManagerFFT  # noqa: E402
-from fastft.protocol import Fault, Severity  # noqa: E402
+from fastft.protocol import Fault, ProcessExited, Role, Severity  # noqa: E402
 from fastft.runtime.contract import ENV  # noqa: E402
 
 
@@ -153,3 +153,29 @@ def test_a_report_while_the_quorum_forms_is_decided_by_the_quorum(replica: Manag
     replica._on_message(_report(1, 5, 30, 3))
     replica._on_quorum(_Quorum(4, [(0, 1), (2, 7)]))  # the reporter is not a member
     assert replica.peer_faults == 1
+
+
+def _exited(rank: int, inc: int, code: int | None, sig: int | None) -> ProcessExited:
+    return ProcessExited(
+        job="j",
+        epoch=0,
+        rank=-1,
+        incarnation=0,
+        role=Role.AGENT,
+        exited_rank=rank,
+        exited_incarnation=inc,
+        exit_code=code,
+        signal=sig,
+    )
+
+
+@pytest.mark.timeout(30)
+def test_a_clean_exit_leaves_the_step_alone_and_a_kill_fails_it(replica: ManagerFFT) -> None:
+    # A replica that ended its loop committed its last step: its exit is no fault of the
+    # step in flight here (seen once exits were reported at once: a slower replica voided
+    # its own last step). It is still dead for the next quorum.
+    replica._on_message(_exited(2, 7, 0, None))
+    assert replica.peer_faults == 0 and replica.errored() is None
+    assert (2, 7) in replica._dead
+    replica._on_message(_exited(1, 5, None, 9))
+    assert replica.peer_faults == 1 and replica.errored() is not None

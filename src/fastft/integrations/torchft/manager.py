@@ -374,6 +374,11 @@ class ManagerFFT(Manager):
         with self._fft_lock:
             if report is None:
                 self._dead.add(who)
+            if isinstance(m, ProcessExited) and m.exit_code == 0:
+                # A replica that ended its loop cleanly had finished its collectives of the
+                # step (it committed it): the lighthouse leaves it out of the next quorum,
+                # and the step in flight here completes as it is.
+                return
             members = self._members
             if members is None and report is not None:
                 self._reported.append((who, why, report))
