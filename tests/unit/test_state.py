@@ -85,3 +85,42 @@ class _Counter:
 
     def load_state_dict(self, st: dict[str, int]) -> None:
         self.n = st["n"]
+
+
+class _Mixed:
+    """State of several dtypes and shapes, one of them empty, one not contiguous."""
+
+    def __init__(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.t = {
+            "ids": torch.randint(0, 1 << 40, (3, 5), generator=g),
+            "mask": torch.rand(7, generator=g) > 0.5,
+            "half": torch.rand(3, generator=g).half(),
+            "empty": torch.zeros(0, 4),
+            "double_t": torch.rand(4, 2, generator=g, dtype=torch.float64).t(),
+            "byte": torch.tensor([1, 2, 3], dtype=torch.uint8),
+        }
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.t)
+
+    def load_state_dict(self, st: dict[str, torch.Tensor]) -> None:
+        self.t = {k: v.clone() for k, v in st.items()}
+
+
+def test_packed_state_of_mixed_dtypes_is_one_buffer_and_round_trips():
+    m, r = _setup()
+    r.register(optimizer=torch.optim.SGD(m.parameters(), lr=0.1), mixed=_Mixed(1))
+    header, flats = r.pack(4)
+    assert len(flats) == 1 and flats[0].dtype == torch.uint8  # one collective on CPU
+    r2 = StateRegistry()
+    torch.manual_seed(3)
+    m2 = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    r2.register(model=m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1), mixed=_Mixed(2))
+    (got,) = StateRegistry.allocate(header)
+    got.copy_(flats[0])
+    assert r2.load_packed(header, [got]) == 4
+    assert r2.digest(4) == r.digest(4)
+    for k, v in r._others["mixed"].t.items():
+        w = r2._others["mixed"].t[k]
+        assert w.dtype == v.dtype and w.shape == v.shape and torch.equal(w, v), k

@@ -1,6 +1,6 @@
 """Interrupting a blocked rank: signal, future exception, abort hooks, atomic sections."""
 
-from fastft.interrupt.collectives import allreduce, barrier, broadcast, wait_work
+from fastft.interrupt.collectives import allreduce, barrier, broadcast, broadcast_bytes, wait_work
 from fastft.interrupt.contract import CollectiveFailed, FutureCancelled, StepInterrupted
 from fastft.interrupt.interrupter import DEFAULT_SIGNAL, Interrupter
 
@@ -13,5 +13,6 @@ __all__ = [
     "allreduce",
     "barrier",
     "broadcast",
+    "broadcast_bytes",
     "wait_work",
 ]

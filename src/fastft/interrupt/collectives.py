@@ -18,7 +18,7 @@ import torch.distributed as dist
 from fastft.interrupt.contract import CollectiveFailed, FutureCancelled
 from fastft.interrupt.interrupter import Interrupter
 
-__all__ = ["wait_work", "allreduce", "broadcast", "barrier"]
+__all__ = ["wait_work", "allreduce", "broadcast", "broadcast_bytes", "barrier"]
 
 
 def _relay(target: torch.futures.Future[Any]) -> Any:
@@ -80,6 +80,42 @@ def broadcast(
     opts.rootRank = src
     opts.rootTensor = 0
     wait_work(pg.broadcast(list(tensors), opts), interrupter)
+
+
+def broadcast_bytes(
+    pg: dist.ProcessGroup,
+    data: bytes | None,
+    src: int,
+    interrupter: Interrupter,
+    *,
+    device: torch.device | str = "cpu",
+    first: int = 64 << 10,
+) -> bytes:
+    """Broadcast a byte string of any length from group rank ``src`` (which passes it;
+    the others pass None) and return it on every rank; interruptible. One collective of
+    ``first`` bytes carries the length and as much as fits, a second one the rest only
+    when the data is longer: receivers need not learn the size before they can take
+    part. ``device``: where the collective's tensors live (the GPU for NCCL)."""
+    sending = data is not None
+    buf = torch.zeros(first, dtype=torch.uint8)
+    if data is not None:
+        head = len(data).to_bytes(8, "little") + data[: first - 8]
+        buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    wire = buf.to(device)
+    broadcast(pg, [wire], src, interrupter)
+    got = wire.cpu().numpy().tobytes()
+    size = int.from_bytes(got[:8], "little")
+    out = data if data is not None else got[8 : 8 + size]
+    if size > first - 8:
+        rest = (
+            torch.frombuffer(bytearray(out[first - 8 :]), dtype=torch.uint8)
+            if sending
+            else torch.empty(size - (first - 8), dtype=torch.uint8)
+        ).to(device)
+        broadcast(pg, [rest], src, interrupter)
+        if not sending:
+            out += rest.cpu().numpy().tobytes()
+    return out
 
 
 def barrier(pg: dist.ProcessGroup, interrupter: Interrupter) -> None:

@@ -296,4 +296,8 @@ class Coordinator:
                 agreed = self._close(view, joiners)
                 if agreed.has(self.me.rank, self.me.incarnation):
                     return agreed
-            time.sleep(0.01)
+            # A restarted worker is waited for (fixed world) or admitted at the next step:
+            # poll as the survivors do. At the first start everyone is still importing.
+            # (TCPStore.wait with a timeout would avoid polling, but each timed-out wait
+            # reconnects, and torch 2.13 stalls one new connection in ~25 for 5 s here.)
+            time.sleep(0.01 if first_start else _POLL_S)

@@ -185,51 +185,59 @@ class StateRegistry:
         return out
 
     def pack(self, step: int) -> tuple[bytes, list[torch.Tensor]]:
-        """The state for a heal as a small header and a few flat tensors, one per section
-        (model, optimizer, others) and dtype and device, which the collective sends as they
-        are: no serialization of tensor data, one copy on each side instead of torch.save's
-        several. The header pickles the state with every tensor replaced by a reference,
-        and the layout the receivers allocate from (:meth:`allocate`)."""
+        """The state for a heal as a small header and one flat byte tensor per device,
+        which the collective sends as it is: no serialization of tensor data, one copy on
+        each side instead of torch.save's several, and one collective per device however
+        many tensors and dtypes the state has. The header pickles the state with every
+        tensor replaced by a reference, and where each tensor lies in its device's buffer
+        (aligned for its dtype), which the receivers allocate from (:meth:`allocate`)."""
         st = self.state(step)
         sections: dict[str, bytes] = {}
-        layout: list[tuple[str, str, str, list[tuple[int, tuple[int, ...]]]]] = []
-        flats: list[torch.Tensor] = []
+        entries: list[tuple[str, int, str, tuple[int, ...], str, int]] = []
+        placed: dict[str, list[tuple[torch.Tensor, int]]] = {}
+        sizes: dict[str, int] = {}
         for name, obj in st.items():
             tensors: list[torch.Tensor] = []
             buf = io.BytesIO()
             _RefPickler(buf, tensors).dump(obj)
             sections[name] = buf.getvalue()
-            groups: dict[tuple[torch.dtype, str], list[int]] = {}
             for i, t in enumerate(tensors):
-                groups.setdefault((t.dtype, t.device.type), []).append(i)
-            for (dtype, dev), idx in groups.items():
-                flats.append(torch.cat([tensors[i].detach().reshape(-1) for i in idx]))
-                shapes = [(i, tuple(tensors[i].shape)) for i in idx]
-                layout.append((name, str(dtype).removeprefix("torch."), dev, shapes))
-        header = pickle.dumps({"sections": sections, "layout": layout})
-        return header, flats
+                dev = t.device.type
+                off = -(-sizes.get(dev, 0) // _ALIGN) * _ALIGN
+                sizes[dev] = off + t.numel() * t.element_size()
+                placed.setdefault(dev, []).append((t, off))
+                dtype = str(t.dtype).removeprefix("torch.")
+                entries.append((name, i, dtype, tuple(t.shape), dev, off))
+        devices = sorted(sizes)
+        flats = []
+        for dev in devices:
+            flat = torch.empty(sizes[dev], dtype=torch.uint8, device=placed[dev][0][0].device)
+            for t, off in placed[dev]:
+                _view(flat, off, t.dtype, t.shape).copy_(t.detach())
+            flats.append(flat)
+        meta = {
+            "sections": sections,
+            "entries": entries,
+            "buffers": [(d, sizes[d]) for d in devices],
+        }
+        return pickle.dumps(meta), flats
 
     @staticmethod
     def allocate(header: bytes) -> list[torch.Tensor]:
-        """Empty flat tensors to receive what :meth:`pack` sent with ``header``."""
-        meta = pickle.loads(header)
+        """Empty flat byte tensors to receive what :meth:`pack` sent with ``header``."""
         out = []
-        for _name, dtype, dev, shapes in meta["layout"]:
-            n = sum(math.prod(shape) for _, shape in shapes)
+        for dev, size in pickle.loads(header)["buffers"]:
             device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else dev
-            out.append(torch.empty(n, dtype=getattr(torch, dtype), device=device))
+            out.append(torch.empty(size, dtype=torch.uint8, device=device))
         return out
 
     def load_packed(self, header: bytes, flats: list[torch.Tensor]) -> int:
         """Load a state received as :meth:`pack` sent it; returns its step."""
         meta = pickle.loads(header)
+        by_dev = {dev: f for (dev, _), f in zip(meta["buffers"], flats, strict=True)}
         tensors: dict[str, dict[int, torch.Tensor]] = {}
-        for (name, _dtype, _dev, shapes), flat in zip(meta["layout"], flats, strict=True):
-            off = 0
-            for i, shape in shapes:
-                n = math.prod(shape)
-                tensors.setdefault(name, {})[i] = flat[off : off + n].view(shape)
-                off += n
+        for name, i, dtype, shape, dev, off in meta["entries"]:
+            tensors.setdefault(name, {})[i] = _view(by_dev[dev], off, getattr(torch, dtype), shape)
         st = {
             name: _RefUnpickler(io.BytesIO(blob), tensors.get(name, {})).load()
             for name, blob in meta["sections"].items()
@@ -259,6 +267,16 @@ class StateRegistry:
             for t in _tensors(self.optimizer.state_dict()["state"]):
                 h.update(_bytes(t))
         return h.hexdigest()[:16]
+
+
+_ALIGN = 64
+"""Byte alignment of each tensor in a packed heal buffer (any dtype can view it)."""
+
+
+def _view(flat: torch.Tensor, off: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor of ``dtype`` and ``shape`` at byte ``off`` of the byte buffer ``flat``."""
+    n = math.prod(shape) * dtype.itemsize
+    return flat[off : off + n].view(dtype).view(shape)
 
 
 class _RefPickler(pickle.Pickler):

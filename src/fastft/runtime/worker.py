@@ -84,6 +84,7 @@ from fastft.inject import FaultKind, FaultPlan, FaultSpec, Injector, StateLost, 
 from fastft.interrupt import Interrupter, StepInterrupted
 from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.interrupt import broadcast as interruptible_broadcast
+from fastft.interrupt import broadcast_bytes as interruptible_broadcast_bytes
 from fastft.protocol import (
     DrainAck,
     DrainNotice,
@@ -828,20 +829,15 @@ class Runtime:
         self.interrupter.begin_step(a.epoch, a.step)  # a fault of this epoch ends the heal
         try:
             # a small header (the state with tensors referenced, and their layout), then
-            # one flat tensor per section, dtype and device, each sent as it is
+            # one flat byte tensor per device, each sent as it is: two collectives for
+            # most states
             header, flats = self.registry.pack(a.step) if sending else (b"", [])
             dev = self._comm_device()
-            size = torch.tensor([len(header)], dtype=torch.int64, device=dev)
             with self._waiting():
-                interruptible_broadcast(self._pg, [size], src, self.interrupter)
-                hbuf = (
-                    torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev)
-                    if sending
-                    else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+                header = interruptible_broadcast_bytes(
+                    self._pg, header if sending else None, src, self.interrupter, device=dev
                 )
-                interruptible_broadcast(self._pg, [hbuf], src, self.interrupter)
                 if not sending:
-                    header = hbuf.cpu().numpy().tobytes()
                     flats = StateRegistry.allocate(header)
                 for flat in flats:
                     wire = flat if flat.device == dev else flat.to(dev)
