@@ -25,10 +25,14 @@ def server():
 
 
 def client(server: dist.TCPStore, timeout_s: float = 2.0) -> dist.TCPStore:
-    # a short store timeout: a get that blocks on a missing key fails the test at once
-    return dist.TCPStore(
-        "127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    # a short store timeout: a get that blocks on a missing key fails the test at once;
+    # set after connecting, since torch 2.13 stalls about one new connection in 25 for 5 s
+    # here (a reverse DNS lookup), which a 200 ms connect timeout would fail
+    store = dist.TCPStore(
+        "127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30)
     )
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
 
 
 def coord(server: dist.TCPStore, rank: int, inc: int, world: int = 3) -> Coordinator:
