@@ -34,8 +34,9 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["ExitTracer", "decode_status"]
+__all__ = ["ExitTracer", "OnExit", "decode_status"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ PTRACE_EVENT_STOP = 128
 _WALL = 0x40000000
 _GROUP_STOPS = {signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU}
 
+OnExit = Callable[[int | None, int | None, float], None]
+"""``(exit code, signal, time.monotonic())`` of a worker's exit."""
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _ptrace = _libc.ptrace
 _ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
@@ -59,6 +63,18 @@ def decode_status(status: int) -> tuple[int | None, int | None]:
     """(exit code, signal) from a wait status such as ``PTRACE_GETEVENTMSG`` gives at exit."""
     sig = status & 0x7F
     return (None, sig) if sig else ((status >> 8) & 0xFF, None)
+
+
+@dataclass(frozen=True)
+class _Watch:
+    """One worker life to trace (see :meth:`ExitTracer.watch`)."""
+
+    pid: int
+    path: str
+    alive: Callable[[], bool]
+    report: OnExit
+    after: OnExit
+    stopped: Callable[[float], None]
 
 
 class ExitTracer:
@@ -82,31 +98,24 @@ class ExitTracer:
         pid: int,
         path: str,
         alive: Callable[[], bool],
-        report: Callable[[int | None, int | None, float], None],
-        after: Callable[[int | None, int | None, float], None],
+        report: OnExit,
+        after: OnExit,
         stopped: Callable[[float], None] = lambda t: None,
     ) -> threading.Thread | None:
         if self.refused is not None:
             return None
         t = threading.Thread(
             target=self._run,
-            args=(pid, path, alive, report, after, stopped),
+            args=(_Watch(pid, path, alive, report, after, stopped),),
             name=f"fastft-exit-trace-{pid}",
             daemon=True,
         )
         t.start()
         return t
 
-    def _run(
-        self,
-        pid: int,
-        path: str,
-        alive: Callable[[], bool],
-        report: Callable[[int | None, int | None, float], None],
-        after: Callable[[int | None, int | None, float], None],
-        stopped: Callable[[float], None],
-    ) -> None:
-        tid = self._await_tid(pid, path, alive)
+    def _run(self, w: _Watch) -> None:
+        pid, report, after, stopped = w.pid, w.report, w.after, w.stopped
+        tid = self._await_tid(pid, w.path, w.alive)
         if tid is None:
             return
         if _ptrace(PTRACE_SEIZE, tid, None, ctypes.c_void_p(PTRACE_O_TRACEEXIT)) != 0:
