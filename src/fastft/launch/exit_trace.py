@@ -48,6 +48,8 @@ PTRACE_O_TRACEEXIT = 0x40
 PTRACE_EVENT_EXIT = 6
 PTRACE_EVENT_STOP = 128
 _WALL = 0x40000000
+_SLOW_AFTER_S = 30.0
+_SLOW_POLL_S = 0.5
 _GROUP_STOPS = {signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU}
 
 OnExit = Callable[[int | None, int | None, float], None]
@@ -169,12 +171,16 @@ class ExitTracer:
                 _ptrace(PTRACE_CONT, tid, None, ctypes.c_void_p(sig))
 
     def _await_tid(self, pid: int, path: str, alive: Callable[[], bool]) -> int | None:
+        """The sentinel's thread id, once the worker wrote it. A worker that does not
+        start one (not a fastft script) is looked at less often after a while."""
+        started = time.monotonic()
         while alive():
             try:
                 with open(path) as f:
                     tid = int(f.read())
             except (OSError, ValueError):
-                time.sleep(self.poll_s)
+                late = time.monotonic() - started > _SLOW_AFTER_S
+                time.sleep(max(self.poll_s, _SLOW_POLL_S) if late else self.poll_s)
                 continue
             try:
                 os.unlink(path)
