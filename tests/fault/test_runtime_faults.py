@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from fastft.launch.agent import COLD_RESTART_DELAY_S
 from fastft.report import shards_by_step, untiled_steps
 from fastft.runtime import read_events
 
@@ -326,6 +327,10 @@ def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     assert {p[2] for parts in shards.values() for p in parts} == {batch}
     assert len(shards[4]) == 3 and len(shards[5]) == 2  # the killed step ran with 2
     assert any(e["event"] == "heal" and e["src"] == "rank 2" and e["step"] > 5 for e in ev)
+    # the cold restart waited for the survivors' head start (no fork while they re-form)
+    (gone,) = [e for e in ev if e["event"] == "worker_exit" and e["rank"] == 2 and e["life"] == 0]
+    (back,) = [e for e in ev if e["event"] == "spawn" and e["rank"] == 2 and e["life"] == 1]
+    assert back["mono"] - gone["detected"] >= COLD_RESTART_DELAY_S
     # equal to one process on the whole batch
     import torch
     from torch import nn

@@ -167,6 +167,8 @@ class _Slot:
 
 HANG_GAPS = 20.0
 HANG_FLOOR_S = 2.0
+COLD_RESTART_DELAY_S = 0.05
+"""In an elastic world, how long a cold restart waits after the exit (see _after_exit)."""
 SPARE_REFILL_MAX_S = 2.0
 """A spare handed out is replaced once the worker it became has committed, or after this
 long: a new spare's imports (~1 s of CPU) would compete with the recovery it is part of."""
@@ -202,7 +204,7 @@ class Agent:
         self._by_pid: dict[int, _Slot] = {}
         self._spares: list[subprocess.Popen[bytes]] = []
         self._dead_spares: set[int] = set()
-        self._restarts_due: list[_Slot] = []
+        self._restarts_due: list[tuple[float, _Slot]] = []
         """Slots to restart, spawned by the main thread: a child's PR_SET_PDEATHSIG fires
         when the *thread* that forked it ends, and the threads that see exits are short-lived."""
         self._spares_owed: list[tuple[float, _Slot, int]] = []
@@ -544,8 +546,13 @@ class Agent:
             slot.life += 1
             self.restarts += 1
             self.events.emit("restart", rank=slot.rank, life=slot.life)
+            # A cold start forks the agent (tens of MB of page tables, ~15 ms here), which
+            # slows the store it hosts while the survivors re-form through it. An elastic
+            # world does not wait for the restart: give the survivors a head start.
+            cold = not self._spares
+            delay = COLD_RESTART_DELAY_S if cold and self._elastic else 0.0
             with self._lock:
-                self._restarts_due.append(slot)
+                self._restarts_due.append((time.monotonic() + delay, slot))
         else:
             self._failed = (
                 f"rank {slot.rank} failed ({'code ' + str(code) if sig is None else 'signal ' + str(sig)}) "
@@ -578,8 +585,10 @@ class Agent:
                 return
             if self._all_done():
                 return
+            now = time.monotonic()
             with self._lock:
-                due, self._restarts_due = self._restarts_due, []
+                due = [s for t, s in self._restarts_due if t <= now]
+                self._restarts_due = [(t, s) for t, s in self._restarts_due if t > now]
             for slot in due:
                 self._spawn(slot)
             if self._spares_owed:
@@ -731,6 +740,11 @@ class Agent:
                 time.sleep(0.01)
         self.lighthouse_addr = self.store.get(key).decode()
         self.events.emit("lighthouse_ready", kind=cfg.torchft, address=self.lighthouse_addr)
+
+    @property
+    def _elastic(self) -> bool:
+        cfg = self.config
+        return cfg.min_replicas is not None and cfg.min_replicas < cfg.world_size
 
     def _all_done(self) -> bool:
         return all(s.done for s in self.slots.values())
