@@ -111,10 +111,6 @@ def test_exception_sigkill_and_sigstop_end_bitwise_equal_to_a_clean_run(tmp_path
     assert sum(e["event"] == "restart" for e in ev) == 2  # the killed and the stopped one
     heals = [e for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"] > 0]
     assert {e["src"] for e in heals} == {"rank 2", "rank 0"}  # S4: restarted ones healed
-    # Only the source and the fetcher take part in a heal: the third member gets no bytes.
-    for h in heals:
-        took_part = [e for e in ev if e["event"] == "heal" and e["epoch"] == h["epoch"]]
-        assert sorted(e["role"] for e in took_part) == ["fetch", "none", "send"], took_part
     # the exception was a Fault2: rolled back without any restart or transfer for rank 1
     assert not any(
         e["event"] == "worker_exit" and e["rank"] == 1 and e["exit_code"] != 0 for e in ev

@@ -125,13 +125,6 @@ _HEALING_ACTIONS = (FormEpoch, ConfigureProcessGroup, FetchState, SendState)
 _STEP_CYCLE = (Phase.NORMAL, Phase.PREPARED, Phase.COMMIT)
 
 
-def _healers(view: EpochView) -> list[int]:
-    """The ranks a heal involves: the source first, then the members that need state."""
-    if view.source is None or not view.needs_state:
-        return []
-    return [view.source, *sorted(view.needs_state - {view.source})]
-
-
 class Transaction:
     """One attempt of one step; use as a context manager from :meth:`Runtime.transaction`.
 
@@ -237,8 +230,6 @@ class Runtime:
         """Main-thread actions, each with the count of phase changes when it was queued."""
         self._view: EpochView | None = None
         self._pg: Any = None
-        self._heal_pg: Any = None
-        """The epoch's heal group (source and fetchers), when not every member needs state."""
         self._pg_epoch = -1
         self._abandoned: list[Any] = []  # never destroyed mid-operation, never reused
         self._dead: set[Member] = set()
@@ -522,9 +513,6 @@ class Runtime:
         elif isinstance(a, BroadcastRollbackAck):
             self.bus.broadcast(RollbackAck(**hdr))
         elif isinstance(a, AbortProcessGroup):
-            if self._heal_pg is not None:
-                self._abandoned.append(self._heal_pg)
-                self._heal_pg = None
             if self._pg is not None:
                 self._abandoned.append(self._pg)
                 exit_without_destructors_later()
@@ -786,30 +774,16 @@ class Runtime:
         timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
         rank, size = view.index(self.rank), len(view.members)
         backend = self._backend()
-        healers = _healers(view)
-        # The heal goes to the members that need the state alone when some do not: they
-        # need not receive it (a broadcast over the epoch's group sends every byte to
-        # every member), so a group of the source and the fetchers carries it.
-        heal_group = 0 < len(healers) < size and self.rank in healers
 
-        def build_one(prefix: dist.Store, rank: int, size: int) -> Any:
+        def build() -> Any:
             if backend == "nccl":  # pragma: no cover - checked on a GPU machine only
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 torch.cuda.set_device(
                     int(os.environ.get("LOCAL_RANK", self.rank)) % max(1, torch.cuda.device_count())
                 )
-                return dist.ProcessGroupNCCL(prefix, rank, size, opts)
-            return dist.ProcessGroupGloo(prefix, rank, size, timeout)
-
-        def build() -> Any:
-            pg = build_one(store, rank, size)
-            heal = (
-                build_one(dist.PrefixStore("heal", store), healers.index(self.rank), len(healers))
-                if heal_group
-                else None
-            )
-            return pg, heal
+                return dist.ProcessGroupNCCL(store, rank, size, opts)
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
 
         # Built in a daemon thread: connecting to a member that died meanwhile blocks in
         # C++ until the timeout, and the death must be able to cancel the wait.
@@ -834,13 +808,12 @@ class Runtime:
             except Exception as e:
                 self._local_fault(e, gen=self._action_gen)
                 return
-        (self._pg, self._heal_pg), self._pg_epoch = pg, a.epoch
+        self._pg, self._pg_epoch = pg, a.epoch
         self.events.emit(
             "process_group",
             epoch=a.epoch,
             backend=backend,
             size=size,
-            heal_group=len(healers) if heal_group else None,
             build_ms=round((time.monotonic() - t0) * 1e3, 3),
         )
 
@@ -851,16 +824,8 @@ class Runtime:
             return  # the process group was not built (cancelled): the fsm moved on
         self.injector.fire_due(a.step, point="heal")  # tests: death while healing
         t0 = time.monotonic()
+        src = view.index(view.source)
         sending = self.rank == view.source
-        pg, self._heal_pg = self._heal_pg, None
-        if pg is not None:  # the source and the fetchers, in their own group
-            src = 0
-        elif self.rank in _healers(view) or len(_healers(view)) == len(view.members):
-            pg, src = self._pg, view.index(view.source)
-        else:  # neither source nor fetcher, and the heal has a group of its own
-            self.events.emit("heal", epoch=a.epoch, step=a.step, role="none", bytes=0, heal_ms=0.0)
-            self._feed(HealDone())
-            return
         self.interrupter.begin_step(a.epoch, a.step)  # a fault of this epoch ends the heal
         try:
             # a small header (the state with tensors referenced, and their layout), then
@@ -870,18 +835,16 @@ class Runtime:
             dev = self._comm_device()
             with self._waiting():
                 header = interruptible_broadcast_bytes(
-                    pg, header if sending else None, src, self.interrupter, device=dev
+                    self._pg, header if sending else None, src, self.interrupter, device=dev
                 )
                 if not sending:
                     flats = StateRegistry.allocate(header)
                 for flat in flats:
                     wire = flat if flat.device == dev else flat.to(dev)
-                    interruptible_broadcast(pg, [wire], src, self.interrupter)
+                    interruptible_broadcast(self._pg, [wire], src, self.interrupter)
                     if wire is not flat:  # pragma: no cover - NCCL: CPU state via the GPU
                         flat.copy_(wire)
         except (StepInterrupted, Exception) as e:
-            if pg is not self._pg:
-                self._abandoned.append(pg)  # it may still own the interrupted broadcast
             self.events.emit("heal_aborted", epoch=a.epoch, reason=str(e)[:300])
             if not isinstance(e, StepInterrupted):
                 self._local_fault(e, gen=self._action_gen)
