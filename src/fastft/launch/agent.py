@@ -459,15 +459,18 @@ class Agent:
                 slot = self._by_pid.get(info.si_pid)
                 if slot is None and any(p.pid == info.si_pid for p in self._spares):
                     self._dead_spares.add(info.si_pid)  # never hand out a dead spare
-            if slot is None:
-                continue
-            if info.si_code == os.CLD_STOPPED:
+            stopped = info.si_code == os.CLD_STOPPED
+            if slot is None:  # a spare, or an exit the exit trace already reported
+                if stopped:
+                    continue
+                return
+            if stopped:
                 self._on_stopped(slot, t, "waitid")
             elif info.si_code in (os.CLD_EXITED, os.CLD_KILLED, os.CLD_DUMPED):
                 code = info.si_status if info.si_code == os.CLD_EXITED else None
                 sig = info.si_status if info.si_code != os.CLD_EXITED else None
                 self._on_exit(slot, info.si_pid, code, sig, t, "waitid")
-            if info.si_code != os.CLD_STOPPED:
+            if not stopped:
                 return
 
     def _on_stopped(self, slot: _Slot, t: float, via: str) -> None:

@@ -6,13 +6,12 @@ torn down: ~15 ms for a bare ``import torch`` and ~30-50 ms for a worker holding
 hundred MB on this machine, all of it before anyone can react. The agent traces this one
 thread (``PTRACE_SEIZE`` with ``PTRACE_O_TRACEEXIT``, :mod:`fastft.launch.exit_trace`),
 and a traced thread stops at the very start of its exit, before the memory goes: the
-agent hears of a SIGKILL ~0.1 ms after it.
+agent hears of a SIGKILL ~0.2 ms after it (``python bench/kill_teardown.py``).
 
 The thread blocks every signal, so no signal meant for the process is ever delivered to
 it (a traced thread would stop for each one and make the agent pass it on); it only
-sleeps. Only this thread is traced: a debugger or ``py-spy`` (without
-``--nonblocking``) cannot attach to a worker while its agent traces it, so ``fastft run
---no-exit-trace`` turns it off.
+sleeps. Only this thread is traced, but a debugger or a blocking ``py-spy`` cannot attach
+to a worker while its agent traces it; ``fastft run --no-exit-trace`` turns it off.
 """
 
 from __future__ import annotations
