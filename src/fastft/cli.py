@@ -159,6 +159,14 @@ def _build() -> argparse.ArgumentParser:
         help="do not trace the workers' exit sentinels (deaths are then seen after the "
         "kernel freed their memory, 15-50 ms later); lets a debugger or py-spy attach",
     )
+    p.add_argument(
+        "--no-keep-gradients",
+        dest="keep_gradients",
+        action="store_false",
+        help="elastic world: do not keep a copy of each step's local gradient (saves one "
+        "gradient-sized buffer per worker; a step the world shrank in is then recomputed "
+        "whole by the survivors instead of only the lost members' samples)",
+    )
     p.add_argument("--run-dir", default=None, help="event log and heartbeats (default: temp)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -402,6 +410,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             lighthouse_heartbeat_ms=args.lighthouse_heartbeat_ms,
             lighthouse_join_ms=args.lighthouse_join_ms,
             exit_trace=args.exit_trace,
+            keep_gradients=args.keep_gradients,
         )
         agent = Agent(cfg)
     except FastFTError as e:

@@ -18,12 +18,15 @@ __all__ = ["summarize", "render_report", "shards_by_step", "untiled_steps"]
 
 def shards_by_step(events: list[dict[str, Any]]) -> dict[int, list[tuple[int, int, int]]]:
     """The ``(lo, hi, n)`` slices of the global batch each member committed, per step
-    (from ``tx.shard``; steps without shards are absent)."""
+    (from ``tx.shard``, with the range of a kept gradient a member added; steps without
+    shards are absent)."""
     out: dict[int, list[tuple[int, int, int]]] = {}
     for e in events:
         if e["event"] == "commit" and e.get("shard"):
-            lo, hi, n = e["shard"]
-            out.setdefault(e["step"], []).append((lo, hi, n))
+            for key in ("shard", "kept"):
+                if e.get(key):
+                    lo, hi, n = e[key]
+                    out.setdefault(e["step"], []).append((lo, hi, n))
     for parts in out.values():
         parts.sort()
     return out

@@ -298,9 +298,12 @@ def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     """--min-replicas 2 of 3: the survivors go on without the killed worker, the restarted
     one heals and joins again at a step boundary. Every sample of every committed step is
     consumed exactly once (S5, shrinking world), and the result equals one process training
-    on the whole global batch, up to summation order."""
+    on the whole global batch, up to summation order. The worker dies inside the step's
+    allreduce, so the survivors kept their finished parts: the retry computes only the lost
+    part, split between them."""
     steps, batch = 100, 96
-    plan = [{"kind": "sigkill", "rank": 2, "at_step": 5}]
+    # killed 50 ms after reaching the allreduce: the survivors have finished their parts
+    plan = [{"kind": "sigkill", "rank": 2, "at_step": 5, "point": "collective", "delay_s": 0.05}]
     run = tmp_path / "elastic"
     run.mkdir()
     (run / "plan.json").write_text(json.dumps({"faults": plan}))
@@ -321,7 +324,11 @@ def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     shards = shards_by_step(ev)
     assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []
     assert {p[2] for parts in shards.values() for p in parts} == {batch}
-    assert len(shards[4]) == 3 and len(shards[5]) == 2  # the killed step ran with 2
+    assert len(shards[4]) == 3 and len(shards[6]) == 2  # then 2 members until it is back
+    # the killed step's retry: each survivor added the gradient it kept of its own third
+    # and computed half of the lost third only
+    retry = sorted((e["kept"], e["shard"]) for e in ev if e["event"] == "commit" and e["step"] == 5)
+    assert retry == [([0, 32, 96], [64, 80, 96]), ([32, 64, 96], [80, 96, 96])], retry
     assert any(e["event"] == "heal" and e["src"] == "rank 2" and e["step"] > 5 for e in ev)
     # the cold restart waited for the survivors' head start (no fork while they re-form)
     (gone,) = [e for e in ev if e["event"] == "worker_exit" and e["rank"] == 2 and e["life"] == 0]

@@ -180,3 +180,34 @@ def test_a_survivor_waiting_for_a_peer_that_finished_the_job_ends_too(server):
     assert e.value.step == 60 and e.value.code == 0
     # a worker behind the finished step does not take that exit: it keeps waiting
     assert form(59) is None
+
+
+def test_survivors_offer_their_kept_gradients_in_the_view(server):
+    cs = [coord(server, r, 10 + r) for r in range(3)]
+    first = _join_all(cs)[0]
+    assert first is not None
+    for c in cs:
+        c.min_members = 2  # elastic: the survivors go on without rank 2
+    out: dict[int, EpochView | None] = {}
+    offers = {0: (0, 32, 96), 1: None}
+
+    def survive(c: Coordinator) -> None:
+        out[c.me.rank] = c.form_as_survivor(
+            first,
+            frozenset({2}),
+            step=7,
+            lost_state=False,
+            timeout_s=5,
+            cancelled=lambda: False,
+            kept=offers[c.me.rank],
+        )
+
+    threads = [threading.Thread(target=survive, args=(c,)) for c in cs[:2]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert out[0] == out[1]
+    v = out[0]
+    assert v is not None and v.kept == ((0, 0, 32, 96),)
+    assert EpochView.from_json(v.to_json()) == v

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -112,8 +113,35 @@ def test_faults_at_the_commit_and_heal_points_fire_only_there():
         ({"kind": "sigkill", "rank": 0, "at_step": 1, "point": "later"}, "point='later'"),
         ({"kind": "sigkill", "rank": 0, "point": "heal"}, "needs an at_step"),
         ({"kind": "exception", "rank": 0, "at_step": 1, "point": "commit"}, "process faults"),
+        ({"kind": "sigkill", "rank": 0, "at_step": 1, "delay_s": -1}, "delay_s=-1"),
+        ({"kind": "sigkill", "rank": 0, "at_step": 1, "delay_s": "soon"}, "delay_s='soon'"),
     ],
 )
 def test_bad_fault_points_say_what_to_fix(item, match):
     with pytest.raises(ConfigError, match=match):
         FaultPlan.from_json(json.dumps({"faults": [item]}))
+
+
+def test_a_delayed_fault_waits_at_its_point_then_fires():
+    plan = FaultPlan.from_json(
+        json.dumps(
+            {
+                "faults": [
+                    {
+                        "kind": "sigkill",
+                        "rank": 0,
+                        "at_step": 2,
+                        "point": "collective",
+                        "delay_s": 0.05,
+                    }
+                ]
+            }
+        )
+    )
+    assert plan.faults[0].delay_s == 0.05
+    assert FaultPlan.from_json(plan.to_json()) == plan
+    fired: list[float] = []
+    inj = Injector(plan, rank=0, executor=lambda s: fired.append(time.monotonic()))
+    t0 = time.monotonic()
+    inj.fire_due(2, point="collective")
+    assert len(fired) == 1 and fired[0] - t0 >= 0.05

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 from fastft.errors import FastFTError
@@ -117,6 +118,8 @@ class Injector:
                 self._queued = []
         for spec in due:
             self.fired.append((spec, step))
+            if spec.delay_s:
+                time.sleep(spec.delay_s)
             self._executor(spec)
 
     @property

@@ -13,6 +13,9 @@ so a restarted worker that heals back to the same step does not fire the fault a
 ``point``: ``step`` (default), ``commit`` (between the COMMIT decision of ``at_step`` and
 its application), ``heal`` (while healing to step ``at_step``, before the transfer) or
 ``collective`` (as the step's gradient collective starts: its peers are inside it).
+``delay_s``: wait that many seconds at the point, then fire (with ``collective``: the
+peers are already waiting inside the collective, so they have finished their own part of
+the step when the fault hits).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class FaultSpec:
     life: int = 0
     arg: float = 0.0
     point: str = "step"
+    delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):
@@ -88,6 +92,10 @@ class FaultSpec:
         if isinstance(self.arg, bool) or not isinstance(self.arg, (int, float)):
             raise ConfigError(f"fault arg={self.arg!r}: use a number")
         object.__setattr__(self, "arg", float(self.arg))
+        d = self.delay_s
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 3600:
+            raise ConfigError(f"fault delay_s={d!r}: use seconds in 0..3600")
+        object.__setattr__(self, "delay_s", float(d))
         if self.point not in POINTS:
             raise ConfigError(f"fault point={self.point!r}: use one of {', '.join(POINTS)}")
         if self.point != "step":
@@ -130,7 +138,7 @@ class FaultPlan:
         if not isinstance(data, dict) or not isinstance(data.get("faults"), list):
             raise ConfigError(f'{source}: expected {{"faults": [...]}}')
         specs = []
-        allowed = {"kind", "rank", "at_step", "life", "arg", "point"}
+        allowed = {"kind", "rank", "at_step", "life", "arg", "point", "delay_s"}
         for i, item in enumerate(data["faults"]):
             if not isinstance(item, dict):
                 raise ConfigError(f"{source}: faults[{i}] must be an object")

@@ -89,6 +89,8 @@ class LaunchConfig:
     """Trace each worker's exit sentinel (:mod:`fastft.launch.exit_trace`): a death is
     published before the kernel frees the worker's memory (~15-50 ms sooner). Off: a
     debugger or a blocking ``py-spy`` can attach to the workers."""
+    keep_gradients: bool = True
+    """Elastic world: workers keep each step's weighted local gradient (``RuntimeConfig``)."""
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -303,6 +305,7 @@ class Agent:
             ENV["incarnation"]: str(slot.incarnation),
             ENV["seed"]: str(cfg.seed),
             ENV["check_every"]: str(cfg.check_every),
+            ENV["keep_gradients"]: "1" if cfg.keep_gradients else "0",
         }
         trace_path = str(self.run_dir / f".exit-trace-{slot.rank}-{slot.life}")
         if cfg.exit_trace and self.tracer.refused is None:

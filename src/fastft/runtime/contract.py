@@ -29,6 +29,7 @@ ENV = {
     "incarnation": "FASTFT_INCARNATION",
     "check_every": "FASTFT_CHECK_EVERY",
     "exit_trace": "FASTFT_EXIT_TRACE_FILE",
+    "keep_gradients": "FASTFT_KEEP_GRADIENTS",
 }
 """Environment variables the launcher sets for each worker."""
 
@@ -49,7 +50,10 @@ class RuntimeConfig:
     is re-raised (a deterministic bug must not loop forever);
     ``backend``: ``gloo`` or ``nccl`` (``auto``: nccl when CUDA is available);
     ``incarnation``: chosen by the agent (so it can name the process when it dies),
-    random when None; ``check_every``: log the state digest (S3) every N commits (0: never).
+    random when None; ``check_every``: log the state digest (S3) every N commits (0: never);
+    ``keep_gradients``: in an elastic world, keep a copy of the weighted local gradient
+    before each step's allreduce (one more gradient-sized buffer), so that a retry after
+    the world shrank computes only the lost members' samples (:mod:`fastft.runtime.shards`).
     """
 
     store: str
@@ -70,6 +74,7 @@ class RuntimeConfig:
     backend: str = "auto"
     incarnation: int | None = None
     check_every: int = 0
+    keep_gradients: bool = True
 
     def __post_init__(self) -> None:
         if ":" not in self.store:
@@ -93,6 +98,11 @@ class RuntimeConfig:
     def min_members(self) -> int:
         assert self.min_replicas is not None
         return self.min_replicas
+
+    @property
+    def elastic(self) -> bool:
+        """Epochs may have fewer members than slots: survivors go on without a lost one."""
+        return self.min_members < self.world_size
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> RuntimeConfig:
@@ -123,6 +133,16 @@ class RuntimeConfig:
             except ValueError:
                 raise ConfigError(f"{ENV[key]}={v!r}: expected an integer") from None
 
+        def flag(key: str, default: bool) -> bool:
+            if key in overrides:
+                return bool(overrides[key])
+            v = (env.get(ENV[key]) or "").strip().lower()
+            if not v:
+                return default
+            if v not in ("0", "1", "true", "false", "yes", "no"):
+                raise ConfigError(f"{ENV[key]}={v!r}: expected 0 or 1")
+            return v in ("1", "true", "yes")
+
         try:
             rank = int(need("rank"))
             world = int(need("world_size"))
@@ -143,6 +163,7 @@ class RuntimeConfig:
             seed=num("seed", 0) or 0,
             incarnation=num("incarnation", None),
             check_every=num("check_every", 0) or 0,
+            keep_gradients=flag("keep_gradients", True),
             **rest,  # type: ignore[arg-type]
         )
 
@@ -159,13 +180,16 @@ class Member:
 class EpochView:
     """An agreed epoch: its members (sorted by rank), the committed ``step`` it resumes
     from, the members that must receive state, and the member that sends it (None when
-    no member holds state: the job starts from scratch)."""
+    no member holds state: the job starts from scratch). ``kept``: ``(rank, lo, hi, n)``
+    for each survivor holding the weighted local gradient of samples ``[lo, hi)`` of
+    ``step``'s batch of ``n`` (elastic worlds; see :mod:`fastft.runtime.shards`)."""
 
     epoch: int
     members: tuple[Member, ...]
     step: int
     needs_state: frozenset[int]
     source: int | None
+    kept: tuple[tuple[int, int, int, int], ...] = ()
 
     @property
     def ranks(self) -> frozenset[int]:
@@ -192,6 +216,7 @@ class EpochView:
                 "step": self.step,
                 "needs_state": sorted(self.needs_state),
                 "source": self.source,
+                "kept": [list(k) for k in self.kept],
             },
             separators=(",", ":"),
         )
@@ -205,6 +230,7 @@ class EpochView:
             step=int(d["step"]),
             needs_state=frozenset(int(r) for r in d["needs_state"]),
             source=None if d["source"] is None else int(d["source"]),
+            kept=tuple(tuple(int(v) for v in k) for k in d.get("kept", ())),  # type: ignore[misc]
         )
 
 

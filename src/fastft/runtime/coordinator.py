@@ -183,14 +183,19 @@ class Coordinator:
         lost_state: bool,
         timeout_s: float,
         cancelled: Callable[[], bool],
+        kept: tuple[int, int, int] | None = None,
     ) -> EpochView | None:
         """Take part in forming ``prev.epoch + 1``. Returns the closed view (which may not
         list this worker: it must then join), or None if ``cancelled()`` became true; raises
         JobFinished if, while it waits, the job turns out finished at a step this worker has
-        committed too (a member that finished closed, and its clean exit looked like a fault)."""
+        committed too (a member that finished closed, and its clean exit looked like a fault).
+        ``kept``: ``(lo, hi, n)`` when this worker holds the weighted local gradient of
+        those samples of ``step`` (the closer lists it in the view's ``kept``)."""
         epoch = prev.epoch + 1
         me = self.me.rank
-        arrival = {"inc": self.me.incarnation, "step": step, "lost": lost_state}
+        arrival: dict[str, object] = {"inc": self.me.incarnation, "step": step, "lost": lost_state}
+        if kept is not None and not lost_state:
+            arrival["kept"] = list(kept)
         self.store.set(self.keys.epoch_arrival(epoch, me), json.dumps(arrival))
         expected = sorted(m.rank for m in prev.members if m.rank not in exclude)
         started = self.clock()
@@ -231,12 +236,18 @@ class Coordinator:
         if len(steps) > 1:
             log.error("survivors disagree on the committed step: %s", steps)
         step = max(steps) if steps else 0
+        kept = tuple(
+            (r, *(int(v) for v in a["kept"]))  # type: ignore[attr-defined]
+            for r, a in sorted(arrived.items())
+            if a.get("kept") and not a["lost"] and int(a["step"]) == step  # type: ignore[call-overload]
+        )
         view = EpochView(
             epoch=epoch,
             members=tuple(sorted(members)),
             step=step,
             needs_state=needs if with_state else frozenset(),
             source=with_state[0] if with_state else None,
+            kept=kept,  # type: ignore[arg-type]
         )
         return self._close(view, joiners)
 

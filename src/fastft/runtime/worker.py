@@ -103,6 +103,7 @@ from fastft.runtime.contract import EpochView, JobFinished, Member, RuntimeConfi
 from fastft.runtime.coordinator import ADMIT, COMMIT, Coordinator
 from fastft.runtime.events import EventLog
 from fastft.runtime.sentinel import start_exit_sentinel
+from fastft.runtime.shards import plan as plan_shards
 from fastft.runtime.state import StateRegistry, reseed
 
 __all__ = ["Runtime", "Transaction", "init"]
@@ -152,13 +153,26 @@ class Transaction:
         balanced (the first ``n % world`` members take one more), so whatever the epoch's
         size every sample of a committed step is consumed exactly once (S5 when the world
         shrinks). After it, :meth:`allreduce_gradients` weights each member's gradient by
-        its share: the result is the gradient of the mean over the whole global batch."""
-        if n < self.world:
-            raise ValueError(f"a global batch of {n} samples cannot feed {self.world} members")
-        per, extra = divmod(n, self.world)
-        lo = self.rank * per + min(self.rank, extra)
-        hi = lo + per + (1 if self.rank < extra else 0)
-        self._rt._share = (lo, hi, n)
+        its share: the result is the gradient of the mean over the whole global batch.
+
+        In an elastic world, the first attempts of a step after the world shrank in it
+        give each member a part of the lost members' samples only: the survivors that had
+        finished their own part add the gradient they kept (``keep_gradients``)."""
+        rt = self._rt
+        offered: dict[int, tuple[int, int, int]] = {}
+        view = rt._view
+        if view is not None and view.kept and view.step == self.step:
+            ranks = view.ranks
+            offered = {view.index(r): (lo, hi, m) for r, lo, hi, m in view.kept if r in ranks}
+        p = plan_shards(n, self.world, offered)
+        lo, hi = p.pieces[self.rank]
+        mine = p.kept.get(self.rank)
+        if mine is not None:
+            held = rt._kept
+            if held != (self.step, *mine, n):  # pragma: no cover - it offered exactly this
+                raise AssertionError(f"kept gradient {held} is not the offered {mine}")
+        rt._share = (lo, hi, n)
+        rt._adding_kept = mine
         return slice(lo, hi)
 
     def allreduce_gradients(self, model: nn.Module | None = None) -> None:
@@ -237,6 +251,12 @@ class Runtime:
         self._retries = 0
         self._registered = False
         self._share: tuple[int, int, int] | None = None
+        self._keep = config.keep_gradients and config.elastic
+        self._kept: tuple[int, int, int, int] | None = None
+        """(step, lo, hi, n) of the weighted local gradient in ``_kept_grad``."""
+        self._kept_grad: torch.Tensor | None = None
+        self._adding_kept: tuple[int, int] | None = None
+        """The kept range this attempt adds to its own part (``Transaction.shard``)."""
         """(lo, hi, n): the slice of the global batch this member took in this step."""
         self.commits = 0
         self.rollbacks = 0
@@ -343,6 +363,7 @@ class Runtime:
         tx.step, tx.epoch = s.step, s.epoch
         tx.rank, tx.world = view.index(self.rank), len(view.members)
         self._share = None
+        self._adding_kept = None
         reseed(self.config.seed, s.step, tx.rank)
         self.registry.begin_step()
         self._hb.beat()
@@ -438,6 +459,16 @@ class Runtime:
         if share is not None:
             lo, hi, n = share
             flat.mul_((hi - lo) / n)
+            if self._adding_kept is not None:
+                assert self._kept_grad is not None
+                flat.add_(self._kept_grad)
+            elif self._keep:
+                # a copy the allreduce cannot touch: if the world shrinks in this step,
+                # the retry computes only the lost members' samples and adds it
+                if self._kept_grad is None or self._kept_grad.shape != flat.shape:
+                    self._kept_grad = torch.empty_like(flat)
+                self._kept_grad.copy_(flat)
+                self._kept = (self._fsm.step, lo, hi, n)
         with self._waiting():
             interruptible_allreduce(pg, [flat], self.interrupter)
         if share is None:
@@ -663,6 +694,9 @@ class Runtime:
         every = self.config.check_every
         digest = self.registry.digest(a.step + 1) if every and (a.step + 1) % every == 0 else None
         share = list(self._share) if self._share is not None else None
+        extra: dict[str, Any] = {}
+        if self._adding_kept is not None and share is not None:
+            extra["kept"] = [*self._adding_kept, share[2]]
         self.events.emit(
             "commit",
             epoch=self._fsm.epoch,
@@ -670,6 +704,7 @@ class Runtime:
             digest=digest,
             shard=share,
             wait_ms=self._decision_wait_ms,
+            **extra,
         )
         self._decision_wait_ms = None
         self._feed(CommitApplied())
@@ -722,6 +757,7 @@ class Runtime:
                 lost_state=a.lost_state,
                 timeout_s=self.config.rollback_timeout_s,
                 cancelled=self._cancelled(Phase.HEALING),
+                kept=self._kept[1:] if self._kept and self._kept[0] == self._fsm.step else None,
             )
         except JobFinished as e:
             self.events.emit("job_finished", step=e.step)
@@ -746,6 +782,7 @@ class Runtime:
             needs_state=sorted(view.needs_state),
             source=view.source,
             form_ms=round(waited_s * 1e3, 3),
+            **({"kept": [list(k) for k in view.kept]} if view.kept else {}),
         )
         with self._lock:
             self._view = view
