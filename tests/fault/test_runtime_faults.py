@@ -298,12 +298,13 @@ def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     """--min-replicas 2 of 3: the survivors go on without the killed worker, the restarted
     one heals and joins again at a step boundary. Every sample of every committed step is
     consumed exactly once (S5, shrinking world), and the result equals one process training
-    on the whole global batch, up to summation order. The worker dies inside the step's
-    allreduce, so the survivors kept their finished parts: the retry computes only the lost
-    part, split between them."""
+    on the whole global batch, up to summation order. The worker dies while the survivors
+    compute their parts of the step: they finish and keep them, and the retry computes
+    only the lost part, split between them."""
     steps, batch = 100, 96
-    # killed 50 ms after reaching the allreduce: the survivors have finished their parts
-    plan = [{"kind": "sigkill", "rank": 2, "at_step": 5, "point": "collective", "delay_s": 0.05}]
+    # killed 40 ms into step 5, while the survivors are inside their parts (each takes
+    # 80 ms): they finish them (the interrupt waits for the allreduce) and keep them
+    plan = [{"kind": "sigkill", "rank": 2, "at_step": 5, "delay_s": 0.04}]
     run = tmp_path / "elastic"
     run.mkdir()
     (run / "plan.json").write_text(json.dumps({"faults": plan}))

@@ -80,6 +80,21 @@ def test_atomic_section_defers_the_interrupt_to_its_end(intr):
     assert done == ["body finished"]
 
 
+def test_a_deferred_interrupt_lets_the_work_finish_and_raises_at_the_next_check(intr):
+    intr.defer_signal = True
+    done = []
+    t = later(lambda: intr.interrupt("x"), delay=0.02)
+    time.sleep(0.15)  # not interrupted
+    done.append("part finished")
+    t.join()
+    assert intr.aborted
+    with pytest.raises(StepInterrupted):
+        intr.check()
+    assert done == ["part finished"]
+    intr.begin_step(epoch=3, step=8)
+    assert not intr.defer_signal, "each step starts undeferred"
+
+
 def test_exactly_once_whichever_path_wins(intr):
     """Five interrupts, a failed future and a signal: StepInterrupted is raised once."""
     fut = torch.futures.Future()

@@ -64,6 +64,10 @@ class Interrupter:
         self._futures: set[torch.futures.Future[Any]] = set()
         self._hooks: list[Callable[[], None]] = []
         self._atomic_depth = 0
+        self.defer_signal = False
+        """Main thread: while true, an interrupt does not raise in Python code (the step
+        stays aborted; the next ``check()``, interruptible wait or ``atomic()`` end raises).
+        Reset by :meth:`begin_step`."""
         self._armed = True  # step 0 of epoch 0 is armed until the first end_step()
         self._shielded: set[Any] = set()
         self.interrupts = 0
@@ -103,6 +107,7 @@ class Interrupter:
             self._token = threading.Lock()
             self._futures.clear()
             self._armed = True
+            self.defer_signal = False
 
     def end_step(self) -> None:
         """Disarm: the step's outcome is being decided; later interrupts are ignored (the
@@ -245,8 +250,8 @@ class Interrupter:
         signal.pthread_kill(self._main_ident, self.signum)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._exc is None or self._atomic_depth > 0 or not self._armed:
-            return  # stale signal, or deferred to the end of atomic()
+        if self._exc is None or self._atomic_depth > 0 or not self._armed or self.defer_signal:
+            return  # stale signal, or deferred to the end of atomic() or the next check()
         if self._shielded:
             f = frame
             while f is not None:

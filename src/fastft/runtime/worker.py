@@ -173,6 +173,10 @@ class Transaction:
                 raise AssertionError(f"kept gradient {held} is not the offered {mine}")
         rt._share = (lo, hi, n)
         rt._adding_kept = mine
+        # A part that will be kept is worth finishing: a peer's fault from here on is
+        # raised when the part is done (at the allreduce), not in the middle of it, and
+        # the retry adds the part instead of computing a larger one from scratch.
+        rt.interrupter.defer_signal = rt._keep and mine is None
         return slice(lo, hi)
 
     def allreduce_gradients(self, model: nn.Module | None = None) -> None:
@@ -454,7 +458,6 @@ class Runtime:
         if flat is None:  # mixed dtypes or devices: flatten a copy
             grads = self.registry.gradients()
             flat = torch._utils._flatten_dense_tensors(grads)
-        pg = self._require_pg()
         share = self._share
         if share is not None:
             lo, hi, n = share
@@ -464,11 +467,14 @@ class Runtime:
                 flat.add_(self._kept_grad)
             elif self._keep:
                 # a copy the allreduce cannot touch: if the world shrinks in this step,
-                # the retry computes only the lost members' samples and adds it
+                # the retry computes only the lost members' samples and adds it. Taken
+                # before the interrupt check: a peer's fault during this member's own
+                # part was deferred to here (Transaction.shard), the part is done.
                 if self._kept_grad is None or self._kept_grad.shape != flat.shape:
                     self._kept_grad = torch.empty_like(flat)
                 self._kept_grad.copy_(flat)
                 self._kept = (self._fsm.step, lo, hi, n)
+        pg = self._require_pg()
         with self._waiting():
             interruptible_allreduce(pg, [flat], self.interrupter)
         if share is None:
