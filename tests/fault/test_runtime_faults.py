@@ -305,6 +305,9 @@ def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     # killed 40 ms into step 5, while the survivors are inside their parts (each takes
     # 80 ms): they finish them (the interrupt waits for the allreduce) and keep them
     plan = [{"kind": "sigkill", "rank": 2, "at_step": 5, "delay_s": 0.04}]
+    # an exception kills nobody, but the epoch re-forms all the same: the peers finish and
+    # keep their parts, and the faulty member's part is split over every member
+    plan += [{"kind": "exception", "rank": 1, "at_step": 60, "delay_s": 0.04}]
     run = tmp_path / "elastic"
     run.mkdir()
     (run / "plan.json").write_text(json.dumps({"faults": plan}))
@@ -320,7 +323,8 @@ def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     check_s1_s3(run, steps=steps)
     ev = read_events(run)
     sizes = [len(e["members"]) for e in ev if e["event"] == "epoch" and e["src"] == "rank 0"]
-    assert sizes == [3, 2, 3], sizes  # shrank at once, grew back when rank 2 returned
+    # shrank at once, grew back when rank 2 returned; the exception re-formed it once more
+    assert sizes[:2] == [3, 2] and sizes[-1] == 3 and len(sizes) == 4, sizes
     # exactly once: the shards of each committed step tile the global batch
     shards = shards_by_step(ev)
     assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []
@@ -330,6 +334,9 @@ def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     # and computed half of the lost third only
     retry = sorted((e["kept"], e["shard"]) for e in ev if e["event"] == "commit" and e["step"] == 5)
     assert retry == [([0, 32, 96], [64, 80, 96]), ([32, 64, 96], [80, 96, 96])], retry
+    after_exc = {e["src"]: e for e in ev if e["event"] == "commit" and e["step"] == 60}
+    assert "kept" not in after_exc.pop("rank 1")  # the member that raised kept nothing
+    assert after_exc and all("kept" in e for e in after_exc.values()), after_exc
     assert any(e["event"] == "heal" and e["src"] == "rank 2" and e["step"] > 5 for e in ev)
     # the cold restart waited for the survivors' head start (no fork while they re-form)
     (gone,) = [e for e in ev if e["event"] == "worker_exit" and e["rank"] == 2 and e["life"] == 0]

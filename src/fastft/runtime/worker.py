@@ -175,7 +175,9 @@ class Transaction:
         rt._adding_kept = mine
         # A part that will be kept is worth finishing: a peer's fault from here on is
         # raised when the part is done (at the allreduce), not in the middle of it, and
-        # the retry adds the part instead of computing a larger one from scratch.
+        # the retry adds the part instead of computing a larger one from scratch. (Any
+        # fault re-forms the epoch, so parts are offered after an exception too: the
+        # faulty member's part is then split over everyone.)
         rt.interrupter.defer_signal = rt._keep and mine is None
         return slice(lo, hi)
 
@@ -261,6 +263,8 @@ class Runtime:
         self._kept_grad: torch.Tensor | None = None
         self._adding_kept: tuple[int, int] | None = None
         """The kept range this attempt adds to its own part (``Transaction.shard``)."""
+        self._faulted = False
+        """This attempt raised a local fault: its gradient is not kept."""
         """(lo, hi, n): the slice of the global batch this member took in this step."""
         self.commits = 0
         self.rollbacks = 0
@@ -368,6 +372,7 @@ class Runtime:
         tx.rank, tx.world = view.index(self.rank), len(view.members)
         self._share = None
         self._adding_kept = None
+        self._faulted = False
         reseed(self.config.seed, s.step, tx.rank)
         self.registry.begin_step()
         self._hb.beat()
@@ -423,6 +428,9 @@ class Runtime:
         cycle there would wait for members that are already past it."""
         severity = Severity.FAULT1 if isinstance(exc, StateLost) else Severity.FAULT2
         cause = f"{type(exc).__name__}: {exc}"
+        self._faulted = True  # whatever this attempt computes is not offered as kept
+        if self._kept is not None and self._kept[0] == self._fsm.step:
+            self._kept = None
         with self._lock:
             if gen is not None and gen != self._phase_changes and severity is Severity.FAULT2:
                 self.events.emit("local_fault_superseded", step=self._fsm.step, cause=cause[:300])
@@ -465,7 +473,7 @@ class Runtime:
             if self._adding_kept is not None:
                 assert self._kept_grad is not None
                 flat.add_(self._kept_grad)
-            elif self._keep:
+            elif self._keep and not self._faulted:
                 # a copy the allreduce cannot touch: if the world shrinks in this step,
                 # the retry computes only the lost members' samples and adds it. Taken
                 # before the interrupt check: a peer's fault during this member's own
