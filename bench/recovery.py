@@ -17,6 +17,10 @@ torchft runs side by side with fastft (native and ManagerFFT) in bench/torchft_r
 on this benchmark's models (fault trials on the 4M one with ``--fault-sizes large``).
 
     python bench/recovery.py [--trials 3] [--sizes small,large] [--quick]
+    python bench/recovery.py --sizes large --faults none --repeats 0 --keep-pairs 3
+
+``--keep-pairs N``: the fault-free cost of kept parts (an elastic world copies each step's
+local gradient aside): elastic runs with and without ``--no-keep-gradients``, in turn.
 
 Results: bench/results/recovery.json and two tables.
 """
@@ -118,6 +122,7 @@ def run_fastft(
     *,
     plan: list[dict[str, object]] | None = None,
     world: str = "fixed",
+    flags: tuple[str, ...] = (),
 ) -> Path:
     run = tmp / name
     run.mkdir(parents=True)
@@ -127,6 +132,7 @@ def run_fastft(
         cmd += ["--min-replicas", str(NPROC - 1)]
     if world.endswith("+spare"):
         cmd += ["--warm-spares", "1"]
+    cmd += flags
     if plan:
         (run / "plan.json").write_text(json.dumps({"faults": plan}))
         cmd += ["--inject", str(run / "plan.json")]
@@ -173,6 +179,31 @@ def steady(size: str, steps: int, repeats: int, tmp: Path) -> dict[str, object]:
     }
 
 
+def keep_cost(size: str, steps: int, pairs: int, tmp: Path) -> dict[str, object]:
+    """Fault-free cost of kept parts: elastic runs with and without
+    ``--no-keep-gradients`` in turn, ``pairs`` rounds (each round in another order);
+    median step of each and the paired differences."""
+    hidden, layers = SIZES[size]
+    keep, bare = [], []
+    for i in range(pairs):
+        d = tmp / size / f"keep{i}"
+        order = [True, False] if i % 2 == 0 else [False, True]
+        for on in order:
+            flags = () if on else ("--no-keep-gradients",)
+            name = f"keep-{size}-{i}-{'on' if on else 'off'}"
+            run = run_fastft(hidden, layers, steps, d, name, world="elastic", flags=flags)
+            (keep if on else bare).append(statistics.median(_step_times(run / "out", skip=10)))
+    diffs = sorted((k - b) * 1e3 for k, b in zip(keep, bare, strict=True))
+    return {
+        "model": size,
+        "pairs": pairs,
+        "keep_step_ms": round(statistics.median(keep) * 1e3, 3),
+        "no_keep_step_ms": round(statistics.median(bare) * 1e3, 3),
+        "paired_extra_ms": " ".join(f"{d:+.2f}" for d in diffs),
+        "extra_pct_p50": round(statistics.median(diffs) / (statistics.median(bare) * 1e3) * 100, 2),
+    }
+
+
 def fault_trial(
     size: str, kind: str, world: str, step_s: float, trial: int, tmp: Path
 ) -> dict[str, object]:
@@ -216,8 +247,16 @@ def main() -> None:
     ap.add_argument("--sizes", default="small,large")
     ap.add_argument("--faults", default="sigkill,exception,sigstop,gil_hang", help="or none")
     ap.add_argument("--steps", type=int, default=0, help="steady steps (default by size)")
-    ap.add_argument("--repeats", type=int, default=3, help="DDP/fastft pairs for the ratio")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="DDP/fastft pairs for the ratio (0: skip)"
+    )
     ap.add_argument("--quick", action="store_true", help="1 trial, small model only")
+    ap.add_argument(
+        "--keep-pairs",
+        type=int,
+        default=0,
+        help="also time elastic fault-free runs with and without kept parts, N pairs",
+    )
     a = ap.parse_args()
     sizes = ["small"] if a.quick else a.sizes.split(",")
     trials = 1 if a.quick else a.trials
@@ -225,10 +264,18 @@ def main() -> None:
         if s not in SIZES:
             ap.error(f"--sizes: unknown size {s!r} (use {', '.join(SIZES)})")
     kinds = [] if a.faults == "none" else a.faults.split(",")
+    if a.repeats == 0 and kinds:
+        ap.error("--repeats 0 skips the steady rounds the fault targets need: add --faults none")
     tmp = Path(tempfile.mkdtemp(prefix="fastft-recovery-"))
-    steady_rows, trial_rows = [], []
+    steady_rows, trial_rows, keep_rows = [], [], []
     for size in sizes:
         steps = a.steps or (300 if size == "small" else 60)
+        if a.keep_pairs:
+            krow = keep_cost(size, max(steps, 80), a.keep_pairs, tmp)
+            keep_rows.append(krow)
+            print(f"kept parts {size}: {krow}", flush=True)
+        if a.repeats == 0:
+            continue
         row = steady(size, steps, 1 if a.quick else a.repeats, tmp)
         steady_rows.append(row)
         print(f"steady {size}: {row}", flush=True)
@@ -240,7 +287,7 @@ def main() -> None:
                     trial_rows.append(r)
                     print(f"  {r}", flush=True)
     summary = []
-    for size in sizes:
+    for size in [r["model"] for r in steady_rows]:
         step_ms = next(float(r["fastft_step_ms"]) for r in steady_rows if r["model"] == size)  # type: ignore[arg-type]
         for kind in kinds:
             for world in WORLDS:
@@ -269,28 +316,39 @@ def main() -> None:
     path = write(
         "recovery",
         summary,
-        {"nproc": NPROC, "steady": steady_rows, "trials": trial_rows, "torchft": "not run"},
+        {
+            "nproc": NPROC,
+            "steady": steady_rows,
+            "kept_parts": keep_rows,
+            "trials": trial_rows,
+            "torchft": "not run",
+        },
     )
-    print()
-    print(
-        table(
-            steady_rows,
-            [
-                "model",
-                "params",
-                "pairs",
-                "ddp_step_ms",
-                "fastft_step_ms",
-                "ratio",
-                "ratio_range",
-                "extra_ms_per_step",
-                "ddp_sync_step_ms",
-                "sync_extra_ms",
-                "ddp_cpu_ms",
-                "fastft_cpu_ms",
-            ],
+    if keep_rows:
+        print()
+        keys = ["model", "pairs", "keep_step_ms", "no_keep_step_ms", "paired_extra_ms"]
+        print(table(keep_rows, [*keys, "extra_pct_p50"]))
+    if steady_rows:
+        print()
+        print(
+            table(
+                steady_rows,
+                [
+                    "model",
+                    "params",
+                    "pairs",
+                    "ddp_step_ms",
+                    "fastft_step_ms",
+                    "ratio",
+                    "ratio_range",
+                    "extra_ms_per_step",
+                    "ddp_sync_step_ms",
+                    "sync_extra_ms",
+                    "ddp_cpu_ms",
+                    "fastft_cpu_ms",
+                ],
+            )
         )
-    )
     if not summary:
         print(f"\nresults: {path}")
         return
