@@ -32,7 +32,7 @@ bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/bus_latency.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/interrupt_latency.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/bus_soak.py
-	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/recovery.py
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/recovery.py --keep-pairs 3
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/torchft_recovery.py
 	$(BIN)/python bench/lighthouse_rpc.py
 	$(BIN)/python bench/kill_teardown.py
