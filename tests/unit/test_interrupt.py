@@ -81,7 +81,7 @@ def test_atomic_section_defers_the_interrupt_to_its_end(intr):
 
 
 def test_a_deferred_interrupt_lets_the_work_finish_and_raises_at_the_next_check(intr):
-    intr.defer_signal = True
+    intr.defer_s = 10.0
     done = []
     t = later(lambda: intr.interrupt("x"), delay=0.02)
     time.sleep(0.15)  # not interrupted
@@ -92,7 +92,17 @@ def test_a_deferred_interrupt_lets_the_work_finish_and_raises_at_the_next_check(
         intr.check()
     assert done == ["part finished"]
     intr.begin_step(epoch=3, step=8)
-    assert not intr.defer_signal, "each step starts undeferred"
+    assert intr.defer_s == 0, "each step starts undeferred"
+
+
+def test_a_deferral_ends_after_its_time_even_without_a_check(intr):
+    intr.defer_s = 0.2
+    t = later(lambda: intr.interrupt("x"), delay=0.02)
+    start = time.monotonic()
+    with pytest.raises(StepInterrupted):
+        time.sleep(10)
+    t.join()
+    assert 0.2 <= time.monotonic() - start < 2
 
 
 def test_exactly_once_whichever_path_wins(intr):

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -64,10 +65,13 @@ class Interrupter:
         self._futures: set[torch.futures.Future[Any]] = set()
         self._hooks: list[Callable[[], None]] = []
         self._atomic_depth = 0
-        self.defer_signal = False
-        """Main thread: while true, an interrupt does not raise in Python code (the step
-        stays aborted; the next ``check()``, interruptible wait or ``atomic()`` end raises).
-        Reset by :meth:`begin_step`."""
+        self.defer_s = 0.0
+        """Main thread: for this many seconds after an interrupt, it does not raise in
+        Python code (the step stays aborted; the next ``check()``, interruptible wait or
+        ``atomic()`` end raises); then the main thread is signalled again. 0: raise at
+        once. Reset by :meth:`begin_step`."""
+        self._interrupted_at = 0.0
+        self._deferral: threading.Timer | None = None
         self._armed = True  # step 0 of epoch 0 is armed until the first end_step()
         self._shielded: set[Any] = set()
         self.interrupts = 0
@@ -87,9 +91,11 @@ class Interrupter:
 
     def close(self) -> None:
         """Restore the previous signal handler. Idempotent."""
-        if not self._installed:
-            return
-        self._installed = False
+        self._cancel_deferral()
+        with self._lock:
+            if not self._installed:
+                return
+            self._installed = False
         if threading.current_thread() is threading.main_thread():
             signal.signal(self.signum, self._prev_handler or signal.SIG_DFL)
 
@@ -101,17 +107,19 @@ class Interrupter:
 
     def begin_step(self, epoch: int, step: int) -> None:
         """Arm for a new step: forget the previous step's interrupt and futures."""
+        self._cancel_deferral()
         with self._lock:
             self._epoch, self._step = epoch, step
             self._exc = None
             self._token = threading.Lock()
             self._futures.clear()
             self._armed = True
-            self.defer_signal = False
+            self.defer_s = 0.0
 
     def end_step(self) -> None:
         """Disarm: the step's outcome is being decided; later interrupts are ignored (the
         runtime learns of the fault through its state machine instead)."""
+        self._cancel_deferral()
         with self._lock:
             self._armed = False
 
@@ -214,6 +222,8 @@ class Interrupter:
                 return False
             exc = StepInterrupted(reason, epoch=self._epoch, step=self._step, message=message)
             self._exc = exc
+            self._interrupted_at = time.monotonic()
+            defer = self.defer_s
             futures = list(self._futures)
             hooks = list(self._hooks)
             self.interrupts += 1
@@ -226,7 +236,25 @@ class Interrupter:
                 log.exception("abort hook %r failed", hook)
         if self._installed and threading.get_ident() != self._main_ident:
             self._poke_main()
+            if defer > 0:  # the deferral ends even if the main thread never checks
+                t = threading.Timer(defer, self._poke_if, (exc,))
+                t.daemon = True
+                t.name = "fastft-interrupt-deferral"
+                with self._lock:
+                    self._deferral = t
+                t.start()
         return True
+
+    def _cancel_deferral(self) -> None:
+        with self._lock:
+            t, self._deferral = self._deferral, None
+        if t is not None:
+            t.cancel()
+
+    def _poke_if(self, exc: StepInterrupted) -> None:
+        with self._lock:  # close() uninstalls under the lock: never a signal without handler
+            if self._installed and self._exc is exc and self._armed:
+                self._poke_main()
 
     def raise_if_interrupted(self) -> None:
         """Raise StepInterrupted if the step was interrupted and nobody raised it yet.
@@ -250,8 +278,10 @@ class Interrupter:
         signal.pthread_kill(self._main_ident, self.signum)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._exc is None or self._atomic_depth > 0 or not self._armed or self.defer_signal:
-            return  # stale signal, or deferred to the end of atomic() or the next check()
+        if self._exc is None or self._atomic_depth > 0 or not self._armed:
+            return  # stale signal, or deferred to the end of atomic()
+        if self.defer_s and time.monotonic() - self._interrupted_at < self.defer_s:
+            return  # deferred to the next check(), or to the deferral's end
         if self._shielded:
             f = frame
             while f is not None:

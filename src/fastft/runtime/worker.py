@@ -178,7 +178,9 @@ class Transaction:
         # the retry adds the part instead of computing a larger one from scratch. (Any
         # fault re-forms the epoch, so parts are offered after an exception too: the
         # faulty member's part is then split over everyone.)
-        rt.interrupter.defer_signal = rt._keep and mine is None
+        # At most half the rollback timeout: the closer of the next epoch waits that long
+        # for a survivor before it leaves it out.
+        rt.interrupter.defer_s = rt.config.rollback_timeout_s / 2 if rt._keep and not mine else 0.0
         return slice(lo, hi)
 
     def allreduce_gradients(self, model: nn.Module | None = None) -> None:
