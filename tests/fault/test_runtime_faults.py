@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -342,7 +343,38 @@ def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     (gone,) = [e for e in ev if e["event"] == "worker_exit" and e["rank"] == 2 and e["life"] == 0]
     (back,) = [e for e in ev if e["event"] == "spawn" and e["rank"] == 2 and e["life"] == 1]
     assert back["mono"] - gone["detected"] >= COLD_RESTART_DELAY_S
-    # equal to one process on the whole batch
+    assert_equal_to_one_process(run / "out", steps, batch, ranks=range(3))
+
+
+def test_elastic_two_deaths_in_one_step_split_the_lost_parts(tmp_path):
+    """4 workers, --min-replicas 2: ranks 2 and 3 die in the same step while 0 and 1
+    compute. The survivors keep their quarters and split the lost half; every sample is
+    still consumed once and the result equals one process on the whole batch."""
+    steps, batch = 30, 96
+    plan = [{"kind": "sigkill", "rank": r, "at_step": 5, "delay_s": 0.04} for r in (2, 3)]
+    run = tmp_path / "elastic2"
+    run.mkdir()
+    (run / "plan.json").write_text(json.dumps({"faults": plan}))
+    cmd = [
+        *(sys.executable, "-m", "fastft.cli", "run", "--nproc", "4", "--min-replicas", "2"),
+        *("--run-dir", str(run), "--check-every", "1", "--job", "elastic2"),
+        *("--inject", str(run / "plan.json"), "-m", "fastft.demo.train", "--"),
+        *("--steps", str(steps), "--batch", str(batch), "--step-time", "0.08"),
+        *("--out", str(run / "out")),
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ev = read_events(run)
+    shards = shards_by_step(ev)
+    assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []
+    retry = sorted((e["kept"], e["shard"]) for e in ev if e["event"] == "commit" and e["step"] == 5)
+    assert retry == [([0, 24, 96], [48, 72, 96]), ([24, 48, 96], [72, 96, 96])], retry
+    assert_equal_to_one_process(run / "out", steps, batch, ranks=(0, 1))
+
+
+def assert_equal_to_one_process(out: Path, steps: int, batch: int, ranks: Iterable[int]) -> None:
+    """The final parameters of ``ranks`` equal one process training on the whole global
+    batch of every step (up to summation order)."""
     import torch
     from torch import nn
 
@@ -358,8 +390,8 @@ def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
         opt.step()
         opt.zero_grad(set_to_none=True)
     want = model.state_dict()
-    for r in range(3):
-        got = torch.load(run / "out" / f"final-rank{r}.pt")
+    for r in ranks:
+        got = torch.load(out / f"final-rank{r}.pt")
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5, msg=f"rank {r} {k}")
 
