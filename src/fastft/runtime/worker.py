@@ -104,6 +104,7 @@ from fastft.runtime.coordinator import ADMIT, COMMIT, Coordinator
 from fastft.runtime.events import EventLog
 from fastft.runtime.sentinel import start_exit_sentinel
 from fastft.runtime.shards import plan as plan_shards
+from fastft.runtime.shards import tile
 from fastft.runtime.state import StateRegistry, reseed
 
 __all__ = ["Runtime", "Transaction", "init"]
@@ -155,31 +156,31 @@ class Transaction:
         shrinks). After it, :meth:`allreduce_gradients` weights each member's gradient by
         its share: the result is the gradient of the mean over the whole global batch.
 
-        In an elastic world, the first attempts of a step after the world shrank in it
-        give each member a part of the lost members' samples only: the survivors that had
-        finished their own part add the gradient they kept (``keep_gradients``)."""
+        In an elastic world, the attempts of a step after it rolled back give each member
+        a piece of the samples nobody kept: the members that had finished their part add
+        the gradient they kept (``keep_gradients``, :mod:`fastft.runtime.shards`)."""
         rt = self._rt
-        offered: dict[int, tuple[int, int, int]] = {}
         view = rt._view
+        mine: tuple[int, int] | None = None
         if view is not None and view.kept and view.step == self.step:
             ranks = view.ranks
             offered = {view.index(r): (lo, hi, m) for r, lo, hi, m in view.kept if r in ranks}
-        p = plan_shards(n, self.world, offered)
-        lo, hi = p.pieces[self.rank]
-        mine = p.kept.get(self.rank)
-        if mine is not None:
-            held = rt._kept
-            if held != (self.step, *mine, n):  # pragma: no cover - it offered exactly this
-                raise AssertionError(f"kept gradient {held} is not the offered {mine}")
+            p = plan_shards(n, self.world, offered)
+            lo, hi = p.pieces[self.rank]
+            mine = p.kept.get(self.rank)
+            if mine is not None and rt._kept != (self.step, *mine, n):  # pragma: no cover
+                raise AssertionError(f"kept gradient {rt._kept} is not the offered {mine}")
+        elif n < self.world:
+            raise ValueError(f"a global batch of {n} samples cannot feed {self.world} members")
+        else:
+            lo, hi = tile(0, n, self.world, self.rank)
         rt._share = (lo, hi, n)
         rt._adding_kept = mine
         # A part that will be kept is worth finishing: a peer's fault from here on is
         # raised when the part is done (at the allreduce), not in the middle of it, and
-        # the retry adds the part instead of computing a larger one from scratch. (Any
-        # fault re-forms the epoch, so parts are offered after an exception too: the
-        # faulty member's part is then split over everyone.)
-        # At most half the rollback timeout: the closer of the next epoch waits that long
-        # for a survivor before it leaves it out.
+        # the retry adds the part instead of computing a larger one from scratch; for at
+        # most half the rollback timeout, which is how long the closer of the next epoch
+        # waits for a survivor before it leaves it out.
         rt.interrupter.defer_s = rt.config.rollback_timeout_s / 2 if rt._keep and not mine else 0.0
         return slice(lo, hi)
 
