@@ -309,18 +309,7 @@ def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     # an exception kills nobody, but the epoch re-forms all the same: the peers finish and
     # keep their parts, and the faulty member's part is split over every member
     plan += [{"kind": "exception", "rank": 1, "at_step": 60, "delay_s": 0.04}]
-    run = tmp_path / "elastic"
-    run.mkdir()
-    (run / "plan.json").write_text(json.dumps({"faults": plan}))
-    cmd = [
-        *(sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--min-replicas", "2"),
-        *("--run-dir", str(run), "--check-every", "1", "--job", "elastic"),
-        *("--inject", str(run / "plan.json"), "-m", "fastft.demo.train", "--"),
-        *("--steps", str(steps), "--batch", str(batch), "--step-time", "0.08"),
-        *("--out", str(run / "out")),
-    ]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
-    assert p.returncode == 0, p.stderr[-3000:]
+    run = run_elastic(tmp_path / "elastic", 3, plan, steps, batch)
     check_s1_s3(run, steps=steps)
     ev = read_events(run)
     sizes = [len(e["members"]) for e in ev if e["event"] == "epoch" and e["src"] == "rank 0"]
@@ -352,24 +341,31 @@ def test_elastic_two_deaths_in_one_step_split_the_lost_parts(tmp_path):
     still consumed once and the result equals one process on the whole batch."""
     steps, batch = 30, 96
     plan = [{"kind": "sigkill", "rank": r, "at_step": 5, "delay_s": 0.04} for r in (2, 3)]
-    run = tmp_path / "elastic2"
-    run.mkdir()
-    (run / "plan.json").write_text(json.dumps({"faults": plan}))
-    cmd = [
-        *(sys.executable, "-m", "fastft.cli", "run", "--nproc", "4", "--min-replicas", "2"),
-        *("--run-dir", str(run), "--check-every", "1", "--job", "elastic2"),
-        *("--inject", str(run / "plan.json"), "-m", "fastft.demo.train", "--"),
-        *("--steps", str(steps), "--batch", str(batch), "--step-time", "0.08"),
-        *("--out", str(run / "out")),
-    ]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
-    assert p.returncode == 0, p.stderr[-3000:]
+    run = run_elastic(tmp_path / "elastic2", 4, plan, steps, batch)
     ev = read_events(run)
     shards = shards_by_step(ev)
     assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []
     retry = sorted((e["kept"], e["shard"]) for e in ev if e["event"] == "commit" and e["step"] == 5)
     assert retry == [([0, 24, 96], [48, 72, 96]), ([24, 48, 96], [72, 96, 96])], retry
     assert_equal_to_one_process(run / "out", steps, batch, ranks=(0, 1))
+
+
+def run_elastic(
+    run: Path, nproc: int, plan: list[dict[str, object]], steps: int, batch: int
+) -> Path:
+    """The demo's training script under ``fastft run --min-replicas 2`` (80 ms steps)."""
+    run.mkdir()
+    (run / "plan.json").write_text(json.dumps({"faults": plan}))
+    cmd = [
+        *(sys.executable, "-m", "fastft.cli", "run", "--nproc", str(nproc)),
+        *("--min-replicas", "2", "--run-dir", str(run), "--check-every", "1"),
+        *("--job", run.name, "--inject", str(run / "plan.json"), "-m", "fastft.demo.train"),
+        *("--", "--steps", str(steps), "--batch", str(batch), "--step-time", "0.08"),
+        *("--out", str(run / "out")),
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return run
 
 
 def assert_equal_to_one_process(out: Path, steps: int, batch: int, ranks: Iterable[int]) -> None:

@@ -120,25 +120,7 @@ def test_survivors_exclude_the_dead_and_admit_its_restart(server):
     assert first is not None
     restarted = coord(server, 2, 99)
     restarted.register_joiner()
-    out: dict[int, EpochView | None] = {}
-
-    def survive(c: Coordinator) -> None:
-        out[c.me.rank] = c.form_as_survivor(
-            first,
-            frozenset({2}),
-            step=7,
-            lost_state=False,
-            timeout_s=5,
-            cancelled=lambda: False,
-        )
-
-    threads = [threading.Thread(target=survive, args=(c,)) for c in cs[:2]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=20)
-    assert out[0] == out[1]
-    v = out[0]
+    v = _survive(cs[:2], first, dead=2, step=7)
     assert v is not None and v.epoch == 2 and v.step == 7
     assert v.members == (Member(0, 10), Member(1, 11), Member(2, 99))
     assert v.needs_state == frozenset({2}) and v.source == 0
@@ -188,26 +170,39 @@ def test_survivors_offer_their_kept_gradients_in_the_view(server):
     assert first is not None
     for c in cs:
         c.min_members = 2  # elastic: the survivors go on without rank 2
+    v = _survive(cs[:2], first, dead=2, step=7, kept={0: (0, 32, 96)})
+    assert v is not None and v.kept == ((0, 0, 32, 96),)
+    assert EpochView.from_json(v.to_json()) == v
+
+
+def _survive(
+    cs: list[Coordinator],
+    prev: EpochView,
+    *,
+    dead: int,
+    step: int,
+    kept: dict[int, tuple[int, int, int]] | None = None,
+) -> EpochView | None:
+    """``cs`` form the epoch after ``prev`` without ``dead``, each in a thread; returns the
+    view they all agreed on."""
     out: dict[int, EpochView | None] = {}
-    offers = {0: (0, 32, 96), 1: None}
 
     def survive(c: Coordinator) -> None:
         out[c.me.rank] = c.form_as_survivor(
-            first,
-            frozenset({2}),
-            step=7,
+            prev,
+            frozenset({dead}),
+            step=step,
             lost_state=False,
             timeout_s=5,
             cancelled=lambda: False,
-            kept=offers[c.me.rank],
+            kept=(kept or {}).get(c.me.rank),
         )
 
-    threads = [threading.Thread(target=survive, args=(c,)) for c in cs[:2]]
+    threads = [threading.Thread(target=survive, args=(c,)) for c in cs]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=20)
-    assert out[0] == out[1]
-    v = out[0]
-    assert v is not None and v.kept == ((0, 0, 32, 96),)
-    assert EpochView.from_json(v.to_json()) == v
+    views = [out[c.me.rank] for c in cs]
+    assert all(v == views[0] for v in views), views
+    return views[0]
