@@ -48,7 +48,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=96, help="global batch per step")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
+    ap.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="simulated compute: extra seconds per step for a part of batch/nproc samples, "
+        "in proportion to the samples a member actually gets",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write final state here")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -63,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
             mine = tx.shard(a.batch)  # this member's samples of the step's global batch
             loss = nn.functional.mse_loss(model(x[mine]), y[mine])
             loss.backward()
-            if a.step_time:
-                time.sleep(a.step_time)
+            if a.step_time:  # compute in proportion to the samples, as a real model's
+                time.sleep(a.step_time * (mine.stop - mine.start) * ft.config.world_size / a.batch)
             tx.allreduce_gradients()
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
