@@ -260,15 +260,17 @@ class Runtime:
         self._retries = 0
         self._registered = False
         self._share: tuple[int, int, int] | None = None
+        """(lo, hi, n): the slice of the global batch this member took in this step."""
         self._keep = config.keep_gradients and config.elastic
         self._kept: tuple[int, int, int, int] | None = None
         """(step, lo, hi, n) of the weighted local gradient in ``_kept_grad``."""
         self._kept_grad: torch.Tensor | None = None
+        self._kept_now = False
+        """``_kept`` was taken by this attempt."""
         self._adding_kept: tuple[int, int] | None = None
         """The kept range this attempt adds to its own part (``Transaction.shard``)."""
         self._faulted = False
-        """This attempt raised a local fault: its gradient is not kept."""
-        """(lo, hi, n): the slice of the global batch this member took in this step."""
+        """This attempt raised a local fault: what it computes is not kept."""
         self.commits = 0
         self.rollbacks = 0
         self._decision_wait_ms: float | None = None
@@ -376,6 +378,7 @@ class Runtime:
         self._share = None
         self._adding_kept = None
         self._faulted = False
+        self._kept_now = False
         reseed(self.config.seed, s.step, tx.rank)
         self.registry.begin_step()
         self._hb.beat()
@@ -431,9 +434,11 @@ class Runtime:
         cycle there would wait for members that are already past it."""
         severity = Severity.FAULT1 if isinstance(exc, StateLost) else Severity.FAULT2
         cause = f"{type(exc).__name__}: {exc}"
-        self._faulted = True  # whatever this attempt computes is not offered as kept
-        if self._kept is not None and self._kept[0] == self._fsm.step:
-            self._kept = None
+        # nothing this attempt computed is offered as kept (an exception may mean a bad
+        # gradient); a part kept by an earlier attempt of the step stays valid
+        self._faulted = True
+        if self._kept_now:
+            self._kept, self._kept_now = None, False
         with self._lock:
             if gen is not None and gen != self._phase_changes and severity is Severity.FAULT2:
                 self.events.emit("local_fault_superseded", step=self._fsm.step, cause=cause[:300])
@@ -481,10 +486,15 @@ class Runtime:
                 # the retry computes only the lost members' samples and adds it. Taken
                 # before the interrupt check: a peer's fault during this member's own
                 # part was deferred to here (Transaction.shard), the part is done.
-                if self._kept_grad is None or self._kept_grad.shape != flat.shape:
-                    self._kept_grad = torch.empty_like(flat)
-                self._kept_grad.copy_(flat)
-                self._kept = (self._fsm.step, lo, hi, n)
+                kg = self._kept_grad
+                if kg is None or (kg.shape, kg.dtype, kg.device) != (
+                    flat.shape,
+                    flat.dtype,
+                    flat.device,
+                ):
+                    self._kept_grad = kg = torch.empty_like(flat)
+                kg.copy_(flat)
+                self._kept, self._kept_now = (self._fsm.step, lo, hi, n), True
         pg = self._require_pg()
         with self._waiting():
             interruptible_allreduce(pg, [flat], self.interrupter)
