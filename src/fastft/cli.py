@@ -164,8 +164,8 @@ def _build() -> argparse.ArgumentParser:
         dest="keep_gradients",
         action="store_false",
         help="elastic world: do not keep a copy of each step's local gradient (saves one "
-        "gradient-sized buffer per worker; a step the world shrank in is then recomputed "
-        "whole by the survivors instead of only the lost members' samples)",
+        "gradient-sized buffer per worker; a step that rolled back is then recomputed "
+        "whole instead of only the samples no member kept)",
     )
     p.add_argument("--run-dir", default=None, help="event log and heartbeats (default: temp)")
     p.add_argument("--seed", type=int, default=0)

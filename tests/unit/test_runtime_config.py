@@ -1,0 +1,42 @@
+"""The worker's configuration from the launcher's environment (RuntimeConfig.from_env)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastft.errors import ConfigError
+from fastft.runtime.contract import ENV, RuntimeConfig
+
+BASE = {
+    ENV["store"]: "127.0.0.1:1234",
+    ENV["job"]: "j",
+    ENV["rank"]: "1",
+    ENV["world_size"]: "3",
+}
+
+
+def test_reads_the_launchers_variables():
+    cfg = RuntimeConfig.from_env({**BASE, ENV["min_replicas"]: "2", ENV["seed"]: "7"})
+    assert (cfg.rank, cfg.world_size, cfg.min_members, cfg.seed) == (1, 3, 2, 7)
+    assert cfg.elastic and cfg.keep_gradients
+    assert not RuntimeConfig.from_env(BASE).elastic  # min_replicas defaults to the world
+
+
+@pytest.mark.parametrize("raw, want", [("0", False), ("1", True), ("", True), ("no", False)])
+def test_keep_gradients_switch(raw, want):
+    assert RuntimeConfig.from_env({**BASE, ENV["keep_gradients"]: raw}).keep_gradients is want
+    assert RuntimeConfig.from_env(BASE, keep_gradients=False).keep_gradients is False
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({ENV["keep_gradients"]: "maybe"}, "FASTFT_KEEP_GRADIENTS='maybe': expected 0 or 1"),
+        ({ENV["store"]: ""}, "FASTFT_STORE is not set"),
+        ({ENV["rank"]: "x"}, "must be integers"),
+        ({ENV["min_replicas"]: "9"}, "min_replicas=9"),
+    ],
+)
+def test_bad_variables_say_what_to_fix(env, match):
+    with pytest.raises(ConfigError, match=match):
+        RuntimeConfig.from_env({**BASE, **env})
