@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fastft.demo.train import batch, build
+from fastft.runtime.shards import tile
 
 WARMUP = 10
 
@@ -44,12 +45,6 @@ class CpuClock:
         if self.start is None or not self.steps:
             return None
         return (time.process_time() - self.start) / self.steps
-
-
-def shard(n: int, rank: int, world: int) -> slice:
-    per, extra = divmod(n, world)
-    lo = rank * per + min(rank, extra)
-    return slice(lo, lo + per + (1 if rank < extra else 0))
 
 
 def main() -> None:
@@ -78,7 +73,7 @@ def main() -> None:
         for step in range(a.steps):
             t0 = time.perf_counter()
             x, y = batch(step, 0, a.batch)
-            mine = shard(a.batch, rank, world)
+            mine = slice(*tile(0, a.batch, world, rank))
             nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
             if a.extra_sync:
                 dist.all_reduce(torch.ones(1))

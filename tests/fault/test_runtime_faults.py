@@ -342,6 +342,7 @@ def test_elastic_two_deaths_in_one_step_split_the_lost_parts(tmp_path):
     steps, batch = 30, 96
     plan = [{"kind": "sigkill", "rank": r, "at_step": 5, "delay_s": 0.04} for r in (2, 3)]
     run = run_elastic(tmp_path / "elastic2", 4, plan, steps, batch)
+    check_s1_s3(run, steps=steps)
     ev = read_events(run)
     shards = shards_by_step(ev)
     assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []

@@ -246,6 +246,8 @@ class Interrupter:
         return True
 
     def _cancel_deferral(self) -> None:
+        if self._deferral is None:  # the fault-free path: twice per step, no lock
+            return
         with self._lock:
             t, self._deferral = self._deferral, None
         if t is not None:
