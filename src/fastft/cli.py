@@ -167,6 +167,12 @@ def _build() -> argparse.ArgumentParser:
         "gradient-sized buffer per worker; a step that rolled back is then recomputed "
         "whole instead of only the samples no member kept)",
     )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        help="process groups: gloo, nccl (one GPU per worker) or auto (default: nccl for a "
+        "model on CUDA when each worker of the node has a GPU of its own, else gloo)",
+    )
     p.add_argument("--run-dir", default=None, help="event log and heartbeats (default: temp)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -190,6 +196,13 @@ def _build() -> argparse.ArgumentParser:
         action="store_true",
         help="survivors go on without a lost worker (--min-replicas nproc/2); the check is "
         "then: every sample consumed once and parameters equal up to summation order",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the workers' models train (cuda: one GPU each where there are enough, "
+        "NCCL then; else the GPUs are shared and the process groups are Gloo)",
     )
     return parser
 
@@ -411,6 +424,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             lighthouse_join_ms=args.lighthouse_join_ms,
             exit_trace=args.exit_trace,
             keep_gradients=args.keep_gradients,
+            backend=args.backend,
         )
         agent = Agent(cfg)
     except FastFTError as e:
@@ -437,12 +451,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if args.steps < 20 or args.nproc < 2:
         _fail("demo: use --steps >= 20 and --nproc >= 2")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            _fail("demo --device cuda: no CUDA device is visible (use --device cpu)")
     return run_demo(
         steps=args.steps,
         nproc=args.nproc,
         run_dir=args.run_dir,
         live=not args.no_live,
         elastic=args.elastic,
+        device=args.device,
     )
 
 

@@ -122,6 +122,20 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
             None,
         )
         restarted = any(s in f["seen_as"] for s in _PROCESS_EVENTS)
+        if nxt is None and not restarted:  # a one-worker job: the faulty worker goes on itself
+            nxt = next(
+                (
+                    e
+                    for e in ev
+                    if e["mono"] >= t
+                    and e["event"] == "commit"
+                    and _rank_of(e["src"]) == r
+                    and (
+                        e["step"] >= f["step"] if f["step"] is not None else e["epoch"] > f["epoch"]
+                    )
+                ),
+                None,
+            )
         back = (
             next(
                 (

@@ -43,6 +43,7 @@ def free_port():
         ["inject", "--store", "127.0.0.1:1", "--job", "j", "--rank", "-3", "--kind", "sigkill"],
         ["report-error", "--store", "127.0.0.1:PORT", "--job", "j", "--rank", "0"],
         ["bus", "tail", "--store", "127.0.0.1:PORT", "--job", "j"],
+        ["run", "--backend", "mpi", "--nproc", "2", "-m", "fastft.demo.train"],
         ["frobnicate"],
     ],
 )
@@ -151,3 +152,13 @@ def test_plan_check(tmp_path):
     bad.write_text('{"faults": [{"kind": "meteor", "rank": 1}]}')
     r = fastft("plan", "check", str(bad))
     assert r.returncode == 2 and "meteor" in r.stderr
+
+
+def test_nccl_without_a_gpu_per_worker_fails_at_start_and_says_what_to_do():
+    r = fastft(
+        *("run", "--backend", "nccl", "--nproc", "2", "-m", "fastft.demo.train"),
+        env={"CUDA_VISIBLE_DEVICES": ""},  # no GPU, also on a GPU machine
+    )
+    assert r.returncode == 2, r
+    assert "--backend nccl needs one GPU per worker" in r.stderr
+    assert "use --backend gloo" in r.stderr

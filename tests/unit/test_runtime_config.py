@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fastft.errors import ConfigError
-from fastft.runtime.contract import ENV, RuntimeConfig
+from fastft.runtime.contract import ENV, RuntimeConfig, choose_backend
 
 BASE = {
     ENV["store"]: "127.0.0.1:1234",
@@ -35,8 +35,43 @@ def test_keep_gradients_switch(raw, want):
         ({ENV["store"]: ""}, "FASTFT_STORE is not set"),
         ({ENV["rank"]: "x"}, "must be integers"),
         ({ENV["min_replicas"]: "9"}, "min_replicas=9"),
+        ({ENV["backend"]: "mpi"}, "backend='mpi': use auto, gloo or nccl"),
     ],
 )
 def test_bad_variables_say_what_to_fix(env, match):
     with pytest.raises(ConfigError, match=match):
         RuntimeConfig.from_env({**BASE, **env})
+
+
+def test_backend_from_the_environment():
+    assert RuntimeConfig.from_env(BASE).backend == "auto"
+    assert RuntimeConfig.from_env({**BASE, ENV["backend"]: "gloo"}).backend == "gloo"
+
+
+@pytest.mark.parametrize(
+    "backend, devices, local_world, gpus, want",
+    [
+        ("auto", {"cpu"}, 4, 8, "gloo"),  # a CPU model on a GPU machine: Gloo
+        ("auto", set(), 1, 0, "gloo"),  # nothing registered
+        ("auto", {"cuda"}, 4, 8, "nccl"),  # a GPU each
+        ("auto", {"cuda"}, 4, 1, "gloo"),  # four workers share one GPU: NCCL refuses
+        ("gloo", {"cuda"}, 1, 1, "gloo"),
+        ("nccl", {"cuda"}, 2, 2, "nccl"),
+    ],
+)
+def test_choose_backend(backend, devices, local_world, gpus, want):
+    got, why = choose_backend(backend, devices, local_world=local_world, gpus=gpus)
+    assert got == want
+    assert bool(why) == (backend == "auto" and "cuda" in devices and want == "gloo")
+
+
+@pytest.mark.parametrize(
+    "devices, local_world, gpus, match",
+    [
+        ({"cpu"}, 1, 1, "needs the model on a GPU"),
+        ({"cuda"}, 2, 1, "needs one GPU per worker: 2 workers on this node, 1 GPU"),
+    ],
+)
+def test_nccl_that_cannot_work_is_a_config_error(devices, local_world, gpus, match):
+    with pytest.raises(ConfigError, match=match):
+        choose_backend("nccl", devices, local_world=local_world, gpus=gpus)

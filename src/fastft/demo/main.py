@@ -101,13 +101,18 @@ def run_demo(
     run_dir: str | None = None,
     live: bool = False,
     elastic: bool = False,
+    device: str = "cpu",
 ) -> int:
     root = Path(run_dir or tempfile.mkdtemp(prefix="fastft-demo-"))
     live = live and sys.stdout.isatty()  # a live display only on a terminal
     mode = f"elastic (--min-replicas {max(1, nproc // 2)})" if elastic else "fixed world"
-    print(f"fastft demo: {nproc} workers, {steps} steps, {mode}, runs in {root}", flush=True)
+    print(
+        f"fastft demo: {nproc} workers on {device}, {steps} steps, {mode}, runs in {root}",
+        flush=True,
+    )
     # elastic: slower steps, so that restarted workers (~2 s of start-up) get back in
-    train = ("--step-time", "0.03") if elastic else ()
+    train: tuple[str, ...] = ("--step-time", "0.03") if elastic else ()
+    train += ("--device", device)
     # warm spares: a killed worker's place is taken by a process with torch imported
     flags: tuple[str, ...] = ("--warm-spares", "3")
     if elastic:

@@ -56,10 +56,22 @@ def main(argv: list[str] | None = None) -> None:
         "in proportion to the samples a member actually gets",
     )
     ap.add_argument("--out", type=Path, default=None, help="write final state here")
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the model trains (cuda: cuda:LOCAL_RANK, modulo the GPUs visible)",
+    )
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    dev = torch.device("cpu")
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: no CUDA device is visible")
+        local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        dev = torch.device("cuda", local % torch.cuda.device_count())
 
-    model = build(a.hidden, a.seed, a.layers)
+    model = build(a.hidden, a.seed, a.layers).to(dev)  # built on the CPU: the same everywhere
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ft = fastft.init()
     ft.register(model=model, optimizer=opt)
@@ -67,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         with ft.transaction() as tx:
             x, y = batch(tx.step, a.seed, a.batch)
             mine = tx.shard(a.batch)  # this member's samples of the step's global batch
-            loss = nn.functional.mse_loss(model(x[mine]), y[mine])
+            loss = nn.functional.mse_loss(model(x[mine].to(dev)), y[mine].to(dev))
             loss.backward()
             if a.step_time:  # compute in proportion to the samples, as a real model's
                 time.sleep(a.step_time * (mine.stop - mine.start) * ft.config.world_size / a.batch)

@@ -9,6 +9,7 @@ reused: the runtime builds a new one for the next epoch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,20 +40,52 @@ def _relay(target: torch.futures.Future[Any]) -> Any:
     return cb
 
 
-def wait_work(work: dist.Work, interrupter: Interrupter) -> None:
+_SPIN_S = 200e-6
+"""GPU works: how long :func:`_wait_gpu` polls without sleeping before it backs off."""
+_POLL_MAX_S = 500e-6
+"""GPU works: the longest sleep between two polls (the most a completion is noticed late)."""
+
+
+def wait_work(work: dist.Work, interrupter: Interrupter, *, gpu: bool = False) -> None:
     """Wait for ``work``; raise StepInterrupted on an interrupt, CollectiveFailed if the
-    collective itself failed (e.g. a peer's connection was reset)."""
+    collective itself failed (e.g. a peer's connection was reset). ``gpu``: the work's
+    tensors are on a GPU; return only once the GPU has finished it (see :func:`_wait_gpu`)."""
     mine: torch.futures.Future[Any] = torch.futures.Future()
     work.get_future().then(_relay(mine))
     with interrupter.pending(mine):
         try:
             mine.wait()
+            if gpu:
+                _wait_gpu(work, interrupter)
         except FutureCancelled:
             interrupter.check()
             raise
         except CollectiveFailed:
             interrupter.check()  # an interrupt that raced the failure wins
             raise
+
+
+def _wait_gpu(work: dist.Work, interrupter: Interrupter) -> None:
+    """NCCL completes a work's future as soon as the collective is *enqueued* on its
+    stream; the result is ordered for later kernels, but the host has not seen it finish.
+    A step must not vote COMMIT on a reduction that a dead peer may never finish, so poll
+    the work's end event (``is_completed``: a non-blocking event query) until the GPU is
+    done: a spin of ``_SPIN_S``, then sleeps doubling up to ``_POLL_MAX_S``. Interruptible
+    between polls (and in each sleep, by the interrupter's signal); a hung collective is
+    then released by aborting its communicator (the runtime's AbortProcessGroup)."""
+    t_spin = time.perf_counter() + _SPIN_S
+    delay = 20e-6
+    while not work.is_completed():
+        interrupter.check()
+        if time.perf_counter() < t_spin:
+            continue
+        time.sleep(delay)
+        delay = min(delay * 2, _POLL_MAX_S)
+    try:
+        work.wait()  # raises the collective's error, if it failed on the GPU
+    except Exception as e:
+        interrupter.check()
+        raise CollectiveFailed(f"collective failed: {e}") from e
 
 
 def allreduce(
@@ -65,7 +98,8 @@ def allreduce(
     interrupter.check()
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
-    wait_work(pg.allreduce(list(tensors), opts), interrupter)
+    gpu = any(t.is_cuda for t in tensors)
+    wait_work(pg.allreduce(list(tensors), opts), interrupter, gpu=gpu)
 
 
 def broadcast(
@@ -79,7 +113,8 @@ def broadcast(
     opts = dist.BroadcastOptions()
     opts.rootRank = src
     opts.rootTensor = 0
-    wait_work(pg.broadcast(list(tensors), opts), interrupter)
+    gpu = any(t.is_cuda for t in tensors)
+    wait_work(pg.broadcast(list(tensors), opts), interrupter, gpu=gpu)
 
 
 def broadcast_bytes(

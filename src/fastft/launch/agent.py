@@ -91,6 +91,9 @@ class LaunchConfig:
     debugger or a blocking ``py-spy`` can attach to the workers."""
     keep_gradients: bool = True
     """Elastic world: workers keep each step's weighted local gradient (``RuntimeConfig``)."""
+    backend: str = "auto"
+    """Process groups: ``gloo``, ``nccl`` (one GPU per worker) or ``auto`` (each worker
+    picks from where its model lives: :func:`fastft.runtime.contract.choose_backend`)."""
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,6 +101,18 @@ class LaunchConfig:
             raise ConfigError("no worker command: fastft run [flags] script.py [args]")
         if self.nproc < 1:
             raise ConfigError(f"--nproc {self.nproc}: must be >= 1")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"--backend {self.backend!r}: use auto, gloo or nccl")
+        if self.backend == "nccl":
+            import torch
+
+            gpus = torch.cuda.device_count()  # NVML where it can: no CUDA context here
+            if gpus < self.nproc:
+                raise ConfigError(
+                    f"--backend nccl needs one GPU per worker: --nproc {self.nproc} on a node "
+                    f"with {gpus} GPU(s) visible (NCCL refuses two ranks on one GPU); "
+                    "lower --nproc or use --backend gloo"
+                )
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 f"--node-rank {self.node_rank} with --nnodes {self.nnodes}: "
@@ -306,6 +321,10 @@ class Agent:
             ENV["seed"]: str(cfg.seed),
             ENV["check_every"]: str(cfg.check_every),
             ENV["keep_gradients"]: "1" if cfg.keep_gradients else "0",
+            ENV["backend"]: cfg.backend,
+            # torchrun's names: scripts place their model on cuda:LOCAL_RANK
+            "LOCAL_RANK": str(slot.rank - cfg.node_rank * cfg.nproc),
+            "LOCAL_WORLD_SIZE": str(cfg.nproc),
         }
         trace_path = str(self.run_dir / f".exit-trace-{slot.rank}-{slot.life}")
         if cfg.exit_trace and self.tracer.refused is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fastft.errors import ConfigError, FastFTError
 
-__all__ = ["RuntimeConfig", "Member", "EpochView", "WorkerExit", "ENV"]
+__all__ = ["RuntimeConfig", "Member", "EpochView", "WorkerExit", "ENV", "choose_backend"]
 
 ENV = {
     "store": "FASTFT_STORE",
@@ -30,6 +30,7 @@ ENV = {
     "check_every": "FASTFT_CHECK_EVERY",
     "exit_trace": "FASTFT_EXIT_TRACE_FILE",
     "keep_gradients": "FASTFT_KEEP_GRADIENTS",
+    "backend": "FASTFT_BACKEND",
 }
 """Environment variables the launcher sets for each worker."""
 
@@ -164,8 +165,48 @@ class RuntimeConfig:
             incarnation=num("incarnation", None),
             check_every=num("check_every", 0) or 0,
             keep_gradients=flag("keep_gradients", True),
+            backend=str(overrides.get("backend", env.get(ENV["backend"]) or "auto")),
             **rest,  # type: ignore[arg-type]
         )
+
+
+def choose_backend(
+    backend: str, devices: set[str], *, local_world: int, gpus: int
+) -> tuple[str, str]:
+    """The process-group backend for a model whose parameters live on ``devices``
+    (device types), with ``local_world`` workers on this node and ``gpus`` GPUs visible.
+    Returns ``(backend, why)``, ``why`` saying why ``auto`` did not pick NCCL for a model on
+    the GPU (empty otherwise). Pure: every member of a job decides alike.
+
+    * ``auto``: NCCL for a model on CUDA when every local worker has a GPU of its own
+      (NCCL refuses two ranks on one GPU: "Duplicate GPU detected"), else Gloo (which
+      reduces CUDA tensors through host memory);
+    * ``nccl`` for a model that is not on CUDA, or with fewer GPUs than local workers, is a
+      ConfigError that says what to change."""
+    on_gpu = "cuda" in devices
+    if backend == "gloo":
+        return "gloo", ""
+    if backend == "nccl":
+        if not on_gpu:
+            raise ConfigError(
+                "backend nccl needs the model on a GPU (model.to('cuda') before "
+                "ft.register), or use --backend gloo"
+            )
+        if local_world > gpus:
+            raise ConfigError(
+                f"backend nccl needs one GPU per worker: {local_world} workers on this node, "
+                f"{gpus} GPU(s) visible (NCCL refuses two ranks on one GPU); "
+                "lower --nproc or use --backend gloo"
+            )
+        return "nccl", ""
+    if not on_gpu:
+        return "gloo", ""
+    if local_world > gpus:
+        return "gloo", (
+            f"auto chose gloo for a model on CUDA: {local_world} workers on this node share "
+            f"{gpus} GPU(s), and NCCL needs one GPU per worker"
+        )
+    return "nccl", ""
 
 
 @dataclass(frozen=True, order=True)

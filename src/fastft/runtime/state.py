@@ -223,11 +223,16 @@ class StateRegistry:
         return pickle.dumps(meta), flats
 
     @staticmethod
-    def allocate(header: bytes) -> list[torch.Tensor]:
-        """Empty flat byte tensors to receive what :meth:`pack` sent with ``header``."""
+    def allocate(header: bytes, cuda: torch.device | None = None) -> list[torch.Tensor]:
+        """Empty flat byte tensors to receive what :meth:`pack` sent with ``header``; the
+        sender's GPU buffers land on ``cuda`` (default: the current device)."""
         out = []
         for dev, size in pickle.loads(header)["buffers"]:
-            device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else dev
+            device = (
+                (cuda or torch.device("cuda", torch.cuda.current_device()))
+                if dev == "cuda"
+                else dev
+            )
             out.append(torch.empty(size, dtype=torch.uint8, device=device))
         return out
 

@@ -99,7 +99,14 @@ from fastft.protocol import (
     RollbackRequest,
     Severity,
 )
-from fastft.runtime.contract import EpochView, JobFinished, Member, RuntimeConfig, WorkerExit
+from fastft.runtime.contract import (
+    EpochView,
+    JobFinished,
+    Member,
+    RuntimeConfig,
+    WorkerExit,
+    choose_backend,
+)
 from fastft.runtime.coordinator import ADMIT, COMMIT, Coordinator
 from fastft.runtime.events import EventLog
 from fastft.runtime.sentinel import start_exit_sentinel
@@ -271,6 +278,7 @@ class Runtime:
         """The kept range this attempt adds to its own part (``Transaction.shard``)."""
         self._faulted = False
         """This attempt raised a local fault: what it computes is not kept."""
+        self._backend_chosen: str | None = None
         self.commits = 0
         self.rollbacks = 0
         self._decision_wait_ms: float | None = None
@@ -296,6 +304,8 @@ class Runtime:
         """Register what a step changes and a heal transfers, then join the job: returns
         once this worker is a member of an epoch and holds the committed state."""
         self.registry.register(model, optimizer, **others)
+        if model is not None:
+            self._backend()  # a backend that cannot work with this model fails here
         self._registered = True
         self._drive(lambda s: s.phase is Phase.NORMAL)
         return self
@@ -575,10 +585,7 @@ class Runtime:
                 self._abandoned.append(self._pg)
                 exit_without_destructors_later()
                 if hasattr(self._pg, "abort") and self._backend() == "nccl":
-                    try:
-                        self._pg.abort()
-                    except Exception:  # pragma: no cover - NCCL only
-                        log.exception("process group abort failed")
+                    self._abort_nccl(self._pg, s.epoch)
                 self._pg = None
         elif isinstance(a, CancelFutures):
             pass  # the interrupt already failed every pending future of the step
@@ -605,6 +612,24 @@ class Runtime:
                 )
         else:  # pragma: no cover - a new action without an executor
             raise AssertionError(f"no executor for {a}")
+
+    def _abort_nccl(self, pg: Any, epoch: int) -> None:  # pragma: no cover - NCCL only
+        """Abort an abandoned NCCL communicator, off the state machine's lock: the abort
+        releases a collective stuck on a dead peer, but it also waits for the kernels
+        queued before that collective on the GPU, which can take long. The next epoch
+        builds a new communicator meanwhile."""
+
+        def run() -> None:
+            t0 = time.monotonic()
+            try:
+                pg.abort()
+            except Exception:
+                log.exception("process group abort failed")
+            self.events.emit(
+                "pg_abort", epoch=epoch, abort_ms=round((time.monotonic() - t0) * 1e3, 3)
+            )
+
+        threading.Thread(target=run, name=f"fastft-nccl-abort-{epoch}", daemon=True).start()
 
     def _drive(self, done: Callable[[StepState], bool]) -> None:
         """Main thread: run queued actions until ``done(state)``."""
@@ -819,16 +844,34 @@ class Runtime:
                     self._feed_locked(PeerFault(m.rank, Severity.FAULT1, "died during formation"))
 
     def _comm_device(self) -> torch.device:
-        """Where this epoch's collectives take tensors: NCCL needs them on the GPU."""
+        """Where this epoch's collectives take tensors: NCCL needs them on the model's GPU."""
         if self._backend() == "nccl":  # pragma: no cover - GPU machines only
-            return torch.device("cuda", torch.cuda.current_device())
+            return self._gpu() or torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    def _gpu(self) -> torch.device | None:
+        """The GPU of the registered model, None if it has none."""
+        model = self.registry.model
+        for p in model.parameters() if model is not None else ():
+            if p.device.type == "cuda":
+                return p.device
+        return None
+
     def _backend(self) -> str:
-        b = self.config.backend
-        if b == "auto":
-            return "nccl" if torch.cuda.is_available() else "gloo"
-        return b
+        """The configured backend; ``auto`` is decided once, at the first process group,
+        from where the registered model lives (:func:`choose_backend`)."""
+        if self._backend_chosen is None:
+            model = self.registry.model
+            devices = {p.device.type for p in model.parameters()} if model is not None else set()
+            self._backend_chosen, why = choose_backend(
+                self.config.backend,
+                devices,
+                local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
+                gpus=torch.cuda.device_count() if "cuda" in devices else 0,
+            )
+            if why:
+                log.warning("backend: %s", why)
+        return self._backend_chosen
 
     def _configure_pg(self, a: ConfigureProcessGroup) -> None:
         view = self._view
@@ -843,9 +886,6 @@ class Runtime:
             if backend == "nccl":  # pragma: no cover - checked on a GPU machine only
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
-                torch.cuda.set_device(
-                    int(os.environ.get("LOCAL_RANK", self.rank)) % max(1, torch.cuda.device_count())
-                )
                 return dist.ProcessGroupNCCL(store, rank, size, opts)
             return dist.ProcessGroupGloo(store, rank, size, timeout)
 
@@ -902,7 +942,7 @@ class Runtime:
                     self._pg, header if sending else None, src, self.interrupter, device=dev
                 )
                 if not sending:
-                    flats = StateRegistry.allocate(header)
+                    flats = StateRegistry.allocate(header, cuda=self._gpu())
                 for flat in flats:
                     wire = flat if flat.device == dev else flat.to(dev)
                     interruptible_broadcast(self._pg, [wire], src, self.interrupter)
