@@ -12,9 +12,10 @@
    final state equals the fault-free run's (S5).
 3. ``demo cuda`` / ``demo cuda elastic``: ``fastft demo --device cuda``: 4 workers sharing
    the GPUs (Gloo on CUDA tensors when they are fewer than the workers, NCCL otherwise),
-   one fault of each kind, S5 checked by the demo itself.
+   one fault of each kind, S5 checked by the demo itself; once more with warm spares that
+   do not create a CUDA context ahead of time (``--no-spare-cuda``), for the difference.
 
-    python bench/gpu_check.py [--only nccl-wait,nccl-run,demo,demo-elastic]
+    python bench/gpu_check.py [--only nccl-wait,nccl-run,demo,demo-no-spare-cuda,demo-elastic]
 """
 
 from __future__ import annotations
@@ -180,14 +181,20 @@ def check_nccl_run(root: Path, steps: int = 60) -> dict[str, Any]:
     }
 
 
-def check_demo(root: Path, elastic: bool, logs: Path | None) -> dict[str, Any]:
+def check_demo(
+    root: Path, elastic: bool, logs: Path | None, spare_cuda: bool = True
+) -> dict[str, Any]:
     name = "demo cuda elastic" if elastic else "demo cuda"
-    run = root / name.replace(" ", "-")
-    args = ["demo", "--device", "cuda", "--no-live", "--run-dir", str(run)]
-    if elastic:
-        args.append("--elastic")
+    if not spare_cuda:
+        name += " (spares without CUDA)"
+    run = root / name.replace(" ", "-").replace("(", "").replace(")", "")
     t0 = time.monotonic()
-    r = _fastft(*args, timeout=500)
+    extra = () if spare_cuda else ("--no-spare-cuda",)
+    code = (
+        "from fastft.demo.main import run_demo; raise SystemExit(run_demo("
+        f"run_dir={str(run)!r}, elastic={elastic}, device='cuda', extra_flags={extra!r}))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=500)
     if logs is not None:  # the demo's report: its timeline says where recoveries spend time
         (logs / f"{run.name}.log").write_text(r.stdout + r.stderr)
     from fastft.report import summarize
@@ -215,7 +222,7 @@ def check_demo(root: Path, elastic: bool, logs: Path | None) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="nccl-wait,nccl-run,demo,demo-elastic")
+    ap.add_argument("--only", default="nccl-wait,nccl-run,demo,demo-no-spare-cuda,demo-elastic")
     ap.add_argument("--out", type=Path, default=None, help="also copy the JSON here")
     ap.add_argument("--logs", type=Path, default=None, help="write the demos' output here")
     a = ap.parse_args()
@@ -236,6 +243,7 @@ def main() -> int:
         ("nccl-wait", check_nccl_wait),
         ("nccl-run", lambda: check_nccl_run(root)),
         ("demo", lambda: check_demo(root, False, a.logs)),
+        ("demo-no-spare-cuda", lambda: check_demo(root, False, a.logs, spare_cuda=False)),
         ("demo-elastic", lambda: check_demo(root, True, a.logs)),
     ]
     for key, fn in checks:

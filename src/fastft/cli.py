@@ -168,6 +168,13 @@ def _build() -> argparse.ArgumentParser:
         "whole instead of only the samples no member kept)",
     )
     p.add_argument(
+        "--no-spare-cuda",
+        dest="spare_cuda",
+        action="store_false",
+        help="warm spares do not create a CUDA context ahead of time (they do by default "
+        "where GPUs are visible, on the GPU of the worker they are likely to replace)",
+    )
+    p.add_argument(
         "--backend",
         default="auto",
         help="process groups: gloo, nccl (one GPU per worker) or auto (default: nccl for a "
@@ -425,6 +432,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             exit_trace=args.exit_trace,
             keep_gradients=args.keep_gradients,
             backend=args.backend,
+            spare_cuda=args.spare_cuda,
         )
         agent = Agent(cfg)
     except FastFTError as e:

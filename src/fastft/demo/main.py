@@ -102,7 +102,9 @@ def run_demo(
     live: bool = False,
     elastic: bool = False,
     device: str = "cpu",
+    extra_flags: tuple[str, ...] = (),
 ) -> int:
+    """``extra_flags``: more ``fastft run`` flags for the run with faults (benchmarks)."""
     root = Path(run_dir or tempfile.mkdtemp(prefix="fastft-demo-"))
     live = live and sys.stdout.isatty()  # a live display only on a terminal
     mode = f"elastic (--min-replicas {max(1, nproc // 2)})" if elastic else "fixed world"
@@ -114,7 +116,7 @@ def run_demo(
     train: tuple[str, ...] = ("--step-time", "0.03") if elastic else ()
     train += ("--device", device)
     # warm spares: a killed worker's place is taken by a process with torch imported
-    flags: tuple[str, ...] = ("--warm-spares", "3")
+    flags: tuple[str, ...] = ("--warm-spares", "3", *extra_flags)
     if elastic:
         flags += ("--min-replicas", str(max(1, nproc // 2)))
     t0 = time.monotonic()

@@ -33,7 +33,7 @@ from typing import Any
 from fastft.bus import BusConfig, connect_store, host_store, tcpstore_bus
 from fastft.errors import ConfigError
 from fastft.launch.exit_trace import ExitTracer
-from fastft.launch.spare import order_line
+from fastft.launch.spare import CUDA_DEVICE, order_line
 from fastft.protocol import (
     NO_RANK,
     Fault,
@@ -91,6 +91,9 @@ class LaunchConfig:
     debugger or a blocking ``py-spy`` can attach to the workers."""
     keep_gradients: bool = True
     """Elastic world: workers keep each step's weighted local gradient (``RuntimeConfig``)."""
+    spare_cuda: bool = True
+    """Warm spares on a GPU machine create a CUDA context on the GPU of the worker they are
+    likely to replace (``--no-spare-cuda``: not, e.g. for a job that trains on the CPU)."""
     backend: str = "auto"
     """Process groups: ``gloo``, ``nccl`` (one GPU per worker) or ``auto`` (each worker
     picks from where its model lives: :func:`fastft.runtime.contract.choose_backend`)."""
@@ -220,6 +223,13 @@ class Agent:
         self.slots = {r: _Slot(r) for r in range(first, first + config.nproc)}
         self._by_pid: dict[int, _Slot] = {}
         self._spares: list[subprocess.Popen[bytes]] = []
+        self._spare_gpu: dict[int, int] = {}
+        """pid -> the GPU a spare warmed (only where there are GPUs and spare_cuda)."""
+        self._gpus = 0
+        if config.warm_spares and config.spare_cuda:
+            import torch
+
+            self._gpus = torch.cuda.device_count()
         self._dead_spares: set[int] = set()
         self._restarts_due: list[tuple[float, _Slot]] = []
         """Slots to restart, spawned by the main thread: a child's PR_SET_PDEATHSIG fires
@@ -257,8 +267,8 @@ class Agent:
             self._start_lighthouse()
             for slot in self.slots.values():
                 self._spawn(slot)
-            for _ in range(self.config.warm_spares):
-                self._start_spare()
+            for i in range(self.config.warm_spares):
+                self._start_spare(self._gpu_of(i) if self._gpus else None)
             self._watch()
             code = self._finish()
         finally:
@@ -342,7 +352,8 @@ class Agent:
             os.unlink(slot.heartbeat)
         except FileNotFoundError:
             pass
-        spare = self._take_spare() if slot.life > 0 else None
+        gpu = self._gpu_of(slot.rank - cfg.node_rank * cfg.nproc) if self._gpus else None
+        spare = self._take_spare(gpu) if slot.life > 0 else None
         if spare is not None:
             try:
                 assert spare.stdin is not None
@@ -399,11 +410,18 @@ class Agent:
         self.tracer.watch(pid, path, lambda: pid in self._by_pid, report, after, stopped)
 
     # --- warm spares -----------------------------------------------------------------------
-    def _start_spare(self) -> None:
+    def _gpu_of(self, local_rank: int) -> int:
+        """The GPU a worker of this local rank trains on, by torchrun's convention (the
+        demo's too): ``cuda:LOCAL_RANK`` modulo the GPUs visible."""
+        return local_rank % self._gpus
+
+    def _start_spare(self, gpu: int | None = None) -> None:
         if self._stopping is not None or self._failed:
             return
         env = {**os.environ, **self.config.env}
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        if gpu is not None:
+            env[CUDA_DEVICE] = str(gpu)
         p = subprocess.Popen(
             # not `-m fastft.launch.spare`: the package imports that module first, and
             # runpy warns that it runs a module already in sys.modules
@@ -414,8 +432,10 @@ class Agent:
         )
         with self._lock:
             self._spares.append(p)
+            if gpu is not None:
+                self._spare_gpu[p.pid] = gpu
         self._reap(p.pid)
-        self.events.emit("spare_start", pid=p.pid)
+        self.events.emit("spare_start", pid=p.pid, gpu=gpu)
 
     def _refill_spares(self, now: float) -> None:
         """Start the spares owed whose worker committed (its heartbeat tracks step gaps
@@ -427,19 +447,24 @@ class Agent:
             hb = read_heartbeat(slot.heartbeat) if slot.incarnation == inc else None
             committed = hb is not None and hb[0] >= slot.started and hb[1] > 0
             if now >= deadline or slot.incarnation != inc or slot.done or committed:
-                self._start_spare()
+                local = slot.rank - self.config.node_rank * self.config.nproc
+                self._start_spare(self._gpu_of(local) if self._gpus else None)
             else:
                 keep.append((deadline, slot, inc))
         with self._lock:
             self._spares_owed = keep + self._spares_owed
 
-    def _take_spare(self) -> subprocess.Popen[bytes] | None:
+    def _take_spare(self, gpu: int | None = None) -> subprocess.Popen[bytes] | None:
+        """A live spare, one that warmed ``gpu`` if there is one."""
         with self._lock:
-            while self._spares:
-                p = self._spares.pop(0)
-                if p.pid not in self._dead_spares:
-                    return p
-        return None
+            self._spares = [p for p in self._spares if p.pid not in self._dead_spares]
+            if not self._spares:
+                return None
+            p = next((p for p in self._spares if self._spare_gpu.get(p.pid) == gpu), None)
+            p = p or self._spares[0]
+            self._spares.remove(p)
+            self._spare_gpu.pop(p.pid, None)
+            return p
 
     def _stop_spares(self) -> None:
         with self._lock:
