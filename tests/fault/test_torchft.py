@@ -74,19 +74,24 @@ def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
     ]  # fmt: skip
     t_fault = min([lost[0]["mono"], *told])
 
-    # The lighthouse dropped it on the bus report, and the survivors' next quorum left it
-    # out (no wait for its heartbeat to expire, no Gloo timeout).
+    # The lighthouse dropped it on the bus report, and the survivors' next quorum left the
+    # lost life out (no wait for its heartbeat to expire, no Gloo timeout): either without
+    # rank 1, or, where its restart was quick enough (a warm spare on a machine with many
+    # cores), with its new life healing in that same quorum.
     assert any(e["event"] == "lighthouse_dead" and e["rank"] == 1 for e in ev)
     after = [e for e in ev if e["event"] == "quorum" and e["mono"] >= t_fault]
-    shrunk = [e for e in after if e["members"] == [0, 2]]
-    assert {e["src"] for e in shrunk} == {"replica 0", "replica 2"}, after
+    healing = {e["quorum"] for e in after if e["src"] == "replica 1" and e["heal"]}
+    nxt = {src: next(e for e in after if e["src"] == src) for src in ("replica 0", "replica 2")}
+    for src, q in nxt.items():
+        assert q["members"] == [0, 2] or q["quorum"] in healing, (src, after)
+        assert q["mono"] - t_fault < 5.0, (src, q)  # within torchft's heartbeat timeout
     rollbacks = [e for e in ev if e["event"] == "rollback"]
     assert not any("Timed out" in e.get("reason", "") for e in rollbacks), rollbacks
     assert len(rollbacks) <= 4, rollbacks  # the one broken step, at most once per survivor
 
-    # The survivors kept committing in the shrunk quorum.
-    shrunk_ids = {e["quorum"] for e in shrunk}
-    assert any(e["event"] == "commit" and e["quorum"] in shrunk_ids for e in ev)
+    # The survivors kept committing in that quorum.
+    ids = {q["quorum"] for q in nxt.values()}
+    assert any(e["event"] == "commit" and e["quorum"] in ids for e in ev)
 
     # The restarted replica (a new life of rank 1) healed from a live peer, then rejoined.
     healed = [

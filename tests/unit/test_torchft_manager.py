@@ -16,6 +16,7 @@ from torchft import ProcessGroupGloo  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
 
 from fastft.integrations.torchft import ManagerFFT  # noqa: E402
+from fastft.integrations.torchft.manager import _aborts_release_waiters  # noqa: E402
 from fastft.protocol import Fault, ProcessExited, Role, Severity  # noqa: E402
 from fastft.runtime.contract import ENV  # noqa: E402
 
@@ -179,3 +180,25 @@ def test_a_clean_exit_leaves_the_step_alone_and_a_kill_fails_it(replica: Manager
     assert (2, 7) in replica._dead
     replica._on_message(_exited(1, 5, None, 9))
     assert replica.peer_faults == 1 and replica.errored() is not None
+
+
+def test_gloo_works_are_wrapped_and_nccl_is_aborted_whatever_the_machine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine
+    assert not _aborts_release_waiters(ProcessGroupGloo())  # Gloo: wrap its works
+
+    class _Named:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def getBackendName(self) -> str:  # noqa: N802 - torch's name
+            if not self.name:
+                raise NotImplementedError
+            return self.name
+
+    assert _aborts_release_waiters(_Named("torchft-nccl"))  # type: ignore[arg-type]
+    assert _aborts_release_waiters(_Named("torchft-baby-nccl"))  # type: ignore[arg-type]
+    assert not _aborts_release_waiters(_Named(""))  # type: ignore[arg-type]

@@ -19,8 +19,10 @@ Failing a blocked collective: the process group is wrapped so that every collect
 fault fails (a Gloo ``abort()`` does not release an allreduce whose peer is stopped). The
 abandoned operation keeps running on the old communicator, which torchft replaces at the
 next quorum; it is kept alive (its destructor would block on the dead peer) and the process
-ends without running destructors. On CUDA (NCCL) the works are not wrapped: the
-communicator is aborted instead, which NCCL supports. Not checked on a GPU here.
+ends without running destructors. On NCCL (or XCCL) the works are not wrapped: the
+communicator is aborted instead, which NCCL supports. Chosen by the process group's
+backend, not by whether CUDA is present (Gloo on a GPU machine is wrapped). Not checked on
+a GPU: the one lent to this work cannot hold two NCCL ranks.
 
 Everything the launcher does not provide falls back to torchft's behaviour: outside
 ``fastft run`` there is no bus and ``ManagerFFT`` is a plain ``Manager`` with a warning.
@@ -155,6 +157,17 @@ class _BusWork(dist._Work):
         pass
 
 
+def _aborts_release_waiters(pg: ProcessGroup) -> bool:
+    """Whether aborting ``pg`` releases a collective stuck on a dead peer: NCCL's (and
+    XCCL's) communicator abort does; Gloo's does not, so its works are wrapped instead.
+    Decided by the backend, not by whether CUDA is present: Gloo runs on GPU machines too."""
+    try:
+        name = pg.getBackendName()
+    except NotImplementedError:
+        return False
+    return "nccl" in name or "xccl" in name
+
+
 class _BusProcessGroup(ProcessGroupWrapper):
     """Wraps the user's torchft process group; collectives return :class:`_BusWork`."""
 
@@ -162,7 +175,7 @@ class _BusProcessGroup(ProcessGroupWrapper):
         super().__init__(pg=pg)
         self._inner = pg
         self._pending = pending
-        self._wrap = not torch.cuda.is_available()
+        self._wrap = not _aborts_release_waiters(pg)
 
     def _wrap_work(self, work: dist._Work, opts: object) -> dist._Work:
         return _BusWork(work, self._pending) if self._wrap else work
