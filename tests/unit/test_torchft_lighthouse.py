@@ -87,9 +87,33 @@ def test_join_timeout_waits_for_stragglers() -> None:
     assert compute_quorum(100.0 + 60.0, st, OPT)[0] is not None
 
 
+def test_the_first_quorum_waits_for_every_replica_started() -> None:
+    # torchft's rule: the two replicas that are up start alone; the third, slower to
+    # import torch, is not heartbeating yet and heals from them later
+    st = _state(100.0, ["a", "b"], ["a", "b"], None)
+    assert compute_quorum(100.0, st, OPT)[0] is not None
+    # under fastft run: the launcher started 3, so the first quorum waits for the third ...
+    first3 = LighthouseOptions(min_replicas=1, first_quorum=3)
+    members, why = compute_quorum(100.0, st, first3)
+    assert members is None and why.startswith("first quorum: 2 of 3")
+    st.heartbeats["c"] = 101.0
+    st.participants["c"] = (101.0, Member("c"))
+    members, _ = compute_quorum(101.0, st, first3)
+    assert members is not None and [m.replica_id for m in members] == ["a", "b", "c"]
+    # ... at most the join timeout
+    st = _state(100.0, ["a", "b"], ["a", "b"], None)
+    st.heartbeats.update(a=159.9, b=159.9)
+    assert compute_quorum(100.0 + 60.0, st, first3)[0] is not None
+    # and only the first: later quorums shrink at once, as torchft's
+    st = _state(100.0, ["a", "b"], ["a", "b"], ["a", "b", "c"])
+    assert compute_quorum(100.0, st, first3)[0] is not None
+
+
 def test_options_are_checked() -> None:
     with pytest.raises(ValueError, match="heartbeat_timeout_ms"):
         LighthouseOptions(heartbeat_timeout_ms=0)
+    with pytest.raises(ValueError, match="first_quorum"):
+        LighthouseOptions(first_quorum=-1)
 
 
 @pytest.mark.timeout(60)

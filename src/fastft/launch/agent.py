@@ -776,6 +776,8 @@ class Agent:
                     f"--min-replicas={cfg.min_replicas or 1}",
                     f"--heartbeat-ms={cfg.lighthouse_heartbeat_ms}",
                     f"--join-ms={cfg.lighthouse_join_ms}",
+                    # the first quorum waits for every replica started (slow imports vary)
+                    f"--first-quorum={cfg.world_size}",
                     f"--run-dir={self.run_dir}",
                 ],
                 preexec_fn=_die_with_parent,

@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-replicas", type=int, default=1)
     ap.add_argument("--heartbeat-ms", type=int, default=5000)
     ap.add_argument("--join-ms", type=int, default=60000)
+    ap.add_argument("--first-quorum", type=int, default=0)
     ap.add_argument("--run-dir", default=None)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s lighthouse %(message)s")
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     store = connect_store(a.store, wait_s=30)
     lh = BusLighthouse(
         a.bind,
-        LighthouseOptions(a.min_replicas, a.join_ms, 100, a.heartbeat_ms),
+        LighthouseOptions(a.min_replicas, a.join_ms, 100, a.heartbeat_ms, a.first_quorum),
         emit=events.emit,
     )
     bus = tcpstore_bus(

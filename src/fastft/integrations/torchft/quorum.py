@@ -1,5 +1,6 @@
-"""torchft's quorum rule, with fastft's two additions: a replica the error bus reported dead
-is unhealthy at once, and a quorum in which a member failed its last commit gets a new id.
+"""torchft's quorum rule, with fastft's additions: a replica the error bus reported dead
+is unhealthy at once, a quorum in which a member failed its last commit gets a new id, and
+(under ``fastft run``) the job's first quorum waits for every replica the launcher started.
 
 This is the pure core of :class:`~fastft.integrations.torchft.lighthouse.BusLighthouse`: no
 clock, no I/O. The rule is torchft's lighthouse rule (``quorum_compute`` in its
@@ -59,11 +60,18 @@ class LighthouseOptions:
     join_timeout_ms: int = 60_000
     quorum_tick_ms: int = 100
     heartbeat_timeout_ms: int = 5_000
+    first_quorum: int = 0
+    """fastft's: the job's first quorum waits until this many replicas joined (the
+    replicas the launcher started), at most ``join_timeout_ms``; 0: torchft's rule, under
+    which the first replicas that are up start training without a slower-starting one
+    (``min_replica_size=1`` in torchft's example), which then heals from them."""
 
     def __post_init__(self) -> None:
         for name in ("min_replicas", "join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"lighthouse {name}={getattr(self, name)}: must be >= 1")
+        if self.first_quorum < 0:
+            raise ValueError(f"lighthouse first_quorum={self.first_quorum}: must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -116,10 +124,16 @@ def compute_quorum(
             return tuple(candidates), f"fast quorum {meta}"
     if len(joined) < opt.min_replicas:
         return None, f"only {len(joined)} participants, need {opt.min_replicas} {meta}"
+    first = min((t for t, _ in joined.values()), default=now)
+    if (
+        state.prev is None
+        and len(joined) < opt.first_quorum
+        and now - first < opt.join_timeout_ms / 1000
+    ):
+        return None, f"first quorum: {len(joined)} of {opt.first_quorum} replicas {meta}"
     if len(joined) <= len(healthy) // 2:  # split brain: at least half the live replicas
         return None, f"only {len(joined)} of {len(healthy)} healthy replicas joined {meta}"
     all_joined = len(joined) == len(healthy)
-    first = min((t for t, _ in joined.values()), default=now)
     if not all_joined and now - first < opt.join_timeout_ms / 1000:
         return None, f"waiting {len(healthy) - len(joined)} stragglers {meta}"
     return tuple(candidates), f"quorum {meta}"
