@@ -126,6 +126,33 @@ def test_survivors_exclude_the_dead_and_admit_its_restart(server):
     assert v.needs_state == frozenset({2}) and v.source == 0
 
 
+def test_an_elastic_retry_leaves_a_restarted_worker_for_the_next_commit(server):
+    cs = [coord(server, r, 10 + r) for r in range(3)]
+    first = _join_all(cs)[0]
+    assert first is not None
+    for c in cs:
+        c.min_members = 2
+    restarted = coord(server, 2, 99)
+    restarted.register_joiner()
+    v = _survive(cs[:2], first, dead=2, step=7, admit=False)
+    assert v is not None and v.members == (Member(0, 10), Member(1, 11))
+    assert v.waiting == (2,) and v.needs_state == frozenset()
+    assert EpochView.from_json(v.to_json()) == v
+    assert cs[0].joiners() == {2: 99}, "still registered: admitted after the next commit"
+
+
+def test_a_retry_below_min_replicas_still_admits_joiners(server):
+    cs = [coord(server, r, 10 + r) for r in range(3)]
+    first = _join_all(cs)[0]
+    assert first is not None
+    for c in cs:
+        c.min_members = 3  # the survivors alone are too few
+    restarted = coord(server, 2, 99)
+    restarted.register_joiner()
+    v = _survive(cs[:2], first, dead=2, step=7, admit=False)
+    assert v is not None and Member(2, 99) in v.members and v.waiting == ()
+
+
 def test_a_vote_with_a_join_request_makes_the_commit_admit_joiners(server):
     cs = [coord(server, r, 10 + r) for r in range(3)]
     assert cs[0].vote(1, 3, 3) is None
@@ -182,6 +209,7 @@ def _survive(
     dead: int,
     step: int,
     kept: dict[int, tuple[int, int, int]] | None = None,
+    admit: bool = True,
 ) -> EpochView | None:
     """``cs`` form the epoch after ``prev`` without ``dead``, each in a thread; returns the
     view they all agreed on."""
@@ -196,6 +224,7 @@ def _survive(
             timeout_s=5,
             cancelled=lambda: False,
             kept=(kept or {}).get(c.me.rank),
+            admit=admit,
         )
 
     threads = [threading.Thread(target=survive, args=(c,)) for c in cs]

@@ -95,7 +95,7 @@ def test_vote_no_rolls_back_through_both_barriers_to_healing_and_normal():
     assert kinds(acts) == [AbortProcessGroup, CancelFutures, ZeroGrads, BroadcastRollbackAck]
     s, acts = run(s, RollbackAcked(1), RollbackAcked(2))
     assert s.phase is Phase.HEALING
-    assert acts == [FormEpoch(after_epoch=1, exclude=frozenset(), lost_state=False)]
+    assert acts == [FormEpoch(after_epoch=1, exclude=frozenset(), lost_state=False, rollback=True)]
     s, acts = run(s, QuorumReady(2, ALL, 0))
     assert s.phase is Phase.NORMAL and s.step == 0 and s.epoch == 2  # same step again
 
@@ -118,7 +118,9 @@ def test_fault1_of_a_peer_excludes_it_and_heals_its_replacement():
     assert s.phase is Phase.ROLLBACK_SYNC
     s, acts = run(s, RollbackAcked(1))
     assert s.phase is Phase.HEALING
-    assert acts[-1] == FormEpoch(after_epoch=1, exclude=frozenset({2}), lost_state=False)
+    assert acts[-1] == FormEpoch(
+        after_epoch=1, exclude=frozenset({2}), lost_state=False, rollback=True
+    )
     # the restarted rank 2 joins the next epoch and needs state: survivors send it
     s, acts = run(s, QuorumReady(2, ALL, 0, needs_state=frozenset({2})))
     assert s.phase is Phase.HEALING
@@ -141,7 +143,7 @@ def test_local_fault1_marks_own_state_lost_and_asks_for_heal():
     s, acts = run(normal(), LocalFault(F1, "state lost"))
     assert s.lost_state
     s, acts = run(s, RollbackRequested(1), RollbackRequested(2), RollbackAcked(1), RollbackAcked(2))
-    assert acts[-1] == FormEpoch(after_epoch=1, exclude=frozenset(), lost_state=True)
+    assert acts[-1] == FormEpoch(after_epoch=1, exclude=frozenset(), lost_state=True, rollback=True)
 
 
 def test_fault_after_our_vote_lets_the_store_decide():
@@ -180,7 +182,9 @@ def test_fault_during_healing_restarts_the_rollback():
     assert s.phase is Phase.HEALING
     s, acts = run(s, PeerFault(1, F1, "again"))
     assert s.phase is Phase.HEALING  # alone: straight through both barriers
-    assert acts[-1] == FormEpoch(after_epoch=1, exclude=frozenset({1, 2}), lost_state=False)
+    assert acts[-1] == FormEpoch(
+        after_epoch=1, exclude=frozenset({1, 2}), lost_state=False, rollback=True
+    )
 
 
 def test_deadline_declares_silent_members_dead():
@@ -323,6 +327,16 @@ def test_a_join_request_re_forms_the_epoch_once_the_decision_says_so():
     # a member's own duplicate request changes nothing
     s2, _ = decide(initial_state(0), QuorumReady(1, frozenset({0, 1}), 0))
     assert not decide(s2, JoinRequested(1))[0].joining
+
+
+def test_joiners_left_out_of_an_elastic_retry_are_admitted_after_its_commit():
+    # the epoch formed after a rollback left a registered joiner out (EpochView.waiting)
+    s, acts = decide(initial_state(0), QuorumReady(2, frozenset({0, 1}), 5, waiting=True))
+    assert s.phase is Phase.NORMAL and s.joining
+    s, acts = decide(s, GradsReady())
+    assert acts == (CastVote(2, 5, False, joining=True),)  # admitted after this step
+    s, _ = decide(initial_state(0), QuorumReady(2, frozenset({0, 1}), 5))
+    assert not s.joining
 
 
 def test_a_join_request_latched_after_the_vote_waits_for_the_next_decision():

@@ -124,6 +124,9 @@ class QuorumReady(Event):
     members: frozenset[int]
     step: int
     needs_state: frozenset[int] = frozenset()
+    waiting: bool = False
+    """Workers waiting to join were left out of this epoch (an elastic world's rollback):
+    admit them after the next commit."""
 
 
 @dataclass(frozen=True)
@@ -308,11 +311,14 @@ class ApplyCommit(Action):
 
 @dataclass(frozen=True)
 class FormEpoch(Action):
-    """Agree on the next epoch without ``exclude``; ``lost_state`` asks for a heal."""
+    """Agree on the next epoch without ``exclude``; ``lost_state`` asks for a heal;
+    ``rollback``: formed after a rolled-back step (not to admit or drop members at a step
+    boundary)."""
 
     after_epoch: int
     exclude: frozenset[int]
     lost_state: bool
+    rollback: bool = False
 
 
 @dataclass(frozen=True)

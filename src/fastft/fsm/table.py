@@ -121,7 +121,12 @@ def _maybe_sync(s: StepState, actions: Sequence[Action]) -> Result:
 def _maybe_heal(s: StepState, actions: Sequence[Action]) -> Result:
     """ROLLBACK_SYNC -> HEALING once every member acked or is dead."""
     if s.phase is Phase.ROLLBACK_SYNC and s.members <= s.acked | s.dead:
-        form = FormEpoch(after_epoch=s.epoch, exclude=s.dead | s.leaving, lost_state=s.lost_state)
+        form = FormEpoch(
+            after_epoch=s.epoch,
+            exclude=s.dead | s.leaving,
+            lost_state=s.lost_state,
+            rollback=True,
+        )
         return replace(s, phase=Phase.HEALING), (*actions, form)
     return s, tuple(actions)
 
@@ -141,6 +146,7 @@ def _enter_epoch(s: StepState, e: QuorumReady) -> Result:
         members=e.members,
         lost_state=s.rank in e.needs_state,
         want_drain=s.want_drain,
+        joining=e.waiting,
     )
     actions: list[Action] = [ConfigureProcessGroup(e.epoch, e.members)]
     if not e.needs_state:

@@ -223,7 +223,10 @@ class EpochView:
     from, the members that must receive state, and the member that sends it (None when
     no member holds state: the job starts from scratch). ``kept``: ``(rank, lo, hi, n)``
     for each survivor holding the weighted local gradient of samples ``[lo, hi)`` of
-    ``step``'s batch of ``n`` (elastic worlds; see :mod:`fastft.runtime.shards`)."""
+    ``step``'s batch of ``n`` (elastic worlds; see :mod:`fastft.runtime.shards`).
+    ``waiting``: workers registered to join that this epoch left out (an elastic world's
+    re-formation after a rollback: the survivors retry without waiting for their heal);
+    they are admitted after the next commit."""
 
     epoch: int
     members: tuple[Member, ...]
@@ -231,6 +234,7 @@ class EpochView:
     needs_state: frozenset[int]
     source: int | None
     kept: tuple[tuple[int, int, int, int], ...] = ()
+    waiting: tuple[int, ...] = ()
 
     @property
     def ranks(self) -> frozenset[int]:
@@ -258,6 +262,7 @@ class EpochView:
                 "needs_state": sorted(self.needs_state),
                 "source": self.source,
                 "kept": [list(k) for k in self.kept],
+                "waiting": list(self.waiting),
             },
             separators=(",", ":"),
         )
@@ -272,6 +277,7 @@ class EpochView:
             needs_state=frozenset(int(r) for r in d["needs_state"]),
             source=None if d["source"] is None else int(d["source"]),
             kept=tuple(tuple(int(v) for v in k) for k in d.get("kept", ())),  # type: ignore[misc]
+            waiting=tuple(int(r) for r in d.get("waiting", ())),
         )
 
 

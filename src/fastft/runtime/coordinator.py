@@ -184,13 +184,16 @@ class Coordinator:
         timeout_s: float,
         cancelled: Callable[[], bool],
         kept: tuple[int, int, int] | None = None,
+        admit: bool = True,
     ) -> EpochView | None:
         """Take part in forming ``prev.epoch + 1``. Returns the closed view (which may not
         list this worker: it must then join), or None if ``cancelled()`` became true; raises
         JobFinished if, while it waits, the job turns out finished at a step this worker has
         committed too (a member that finished closed, and its clean exit looked like a fault).
         ``kept``: ``(lo, hi, n)`` when this worker holds the weighted local gradient of
-        those samples of ``step`` (the closer lists it in the view's ``kept``)."""
+        those samples of ``step`` (the closer lists it in the view's ``kept``). ``admit``
+        False: registered joiners are left out (listed as ``waiting``) when the survivors
+        are at least ``min_replicas`` without them."""
         epoch = prev.epoch + 1
         me = self.me.rank
         arrival: dict[str, object] = {"inc": self.me.incarnation, "step": step, "lost": lost_state}
@@ -211,12 +214,14 @@ class Coordinator:
                 if done is not None and step >= done:
                     raise JobFinished(done)
             if expected and expected[0] == me:
-                view = self._try_close(prev, expected, deadline)
+                view = self._try_close(prev, expected, deadline, admit)
                 if view is not None:
                     return view
             time.sleep(_POLL_S)
 
-    def _try_close(self, prev: EpochView, expected: list[int], deadline: float) -> EpochView | None:
+    def _try_close(
+        self, prev: EpochView, expected: list[int], deadline: float, admit: bool = True
+    ) -> EpochView | None:
         epoch = prev.epoch + 1
         arrived: dict[int, dict[str, object]] = {}
         for m in prev.members:
@@ -226,6 +231,9 @@ class Coordinator:
         if not set(expected) <= set(arrived) and self.clock() < deadline:
             return None
         joiners = self.joiners(exclude=frozenset(arrived))
+        waiting: tuple[int, ...] = ()
+        if not admit and joiners and len(arrived) >= self.min_members:
+            waiting, joiners = tuple(sorted(joiners)), {}
         if len(arrived) + len(joiners) < self.min_members:
             return None  # wait for restarted workers
         members = [Member(r, int(a["inc"])) for r, a in arrived.items()]  # type: ignore[call-overload]
@@ -248,6 +256,7 @@ class Coordinator:
             needs_state=needs if with_state else frozenset(),
             source=with_state[0] if with_state else None,
             kept=kept,  # type: ignore[arg-type]
+            waiting=waiting,
         )
         return self._close(view, joiners)
 

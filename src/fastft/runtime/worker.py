@@ -810,6 +810,9 @@ class Runtime:
                 timeout_s=self.config.rollback_timeout_s,
                 cancelled=self._cancelled(Phase.HEALING),
                 kept=self._kept[1:] if self._kept and self._kept[0] == self._fsm.step else None,
+                # elastic: the retry goes on without workers still to heal (admitted after
+                # the next commit); a fixed world cannot step without them
+                admit=not (a.rollback and self.config.elastic),
             )
         except JobFinished as e:
             self.events.emit("job_finished", step=e.step)
@@ -835,10 +838,14 @@ class Runtime:
             source=view.source,
             form_ms=round(waited_s * 1e3, 3),
             **({"kept": [list(k) for k in view.kept]} if view.kept else {}),
+            **({"waiting": list(view.waiting)} if view.waiting else {}),
         )
         with self._lock:
             self._view = view
-            self._feed_locked(QuorumReady(view.epoch, view.ranks, view.step, view.needs_state))
+            ready = QuorumReady(
+                view.epoch, view.ranks, view.step, view.needs_state, waiting=bool(view.waiting)
+            )
+            self._feed_locked(ready)
             for m in view.members:  # deaths we heard of while the epoch was being formed
                 if m in self._dead and m != self.me:
                     self._feed_locked(PeerFault(m.rank, Severity.FAULT1, "died during formation"))
