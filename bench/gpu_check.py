@@ -14,8 +14,10 @@
    the GPUs (Gloo on CUDA tensors when they are fewer than the workers, NCCL otherwise),
    one fault of each kind, S5 checked by the demo itself; once more with warm spares that
    do not create a CUDA context ahead of time (``--no-spare-cuda``), for the difference.
+4. ``demo nccl``: the same demo with a GPU per worker (NCCL), on machines with two GPUs or
+   more; elsewhere its row says it was not run.
 
-    python bench/gpu_check.py [--only nccl-wait,nccl-run,demo,demo-no-spare-cuda,demo-elastic]
+    python bench/gpu_check.py [--only nccl-wait,nccl-run,demo,demo-no-spare-cuda,demo-elastic,demo-nccl]
 """
 
 from __future__ import annotations
@@ -182,9 +184,14 @@ def check_nccl_run(root: Path, steps: int = 60) -> dict[str, Any]:
 
 
 def check_demo(
-    root: Path, elastic: bool, logs: Path | None, spare_cuda: bool = True
+    root: Path,
+    elastic: bool,
+    logs: Path | None,
+    spare_cuda: bool = True,
+    nproc: int = 4,
+    name: str = "",
 ) -> dict[str, Any]:
-    name = "demo cuda elastic" if elastic else "demo cuda"
+    name = name or ("demo cuda elastic" if elastic else "demo cuda")
     if not spare_cuda:
         name += " (spares without CUDA)"
     run = root / name.replace(" ", "-").replace("(", "").replace(")", "")
@@ -192,7 +199,8 @@ def check_demo(
     extra = () if spare_cuda else ("--no-spare-cuda",)
     code = (
         "from fastft.demo.main import run_demo; raise SystemExit(run_demo("
-        f"run_dir={str(run)!r}, elastic={elastic}, device='cuda', extra_flags={extra!r}))"
+        f"run_dir={str(run)!r}, nproc={nproc}, elastic={elastic}, device='cuda', "
+        f"extra_flags={extra!r}))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=500)
     if logs is not None:  # the demo's report: its timeline says where recoveries spend time
@@ -220,9 +228,21 @@ def check_demo(
     return out
 
 
+def check_demo_nccl(root: Path, logs: Path | None) -> dict[str, Any]:
+    """The demo on NCCL: one GPU per worker, so it needs two GPUs at least."""
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        return {"check": "demo nccl", "ok": None, "not_run": f"needs 2 GPUs, {gpus} visible"}
+    row = check_demo(root, False, logs, nproc=min(4, gpus), name="demo nccl")
+    row["ok"] = row["ok"] and row.get("backends") == ["nccl"]
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="nccl-wait,nccl-run,demo,demo-no-spare-cuda,demo-elastic")
+    ap.add_argument(
+        "--only", default="nccl-wait,nccl-run,demo,demo-no-spare-cuda,demo-elastic,demo-nccl"
+    )
     ap.add_argument("--out", type=Path, default=None, help="also copy the JSON here")
     ap.add_argument("--logs", type=Path, default=None, help="write the demos' output here")
     a = ap.parse_args()
@@ -245,6 +265,7 @@ def main() -> int:
         ("demo", lambda: check_demo(root, False, a.logs)),
         ("demo-no-spare-cuda", lambda: check_demo(root, False, a.logs, spare_cuda=False)),
         ("demo-elastic", lambda: check_demo(root, True, a.logs)),
+        ("demo-nccl", lambda: check_demo_nccl(root, a.logs)),
     ]
     for key, fn in checks:
         if key not in only:
@@ -259,8 +280,9 @@ def main() -> int:
     if a.out:
         a.out.write_text(path.read_text())
     print()
-    print(table([{"check": r["check"], "ok": r["ok"]} for r in rows], ["check", "ok"]))
-    return 0 if rows and all(r["ok"] for r in rows) else 1
+    shown = [{"check": r["check"], "ok": r.get("not_run") or r["ok"]} for r in rows]
+    print(table(shown, ["check", "ok"]))
+    return 0 if rows and all(r["ok"] is not False for r in rows) else 1
 
 
 if __name__ == "__main__":

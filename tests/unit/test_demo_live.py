@@ -58,3 +58,43 @@ def test_untiled_steps_finds_a_gap_an_overlap_and_a_missing_end():
     shards = shards_by_step(ev)
     assert sorted(shards) == [0, 1, 2, 3]
     assert untiled_steps(shards) == [1, 2, 3]
+
+
+def test_the_demo_plan_gives_every_kind_on_fewer_workers_in_the_right_lives():
+    from fastft.demo.main import _plan
+
+    four = _plan(200, 4)
+    assert [(f["kind"], f["rank"], f["life"]) for f in four] == [
+        ("exception", 1, 0),
+        ("sigkill", 2, 0),
+        ("sigstop", 3, 0),
+        ("sigkill", 0, 0),
+    ]
+    two = _plan(200, 2)  # a kill ends a life: the rank's next fault is for its next life
+    assert [(f["kind"], f["rank"], f["life"]) for f in two] == [
+        ("exception", 1, 0),
+        ("sigkill", 0, 0),
+        ("sigstop", 1, 0),
+        ("sigkill", 0, 1),
+    ]
+
+
+def test_two_injections_in_one_life_are_two_faults_in_the_report(tmp_path):
+    from fastft.report import summarize
+
+    agent, r0, r1 = (EventLog(tmp_path, s) for s in ("agent 0", "rank 0", "rank 1"))
+    r1.emit("injected", kind="exception", step=8, epoch=1, incarnation=5)
+    r1.emit("local_fault", step=8, epoch=1, cause="boom", incarnation=5)
+    r0.emit("commit", epoch=2, step=8)
+    r1.emit("injected", kind="sigstop", step=9, epoch=2, incarnation=5)  # 0.1 s later, say
+    agent.emit("worker_stopped", rank=1, incarnation=5)
+    r0.emit("commit", epoch=3, step=9)
+    for log in (agent, r0, r1):
+        log.close()
+    faults = summarize(tmp_path)["faults"]
+    assert [(f["rank"], f["kind"], f["step"]) for f in faults] == [
+        (1, "exception", 8),
+        (1, "sigstop", 9),
+    ]
+    assert faults[0]["seen_as"] == ["injected", "local_fault"]
+    assert faults[1]["seen_as"] == ["injected", "worker_stopped"]

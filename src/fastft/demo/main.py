@@ -1,7 +1,7 @@
 """``fastft demo``: a fault-free run and a run with one fault of each kind (an exception,
-a SIGKILL, a SIGSTOP hang, rank 0 killed), same seed, 4 Gloo workers on CPU; then the
-table of what happened and the equivalence check (S5: equal final state). Exits 1 if the
-check fails or a fault was not recovered."""
+a SIGKILL, a SIGSTOP hang, rank 0 killed), same seed, 4 workers (Gloo on CPU by default;
+``--device cuda`` trains on the GPUs); then the table of what happened and the equivalence
+check (S5: equal final state). Exits 1 if the check fails or a fault was not recovered."""
 
 from __future__ import annotations
 
@@ -17,14 +17,21 @@ from fastft.report import render_report, summarize
 __all__ = ["run_demo"]
 
 
-def _plan(steps: int) -> list[dict[str, object]]:
+def _plan(steps: int, nproc: int = 4) -> list[dict[str, object]]:
+    """One fault of each kind, the last on rank 0; with fewer than 4 workers some rank
+    gets two."""
     q = max(4, steps // 5)
-    return [
-        {"kind": "exception", "rank": 1, "at_step": q},
-        {"kind": "sigkill", "rank": 2, "at_step": 2 * q},
-        {"kind": "sigstop", "rank": 3, "at_step": 3 * q},
-        {"kind": "sigkill", "rank": 0, "at_step": 4 * q},
-    ]
+    plan: list[dict[str, object]] = []
+    lives: dict[int, int] = {}  # a rank's life after its earlier faults (a kill ends one)
+    for i, (kind, rank) in enumerate(
+        [("exception", 1 % nproc), ("sigkill", 2 % nproc), ("sigstop", 3 % nproc), ("sigkill", 0)]
+    ):
+        plan.append(
+            {"kind": kind, "rank": rank, "at_step": (i + 1) * q, "life": lives.get(rank, 0)}
+        )
+        if kind != "exception":
+            lives[rank] = lives.get(rank, 0) + 1
+    return plan
 
 
 def _run(
@@ -116,7 +123,7 @@ def run_demo(
     train: tuple[str, ...] = ("--step-time", "0.03") if elastic else ()
     train += ("--device", device)
     # warm spares: a killed worker's place is taken by a process with torch imported
-    flags: tuple[str, ...] = ("--warm-spares", "3", *extra_flags)
+    flags: tuple[str, ...] = ("--warm-spares", str(min(3, nproc)), *extra_flags)
     if elastic:
         flags += ("--min-replicas", str(max(1, nproc // 2)))
     t0 = time.monotonic()
@@ -124,8 +131,8 @@ def run_demo(
     if _run(root / "clean", nproc, steps, None, live, train=train) != 0:
         print("fault-free run failed", file=sys.stderr)
         return 1
-    print(f"2/2 run with faults: {json.dumps(_plan(steps))}", flush=True)
-    code = _run(root / "faulty", nproc, steps, _plan(steps), live, flags, train)
+    print(f"2/2 run with faults: {json.dumps(_plan(steps, nproc))}", flush=True)
+    code = _run(root / "faulty", nproc, steps, _plan(steps, nproc), live, flags, train)
     figures = summarize(root / "faulty")
     print()
     print(render_report(root / "faulty", figures))
