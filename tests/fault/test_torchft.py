@@ -9,6 +9,7 @@ found by the agent's adaptive hang timeout."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -131,3 +132,40 @@ def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
         assert rolled <= told, (rolled, told)
         # (a survivor still in its forward pass has nothing in flight: its allreduce then
         # fails at once on the poisoned communicator, so `interrupted` may be 0)
+
+
+SLOW_START = """\
+import os, runpy, sys, time
+if os.environ.get("FASTFT_RANK") == "1" and os.environ.get("FASTFT_LIFE") == "0":
+    time.sleep(float(os.environ["SLOW_START_S"]))  # imports torch this much later
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_replica_that_starts_late_is_in_the_first_quorum(tmp_path: Path) -> None:
+    """Regression (16-core GPU machine, `import torch` ~6 s and uneven): under torchft's
+    rule with the example's ``min_replica_size=1`` the replicas that were up started
+    without the late one, which later trained alone, and its planned fault hit another
+    step. The lighthouse's first quorum under ``fastft run`` waits for every replica."""
+    wrapper = tmp_path / "slow_start.py"
+    wrapper.write_text(SLOW_START)
+    run = tmp_path / "late"
+    run.mkdir()
+    plan = {"faults": [{"kind": "sigkill", "rank": 1, "at_step": 10, "point": "collective"}]}
+    (run / "plan.json").write_text(json.dumps(plan))
+    cmd = [
+        sys.executable, "-m", "fastft.cli", "run", "--torchft", "fastft", "--nproc", "3",
+        "--warm-spares", "1", "--job", "late", "--run-dir", str(run),
+        "--inject", str(run / "plan.json"), str(wrapper), str(EXAMPLE), "--steps", "40",
+    ]  # fmt: skip
+    env = {**os.environ, "SLOW_START_S": "4"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=130, env=env)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    ev = read_events(run)
+    quorums = [e for e in ev if e["event"] == "lighthouse_quorum"]
+    assert len(quorums[0]["members"]) == 3, quorums[0]
+    faults = summarize(run)["faults"]
+    assert [(f["rank"], f["step"]) for f in faults] == [(1, 10)], faults
+    assert faults[0]["recovered"], faults
