@@ -943,11 +943,13 @@ class Runtime:
             # one flat byte tensor per device, each sent as it is: two collectives for
             # most states
             header, flats = self.registry.pack(a.step) if sending else (b"", [])
+            t_packed = time.monotonic()
             dev = self._comm_device()
             with self._waiting():
                 header = interruptible_broadcast_bytes(
                     self._pg, header if sending else None, src, self.interrupter, device=dev
                 )
+                t_header = time.monotonic()
                 if not sending:
                     flats = StateRegistry.allocate(header, cuda=self._gpu())
                 for flat in flats:
@@ -962,16 +964,27 @@ class Runtime:
             return
         finally:
             self.interrupter.end_step()
+        t_sent = time.monotonic()
         if isinstance(a, FetchState) or self.rank in view.needs_state:
             step = self.registry.load_packed(header, flats)
             assert step == view.step, (step, view.step)
+        t1 = time.monotonic()
+
+        def ms(d: float) -> float:
+            return round(d * 1e3, 3)
+
         self.events.emit(
             "heal",
             epoch=a.epoch,
             step=a.step,
             role="send" if sending else ("fetch" if self.rank in view.needs_state else "relay"),
             bytes=len(header) + sum(f.numel() * f.element_size() for f in flats),
-            heal_ms=round((time.monotonic() - t0) * 1e3, 3),
+            heal_ms=ms(t1 - t0),
+            # where it went: packing the state, the header's collective, the state's, loading
+            pack_ms=ms(t_packed - t0),
+            header_ms=ms(t_header - t_packed),
+            transfer_ms=ms(t_sent - t_header),
+            load_ms=ms(t1 - t_sent),
         )
         self._feed(HealDone())
 
