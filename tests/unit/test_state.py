@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -124,3 +125,47 @@ def test_packed_state_of_mixed_dtypes_is_one_buffer_and_round_trips():
     for k, v in r._others["mixed"].t.items():
         w = r2._others["mixed"].t[k]
         assert w.dtype == v.dtype and w.shape == v.shape and torch.equal(w, v), k
+
+
+class _Big:
+    """A state with tensors over and under the direct-send size, one of them 0-dim."""
+
+    def __init__(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.t = {
+            "big": torch.rand(512, 1024, generator=g),  # 2 MiB
+            "bool_big": torch.rand(2 << 20, generator=g) > 0.5,  # 2 MiB of bool
+            "small": torch.rand(10, generator=g),
+            "scalar": torch.tensor(float(seed)),
+        }
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.t)
+
+    def load_state_dict(self, st: dict[str, torch.Tensor]) -> None:
+        self.t = {k: v.clone() for k, v in st.items()}
+
+
+def test_large_tensors_are_sent_as_they_are_without_a_copy():
+    m, r = _setup()
+    big = _Big(1)
+    r.register(optimizer=torch.optim.SGD(m.parameters(), lr=0.1), big=big)
+    header, wires = r.pack(6)
+    assert len(wires) == 3  # the small tensors in one buffer, then the two large ones
+    ptrs = {w.data_ptr() for w in wires}
+    assert big.t["big"].data_ptr() in ptrs and big.t["bool_big"].data_ptr() in ptrs
+    r2 = StateRegistry()
+    torch.manual_seed(3)
+    m2 = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    r2.register(model=m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1), big=_Big(2))
+    got = StateRegistry.allocate(header)
+    assert [(g.dtype, g.numel()) for g in got] == [(w.dtype, w.numel()) for w in wires]
+    for g, w in zip(got, wires, strict=True):
+        g.copy_(w)  # what the broadcast does
+    assert r2.load_packed(header, got) == 6
+    assert r2.digest(6) == r.digest(6)
+    for k, v in big.t.items():
+        w = r2._others["big"].t[k]
+        assert w.dtype == v.dtype and w.shape == v.shape and torch.equal(w, v), k
+    with pytest.raises(ValueError, match="wires"):
+        r2.load_packed(header, got[:1])

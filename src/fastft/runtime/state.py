@@ -185,47 +185,56 @@ class StateRegistry:
         return out
 
     def pack(self, step: int) -> tuple[bytes, list[torch.Tensor]]:
-        """The state for a heal as a small header and one flat byte tensor per device,
-        which the collective sends as it is: no serialization of tensor data, one copy on
-        each side instead of torch.save's several, and one collective per device however
-        many tensors and dtypes the state has. The header pickles the state with every
-        tensor replaced by a reference, and where each tensor lies in its device's buffer
-        (aligned for its dtype), which the receivers allocate from (:meth:`allocate`)."""
+        """The state for a heal as a small header and a list of flat byte tensors ("wires")
+        that the collectives send as they are: no serialization of tensor data. A tensor
+        of at least ``_DIRECT_BYTES`` (contiguous, not 0-dim) is sent as a byte view of its
+        own storage, without a copy, so the sender holds no second copy of a large state;
+        the smaller ones are copied into one buffer per device (aligned for their dtype),
+        so a state of many small tensors still costs one collective. The header pickles
+        the state with every tensor replaced by a reference, and says where each tensor
+        lies on the wires, which the receivers allocate from (:meth:`allocate`)."""
         st = self.state(step)
         sections: dict[str, bytes] = {}
-        entries: list[tuple[str, int, str, tuple[int, ...], str, int]] = []
-        placed: dict[str, list[tuple[torch.Tensor, int]]] = {}
+        entries: list[tuple[str, int, str, tuple[int, ...], int, int]] = []
+        small: dict[str, list[tuple[torch.Tensor, int, int]]] = {}  # dev -> (t, entry, off)
         sizes: dict[str, int] = {}
+        direct: list[tuple[torch.Tensor, int]] = []  # (byte view, entry)
         for name, obj in st.items():
             tensors: list[torch.Tensor] = []
             buf = io.BytesIO()
             _RefPickler(buf, tensors).dump(obj)
             sections[name] = buf.getvalue()
             for i, t in enumerate(tensors):
+                dtype = str(t.dtype).removeprefix("torch.")
+                entries.append((name, i, dtype, tuple(t.shape), -1, 0))
+                nbytes = t.numel() * t.element_size()
+                if nbytes >= _DIRECT_BYTES and t.dim() > 0 and t.is_contiguous():
+                    direct.append((t.detach().view(torch.uint8).view(-1), len(entries) - 1))
+                    continue
                 dev = t.device.type
                 off = -(-sizes.get(dev, 0) // _ALIGN) * _ALIGN
-                sizes[dev] = off + t.numel() * t.element_size()
-                placed.setdefault(dev, []).append((t, off))
-                dtype = str(t.dtype).removeprefix("torch.")
-                entries.append((name, i, dtype, tuple(t.shape), dev, off))
-        devices = sorted(sizes)
-        flats = []
-        for dev in devices:
-            flat = torch.empty(sizes[dev], dtype=torch.uint8, device=placed[dev][0][0].device)
-            for t, off in placed[dev]:
+                sizes[dev] = off + nbytes
+                small.setdefault(dev, []).append((t, len(entries) - 1, off))
+        wires: list[torch.Tensor] = []
+        buffers: list[tuple[str, int]] = []
+        for dev in sorted(sizes):
+            flat = torch.empty(sizes[dev], dtype=torch.uint8, device=small[dev][0][0].device)
+            for t, e, off in small[dev]:
                 _view(flat, off, t.dtype, t.shape).copy_(t.detach())
-            flats.append(flat)
-        meta = {
-            "sections": sections,
-            "entries": entries,
-            "buffers": [(d, sizes[d]) for d in devices],
-        }
-        return pickle.dumps(meta), flats
+                entries[e] = (*entries[e][:4], len(wires), off)
+            wires.append(flat)
+            buffers.append((dev, sizes[dev]))
+        for view, e in direct:
+            entries[e] = (*entries[e][:4], len(wires), 0)
+            wires.append(view)
+            buffers.append((view.device.type, view.numel()))
+        meta = {"sections": sections, "entries": entries, "buffers": buffers}
+        return pickle.dumps(meta), wires
 
     @staticmethod
     def allocate(header: bytes, cuda: torch.device | None = None) -> list[torch.Tensor]:
-        """Empty flat byte tensors to receive what :meth:`pack` sent with ``header``; the
-        sender's GPU buffers land on ``cuda`` (default: the current device)."""
+        """Empty flat byte tensors to receive the wires :meth:`pack` sent with ``header``;
+        the sender's GPU tensors land on ``cuda`` (default: the current device)."""
         out = []
         for dev, size in pickle.loads(header)["buffers"]:
             device = (
@@ -236,13 +245,14 @@ class StateRegistry:
             out.append(torch.empty(size, dtype=torch.uint8, device=device))
         return out
 
-    def load_packed(self, header: bytes, flats: list[torch.Tensor]) -> int:
+    def load_packed(self, header: bytes, wires: list[torch.Tensor]) -> int:
         """Load a state received as :meth:`pack` sent it; returns its step."""
         meta = pickle.loads(header)
-        by_dev = {dev: f for (dev, _), f in zip(meta["buffers"], flats, strict=True)}
+        if len(wires) != len(meta["buffers"]):
+            raise ValueError(f"heal: {len(wires)} wires for {len(meta['buffers'])} buffers")
         tensors: dict[str, dict[int, torch.Tensor]] = {}
-        for name, i, dtype, shape, dev, off in meta["entries"]:
-            tensors.setdefault(name, {})[i] = _view(by_dev[dev], off, getattr(torch, dtype), shape)
+        for name, i, dtype, shape, wire, off in meta["entries"]:
+            tensors.setdefault(name, {})[i] = _view(wires[wire], off, getattr(torch, dtype), shape)
         st = {
             name: _RefUnpickler(io.BytesIO(blob), tensors.get(name, {})).load()
             for name, blob in meta["sections"].items()
@@ -276,6 +286,8 @@ class StateRegistry:
 
 _ALIGN = 64
 """Byte alignment of each tensor in a packed heal buffer (any dtype can view it)."""
+_DIRECT_BYTES = 1 << 20
+"""Tensors this large are sent by a heal as they are, not copied into a buffer first."""
 
 
 def _view(flat: torch.Tensor, off: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
