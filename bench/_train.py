@@ -63,6 +63,10 @@ def main() -> None:
     clock = CpuClock()
     if a.mode == "ddp":
         import torch.distributed as dist
+
+        from fastft.runtime import malloc
+
+        malloc.tune()  # the allocator settings fastft.init() makes: compare like with like
         from torch.nn.parallel import DistributedDataParallel
 
         dist.init_process_group("gloo")

@@ -75,3 +75,16 @@ def test_choose_backend(backend, devices, local_world, gpus, want):
 def test_nccl_that_cannot_work_is_a_config_error(devices, local_world, gpus, match):
     with pytest.raises(ConfigError, match=match):
         choose_backend("nccl", devices, local_world=local_world, gpus=gpus)
+
+
+def test_malloc_thresholds_are_fixed_on_glibc_unless_switched_off(monkeypatch):
+    import platform
+
+    from fastft.runtime import malloc
+
+    monkeypatch.setattr(malloc, "_done", None)
+    assert malloc.tune({"FASTFT_MALLOC_TUNE": "0"}) is False
+    assert malloc.tune({}) is False  # decided once per process
+    monkeypatch.setattr(malloc, "_done", None)
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert malloc.tune({}) is glibc

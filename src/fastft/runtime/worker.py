@@ -99,6 +99,7 @@ from fastft.protocol import (
     RollbackRequest,
     Severity,
 )
+from fastft.runtime import malloc
 from fastft.runtime.contract import (
     EpochView,
     JobFinished,
@@ -208,6 +209,7 @@ class Runtime:
     """fastft on one worker. Build it with :func:`init`."""
 
     def __init__(self, config: RuntimeConfig, *, store: dist.Store | None = None) -> None:
+        malloc.tune()  # steps that do not depend on what the process freed before
         self.config = config
         self.rank = config.rank
         self.incarnation = config.incarnation or (secrets.randbits(62) | 1)
