@@ -127,7 +127,7 @@ def test_packed_state_of_mixed_dtypes_is_one_buffer_and_round_trips():
         assert w.dtype == v.dtype and w.shape == v.shape and torch.equal(w, v), k
 
 
-class _Big:
+class _Big(_Mixed):
     """A state with tensors over and under the direct-send size, one of them 0-dim."""
 
     def __init__(self, seed: int) -> None:
@@ -138,12 +138,6 @@ class _Big:
             "small": torch.rand(10, generator=g),
             "scalar": torch.tensor(float(seed)),
         }
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.t)
-
-    def load_state_dict(self, st: dict[str, torch.Tensor]) -> None:
-        self.t = {k: v.clone() for k, v in st.items()}
 
 
 def test_large_tensors_are_sent_as_they_are_without_a_copy():
