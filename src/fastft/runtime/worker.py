@@ -867,8 +867,9 @@ class Runtime:
         return None
 
     def _backend(self) -> str:
-        """The configured backend; ``auto`` is decided once, at the first process group,
-        from where the registered model lives (:func:`choose_backend`)."""
+        """The configured backend; ``auto`` is decided once, at ``register(model=...)``
+        (or at the first process group when no model is registered), from where the
+        model lives (:func:`choose_backend`)."""
         if self._backend_chosen is None:
             model = self.registry.model
             devices = {p.device.type for p in model.parameters()} if model is not None else set()
