@@ -163,6 +163,9 @@ def test_a_replica_that_starts_late_is_in_the_first_quorum(tmp_path: Path) -> No
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=130, env=env)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
+    finals = re.findall(r"replica (\d) step (\d+) digest ([0-9a-f]{16})", out)
+    assert sorted(r for r, _, _ in finals) == ["0", "1", "2"], out[-2000:]
+    assert {s for _, s, _ in finals} == {"40"} and len({d for _, _, d in finals}) == 1, finals
     ev = read_events(run)
     quorums = [e for e in ev if e["event"] == "lighthouse_quorum"]
     assert len(quorums[0]["members"]) == 3, quorums[0]

@@ -160,5 +160,5 @@ def test_nccl_without_a_gpu_per_worker_fails_at_start_and_says_what_to_do():
         env={"CUDA_VISIBLE_DEVICES": ""},  # no GPU, also on a GPU machine
     )
     assert r.returncode == 2, r
-    assert "--backend nccl needs one GPU per worker" in r.stderr
+    assert "backend nccl needs one GPU per worker: 2 workers on this node, 0 GPU" in r.stderr
     assert "use --backend gloo" in r.stderr

@@ -37,3 +37,4 @@ def test_dead_spares_are_skipped_and_a_cpu_job_takes_them_in_order():
 def test_workers_map_to_gpus_as_torchrun_places_them():
     a = _agent({}, gpus=4)
     assert [a._gpu_of(r) for r in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert _agent({}, gpus=0)._gpu_of(3) is None  # no GPU: spares warm none

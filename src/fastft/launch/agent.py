@@ -106,16 +106,13 @@ class LaunchConfig:
             raise ConfigError(f"--nproc {self.nproc}: must be >= 1")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"--backend {self.backend!r}: use auto, gloo or nccl")
-        if self.backend == "nccl":
+        if self.backend == "nccl":  # the workers' own rule, checked before they start
             import torch
 
-            gpus = torch.cuda.device_count()  # NVML where it can: no CUDA context here
-            if gpus < self.nproc:
-                raise ConfigError(
-                    f"--backend nccl needs one GPU per worker: --nproc {self.nproc} on a node "
-                    f"with {gpus} GPU(s) visible (NCCL refuses two ranks on one GPU); "
-                    "lower --nproc or use --backend gloo"
-                )
+            from fastft.runtime.contract import choose_backend
+
+            gpus = torch.cuda.device_count()  # no CUDA context in the agent
+            choose_backend("nccl", {"cuda"}, local_world=self.nproc, gpus=gpus)
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 f"--node-rank {self.node_rank} with --nnodes {self.nnodes}: "
@@ -268,7 +265,7 @@ class Agent:
             for slot in self.slots.values():
                 self._spawn(slot)
             for i in range(self.config.warm_spares):
-                self._start_spare(self._gpu_of(i) if self._gpus else None)
+                self._start_spare(self._gpu_of(i))
             self._watch()
             code = self._finish()
         finally:
@@ -333,7 +330,7 @@ class Agent:
             ENV["keep_gradients"]: "1" if cfg.keep_gradients else "0",
             ENV["backend"]: cfg.backend,
             # torchrun's names: scripts place their model on cuda:LOCAL_RANK
-            "LOCAL_RANK": str(slot.rank - cfg.node_rank * cfg.nproc),
+            "LOCAL_RANK": str(self._local(slot)),
             "LOCAL_WORLD_SIZE": str(cfg.nproc),
         }
         trace_path = str(self.run_dir / f".exit-trace-{slot.rank}-{slot.life}")
@@ -352,8 +349,7 @@ class Agent:
             os.unlink(slot.heartbeat)
         except FileNotFoundError:
             pass
-        gpu = self._gpu_of(slot.rank - cfg.node_rank * cfg.nproc) if self._gpus else None
-        spare = self._take_spare(gpu) if slot.life > 0 else None
+        spare = self._take_spare(self._gpu_of(self._local(slot))) if slot.life > 0 else None
         if spare is not None:
             try:
                 assert spare.stdin is not None
@@ -410,10 +406,15 @@ class Agent:
         self.tracer.watch(pid, path, lambda: pid in self._by_pid, report, after, stopped)
 
     # --- warm spares -----------------------------------------------------------------------
-    def _gpu_of(self, local_rank: int) -> int:
+    def _local(self, slot: _Slot) -> int:
+        """The slot's rank on this node (``LOCAL_RANK``)."""
+        return slot.rank - self.config.node_rank * self.config.nproc
+
+    def _gpu_of(self, local_rank: int) -> int | None:
         """The GPU a worker of this local rank trains on, by torchrun's convention (the
-        demo's too): ``cuda:LOCAL_RANK`` modulo the GPUs visible."""
-        return local_rank % self._gpus
+        demo's too): ``cuda:LOCAL_RANK`` modulo the GPUs visible; None when spares warm
+        no GPU."""
+        return local_rank % self._gpus if self._gpus else None
 
     def _start_spare(self, gpu: int | None = None) -> None:
         if self._stopping is not None or self._failed:
@@ -447,8 +448,7 @@ class Agent:
             hb = read_heartbeat(slot.heartbeat) if slot.incarnation == inc else None
             committed = hb is not None and hb[0] >= slot.started and hb[1] > 0
             if now >= deadline or slot.incarnation != inc or slot.done or committed:
-                local = slot.rank - self.config.node_rank * self.config.nproc
-                self._start_spare(self._gpu_of(local) if self._gpus else None)
+                self._start_spare(self._gpu_of(self._local(slot)))
             else:
                 keep.append((deadline, slot, inc))
         with self._lock:

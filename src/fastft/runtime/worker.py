@@ -943,8 +943,8 @@ class Runtime:
         self.interrupter.begin_step(a.epoch, a.step)  # a fault of this epoch ends the heal
         try:
             # a small header (the state with tensors referenced, and their layout), then
-            # one flat byte tensor per device, each sent as it is: two collectives for
-            # most states
+            # the wires (StateRegistry.pack): one buffer of the small tensors per device,
+            # and each large tensor as a byte view of its own storage
             header, flats = self.registry.pack(a.step) if sending else (b"", [])
             t_packed = time.monotonic()
             dev = self._comm_device()
