@@ -49,14 +49,16 @@ _POLL_MAX_S = 500e-6
 def wait_work(work: dist.Work, interrupter: Interrupter, *, gpu: bool = False) -> None:
     """Wait for ``work``; raise StepInterrupted on an interrupt, CollectiveFailed if the
     collective itself failed (e.g. a peer's connection was reset). ``gpu``: the work's
-    tensors are on a GPU; return only once the GPU has finished it (see :func:`_wait_gpu`)."""
+    tensors are on a GPU; return only once the GPU has finished it (see :func:`_wait_gpu`),
+    polling the work alone: NCCL's future says nothing more (it is done at the enqueue)."""
+    if gpu:
+        _wait_gpu(work, interrupter)
+        return
     mine: torch.futures.Future[Any] = torch.futures.Future()
     work.get_future().then(_relay(mine))
     with interrupter.pending(mine):
         try:
             mine.wait()
-            if gpu:
-                _wait_gpu(work, interrupter)
         except FutureCancelled:
             interrupter.check()
             raise
