@@ -33,18 +33,23 @@ def test_backward_accumulates_into_the_bucket_views():
     assert all(torch.equal(p.grad, 2 * w) for p, w in zip(m.parameters(), want, strict=True))
 
 
-def test_a_replaced_grad_rebuilds_the_bucket_and_rollback_drops_it():
+def test_a_replaced_grad_rebuilds_the_bucket_and_rollback_replaces_it():
     m, r = _setup()
     m(torch.ones(2, 4)).sum().backward()
+    want = [p.grad.clone() for p in m.parameters()]
     flat = r.grad_bucket()
     first = next(m.parameters())
     first.grad = torch.ones_like(first)  # user code replaced a gradient
     again = r.grad_bucket()
     assert again is not flat and torch.equal(first.grad, torch.ones_like(first))
     r.rollback()  # an abandoned allreduce may still write into the old bucket
-    assert all(p.grad is None for p in m.parameters())
-    m(torch.ones(2, 4)).sum().backward()
-    assert r.grad_bucket() is not again
+    fresh = r._bucket
+    assert fresh is not None and fresh is not again and not fresh.any()
+    assert all(p.grad.data_ptr() != again.data_ptr() for p in m.parameters())
+    again.fill_(7.0)  # the abandoned allreduce writes late: the retry does not see it
+    m(torch.ones(2, 4)).sum().backward()  # the retry accumulates into the new bucket
+    assert r.grad_bucket() is fresh
+    assert all(torch.equal(p.grad, w) for p, w in zip(m.parameters(), want, strict=True))
 
 
 def test_packed_state_round_trips_for_healing():

@@ -100,10 +100,18 @@ class StateRegistry:
 
     def rollback(self) -> None:
         """Drop the step's gradients and restore what the step changed. The gradient
-        bucket is dropped too, not zeroed: an allreduce abandoned on a dead peer may still
-        write into it; the next step builds a new one."""
-        self._bucket, self._bucket_ptrs = None, []
-        self.zero_grads()
+        bucket is replaced, not zeroed: an allreduce abandoned on a dead peer may still
+        write into the old one. The new one is built here, while the epoch re-forms, so
+        that the retry's backward accumulates into it as any step's does; built by the
+        retry instead, it cost a fresh gradient per parameter and a copy of each (10-30
+        ms at 4.2M parameters with 3 workers on 2 cores)."""
+        old, self._bucket, self._bucket_ptrs = self._bucket, None, []
+        if old is not None and self.model is not None:
+            for p in self.model.parameters():
+                p.grad = None  # views of the old bucket: nothing in them is worth copying
+            self.grad_bucket()
+        else:
+            self.zero_grads()
         snap = self._step_snapshot
         if snap is None:
             return
