@@ -190,18 +190,24 @@ def test_deaths_while_healing(tmp_path, clean):
         # rank 1 dies; its restart dies again while healing; the third life heals
         {"kind": "sigkill", "rank": 1, "at_step": 5},
         {"kind": "sigkill", "rank": 1, "life": 1, "at_step": 5, "point": "heal"},
-        # rank 0 dies; rank 2, sending or relaying the heal to its restart, dies too
+        # rank 0 dies; rank 1, the heal's source (the lowest rank with the state), dies
+        # while sending it to rank 0's restart; rank 2 sends to both of them then
         {"kind": "sigkill", "rank": 0, "at_step": 15},
-        {"kind": "sigkill", "rank": 2, "at_step": 15, "point": "heal"},
+        {"kind": "sigkill", "rank": 1, "life": 2, "at_step": 15, "point": "heal"},
     ]
     run = fastft_run(tmp_path, "heal-deaths", plan=plan)
     check_s1_s3(run)
     assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
     ev = read_events(run)
     lives = {(e["rank"], e["life"]) for e in ev if e["event"] == "spawn"}
-    assert {(1, 2), (0, 1), (2, 1)} <= lives  # rank 1 lived three times
+    assert {(1, 2), (0, 1), (1, 3)} <= lives  # rank 1 lived four times
     injected = [(e["src"], e["step"]) for e in ev if e["event"] == "injected"]
     assert len(injected) == 4, injected
+    # every heal ran between its source and the receivers only: no member relayed one
+    heals = [e for e in ev if e["event"] == "heal"]
+    assert heals and all(e["role"] in ("send", "fetch") for e in heals)
+    sent = {(e["src"], e["step"]) for e in heals if e["role"] == "send"}
+    assert ("rank 2", 15) in sent, sent
 
 
 def test_a_worker_lost_while_the_bus_is_flooded(tmp_path, clean):

@@ -129,6 +129,25 @@ def test_fault1_of_a_peer_excludes_it_and_heals_its_replacement():
     assert s.phase is Phase.NORMAL and not s.dead
 
 
+def test_with_a_source_named_only_it_sends_and_the_bystanders_step_on() -> None:
+    """A heal in a group of its own: the source sends, the receiver fetches, and a member
+    that is neither goes on with the step at once (its allreduce waits for them)."""
+    e = QuorumReady(2, ALL, 7, needs_state=frozenset({2}), source=0)
+    s, acts = run(initial_state(0), e)
+    assert s.phase is Phase.HEALING
+    assert acts == [ConfigureProcessGroup(2, ALL), SendState(2, 7, frozenset({2}))]
+    s, acts = run(initial_state(1), e)
+    assert s.phase is Phase.NORMAL and s.step == 7
+    assert acts == [ConfigureProcessGroup(2, ALL)]
+    s, acts = run(initial_state(2), e)
+    assert s.phase is Phase.HEALING and s.lost_state
+    assert acts == [ConfigureProcessGroup(2, ALL), FetchState(2, 7)]
+    # the bystander's step is a normal one: a fault of the receiver rolls it back
+    s, _ = run(initial_state(1), e)
+    s, acts = run(s, PeerFault(2, F1, "died while healing"))
+    assert s.phase is Phase.ROLLBACK_REQ and any(isinstance(a, InterruptStep) for a in acts)
+
+
 def test_restarted_worker_fetches_state_before_its_first_step():
     s, acts = run(initial_state(2), QuorumReady(3, ALL, 17, needs_state=frozenset({2})))
     assert s.phase is Phase.HEALING and s.lost_state

@@ -127,6 +127,10 @@ class QuorumReady(Event):
     waiting: bool = False
     """Workers waiting to join were left out of this epoch (an elastic world's rollback):
     admit them after the next commit."""
+    source: int | None = None
+    """The member that sends the state to ``needs_state``. Set: the heal runs between it
+    and them only, and every other member goes on at once. None: every member that has
+    the state takes part in sending it (one collective over the whole epoch)."""
 
 
 @dataclass(frozen=True)
@@ -331,7 +335,7 @@ class FetchState(Action):
 
 @dataclass(frozen=True)
 class SendState(Action):
-    """Take part in sending the committed state of ``step`` to ``receivers``."""
+    """Send (or take part in sending) the committed state of ``step`` to ``receivers``."""
 
     epoch: int
     step: int

@@ -153,8 +153,10 @@ def _enter_epoch(s: StepState, e: QuorumReady) -> Result:
         return replace(s, phase=Phase.NORMAL), tuple(actions)
     if s.lost_state:
         actions.append(FetchState(e.epoch, e.step))
-    else:
+    elif e.source is None or e.source == s.rank:
         actions.append(SendState(e.epoch, e.step, e.needs_state))
+    else:  # a bystander of a heal between the source and the receivers: the step goes on
+        return replace(s, phase=Phase.NORMAL), tuple(actions)
     return s, tuple(actions)
 
 

@@ -264,6 +264,8 @@ class Runtime:
         self._pg: Any = None
         self._pg_epoch = -1
         self._abandoned: list[Any] = []  # never destroyed mid-operation, never reused
+        self._heal_pg: tuple[int, Any] | None = None
+        """(epoch, group) of the source and the members it heals (:meth:`_heal_ranks`)."""
         self._dead: set[Member] = set()
         self._closing = False
         self._retries = 0
@@ -583,6 +585,9 @@ class Runtime:
         elif isinstance(a, BroadcastRollbackAck):
             self.bus.broadcast(RollbackAck(**hdr))
         elif isinstance(a, AbortProcessGroup):
+            if self._heal_pg is not None:
+                self._abandoned.append(self._heal_pg[1])
+                self._heal_pg = None
             if self._pg is not None:
                 self._abandoned.append(self._pg)
                 exit_without_destructors_later()
@@ -744,6 +749,12 @@ class Runtime:
                 opt.step()
             self.registry.zero_grads()
         self.commits += 1
+        if self._heal_pg is not None:
+            # every member voted, so every heal of the epoch is over on both of its ends
+            # (the sender's side can finish before the receiver's): the group can go
+            done = [self._heal_pg[1]]
+            self._heal_pg = None
+            _drop_later(done)
         self._hb.tracking = True
         every = self.config.check_every
         digest = self.registry.digest(a.step + 1) if every and (a.step + 1) % every == 0 else None
@@ -845,7 +856,12 @@ class Runtime:
         with self._lock:
             self._view = view
             ready = QuorumReady(
-                view.epoch, view.ranks, view.step, view.needs_state, waiting=bool(view.waiting)
+                view.epoch,
+                view.ranks,
+                view.step,
+                view.needs_state,
+                waiting=bool(view.waiting),
+                source=view.source if self._heal_apart() else None,
             )
             self._feed_locked(ready)
             for m in view.members:  # deaths we heard of while the epoch was being formed
@@ -883,52 +899,96 @@ class Runtime:
                 log.warning("backend: %s", why)
         return self._backend_chosen
 
-    def _configure_pg(self, a: ConfigureProcessGroup) -> None:
-        view = self._view
-        assert view is not None and view.epoch == a.epoch
-        t0 = time.monotonic()
-        store = dist.PrefixStore(self.keys.pg_prefix(a.epoch), self._store)
+    def _heal_apart(self) -> bool:
+        """Whether a heal runs in a group of its own (the source and the members it heals)
+        while the other members go on with the step. On Gloo, where a group costs a few
+        ms and the other members would otherwise receive the whole state for nothing
+        (and take CPU from the two that need it). On NCCL a communicator costs ~100 ms, so
+        the heal stays one broadcast over the epoch's group."""
+        return self._backend() != "nccl"
+
+    def _heal_ranks(self, view: EpochView) -> list[int] | None:
+        """The heal group of ``view`` (source first) when this member is in one."""
+        if not view.needs_state or view.source is None or not self._heal_apart():
+            return None
+        ranks = [view.source, *sorted(view.needs_state - {view.source})]
+        return ranks if self.rank in ranks else None
+
+    def _build_pg(
+        self, prefix: str, rank: int, size: int, name: str, *, own_store: bool = False
+    ) -> cf.Future[Any]:
+        """Build a process group in a daemon thread: connecting to a member that died
+        meanwhile blocks in C++ until the timeout, and the death must be able to cancel
+        the wait. ``own_store``: over a connection of its own, for a group built while
+        another is: a store client serialises its requests, so one group's blocking
+        ``get`` would hold back the other's ``set`` that a peer waits for (a deadlock
+        until the timeout)."""
         timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
-        rank, size = view.index(self.rank), len(view.members)
         backend = self._backend()
-
-        def build() -> Any:
-            if backend == "nccl":  # pragma: no cover - checked on a GPU machine only
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                return dist.ProcessGroupNCCL(store, rank, size, opts)
-            return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-        # Built in a daemon thread: connecting to a member that died meanwhile blocks in
-        # C++ until the timeout, and the death must be able to cancel the wait.
         fut: cf.Future[Any] = cf.Future()
 
         def run() -> None:
             try:
-                fut.set_result(build())
+                client = self._store.clone() if own_store else self._store  # type: ignore[attr-defined]
+                store = dist.PrefixStore(prefix, client)
+                if backend == "nccl":  # pragma: no cover - checked on a GPU machine only
+                    opts = dist.ProcessGroupNCCL.Options()
+                    opts._timeout = timeout
+                    fut.set_result(dist.ProcessGroupNCCL(store, rank, size, opts))
+                else:
+                    fut.set_result(dist.ProcessGroupGloo(store, rank, size, timeout))
             except BaseException as e:  # noqa: BLE001 - handed to the main thread
                 fut.set_exception(e)
 
-        threading.Thread(target=run, name=f"fastft-pg-{a.epoch}", daemon=True).start()
-        phase = self._fsm.phase
-        cancelled = self._cancelled(phase)
-        while True:
-            try:
-                pg = fut.result(timeout=_WAIT_S)
-                break
-            except cf.TimeoutError:
-                if cancelled() or self._fsm.epoch != a.epoch:
+        threading.Thread(target=run, name=name, daemon=True).start()
+        return fut
+
+    def _configure_pg(self, a: ConfigureProcessGroup) -> None:
+        view = self._view
+        assert view is not None and view.epoch == a.epoch
+        t0 = time.monotonic()
+        prefix = self.keys.pg_prefix(a.epoch)
+        size = len(view.members)
+        futs = [self._build_pg(prefix, view.index(self.rank), size, f"fastft-pg-{a.epoch}")]
+        heal = self._heal_ranks(view)
+        if heal is not None:  # built alongside, not after: the heal waits for both
+            futs.append(
+                self._build_pg(
+                    prefix + "heal/",
+                    heal.index(self.rank),
+                    len(heal),
+                    f"fastft-pg-{a.epoch}-heal",
+                    own_store=True,
+                )
+            )
+        cancelled = self._cancelled(self._fsm.phase)
+        groups: list[Any] = []
+        for fut in futs:
+            while True:
+                try:
+                    groups.append(fut.result(timeout=_WAIT_S))
+                    break
+                except cf.TimeoutError:
+                    if cancelled() or self._fsm.epoch != a.epoch:
+                        self._abandoned.extend(groups)
+                        return
+                except Exception as e:
+                    self._abandoned.extend(groups)
+                    self._local_fault(e, gen=self._action_gen)
                     return
-            except Exception as e:
-                self._local_fault(e, gen=self._action_gen)
-                return
-        self._pg, self._pg_epoch = pg, a.epoch
+        if self._pg is not None:  # the last epoch's, after a commit: nothing is pending
+            done = [self._pg]
+            self._pg = None
+            _drop_later(done)
+        self._pg, self._pg_epoch = groups[0], a.epoch
+        self._heal_pg = (a.epoch, groups[1]) if heal is not None else None
         self.events.emit(
             "process_group",
             epoch=a.epoch,
-            backend=backend,
+            backend=self._backend(),
             size=size,
             build_ms=round((time.monotonic() - t0) * 1e3, 3),
+            **({"heal_group": heal} if heal is not None else {}),
         )
 
     def _heal(self, a: FetchState | SendState) -> None:
@@ -938,8 +998,10 @@ class Runtime:
             return  # the process group was not built (cancelled): the fsm moved on
         self.injector.fire_due(a.step, point="heal")  # tests: death while healing
         t0 = time.monotonic()
-        src = view.index(view.source)
         sending = self.rank == view.source
+        pg, src = self._pg, view.index(view.source)
+        if self._heal_pg is not None and self._heal_pg[0] == a.epoch:
+            pg, src = self._heal_pg[1], 0  # the source and the members it heals only
         self.interrupter.begin_step(a.epoch, a.step)  # a fault of this epoch ends the heal
         try:
             # a small header (the state with tensors referenced, and their layout), then
@@ -950,17 +1012,20 @@ class Runtime:
             dev = self._comm_device()
             with self._waiting():
                 header = interruptible_broadcast_bytes(
-                    self._pg, header if sending else None, src, self.interrupter, device=dev
+                    pg, header if sending else None, src, self.interrupter, device=dev
                 )
                 t_header = time.monotonic()
                 if not sending:
                     flats = StateRegistry.allocate(header, cuda=self._gpu())
                 for flat in flats:
                     wire = flat if flat.device == dev else flat.to(dev)
-                    interruptible_broadcast(self._pg, [wire], src, self.interrupter)
+                    interruptible_broadcast(pg, [wire], src, self.interrupter)
                     if wire is not flat:  # pragma: no cover - NCCL: CPU state via the GPU
                         flat.copy_(wire)
         except (StepInterrupted, Exception) as e:
+            if self._heal_pg is not None and self._heal_pg[1] is pg:
+                self._abandoned.append(pg)  # it may still be inside the broadcast
+                self._heal_pg = None
             self.events.emit("heal_aborted", epoch=a.epoch, reason=str(e)[:300])
             if not isinstance(e, StepInterrupted):
                 self._local_fault(e, gen=self._action_gen)
@@ -1181,6 +1246,15 @@ def read_heartbeat(path: str) -> tuple[float, float] | None:
 
 
 _JOIN = Action()
+
+
+def _drop_later(groups: list[Any]) -> None:
+    """Destroy process groups in a thread of their own: a Gloo group's destructor takes
+    ~20 ms here (its threads' shutdown), on whichever thread drops the last reference.
+    ``groups`` must hold the only references: the caller gives them up."""
+    threading.Thread(target=groups.clear, name="fastft-pg-drop", daemon=True).start()
+
+
 _exit_status = [0]
 _hooked = [False]
 
