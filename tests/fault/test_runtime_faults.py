@@ -299,6 +299,9 @@ def test_gil_hang_is_killed_after_the_hang_timeout(tmp_path, clean):
     hung = [e for e in ev if e["event"] == "worker_hung"]
     assert [e["rank"] for e in hung] == [2]
     assert 2.0 <= hung[0]["timeout_s"] < 10, hung
+    # its stacks were printed before the kill, the hung one's among them
+    log = (run / "launcher.log").read_text()
+    assert "most recent call first" in log and "execute.py" in log, log[-3000:]
 
 
 def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):

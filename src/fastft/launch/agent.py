@@ -44,7 +44,7 @@ from fastft.protocol import (
     Role,
     Severity,
 )
-from fastft.runtime.contract import ENV
+from fastft.runtime.contract import ENV, STACKS_SIGNAL
 from fastft.runtime.events import EventLog
 from fastft.runtime.worker import read_heartbeat
 
@@ -686,8 +686,9 @@ class Agent:
             )
             inc = slot.incarnation
             slot.hung = inc  # reported once, even if the exit takes a while to be seen
-            self._kill(slot, signal.SIGUSR1, incarnation=inc)  # it prints its stacks
-            time.sleep(0.05)  # faulthandler writes from its C handler: ms
+            self._kill(slot, STACKS_SIGNAL, incarnation=inc)  # it prints its stacks
+            if slot.proc is not None:
+                await_signal_taken(slot.proc.pid, STACKS_SIGNAL)
             self._kill(slot, incarnation=inc)  # never the restarted life in the slot
 
     def _on_message(self, m: Message) -> None:
@@ -811,6 +812,40 @@ class Agent:
             self.bus.broadcast(msg)
         except Exception:  # noqa: BLE001 - the bus must not take the agent down
             log.exception("agent: could not publish %s", type(msg).__name__)
+
+
+STACKS_MAX_S = 0.05
+"""The most a hung worker is given to print its stacks before it is killed."""
+STACKS_WRITE_S = 0.003
+"""After it took the signal: faulthandler's C handler writes every thread's stack (a few
+writes, well under a ms here)."""
+
+
+def await_signal_taken(pid: int, sig: int, max_s: float = STACKS_MAX_S) -> bool:
+    """Wait until ``pid`` has taken ``sig`` (it is no longer pending in
+    ``/proc/PID/status``), then ``STACKS_WRITE_S`` for its handler to write; at most
+    ``max_s`` in all. A fixed wait of ``max_s`` was on the recovery path of every hang in
+    a fixed world (its replacement starts at its exit); the handler runs 0.2-12 ms after
+    the signal on this loaded 2-core machine. Returns whether it was seen taken."""
+    bit = 1 << (sig - 1)
+    deadline = time.monotonic() + max_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = f.read()
+        except OSError:
+            return False  # gone
+        pending = 0
+        for line in status.splitlines():
+            if line.startswith(("SigPnd:", "ShdPnd:")):
+                pending |= int(line.split()[1], 16)
+        left = deadline - time.monotonic()
+        if not pending & bit:
+            time.sleep(max(0.0, min(STACKS_WRITE_S, left)))
+            return True
+        if left <= 0:
+            return False
+        time.sleep(min(0.0005, left))
 
 
 def _die_with_parent() -> None:

@@ -8,12 +8,27 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fastft.errors import ConfigError, FastFTError
 
-__all__ = ["RuntimeConfig", "Member", "EpochView", "WorkerExit", "ENV", "choose_backend"]
+__all__ = [
+    "RuntimeConfig",
+    "Member",
+    "EpochView",
+    "WorkerExit",
+    "ENV",
+    "STACKS_SIGNAL",
+    "choose_backend",
+]
+
+STACKS_SIGNAL = signal.SIGUSR2
+"""What the agent sends a worker it found hung, just before it kills it: the worker's
+``faulthandler`` prints every thread's Python stack to stderr from its C handler, which
+works while a thread holds the GIL. Not SIGUSR1: that is the interrupter's signal, whose
+Python-level handler replaces faulthandler's and never runs in a GIL-holding hang."""
 
 ENV = {
     "store": "FASTFT_STORE",

@@ -27,7 +27,6 @@ import mmap
 import os
 import queue
 import secrets
-import signal
 import struct
 import sys
 import threading
@@ -101,6 +100,7 @@ from fastft.protocol import (
 )
 from fastft.runtime import malloc
 from fastft.runtime.contract import (
+    STACKS_SIGNAL,
     EpochView,
     JobFinished,
     Member,
@@ -237,9 +237,9 @@ class Runtime:
         )
         self._collector.start()
         if threading.current_thread() is threading.main_thread():
-            # The agent sends SIGUSR1 before it kills a worker it found hung: every
-            # thread's Python stack goes to stderr (works while a thread holds the GIL).
-            faulthandler.register(signal.SIGUSR1, all_threads=True)
+            # The agent sends it before it kills a worker it found hung: every thread's
+            # Python stack goes to stderr (works while a thread holds the GIL).
+            faulthandler.register(STACKS_SIGNAL, all_threads=True)
         self.interrupter = Interrupter().install()
         self.interrupter.end_step()
         self.interrupter.shield(
@@ -366,10 +366,6 @@ class Runtime:
         self._collector.join(timeout=1)
         self.bus.close()
         self.interrupter.close()
-        if threading.current_thread() is threading.main_thread():
-            # The interrupter restored SIGUSR1's default action (terminate): a stack-dump
-            # request that arrives while the process exits must not kill it.
-            faulthandler.register(signal.SIGUSR1, all_threads=True)
         self._hb.close()
         self.events.close()
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -52,7 +51,7 @@ from fastft.errors import FastFTError
 from fastft.inject import FaultPlan, FaultSpec, Injector, execute
 from fastft.integrations.torchft.quorum import fastft_replica_id, parse_replica_id
 from fastft.protocol.messages import Fault, HangSuspected, Message, ProcessExited, Severity
-from fastft.runtime.contract import ENV
+from fastft.runtime.contract import ENV, STACKS_SIGNAL
 from fastft.runtime.events import EventLog
 from fastft.runtime.sentinel import start_exit_sentinel
 from fastft.runtime.worker import Heartbeat, exit_without_destructors_later
@@ -293,8 +292,8 @@ class ManagerFFT(Manager):
         start_exit_sentinel(env.get(ENV["exit_trace"]))
         self._pending.on_block = self._hb.waiting
         if threading.current_thread() is threading.main_thread():
-            # The agent sends SIGUSR1 before it kills a replica it found hung: stacks first.
-            faulthandler.register(signal.SIGUSR1, all_threads=True)
+            # The agent sends it before it kills a replica it found hung: stacks first.
+            faulthandler.register(STACKS_SIGNAL, all_threads=True)
         self._store = connect_store(env[ENV["store"]])
         self.bus = tcpstore_bus(
             self._store,
