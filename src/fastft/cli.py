@@ -49,6 +49,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 def _build() -> argparse.ArgumentParser:
     from fastft.inject.plan import FaultKind
+    from fastft.launch.spare import DEFAULT_PREFAULT_MB
 
     parser = _Parser(prog="fastft", description="Fast fault tolerance for distributed training.")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -173,6 +174,14 @@ def _build() -> argparse.ArgumentParser:
         action="store_false",
         help="warm spares do not create a CUDA context ahead of time (they do by default "
         "where GPUs are visible, on the GPU of the worker they are likely to replace)",
+    )
+    p.add_argument(
+        "--spare-prefault-mb",
+        type=int,
+        default=DEFAULT_PREFAULT_MB,
+        help="MiB of heap memory each warm spare touches while it waits (its idle RSS "
+        "grows by that much), so that the worker it becomes does not page-fault its model "
+        f"and healed state on the recovery path (default {DEFAULT_PREFAULT_MB}; 0: none)",
     )
     p.add_argument(
         "--backend",
@@ -433,6 +442,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             keep_gradients=args.keep_gradients,
             backend=args.backend,
             spare_cuda=args.spare_cuda,
+            spare_prefault_mb=args.spare_prefault_mb,
         )
         agent = Agent(cfg)
     except FastFTError as e:

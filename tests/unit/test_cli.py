@@ -44,6 +44,8 @@ def free_port():
         ["report-error", "--store", "127.0.0.1:PORT", "--job", "j", "--rank", "0"],
         ["bus", "tail", "--store", "127.0.0.1:PORT", "--job", "j"],
         ["run", "--backend", "mpi", "--nproc", "2", "-m", "fastft.demo.train"],
+        ["run", "--warm-spares", "1", "--spare-prefault-mb", "999", "-m", "fastft.demo.train"],
+        ["run", "--spare-prefault-mb", "-1", "-m", "fastft.demo.train"],
         ["frobnicate"],
     ],
 )

@@ -33,7 +33,7 @@ from typing import Any
 from fastft.bus import BusConfig, connect_store, host_store, tcpstore_bus
 from fastft.errors import ConfigError
 from fastft.launch.exit_trace import ExitTracer
-from fastft.launch.spare import CUDA_DEVICE, order_line
+from fastft.launch.spare import CUDA_DEVICE, DEFAULT_PREFAULT_MB, PREFAULT_MB, order_line
 from fastft.protocol import (
     NO_RANK,
     Fault,
@@ -46,9 +46,13 @@ from fastft.protocol import (
 )
 from fastft.runtime.contract import ENV, STACKS_SIGNAL
 from fastft.runtime.events import EventLog
+from fastft.runtime.malloc import TRIM_THRESHOLD
 from fastft.runtime.worker import read_heartbeat
 
 __all__ = ["Agent", "LaunchConfig"]
+
+PREFAULT_MAX_MB = (TRIM_THRESHOLD >> 20) - 16
+"""Above it, memory a spare touched and freed would be returned to the kernel at once."""
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +98,10 @@ class LaunchConfig:
     spare_cuda: bool = True
     """Warm spares on a GPU machine create a CUDA context on the GPU of the worker they are
     likely to replace (``--no-spare-cuda``: not, e.g. for a job that trains on the CPU)."""
+    spare_prefault_mb: int = DEFAULT_PREFAULT_MB
+    """MiB of heap memory each warm spare touches while it waits (its idle RSS grows by
+    that much), so that the worker it becomes does not fault in its model and the state
+    it heals on the recovery path (:func:`fastft.runtime.malloc.prefault`); 0: none."""
     backend: str = "auto"
     """Process groups: ``gloo``, ``nccl`` (one GPU per worker) or ``auto`` (each worker
     picks from where its model lives: :func:`fastft.runtime.contract.choose_backend`)."""
@@ -133,6 +141,11 @@ class LaunchConfig:
             raise ConfigError(f"--min-replicas {self.min_replicas}: must be in 1..{world}")
         if not 0 <= self.warm_spares <= self.nproc:
             raise ConfigError(f"--warm-spares {self.warm_spares}: use 0..{self.nproc}")
+        if not 0 <= self.spare_prefault_mb <= PREFAULT_MAX_MB:
+            raise ConfigError(
+                f"--spare-prefault-mb {self.spare_prefault_mb}: use 0..{PREFAULT_MAX_MB} "
+                "(memory kept mapped above glibc's trim threshold would be returned)"
+            )
         if self.warm_spares and (
             len(self.command) < 2
             or os.path.basename(self.command[0]) != os.path.basename(sys.executable)
@@ -423,6 +436,7 @@ class Agent:
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         if gpu is not None:
             env[CUDA_DEVICE] = str(gpu)
+        env[PREFAULT_MB] = str(self.config.spare_prefault_mb)
         p = subprocess.Popen(
             # not `-m fastft.launch.spare`: the package imports that module first, and
             # runpy warns that it runs a module already in sys.modules

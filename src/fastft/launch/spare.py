@@ -31,6 +31,10 @@ def order_line(env: dict[str, str], argv: list[str]) -> bytes:
 
 CUDA_DEVICE = "FASTFT_SPARE_CUDA_DEVICE"
 """Set by the agent: the GPU whose CUDA context the spare creates ahead of time."""
+PREFAULT_MB = "FASTFT_SPARE_PREFAULT_MB"
+"""Set by the agent: MiB of heap memory the spare touches ahead of time
+(:func:`fastft.runtime.malloc.prefault`); 0: none."""
+DEFAULT_PREFAULT_MB = 192
 
 
 def _warm_up() -> None:
@@ -41,7 +45,11 @@ def _warm_up() -> None:
     import torch.distributed  # noqa: F401
 
     import fastft.runtime  # noqa: F401
+    from fastft.runtime import malloc
 
+    # the worker it becomes faults in its model, gradients and healed state on the
+    # recovery path otherwise; the thresholds are the ones fastft.init() sets anyway
+    malloc.prefault(int(os.environ.get(PREFAULT_MB, DEFAULT_PREFAULT_MB)) << 20)
     if os.environ.get(CUDA_DEVICE):  # pragma: no cover - GPU machines only
         _warm_cuda(torch.device("cuda", int(os.environ[CUDA_DEVICE])))
 

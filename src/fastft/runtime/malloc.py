@@ -16,6 +16,12 @@ reaches anyway, from the first step and whatever it freed before. ``FASTFT_MALLO
 leaves glibc's defaults. Nothing happens without glibc (musl, macOS) or for memory that
 another allocator (jemalloc, tcmalloc through ``LD_PRELOAD``) or the CUDA caching
 allocator manages.
+
+:func:`prefault` touches heap memory ahead of time and frees it, so that the next
+allocations (up to that size) reuse pages the kernel has already mapped: what a warm
+spare does while it waits, so that the worker it becomes does not fault in its model,
+its gradients and the state it heals on the recovery path (~15 ms for the 50.8 MB heal
+of the 4.2M model with Adam here).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import logging
 import os
 import platform
 
-__all__ = ["tune", "MMAP_THRESHOLD", "TRIM_THRESHOLD"]
+__all__ = ["tune", "prefault", "MMAP_THRESHOLD", "TRIM_THRESHOLD"]
 
 log = logging.getLogger(__name__)
 
@@ -61,3 +67,21 @@ def tune(env: dict[str, str] | None = None) -> bool:
         log.warning("mallopt refused the thresholds; glibc's defaults stay")
     _done = ok
     return ok
+
+
+_CHUNK = 16 << 20  # under MMAP_THRESHOLD: served from the heap, not mapped
+
+
+def prefault(nbytes: int) -> int:
+    """Touch ``nbytes`` of heap memory and free it again, keeping it mapped (the trim
+    threshold of :func:`tune` must be above it, so only after a successful ``tune()``).
+    Returns the bytes prefaulted: 0 when the thresholds are not fixed or ``nbytes`` is 0;
+    at most ``TRIM_THRESHOLD`` minus one chunk."""
+    if nbytes <= 0 or not tune():
+        return 0
+    nbytes = min(nbytes, TRIM_THRESHOLD - _CHUNK)
+    chunks = [bytearray(_CHUNK) for _ in range(-(-nbytes // _CHUNK))]  # zero-filled: touched
+    done = len(chunks) * _CHUNK
+    while chunks:  # freed last-first: they merge back into the heap's top, kept mapped
+        chunks.pop()
+    return done
