@@ -584,6 +584,7 @@ class Runtime:
             if self._heal_pg is not None:
                 self._abandoned.append(self._heal_pg[1])
                 self._heal_pg = None
+                exit_without_destructors_later()
             if self._pg is not None:
                 self._abandoned.append(self._pg)
                 exit_without_destructors_later()
@@ -1022,6 +1023,7 @@ class Runtime:
             if self._heal_pg is not None and self._heal_pg[1] is pg:
                 self._abandoned.append(pg)  # it may still be inside the broadcast
                 self._heal_pg = None
+                exit_without_destructors_later()
             self.events.emit("heal_aborted", epoch=a.epoch, reason=str(e)[:300])
             if not isinstance(e, StepInterrupted):
                 self._local_fault(e, gen=self._action_gen)
