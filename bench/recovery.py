@@ -46,6 +46,9 @@ from fastft.runtime import read_events  # noqa: E402
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_train.py")
 NPROC = 3
+SPARE_PREFAULT_MB = 192
+"""The +spare worlds' spares prefault this much heap (``--spare-prefault-mb``; off by
+default in ``fastft run``): what the README's table was measured with."""
 WORLDS = ("fixed", "fixed+spare", "elastic")
 """fixed: survivors wait for the restarted replica (a new Python process); fixed+spare: the
 same with ``--warm-spares 1`` (a process with torch imported takes the lost rank);
@@ -131,7 +134,7 @@ def run_fastft(
     if world.startswith("elastic"):
         cmd += ["--min-replicas", str(NPROC - 1)]
     if world.endswith("+spare"):
-        cmd += ["--warm-spares", "1"]
+        cmd += ["--warm-spares", "1", "--spare-prefault-mb", str(SPARE_PREFAULT_MB)]
     cmd += flags
     if plan:
         (run / "plan.json").write_text(json.dumps({"faults": plan}))

@@ -180,8 +180,9 @@ def _build() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_PREFAULT_MB,
         help="MiB of heap memory each warm spare touches while it waits (its idle RSS "
-        "grows by that much), so that the worker it becomes does not page-fault its model "
-        f"and healed state on the recovery path (default {DEFAULT_PREFAULT_MB}; 0: none)",
+        "grows by that much, and it is ready later), so that the worker it becomes does "
+        "not page-fault its model and healed state on the recovery path; for large "
+        f"CPU-resident states (default {DEFAULT_PREFAULT_MB}: none; e.g. 192)",
     )
     p.add_argument(
         "--backend",

@@ -99,7 +99,7 @@ class LaunchConfig:
     """Warm spares on a GPU machine create a CUDA context on the GPU of the worker they are
     likely to replace (``--no-spare-cuda``: not, e.g. for a job that trains on the CPU)."""
     spare_prefault_mb: int = DEFAULT_PREFAULT_MB
-    """MiB of heap memory each warm spare touches while it waits (its idle RSS grows by
+    """MiB of heap memory each warm spare touches while it waits (off by default; its idle RSS grows by
     that much), so that the worker it becomes does not fault in its model and the state
     it heals on the recovery path (:func:`fastft.runtime.malloc.prefault`); 0: none."""
     backend: str = "auto"
