@@ -99,9 +99,10 @@ class LaunchConfig:
     """Warm spares on a GPU machine create a CUDA context on the GPU of the worker they are
     likely to replace (``--no-spare-cuda``: not, e.g. for a job that trains on the CPU)."""
     spare_prefault_mb: int = DEFAULT_PREFAULT_MB
-    """MiB of heap memory each warm spare touches while it waits (off by default; its idle RSS grows by
-    that much), so that the worker it becomes does not fault in its model and the state
-    it heals on the recovery path (:func:`fastft.runtime.malloc.prefault`); 0: none."""
+    """MiB of heap memory each warm spare touches while it waits, so that the worker it
+    becomes does not fault in its model and the state it heals on the recovery path
+    (:func:`fastft.runtime.malloc.prefault`). 0 (the default): none; the spare's idle RSS
+    grows by that much and it is ready later."""
     backend: str = "auto"
     """Process groups: ``gloo``, ``nccl`` (one GPU per worker) or ``auto`` (each worker
     picks from where its model lives: :func:`fastft.runtime.contract.choose_backend`)."""
