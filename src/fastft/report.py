@@ -75,8 +75,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         recent = [f for f in faults if t - f["t"] < 1.0]
         # one fault: an injection, then the local exception / exit / stop / hang it caused
         # (same life of the same worker; a hang is seen only after the hang timeout)
-        same = (
-            next(
+        same = None  # each injection is a fault of its own
+        if name != "injected":
+            same = next(
                 (
                     f
                     for f in reversed(faults)
@@ -86,9 +87,6 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                 ),
                 None,
             )
-            if name != "injected"
-            else None
-        )  # each injection is a fault of its own
         if same is not None:
             same["seen_as"].append(name)
             continue

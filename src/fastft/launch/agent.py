@@ -46,13 +46,12 @@ from fastft.protocol import (
 )
 from fastft.runtime.contract import ENV, STACKS_SIGNAL
 from fastft.runtime.events import EventLog
-from fastft.runtime.malloc import TRIM_THRESHOLD
+from fastft.runtime.malloc import PREFAULT_MAX
 from fastft.runtime.worker import read_heartbeat
 
 __all__ = ["Agent", "LaunchConfig"]
 
-PREFAULT_MAX_MB = (TRIM_THRESHOLD >> 20) - 16
-"""Above it, memory a spare touched and freed would be returned to the kernel at once."""
+PREFAULT_MAX_MB = PREFAULT_MAX >> 20
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ DEFAULT_PREFAULT_MB = 0
 """Off by default: it makes a spare ready later (the touching is part of its warm-up) and,
 on the VM this was measured on, 3 spares touching 192 MiB each slowed the demo's steps
 from ~11 to ~14.5 ms (cause not isolated). It pays for large CPU-resident states: the
-4.2M model's heal went from 37-43 to 20-30 ms."""
+4.2M model's heal went from 39-43 to 20-30 ms."""
 
 
 def _warm_up() -> None:

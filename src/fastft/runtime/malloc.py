@@ -31,7 +31,7 @@ import logging
 import os
 import platform
 
-__all__ = ["tune", "prefault", "MMAP_THRESHOLD", "TRIM_THRESHOLD"]
+__all__ = ["tune", "prefault", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "PREFAULT_MAX"]
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +70,18 @@ def tune(env: dict[str, str] | None = None) -> bool:
 
 
 _CHUNK = 16 << 20  # under MMAP_THRESHOLD: served from the heap, not mapped
+PREFAULT_MAX = TRIM_THRESHOLD - _CHUNK
+"""The most :func:`prefault` touches: above the trim threshold, freeing it would return it."""
 
 
 def prefault(nbytes: int) -> int:
     """Touch ``nbytes`` of heap memory and free it again, keeping it mapped (the trim
     threshold of :func:`tune` must be above it, so only after a successful ``tune()``).
     Returns the bytes prefaulted: 0 when the thresholds are not fixed or ``nbytes`` is 0;
-    at most ``TRIM_THRESHOLD`` minus one chunk."""
+    at most ``PREFAULT_MAX``."""
     if nbytes <= 0 or not tune():
         return 0
-    nbytes = min(nbytes, TRIM_THRESHOLD - _CHUNK)
+    nbytes = min(nbytes, PREFAULT_MAX)
     chunks = [bytearray(_CHUNK) for _ in range(-(-nbytes // _CHUNK))]  # zero-filled: touched
     done = len(chunks) * _CHUNK
     while chunks:  # freed last-first: they merge back into the heap's top, kept mapped

@@ -581,10 +581,7 @@ class Runtime:
         elif isinstance(a, BroadcastRollbackAck):
             self.bus.broadcast(RollbackAck(**hdr))
         elif isinstance(a, AbortProcessGroup):
-            if self._heal_pg is not None:
-                self._abandoned.append(self._heal_pg[1])
-                self._heal_pg = None
-                exit_without_destructors_later()
+            self._release_heal_pg(pending=True)
             if self._pg is not None:
                 self._abandoned.append(self._pg)
                 exit_without_destructors_later()
@@ -749,9 +746,7 @@ class Runtime:
         if self._heal_pg is not None:
             # every member voted, so every heal of the epoch is over on both of its ends
             # (the sender's side can finish before the receiver's): the group can go
-            done = [self._heal_pg[1]]
-            self._heal_pg = None
-            _drop_later(done)
+            self._release_heal_pg(pending=False)
         self._hb.tracking = True
         every = self.config.check_every
         digest = self.registry.digest(a.step + 1) if every and (a.step + 1) % every == 0 else None
@@ -904,6 +899,19 @@ class Runtime:
         the heal stays one broadcast over the epoch's group."""
         return self._backend() != "nccl"
 
+    def _release_heal_pg(self, *, pending: bool) -> None:
+        """Let the heal group go: kept, never destroyed, when an operation may still be
+        pending on it (as an abandoned epoch group); else destroyed off the main thread."""
+        if self._heal_pg is None:
+            return
+        held = [self._heal_pg[1]]
+        self._heal_pg = None
+        if pending:
+            self._abandoned.extend(held)
+            exit_without_destructors_later()
+        else:
+            _drop_later(held)
+
     def _heal_ranks(self, view: EpochView) -> list[int] | None:
         """The heal group of ``view`` (source first) when this member is in one."""
         if not view.needs_state or view.source is None or not self._heal_apart():
@@ -1020,10 +1028,7 @@ class Runtime:
                     if wire is not flat:  # pragma: no cover - NCCL: CPU state via the GPU
                         flat.copy_(wire)
         except (StepInterrupted, Exception) as e:
-            if self._heal_pg is not None and self._heal_pg[1] is pg:
-                self._abandoned.append(pg)  # it may still be inside the broadcast
-                self._heal_pg = None
-                exit_without_destructors_later()
+            self._release_heal_pg(pending=True)  # it may still be inside the broadcast
             self.events.emit("heal_aborted", epoch=a.epoch, reason=str(e)[:300])
             if not isinstance(e, StepInterrupted):
                 self._local_fault(e, gen=self._action_gen)
