@@ -90,6 +90,11 @@ def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
     assert not any("Timed out" in e.get("reason", "") for e in rollbacks), rollbacks
     assert len(rollbacks) <= 4, rollbacks  # the one broken step, at most once per survivor
 
+    # Fault-free steps reused their quorum instead of asking the lighthouse (leases); the
+    # restarted replica still healed and caught up (above and below).
+    ends = [e for e in ev if e["event"] == "replica_end"]
+    assert len(ends) == 3 and sum(e["quorums_reused"] for e in ends) > STEPS, ends
+
     # The survivors kept committing in that quorum.
     ids = {q["quorum"] for q in nxt.values()}
     assert any(e["event"] == "commit" and e["quorum"] in ids for e in ev)

@@ -4,6 +4,7 @@ client: a replica the bus reports dead leaves the next quorum at once."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -174,3 +175,54 @@ def test_bus_lighthouse_serves_torchft_clients_and_drops_the_dead() -> None:
         ask(ids[0], 6)
         q3 = results[ids[0]]
         assert [p.replica_id for p in q3.participants] == [ids[0]]  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(60)
+def test_a_joiner_is_announced_once_while_the_members_do_not_ask() -> None:
+    """Members that reuse their quorum (ManagerFFT's leases) do not ask the lighthouse:
+    it tells them, once per quorum issued, that a replica outside the last quorum waits."""
+    from torchft._torchft import LighthouseClient
+
+    ids = [fastft_replica_id(r, 7 + r, f"train_{r}") + ":u" for r in range(3)]
+    announced: list[str] = []
+    results: dict[str, object] = {}
+    with BusLighthouse(
+        "127.0.0.1:0", LighthouseOptions(min_replicas=1), on_join=announced.append
+    ) as lh:
+
+        def ask(rid: str, step: int) -> None:
+            results[rid] = LighthouseClient(lh.address, timedelta(seconds=5)).quorum(
+                replica_id=rid, timeout=timedelta(seconds=20), step=step
+            )
+
+        def ask_together(rids: list[str], step: int) -> list[threading.Thread]:
+            threads = [threading.Thread(target=ask, args=(rid, step)) for rid in rids]
+            for t in threads:
+                t.start()
+            return threads
+
+        beats = LighthouseClient(lh.address, timedelta(seconds=5))
+        for rid in ids[:2]:
+            beats.heartbeat(rid)
+        for t in ask_together(ids[:2], 4):  # the first quorum: nobody to announce
+            t.join(30)
+        assert set(results) == set(ids[:2]) and announced == []
+
+        # A third replica asks while the two members run on their lease: announced, once
+        # (its request is still waiting: the members have not asked).
+        joiner = ask_together(ids[2:], 0)
+        deadline = time.monotonic() + 10
+        while not announced and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # a few lighthouse ticks: no second announcement
+        assert announced == [ids[2]] and ids[2] not in results
+        # Told, the members ask: the joiner is in their quorum.
+        results.clear()
+        for t in [*ask_together(ids[:2], 9), *joiner]:
+            t.join(30)
+        q = results[ids[0]]
+        assert sorted(p.replica_id for p in q.participants) == sorted(ids)  # type: ignore[attr-defined]
+        # A member asking again is no joiner.
+        for t in ask_together(ids, 10):
+            t.join(30)
+        assert announced == [ids[2]]

@@ -16,8 +16,18 @@ from torchft import ProcessGroupGloo  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
 
 from fastft.integrations.torchft import ManagerFFT  # noqa: E402
-from fastft.integrations.torchft.manager import _aborts_release_waiters  # noqa: E402
-from fastft.protocol import Fault, ProcessExited, Role, Severity  # noqa: E402
+from fastft.integrations.torchft.manager import (  # noqa: E402
+    _aborts_release_waiters,
+    _QuorumTap,
+)
+from fastft.protocol import (  # noqa: E402
+    DrainNotice,
+    Fault,
+    JoinRequest,
+    ProcessExited,
+    Role,
+    Severity,
+)
 from fastft.runtime.contract import ENV  # noqa: E402
 
 
@@ -77,11 +87,15 @@ def test_user_settings_are_kept(manager_kwargs: dict[str, Any]) -> None:
 
 
 class _Quorum:
-    def __init__(self, quorum_id: int, ranks: list[tuple[int, int]]) -> None:
+    def __init__(
+        self, quorum_id: int, ranks: list[tuple[int, int]], at_max_step: int | None = None
+    ) -> None:
         self.quorum_id = quorum_id
         self.replica_ids = [f"fastft-{r}-{i}/train:uuid" for r, i in ranks]
         self.heal = False
         self.max_step = 0
+        self.replica_world_size = len(ranks)
+        self.max_world_size = len(ranks) if at_max_step is None else at_max_step
 
 
 def _report(rank: int, inc: int, step: int, epoch: int) -> Fault:
@@ -117,6 +131,185 @@ def replica(monkeypatch: pytest.MonkeyPatch) -> ManagerFFT:
     m.fft_rank, m.fft_incarnation = 0, 1
     m._on_quorum(_Quorum(3, [(0, 1), (1, 5), (2, 7)]))
     return m
+
+
+MEMBERS = [(0, 1), (1, 5), (2, 7)]
+
+
+class _Lighthouse:
+    """torchft's ManagerClient as the tap sees it: counts the quorums asked for."""
+
+    def __init__(self, quorum: _Quorum) -> None:
+        self.quorum = quorum
+        self.asked = 0
+
+    def _quorum(self, **kwargs: Any) -> _Quorum:
+        self.asked += 1
+        return self.quorum
+
+
+class _Bus:
+    closed = False
+
+    def __init__(self) -> None:
+        self.config = type("C", (), {"job": "j"})()
+        self.sent: list[Any] = []
+
+    def broadcast(self, m: Any) -> Any:
+        self.sent.append(m)
+        return m
+
+
+@pytest.fixture
+def leasing(replica: ManagerFFT) -> tuple[ManagerFFT, _Lighthouse]:
+    """The replica with leases on (every 4th step asks), its lighthouse and a bus."""
+    lighthouse = _Lighthouse(_Quorum(3, MEMBERS))
+    replica.quorum_every = 4
+    replica._client = _QuorumTap(lighthouse, replica._reuse_quorum, replica._on_quorum)
+    replica.bus = _Bus()  # type: ignore[assignment]
+    return replica, lighthouse
+
+
+def _begin(m: ManagerFFT) -> Any:
+    """What start_quorum does here: a new attempt, then torchft's quorum thread asks."""
+    m._begin_attempt()
+    m._errored = None
+    return m._client._quorum(step=m._step)
+
+
+def _end(m: ManagerFFT, ok: bool | None = None) -> bool:
+    """What should_commit does here: commit unless the attempt errored."""
+    ok = m.errored() is None if ok is None else ok
+    if ok:
+        m._step += 1
+    m._end_attempt(ok)
+    return ok
+
+
+def _attempt(m: ManagerFFT) -> bool:
+    _begin(m)
+    return _end(m)
+
+
+@pytest.mark.timeout(30)
+def test_a_committed_quorum_is_reused_and_every_nth_step_asks(
+    leasing: tuple[ManagerFFT, _Lighthouse],
+) -> None:
+    m, lighthouse = leasing
+    asked = []
+    for _ in range(30, 38):  # steps 30..37; 32 and 36 are multiples of quorum_every
+        before = lighthouse.asked
+        assert _attempt(m)
+        asked.append(lighthouse.asked - before)
+    # step 30 asks (no lease yet), its commit makes the lease; 32 and 36 ask anyway
+    assert asked == [1, 0, 1, 0, 0, 0, 1, 0]
+    assert m.quorums_reused == 5
+    q = _begin(m)  # a reused quorum: torchft's fields, moved to this step, nobody heals
+    assert q.quorum_id == 3 and q.max_step == 38 and not q.heal
+    assert q.recover_dst_replica_ranks == [] and q.replica_world_size == 3
+
+
+@pytest.mark.timeout(30)
+def test_a_quorum_in_which_someone_heals_is_not_reused(
+    leasing: tuple[ManagerFFT, _Lighthouse],
+) -> None:
+    m, lighthouse = leasing
+    lighthouse.quorum = _Quorum(4, MEMBERS, at_max_step=2)  # one member heals in it
+    assert _attempt(m) and _attempt(m)
+    assert lighthouse.asked == 2
+    lighthouse.quorum = _Quorum(4, MEMBERS)  # next step every member is at the max step
+    assert _attempt(m) and _attempt(m)
+    assert lighthouse.asked == 3
+
+
+@pytest.mark.timeout(30)
+def test_a_member_fault_voids_the_lease_and_a_leased_step_it_makes_impossible(
+    leasing: tuple[ManagerFFT, _Lighthouse],
+) -> None:
+    m, lighthouse = leasing
+    assert _attempt(m)  # step 30, asked: the lease
+    _begin(m)  # step 31 on the lease
+    # Member 1 rolled back step 30 after this replica committed it: it will ask the
+    # lighthouse for step 30 again, so it is not in this step's collectives.
+    m._on_message(_report(1, 5, 30, 3))
+    assert m.peer_faults == 1 and not _end(m)
+    asked = lighthouse.asked
+    assert _attempt(m) and lighthouse.asked == asked + 1  # step 31 again: asks
+
+
+@pytest.mark.timeout(30)
+def test_a_report_from_before_the_lease_voids_it_but_not_the_step(
+    leasing: tuple[ManagerFFT, _Lighthouse],
+) -> None:
+    m, lighthouse = leasing
+    assert _attempt(m)
+    _begin(m)  # step 31 on the lease of quorum 3
+    m._on_message(_report(1, 5, 30, 2))  # about an attempt in quorum 2: late
+    assert m.peer_faults == 0 and _end(m)
+    asked = lighthouse.asked
+    assert _attempt(m) and lighthouse.asked == asked + 1  # but the next step asks
+
+
+@pytest.mark.timeout(30)
+def test_a_join_voids_a_leased_step_and_the_next_asks(
+    leasing: tuple[ManagerFFT, _Lighthouse],
+) -> None:
+    m, lighthouse = leasing
+    m.quorum_every = 100
+    assert _attempt(m)
+    _begin(m)  # step 31 on the lease
+    m._on_message(JoinRequest(job="j", epoch=0, rank=1, incarnation=9, role=Role.MONITOR))
+    assert m.peer_faults == 1 and not _end(m)
+    # The quorum of the retry missed the joiner: the step after asks again.
+    assert _attempt(m) and lighthouse.asked == 2
+    # It is in that one, healing (no lease), then the next one is reused.
+    lighthouse.quorum = _Quorum(5, [(0, 1), (1, 9), (2, 7)], at_max_step=2)
+    assert _attempt(m) and lighthouse.asked == 3
+    lighthouse.quorum = _Quorum(5, [(0, 1), (1, 9), (2, 7)])
+    assert _attempt(m) and _attempt(m) and lighthouse.asked == 4
+    # A join announced for a member already in the quorum changes nothing.
+    _begin(m)
+    m._on_message(JoinRequest(job="j", epoch=0, rank=1, incarnation=9, role=Role.MONITOR))
+    assert m.peer_faults == 1 and _end(m)
+
+
+@pytest.mark.timeout(30)
+def test_a_member_leaving_voids_only_a_step_it_is_not_in(
+    leasing: tuple[ManagerFFT, _Lighthouse],
+) -> None:
+    m, _ = leasing
+    assert _attempt(m)
+    _begin(m)  # step 31 on the lease
+    # Member 2 committed step 31 too and shut down: it took part in all of this step.
+    m._on_message(DrainNotice(job="j", epoch=3, rank=2, incarnation=7, step=32))
+    assert m.peer_faults == 0 and _end(m)
+    m._lease = m._leased_on = None
+    assert _attempt(m)  # asked: the lease of step 32
+    _begin(m)  # step 33: member 1 left after step 32, so it is not in this one
+    m._on_message(DrainNotice(job="j", epoch=3, rank=1, incarnation=5, step=33))
+    assert m.peer_faults == 1 and not _end(m)
+
+
+@pytest.mark.timeout(30)
+def test_a_rollback_no_peer_heard_of_is_told(leasing: tuple[ManagerFFT, _Lighthouse]) -> None:
+    m, _ = leasing
+    bus: _Bus = m.bus  # type: ignore[assignment]
+    assert _attempt(m)
+    _begin(m)
+    assert not _end(m, ok=False)  # e.g. too few replicas: nothing on the bus yet
+    assert [(x.cause, x.step, x.severity) for x in bus.sent] == [
+        ("rolled_back", 31, Severity.FAULT2)
+    ]
+    _begin(m)  # the retry, in a new quorum (a failed commit changes the id)
+    m._on_quorum(_Quorum(4, MEMBERS))
+    m._on_message(_report(1, 5, 31, 4))  # a peer's fault: every peer heard it already
+    assert not _end(m) and len(bus.sent) == 1
+
+
+def test_quorum_every_must_be_positive() -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="quorum_every"):
+            ManagerFFT(pg=ProcessGroupGloo(), quorum_every=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(30)

@@ -31,7 +31,14 @@ from fastft.integrations.torchft.quorum import (
     parse_replica_id,
     quorum_changed,
 )
-from fastft.protocol.messages import Fault, HangSuspected, Message, ProcessExited, Severity
+from fastft.protocol.messages import (
+    Fault,
+    HangSuspected,
+    JoinRequest,
+    Message,
+    ProcessExited,
+    Severity,
+)
 
 __all__ = ["BusLighthouse"]
 
@@ -93,7 +100,10 @@ class BusLighthouse:
 
     :meth:`on_message` is an error-bus callback: feed it every bus message (the agent
     does). ``emit(kind, **fields)`` receives one event per quorum issued and per replica
-    marked dead.
+    marked dead. ``on_join(replica_id)`` is called (under the lighthouse's lock: keep it
+    short) when a replica outside the last quorum waits to join: ManagerFFTs that reuse
+    their quorum do not ask the lighthouse until told (the agent's lighthouse process
+    broadcasts a :class:`JoinRequest`).
     """
 
     def __init__(
@@ -102,12 +112,16 @@ class BusLighthouse:
         options: LighthouseOptions | None = None,
         *,
         emit: Callable[..., None] | None = None,
+        on_join: Callable[[str], None] | None = None,
         max_workers: int = 256,
     ) -> None:
         import grpc
 
         self.options = options or LighthouseOptions()
         self._emit = emit or (lambda kind, **f: None)
+        self._on_join = on_join
+        self._announced: set[str] = set()
+        """Joiners announced since the last quorum issued."""
         self._pb = _messages()
         self._state = QuorumState()
         self._dead_lives: set[tuple[int, int]] = set()
@@ -217,6 +231,7 @@ class BusLighthouse:
             if self._seen(rid, time.monotonic()):
                 self._state.participants[rid] = (time.monotonic(), member)
             self._tick_locked()
+            self._announce_locked(rid)
             while not self._stop.is_set():
                 for g, quorum, ids in list(self._issued):
                     if g <= gen:
@@ -227,12 +242,31 @@ class BusLighthouse:
                     # Not in it: ask again for the next one (torchft does the same).
                     if rid not in self._state.dead:
                         self._state.participants[rid] = (time.monotonic(), member)
+                        self._announce_locked(rid)
                 remaining = ctx.time_remaining()
                 if remaining is not None and remaining <= 0 or not ctx.is_active():
                     ctx.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no quorum in time")
                 self._cond.wait(0.5 if remaining is None else min(0.5, remaining))
         ctx.abort(grpc.StatusCode.UNAVAILABLE, "lighthouse stopping")
         raise AssertionError("unreachable")
+
+    def _announce_locked(self, rid: str) -> None:
+        """Tell the members that ``rid`` waits to join, once per quorum issued, if it is
+        still waiting and was not in the last quorum."""
+        st = self._state
+        if (
+            self._on_join is None
+            or rid not in st.participants
+            or st.prev is None
+            or rid in self._announced
+            or any(m.replica_id == rid for m in st.prev)
+        ):
+            return
+        self._announced.add(rid)
+        try:
+            self._on_join(rid)
+        except Exception:  # noqa: BLE001 - an announcement must never fail a quorum
+            log.exception("could not announce joiner %s", rid)
 
     def _tick_loop(self) -> None:
         period = self.options.quorum_tick_ms / 1000
@@ -256,6 +290,7 @@ class BusLighthouse:
         quorum.created.GetCurrentTime()
         st.prev = members
         st.participants.clear()
+        self._announced.clear()
         self._gen += 1
         self._issued.append((self._gen, quorum, frozenset(m.replica_id for m in members)))
         self._cond.notify_all()
@@ -303,14 +338,26 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s lighthouse %(message)s")
     events = EventLog(a.run_dir, "lighthouse")
     store = connect_store(a.store, wait_s=30)
+    bus = tcpstore_bus(
+        store,
+        BusConfig(job=a.job, rank=NO_RANK, incarnation=secrets.randbits(62) | 1, role=Role.MONITOR),
+    )
+
+    def announce(replica_id: str) -> None:
+        life = parse_replica_id(replica_id)
+        if life is not None and not bus.closed:
+            bus.broadcast(
+                JoinRequest(
+                    job=a.job, epoch=0, rank=life[0], incarnation=life[1], role=Role.MONITOR
+                )
+            )
+            events.emit("lighthouse_join", rank=life[0], incarnation=life[1])
+
     lh = BusLighthouse(
         a.bind,
         LighthouseOptions(a.min_replicas, a.join_ms, 100, a.heartbeat_ms, a.first_quorum),
         emit=events.emit,
-    )
-    bus = tcpstore_bus(
-        store,
-        BusConfig(job=a.job, rank=NO_RANK, incarnation=secrets.randbits(62) | 1, role=Role.MONITOR),
+        on_join=announce,
     )
     bus.subscribe(lh.on_message)
     stop = threading.Event()

@@ -50,7 +50,15 @@ from fastft.bus import BusConfig, BusEndpoint, connect_store, tcpstore_bus
 from fastft.errors import FastFTError
 from fastft.inject import FaultPlan, FaultSpec, Injector, execute
 from fastft.integrations.torchft.quorum import fastft_replica_id, parse_replica_id
-from fastft.protocol.messages import Fault, HangSuspected, Message, ProcessExited, Severity
+from fastft.protocol.messages import (
+    DrainNotice,
+    Fault,
+    HangSuspected,
+    JoinRequest,
+    Message,
+    ProcessExited,
+    Severity,
+)
 from fastft.runtime.contract import ENV, STACKS_SIGNAL
 from fastft.runtime.events import EventLog
 from fastft.runtime.sentinel import start_exit_sentinel
@@ -204,19 +212,61 @@ class _BusProcessGroup(ProcessGroupWrapper):
 
 
 class _QuorumTap:
-    """Forwards to torchft's ManagerClient and reports each quorum's members."""
+    """Forwards to torchft's ManagerClient and reports each quorum's members; answers from
+    ``reuse`` (a leased quorum) instead when it has one."""
 
-    def __init__(self, client: Any, on_quorum: Callable[[Any], None]) -> None:
+    def __init__(
+        self, client: Any, reuse: Callable[[], Any], on_quorum: Callable[[Any], None]
+    ) -> None:
         self._client = client
+        self._reuse = reuse
         self._on_quorum = on_quorum
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        q = self._reuse()
+        if q is not None:
+            return q
         q = self._client._quorum(*args, **kwargs)
         self._on_quorum(q)
         return q
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+
+QUORUM_EVERY = 64
+"""ManagerFFT's default ``quorum_every``: a replica that joins without a lighthouse that
+announces it (torchft's own) waits at most this many steps."""
+
+
+def _lease_eligible(q: Any) -> bool:
+    """Whether later steps may reuse quorum ``q``: nobody heals or sends state in it, so
+    every member was at its max step. All members see the same answer (the fields are the
+    quorum's, not the member's)."""
+    return int(q.max_world_size) == int(q.replica_world_size)
+
+
+class _Lease:
+    """A committed quorum that the following steps reuse without asking the lighthouse."""
+
+    def __init__(self, quorum: Any, members: frozenset[tuple[int, int]], step: int) -> None:
+        self.quorum = quorum
+        self.members = members
+        self.step = step
+        """The step the quorum was formed for (the lease's first step is the next)."""
+
+
+class _Reused:
+    """The lease's quorum answered for ``step``: torchft's QuorumResult, step moved on."""
+
+    def __init__(self, quorum: Any, step: int) -> None:
+        self._quorum = quorum
+        self.max_step = step
+        self.heal = False
+        self.recover_dst_replica_ranks: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._quorum, name)
 
 
 def _advertised_host() -> str:
@@ -232,9 +282,19 @@ class ManagerFFT(Manager):
     given (``store_addr``/``MASTER_ADDR``) the manager hosts its group's store itself, and
     ``heartbeat_interval`` defaults to 1 s instead of 100 ms (the bus, not the lighthouse's
     heartbeat timeout, reports a dead replica).
+
+    ``quorum_every`` (fastft's): while the bus reports nothing about the quorum's members
+    and nobody joins, a step reuses the previous step's quorum instead of asking the
+    lighthouse, and every ``quorum_every``-th step asks anyway (1: every step, as torchft).
+    Only under ``fastft run`` and with replica groups of one process. Why it is safe, and
+    what it costs a joiner: ``docs/architecture.md``, "Quorum leases".
     """
 
-    def __init__(self, pg: ProcessGroup, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, pg: ProcessGroup, *args: Any, quorum_every: int = QUORUM_EVERY, **kwargs: Any
+    ) -> None:
+        if isinstance(quorum_every, bool) or not isinstance(quorum_every, int) or quorum_every < 1:
+            raise ValueError(f"quorum_every={quorum_every!r}: must be an integer >= 1")
         env = os.environ
         self._fft_store_server: Any = None
         self.bus: BusEndpoint | None = None
@@ -247,6 +307,20 @@ class ManagerFFT(Manager):
         """Fault2 reports that arrived while a quorum was being formed: _on_quorum decides."""
         self._rolled_back: tuple[int, int] = (-1, -1)
         """(step, quorum id) of this replica's last rolled-back attempt."""
+        self.quorum_every = 1
+        """Set to the argument under ``fastft run`` (leases need the bus)."""
+        self._lease: _Lease | None = None
+        self._candidate: tuple[Any, frozenset[tuple[int, int]]] | None = None
+        """This step's real quorum when eligible: a lease once the step commits."""
+        self._void = False
+        """A member's fault or a join was told since the last real quorum: no lease."""
+        self._joins: set[tuple[int, int]] = set()
+        """Lives a lighthouse announced waiting to join, not yet in a real quorum."""
+        self._leased_on: _Lease | None = None
+        """The lease the step in flight reuses (None: it asked the lighthouse)."""
+        self._told = False
+        """This attempt's failure is known to the peers (the bus told it, or we did)."""
+        self.quorums_reused = 0
         self._fft_lock = threading.Lock()
         self._pending = _Pending()
         self.peer_faults = 0
@@ -282,9 +356,13 @@ class ManagerFFT(Manager):
             self.fft_rank, self.fft_incarnation = -1, 0
             log.warning("ManagerFFT outside `fastft run`: no error bus, plain torchft Manager")
         super().__init__(_BusProcessGroup(pg, self._pending), *args, **kwargs)
-        self._client = _QuorumTap(self._client, self._on_quorum)  # type: ignore[has-type]
+        client = self._client  # type: ignore[has-type]
+        self._client = _QuorumTap(client, self._reuse_quorum, self._on_quorum)
         if not under_fastft:
             return
+        if int(kwargs.get("world_size") or env.get("WORLD_SIZE", "1")) == 1:
+            # A group of several processes would need its ranks to agree on every reuse.
+            self.quorum_every = quorum_every
         run_dir = env.get(ENV["run_dir"])
         if run_dir:
             self.events = EventLog(run_dir, f"replica {self.fft_rank}")
@@ -317,14 +395,14 @@ class ManagerFFT(Manager):
         super().report_error(e)
         if isinstance(e, PeerFailed) or self._pending.poisoned is not None:
             return
+        self._told = True
         self._broadcast_fault("reported_error", e)
 
     def start_quorum(self, *args: Any, **kwargs: Any) -> None:
         self._hb.beat()
         if self.bus is not None:
             self.injector.fire_due(self.current_step())
-        with self._fft_lock:
-            self._members = None
+        self._begin_attempt()
         with self._hb.blocked:
             super().start_quorum(*args, **kwargs)
 
@@ -348,8 +426,7 @@ class ManagerFFT(Manager):
             ok = super().should_commit(timeout)
         self._hb.tracking = self._hb.tracking or ok
         self._hb.beat()
-        if not ok:
-            self._rolled_back = (self.current_step(), self._quorum_id)
+        self._end_attempt(ok)
         self._emit(
             "commit" if ok else "rollback",
             step=self.current_step() - (1 if ok else 0),
@@ -359,10 +436,61 @@ class ManagerFFT(Manager):
         )
         return ok
 
+    # --- quorum leases (docs/architecture.md, "Quorum leases") -------------------------------
+    def _begin_attempt(self) -> None:
+        """A step's attempt starts: its quorum is not known yet."""
+        with self._fft_lock:
+            self._members = None
+            self._leased_on = None
+            self._told = False
+
+    def _end_attempt(self, ok: bool) -> None:
+        """The attempt committed (torchft's step already counts it) or rolled back."""
+        with self._fft_lock:
+            if not ok:
+                self._lease = None
+            elif self._leased_on is None:  # asked the lighthouse: its quorum, if eligible
+                candidate = None if self._void else self._candidate
+                self._lease = None
+                if candidate is not None:
+                    self._lease = _Lease(*candidate, self.current_step() - 1)
+            self._candidate = None
+            self._leased_on = None
+            told, self._told = self._told, True
+        if ok:
+            return
+        self._rolled_back = (self.current_step(), self._quorum_id)
+        if not told and self.quorum_every > 1:
+            # Peers that committed this step would run the next on the lease while this
+            # replica asks the lighthouse: tell them, so that they void theirs.
+            self._broadcast_fault("rolled_back", RuntimeError(repr(self.errored())[:300]))
+
     def shutdown(self, wait: bool = True) -> None:
         if self.bus is not None:
+            if not self.bus.closed:
+                # Peers that reuse their quorum would otherwise wait for this replica in
+                # their next step's collectives (see _on_drain).
+                try:
+                    self.bus.broadcast(
+                        DrainNotice(
+                            job=self.bus.config.job,
+                            epoch=max(self._quorum_id, 0),
+                            rank=self.fft_rank,
+                            incarnation=self.fft_incarnation,
+                            step=self.current_step(),
+                            reason="shutdown",
+                        )
+                    )
+                except Exception:  # noqa: BLE001 - leaving must not fail on the bus
+                    log.exception("could not announce leaving")
             self.bus.close()
         self._hb.close()
+        self._emit(
+            "replica_end",
+            step=self.current_step(),
+            quorums_reused=self.quorums_reused,
+            peer_faults=self.peer_faults,
+        )
         super().shutdown(wait=wait)
         if self.events is not None:
             self.events.close()
@@ -370,6 +498,12 @@ class ManagerFFT(Manager):
     # --- the bus ---------------------------------------------------------------------------
     def _on_message(self, m: Message) -> None:
         me = (self.fft_rank, self.fft_incarnation)
+        if isinstance(m, JoinRequest):
+            self._on_join((m.rank, m.incarnation), m)
+            return
+        if isinstance(m, DrainNotice):
+            self._on_drain(m)
+            return
         if isinstance(m, ProcessExited):
             who, why = (m.exited_rank, m.exited_incarnation), "exited"
         elif isinstance(m, HangSuspected):
@@ -381,6 +515,8 @@ class ManagerFFT(Manager):
         if who == me or who[0] < 0:
             return
         report = m if isinstance(m, Fault) and m.severity is Severity.FAULT2 else None
+        with self._fft_lock:
+            self._break_lease(who)
         if report is not None and not self._about_this_attempt(report):
             return
         with self._fft_lock:
@@ -407,13 +543,73 @@ class ManagerFFT(Manager):
         """Whether a peer's Fault2 report is about the step this replica is attempting: the
         same step, and not an attempt this replica already rolled back (a late report
         from an earlier quorum while the step is retried in a new one). The sender's quorum
-        id alone cannot tell: it may report before its own quorum of the step arrived."""
+        id alone cannot tell: it may report before its own quorum of the step arrived.
+        On a leased step, a report about an earlier step of the lease counts too: the
+        sender rolled that step back, so it asks the lighthouse instead of joining this
+        step's collectives."""
         step, quorum = self._rolled_back
-        return m.step == self.current_step() and not (m.step == step and m.epoch <= quorum)
+        current = self.current_step()
+        lease = self._leased_on
+        if (
+            lease is not None
+            and lease.step <= m.step < current
+            and m.epoch >= lease.quorum.quorum_id
+        ):
+            return True
+        return m.step == current and not (m.step == step and m.epoch <= quorum)
+
+    def _break_lease(self, who: tuple[int, int]) -> None:
+        """A fault of ``who`` was told: if it is a member, the next step asks the
+        lighthouse. Under ``_fft_lock``."""
+        lease = self._lease
+        if who in (self._members or ()) or (lease is not None and who in lease.members):
+            self._lease = None
+            self._void = True
+
+    def _on_join(self, who: tuple[int, int], m: Message) -> None:
+        """A lighthouse announced ``who`` waiting to join. Members that reuse their quorum
+        never ask the lighthouse, so the join would wait for the next ``quorum_every``-th
+        step: the next step asks instead, and a leased step in flight is voided (a peer
+        that heard first may be in the lighthouse already, not in this step's collectives)."""
+        with self._fft_lock:
+            members = self._members
+            if who == (self.fft_rank, self.fft_incarnation) or who in (members or ()):
+                return
+            self._joins.add(who)
+            self._lease = None
+            self._void = True
+            void_now = self._leased_on is not None and members is not None
+        if void_now:
+            self._fail_step(who, "joining", m)
+
+    def _on_drain(self, m: DrainNotice) -> None:
+        """A member is leaving after committing ``m.step`` steps (its ``shutdown``): a
+        leased step at or past that has lost a member, which will not join its collectives.
+        A step before it completes as it is: the member took part in all of it."""
+        who = m.sender
+        with self._fft_lock:
+            self._break_lease(who)
+            lease = self._leased_on
+            void_now = lease is not None and who in lease.members and self._step >= m.step
+        if void_now:
+            self._fail_step(who, "left", m)
+
+    def _reuse_quorum(self) -> Any | None:
+        """The quorum of this step if it may reuse the lease (torchft's quorum thread)."""
+        with self._fft_lock:
+            lease = self._lease
+            step = self._step
+            if lease is None or step % self.quorum_every == 0 or lease.members & self._dead:
+                return None
+            self._members = set(lease.members)
+            self._leased_on = lease
+            self.quorums_reused += 1
+        return _Reused(lease.quorum, step)
 
     def _fail_step(self, who: tuple[int, int], why: str, m: Message | None) -> None:
         exc = PeerFailed(f"replica rank {who[0]} (incarnation {who[1]}): {why}")
         self.peer_faults += 1
+        self._told = True
         super().report_error(exc)
         n = self._pending.fail_all(exc)
         self._pg.abort()  # NCCL only (see _BusProcessGroup.abort)
@@ -435,6 +631,12 @@ class ManagerFFT(Manager):
             self._members = members
             dead = members & self._dead
             reported, self._reported = self._reported, []
+            # An announced joiner this quorum missed: the next step asks again (once; a
+            # joiner still waiting is announced again by the lighthouse).
+            self._void = bool(self._joins - members)
+            self._joins = set()
+            eligible = self.quorum_every > 1 and not dead and _lease_eligible(q)
+            self._candidate = (q, frozenset(members)) if eligible else None
         if changed:
             self._emit(
                 "quorum",
