@@ -310,12 +310,15 @@ class ManagerFFT(Manager):
         self.quorum_every = 1
         """Set to the argument under ``fastft run`` (leases need the bus)."""
         self._lease: _Lease | None = None
-        self._candidate: tuple[Any, frozenset[tuple[int, int]]] | None = None
+        self._candidate: tuple[Any, frozenset[tuple[int, int]], int] | None = None
         """This step's real quorum when eligible: a lease once the step commits."""
-        self._void = False
-        """A member's fault or a join was told since the last real quorum: no lease."""
-        self._joins: set[tuple[int, int]] = set()
-        """Lives a lighthouse announced waiting to join, not yet in a real quorum."""
+        self._breaks = 0
+        """Lease-breaking messages heard so far (see _break_lease)."""
+        self._asked_at = 0
+        """``_breaks`` when this step asked the lighthouse: a quorum is leased only if
+        nothing broke since (the quorum may predate what was told)."""
+        self._gone: set[tuple[int, int]] = set()
+        """Lives that announced leaving (``DrainNotice``)."""
         self._leased_on: _Lease | None = None
         """The lease the step in flight reuses (None: it asked the lighthouse)."""
         self._told = False
@@ -450,10 +453,11 @@ class ManagerFFT(Manager):
             if not ok:
                 self._lease = None
             elif self._leased_on is None:  # asked the lighthouse: its quorum, if eligible
-                candidate = None if self._void else self._candidate
                 self._lease = None
-                if candidate is not None:
-                    self._lease = _Lease(*candidate, self.current_step() - 1)
+                if self._candidate is not None:
+                    quorum, members, asked_at = self._candidate
+                    if asked_at == self._breaks:
+                        self._lease = _Lease(quorum, members, self.current_step() - 1)
             self._candidate = None
             self._leased_on = None
             told, self._told = self._told, True
@@ -469,7 +473,7 @@ class ManagerFFT(Manager):
         if self.bus is not None:
             if not self.bus.closed:
                 # Peers that reuse their quorum would otherwise wait for this replica in
-                # their next step's collectives (see _on_drain).
+                # their next step's collectives (see _on_message).
                 try:
                     self.bus.broadcast(
                         DrainNotice(
@@ -499,10 +503,16 @@ class ManagerFFT(Manager):
     def _on_message(self, m: Message) -> None:
         me = (self.fft_rank, self.fft_incarnation)
         if isinstance(m, JoinRequest):
-            self._on_join((m.rank, m.incarnation), m)
+            if (m.rank, m.incarnation) != me:
+                self._break_lease((m.rank, m.incarnation), "joining", m)
             return
         if isinstance(m, DrainNotice):
-            self._on_drain(m)
+            if m.sender != me:
+                with self._fft_lock:
+                    self._gone.add(m.sender)
+                # It took part in every step before m.step: a leased step past that one
+                # waits for it in vain; an earlier one completes as it is.
+                self._break_lease(m.sender, "left", m, void_leased_step=self._step >= m.step)
             return
         if isinstance(m, ProcessExited):
             who, why = (m.exited_rank, m.exited_incarnation), "exited"
@@ -515,17 +525,21 @@ class ManagerFFT(Manager):
         if who == me or who[0] < 0:
             return
         report = m if isinstance(m, Fault) and m.severity is Severity.FAULT2 else None
+        clean_exit = isinstance(m, ProcessExited) and m.exit_code == 0
         with self._fft_lock:
-            self._break_lease(who)
+            news = report is not None or (who not in self._dead and who not in self._gone)
+            if report is None:
+                self._dead.add(who)
+        # A replica that ended its loop cleanly had finished its collectives of the step
+        # (it committed it), and one that announced leaving was handled then.
+        if news and self._break_lease(who, why, m, void_leased_step=not clean_exit):
+            return
         if report is not None and not self._about_this_attempt(report):
             return
         with self._fft_lock:
-            if report is None:
-                self._dead.add(who)
-            if isinstance(m, ProcessExited) and m.exit_code == 0:
-                # A replica that ended its loop cleanly had finished its collectives of the
-                # step (it committed it): the lighthouse leaves it out of the next quorum,
-                # and the step in flight here completes as it is.
+            if clean_exit:
+                # The lighthouse leaves it out of the next quorum, and the step in flight
+                # here completes as it is.
                 return
             members = self._members
             if members is None and report is not None:
@@ -543,56 +557,28 @@ class ManagerFFT(Manager):
         """Whether a peer's Fault2 report is about the step this replica is attempting: the
         same step, and not an attempt this replica already rolled back (a late report
         from an earlier quorum while the step is retried in a new one). The sender's quorum
-        id alone cannot tell: it may report before its own quorum of the step arrived.
-        On a leased step, a report about an earlier step of the lease counts too: the
-        sender rolled that step back, so it asks the lighthouse instead of joining this
-        step's collectives."""
+        id alone cannot tell: it may report before its own quorum of the step arrived."""
         step, quorum = self._rolled_back
-        current = self.current_step()
-        lease = self._leased_on
-        if (
-            lease is not None
-            and lease.step <= m.step < current
-            and m.epoch >= lease.quorum.quorum_id
-        ):
-            return True
-        return m.step == current and not (m.step == step and m.epoch <= quorum)
+        return m.step == self.current_step() and not (m.step == step and m.epoch <= quorum)
 
-    def _break_lease(self, who: tuple[int, int]) -> None:
-        """A fault of ``who`` was told: if it is a member, the next step asks the
-        lighthouse. Under ``_fft_lock``."""
-        lease = self._lease
-        if who in (self._members or ()) or (lease is not None and who in lease.members):
-            self._lease = None
-            self._void = True
-
-    def _on_join(self, who: tuple[int, int], m: Message) -> None:
-        """A lighthouse announced ``who`` waiting to join. Members that reuse their quorum
-        never ask the lighthouse, so the join would wait for the next ``quorum_every``-th
-        step: the next step asks instead, and a leased step in flight is voided (a peer
-        that heard first may be in the lighthouse already, not in this step's collectives)."""
+    def _break_lease(
+        self, who: tuple[int, int], why: str, m: Message, void_leased_step: bool = True
+    ) -> bool:
+        """Something the lease did not foresee was told (a fault, a death, a join, a
+        member leaving): no step reuses a quorum from before it, and a leased step in
+        flight is voided. Every replica hears the same message, so every one that might
+        reuse the lease either did not yet (it asks the lighthouse) or is inside a leased
+        step (voided here): none waits in a collective for a peer that went to the
+        lighthouse. Whether the message concerns this replica's quorum is deliberately not
+        asked: replicas can differ in what they know of the quorum at that moment. True if
+        the step in flight was voided."""
         with self._fft_lock:
-            members = self._members
-            if who == (self.fft_rank, self.fft_incarnation) or who in (members or ()):
-                return
-            self._joins.add(who)
+            self._breaks += 1
             self._lease = None
-            self._void = True
-            void_now = self._leased_on is not None and members is not None
-        if void_now:
-            self._fail_step(who, "joining", m)
-
-    def _on_drain(self, m: DrainNotice) -> None:
-        """A member is leaving after committing ``m.step`` steps (its ``shutdown``): a
-        leased step at or past that has lost a member, which will not join its collectives.
-        A step before it completes as it is: the member took part in all of it."""
-        who = m.sender
-        with self._fft_lock:
-            self._break_lease(who)
-            lease = self._leased_on
-            void_now = lease is not None and who in lease.members and self._step >= m.step
-        if void_now:
-            self._fail_step(who, "left", m)
+            void = void_leased_step and self._leased_on is not None
+        if void:
+            self._fail_step(who, why, m)
+        return void
 
     def _reuse_quorum(self) -> Any | None:
         """The quorum of this step if it may reuse the lease (torchft's quorum thread)."""
@@ -600,6 +586,7 @@ class ManagerFFT(Manager):
             lease = self._lease
             step = self._step
             if lease is None or step % self.quorum_every == 0 or lease.members & self._dead:
+                self._asked_at = self._breaks
                 return None
             self._members = set(lease.members)
             self._leased_on = lease
@@ -631,12 +618,8 @@ class ManagerFFT(Manager):
             self._members = members
             dead = members & self._dead
             reported, self._reported = self._reported, []
-            # An announced joiner this quorum missed: the next step asks again (once; a
-            # joiner still waiting is announced again by the lighthouse).
-            self._void = bool(self._joins - members)
-            self._joins = set()
             eligible = self.quorum_every > 1 and not dead and _lease_eligible(q)
-            self._candidate = (q, frozenset(members)) if eligible else None
+            self._candidate = (q, frozenset(members), self._asked_at) if eligible else None
         if changed:
             self._emit(
                 "quorum",
