@@ -32,6 +32,9 @@ def main() -> None:
     ap.add_argument("--pg-timeout", type=float, default=60.0)
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--quorum-every", type=int, default=None, help="ManagerFFT's (default: its own)"
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)  # as bench/_train.py: 3 replicas share 2 cores
 
@@ -77,6 +80,7 @@ def main() -> None:
 
     # torchrun would provide each replica group's store; a group here is one process
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    extra = {} if a.quorum_every is None else {"quorum_every": a.quorum_every}
     manager = Bench(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=a.pg_timeout)),
         min_replica_size=1,
@@ -89,6 +93,7 @@ def main() -> None:
         rank=0,
         world_size=1,
         hostname="127.0.0.1",
+        **extra,
     )
     ddp = DistributedDataParallel(manager, model)
     opt = Optimizer(manager, inner)

@@ -10,7 +10,7 @@ one fault schedule, on the models of bench/recovery.py:
 * ``torchft lowest``: the lowest setting at which torchft still runs here (heartbeat
   100 ms, join 100 ms, Gloo 0.25 s, Manager 1 s), far below what a production job affords;
 * ``ManagerFFT``: the same script with ``ManagerFFT`` and torchft's *default* timeouts,
-  under ``fastft run --torchft fastft`` (BusLighthouse);
+  under ``fastft run --torchft fastft`` (BusLighthouse), quorum leases on (its default);
 * ``fastft native``: fastft's own runtime on the same model (elastic world, cold restart).
 
 Faults, on the ~10k-parameter model (``--fault-sizes small,large`` adds the 4M one):
@@ -20,8 +20,9 @@ committed again, steps rolled back, and time until the restarted replica commits
 (each run has one warm spare).
 
 Fault-free, on both models (``--steady-sizes``): plain torchft, plain torchft on
-BusLighthouse (splits ManagerFFT's own cost from the Python lighthouse's) and ManagerFFT in
-interleaved runs, each round in another order: the median step after warm-up, and the CPU
+BusLighthouse, ManagerFFT asking for a quorum every step (``quorum_every=1``: these two
+split ManagerFFT's own cost from the Python lighthouse's and from the leases') and
+ManagerFFT in interleaved runs, each round in another order: the median step after warm-up, and the CPU
 per step of the workers and of the control plane (agent and lighthouse process), sampled
 over the same window. The median step before the fault of each fault run is reported too.
 
@@ -78,9 +79,10 @@ VARIANTS = {  # name -> (fastft run --torchft, worker flags, lighthouse flags)
 }
 
 
-STEADY = {  # fault-free pairs; the middle one splits ManagerFFT's cost from the lighthouse's
+STEADY = {  # fault-free rounds; the middle two split ManagerFFT's cost from the lighthouse's
     "torchft default": VARIANTS["torchft default"],
     "torchft + BusLighthouse": ("fastft", ["--manager", "plain"], []),
+    "ManagerFFT, a quorum every step": ("fastft", ["--manager", "fft", "--quorum-every", "1"], []),
     "ManagerFFT": VARIANTS["ManagerFFT"],
 }
 
@@ -223,7 +225,8 @@ def steady_pairs(pairs: int, steps: int, size: str, tmp: Path) -> dict[str, obje
         for name in names[k:] + names[:k]:  # each round starts with another
             variant = STEADY[name]
             samples: list[tuple[float, dict[str, float]]] = []
-            run = tmp / f"steady-{size}-{name.replace(' ', '-').replace('+', '')}-{i}"
+            slug = "".join(c if c.isalnum() else "-" for c in name)
+            run = tmp / f"steady-{size}-{slug}-{i}"
             logs = run_replicas(variant, run, steps, size=size, cpu=samples)
             gaps = [g for v in logs.values() for g in commit_gaps(v, steps // 4, steps)]
             out[name].append(statistics.median(gaps) * 1e3)
@@ -239,6 +242,7 @@ def steady_pairs(pairs: int, steps: int, size: str, tmp: Path) -> dict[str, obje
         "pairs": pairs,
         "torchft_step_ms": med["torchft default"],
         "torchft_buslighthouse_step_ms": med["torchft + BusLighthouse"],
+        "managerfft_every_step_ms": med["ManagerFFT, a quorum every step"],
         "managerfft_step_ms": med["ManagerFFT"],
         "ratio": round(statistics.median(ratios), 3),
         "ratio_range": f"{ratios[0]:.3f}-{ratios[-1]:.3f}",
