@@ -185,6 +185,13 @@ def _build() -> argparse.ArgumentParser:
         f"CPU-resident states (default {DEFAULT_PREFAULT_MB}: none; e.g. 192)",
     )
     p.add_argument(
+        "--spare-run-ahead",
+        action="store_true",
+        help="warm spares run the script up to its fastft.init() before they are needed, so "
+        "that the model and optimizer it builds before are off the recovery path; the "
+        "script must not need its rank before fastft.init()",
+    )
+    p.add_argument(
         "--backend",
         default="auto",
         help="process groups: gloo, nccl (one GPU per worker) or auto (default: nccl for a "
@@ -444,6 +451,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             backend=args.backend,
             spare_cuda=args.spare_cuda,
             spare_prefault_mb=args.spare_prefault_mb,
+            spare_run_ahead=args.spare_run_ahead,
         )
         agent = Agent(cfg)
     except FastFTError as e:

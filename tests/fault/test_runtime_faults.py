@@ -274,10 +274,14 @@ def test_sigterm_segfault_and_exit_code_end_bitwise_equal_to_a_clean_run(tmp_pat
         {"kind": "segfault", "rank": 1, "at_step": 12},
         {"kind": "exit", "rank": 2, "at_step": 19, "arg": 3},
     ]
-    run = fastft_run(tmp_path, "rest", "--warm-spares", "1", plan=plan)
+    # the spares run the script ahead, up to fastft.init() (the model and optimizer are
+    # built before the fault), and the state ends bitwise equal all the same
+    run = fastft_run(tmp_path, "rest", "--warm-spares", "1", "--spare-run-ahead", plan=plan)
     check_s1_s3(run)
     assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
     ev = read_events(run)
+    starts = [(e["life"], e["ran_ahead"]) for e in ev if e["event"] == "worker_start"]
+    assert sorted(starts) == [(0, False)] * 3 + [(1, True)] * 3, starts
     exits = {
         (e["rank"], e["exit_code"], e["signal"])
         for e in ev
@@ -474,6 +478,7 @@ def test_two_agents_form_one_job(tmp_path, clean):
         (["--nproc", "3", "--min-replicas", "4"], "--min-replicas 4"),
         (["--nproc", "2", "--warm-spares", "3"], "--warm-spares 3"),
         (["--nproc", "2", "--nnodes", "2"], "needs --store"),
+        (["--nproc", "2", "--spare-run-ahead"], "--spare-run-ahead needs warm spares"),
         (["--nproc", "2", "--inject", "/nonexistent/plan.json"], "plan"),
     ],
 )
@@ -487,3 +492,34 @@ def test_bad_launch_flags_fail_at_start(flags, needle):
     )
     assert p.returncode == 2
     assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+NEEDS_RANK_EARLY = """\
+import os, sys
+import torch
+rank = int(os.environ["FASTFT_RANK"])  # before fastft.init(): a spare running ahead has none
+import fastft
+ft = fastft.init()
+model = torch.nn.Linear(4, 4)
+ft.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+while ft.step < 5:
+    with ft.transaction() as tx:
+        model(torch.ones(2, 4)).sum().backward()
+        tx.allreduce_gradients()
+"""
+
+
+def test_a_script_that_needs_its_rank_before_init_is_told_why_spares_end(tmp_path):
+    script = tmp_path / "early_rank.py"
+    script.write_text(NEEDS_RANK_EARLY)
+    run = tmp_path / "early"
+    cmd = [
+        sys.executable, "-m", "fastft.cli", "run", "--nproc", "2", "--warm-spares", "1",
+        "--spare-run-ahead", "--run-dir", str(run), "--job", "early", str(script),
+    ]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]  # the workers have their rank: the job runs
+    assert "ended before it was needed" in out and "before fastft.init()" in out, out[-3000:]
+    ev = read_events(run)
+    assert [e["code"] for e in ev if e["event"] == "spare_exit"] == [1]

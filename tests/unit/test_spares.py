@@ -1,13 +1,21 @@
 """The agent's warm spares on a GPU machine: each warms the GPU of the worker it is likely to
 replace, and a restart takes a spare that warmed the dead worker's GPU when there is one.
-(The warming itself runs on GPU machines: bench/gpu_check.py.)"""
+(The warming itself runs on GPU machines: bench/gpu_check.py.) A spare that runs the script
+ahead (``--spare-run-ahead``) waits in ``fastft.init()`` and becomes the worker it is
+ordered to be, or ends there when it is not needed."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 from types import SimpleNamespace
 
 from fastft.launch.agent import Agent
+from fastft.launch.spare import await_order, order_line
+from fastft.runtime.contract import SPARE_RUN_AHEAD
 
 
 def _agent(spares: dict[int, int | None], gpus: int = 2, dead: set[int] = frozenset()):
@@ -38,3 +46,44 @@ def test_workers_map_to_gpus_as_torchrun_places_them():
     a = _agent({}, gpus=4)
     assert [a._gpu_of(r) for r in range(6)] == [0, 1, 2, 3, 0, 1]
     assert _agent({}, gpus=0)._gpu_of(3) is None  # no GPU: spares warm none
+
+
+def _spare_main(tmp, stdin: bytes, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """A spare that runs ahead: a script that prints before and after fastft.init()'s
+    wait (await_order), the order (or EOF) on stdin."""
+    script = tmp / "ahead.py"
+    script.write_text(
+        "import os\n"
+        "from fastft.launch.spare import await_order\n"
+        "print('ahead', os.environ.get('WHO'), flush=True)\n"
+        "await_order()\n"
+        "print('became', os.environ.get('WHO'), 'RUN_AHEAD' in str(os.environ), flush=True)\n"
+    )
+    argv = [sys.executable, str(script), "x"]
+    return subprocess.run(
+        [sys.executable, "-c", "from fastft.launch.spare import main; main()"],
+        input=stdin.decode(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env, SPARE_RUN_AHEAD: json.dumps(argv), "WHO": "spare"},
+    )
+
+
+def test_a_spare_runs_ahead_and_becomes_the_worker_it_is_ordered(tmp_path):
+    order = order_line({**os.environ, "WHO": "rank 1"}, [sys.executable, "ignored.py"])
+    p = _spare_main(tmp_path, order, {})
+    assert p.returncode == 0, p.stderr
+    # before the order: the spare's environment; after it: the worker's, all of it
+    assert p.stdout.splitlines() == ["ahead spare", "became rank 1 False"], p.stdout
+
+
+def test_a_spare_not_needed_ends_in_the_wait(tmp_path):
+    p = _spare_main(tmp_path, b"", {})  # the agent closed the pipe
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["ahead spare"], p.stdout
+
+
+def test_await_order_is_a_no_op_in_a_worker(monkeypatch):
+    monkeypatch.delenv(SPARE_RUN_AHEAD, raising=False)
+    await_order()  # returns at once: no stdin read

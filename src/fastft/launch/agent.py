@@ -16,6 +16,7 @@ and every worker gets ``PR_SET_PDEATHSIG`` so that none outlives a killed agent.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import secrets
@@ -44,7 +45,7 @@ from fastft.protocol import (
     Role,
     Severity,
 )
-from fastft.runtime.contract import ENV, STACKS_SIGNAL
+from fastft.runtime.contract import ENV, SPARE_RUN_AHEAD, STACKS_SIGNAL
 from fastft.runtime.events import EventLog
 from fastft.runtime.malloc import PREFAULT_MAX
 from fastft.runtime.worker import read_heartbeat
@@ -102,6 +103,10 @@ class LaunchConfig:
     becomes does not fault in its model and the state it heals on the recovery path
     (:func:`fastft.runtime.malloc.prefault`). 0 (the default): none; the spare's idle RSS
     grows by that much and it is ready later."""
+    spare_run_ahead: bool = False
+    """Warm spares run the script up to its ``fastft.init()`` (or ``ManagerFFT``) before
+    they are needed, so that what it does before (the model, the optimizer) is off the
+    recovery path. The script must not need its rank before ``fastft.init()``."""
     backend: str = "auto"
     """Process groups: ``gloo``, ``nccl`` (one GPU per worker) or ``auto`` (each worker
     picks from where its model lives: :func:`fastft.runtime.contract.choose_backend`)."""
@@ -154,6 +159,8 @@ class LaunchConfig:
                 "--warm-spares needs a Python worker (script.py or -m module), "
                 f"not {self.command[0]!r}"
             )
+        if self.spare_run_ahead and not self.warm_spares:
+            raise ConfigError("--spare-run-ahead needs warm spares: add --warm-spares N")
         if self.inject is not None:
             from fastft.inject import FaultPlan
 
@@ -437,6 +444,8 @@ class Agent:
         if gpu is not None:
             env[CUDA_DEVICE] = str(gpu)
         env[PREFAULT_MB] = str(self.config.spare_prefault_mb)
+        if self.config.spare_run_ahead:
+            env[SPARE_RUN_AHEAD] = json.dumps(list(self.config.command))
         p = subprocess.Popen(
             # not `-m fastft.launch.spare`: the package imports that module first, and
             # runpy warns that it runs a module already in sys.modules
@@ -451,6 +460,20 @@ class Agent:
                 self._spare_gpu[p.pid] = gpu
         self._reap(p.pid)
         self.events.emit("spare_start", pid=p.pid, gpu=gpu)
+
+    def _idle_spare_exited(self, info: os.waitid_result) -> None:
+        """A spare ended before it was needed: not replaced (it would likely end again);
+        the next lost worker starts cold if no other spare is left."""
+        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        hint = (
+            ": with --spare-run-ahead a spare runs the script up to fastft.init() before it "
+            "knows its rank; a script that needs its rank (or anything `fastft run` sets per "
+            "worker) before fastft.init() cannot use it (its traceback is above)"
+            if self.config.spare_run_ahead
+            else ""
+        )
+        log.warning("warm spare %d ended before it was needed (%d)%s", info.si_pid, code, hint)
+        self.events.emit("spare_exit", pid=info.si_pid, code=code)
 
     def _refill_spares(self, now: float) -> None:
         """Start the spares owed whose worker committed (its heartbeat tracks step gaps
@@ -518,12 +541,15 @@ class Agent:
             t = time.monotonic()
             with self._lock:
                 slot = self._by_pid.get(info.si_pid)
-                if slot is None and any(p.pid == info.si_pid for p in self._spares):
+                idle_spare = slot is None and any(p.pid == info.si_pid for p in self._spares)
+                if idle_spare:
                     self._dead_spares.add(info.si_pid)  # never hand out a dead spare
             stopped = info.si_code == os.CLD_STOPPED
             if slot is None:  # a spare, or an exit the exit trace already reported
                 if stopped:
                     continue
+                if idle_spare and self._stopping is None:
+                    self._idle_spare_exited(info)
                 return
             if stopped:
                 self._on_stopped(slot, t, "waitid")

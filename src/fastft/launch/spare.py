@@ -7,6 +7,12 @@ and the heal, not the interpreter's start. On a GPU machine the spare also creat
 CUDA context of the GPU the agent assigns it and runs one small step there
 (``FASTFT_SPARE_CUDA_DEVICE``), so that a worker on that GPU does not pay it either.
 
+With ``--spare-run-ahead`` the spare goes further: it runs the script at once, up to its
+``fastft.init()`` (or ``ManagerFFT(...)``), which waits for the order. What the script does
+before that (building the model, the optimizer, a dataset) is then off the recovery path.
+The script must not need its rank, or anything else the launcher sets per worker, before
+``fastft.init()``: a spare runs that part before it knows which worker it will be.
+
     python -c 'from fastft.launch.spare import main; main()'   # the agent (--warm-spares N)
 """
 
@@ -18,10 +24,12 @@ import runpy
 import sys
 from typing import TYPE_CHECKING
 
+from fastft.runtime.contract import SPARE_RUN_AHEAD
+
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["main", "order_line"]
+__all__ = ["await_order", "main", "order_line"]
 
 
 def order_line(env: dict[str, str], argv: list[str]) -> bytes:
@@ -76,19 +84,50 @@ def _warm_cuda(dev: torch.device) -> None:  # pragma: no cover - GPU machines on
     torch.cuda.synchronize(dev)
 
 
-def main() -> None:
-    _warm_up()
-    line = sys.stdin.buffer.readline()
-    if not line:  # the agent closed the pipe: this spare is not needed
-        return
+def _become(line: bytes) -> list[str]:
+    """Take the agent's order: the worker's environment (all of it), stdin like a fresh
+    worker's; returns the worker's command line."""
     order = json.loads(line)
-    argv: list[str] = order["argv"]
     os.environ.clear()
     os.environ.update(order["env"])
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the worker's stdin, like a fresh one
+    return list(order["argv"])
+
+
+ran_ahead = False
+"""Set once this process, a warm spare that ran the script ahead, took its order."""
+
+
+def await_order() -> None:
+    """In a spare that runs ahead: wait here for the agent's order and become the worker it
+    names. ``fastft.init()`` and ``ManagerFFT`` call it first; anywhere else (a worker, a
+    spare that took its order) it returns at once. A spare the agent no longer needs (its
+    pipe closed) ends here, without running the rest of the script."""
+    if SPARE_RUN_AHEAD not in os.environ:
+        return
+    line = sys.stdin.buffer.readline()
+    if not line:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    _become(line)
+    global ran_ahead
+    ran_ahead = True
+
+
+def main() -> None:
+    _warm_up()
+    ahead = os.environ.get(SPARE_RUN_AHEAD)
+    if ahead:
+        argv: list[str] = json.loads(ahead)  # the order comes in await_order()
+    else:
+        line = sys.stdin.buffer.readline()
+        if not line:  # the agent closed the pipe: this spare is not needed
+            return
+        argv = _become(line)
     if len(argv) >= 3 and argv[1] == "-m":
         sys.argv = [argv[2], *argv[3:]]
         runpy.run_module(argv[2], run_name="__main__", alter_sys=True)

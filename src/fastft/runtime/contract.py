@@ -20,9 +20,15 @@ __all__ = [
     "EpochView",
     "WorkerExit",
     "ENV",
+    "SPARE_RUN_AHEAD",
     "STACKS_SIGNAL",
     "choose_backend",
 ]
+
+SPARE_RUN_AHEAD = "FASTFT_SPARE_RUN_AHEAD"
+"""Set on a warm spare by the agent (``--spare-run-ahead``): the worker's command line,
+JSON. The spare runs the script at once, and ``fastft.init()`` (or ``ManagerFFT``) waits
+there for the agent's order (``fastft.launch.spare.await_order``)."""
 
 STACKS_SIGNAL = signal.SIGUSR2
 """What the agent sends a worker it found hung, just before it kills it: the worker's

@@ -100,6 +100,7 @@ from fastft.protocol import (
 )
 from fastft.runtime import malloc
 from fastft.runtime.contract import (
+    SPARE_RUN_AHEAD,
     STACKS_SIGNAL,
     EpochView,
     JobFinished,
@@ -295,7 +296,11 @@ class Runtime:
         self.bus.subscribe(self._on_message)
         self.bus.start()
         self.events.emit(
-            "worker_start", incarnation=self.incarnation, life=config.life, pid=os.getpid()
+            "worker_start",
+            incarnation=self.incarnation,
+            life=config.life,
+            pid=os.getpid(),
+            ran_ahead=_ran_ahead(),
         )
 
     # --- public API ------------------------------------------------------------------------
@@ -1286,10 +1291,20 @@ def exit_without_destructors_later() -> None:
     atexit.register(leave)
 
 
+def _ran_ahead() -> bool:
+    """Whether this process is a warm spare that ran the script up to ``fastft.init()``."""
+    spare = sys.modules.get("fastft.launch.spare")
+    return bool(spare is not None and spare.ran_ahead)
+
+
 def init(config: RuntimeConfig | None = None, **overrides: Any) -> Runtime:
     """Start fastft in this worker: reads what ``fastft run`` put in the environment (or
     ``config``), connects to the job's store and joins its error bus. Then call
     :meth:`Runtime.register` with the model and optimizer."""
+    if os.environ.get(SPARE_RUN_AHEAD):  # a warm spare that ran the script ahead:
+        from fastft.launch.spare import await_order
+
+        await_order()  # it becomes its worker here
     if config is None:
         config = RuntimeConfig.from_env(**overrides)
     return Runtime(config)

@@ -59,7 +59,7 @@ from fastft.protocol.messages import (
     ProcessExited,
     Severity,
 )
-from fastft.runtime.contract import ENV, STACKS_SIGNAL
+from fastft.runtime.contract import ENV, SPARE_RUN_AHEAD, STACKS_SIGNAL
 from fastft.runtime.events import EventLog
 from fastft.runtime.sentinel import start_exit_sentinel
 from fastft.runtime.worker import Heartbeat, exit_without_destructors_later
@@ -295,6 +295,10 @@ class ManagerFFT(Manager):
     ) -> None:
         if isinstance(quorum_every, bool) or not isinstance(quorum_every, int) or quorum_every < 1:
             raise ValueError(f"quorum_every={quorum_every!r}: must be an integer >= 1")
+        if os.environ.get(SPARE_RUN_AHEAD):  # a warm spare that ran the script ahead:
+            from fastft.launch.spare import await_order
+
+            await_order()  # it becomes its replica here
         env = os.environ
         self._fft_store_server: Any = None
         self.bus: BusEndpoint | None = None
