@@ -495,17 +495,21 @@ def test_bad_launch_flags_fail_at_start(flags, needle):
 
 
 NEEDS_RANK_EARLY = """\
-import os, sys
+import os, sys, time
 import torch
 rank = int(os.environ["FASTFT_RANK"])  # before fastft.init(): a spare running ahead has none
 import fastft
 ft = fastft.init()
 model = torch.nn.Linear(4, 4)
 ft.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-while ft.step < 5:
+while ft.step < 600:  # >= 6 s: the spare imports torch, runs ahead and fails meanwhile
     with ft.transaction() as tx:
         model(torch.ones(2, 4)).sum().backward()
         tx.allreduce_gradients()
+    time.sleep(0.01)
+ft.close()
+sys.stdout.flush()
+os._exit(0)  # torch 2.13's Gloo teardown at exit sometimes aborts
 """
 
 
