@@ -409,8 +409,14 @@ class ManagerFFT(Manager):
         self._hb.beat()
         if self.bus is not None:
             self.injector.fire_due(self.current_step())
-        self._begin_attempt()
         with self._hb.blocked:
+            prev = self._quorum_future
+            if prev is not None:
+                # torchft waits for the previous quorum here too; waiting first keeps that
+                # quorum's bookkeeping (its tap) before this attempt's (a step without
+                # collectives can reach should_commit before its quorum thread ran)
+                prev.result()
+            self._begin_attempt()
             super().start_quorum(*args, **kwargs)
 
     def allreduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
