@@ -185,9 +185,13 @@ def test_a_joiner_is_announced_once_while_the_members_do_not_ask() -> None:
 
     ids = [fastft_replica_id(r, 7 + r, f"train_{r}") + ":u" for r in range(3)]
     announced: list[str] = []
+    waiting: list[tuple[str, int, int]] = []
     results: dict[str, object] = {}
     with BusLighthouse(
-        "127.0.0.1:0", LighthouseOptions(min_replicas=1), on_join=announced.append
+        "127.0.0.1:0",
+        LighthouseOptions(min_replicas=1),
+        on_join=announced.append,
+        on_waiting=lambda rid, step, qid: waiting.append((rid, step, qid)),
     ) as lh:
 
         def ask(rid: str, step: int) -> None:
@@ -216,12 +220,19 @@ def test_a_joiner_is_announced_once_while_the_members_do_not_ask() -> None:
             time.sleep(0.01)
         time.sleep(0.3)  # a few lighthouse ticks: no second announcement
         assert announced == [ids[2]] and ids[2] not in results
-        # Told, the members ask: the joiner is in their quorum.
+        # Told, the members ask: the joiner is in their quorum. The first of them to wait
+        # is announced too (peers still in a reused step at or past 9 must void it).
         results.clear()
-        for t in [*ask_together(ids[:2], 9), *joiner]:
+        first = ask_together(ids[:1], 9)
+        deadline = time.monotonic() + 10
+        while not waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waiting == [(ids[0], 9, 1)], waiting
+        for t in [*first, *ask_together(ids[1:2], 9), *joiner]:
             t.join(30)
         q = results[ids[0]]
         assert sorted(p.replica_id for p in q.participants) == sorted(ids)  # type: ignore[attr-defined]
+        assert len(waiting) == 1  # once per quorum
         # A member asking again is no joiner.
         for t in ask_together(ids, 10):
             t.join(30)

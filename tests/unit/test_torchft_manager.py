@@ -26,6 +26,7 @@ from fastft.protocol import (  # noqa: E402
     JoinRequest,
     ProcessExited,
     Role,
+    RollbackRequest,
     Severity,
 )
 from fastft.runtime.contract import ENV  # noqa: E402
@@ -293,20 +294,58 @@ def test_a_death_voids_a_leased_step_once_and_a_clean_exit_never(
 
 
 @pytest.mark.timeout(30)
-def test_a_join_voids_a_leased_step_and_the_next_asks(
+def test_a_join_ends_the_lease_and_the_next_step_asks(
     leasing: tuple[ManagerFFT, _Lighthouse],
 ) -> None:
     m, lighthouse = leasing
     m.quorum_every = 100
     assert _attempt(m)
-    _begin(m)  # step 31 on the lease
+    _begin(m)  # step 31 on the lease: the joiner is in none of its collectives
     m._on_message(JoinRequest(job="j", epoch=0, rank=1, incarnation=9, role=Role.MONITOR))
-    assert m.peer_faults == 1 and not _end(m)
-    # The retry asks; the joiner heals in that quorum (no lease), then one is leased.
+    assert m.peer_faults == 0 and _end(m)
+    # Step 32 asks; the joiner heals in that quorum (no lease), then one is leased.
     lighthouse.quorum = _Quorum(5, [(0, 1), (1, 9), (2, 7)], at_max_step=2)
     assert _attempt(m) and lighthouse.asked == 2
     lighthouse.quorum = _Quorum(5, [(0, 1), (1, 9), (2, 7)])
     assert _attempt(m) and _attempt(m) and lighthouse.asked == 3
+
+
+def _waiting(rank: int, inc: int, step: int) -> RollbackRequest:
+    return RollbackRequest(
+        job="j", epoch=3, rank=rank, incarnation=inc, step=step, role=Role.MONITOR
+    )
+
+
+@pytest.mark.timeout(30)
+def test_a_member_waiting_in_the_lighthouse_voids_a_leased_step_it_is_not_in(
+    leasing: tuple[ManagerFFT, _Lighthouse],
+) -> None:
+    m, lighthouse = leasing
+    m.quorum_every = 100
+    assert _attempt(m)  # step 30 asks: the lease
+    # Member 2 heard of a joiner before its step 31 and asked the lighthouse for it;
+    # this replica heard later and reused its quorum for 31: that step cannot complete.
+    _begin(m)
+    m._on_message(_waiting(2, 7, 31))
+    assert m.peer_faults == 1 and not _end(m)
+    assert _attempt(m) and lighthouse.asked == 2  # the retry asks
+    # A member that waits for the *next* step took part in all of this one: it completes,
+    # and the next step asks.
+    assert _attempt(m) and lighthouse.asked == 2  # 32 on the lease of 31's quorum
+    _begin(m)  # 33 on the lease
+    m._on_message(_waiting(2, 7, 34))
+    assert m.peer_faults == 1 and _end(m)
+    assert _attempt(m) and lighthouse.asked == 3
+    # An attempt that asked already is unchanged: members ask a moment apart, and the
+    # quorum they get is still leased.
+    m._lease = None
+    m._begin_attempt()
+    assert m._reuse_quorum() is None  # 35 asks ...
+    m._on_message(_waiting(2, 7, 35))  # ... and the lighthouse says another member waits
+    m._on_quorum(lighthouse.quorum)
+    assert _end(m) and m.peer_faults == 1
+    asked = lighthouse.asked
+    assert _attempt(m) and lighthouse.asked == asked  # 36 reuses 35's quorum
 
 
 @pytest.mark.timeout(30)

@@ -37,6 +37,7 @@ from fastft.protocol.messages import (
     JoinRequest,
     Message,
     ProcessExited,
+    RollbackRequest,
     Severity,
 )
 
@@ -100,10 +101,14 @@ class BusLighthouse:
 
     :meth:`on_message` is an error-bus callback: feed it every bus message (the agent
     does). ``emit(kind, **fields)`` receives one event per quorum issued and per replica
-    marked dead. ``on_join(replica_id)`` is called (under the lighthouse's lock: keep it
-    short) when a replica outside the last quorum waits to join: ManagerFFTs that reuse
-    their quorum do not ask the lighthouse until told (the agent's lighthouse process
-    broadcasts a :class:`JoinRequest`).
+    marked dead. ManagerFFTs that reuse their quorum do not ask the lighthouse until told,
+    so it tells them (callbacks run under the lighthouse's lock: keep them short):
+    ``on_join(replica_id)`` when a replica outside the last quorum waits to join (the
+    lighthouse process broadcasts a :class:`JoinRequest`), and ``on_waiting(replica_id,
+    step, quorum_id)`` when a member of the last quorum waits for ``step`` and the quorum
+    cannot be formed at once, once per quorum (a :class:`RollbackRequest`: peers in a
+    reused step at or past ``step`` void it, since that member is in none of its
+    collectives).
     """
 
     def __init__(
@@ -113,6 +118,7 @@ class BusLighthouse:
         *,
         emit: Callable[..., None] | None = None,
         on_join: Callable[[str], None] | None = None,
+        on_waiting: Callable[[str, int, int], None] | None = None,
         max_workers: int = 256,
     ) -> None:
         import grpc
@@ -120,8 +126,11 @@ class BusLighthouse:
         self.options = options or LighthouseOptions()
         self._emit = emit or (lambda kind, **f: None)
         self._on_join = on_join
+        self._on_waiting = on_waiting
         self._announced: set[str] = set()
         """Joiners announced since the last quorum issued."""
+        self._waiting_told = False
+        """A member waiting was announced since the last quorum issued."""
         self._pb = _messages()
         self._state = QuorumState()
         self._dead_lives: set[tuple[int, int]] = set()
@@ -231,7 +240,7 @@ class BusLighthouse:
             if self._seen(rid, time.monotonic()):
                 self._state.participants[rid] = (time.monotonic(), member)
             self._tick_locked()
-            self._announce_locked(rid)
+            self._announce_locked(rid, member.step)
             while not self._stop.is_set():
                 for g, quorum, ids in list(self._issued):
                     if g <= gen:
@@ -242,7 +251,7 @@ class BusLighthouse:
                     # Not in it: ask again for the next one (torchft does the same).
                     if rid not in self._state.dead:
                         self._state.participants[rid] = (time.monotonic(), member)
-                        self._announce_locked(rid)
+                        self._announce_locked(rid, member.step)
                 remaining = ctx.time_remaining()
                 if remaining is not None and remaining <= 0 or not ctx.is_active():
                     ctx.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no quorum in time")
@@ -250,23 +259,23 @@ class BusLighthouse:
         ctx.abort(grpc.StatusCode.UNAVAILABLE, "lighthouse stopping")
         raise AssertionError("unreachable")
 
-    def _announce_locked(self, rid: str) -> None:
-        """Tell the members that ``rid`` waits to join, once per quorum issued, if it is
-        still waiting and was not in the last quorum."""
+    def _announce_locked(self, rid: str, step: int) -> None:
+        """``rid`` asked and no quorum took it at once: tell the members that reuse their
+        quorum, if ``rid`` was outside the last quorum (a joiner, once each per quorum
+        issued) or is the first member of it to wait (once per quorum issued)."""
         st = self._state
-        if (
-            self._on_join is None
-            or rid not in st.participants
-            or st.prev is None
-            or rid in self._announced
-            or any(m.replica_id == rid for m in st.prev)
-        ):
+        if rid not in st.participants or st.prev is None:
             return
-        self._announced.add(rid)
         try:
-            self._on_join(rid)
+            if not any(m.replica_id == rid for m in st.prev):
+                if self._on_join is not None and rid not in self._announced:
+                    self._announced.add(rid)
+                    self._on_join(rid)
+            elif self._on_waiting is not None and not self._waiting_told:
+                self._waiting_told = True
+                self._on_waiting(rid, step, st.quorum_id)
         except Exception:  # noqa: BLE001 - an announcement must never fail a quorum
-            log.exception("could not announce joiner %s", rid)
+            log.exception("could not announce %s waiting", rid)
 
     def _tick_loop(self) -> None:
         period = self.options.quorum_tick_ms / 1000
@@ -291,6 +300,7 @@ class BusLighthouse:
         st.prev = members
         st.participants.clear()
         self._announced.clear()
+        self._waiting_told = False
         self._gen += 1
         self._issued.append((self._gen, quorum, frozenset(m.replica_id for m in members)))
         self._cond.notify_all()
@@ -353,11 +363,27 @@ def main(argv: list[str] | None = None) -> int:
             )
             events.emit("lighthouse_join", rank=life[0], incarnation=life[1])
 
+    def waiting(replica_id: str, step: int, quorum_id: int) -> None:
+        life = parse_replica_id(replica_id)
+        if life is not None and not bus.closed:
+            bus.broadcast(
+                RollbackRequest(
+                    job=a.job,
+                    epoch=max(quorum_id, 0),
+                    rank=life[0],
+                    incarnation=life[1],
+                    step=max(step, 0),
+                    role=Role.MONITOR,
+                    reason="waiting in the lighthouse",
+                )
+            )
+
     lh = BusLighthouse(
         a.bind,
         LighthouseOptions(a.min_replicas, a.join_ms, 100, a.heartbeat_ms, a.first_quorum),
         emit=events.emit,
         on_join=announce,
+        on_waiting=waiting,
     )
     bus.subscribe(lh.on_message)
     stop = threading.Event()

@@ -57,6 +57,7 @@ from fastft.protocol.messages import (
     JoinRequest,
     Message,
     ProcessExited,
+    RollbackRequest,
     Severity,
 )
 from fastft.runtime.contract import ENV, SPARE_RUN_AHEAD, STACKS_SIGNAL
@@ -327,6 +328,9 @@ class ManagerFFT(Manager):
         """The lease the step in flight reuses (None: it asked the lighthouse)."""
         self._told = False
         """This attempt's failure is known to the peers (the bus told it, or we did)."""
+        self._in_attempt = False
+        self._asked_step: int | None = None
+        """The step this attempt asked the lighthouse for (None: not asked, or leased)."""
         self.quorums_reused = 0
         self._fft_lock = threading.Lock()
         self._pending = _Pending()
@@ -456,6 +460,8 @@ class ManagerFFT(Manager):
             self._members = None
             self._leased_on = None
             self._told = False
+            self._in_attempt = True
+            self._asked_step = None
 
     def _end_attempt(self, ok: bool) -> None:
         """The attempt committed (torchft's step already counts it) or rolled back."""
@@ -470,6 +476,7 @@ class ManagerFFT(Manager):
                         self._lease = _Lease(quorum, members, self.current_step() - 1)
             self._candidate = None
             self._leased_on = None
+            self._in_attempt = False
             told, self._told = self._told, True
         if ok:
             return
@@ -513,8 +520,14 @@ class ManagerFFT(Manager):
     def _on_message(self, m: Message) -> None:
         me = (self.fft_rank, self.fft_incarnation)
         if isinstance(m, JoinRequest):
+            # The next step asks; a step reused meanwhile completes (the joiner is in none
+            # of its collectives). A peer that asked first is voided by _on_waiting.
             if (m.rank, m.incarnation) != me:
-                self._break_lease((m.rank, m.incarnation), "joining", m)
+                self._break_lease((m.rank, m.incarnation), "joining", m, void_leased_step=False)
+            return
+        if isinstance(m, RollbackRequest):
+            if m.sender != me:
+                self._on_waiting(m)
             return
         if isinstance(m, DrainNotice):
             if m.sender != me:
@@ -590,6 +603,21 @@ class ManagerFFT(Manager):
             self._fail_step(who, why, m)
         return void
 
+    def _on_waiting(self, m: RollbackRequest) -> None:
+        """A member of the last quorum waits in the lighthouse for step ``m.step`` (the
+        lighthouse tells, once per quorum): its peers must ask too. A leased step at or
+        past ``m.step`` cannot complete (that member is in none of its collectives) and is
+        voided; an earlier one can (the member took part in all of it), so it completes
+        and the next step asks. An attempt that asked already is where it should be:
+        nothing changes, so a quorum whose members ask a moment apart is still leased."""
+        with self._fft_lock:
+            if self._in_attempt and self._leased_on is None and self._asked_step is not None:
+                return
+            self._lease = None
+            void = self._leased_on is not None and self._step >= m.step
+        if void and self.errored() is None:  # (not yet voided by the fault that caused it)
+            self._fail_step(m.sender, "waiting in the lighthouse", m)
+
     def _reuse_quorum(self) -> Any | None:
         """The quorum of this step if it may reuse the lease (torchft's quorum thread)."""
         with self._fft_lock:
@@ -597,6 +625,7 @@ class ManagerFFT(Manager):
             step = self._step
             if lease is None or step % self.quorum_every == 0 or lease.members & self._dead:
                 self._asked_at = self._breaks
+                self._asked_step = step
                 return None
             self._members = set(lease.members)
             self._leased_on = lease
