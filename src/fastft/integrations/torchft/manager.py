@@ -250,11 +250,9 @@ def _lease_eligible(q: Any) -> bool:
 class _Lease:
     """A committed quorum that the following steps reuse without asking the lighthouse."""
 
-    def __init__(self, quorum: Any, members: frozenset[tuple[int, int]], step: int) -> None:
+    def __init__(self, quorum: Any, members: frozenset[tuple[int, int]]) -> None:
         self.quorum = quorum
         self.members = members
-        self.step = step
-        """The step the quorum was formed for (the lease's first step is the next)."""
 
 
 class _Reused:
@@ -328,9 +326,9 @@ class ManagerFFT(Manager):
         """The lease the step in flight reuses (None: it asked the lighthouse)."""
         self._told = False
         """This attempt's failure is known to the peers (the bus told it, or we did)."""
-        self._in_attempt = False
         self._asked_step: int | None = None
-        """The step this attempt asked the lighthouse for (None: not asked, or leased)."""
+        """The step the attempt in flight asked the lighthouse for (None: no attempt in
+        flight, not asked yet, or leased)."""
         self.quorums_reused = 0
         self._fft_lock = threading.Lock()
         self._pending = _Pending()
@@ -460,7 +458,6 @@ class ManagerFFT(Manager):
             self._members = None
             self._leased_on = None
             self._told = False
-            self._in_attempt = True
             self._asked_step = None
 
     def _end_attempt(self, ok: bool) -> None:
@@ -473,10 +470,10 @@ class ManagerFFT(Manager):
                 if self._candidate is not None:
                     quorum, members, asked_at = self._candidate
                     if asked_at == self._breaks:
-                        self._lease = _Lease(quorum, members, self.current_step() - 1)
+                        self._lease = _Lease(quorum, members)
             self._candidate = None
             self._leased_on = None
-            self._in_attempt = False
+            self._asked_step = None
             told, self._told = self._told, True
         if ok:
             return
@@ -589,7 +586,8 @@ class ManagerFFT(Manager):
     ) -> bool:
         """Something the lease did not foresee was told (a fault, a death, a join, a
         member leaving): no step reuses a quorum from before it, and a leased step in
-        flight is voided. Every replica hears the same message, so every one that might
+        flight is voided (unless ``void_leased_step`` is false: a join, or a member that
+        took part in all of it). Every replica hears the same message, so every one that might
         reuse the lease either did not yet (it asks the lighthouse) or is inside a leased
         step (voided here): none waits in a collective for a peer that went to the
         lighthouse. Whether the message concerns this replica's quorum is deliberately not
@@ -611,7 +609,7 @@ class ManagerFFT(Manager):
         and the next step asks. An attempt that asked already is where it should be:
         nothing changes, so a quorum whose members ask a moment apart is still leased."""
         with self._fft_lock:
-            if self._in_attempt and self._leased_on is None and self._asked_step is not None:
+            if self._asked_step is not None:  # asking already
                 return
             self._lease = None
             void = self._leased_on is not None and self._step >= m.step
