@@ -35,6 +35,7 @@ def fastft_run(
     plan: list[dict] | None = None,
     steps: int = STEPS,
     timeout: float = 150,
+    train: tuple[str, ...] = (),
 ) -> Path:
     run = tmp / name
     cmd = [
@@ -57,6 +58,7 @@ def fastft_run(
         (run / "plan.json").write_text(json.dumps({"faults": plan}))
         cmd += ["--inject", str(run / "plan.json")]
     cmd += ["-m", "fastft.demo.train", "--", "--steps", str(steps), "--out", str(run / "out")]
+    cmd += train
     run.mkdir(parents=True, exist_ok=True)
     with open(run / "launcher.log", "w") as log:  # kept: hung workers' stack dumps land here
         p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=timeout)
@@ -208,6 +210,37 @@ def test_deaths_while_healing(tmp_path, clean):
     assert heals and all(e["role"] in ("send", "fetch") for e in heals)
     sent = {(e["src"], e["step"]) for e in heals if e["role"] == "send"}
     assert ("rank 2", 15) in sent, sent
+
+
+def test_a_heal_sends_the_optimizer_state_while_the_step_runs(tmp_path):
+    """With a model whose Adam moments are large (a 512x512 layer: 1 MiB each), a heal
+    sends all but them first and lets them follow while the healed worker runs its step;
+    it votes only once they are loaded. The healed worker dies inside that step, before
+    they were: the next epoch heals it again, whole. Both runs end equal (S5)."""
+    wide = ("--hidden", "512", "--steps", "12")
+    clean = fastft_run(tmp_path, "wide-clean", steps=12, train=wide)
+    plan = [
+        {"kind": "sigkill", "rank": 1, "at_step": 5},
+        # its restart heals to step 5, then dies as that step's gradient allreduce starts
+        {"kind": "sigkill", "rank": 1, "life": 1, "at_step": 5, "point": "collective"},
+    ]
+    run = fastft_run(tmp_path, "wide-tail", "--warm-spares", "1", plan=plan, steps=12, train=wide)
+    check_s1_s3(run, steps=12)
+    assert {v["digest"] for v in finals(run).values()} == {
+        v["digest"] for v in finals(clean).values()
+    }
+    ev = read_events(run)
+    fetched = [e for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"] == 5]
+    assert len(fetched) == 2, fetched  # the restart, then its restart
+    assert all(e["tail_bytes"] >= 2 << 20 for e in fetched)
+    lives = {e["incarnation"] for e in ev if e["event"] == "worker_start" and e["src"] == "rank 1"}
+    assert len(lives) == 3, lives
+    tails = [e for e in ev if e["event"] == "heal_tail" and e["role"] == "fetch"]
+    assert len(tails) == 1, tails  # the second life died before its tail was loaded
+    (last_commit_5,) = [
+        e for e in ev if e["event"] == "commit" and e["src"] == "rank 1" and e["step"] == 5
+    ]
+    assert tails[0]["mono"] < last_commit_5["mono"]  # loaded before its vote
 
 
 def test_a_worker_lost_while_the_bus_is_flooded(tmp_path, clean):

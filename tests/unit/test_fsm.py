@@ -44,6 +44,7 @@ from fastft.fsm import (
     SendDrainAck,
     SendState,
     Shutdown,
+    StateLoaded,
     StepState,
     ZeroGrads,
     decide,
@@ -156,6 +157,28 @@ def test_restarted_worker_fetches_state_before_its_first_step():
         decide(s, GradsReady())  # S4: no contribution before the heal
     s, _ = run(s, HealDone())
     assert s.phase is Phase.NORMAL and s.step == 17 and not s.lost_state
+
+
+def test_a_pending_heal_steps_but_votes_only_once_the_rest_is_loaded():
+    """HealDone(pending): all but the optimizer state arrived. The worker runs its step
+    (NORMAL) but still counts as having lost its state: no vote before StateLoaded (S4),
+    and a fault meanwhile asks for a heal again."""
+    s, _ = run(initial_state(2), QuorumReady(3, ALL, 17, needs_state=frozenset({2}), source=0))
+    s, _ = run(s, HealDone(pending=True))
+    assert s.phase is Phase.NORMAL and s.lost_state
+    with pytest.raises(InvalidTransition):
+        decide(s, GradsReady())
+    ok, acts = run(s, StateLoaded(), GradsReady())
+    assert ok.phase is Phase.PREPARED and not ok.lost_state and acts == [CastVote(3, 17, False)]
+    s, acts = run(s, PeerFault(0, F1, "the source died"), RollbackRequested(1), RollbackAcked(1))
+    assert s.phase is Phase.HEALING
+    assert acts[-1] == FormEpoch(
+        after_epoch=3, exclude=frozenset({0}), lost_state=True, rollback=True
+    )
+    # a sender's HealDone is never pending for it: it holds the state
+    s, _ = run(initial_state(0), QuorumReady(3, ALL, 17, needs_state=frozenset({2}), source=0))
+    s, _ = run(s, HealDone(pending=True))
+    assert s.phase is Phase.NORMAL and not s.lost_state
 
 
 def test_local_fault1_marks_own_state_lost_and_asks_for_heal():
@@ -296,7 +319,8 @@ events = st.one_of(
     st.builds(RollbackAcked, ranks),
     st.builds(Decision, st.booleans(), st.frozensets(ranks)),
     st.just(CommitApplied()),
-    st.just(HealDone()),
+    st.builds(HealDone, st.booleans()),
+    st.just(StateLoaded()),
     st.builds(DrainRequested),
     st.builds(DrainNoticed, ranks),
     st.builds(DrainAcked, ranks),
@@ -315,7 +339,13 @@ def test_random_event_sequences_stay_defined(seq):
             s, actions = decide(s, ev)
         except InvalidTransition as e:
             assert e.phase is before.phase and e.event is ev
-            assert (before.phase, type(ev)) not in TABLE or isinstance(ev, Decision)
+            assert (
+                (before.phase, type(ev)) not in TABLE
+                or isinstance(ev, Decision)
+                or (
+                    isinstance(ev, GradsReady) and before.lost_state  # a heal still pending
+                )
+            )
             continue
         assert isinstance(s.phase, Phase)
         assert s.phase in TABLE[(before.phase, type(ev))].targets

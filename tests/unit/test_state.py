@@ -168,3 +168,47 @@ def test_large_tensors_are_sent_as_they_are_without_a_copy():
         assert w.dtype == v.dtype and w.shape == v.shape and torch.equal(w, v), k
     with pytest.raises(ValueError, match="wires"):
         r2.load_packed(header, got[:1])
+
+
+def test_a_deferred_optimizer_state_goes_last_and_loads_apart():
+    """``pack(defer=True)``: the optimizer's large tensors are the last wires (from
+    ``tail``), the rest loads first (``part="head"``) without them, the step's snapshot
+    survives loading the tail inside a step, and head + tail equal a whole load."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 1))  # a 1 MiB weight
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    r = StateRegistry()
+    r.register(model=m, optimizer=opt, big=_Big(1))
+    m(torch.ones(2, 512)).sum().backward()
+    opt.step()
+    header, wires = r.pack(3, defer=True)
+    tail = StateRegistry.tail(header)
+    moments = {opt.state[m[0].weight][k].data_ptr() for k in ("exp_avg", "exp_avg_sq")}
+    # the small buffer, then the weight and _Big's two large tensors, then the moments
+    assert tail == 4 and len(wires) == 6
+    assert {w.data_ptr() for w in wires[tail:]} == moments
+    plain_header, plain = r.pack(3)
+    assert StateRegistry.tail(plain_header) == len(plain)
+    assert sorted(w.numel() for w in plain) == sorted(w.numel() for w in wires)
+
+    torch.manual_seed(5)
+    m2 = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 1))
+    opt2 = torch.optim.Adam(m2.parameters(), lr=0.1)
+    r2 = StateRegistry()
+    r2.register(model=m2, optimizer=opt2, big=_Big(2))
+    got = StateRegistry.allocate(header)
+    for g, w in zip(got[:tail], wires[:tail], strict=True):
+        g.copy_(w)  # the tail's wires are still in transit
+    assert r2.load_packed(header, got, part="head") == 3
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
+    assert torch.equal(r2._others["big"].t["big"], r._others["big"].t["big"])
+    assert not opt2.state  # untouched: its wires may not have landed
+    r2.begin_step()
+    snap = r2._step_snapshot
+    for g, w in zip(got[tail:], wires[tail:], strict=True):
+        g.copy_(w)
+    assert r2.load_packed(header, got, part="tail") == 3
+    assert r2._step_snapshot is snap  # loaded inside the step: its snapshot stays
+    assert r2.digest(3) == r.digest(3)
+    with pytest.raises(ValueError, match="part"):
+        r2.load_packed(header, got, part="optimizer")

@@ -27,6 +27,7 @@ __all__ = [
     "Decision",
     "CommitApplied",
     "HealDone",
+    "StateLoaded",
     "DrainRequested",
     "DrainNoticed",
     "DrainAcked",
@@ -189,7 +190,17 @@ class CommitApplied(Event):
 
 @dataclass(frozen=True)
 class HealDone(Event):
-    """State transfer of the new epoch finished (sent or received)."""
+    """State transfer of the new epoch finished (sent or received), or, with ``pending``,
+    all of it but the optimizer state, which a receiver takes while its step runs: it
+    keeps ``lost_state`` (a fault meanwhile heals it again) until :class:`StateLoaded`,
+    and must not vote before."""
+
+    pending: bool = False
+
+
+@dataclass(frozen=True)
+class StateLoaded(Event):
+    """The rest of a pending heal (:class:`HealDone`) arrived and was loaded."""
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from fastft.fsm.contract import (
     SendDrainAck,
     SendState,
     Shutdown,
+    StateLoaded,
     StepState,
     ZeroGrads,
 )
@@ -171,10 +172,19 @@ def _quorum_ready(s: StepState, e: Event) -> Result:
 
 
 def _heal_done(s: StepState, e: Event) -> Result:
-    return replace(s, phase=Phase.NORMAL, lost_state=False, reason=""), ()
+    assert isinstance(e, HealDone)
+    return replace(s, phase=Phase.NORMAL, lost_state=s.lost_state and e.pending, reason=""), ()
+
+
+def _state_loaded(s: StepState, e: Event) -> Result:
+    return replace(s, lost_state=False), ()
 
 
 def _grads_ready(s: StepState, e: Event) -> Result:
+    if s.lost_state:
+        # a pending heal (HealDone) not yet loaded: voting now would commit a step on a
+        # state this worker does not hold (S4); the caller must feed StateLoaded first
+        raise InvalidTransition(s.phase, e)
     vote = CastVote(s.epoch, s.step, s.want_drain, joining=s.joining)
     return replace(s, phase=Phase.PREPARED), (vote,)
 
@@ -441,7 +451,8 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         _quorum_ready,
         "quorum ready: configure the PG; heal if anyone needs state",
     )
-    row([P.HEALING], HealDone, [P.NORMAL], _heal_done, "state transferred")
+    row([P.HEALING], HealDone, [P.NORMAL], _heal_done, "state received (all, or all but the rest)")
+    row([P.NORMAL], StateLoaded, [P.NORMAL], _state_loaded, "the rest of a pending heal loaded")
     # the step
     row([P.NORMAL], GradsReady, [P.PREPARED], _grads_ready, "compute grads: vote yes")
     row(

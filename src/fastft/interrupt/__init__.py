@@ -1,6 +1,13 @@
 """Interrupting a blocked rank: signal, future exception, abort hooks, atomic sections."""
 
-from fastft.interrupt.collectives import allreduce, barrier, broadcast, broadcast_bytes, wait_work
+from fastft.interrupt.collectives import (
+    allreduce,
+    barrier,
+    broadcast,
+    broadcast_bytes,
+    start_broadcast,
+    wait_work,
+)
 from fastft.interrupt.contract import CollectiveFailed, FutureCancelled, StepInterrupted
 from fastft.interrupt.interrupter import DEFAULT_SIGNAL, Interrupter
 
@@ -14,5 +21,6 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_bytes",
+    "start_broadcast",
     "wait_work",
 ]

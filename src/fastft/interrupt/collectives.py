@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fastft.interrupt.contract import CollectiveFailed, FutureCancelled
 from fastft.interrupt.interrupter import Interrupter
 
-__all__ = ["wait_work", "allreduce", "broadcast", "broadcast_bytes", "barrier"]
+__all__ = ["wait_work", "allreduce", "broadcast", "start_broadcast", "broadcast_bytes", "barrier"]
 
 
 def _relay(target: torch.futures.Future[Any]) -> Any:
@@ -112,11 +112,17 @@ def broadcast(
 ) -> None:
     """Broadcast ``tensors`` from group rank ``src`` in place; interruptible."""
     interrupter.check()
+    gpu = any(t.is_cuda for t in tensors)
+    wait_work(start_broadcast(pg, tensors, src), interrupter, gpu=gpu)
+
+
+def start_broadcast(pg: dist.ProcessGroup, tensors: Sequence[torch.Tensor], src: int) -> dist.Work:
+    """Start a broadcast of ``tensors`` from group rank ``src``, in place, and return its
+    work without waiting: :func:`wait_work` it before the tensors are used."""
     opts = dist.BroadcastOptions()
     opts.rootRank = src
     opts.rootTensor = 0
-    gpu = any(t.is_cuda for t in tensors)
-    wait_work(pg.broadcast(list(tensors), opts), interrupter, gpu=gpu)
+    return pg.broadcast(list(tensors), opts)
 
 
 def broadcast_bytes(

@@ -192,7 +192,7 @@ class StateRegistry:
         out["others"] = {name: obj.state_dict() for name, obj in self._others.items()}
         return out
 
-    def pack(self, step: int) -> tuple[bytes, list[torch.Tensor]]:
+    def pack(self, step: int, *, defer: bool = False) -> tuple[bytes, list[torch.Tensor]]:
         """The state for a heal as a small header and a list of flat byte tensors ("wires")
         that the collectives send as they are: no serialization of tensor data. A tensor
         of at least ``_DIRECT_BYTES`` (contiguous, not 0-dim) is sent as a byte view of its
@@ -200,7 +200,12 @@ class StateRegistry:
         the smaller ones are copied into one buffer per device (aligned for their dtype),
         so a state of many small tensors still costs one collective. The header pickles
         the state with every tensor replaced by a reference, and says where each tensor
-        lies on the wires, which the receivers allocate from (:meth:`allocate`)."""
+        lies on the wires, which the receivers allocate from (:meth:`allocate`).
+
+        ``defer``: the optimizer's large tensors go last, from wire :meth:`tail` on, so
+        that a heal can load the rest first (``part="head"``) and let them follow while
+        the step runs (``part="tail"``): a step needs the optimizer state only when it
+        commits. Its small tensors stay in the buffers in front."""
         st = self.state(step)
         sections: dict[str, bytes] = {}
         entries: list[tuple[str, int, str, tuple[int, ...], int, int]] = []
@@ -232,12 +237,22 @@ class StateRegistry:
                 entries[e] = (*entries[e][:4], len(wires), off)
             wires.append(flat)
             buffers.append((dev, sizes[dev]))
+        later = {_DEFERRED} if defer else set()
+        tail = len(wires) + sum(entries[e][0] not in later for _, e in direct)
+        direct.sort(key=lambda d: entries[d[1]][0] in later)  # stable: the deferred last
         for view, e in direct:
             entries[e] = (*entries[e][:4], len(wires), 0)
             wires.append(view)
             buffers.append((view.device.type, view.numel()))
-        meta = {"sections": sections, "entries": entries, "buffers": buffers}
+        meta = {"sections": sections, "entries": entries, "buffers": buffers, "tail": tail}
         return pickle.dumps(meta), wires
+
+    @staticmethod
+    def tail(header: bytes) -> int:
+        """The first wire that only the deferred optimizer state uses (:meth:`pack`); the
+        number of wires when nothing was deferred."""
+        meta = pickle.loads(header)
+        return int(meta.get("tail", len(meta["buffers"])))
 
     @staticmethod
     def allocate(header: bytes, cuda: torch.device | None = None) -> list[torch.Tensor]:
@@ -253,8 +268,12 @@ class StateRegistry:
             out.append(torch.empty(size, dtype=torch.uint8, device=device))
         return out
 
-    def load_packed(self, header: bytes, wires: list[torch.Tensor]) -> int:
-        """Load a state received as :meth:`pack` sent it; returns its step."""
+    def load_packed(self, header: bytes, wires: list[torch.Tensor], part: str = "all") -> int:
+        """Load a state received as :meth:`pack` sent it; returns its step. ``part``:
+        ``"head"`` loads all but the optimizer state (whose wires may be in transit),
+        ``"tail"`` the optimizer state alone."""
+        if part not in ("all", "head", "tail"):
+            raise ValueError(f"part must be 'all', 'head' or 'tail', not {part!r}")
         meta = pickle.loads(header)
         if len(wires) != len(meta["buffers"]):
             raise ValueError(f"heal: {len(wires)} wires for {len(meta['buffers'])} buffers")
@@ -264,6 +283,7 @@ class StateRegistry:
         st = {
             name: _RefUnpickler(io.BytesIO(blob), tensors.get(name, {})).load()
             for name, blob in meta["sections"].items()
+            if part == "all" or name == "step" or (name == _DEFERRED) == (part == "tail")
         }
         return self._apply(st)
 
@@ -273,9 +293,12 @@ class StateRegistry:
         if self.optimizer is not None and "optimizer" in st:
             self.optimizer.load_state_dict(st["optimizer"])
         for name, obj in self._others.items():
-            if name in st["others"]:
+            if name in st.get("others", {}):
                 obj.load_state_dict(st["others"][name])
-        self._step_snapshot = None
+        if "model" in st or "others" in st:
+            # what a step began with is gone; a deferred optimizer state is loaded inside
+            # a step, whose snapshot stays
+            self._step_snapshot = None
         return int(st["step"])
 
     def digest(self, step: int) -> str:
@@ -292,6 +315,8 @@ class StateRegistry:
         return h.hexdigest()[:16]
 
 
+_DEFERRED = "optimizer"
+"""The section a heal may send last, while the step runs (:meth:`StateRegistry.pack`)."""
 _ALIGN = 64
 """Byte alignment of each tensor in a packed heal buffer (any dtype can view it)."""
 _DIRECT_BYTES = 1 << 20

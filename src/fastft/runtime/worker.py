@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,13 +75,14 @@ from fastft.fsm import (
     SendDrainAck,
     SendState,
     Shutdown,
+    StateLoaded,
     StepState,
     ZeroGrads,
     decide,
     initial_state,
 )
 from fastft.inject import FaultKind, FaultPlan, FaultSpec, Injector, StateLost, execute
-from fastft.interrupt import Interrupter, StepInterrupted
+from fastft.interrupt import Interrupter, StepInterrupted, start_broadcast, wait_work
 from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.interrupt import broadcast as interruptible_broadcast
 from fastft.interrupt import broadcast_bytes as interruptible_broadcast_bytes
@@ -267,6 +269,9 @@ class Runtime:
         self._abandoned: list[Any] = []  # never destroyed mid-operation, never reused
         self._heal_pg: tuple[int, Any] | None = None
         """(epoch, group) of the source and the members it heals (:meth:`_heal_ranks`)."""
+        self._heal_tail: _HealTail | None = None
+        """The optimizer state of this epoch's heal, still in transit while the step runs
+        (sent or received over the heal group): finished before the vote."""
         self._dead: set[Member] = set()
         self._closing = False
         self._retries = 0
@@ -406,6 +411,11 @@ class Runtime:
         return tx
 
     def _exit(self, tx: Transaction, et: Any, ev: Any) -> bool:
+        if et is None and self._heal_tail is not None:
+            try:
+                self._finish_heal_tail()
+            except (StepInterrupted, Exception) as e:  # as if the step's body had raised it
+                et, ev = type(e), e
         self.interrupter.end_step()
         self._hb.beat()
         step = tx.step
@@ -911,6 +921,7 @@ class Runtime:
             return
         held = [self._heal_pg[1]]
         self._heal_pg = None
+        self._heal_tail = None  # abandoned with it, or already finished
         if pending:
             self._abandoned.extend(held)
             exit_without_destructors_later()
@@ -1009,15 +1020,20 @@ class Runtime:
         self.injector.fire_due(a.step, point="heal")  # tests: death while healing
         t0 = time.monotonic()
         sending = self.rank == view.source
+        receiving = isinstance(a, FetchState) or self.rank in view.needs_state
         pg, src = self._pg, view.index(view.source)
+        apart = False
         if self._heal_pg is not None and self._heal_pg[0] == a.epoch:
-            pg, src = self._heal_pg[1], 0  # the source and the members it heals only
+            pg, src, apart = self._heal_pg[1], 0, True  # the source and the members it heals
         self.interrupter.begin_step(a.epoch, a.step)  # a fault of this epoch ends the heal
+        tail: list[dist.Work] = []
         try:
             # a small header (the state with tensors referenced, and their layout), then
             # the wires (StateRegistry.pack): one buffer of the small tensors per device,
-            # and each large tensor as a byte view of its own storage
-            header, flats = self.registry.pack(a.step) if sending else (b"", [])
+            # and each large tensor as a byte view of its own storage. In a heal group of
+            # its own, the optimizer's large tensors go last and follow while the step
+            # runs (_finish_heal_tail): only the vote needs them.
+            header, flats = self.registry.pack(a.step, defer=apart) if sending else (b"", [])
             t_packed = time.monotonic()
             dev = self._comm_device()
             with self._waiting():
@@ -1027,11 +1043,16 @@ class Runtime:
                 t_header = time.monotonic()
                 if not sending:
                     flats = StateRegistry.allocate(header, cuda=self._gpu())
-                for flat in flats:
+                first = StateRegistry.tail(header)
+                if any(f.device != dev for f in flats[first:]):
+                    first = len(flats)  # pragma: no cover - GPU state over Gloo: in line
+                for flat in flats[:first]:
                     wire = flat if flat.device == dev else flat.to(dev)
                     interruptible_broadcast(pg, [wire], src, self.interrupter)
                     if wire is not flat:  # pragma: no cover - NCCL: CPU state via the GPU
                         flat.copy_(wire)
+                self.interrupter.check()
+                tail = [start_broadcast(pg, [flat], src) for flat in flats[first:]]
         except (StepInterrupted, Exception) as e:
             self._release_heal_pg(pending=True)  # it may still be inside the broadcast
             self.events.emit("heal_aborted", epoch=a.epoch, reason=str(e)[:300])
@@ -1041,9 +1062,11 @@ class Runtime:
         finally:
             self.interrupter.end_step()
         t_sent = time.monotonic()
-        if isinstance(a, FetchState) or self.rank in view.needs_state:
-            step = self.registry.load_packed(header, flats)
+        if receiving:
+            step = self.registry.load_packed(header, flats, part="head" if tail else "all")
             assert step == view.step, (step, view.step)
+        if tail:
+            self._heal_tail = _HealTail(a.epoch, header, flats, tail, receiving, time.monotonic())
         t1 = time.monotonic()
 
         def ms(d: float) -> float:
@@ -1053,7 +1076,7 @@ class Runtime:
             "heal",
             epoch=a.epoch,
             step=a.step,
-            role="send" if sending else ("fetch" if self.rank in view.needs_state else "relay"),
+            role="send" if sending else ("fetch" if receiving else "relay"),
             bytes=len(header) + sum(f.numel() * f.element_size() for f in flats),
             heal_ms=ms(t1 - t0),
             # where it went: packing the state, the header's collective, the state's, loading
@@ -1061,8 +1084,42 @@ class Runtime:
             header_ms=ms(t_header - t_packed),
             transfer_ms=ms(t_sent - t_header),
             load_ms=ms(t1 - t_sent),
+            # the optimizer state's bytes that follow while the step runs
+            tail_bytes=sum(f.numel() * f.element_size() for f in flats[len(flats) - len(tail) :]),
         )
-        self._feed(HealDone())
+        self._feed(HealDone(pending=bool(tail) and receiving))
+
+    def _finish_heal_tail(self) -> None:
+        """Before the vote: wait for the optimizer state a heal sent while the step ran and,
+        on a member that received it, load it (S4: no vote without the whole state).
+        Raises StepInterrupted on a fault meanwhile, which abandons it (the next epoch
+        heals this member again: it still counts as having lost its state)."""
+        tail = self._heal_tail
+        if tail is None:
+            return
+        t0 = time.monotonic()
+        with self._waiting():
+            for work in tail.works:
+                wait_work(work, self.interrupter)
+        waited = time.monotonic() - t0
+        if tail.receiving:
+            self.registry.load_packed(tail.header, tail.flats, part="tail")
+        with self._lock:
+            if self._heal_tail is not tail:
+                self.interrupter.check()  # released by a fault that ended the step
+                return
+            self._heal_tail = None
+            if tail.receiving and self._fsm.phase is Phase.NORMAL and self._fsm.epoch == tail.epoch:
+                self._feed_locked(StateLoaded())
+        self.events.emit(
+            "heal_tail",
+            epoch=tail.epoch,
+            role="fetch" if tail.receiving else "send",
+            # the step's own work done meanwhile, and what the vote then waited for
+            overlap_ms=round((t0 - tail.started) * 1e3, 3),
+            wait_ms=round(waited * 1e3, 3),
+            load_ms=round((time.monotonic() - t0 - waited) * 1e3, 3),
+        )
 
     def _inject(self, spec: FaultSpec) -> None:
         self.events.emit(
@@ -1161,6 +1218,19 @@ class Runtime:
 
     def _waiting(self) -> _Blocked:
         return self._hb.blocked
+
+
+@dataclass
+class _HealTail:
+    """The deferred part of a heal (:meth:`Runtime._heal`): the optimizer state's works,
+    started when the rest was in, and what loading it needs."""
+
+    epoch: int
+    header: bytes
+    flats: list[torch.Tensor]
+    works: list[Any]
+    receiving: bool
+    started: float
 
 
 class _Blocked:
