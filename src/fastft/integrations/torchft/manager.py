@@ -633,6 +633,11 @@ class ManagerFFT(Manager):
     def _fail_step(self, who: tuple[int, int], why: str, m: Message | None) -> None:
         exc = PeerFailed(f"replica rank {who[0]} (incarnation {who[1]}): {why}")
         self.peer_faults += 1
+        # The next quorum reconfigures the process group, abandoning collectives that may
+        # be stuck on the peer (torchft's own works included, not only those we wait on):
+        # their destructors at interpreter exit can abort the process after the job is
+        # done (seen: SIGABRT, "terminate called without an active exception").
+        exit_without_destructors_later()
         self._told = True
         super().report_error(exc)
         n = self._pending.fail_all(exc)
