@@ -1065,8 +1065,6 @@ class Runtime:
         if receiving:
             step = self.registry.load_packed(header, flats, part="head" if tail else "all")
             assert step == view.step, (step, view.step)
-        if tail:
-            self._heal_tail = _HealTail(a.epoch, header, flats, tail, receiving, time.monotonic())
         t1 = time.monotonic()
 
         def ms(d: float) -> float:
@@ -1087,7 +1085,12 @@ class Runtime:
             # the optimizer state's bytes that follow while the step runs
             tail_bytes=sum(f.numel() * f.element_size() for f in flats[len(flats) - len(tail) :]),
         )
-        self._feed(HealDone(pending=bool(tail) and receiving))
+        with self._lock:
+            if tail:
+                if self._heal_pg is None or self._heal_pg[0] != a.epoch:
+                    return  # a fault released the group (and ended the epoch) meanwhile
+                self._heal_tail = _HealTail(a.epoch, header, flats, tail, receiving, t1)
+            self._feed_locked(HealDone(pending=bool(tail) and receiving))
 
     def _finish_heal_tail(self) -> None:
         """Before the vote: wait for the optimizer state a heal sent while the step ran and,
