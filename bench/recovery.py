@@ -49,6 +49,12 @@ NPROC = 3
 SPARE_PREFAULT_MB = 192
 """The +spare worlds' spares prefault this much heap (``--spare-prefault-mb``; off by
 default in ``fastft run``): what the README's table was measured with."""
+FAULT_AFTER_S = 2.5
+"""The fault hits a replica this long into training (at the start of that step, at least
+step 20): a warm spare, started with the workers, has finished warming up by then (its
+imports overlap theirs; ``spare_ready`` in the trial rows says whether it had). At step 20
+of the 10.8k model (~0.1 s in) it often had not, and the +spare rows measured its
+remaining warm-up instead of a recovery."""
 WORLDS = ("fixed", "fixed+spare", "elastic")
 """fixed: survivors wait for the restarted replica (a new Python process); fixed+spare: the
 same with ``--warm-spares 1`` (a process with torch imported takes the lost rank);
@@ -213,7 +219,7 @@ def fault_trial(
     from fastft.report import summarize
 
     hidden, layers = SIZES[size]
-    at = 20
+    at = max(20, math.ceil(FAULT_AFTER_S / max(step_s, 1e-3)))
     # long enough after the fault for the restarted replica to start, heal and commit
     steps = at + max(40, math.ceil(12.0 / max(step_s, 1e-3)))
     name = f"{size}-{kind}-{world.replace('+', '-')}-{trial}"
@@ -223,7 +229,9 @@ def fault_trial(
     run = run_fastft(hidden, layers, steps, tmp / size, name, plan=plan, world=world)
     s = summarize(run)
     f = s["faults"][0]
-    hung = [e for e in read_events(run) if e["event"] == "worker_hung"]
+    ev = read_events(run)
+    hung = [e for e in ev if e["event"] == "worker_hung"]
+    warm = [e for e in ev if e["event"] == "spawn" and e["warm"]]
     return {
         "model": size,
         "fault": kind,
@@ -236,6 +244,8 @@ def fault_trial(
         "step_ms": s["median_step_ms"],
         "faults_seen": len(s["faults"]),
         "hang_timeout_ms": round(hung[0]["timeout_s"] * 1e3, 1) if hung else None,
+        # +spare: whether the spare that took the lost rank had finished warming up
+        "spare_ready": warm[0]["spare_ready"] if warm else None,
     }
 
 

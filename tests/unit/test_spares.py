@@ -14,32 +14,80 @@ import threading
 from types import SimpleNamespace
 
 from fastft.launch.agent import Agent
-from fastft.launch.spare import await_order, order_line
+from fastft.launch.spare import READY_FD, await_order, order_line
 from fastft.runtime.contract import SPARE_RUN_AHEAD
 
 
-def _agent(spares: dict[int, int | None], gpus: int = 2, dead: set[int] = frozenset()):
+def _agent(
+    spares: dict[int, int | None],
+    gpus: int = 2,
+    dead: set[int] = frozenset(),
+    ready: set[int] | None = None,
+):
     a = Agent.__new__(Agent)  # the pairing only: no store, no processes
     a._lock = threading.Lock()
     a._gpus = gpus
     a._spares = [SimpleNamespace(pid=pid) for pid in spares]
     a._spare_gpu = {pid: g for pid, g in spares.items() if g is not None}
     a._dead_spares = set(dead)
+    a._ready_spares = set(spares) if ready is None else set(ready)
     return a
+
+
+def _pid(taken):
+    return None if taken is None else taken[0].pid
 
 
 def test_a_restart_takes_the_spare_that_warmed_its_gpu():
     a = _agent({10: 0, 11: 1, 12: 0})
-    assert a._take_spare(1).pid == 11
-    assert a._take_spare(1).pid == 10  # none left for GPU 1: any live spare
-    assert a._take_spare(0).pid == 12
+    assert _pid(a._take_spare(1)) == 11
+    assert _pid(a._take_spare(1)) == 10  # none left for GPU 1: any live spare
+    assert _pid(a._take_spare(0)) == 12
     assert a._take_spare(0) is None
     assert a._spare_gpu == {}
 
 
 def test_dead_spares_are_skipped_and_a_cpu_job_takes_them_in_order():
     a = _agent({10: None, 11: None, 12: None}, gpus=0, dead={10})
-    assert [a._take_spare().pid, a._take_spare().pid, a._take_spare()] == [11, 12, None]
+    assert [_pid(a._take_spare()), _pid(a._take_spare()), a._take_spare()] == [11, 12, None]
+
+
+def test_a_restart_prefers_a_spare_that_is_ready():
+    """A spare still warming up has its imports left: a ready one goes first (after the
+    GPU it warmed), and the restart learns whether it got a ready one."""
+    a = _agent({10: None, 11: None, 12: None}, gpus=0, ready={11})
+    spare, ready = a._take_spare()
+    assert (spare.pid, ready) == (11, True) and a._ready_spares == set()
+    assert a._take_spare()[0].pid == 10  # none ready: the oldest
+    b = _agent({10: 0, 11: 1, 12: 0}, ready={10, 11})
+    assert [(p.pid, r) for p, r in [b._take_spare(0), b._take_spare(0)]] == [
+        (10, True),
+        (12, False),
+    ]
+
+
+def test_a_spare_tells_the_agent_when_it_is_warm(tmp_path):
+    """The agent's pipe gets one byte once the spare's warm-up is done (the spare_ready
+    event), then the spare waits for its order."""
+    r, w = os.pipe()
+    p = subprocess.Popen(
+        [sys.executable, "-c", "from fastft.launch.spare import main; main()"],
+        stdin=subprocess.PIPE,
+        pass_fds=(w,),
+        env={**os.environ, READY_FD: str(w)},
+    )
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"r"
+        assert p.poll() is None  # warm, waiting for its order
+        p.stdin.close()  # not needed: it ends
+        assert p.wait(timeout=60) == 0
+        assert os.read(r, 1) == b""  # one byte only, then closed
+    finally:
+        os.close(r)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def test_workers_map_to_gpus_as_torchrun_places_them():

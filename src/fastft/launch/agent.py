@@ -34,7 +34,13 @@ from typing import Any
 from fastft.bus import BusConfig, connect_store, host_store, tcpstore_bus
 from fastft.errors import ConfigError
 from fastft.launch.exit_trace import ExitTracer
-from fastft.launch.spare import CUDA_DEVICE, DEFAULT_PREFAULT_MB, PREFAULT_MB, order_line
+from fastft.launch.spare import (
+    CUDA_DEVICE,
+    DEFAULT_PREFAULT_MB,
+    PREFAULT_MB,
+    READY_FD,
+    order_line,
+)
 from fastft.protocol import (
     NO_RANK,
     Fault,
@@ -248,6 +254,8 @@ class Agent:
 
             self._gpus = torch.cuda.device_count()
         self._dead_spares: set[int] = set()
+        self._ready_spares: set[int] = set()
+        """pids of spares that said they are warm (:meth:`_await_ready`)."""
         self._restarts_due: list[tuple[float, _Slot]] = []
         """Slots to restart, spawned by the main thread: a child's PR_SET_PDEATHSIG fires
         when the *thread* that forked it ends, and the threads that see exits are short-lived."""
@@ -369,7 +377,8 @@ class Agent:
             os.unlink(slot.heartbeat)
         except FileNotFoundError:
             pass
-        spare = self._take_spare(self._gpu_of(self._local(slot))) if slot.life > 0 else None
+        taken = self._take_spare(self._gpu_of(self._local(slot))) if slot.life > 0 else None
+        spare, ready = taken if taken is not None else (None, False)
         if spare is not None:
             try:
                 assert spare.stdin is not None
@@ -399,6 +408,7 @@ class Agent:
             pid=slot.proc.pid,
             incarnation=slot.incarnation,
             warm=spare is not None,
+            **({"spare_ready": ready} if spare is not None else {}),
         )
         if spare is not None:  # the next failure gets one too, once this one recovered
             with self._lock:
@@ -446,20 +456,50 @@ class Agent:
         env[PREFAULT_MB] = str(self.config.spare_prefault_mb)
         if self.config.spare_run_ahead:
             env[SPARE_RUN_AHEAD] = json.dumps(list(self.config.command))
-        p = subprocess.Popen(
-            # not `-m fastft.launch.spare`: the package imports that module first, and
-            # runpy warns that it runs a module already in sys.modules
-            [self.config.command[0], "-c", "from fastft.launch.spare import main; main()"],
-            env=env,
-            stdin=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
-        )
+        ready_r, ready_w = os.pipe()
+        env[READY_FD] = str(ready_w)
+        t0 = time.monotonic()
+        try:
+            p = subprocess.Popen(
+                # not `-m fastft.launch.spare`: the package imports that module first, and
+                # runpy warns that it runs a module already in sys.modules
+                [self.config.command[0], "-c", "from fastft.launch.spare import main; main()"],
+                env=env,
+                stdin=subprocess.PIPE,
+                pass_fds=(ready_w,),
+                preexec_fn=_die_with_parent,
+            )
+        except BaseException:
+            os.close(ready_r)
+            raise
+        finally:
+            os.close(ready_w)
         with self._lock:
             self._spares.append(p)
             if gpu is not None:
                 self._spare_gpu[p.pid] = gpu
         self._reap(p.pid)
+        threading.Thread(
+            target=self._await_ready,
+            args=(p.pid, ready_r, t0),
+            name=f"fastft-spare-ready-{p.pid}",
+            daemon=True,
+        ).start()
         self.events.emit("spare_start", pid=p.pid, gpu=gpu)
+
+    def _await_ready(self, pid: int, fd: int, t0: float) -> None:
+        """Thread: the spare writes one byte once it is warm (EOF: it ended first)."""
+        try:
+            got = os.read(fd, 1)
+        except OSError:
+            got = b""
+        finally:
+            os.close(fd)
+        if not got:
+            return
+        with self._lock:
+            self._ready_spares.add(pid)
+        self.events.emit("spare_ready", pid=pid, warm_up_ms=round((time.monotonic() - t0) * 1e3, 1))
 
     def _idle_spare_exited(self, info: os.waitid_result) -> None:
         """A spare ended before it was needed: not replaced (it would likely end again);
@@ -491,17 +531,23 @@ class Agent:
         with self._lock:
             self._spares_owed = keep + self._spares_owed
 
-    def _take_spare(self, gpu: int | None = None) -> subprocess.Popen[bytes] | None:
-        """A live spare, one that warmed ``gpu`` if there is one."""
+    def _take_spare(self, gpu: int | None = None) -> tuple[subprocess.Popen[bytes], bool] | None:
+        """A live spare and whether it was ready: one that warmed ``gpu`` if there is one
+        (a CUDA context costs ~0.4 s), else a ready one (a spare still warming up has up
+        to its imports left), else the oldest."""
         with self._lock:
             self._spares = [p for p in self._spares if p.pid not in self._dead_spares]
             if not self._spares:
                 return None
-            p = next((p for p in self._spares if self._spare_gpu.get(p.pid) == gpu), None)
-            p = p or self._spares[0]
+            p = max(
+                self._spares,
+                key=lambda p: (self._spare_gpu.get(p.pid) == gpu, p.pid in self._ready_spares),
+            )
             self._spares.remove(p)
             self._spare_gpu.pop(p.pid, None)
-            return p
+            ready = p.pid in self._ready_spares
+            self._ready_spares.discard(p.pid)
+            return p, ready
 
     def _stop_spares(self) -> None:
         with self._lock:

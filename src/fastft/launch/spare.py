@@ -39,6 +39,9 @@ def order_line(env: dict[str, str], argv: list[str]) -> bytes:
 
 CUDA_DEVICE = "FASTFT_SPARE_CUDA_DEVICE"
 """Set by the agent: the GPU whose CUDA context the spare creates ahead of time."""
+READY_FD = "FASTFT_SPARE_READY_FD"
+"""Set by the agent: a pipe the spare writes one byte to once it is warm (waiting for its
+order), so that the agent knows which spares are ready (``spare_ready`` event)."""
 PREFAULT_MB = "FASTFT_SPARE_PREFAULT_MB"
 """Set by the agent: MiB of heap memory the spare touches ahead of time
 (:func:`fastft.runtime.malloc.prefault`); 0: none."""
@@ -84,6 +87,18 @@ def _warm_cuda(dev: torch.device) -> None:  # pragma: no cover - GPU machines on
     torch.cuda.synchronize(dev)
 
 
+def _tell_ready() -> None:
+    """Tell the agent this spare is warm (once; without a pipe, nothing)."""
+    fd = os.environ.pop(READY_FD, None)
+    if fd is None:
+        return
+    try:
+        os.write(int(fd), b"r")
+        os.close(int(fd))
+    except (OSError, ValueError):
+        pass  # an agent that is gone or did not ask: the order still comes on stdin
+
+
 def _become(line: bytes) -> list[str]:
     """Take the agent's order: the worker's environment (all of it), stdin like a fresh
     worker's; returns the worker's command line."""
@@ -108,6 +123,7 @@ def await_order() -> None:
     pipe closed) ends here, without running the rest of the script."""
     if SPARE_RUN_AHEAD not in os.environ:
         return
+    _tell_ready()  # the script's set-up before fastft.init() is done
     line = sys.stdin.buffer.readline()
     if not line:
         sys.stdout.flush()
@@ -124,6 +140,7 @@ def main() -> None:
     if ahead:
         argv: list[str] = json.loads(ahead)  # the order comes in await_order()
     else:
+        _tell_ready()
         line = sys.stdin.buffer.readline()
         if not line:  # the agent closed the pipe: this spare is not needed
             return
