@@ -55,10 +55,15 @@ step 20): a warm spare, started with the workers, has finished warming up by the
 imports overlap theirs; ``spare_ready`` in the trial rows says whether it had). At step 20
 of the 10.8k model (~0.1 s in) it often had not, and the +spare rows measured its
 remaining warm-up instead of a recovery."""
-WORLDS = ("fixed", "fixed+spare", "elastic")
+WORLDS = ("fixed", "fixed+spare", "fixed+ahead", "elastic")
 """fixed: survivors wait for the restarted replica (a new Python process); fixed+spare: the
 same with ``--warm-spares 1`` (a process with torch imported takes the lost rank);
-elastic: ``--min-replicas 2``, survivors go on at once and the replica rejoins later."""
+fixed+ahead: the spare also runs the script up to ``fastft.init()`` before the fault
+(``--spare-run-ahead``: the model and Adam are built ahead); elastic: ``--min-replicas 2``,
+survivors go on at once and the replica rejoins later."""
+SPARE_WORLDS = ("fixed+spare", "fixed+ahead")
+"""Worlds with a warm spare; they sit near the target, so the large model runs ``--trials``
+trials there too (one elsewhere: a cold restart is seconds over it, elastic well under)."""
 SIZES = {  # name -> (hidden, layers)
     "small": (88, 2),  # 10,825 parameters
     "large": (1024, 5),  # 4,232,193 parameters
@@ -139,8 +144,10 @@ def run_fastft(
     cmd += ["--run-dir", str(run), "--job", name, "--adaptive-hang"]
     if world.startswith("elastic"):
         cmd += ["--min-replicas", str(NPROC - 1)]
-    if world.endswith("+spare"):
+    if world in SPARE_WORLDS:
         cmd += ["--warm-spares", "1", "--spare-prefault-mb", str(SPARE_PREFAULT_MB)]
+    if world == "fixed+ahead":
+        cmd += ["--spare-run-ahead"]
     cmd += flags
     if plan:
         (run / "plan.json").write_text(json.dumps({"faults": plan}))
@@ -295,7 +302,7 @@ def main() -> None:
         step_s = float(row["fastft_step_ms"]) / 1e3  # type: ignore[arg-type]
         for kind in kinds:
             for world in WORLDS:
-                for t in range(trials if size == "small" else 1):
+                for t in range(trials if size == "small" or world in SPARE_WORLDS else 1):
                     r = fault_trial(size, kind, world, step_s, t, tmp)
                     trial_rows.append(r)
                     print(f"  {r}", flush=True)
