@@ -349,6 +349,29 @@ def test_a_member_waiting_in_the_lighthouse_voids_a_leased_step_it_is_not_in(
 
 
 @pytest.mark.timeout(30)
+def test_a_message_after_torchft_counted_the_commit_does_not_void_that_step(
+    leasing: tuple[ManagerFFT, _Lighthouse],
+) -> None:
+    """torchft's should_commit counts the commit (``_step`` += 1) before the attempt's
+    bookkeeping ends: a member waiting for the next step, or leaving after this one, told
+    in between, concerns the next step only (seen in CI: a periodic ask at step 64 voided
+    a committed step 63, and every replica rolled back)."""
+    m, _ = leasing
+    m.quorum_every = 100
+    assert _attempt(m)  # the lease
+    for leaving in (False, True):
+        _begin(m)  # step s on the lease
+        m._step += 1  # torchft committed it ...
+        s = m._step  # ... and member 2 waits for step s + 1, or left before it
+        late = DrainNotice(job="j", epoch=3, rank=2, incarnation=7, step=s) if leaving else None
+        m._on_message(late or _waiting(2, 7, s))
+        m._end_attempt(True)
+        assert m.peer_faults == 0 and m.errored() is None
+        m._lease = None
+        assert _attempt(m)  # asks again: a new lease
+
+
+@pytest.mark.timeout(30)
 def test_a_member_leaving_voids_only_a_step_it_is_not_in(
     leasing: tuple[ManagerFFT, _Lighthouse],
 ) -> None:
@@ -358,7 +381,7 @@ def test_a_member_leaving_voids_only_a_step_it_is_not_in(
     # Member 2 committed step 31 too and shut down: it took part in all of this step.
     m._on_message(DrainNotice(job="j", epoch=3, rank=2, incarnation=7, step=32))
     assert m.peer_faults == 0 and _end(m)
-    m._lease = m._leased_on = None
+    m._lease = m._leased_step = None
     assert _attempt(m)  # asked: the lease of step 32
     _begin(m)  # step 33: member 1 left after step 32, so it is not in this one
     m._on_message(DrainNotice(job="j", epoch=3, rank=1, incarnation=5, step=33))

@@ -322,8 +322,10 @@ class ManagerFFT(Manager):
         nothing broke since (the quorum may predate what was told)."""
         self._gone: set[tuple[int, int]] = set()
         """Lives that announced leaving (``DrainNotice``)."""
-        self._leased_on: _Lease | None = None
-        """The lease the step in flight reuses (None: it asked the lighthouse)."""
+        self._leased_step: int | None = None
+        """The step the attempt in flight runs on the lease (None: it asked the lighthouse).
+        Not torchft's ``_step``, which counts the commit before the attempt's bookkeeping
+        ends: a message between the two would void a step that completed."""
         self._told = False
         """This attempt's failure is known to the peers (the bus told it, or we did)."""
         self._asked_step: int | None = None
@@ -456,7 +458,7 @@ class ManagerFFT(Manager):
         """A step's attempt starts: its quorum is not known yet."""
         with self._fft_lock:
             self._members = None
-            self._leased_on = None
+            self._leased_step = None
             self._told = False
             self._asked_step = None
 
@@ -465,14 +467,14 @@ class ManagerFFT(Manager):
         with self._fft_lock:
             if not ok:
                 self._lease = None
-            elif self._leased_on is None:  # asked the lighthouse: its quorum, if eligible
+            elif self._leased_step is None:  # asked the lighthouse: its quorum, if eligible
                 self._lease = None
                 if self._candidate is not None:
                     quorum, members, asked_at = self._candidate
                     if asked_at == self._breaks:
                         self._lease = _Lease(quorum, members)
             self._candidate = None
-            self._leased_on = None
+            self._leased_step = None
             self._asked_step = None
             told, self._told = self._told, True
         if ok:
@@ -520,7 +522,7 @@ class ManagerFFT(Manager):
             # The next step asks; a step reused meanwhile completes (the joiner is in none
             # of its collectives). A peer that asked first is voided by _on_waiting.
             if (m.rank, m.incarnation) != me:
-                self._break_lease((m.rank, m.incarnation), "joining", m, void_leased_step=False)
+                self._break_lease((m.rank, m.incarnation), "joining", m, void_from=None)
             return
         if isinstance(m, RollbackRequest):
             if m.sender != me:
@@ -532,7 +534,7 @@ class ManagerFFT(Manager):
                     self._gone.add(m.sender)
                 # It took part in every step before m.step: a leased step past that one
                 # waits for it in vain; an earlier one completes as it is.
-                self._break_lease(m.sender, "left", m, void_leased_step=self._step >= m.step)
+                self._break_lease(m.sender, "left", m, void_from=m.step)
             return
         if isinstance(m, ProcessExited):
             who, why = (m.exited_rank, m.exited_incarnation), "exited"
@@ -552,7 +554,7 @@ class ManagerFFT(Manager):
                 self._dead.add(who)
         # A replica that ended its loop cleanly had finished its collectives of the step
         # (it committed it), and one that announced leaving was handled then.
-        if news and self._break_lease(who, why, m, void_leased_step=not clean_exit):
+        if news and self._break_lease(who, why, m, void_from=None if clean_exit else 0):
             return
         if report is not None and not self._about_this_attempt(report):
             return
@@ -582,11 +584,11 @@ class ManagerFFT(Manager):
         return m.step == self.current_step() and not (m.step == step and m.epoch <= quorum)
 
     def _break_lease(
-        self, who: tuple[int, int], why: str, m: Message, void_leased_step: bool = True
+        self, who: tuple[int, int], why: str, m: Message, void_from: int | None = 0
     ) -> bool:
         """Something the lease did not foresee was told (a fault, a death, a join, a
         member leaving): no step reuses a quorum from before it, and a leased step in
-        flight is voided (unless ``void_leased_step`` is false: a join, or a member that
+        flight at or past ``void_from`` is voided (None: none is; a join, or a member that
         took part in all of it). Every replica hears the same message, so every one that might
         reuse the lease either did not yet (it asks the lighthouse) or is inside a leased
         step (voided here): none waits in a collective for a peer that went to the
@@ -596,7 +598,8 @@ class ManagerFFT(Manager):
         with self._fft_lock:
             self._breaks += 1
             self._lease = None
-            void = void_leased_step and self._leased_on is not None
+            leased = self._leased_step
+            void = void_from is not None and leased is not None and leased >= void_from
         if void:
             self._fail_step(who, why, m)
         return void
@@ -612,7 +615,7 @@ class ManagerFFT(Manager):
             if self._asked_step is not None:  # asking already
                 return
             self._lease = None
-            void = self._leased_on is not None and self._step >= m.step
+            void = self._leased_step is not None and self._leased_step >= m.step
         if void and self.errored() is None:  # (not yet voided by the fault that caused it)
             self._fail_step(m.sender, "waiting in the lighthouse", m)
 
@@ -626,7 +629,7 @@ class ManagerFFT(Manager):
                 self._asked_step = step
                 return None
             self._members = set(lease.members)
-            self._leased_on = lease
+            self._leased_step = step
             self.quorums_reused += 1
         return _Reused(lease.quorum, step)
 
