@@ -451,7 +451,13 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         _quorum_ready,
         "quorum ready: configure the PG; heal if anyone needs state",
     )
-    row([P.HEALING], HealDone, [P.NORMAL], _heal_done, "state received (all, or all but the rest)")
+    row(
+        [P.HEALING],
+        HealDone,
+        [P.NORMAL],
+        _heal_done,
+        "state transferred (with pending: all but the optimizer state)",
+    )
     row([P.NORMAL], StateLoaded, [P.NORMAL], _state_loaded, "the rest of a pending heal loaded")
     # the step
     row([P.NORMAL], GradsReady, [P.PREPARED], _grads_ready, "compute grads: vote yes")
