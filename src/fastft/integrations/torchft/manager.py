@@ -487,22 +487,9 @@ class ManagerFFT(Manager):
 
     def shutdown(self, wait: bool = True) -> None:
         if self.bus is not None:
-            if not self.bus.closed:
-                # Peers that reuse their quorum would otherwise wait for this replica in
-                # their next step's collectives (see _on_message).
-                try:
-                    self.bus.broadcast(
-                        DrainNotice(
-                            job=self.bus.config.job,
-                            epoch=max(self._quorum_id, 0),
-                            rank=self.fft_rank,
-                            incarnation=self.fft_incarnation,
-                            step=self.current_step(),
-                            reason="shutdown",
-                        )
-                    )
-                except Exception:  # noqa: BLE001 - leaving must not fail on the bus
-                    log.exception("could not announce leaving")
+            # Peers that reuse their quorum would otherwise wait for this replica in their
+            # next step's collectives (see _on_message).
+            self._tell(DrainNotice, reason="shutdown")
             self.bus.close()
         self._hb.close()
         self._emit(
@@ -685,25 +672,33 @@ class ManagerFFT(Manager):
     def _broadcast_fault(
         self, cause: str, e: BaseException, severity: Severity = Severity.FAULT2
     ) -> None:
+        self._tell(
+            Fault,
+            severity=severity,
+            cause=cause,
+            faulty_rank=self.fft_rank,
+            faulty_incarnation=self.fft_incarnation,
+            detail=f"{type(e).__name__}: {e}"[:2000],
+        )
+
+    def _tell(self, kind: Callable[..., Message], **fields: Any) -> None:
+        """Broadcast a ``kind`` message from this replica at its step, if the bus is up;
+        telling peers must never add a failure (a bus error is logged)."""
         if self.bus is None or self.bus.closed:
             return
         try:
             self.bus.broadcast(
-                Fault(
+                kind(
                     job=self.bus.config.job,
                     epoch=max(self._quorum_id, 0),
                     rank=self.fft_rank,
                     incarnation=self.fft_incarnation,
                     step=self.current_step(),
-                    severity=severity,
-                    cause=cause,
-                    faulty_rank=self.fft_rank,
-                    faulty_incarnation=self.fft_incarnation,
-                    detail=f"{type(e).__name__}: {e}"[:2000],
+                    **fields,
                 )
             )
-        except Exception:  # noqa: BLE001 - telling peers must never add a failure
-            log.exception("could not broadcast the fault")
+        except Exception:  # noqa: BLE001
+            log.exception("could not broadcast %s", getattr(kind, "__name__", kind))
 
     def _excepthook(self, *args: Any) -> None:
         if len(args) == 3 and isinstance(args[1], Exception):
