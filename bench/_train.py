@@ -64,7 +64,7 @@ def main() -> None:
     if a.mode == "ddp":
         import torch.distributed as dist
 
-        from fastft.runtime import malloc
+        from fastft.process import malloc
 
         malloc.tune()  # the allocator settings fastft.init() makes: compare like with like
         from torch.nn.parallel import DistributedDataParallel

@@ -43,7 +43,7 @@ from fastft.launch.exit_trace import ExitTracer  # noqa: E402
 READY = "print('ready', flush=True); import sys; sys.stdin.read()"
 SENTINEL = (
     "import runpy, sys; "
-    f"runpy.run_path({str(ROOT / 'src/fastft/runtime/sentinel.py')!r})"
+    f"runpy.run_path({str(ROOT / 'src/fastft/process/sentinel.py')!r})"
     "['start_exit_sentinel'](sys.argv[1])"
 )
 MLP = """

@@ -9,8 +9,10 @@
 * ``fastft report``       the timeline and figures of a finished run
 * ``fastft demo``         4 workers, one fault of each kind, checked against a clean run
 
-Flags fall back to environment variables (``FASTFT_STORE``, ``FASTFT_JOB``). Bad flags and
-unreachable stores print one line on stderr and exit with code 2.
+Flags fall back to environment variables: ``FASTFT_STORE`` and ``FASTFT_JOB`` everywhere,
+and every ``fastft run`` flag to ``FASTFT_<FLAG>`` (:mod:`fastft.launch.config`; the whole
+table: :mod:`fastft.process.env`). Bad flags and unreachable stores print one line on
+stderr and exit with code 2.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 def _build() -> argparse.ArgumentParser:
     from fastft.inject.plan import FaultKind
-    from fastft.launch.spare import DEFAULT_PREFAULT_MB
+    from fastft.launch.config import add_run_flags
 
     parser = _Parser(prog="fastft", description="Fast fault tolerance for distributed training.")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -97,111 +99,7 @@ def _build() -> argparse.ArgumentParser:
         description="Start NPROC workers of SCRIPT on this node, host the job's store (node 0), "
         "restart workers that die or hang. Use `-m module` for a module.",
     )
-    p.add_argument("--nproc", type=int, default=1, help="workers on this node")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (one agent each)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index")
-    p.add_argument("--store", default=None, help="HOST:PORT of the store (node 0 hosts it)")
-    p.add_argument("--job", default="job", help="job id")
-    p.add_argument("--max-restarts", type=int, default=3, help="restarts per worker")
-    p.add_argument("--inject", default=None, help="fault plan JSON (fastft plan check)")
-    p.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=30.0,
-        help="seconds without progress before a worker is killed (the most, with --adaptive-hang)",
-    )
-    p.add_argument(
-        "--adaptive-hang",
-        action="store_true",
-        help="hang timeout = 20x the longest recent gap between a worker's heartbeats "
-        "(at least 2 s, at most --hang-timeout); use ft.no_hang_check() around long work "
-        "between steps",
-    )
-    p.add_argument(
-        "--min-replicas",
-        type=int,
-        default=None,
-        help=(
-            "fewest workers an epoch may have; below the world size the survivors go on "
-            "without a lost worker and it rejoins when restarted (default: all, fixed world)"
-        ),
-    )
-    p.add_argument(
-        "--warm-spares",
-        type=int,
-        default=0,
-        help="processes kept ready with torch imported; a restarted worker becomes one "
-        "instead of starting Python (default 0)",
-    )
-    p.add_argument(
-        "--torchft",
-        choices=["fastft", "plain"],
-        default=None,
-        help="run torchft replicas (one per worker) and start their lighthouse: 'fastft' "
-        "(ManagerFFT workers; the lighthouse hears deaths on the error bus) or 'plain' "
-        "(torchft's own lighthouse; exits restarted, stops and hangs left to torchft)",
-    )
-    p.add_argument(
-        "--lighthouse-heartbeat-ms",
-        type=int,
-        default=5000,
-        help="torchft lighthouse heartbeat timeout (torchft's default 5000)",
-    )
-    p.add_argument(
-        "--lighthouse-join-ms",
-        type=int,
-        default=60000,
-        help="torchft lighthouse join timeout (torchft's default 60000)",
-    )
-    p.add_argument(
-        "--no-exit-trace",
-        dest="exit_trace",
-        action="store_false",
-        help="do not trace the workers' exit sentinels (deaths are then seen after the "
-        "kernel freed their memory, 15-50 ms later); lets a debugger or py-spy attach",
-    )
-    p.add_argument(
-        "--no-keep-gradients",
-        dest="keep_gradients",
-        action="store_false",
-        help="elastic world: do not keep a copy of each step's local gradient (saves one "
-        "gradient-sized buffer per worker; a step that rolled back is then recomputed "
-        "whole instead of only the samples no member kept)",
-    )
-    p.add_argument(
-        "--no-spare-cuda",
-        dest="spare_cuda",
-        action="store_false",
-        help="warm spares do not create a CUDA context ahead of time (they do by default "
-        "where GPUs are visible, on the GPU of the worker they are likely to replace)",
-    )
-    p.add_argument(
-        "--spare-prefault-mb",
-        type=int,
-        default=DEFAULT_PREFAULT_MB,
-        help="MiB of heap memory each warm spare touches while it waits (its idle RSS "
-        "grows by that much, and it is ready later), so that the worker it becomes does "
-        "not page-fault its model and healed state on the recovery path; for large "
-        f"CPU-resident states (default {DEFAULT_PREFAULT_MB}: none; e.g. 192)",
-    )
-    p.add_argument(
-        "--spare-run-ahead",
-        action="store_true",
-        help="warm spares run the script up to its fastft.init() before they are needed, so "
-        "that the model and optimizer it builds before are off the recovery path; the "
-        "script must not need its rank before fastft.init()",
-    )
-    p.add_argument(
-        "--backend",
-        default="auto",
-        help="process groups: gloo, nccl (one GPU per worker) or auto (default: nccl for a "
-        "model on CUDA when each worker of the node has a GPU of its own, else gloo)",
-    )
-    p.add_argument("--run-dir", default=None, help="event log and heartbeats (default: temp)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--check-every", type=int, default=0, help="log the state digest every N commits (S3 check)"
-    )
+    add_run_flags(p)
     p.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
@@ -407,7 +305,8 @@ def _cmd_fsm_doc(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from fastft.errors import FastFTError
-    from fastft.launch import Agent, LaunchConfig
+    from fastft.launch import Agent
+    from fastft.launch.config import config_from_args
 
     rest = list(args.args or [])
     if rest[:1] == ["--"]:
@@ -427,32 +326,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         _fail("no script: fastft run [flags] script.py [args] (or -m module)")
     try:
-        cfg = LaunchConfig(
-            command=tuple(command),
-            nproc=args.nproc,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            store=args.store,
-            job=args.job,
-            max_restarts=args.max_restarts,
-            inject=args.inject,
-            hang_timeout_s=args.hang_timeout,
-            adaptive_hang=args.adaptive_hang,
-            min_replicas=args.min_replicas,
-            warm_spares=args.warm_spares,
-            run_dir=args.run_dir,
-            seed=args.seed,
-            check_every=args.check_every,
-            torchft=args.torchft,
-            lighthouse_heartbeat_ms=args.lighthouse_heartbeat_ms,
-            lighthouse_join_ms=args.lighthouse_join_ms,
-            exit_trace=args.exit_trace,
-            keep_gradients=args.keep_gradients,
-            backend=args.backend,
-            spare_cuda=args.spare_cuda,
-            spare_prefault_mb=args.spare_prefault_mb,
-            spare_run_ahead=args.spare_run_ahead,
-        )
+        cfg = config_from_args(args, tuple(command))
         agent = Agent(cfg)
     except FastFTError as e:
         _fail(str(e))
@@ -497,7 +371,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch's C++ logging prints multi-line traces for a refused connection; the CLI
     # reports one line instead. Must be set before torch is imported.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    args = _build().parse_args(argv)
+    from fastft.errors import ConfigError
+
+    try:
+        parser = _build()
+    except ConfigError as e:  # a malformed FASTFT_* variable behind a flag
+        _fail(str(e))
+    args = parser.parse_args(argv)
     handlers = {
         "inject": _cmd_inject,
         "report-error": _cmd_report,

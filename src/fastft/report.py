@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from fastft.runtime.events import read_events
+from fastft.process.events import read_events
 
 __all__ = ["summarize", "render_report", "shards_by_step", "untiled_steps"]
 

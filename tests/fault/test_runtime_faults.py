@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fastft.launch.agent import COLD_RESTART_DELAY_S
+from fastft.launch.policy import COLD_RESTART_DELAY_S
 from fastft.report import shards_by_step, untiled_steps
 from fastft.runtime import read_events
 

@@ -78,7 +78,7 @@ def normal(rank=0, members=ALL, step=0, epoch=1):
 def test_init_to_normal_configures_the_process_group():
     s, acts = run(initial_state(0), QuorumReady(1, ALL, 5))
     assert s.phase is Phase.NORMAL and s.step == 5 and s.epoch == 1
-    assert acts == [ConfigureProcessGroup(1, ALL)]
+    assert acts == [ConfigureProcessGroup(1)]
 
 
 def test_fault_free_step_commits_and_increments():
@@ -96,7 +96,7 @@ def test_vote_no_rolls_back_through_both_barriers_to_healing_and_normal():
     assert kinds(acts) == [AbortProcessGroup, CancelFutures, ZeroGrads, BroadcastRollbackAck]
     s, acts = run(s, RollbackAcked(1), RollbackAcked(2))
     assert s.phase is Phase.HEALING
-    assert acts == [FormEpoch(after_epoch=1, exclude=frozenset(), lost_state=False, rollback=True)]
+    assert acts == [FormEpoch(exclude=frozenset(), lost_state=False, rollback=True)]
     s, acts = run(s, QuorumReady(2, ALL, 0))
     assert s.phase is Phase.NORMAL and s.step == 0 and s.epoch == 2  # same step again
 
@@ -114,18 +114,16 @@ def test_fault2_of_a_peer_skips_state_transfer():
 
 def test_fault1_of_a_peer_excludes_it_and_heals_its_replacement():
     s, acts = run(normal(), PeerFault(2, F1, "sigkill"))
-    assert 2 in s.dead and 2 in s.faulty
+    assert 2 in s.dead
     s, acts = run(s, RollbackRequested(1))
     assert s.phase is Phase.ROLLBACK_SYNC
     s, acts = run(s, RollbackAcked(1))
     assert s.phase is Phase.HEALING
-    assert acts[-1] == FormEpoch(
-        after_epoch=1, exclude=frozenset({2}), lost_state=False, rollback=True
-    )
+    assert acts[-1] == FormEpoch(exclude=frozenset({2}), lost_state=False, rollback=True)
     # the restarted rank 2 joins the next epoch and needs state: survivors send it
     s, acts = run(s, QuorumReady(2, ALL, 0, needs_state=frozenset({2})))
     assert s.phase is Phase.HEALING
-    assert acts == [ConfigureProcessGroup(2, ALL), SendState(2, 0, frozenset({2}))]
+    assert acts == [ConfigureProcessGroup(2), SendState(2, 0)]
     s, _ = run(s, HealDone())
     assert s.phase is Phase.NORMAL and not s.dead
 
@@ -136,13 +134,13 @@ def test_with_a_source_named_only_it_sends_and_the_bystanders_step_on() -> None:
     e = QuorumReady(2, ALL, 7, needs_state=frozenset({2}), source=0)
     s, acts = run(initial_state(0), e)
     assert s.phase is Phase.HEALING
-    assert acts == [ConfigureProcessGroup(2, ALL), SendState(2, 7, frozenset({2}))]
+    assert acts == [ConfigureProcessGroup(2), SendState(2, 7)]
     s, acts = run(initial_state(1), e)
     assert s.phase is Phase.NORMAL and s.step == 7
-    assert acts == [ConfigureProcessGroup(2, ALL)]
+    assert acts == [ConfigureProcessGroup(2)]
     s, acts = run(initial_state(2), e)
     assert s.phase is Phase.HEALING and s.lost_state
-    assert acts == [ConfigureProcessGroup(2, ALL), FetchState(2, 7)]
+    assert acts == [ConfigureProcessGroup(2), FetchState(2, 7)]
     # the bystander's step is a normal one: a fault of the receiver rolls it back
     s, _ = run(initial_state(1), e)
     s, acts = run(s, PeerFault(2, F1, "died while healing"))
@@ -152,7 +150,7 @@ def test_with_a_source_named_only_it_sends_and_the_bystanders_step_on() -> None:
 def test_restarted_worker_fetches_state_before_its_first_step():
     s, acts = run(initial_state(2), QuorumReady(3, ALL, 17, needs_state=frozenset({2})))
     assert s.phase is Phase.HEALING and s.lost_state
-    assert acts == [ConfigureProcessGroup(3, ALL), FetchState(3, 17)]
+    assert acts == [ConfigureProcessGroup(3), FetchState(3, 17)]
     with pytest.raises(InvalidTransition):
         decide(s, GradsReady())  # S4: no contribution before the heal
     s, _ = run(s, HealDone())
@@ -172,9 +170,7 @@ def test_a_pending_heal_steps_but_votes_only_once_the_rest_is_loaded():
     assert ok.phase is Phase.PREPARED and not ok.lost_state and acts == [CastVote(3, 17, False)]
     s, acts = run(s, PeerFault(0, F1, "the source died"), RollbackRequested(1), RollbackAcked(1))
     assert s.phase is Phase.HEALING
-    assert acts[-1] == FormEpoch(
-        after_epoch=3, exclude=frozenset({0}), lost_state=True, rollback=True
-    )
+    assert acts[-1] == FormEpoch(exclude=frozenset({0}), lost_state=True, rollback=True)
     # a sender's HealDone is never pending for it: it holds the state
     s, _ = run(initial_state(0), QuorumReady(3, ALL, 17, needs_state=frozenset({2}), source=0))
     s, _ = run(s, HealDone(pending=True))
@@ -185,7 +181,7 @@ def test_local_fault1_marks_own_state_lost_and_asks_for_heal():
     s, acts = run(normal(), LocalFault(F1, "state lost"))
     assert s.lost_state
     s, acts = run(s, RollbackRequested(1), RollbackRequested(2), RollbackAcked(1), RollbackAcked(2))
-    assert acts[-1] == FormEpoch(after_epoch=1, exclude=frozenset(), lost_state=True, rollback=True)
+    assert acts[-1] == FormEpoch(exclude=frozenset(), lost_state=True, rollback=True)
 
 
 def test_fault_after_our_vote_lets_the_store_decide():
@@ -224,9 +220,7 @@ def test_fault_during_healing_restarts_the_rollback():
     assert s.phase is Phase.HEALING
     s, acts = run(s, PeerFault(1, F1, "again"))
     assert s.phase is Phase.HEALING  # alone: straight through both barriers
-    assert acts[-1] == FormEpoch(
-        after_epoch=1, exclude=frozenset({1, 2}), lost_state=False, rollback=True
-    )
+    assert acts[-1] == FormEpoch(exclude=frozenset({1, 2}), lost_state=False, rollback=True)
 
 
 def test_deadline_declares_silent_members_dead():
@@ -253,7 +247,7 @@ def test_survivors_of_a_drain_reform_without_rollback():
     s, _ = run(normal(rank=1), GradsReady(), Decision(commit=True, leaving=frozenset({0})))
     s, acts = run(s, CommitApplied())
     assert s.phase is Phase.HEALING and s.step == 1
-    assert acts == [FormEpoch(after_epoch=1, exclude=frozenset({0}), lost_state=False)]
+    assert acts == [FormEpoch(exclude=frozenset({0}), lost_state=False)]
     s, acts = run(s, DrainNoticed(0))
     assert acts == [SendDrainAck(0)]
 
@@ -372,7 +366,7 @@ def test_a_join_request_re_forms_the_epoch_once_the_decision_says_so():
     assert acts == (ApplyCommit(0),)
     s, acts = decide(s, CommitApplied())
     assert s.phase is Phase.HEALING and s.step == 1 and not s.joining
-    assert acts == (FormEpoch(after_epoch=1, exclude=frozenset(), lost_state=False),)
+    assert acts == (FormEpoch(exclude=frozenset(), lost_state=False),)
     # a member's own duplicate request changes nothing
     s2, _ = decide(initial_state(0), QuorumReady(1, frozenset({0, 1}), 0))
     assert not decide(s2, JoinRequested(1))[0].joining

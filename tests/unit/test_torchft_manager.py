@@ -16,10 +16,9 @@ from torchft import ProcessGroupGloo  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
 
 from fastft.integrations.torchft import ManagerFFT  # noqa: E402
-from fastft.integrations.torchft.manager import (  # noqa: E402
-    _aborts_release_waiters,
-    _QuorumTap,
-)
+from fastft.integrations.torchft.pg import aborts_release_waiters  # noqa: E402
+from fastft.integrations.torchft.quorum import QuorumTap  # noqa: E402
+from fastft.process.env import WORKER_VARS as ENV  # noqa: E402
 from fastft.protocol import (  # noqa: E402
     DrainNotice,
     Fault,
@@ -29,7 +28,6 @@ from fastft.protocol import (  # noqa: E402
     RollbackRequest,
     Severity,
 )
-from fastft.runtime.contract import ENV  # noqa: E402
 
 
 class _Stop(Exception):
@@ -73,7 +71,7 @@ def test_under_fastft_defaults(manager_kwargs: dict[str, Any]) -> None:
     assert manager_kwargs["hostname"] == "127.0.0.1"  # the job's store is local
     # the bus reports deaths: the lighthouse heartbeat is only a backstop
     assert manager_kwargs["heartbeat_interval"] == timedelta(seconds=1)
-    assert type(manager_kwargs["pg"]).__name__ == "_BusProcessGroup"
+    assert type(manager_kwargs["pg"]).__name__ == "BusProcessGroup"
 
 
 @pytest.mark.timeout(30)
@@ -165,8 +163,8 @@ class _Bus:
 def leasing(replica: ManagerFFT) -> tuple[ManagerFFT, _Lighthouse]:
     """The replica with leases on (every 4th step asks), its lighthouse and a bus."""
     lighthouse = _Lighthouse(_Quorum(3, MEMBERS))
-    replica.quorum_every = 4
-    replica._client = _QuorumTap(lighthouse, replica._reuse_quorum, replica._on_quorum)
+    replica.lease.quorum_every = 4
+    replica._client = QuorumTap(lighthouse, replica._reuse_quorum, replica._on_quorum)
     replica.bus = _Bus()  # type: ignore[assignment]
     return replica, lighthouse
 
@@ -298,7 +296,7 @@ def test_a_join_ends_the_lease_and_the_next_step_asks(
     leasing: tuple[ManagerFFT, _Lighthouse],
 ) -> None:
     m, lighthouse = leasing
-    m.quorum_every = 100
+    m.lease.quorum_every = 100
     assert _attempt(m)
     _begin(m)  # step 31 on the lease: the joiner is in none of its collectives
     m._on_message(JoinRequest(job="j", epoch=0, rank=1, incarnation=9, role=Role.MONITOR))
@@ -321,7 +319,7 @@ def test_a_member_waiting_in_the_lighthouse_voids_a_leased_step_it_is_not_in(
     leasing: tuple[ManagerFFT, _Lighthouse],
 ) -> None:
     m, lighthouse = leasing
-    m.quorum_every = 100
+    m.lease.quorum_every = 100
     assert _attempt(m)  # step 30 asks: the lease
     # Member 2 heard of a joiner before its step 31 and asked the lighthouse for it;
     # this replica heard later and reused its quorum for 31: that step cannot complete.
@@ -338,7 +336,7 @@ def test_a_member_waiting_in_the_lighthouse_voids_a_leased_step_it_is_not_in(
     assert _attempt(m) and lighthouse.asked == 3
     # An attempt that asked already is unchanged: members ask a moment apart, and the
     # quorum they get is still leased.
-    m._lease = None
+    m.lease.lease = None
     m._begin_attempt()
     assert m._reuse_quorum() is None  # 35 asks ...
     m._on_message(_waiting(2, 7, 35))  # ... and the lighthouse says another member waits
@@ -357,7 +355,7 @@ def test_a_message_after_torchft_counted_the_commit_does_not_void_that_step(
     in between, concerns the next step only (seen in CI: a periodic ask at step 64 voided
     a committed step 63, and every replica rolled back)."""
     m, _ = leasing
-    m.quorum_every = 100
+    m.lease.quorum_every = 100
     assert _attempt(m)  # the lease
     for leaving in (False, True):
         _begin(m)  # step s on the lease
@@ -367,7 +365,7 @@ def test_a_message_after_torchft_counted_the_commit_does_not_void_that_step(
         m._on_message(late or _waiting(2, 7, s))
         m._end_attempt(True)
         assert m.peer_faults == 0 and m.errored() is None
-        m._lease = None
+        m.lease.lease = None
         assert _attempt(m)  # asks again: a new lease
 
 
@@ -381,7 +379,7 @@ def test_a_member_leaving_voids_only_a_step_it_is_not_in(
     # Member 2 committed step 31 too and shut down: it took part in all of this step.
     m._on_message(DrainNotice(job="j", epoch=3, rank=2, incarnation=7, step=32))
     assert m.peer_faults == 0 and _end(m)
-    m._lease = m._leased_step = None
+    m.lease.lease = m.lease.leased_step = None
     assert _attempt(m)  # asked: the lease of step 32
     _begin(m)  # step 33: member 1 left after step 32, so it is not in this one
     m._on_message(DrainNotice(job="j", epoch=3, rank=1, incarnation=5, step=33))
@@ -435,13 +433,13 @@ def test_a_late_report_about_a_rolled_back_attempt_is_ignored(replica: ManagerFF
 
 @pytest.mark.timeout(30)
 def test_a_report_while_the_quorum_forms_is_decided_by_the_quorum(replica: ManagerFFT) -> None:
-    replica._members = None  # start_quorum: the next quorum is being formed
+    replica.lease.members = None  # start_quorum: the next quorum is being formed
     replica._on_message(_report(1, 5, 30, 3))
     assert replica.peer_faults == 0  # not yet: it may not be a member of the new quorum
     replica._on_quorum(_Quorum(3, [(0, 1), (1, 5), (2, 7)]))
     assert replica.peer_faults == 1  # it is: this attempt fails now, not at Gloo's timeout
 
-    replica._members = None
+    replica.lease.members = None
     replica._on_message(_report(1, 5, 30, 3))
     replica._on_quorum(_Quorum(4, [(0, 1), (2, 7)]))  # the reporter is not a member
     assert replica.peer_faults == 1
@@ -468,7 +466,7 @@ def test_a_clean_exit_leaves_the_step_alone_and_a_kill_fails_it(replica: Manager
     # its own last step). It is still dead for the next quorum.
     replica._on_message(_exited(2, 7, 0, None))
     assert replica.peer_faults == 0 and replica.errored() is None
-    assert (2, 7) in replica._dead
+    assert (2, 7) in replica.lease.dead
     replica._on_message(_exited(1, 5, None, 9))
     assert replica.peer_faults == 1 and replica.errored() is not None
 
@@ -479,7 +477,7 @@ def test_gloo_works_are_wrapped_and_nccl_is_aborted_whatever_the_machine(
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine
-    assert not _aborts_release_waiters(ProcessGroupGloo())  # Gloo: wrap its works
+    assert not aborts_release_waiters(ProcessGroupGloo())  # Gloo: wrap its works
 
     class _Named:
         def __init__(self, name: str) -> None:
@@ -490,6 +488,6 @@ def test_gloo_works_are_wrapped_and_nccl_is_aborted_whatever_the_machine(
                 raise NotImplementedError
             return self.name
 
-    assert _aborts_release_waiters(_Named("torchft-nccl"))  # type: ignore[arg-type]
-    assert _aborts_release_waiters(_Named("torchft-baby-nccl"))  # type: ignore[arg-type]
-    assert not _aborts_release_waiters(_Named(""))  # type: ignore[arg-type]
+    assert aborts_release_waiters(_Named("torchft-nccl"))  # type: ignore[arg-type]
+    assert aborts_release_waiters(_Named("torchft-baby-nccl"))  # type: ignore[arg-type]
+    assert not aborts_release_waiters(_Named(""))  # type: ignore[arg-type]

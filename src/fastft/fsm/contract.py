@@ -77,8 +77,8 @@ class StepState:
 
     ``heard``: members heard from in the current rollback round (a request or an ack);
     ``acked``: members that finished ROLLBACK_SYNC; ``dead``: members known gone in this
-    epoch (died, hung past the deadline, drained); ``faulty``: members whose state is lost
-    (Fault1), who must heal; ``lost_state``: this worker is Fault1 itself;
+    epoch (died, hung past the deadline, drained; the next epoch heals their
+    replacements); ``lost_state``: this worker is Fault1 itself;
     ``pending_fault``: a fault arrived after the commit decision and is handled after the
     commit is applied; ``leaving``: members that announced a drain with their vote; ``joining``: a worker
     waits to be admitted (latched from its JoinRequest, sent with the next vote);
@@ -93,7 +93,6 @@ class StepState:
     heard: frozenset[int] = frozenset()
     acked: frozenset[int] = frozenset()
     dead: frozenset[int] = frozenset()
-    faulty: frozenset[int] = frozenset()
     leaving: frozenset[int] = frozenset()
     lost_state: bool = False
     want_drain: bool = False
@@ -256,10 +255,9 @@ class Action:
 
 @dataclass(frozen=True)
 class ConfigureProcessGroup(Action):
-    """Build a new data-plane process group for ``epoch`` over ``members``."""
+    """Build a new data-plane process group for ``epoch`` (its members: the epoch's view)."""
 
     epoch: int
-    members: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -330,7 +328,6 @@ class FormEpoch(Action):
     ``rollback``: formed after a rolled-back step (not to admit or drop members at a step
     boundary)."""
 
-    after_epoch: int
     exclude: frozenset[int]
     lost_state: bool
     rollback: bool = False
@@ -346,11 +343,11 @@ class FetchState(Action):
 
 @dataclass(frozen=True)
 class SendState(Action):
-    """Send (or take part in sending) the committed state of ``step`` to ``receivers``."""
+    """Send (or take part in sending) the committed state of ``step`` to the members of
+    ``epoch`` that need it (the epoch's view names them)."""
 
     epoch: int
     step: int
-    receivers: frozenset[int]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ reused: the runtime builds a new one for the next epoch.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,16 +19,38 @@ import torch.distributed as dist
 from fastft.interrupt.contract import CollectiveFailed, FutureCancelled
 from fastft.interrupt.interrupter import Interrupter
 
-__all__ = ["wait_work", "allreduce", "broadcast", "start_broadcast", "broadcast_bytes", "barrier"]
+__all__ = [
+    "relay",
+    "wait_work",
+    "allreduce",
+    "broadcast",
+    "start_broadcast",
+    "broadcast_bytes",
+    "barrier",
+]
 
 
-def _relay(target: torch.futures.Future[Any]) -> Any:
+def _collective_failed(e: Exception) -> Exception:
+    return CollectiveFailed(f"collective failed: {e}")
+
+
+def relay(
+    target: torch.futures.Future[Any],
+    wrap: Callable[[Exception], Exception] = _collective_failed,
+    first: Callable[[], None] | None = None,
+) -> Callable[[torch.futures.Future[Any]], None]:
+    """A callback for a work's future that completes ``target`` with its result, or fails
+    it with ``wrap(exception)``, unless ``target`` was failed first (by an interrupt or a
+    bus fault). ``first``: called before, on the completing thread."""
+
     def cb(src: torch.futures.Future[Any]) -> None:
+        if first is not None:
+            first()
         try:
             value = src.value()
         except Exception as e:  # the collective failed by itself
             try:
-                target.set_exception(CollectiveFailed(f"collective failed: {e}"))
+                target.set_exception(wrap(e))
             except RuntimeError:
                 pass
             return
@@ -55,7 +77,7 @@ def wait_work(work: dist.Work, interrupter: Interrupter, *, gpu: bool = False) -
         _wait_gpu(work, interrupter)
         return
     mine: torch.futures.Future[Any] = torch.futures.Future()
-    work.get_future().then(_relay(mine))
+    work.get_future().then(relay(mine))
     with interrupter.pending(mine):
         try:
             mine.wait()

@@ -6,7 +6,7 @@ torn down (``exit_mm`` runs before ``exit_notify``): ~15 ms after a SIGKILL for 
 bench/kill_teardown.py``). A thread traced with ``PTRACE_O_TRACEEXIT`` instead stops at the
 start of its exit (``PTRACE_EVENT_EXIT``), before the memory goes, and its tracer is told
 at once, even for SIGKILL. Each worker runs one idle, all-signals-blocked sentinel thread
-(:mod:`fastft.runtime.sentinel`); the agent traces that thread alone, one tracer thread
+(:mod:`fastft.process.sentinel`); the agent traces that thread alone, one tracer thread
 per worker life (ptrace requests must come from the thread that attached):
 
 * ``PTRACE_EVENT_EXIT``: report the exit (status from ``PTRACE_GETEVENTMSG``), then let

@@ -24,12 +24,14 @@ import runpy
 import sys
 from typing import TYPE_CHECKING
 
-from fastft.runtime.contract import SPARE_RUN_AHEAD
+from fastft.launch.config import DEFAULT_PREFAULT_MB
+from fastft.process.env import CUDA_DEVICE, PREFAULT_MB, SPARE_RUN_AHEAD
+from fastft.process.order import become, tell_ready
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["await_order", "main", "order_line"]
+__all__ = ["main", "order_line"]
 
 
 def order_line(env: dict[str, str], argv: list[str]) -> bytes:
@@ -37,30 +39,18 @@ def order_line(env: dict[str, str], argv: list[str]) -> bytes:
     return (json.dumps({"env": env, "argv": argv}) + "\n").encode()
 
 
-CUDA_DEVICE = "FASTFT_SPARE_CUDA_DEVICE"
-"""Set by the agent: the GPU whose CUDA context the spare creates ahead of time."""
-READY_FD = "FASTFT_SPARE_READY_FD"
-"""Set by the agent: a pipe the spare writes one byte to once it is warm (waiting for its
-order), so that the agent knows which spares are ready (``spare_ready`` event)."""
-PREFAULT_MB = "FASTFT_SPARE_PREFAULT_MB"
-"""Set by the agent: MiB of heap memory the spare touches ahead of time
-(:func:`fastft.runtime.malloc.prefault`); 0: none."""
-DEFAULT_PREFAULT_MB = 0
-"""Off by default: it makes a spare ready later (the touching is part of its warm-up) and,
-on the VM this was measured on, 3 spares touching 192 MiB each slowed the demo's steps
-from ~11 to ~14.5 ms (cause not isolated). It pays for large CPU-resident states: the
-4.2M model's heal went from 39-43 to 20-30 ms."""
-
-
 def _warm_up() -> None:
     import torch
 
     # the first optimizer constructed in a process imports torch._dynamo (~2 s here)
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    import importlib
+
     import torch.distributed  # noqa: F401
 
-    import fastft.runtime  # noqa: F401
-    from fastft.runtime import malloc
+    from fastft.process import malloc
+
+    importlib.import_module("fastft.runtime")  # what the worker it becomes imports
 
     # the worker it becomes faults in its model, gradients and healed state on the
     # recovery path otherwise; the thresholds are the ones fastft.init() sets anyway
@@ -87,64 +77,17 @@ def _warm_cuda(dev: torch.device) -> None:  # pragma: no cover - GPU machines on
     torch.cuda.synchronize(dev)
 
 
-def _tell_ready() -> None:
-    """Tell the agent this spare is warm (once; without a pipe, nothing)."""
-    fd = os.environ.pop(READY_FD, None)
-    if fd is None:
-        return
-    try:
-        os.write(int(fd), b"r")
-        os.close(int(fd))
-    except (OSError, ValueError):
-        pass  # an agent that is gone or did not ask: the order still comes on stdin
-
-
-def _become(line: bytes) -> list[str]:
-    """Take the agent's order: the worker's environment (all of it), stdin like a fresh
-    worker's; returns the worker's command line."""
-    order = json.loads(line)
-    os.environ.clear()
-    os.environ.update(order["env"])
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the worker's stdin, like a fresh one
-    return list(order["argv"])
-
-
-ran_ahead = False
-"""Set once this process, a warm spare that ran the script ahead, took its order."""
-
-
-def await_order() -> None:
-    """In a spare that runs ahead: wait here for the agent's order and become the worker it
-    names. ``fastft.init()`` and ``ManagerFFT`` call it first; anywhere else (a worker, a
-    spare that took its order) it returns at once. A spare the agent no longer needs (its
-    pipe closed) ends here, without running the rest of the script."""
-    if SPARE_RUN_AHEAD not in os.environ:
-        return
-    _tell_ready()  # the script's set-up before fastft.init() is done
-    line = sys.stdin.buffer.readline()
-    if not line:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    _become(line)
-    global ran_ahead
-    ran_ahead = True
-
-
 def main() -> None:
     _warm_up()
     ahead = os.environ.get(SPARE_RUN_AHEAD)
     if ahead:
         argv: list[str] = json.loads(ahead)  # the order comes in await_order()
     else:
-        _tell_ready()
+        tell_ready()
         line = sys.stdin.buffer.readline()
         if not line:  # the agent closed the pipe: this spare is not needed
             return
-        argv = _become(line)
+        argv = become(line)
     if len(argv) >= 3 and argv[1] == "-m":
         sys.argv = [argv[2], *argv[3:]]
         runpy.run_module(argv[2], run_name="__main__", alter_sys=True)

@@ -1,59 +1,27 @@
 """Contract of the worker runtime: its configuration, epoch views and errors.
 
 The launcher (``fastft run``) hands a worker its configuration through the environment
-(``FASTFT_*`` variables, see :meth:`RuntimeConfig.from_env`); tests build it directly.
+(:class:`fastft.process.env.WorkerEnv`, read by :meth:`RuntimeConfig.from_env`); tests
+build it directly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
-import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fastft.errors import ConfigError, FastFTError
+from fastft.process.env import WORKER_FIELD_TYPES, WorkerEnv
 
 __all__ = [
     "RuntimeConfig",
     "Member",
     "EpochView",
     "WorkerExit",
-    "ENV",
-    "SPARE_RUN_AHEAD",
-    "STACKS_SIGNAL",
     "choose_backend",
 ]
-
-SPARE_RUN_AHEAD = "FASTFT_SPARE_RUN_AHEAD"
-"""Set on a warm spare by the agent (``--spare-run-ahead``): the worker's command line,
-JSON. The spare runs the script at once, and ``fastft.init()`` (or ``ManagerFFT``) waits
-there for the agent's order (``fastft.launch.spare.await_order``)."""
-
-STACKS_SIGNAL = signal.SIGUSR2
-"""What the agent sends a worker it found hung, just before it kills it: the worker's
-``faulthandler`` prints every thread's Python stack to stderr from its C handler, which
-works while a thread holds the GIL. Not SIGUSR1: that is the interrupter's signal, whose
-Python-level handler replaces faulthandler's and never runs in a GIL-holding hang."""
-
-ENV = {
-    "store": "FASTFT_STORE",
-    "job": "FASTFT_JOB",
-    "rank": "FASTFT_RANK",
-    "world_size": "FASTFT_WORLD_SIZE",
-    "min_replicas": "FASTFT_MIN_REPLICAS",
-    "life": "FASTFT_LIFE",
-    "run_dir": "FASTFT_RUN_DIR",
-    "inject": "FASTFT_INJECT",
-    "heartbeat": "FASTFT_HEARTBEAT_FILE",
-    "seed": "FASTFT_SEED",
-    "incarnation": "FASTFT_INCARNATION",
-    "check_every": "FASTFT_CHECK_EVERY",
-    "exit_trace": "FASTFT_EXIT_TRACE_FILE",
-    "keep_gradients": "FASTFT_KEEP_GRADIENTS",
-    "backend": "FASTFT_BACKEND",
-}
-"""Environment variables the launcher sets for each worker."""
 
 
 @dataclass(frozen=True)
@@ -128,67 +96,36 @@ class RuntimeConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> RuntimeConfig:
-        """Read the launcher's variables; a missing or malformed one is a ConfigError
-        that names it (run the script under ``fastft run``, or set it)."""
-        env = os.environ if env is None else env
-
-        def need(key: str) -> str:
-            name = ENV[key]
-            if key in overrides:
-                return str(overrides[key])
-            v = env.get(name)
-            if not v:
-                raise ConfigError(
-                    f"{name} is not set: start the script with `fastft run` "
-                    f"(or pass {key}= to fastft.init)"
-                )
-            return v
-
-        def num(key: str, default: int | None) -> int | None:
-            if key in overrides:
-                return int(overrides[key])  # type: ignore[call-overload]
-            v = env.get(ENV[key])
-            if v is None or v == "":
-                return default
-            try:
-                return int(v)
-            except ValueError:
-                raise ConfigError(f"{ENV[key]}={v!r}: expected an integer") from None
-
-        def flag(key: str, default: bool) -> bool:
-            if key in overrides:
-                return bool(overrides[key])
-            v = (env.get(ENV[key]) or "").strip().lower()
-            if not v:
-                return default
-            if v not in ("0", "1", "true", "false", "yes", "no"):
-                raise ConfigError(f"{ENV[key]}={v!r}: expected 0 or 1")
-            return v in ("1", "true", "yes")
-
-        try:
-            rank = int(need("rank"))
-            world = int(need("world_size"))
-        except ValueError as e:
-            raise ConfigError(f"FASTFT_RANK / FASTFT_WORLD_SIZE must be integers: {e}") from None
-        rest = {k: v for k, v in overrides.items() if k not in ENV}
-        return cls(
-            store=need("store"),
-            job=need("job"),
-            rank=rank,
-            world_size=world,
-            min_replicas=num("min_replicas", None),
-            life=num("life", 0) or 0,
-            run_dir=str(overrides.get("run_dir", env.get(ENV["run_dir"]) or "")) or None,
-            inject=str(overrides.get("inject", env.get(ENV["inject"]) or "")) or None,
-            heartbeat_file=env.get(ENV["heartbeat"]) or None,
-            exit_trace_file=env.get(ENV["exit_trace"]) or None,
-            seed=num("seed", 0) or 0,
-            incarnation=num("incarnation", None),
-            check_every=num("check_every", 0) or 0,
-            keep_gradients=flag("keep_gradients", True),
-            backend=str(overrides.get("backend", env.get(ENV["backend"]) or "auto")),
-            **rest,  # type: ignore[arg-type]
-        )
+        """Read the launcher's variables (:class:`WorkerEnv`); an argument in ``overrides``
+        wins over its variable. A missing or malformed variable is a ConfigError that names
+        it (run the script under ``fastft run``, or set it)."""
+        we = WorkerEnv.from_env(env, supplied=frozenset(overrides))
+        known = {f.name for f in dataclasses.fields(WorkerEnv)}
+        kw: dict[str, object] = {
+            "heartbeat_file": we.heartbeat_file,
+            "exit_trace_file": we.exit_trace_file,
+            "incarnation": we.incarnation,
+            "min_replicas": we.min_replicas,
+        }
+        for name in ("store", "job", "rank", "world_size", "run_dir", "inject"):
+            kw[name] = getattr(we, name)
+        for name, default in (
+            ("life", 0),
+            ("seed", 0),
+            ("check_every", 0),
+            ("keep_gradients", True),
+            ("backend", "auto"),
+        ):
+            v = getattr(we, name)
+            kw[name] = default if v is None else v
+        for k, v in overrides.items():
+            kind = WORKER_FIELD_TYPES.get(k, "") if k in known else ""
+            if v is not None and kind.startswith("int"):
+                v = int(v)  # type: ignore[call-overload]
+            elif v is not None and kind.startswith("bool"):
+                v = bool(v)
+            kw[k] = v
+        return cls(**kw)  # type: ignore[arg-type]
 
 
 def choose_backend(

@@ -19,17 +19,19 @@ every worker was lost), where the lowest joiner closes the epoch itself.
 
 from __future__ import annotations
 
-import json
 import logging
+import queue
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 
 import torch.distributed as dist
 
 from fastft.protocol.keys import JobKeys
 from fastft.runtime.contract import EpochView, JobFinished, Member
+from fastft.runtime.formation import Arrival, close_after, close_first
 
-__all__ = ["Coordinator", "ADMIT", "COMMIT", "ROLLBACK"]
+__all__ = ["ADMIT", "COMMIT", "ROLLBACK", "Coordinator", "KeyCollector", "SideClient"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,9 @@ class Coordinator:
         world_size: int,
         min_members: int,
         *,
+        dead: Set[Member] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
         decision_store: dist.Store | None = None,
     ) -> None:
         self.store = store
@@ -69,8 +73,10 @@ class Coordinator:
         self.world_size = world_size
         self.min_members = min_members
         self.clock = clock
-        self.dead: set[Member] = set()
-        """Incarnations known dead: never admitted as joiners."""
+        self.sleep = sleep
+        self.dead: Set[Member] = dead if dead is not None else set()
+        """Lives known dead, the worker's one set (read, never written here): never
+        admitted as joiners."""
         self._joiner_keys_exist = False
 
     # --- decisions -------------------------------------------------------------------------
@@ -196,10 +202,8 @@ class Coordinator:
         are at least ``min_replicas`` without them."""
         epoch = prev.epoch + 1
         me = self.me.rank
-        arrival: dict[str, object] = {"inc": self.me.incarnation, "step": step, "lost": lost_state}
-        if kept is not None and not lost_state:
-            arrival["kept"] = list(kept)
-        self.store.set(self.keys.epoch_arrival(epoch, me), json.dumps(arrival))
+        arrival = Arrival(self.me.incarnation, step, lost_state, kept)
+        self.store.set(self.keys.epoch_arrival(epoch, me), arrival.to_json())
         expected = sorted(m.rank for m in prev.members if m.rank not in exclude)
         started = self.clock()
         deadline = started + timeout_s
@@ -217,48 +221,33 @@ class Coordinator:
                 view = self._try_close(prev, expected, deadline, admit)
                 if view is not None:
                     return view
-            time.sleep(_POLL_S)
+            self.sleep(_POLL_S)
 
     def _try_close(
         self, prev: EpochView, expected: list[int], deadline: float, admit: bool = True
     ) -> EpochView | None:
         epoch = prev.epoch + 1
-        arrived: dict[int, dict[str, object]] = {}
+        arrived: dict[int, Arrival] = {}
         for m in prev.members:
             k = self.keys.epoch_arrival(epoch, m.rank)
             if self.store.check([k]):
-                arrived[m.rank] = json.loads(self.store.get(k))
-        if not set(expected) <= set(arrived) and self.clock() < deadline:
-            return None
+                arrived[m.rank] = Arrival.from_json(self.store.get(k))
+        timed_out = self.clock() >= deadline
+        if not set(expected) <= set(arrived) and not timed_out:
+            return None  # (before reading the joiners: the common case while waiting)
         joiners = self.joiners(exclude=frozenset(arrived))
-        waiting: tuple[int, ...] = ()
-        if not admit and joiners and len(arrived) >= self.min_members:
-            waiting, joiners = tuple(sorted(joiners)), {}
-        if len(arrived) + len(joiners) < self.min_members:
-            return None  # wait for restarted workers
-        members = [Member(r, int(a["inc"])) for r, a in arrived.items()]  # type: ignore[call-overload]
-        members += [Member(r, inc) for r, inc in joiners.items()]
-        with_state = sorted(r for r, a in arrived.items() if not a["lost"])
-        needs = frozenset(joiners) | frozenset(r for r, a in arrived.items() if a["lost"])
-        steps = {int(a["step"]) for r, a in arrived.items() if not a["lost"]}  # type: ignore[call-overload]
-        if len(steps) > 1:
-            log.error("survivors disagree on the committed step: %s", steps)
-        step = max(steps) if steps else 0
-        kept = tuple(
-            (r, *(int(v) for v in a["kept"]))  # type: ignore[attr-defined]
-            for r, a in sorted(arrived.items())
-            if a.get("kept") and not a["lost"] and int(a["step"]) == step  # type: ignore[call-overload]
+        view = close_after(
+            prev,
+            arrived,
+            joiners,
+            expected=expected,
+            timed_out=timed_out,
+            admit=admit,
+            min_members=self.min_members,
         )
-        view = EpochView(
-            epoch=epoch,
-            members=tuple(sorted(members)),
-            step=step,
-            needs_state=needs if with_state else frozenset(),
-            source=with_state[0] if with_state else None,
-            kept=kept,  # type: ignore[arg-type]
-            waiting=waiting,
-        )
-        return self._close(view, joiners)
+        if view is None:
+            return None
+        return self._close(view, {} if view.waiting else joiners)
 
     def form_as_joiner(
         self,
@@ -291,24 +280,17 @@ class Coordinator:
                     return view
             seen = latest
             joiners = self.joiners()
-            first_start = latest == 0
-            everyone = len(joiners) == self.world_size
-            enough_late = (
-                first_start and now - started > start_timeout_s and len(joiners) >= self.min_members
+            view = close_first(
+                joiners,
+                me=self.me.rank,
+                latest=latest,
+                world_size=self.world_size,
+                min_members=self.min_members,
+                waited_s=now - started,
+                start_timeout_s=start_timeout_s,
             )
-            if (everyone or enough_late) and min(joiners) == self.me.rank:
-                members = tuple(sorted(Member(r, inc) for r, inc in joiners.items()))
-                source = members[0].rank
-                view = EpochView(
-                    epoch=latest + 1,
-                    members=members,
-                    step=0,
-                    # At the first start every worker built its model from the same seed;
-                    # the lowest sends its state anyway so that S3 holds from step 0.
-                    needs_state=frozenset(m.rank for m in members) - {source},
-                    source=source,
-                )
-                if not first_start:
+            if view is not None:
+                if latest:
                     log.error(
                         "every worker of the job was lost: starting again from step 0 "
                         "with freshly initialized state"
@@ -320,4 +302,59 @@ class Coordinator:
             # poll as the survivors do. At the first start everyone is still importing.
             # (TCPStore.wait with a timeout would avoid polling, but each timed-out wait
             # reconnects, and torch 2.13 stalls one new connection in ~25 for 5 s here.)
-            time.sleep(0.01 if first_start else _POLL_S)
+            self.sleep(0.01 if latest == 0 else _POLL_S)
+
+
+class SideClient:
+    """The store client of the bus listener's thread (rollback proposals, the finished
+    mark) and of the key collector, shared under a lock: a store client serialises its
+    requests, and the main thread's may be blocked waiting for a decision."""
+
+    def __init__(self, store: dist.Store, keys: JobKeys) -> None:
+        self.store = store
+        self.keys = keys
+        self.lock = threading.Lock()
+
+    def propose_rollback(self, epoch: int, step: int, reason: str) -> str:
+        with self.lock:
+            return Coordinator.propose_rollback(self.store, self.keys, epoch, step, reason)
+
+    def job_finished(self) -> bool:
+        """Whether a member marked the job finished (it closed after a committed step)."""
+        try:
+            with self.lock:
+                return bool(self.store.check([self.keys.finished]))
+        except Exception:  # noqa: BLE001 - then a clean exit counts as a fault, as before
+            log.debug("could not read the job's finished mark", exc_info=True)
+            return False
+
+    def forget(self, epoch: int, step: int) -> None:
+        with self.lock:
+            Coordinator.forget_keys(self.store, self.keys, epoch, step)
+
+
+class KeyCollector:
+    """A thread that deletes the keys of decided steps off the training path."""
+
+    def __init__(self, side: SideClient) -> None:
+        self._side = side
+        self._queue: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="fastft-store-gc", daemon=True)
+        self._thread.start()
+
+    def put(self, epoch: int, step: int) -> None:
+        self._queue.put((epoch, step))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=1)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._side.forget(*item)
+            except Exception:  # noqa: BLE001 - a leftover key costs a few bytes
+                log.debug("store gc: could not delete the keys of %s", item, exc_info=True)

@@ -331,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     from fastft.bus import BusConfig, connect_store, tcpstore_bus
+    from fastft.process.events import EventLog
     from fastft.protocol import NO_RANK, Role
-    from fastft.runtime.events import EventLog
 
     ap = argparse.ArgumentParser(prog="fastft-lighthouse")
     ap.add_argument("--store", required=True)

@@ -14,15 +14,8 @@ drop-in subclass that joins the job's error bus (``fastft run --torchft`` provid
 * bus messages that are not in the protocol are logged and counted, never fatal (the bus
   endpoint does it).
 
-Failing a blocked collective: the process group is wrapped so that every collective's
-``wait()`` waits on a future of ours, which the collective's completion resolves *or* a bus
-fault fails (a Gloo ``abort()`` does not release an allreduce whose peer is stopped). The
-abandoned operation keeps running on the old communicator, which torchft replaces at the
-next quorum; it is kept alive (its destructor would block on the dead peer) and the process
-ends without running destructors. On NCCL (or XCCL) the works are not wrapped: the
-communicator is aborted instead, which NCCL supports. Chosen by the process group's
-backend, not by whether CUDA is present (Gloo on a GPU machine is wrapped). Not checked on
-a GPU: the one lent to this work cannot hold two NCCL ranks.
+Failing a blocked collective: :mod:`fastft.integrations.torchft.pg`; quorum leases:
+:mod:`fastft.integrations.torchft.lease`.
 
 Everything the launcher does not provide falls back to torchft's behaviour: outside
 ``fastft run`` there is no bus and ``ManagerFFT`` is a plain ``Manager`` with a warning.
@@ -30,10 +23,8 @@ Everything the launcher does not provide falls back to torchft's behaviour: outs
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -44,26 +35,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torchft.manager import Manager
-from torchft.process_group import ProcessGroup, ProcessGroupWrapper
+from torchft.process_group import ProcessGroup
 
-from fastft.bus import BusConfig, BusEndpoint, connect_store, tcpstore_bus
+from fastft.bus import BusEndpoint, connect_store
 from fastft.errors import FastFTError
-from fastft.inject import FaultPlan, FaultSpec, Injector, execute
-from fastft.integrations.torchft.quorum import fastft_replica_id, parse_replica_id
+from fastft.inject import FaultSpec, execute
+from fastft.integrations.torchft.lease import LeaseTable
+from fastft.integrations.torchft.pg import BusProcessGroup, Pending
+from fastft.integrations.torchft.quorum import (
+    QuorumTap,
+    advertised_host,
+    fastft_replica_id,
+    parse_replica_id,
+)
+from fastft.process.env import SPARE_RUN_AHEAD, WorkerEnv
+from fastft.process.env import WORKER_VARS as ENV
+from fastft.process.events import EventLog
+from fastft.process.heartbeat import Heartbeat
+from fastft.process.services import Services
+from fastft.process.teardown import exit_without_destructors_later
+from fastft.protocol.faults import fault_of
 from fastft.protocol.messages import (
     DrainNotice,
     Fault,
-    HangSuspected,
     JoinRequest,
     Message,
-    ProcessExited,
     RollbackRequest,
     Severity,
 )
-from fastft.runtime.contract import ENV, SPARE_RUN_AHEAD, STACKS_SIGNAL
-from fastft.runtime.events import EventLog
-from fastft.runtime.sentinel import start_exit_sentinel
-from fastft.runtime.worker import Heartbeat, exit_without_destructors_later
 
 __all__ = ["ManagerFFT", "PeerFailed"]
 
@@ -74,203 +73,9 @@ class PeerFailed(FastFTError, RuntimeError):
     """A member of this step's quorum failed (told by the error bus): the step is void."""
 
 
-class _Pending:
-    """The in-flight collectives of the current communicator, and whether it is poisoned
-    (a member is known dead: new collectives fail at once)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.futures: set[torch.futures.Future[Any]] = set()
-        self.poisoned: Exception | None = None
-        self.abandoned: list[Any] = []
-        """Works abandoned in flight and the communicators they run on: never destroyed."""
-        self.dirty = False
-        """An operation was abandoned on the current communicator."""
-        self.on_block: Callable[[bool], None] = lambda on: None
-
-    def fail_all(self, exc: Exception) -> int:
-        with self.lock:
-            self.poisoned = exc
-            futs, self.futures = self.futures, set()
-        n = 0
-        for f in futs:
-            try:
-                f.set_exception(exc)
-                n += 1
-            except RuntimeError:  # completed meanwhile
-                pass
-        return n
-
-
-class _BusWork(dist._Work):
-    """A collective whose ``wait()`` a bus fault can end."""
-
-    def __init__(self, work: dist._Work, pending: _Pending) -> None:
-        super().__init__()
-        self._work = work
-        self._pending = pending
-        self._fut: torch.futures.Future[Any] = torch.futures.Future()
-        with pending.lock:
-            poisoned = pending.poisoned
-            if poisoned is None:
-                pending.futures.add(self._fut)
-        if poisoned is not None:
-            self._fut.set_exception(poisoned)
-            pending.abandoned.append(work)
-            pending.dirty = True
-            return
-        fut = self._fut
-
-        def relay(src: torch.futures.Future[Any]) -> None:
-            with pending.lock:
-                pending.futures.discard(fut)
-            try:
-                value = src.value()
-            except Exception as e:  # the collective failed by itself
-                try:
-                    fut.set_exception(e)
-                except RuntimeError:
-                    pass
-                return
-            try:
-                fut.set_result(value)
-            except RuntimeError:  # already failed by a bus fault
-                pass
-
-        work.get_future().then(relay)
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        self._pending.on_block(True)
-        try:
-            self._fut.wait()
-        except Exception:
-            self._pending.abandoned.append(self._work)  # still running: keep it alive
-            self._pending.dirty = True
-            exit_without_destructors_later()
-            raise
-        finally:
-            self._pending.on_block(False)
-        return True
-
-    def is_completed(self) -> bool:
-        return self._fut.done()
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        return self._fut
-
-    def synchronize(self) -> None:
-        pass
-
-    def block_current_stream(self) -> None:
-        pass
-
-
-def _aborts_release_waiters(pg: ProcessGroup) -> bool:
-    """Whether aborting ``pg`` releases a collective stuck on a dead peer: NCCL's (and
-    XCCL's) communicator abort does; Gloo's does not, so its works are wrapped instead.
-    Decided by the backend, not by whether CUDA is present: Gloo runs on GPU machines too."""
-    try:
-        name = pg.getBackendName()
-    except NotImplementedError:
-        return False
-    return "nccl" in name or "xccl" in name
-
-
-class _BusProcessGroup(ProcessGroupWrapper):
-    """Wraps the user's torchft process group; collectives return :class:`_BusWork`."""
-
-    def __init__(self, pg: ProcessGroup, pending: _Pending) -> None:
-        super().__init__(pg=pg)
-        self._inner = pg
-        self._pending = pending
-        self._wrap = not _aborts_release_waiters(pg)
-
-    def _wrap_work(self, work: dist._Work, opts: object) -> dist._Work:
-        return _BusWork(work, self._pending) if self._wrap else work
-
-    def reconfigure(self, opts: Any) -> Any:
-        with self._pending.lock:
-            self._pending.poisoned = None
-        if self._pending.dirty:
-            # The old communicator still runs an abandoned operation: keep it referenced
-            # (torchft drops it now; its destructor would wait for the dead peer).
-            self._pending.abandoned.append(self._inner.parent)
-            self._pending.dirty = False
-        return super().reconfigure(opts)
-
-    def abort(self, errored: bool = True) -> None:
-        if not self._wrap:  # NCCL: aborting the communicator releases its waiters
-            self._inner.abort(errored)
-
-    def errored(self) -> Exception | None:
-        return self._inner.errored()
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._inner.set_timeout(timeout)
-
-    def shutdown(self) -> None:
-        self._inner.shutdown()
-
-
-class _QuorumTap:
-    """Forwards to torchft's ManagerClient and reports each quorum's members; answers from
-    ``reuse`` (a leased quorum) instead when it has one."""
-
-    def __init__(
-        self, client: Any, reuse: Callable[[], Any], on_quorum: Callable[[Any], None]
-    ) -> None:
-        self._client = client
-        self._reuse = reuse
-        self._on_quorum = on_quorum
-
-    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        q = self._reuse()
-        if q is not None:
-            return q
-        q = self._client._quorum(*args, **kwargs)
-        self._on_quorum(q)
-        return q
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-
 QUORUM_EVERY = 64
 """ManagerFFT's default ``quorum_every``: a replica that joins without a lighthouse that
 announces it (torchft's own) waits at most this many steps."""
-
-
-def _lease_eligible(q: Any) -> bool:
-    """Whether later steps may reuse quorum ``q``: nobody heals or sends state in it, so
-    every member was at its max step. All members see the same answer (the fields are the
-    quorum's, not the member's)."""
-    return int(q.max_world_size) == int(q.replica_world_size)
-
-
-class _Lease:
-    """A committed quorum that the following steps reuse without asking the lighthouse."""
-
-    def __init__(self, quorum: Any, members: frozenset[tuple[int, int]]) -> None:
-        self.quorum = quorum
-        self.members = members
-
-
-class _Reused:
-    """The lease's quorum answered for ``step``: torchft's QuorumResult, step moved on."""
-
-    def __init__(self, quorum: Any, step: int) -> None:
-        self._quorum = quorum
-        self.max_step = step
-        self.heal = False
-        self.recover_dst_replica_ranks: list[int] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._quorum, name)
-
-
-def _advertised_host() -> str:
-    store = os.environ.get(ENV["store"], "")
-    return "127.0.0.1" if store.startswith("127.0.0.1:") else socket.gethostname()
 
 
 class ManagerFFT(Manager):
@@ -295,7 +100,7 @@ class ManagerFFT(Manager):
         if isinstance(quorum_every, bool) or not isinstance(quorum_every, int) or quorum_every < 1:
             raise ValueError(f"quorum_every={quorum_every!r}: must be an integer >= 1")
         if os.environ.get(SPARE_RUN_AHEAD):  # a warm spare that ran the script ahead:
-            from fastft.launch.spare import await_order
+            from fastft.process.order import await_order
 
             await_order()  # it becomes its replica here
         env = os.environ
@@ -303,37 +108,14 @@ class ManagerFFT(Manager):
         self.bus: BusEndpoint | None = None
         self.events: EventLog | None = None
         self._hb = Heartbeat(None)
-        self._members: set[tuple[int, int]] | None = None
-        """(rank, incarnation) of the current quorum; None while a quorum is formed."""
-        self._dead: set[tuple[int, int]] = set()
         self._reported: list[tuple[tuple[int, int], str, Fault]] = []
         """Fault2 reports that arrived while a quorum was being formed: _on_quorum decides."""
         self._rolled_back: tuple[int, int] = (-1, -1)
         """(step, quorum id) of this replica's last rolled-back attempt."""
-        self.quorum_every = 1
-        """Set to the argument under ``fastft run`` (leases need the bus)."""
-        self._lease: _Lease | None = None
-        self._candidate: tuple[Any, frozenset[tuple[int, int]], int] | None = None
-        """This step's real quorum when eligible: a lease once the step commits."""
-        self._breaks = 0
-        """Lease-breaking messages heard so far (see _break_lease)."""
-        self._asked_at = 0
-        """``_breaks`` when this step asked the lighthouse: a quorum is leased only if
-        nothing broke since (the quorum may predate what was told)."""
-        self._gone: set[tuple[int, int]] = set()
-        """Lives that announced leaving (``DrainNotice``)."""
-        self._leased_step: int | None = None
-        """The step the attempt in flight runs on the lease (None: it asked the lighthouse).
-        Not torchft's ``_step``, which counts the commit before the attempt's bookkeeping
-        ends: a message between the two would void a step that completed."""
-        self._told = False
-        """This attempt's failure is known to the peers (the bus told it, or we did)."""
-        self._asked_step: int | None = None
-        """The step the attempt in flight asked the lighthouse for (None: no attempt in
-        flight, not asked yet, or leased)."""
-        self.quorums_reused = 0
+        self.lease = LeaseTable()
+        """Quorum leases; ``quorum_every`` is set under ``fastft run`` (they need the bus)."""
         self._fft_lock = threading.Lock()
-        self._pending = _Pending()
+        self._pending = Pending()
         self.peer_faults = 0
         self.interrupted = 0
         under_fastft = bool(env.get(ENV["store"]))
@@ -345,7 +127,7 @@ class ManagerFFT(Manager):
                 self.fft_incarnation,
                 str(kwargs.get("replica_id") or env.get("REPLICA_GROUP_ID", self.fft_rank)),
             )
-            kwargs.setdefault("hostname", _advertised_host())
+            kwargs.setdefault("hostname", advertised_host(env))
             # The bus reports a replica's death; the lighthouse's heartbeat (5 s timeout)
             # is only the backstop for a node lost with its agent. torchft beats every
             # 100 ms, and each beat costs the Python BusLighthouse ~0.7 ms of CPU
@@ -366,35 +148,35 @@ class ManagerFFT(Manager):
         else:
             self.fft_rank, self.fft_incarnation = -1, 0
             log.warning("ManagerFFT outside `fastft run`: no error bus, plain torchft Manager")
-        super().__init__(_BusProcessGroup(pg, self._pending), *args, **kwargs)
+        super().__init__(BusProcessGroup(pg, self._pending), *args, **kwargs)
         client = self._client  # type: ignore[has-type]
-        self._client = _QuorumTap(client, self._reuse_quorum, self._on_quorum)
+        self._client = QuorumTap(client, self._reuse_quorum, self._on_quorum)
         if not under_fastft:
             return
         if int(kwargs.get("world_size") or env.get("WORLD_SIZE", "1")) == 1:
             # A group of several processes would need its ranks to agree on every reuse.
-            self.quorum_every = quorum_every
-        run_dir = env.get(ENV["run_dir"])
-        if run_dir:
-            self.events = EventLog(run_dir, f"replica {self.fft_rank}")
-        self._hb = Heartbeat(env.get(ENV["heartbeat"]))
-        start_exit_sentinel(env.get(ENV["exit_trace"]))
+            self.lease.quorum_every = quorum_every
+        we = WorkerEnv.from_env(env)
+        self._fft_store = connect_store(we.store)
+        label = f"replica {self.fft_rank}"
+        sv = Services.start(
+            store=self._fft_store,
+            job=we.job,
+            rank=self.fft_rank,
+            incarnation=self.fft_incarnation,
+            life=we.life or 0,
+            label=label,
+            run_dir=we.run_dir,
+            heartbeat_file=we.heartbeat_file,
+            exit_trace_file=we.exit_trace_file,
+            inject=we.inject,
+            on_message=self._on_message,
+            fire=self._inject,
+            events=EventLog(we.run_dir, label) if we.run_dir else None,
+        )
+        self.events = sv.events if we.run_dir else None
+        self._hb, self.bus, self.injector = sv.heartbeat, sv.bus, sv.injector
         self._pending.on_block = self._hb.waiting
-        if threading.current_thread() is threading.main_thread():
-            # The agent sends it before it kills a replica it found hung: stacks first.
-            faulthandler.register(STACKS_SIGNAL, all_threads=True)
-        self._store = connect_store(env[ENV["store"]])
-        self.bus = tcpstore_bus(
-            self._store,
-            BusConfig(job=env[ENV["job"]], rank=self.fft_rank, incarnation=self.fft_incarnation),
-        )
-        self.bus.subscribe(self._on_message)
-        self.bus.start()
-        plan_path = env.get(ENV["inject"])
-        plan = FaultPlan.load(plan_path) if plan_path else FaultPlan(faults=())
-        self.injector = Injector(
-            plan, self.fft_rank, int(env.get(ENV["life"], "0")), executor=self._inject
-        )
         self._prev_hook = sys.excepthook
         sys.excepthook = self._excepthook
         self._emit("replica_start", replica_id=self._replica_id)
@@ -406,7 +188,7 @@ class ManagerFFT(Manager):
         super().report_error(e)
         if isinstance(e, PeerFailed) or self._pending.poisoned is not None:
             return
-        self._told = True
+        self.lease.told = True
         self._broadcast_fault("reported_error", e)
 
     def start_quorum(self, *args: Any, **kwargs: Any) -> None:
@@ -454,29 +236,22 @@ class ManagerFFT(Manager):
         return ok
 
     # --- quorum leases (docs/architecture.md, "Quorum leases") -------------------------------
+    @property
+    def quorum_every(self) -> int:
+        return self.lease.quorum_every
+
+    @property
+    def quorums_reused(self) -> int:
+        return self.lease.reused
+
     def _begin_attempt(self) -> None:
-        """A step's attempt starts: its quorum is not known yet."""
         with self._fft_lock:
-            self._members = None
-            self._leased_step = None
-            self._told = False
-            self._asked_step = None
+            self.lease.begin_attempt()
 
     def _end_attempt(self, ok: bool) -> None:
         """The attempt committed (torchft's step already counts it) or rolled back."""
         with self._fft_lock:
-            if not ok:
-                self._lease = None
-            elif self._leased_step is None:  # asked the lighthouse: its quorum, if eligible
-                self._lease = None
-                if self._candidate is not None:
-                    quorum, members, asked_at = self._candidate
-                    if asked_at == self._breaks:
-                        self._lease = _Lease(quorum, members)
-            self._candidate = None
-            self._leased_step = None
-            self._asked_step = None
-            told, self._told = self._told, True
+            told = self.lease.end_attempt(ok)
         if ok:
             return
         self._rolled_back = (self.current_step(), self._quorum_id)
@@ -499,6 +274,8 @@ class ManagerFFT(Manager):
             peer_faults=self.peer_faults,
         )
         super().shutdown(wait=wait)
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._prev_hook  # the process goes on without the bus
         if self.events is not None:
             self.events.close()
 
@@ -518,39 +295,36 @@ class ManagerFFT(Manager):
         if isinstance(m, DrainNotice):
             if m.sender != me:
                 with self._fft_lock:
-                    self._gone.add(m.sender)
+                    self.lease.gone.add(m.sender)
                 # It took part in every step before m.step: a leased step past that one
                 # waits for it in vain; an earlier one completes as it is.
                 self._break_lease(m.sender, "left", m, void_from=m.step)
             return
-        if isinstance(m, ProcessExited):
-            who, why = (m.exited_rank, m.exited_incarnation), "exited"
-        elif isinstance(m, HangSuspected):
-            who, why = (m.hung_rank, m.hung_incarnation), "stopped" if m.stopped else "hung"
-        elif isinstance(m, Fault):
-            who, why = (m.faulty_rank, m.faulty_incarnation), m.cause
-        else:
+        r = fault_of(m)
+        if r is None or r.who == me or r.rank < 0:
             return
-        if who == me or who[0] < 0:
-            return
-        report = m if isinstance(m, Fault) and m.severity is Severity.FAULT2 else None
-        clean_exit = isinstance(m, ProcessExited) and m.exit_code == 0
+        who = r.who
+        # Here a Fault1 means the replica is gone (ManagerFFT reports its own Fault1 only
+        # as its process ends: an uncaught exception); a Fault2 is a report of the step.
+        report = m if isinstance(m, Fault) and r.severity is Severity.FAULT2 else None
+        why = r.cause
         with self._fft_lock:
-            news = report is not None or (who not in self._dead and who not in self._gone)
+            t = self.lease
+            news = report is not None or (who not in t.dead and who not in t.gone)
             if report is None:
-                self._dead.add(who)
+                t.dead.add(who)
         # A replica that ended its loop cleanly had finished its collectives of the step
         # (it committed it), and one that announced leaving was handled then.
-        if news and self._break_lease(who, why, m, void_from=None if clean_exit else 0):
+        if news and self._break_lease(who, why, m, void_from=None if r.clean_exit else 0):
             return
         if report is not None and not self._about_this_attempt(report):
             return
         with self._fft_lock:
-            if clean_exit:
+            if r.clean_exit:
                 # The lighthouse leaves it out of the next quorum, and the step in flight
                 # here completes as it is.
                 return
-            members = self._members
+            members = self.lease.members
             if members is None and report is not None:
                 self._reported.append((who, why, report))
         # While a quorum is being formed (members None) a death only goes in the dead set
@@ -573,52 +347,25 @@ class ManagerFFT(Manager):
     def _break_lease(
         self, who: tuple[int, int], why: str, m: Message, void_from: int | None = 0
     ) -> bool:
-        """Something the lease did not foresee was told (a fault, a death, a join, a
-        member leaving): no step reuses a quorum from before it, and a leased step in
-        flight at or past ``void_from`` is voided (None: none is; a join, or a member that
-        took part in all of it). Every replica hears the same message, so every one that might
-        reuse the lease either did not yet (it asks the lighthouse) or is inside a leased
-        step (voided here): none waits in a collective for a peer that went to the
-        lighthouse. Whether the message concerns this replica's quorum is deliberately not
-        asked: replicas can differ in what they know of the quorum at that moment. True if
-        the step in flight was voided."""
+        """See :meth:`LeaseTable.break_`; fails the leased step it voids (True then)."""
         with self._fft_lock:
-            self._breaks += 1
-            self._lease = None
-            leased = self._leased_step
-            void = void_from is not None and leased is not None and leased >= void_from
+            void = self.lease.break_(void_from)
         if void:
             self._fail_step(who, why, m)
         return void
 
     def _on_waiting(self, m: RollbackRequest) -> None:
         """A member of the last quorum waits in the lighthouse for step ``m.step`` (the
-        lighthouse tells, once per quorum): its peers must ask too. A leased step at or
-        past ``m.step`` cannot complete (that member is in none of its collectives) and is
-        voided; an earlier one can (the member took part in all of it), so it completes
-        and the next step asks. An attempt that asked already is where it should be:
-        nothing changes, so a quorum whose members ask a moment apart is still leased."""
+        lighthouse tells, once per quorum): see :meth:`LeaseTable.waiting`."""
         with self._fft_lock:
-            if self._asked_step is not None:  # asking already
-                return
-            self._lease = None
-            void = self._leased_step is not None and self._leased_step >= m.step
+            void = self.lease.waiting(m.step)
         if void and self.errored() is None:  # (not yet voided by the fault that caused it)
             self._fail_step(m.sender, "waiting in the lighthouse", m)
 
     def _reuse_quorum(self) -> Any | None:
         """The quorum of this step if it may reuse the lease (torchft's quorum thread)."""
         with self._fft_lock:
-            lease = self._lease
-            step = self._step
-            if lease is None or step % self.quorum_every == 0 or lease.members & self._dead:
-                self._asked_at = self._breaks
-                self._asked_step = step
-                return None
-            self._members = set(lease.members)
-            self._leased_step = step
-            self.quorums_reused += 1
-        return _Reused(lease.quorum, step)
+            return self.lease.reuse(self._step)
 
     def _fail_step(self, who: tuple[int, int], why: str, m: Message | None) -> None:
         exc = PeerFailed(f"replica rank {who[0]} (incarnation {who[1]}): {why}")
@@ -628,10 +375,10 @@ class ManagerFFT(Manager):
         # their destructors at interpreter exit can abort the process after the job is
         # done (seen: SIGABRT, "terminate called without an active exception").
         exit_without_destructors_later()
-        self._told = True
+        self.lease.told = True
         super().report_error(exc)
         n = self._pending.fail_all(exc)
-        self._pg.abort()  # NCCL only (see _BusProcessGroup.abort)
+        self._pg.abort()  # NCCL only (see BusProcessGroup.abort)
         self.interrupted += n
         self._emit(
             "peer_fault",
@@ -647,11 +394,8 @@ class ManagerFFT(Manager):
         with self._fft_lock:
             changed = q.quorum_id != self._quorum_id
             members = {x for x in lives if x is not None}
-            self._members = members
-            dead = members & self._dead
+            dead = self.lease.quorum(q, members)
             reported, self._reported = self._reported, []
-            eligible = self.quorum_every > 1 and not dead and _lease_eligible(q)
-            self._candidate = (q, frozenset(members), self._asked_at) if eligible else None
         if changed:
             self._emit(
                 "quorum",

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 
 CHILD = r"""
 import sys, time
-from fastft.runtime.sentinel import start_exit_sentinel
+from fastft.process.sentinel import start_exit_sentinel
 assert start_exit_sentinel(sys.argv[1])
 x = bytearray(64 << 20)
 x[:: 4096] = b"\1" * len(range(0, 64 << 20, 4096))  # touch every page

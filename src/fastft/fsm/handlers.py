@@ -1,0 +1,372 @@
+"""The handlers of the step state machine's table (:mod:`fastft.fsm.table`): each computes
+the new state and the actions of one (phase, event) row. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from fastft.fsm.contract import (
+    AbortProcessGroup,
+    Action,
+    ApplyCommit,
+    BroadcastDrainNotice,
+    BroadcastRollbackAck,
+    BroadcastRollbackRequest,
+    CancelFutures,
+    CastVote,
+    ConfigureProcessGroup,
+    Decision,
+    DeclareDead,
+    DrainAcked,
+    DrainNoticed,
+    DrainRequested,
+    Event,
+    ExitWorker,
+    FetchState,
+    FormEpoch,
+    HealDone,
+    InterruptStep,
+    InvalidTransition,
+    JoinRequested,
+    LocalFault,
+    PeerFault,
+    Phase,
+    ProposeRollback,
+    QuorumReady,
+    RollbackAcked,
+    RollbackRequested,
+    SendDrainAck,
+    SendState,
+    Shutdown,
+    StepState,
+    ZeroGrads,
+)
+from fastft.protocol.messages import Severity
+
+Result = tuple[StepState, tuple[Action, ...]]
+Handler = Callable[[StepState, Event], Result]
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def _begin_rollback(s: StepState, reason: str, *, propose: bool) -> Result:
+    """Enter ROLLBACK_REQ: interrupt the step, make sure the decision is ROLLBACK, tell
+    everyone, and count ourselves as heard."""
+    actions: list[Action] = [InterruptStep(reason)]
+    if propose:
+        actions.append(ProposeRollback(s.epoch, s.step, reason))
+    actions.append(BroadcastRollbackRequest(s.epoch, s.step, reason))
+    s = replace(s, phase=Phase.ROLLBACK_REQ, heard=s.heard | {s.rank}, reason=reason)
+    return _maybe_sync(s, tuple(actions))
+
+
+def _maybe_sync(s: StepState, actions: Sequence[Action]) -> Result:
+    """ROLLBACK_REQ -> ROLLBACK_SYNC once every member was heard from or is dead."""
+    if s.phase is Phase.ROLLBACK_REQ and s.members <= s.heard | s.dead:
+        sync: tuple[Action, ...] = (
+            AbortProcessGroup(),
+            CancelFutures(),
+            ZeroGrads(),
+            BroadcastRollbackAck(s.epoch, s.step),
+        )
+        s = replace(s, phase=Phase.ROLLBACK_SYNC, acked=s.acked | {s.rank})
+        return _maybe_heal(s, (*actions, *sync))
+    return s, tuple(actions)
+
+
+def _maybe_heal(s: StepState, actions: Sequence[Action]) -> Result:
+    """ROLLBACK_SYNC -> HEALING once every member acked or is dead."""
+    if s.phase is Phase.ROLLBACK_SYNC and s.members <= s.acked | s.dead:
+        form = FormEpoch(
+            exclude=s.dead | s.leaving,
+            lost_state=s.lost_state,
+            rollback=True,
+        )
+        return replace(s, phase=Phase.HEALING), (*actions, form)
+    return s, tuple(actions)
+
+
+def _note_fault(s: StepState, rank: int, severity: Severity) -> StepState:
+    if severity is Severity.FAULT1:
+        return replace(s, dead=s.dead | {rank})
+    return replace(s, heard=s.heard | {rank})
+
+
+def _enter_epoch(s: StepState, e: QuorumReady) -> Result:
+    s = StepState(
+        phase=Phase.HEALING,
+        rank=s.rank,
+        epoch=e.epoch,
+        step=e.step,
+        members=e.members,
+        lost_state=s.rank in e.needs_state,
+        want_drain=s.want_drain,
+        joining=e.waiting,
+    )
+    actions: list[Action] = [ConfigureProcessGroup(e.epoch)]
+    if not e.needs_state:
+        return replace(s, phase=Phase.NORMAL), tuple(actions)
+    if s.lost_state:
+        actions.append(FetchState(e.epoch, e.step))
+    elif e.source is None or e.source == s.rank:
+        actions.append(SendState(e.epoch, e.step))
+    else:  # a bystander of a heal between the source and the receivers: the step goes on
+        return replace(s, phase=Phase.NORMAL), tuple(actions)
+    return s, tuple(actions)
+
+
+# --- handlers ----------------------------------------------------------------------------
+
+
+def quorum_ready(s: StepState, e: Event) -> Result:
+    assert isinstance(e, QuorumReady)
+    if s.rank not in e.members:
+        return replace(s, phase=Phase.EXIT), (ExitWorker(f"not a member of epoch {e.epoch}"),)
+    return _enter_epoch(s, e)
+
+
+def heal_done(s: StepState, e: Event) -> Result:
+    assert isinstance(e, HealDone)
+    return replace(s, phase=Phase.NORMAL, lost_state=s.lost_state and e.pending, reason=""), ()
+
+
+def state_loaded(s: StepState, e: Event) -> Result:
+    return replace(s, lost_state=False), ()
+
+
+def grads_ready(s: StepState, e: Event) -> Result:
+    if s.lost_state:
+        # a pending heal (HealDone) not yet loaded: voting now would commit a step on a
+        # state this worker does not hold (S4); the caller must feed StateLoaded first
+        raise InvalidTransition(s.phase, e)
+    vote = CastVote(s.epoch, s.step, s.want_drain, joining=s.joining)
+    return replace(s, phase=Phase.PREPARED), (vote,)
+
+
+def local_fault_running(s: StepState, e: Event) -> Result:
+    assert isinstance(e, LocalFault)
+    lost = s.lost_state or e.severity is Severity.FAULT1
+    s = replace(s, lost_state=lost)
+    if s.phase is Phase.PREPARED:
+        # Our yes vote may already have completed a COMMIT; the store decides.
+        return replace(s, pending_fault=True), (
+            InterruptStep(e.cause),
+            ProposeRollback(s.epoch, s.step, e.cause),
+        )
+    return _begin_rollback(s, e.cause, propose=True)
+
+
+def local_fault_latched(s: StepState, e: Event) -> Result:
+    assert isinstance(e, LocalFault)
+    lost = s.lost_state or e.severity is Severity.FAULT1
+    return replace(s, lost_state=lost, pending_fault=s.phase is Phase.COMMIT or s.pending_fault), ()
+
+
+def local_fault_healing(s: StepState, e: Event) -> Result:
+    assert isinstance(e, LocalFault)
+    s = replace(
+        s,
+        lost_state=s.lost_state or e.severity is Severity.FAULT1,
+        heard=frozenset(),
+        acked=frozenset(),
+    )
+    return _begin_rollback(s, e.cause, propose=False)
+
+
+def peer_fault_normal(s: StepState, e: Event) -> Result:
+    assert isinstance(e, PeerFault)
+    return _begin_rollback(_note_fault(s, e.rank, e.severity), e.cause, propose=True)
+
+
+def peer_fault_prepared(s: StepState, e: Event) -> Result:
+    assert isinstance(e, PeerFault)
+    s = replace(_note_fault(s, e.rank, e.severity), pending_fault=True)
+    return s, (InterruptStep(e.cause), ProposeRollback(s.epoch, s.step, e.cause))
+
+
+def peer_fault_collecting(s: StepState, e: Event) -> Result:
+    assert isinstance(e, PeerFault)
+    s = _note_fault(s, e.rank, e.severity)
+    if s.phase is Phase.ROLLBACK_SYNC:
+        s = replace(s, acked=s.acked | ({e.rank} if e.rank in s.dead else frozenset()))
+        return _maybe_heal(s, ())
+    return _maybe_sync(s, ())
+
+
+def peer_fault_latched(s: StepState, e: Event) -> Result:
+    assert isinstance(e, PeerFault)
+    s = _note_fault(s, e.rank, e.severity)
+    return replace(
+        s, pending_fault=s.pending_fault or s.phase in (Phase.COMMIT, Phase.DRAIN_COMMIT)
+    ), ()
+
+
+def peer_fault_healing(s: StepState, e: Event) -> Result:
+    assert isinstance(e, PeerFault)
+    if e.rank not in s.members:
+        return s, ()
+    s = _note_fault(replace(s, heard=frozenset(), acked=frozenset()), e.rank, e.severity)
+    return _begin_rollback(s, e.cause, propose=False)
+
+
+def record_ack(s: StepState, e: Event) -> Result:
+    assert isinstance(e, RollbackAcked)
+    return replace(s, heard=s.heard | {e.rank}, acked=s.acked | {e.rank}), ()
+
+
+def peer_fault_drain_wait(s: StepState, e: Event) -> Result:
+    assert isinstance(e, PeerFault)
+    return drain_acked(replace(s, dead=s.dead | {e.rank}), DrainAcked(e.rank))
+
+
+def rollback_req_normal(s: StepState, e: Event) -> Result:
+    assert isinstance(e, RollbackRequested)
+    return _begin_rollback(
+        replace(s, heard=s.heard | {e.rank}), f"rollback requested by rank {e.rank}", propose=True
+    )
+
+
+def rollback_req_prepared(s: StepState, e: Event) -> Result:
+    assert isinstance(e, RollbackRequested)
+    s = replace(s, heard=s.heard | {e.rank}, pending_fault=True)
+    reason = f"rollback requested by rank {e.rank}"
+    return s, (InterruptStep(reason), ProposeRollback(s.epoch, s.step, reason))
+
+
+def rollback_req_collect(s: StepState, e: Event) -> Result:
+    assert isinstance(e, RollbackRequested)
+    return _maybe_sync(replace(s, heard=s.heard | {e.rank}), ())
+
+
+def rollback_req_latched(s: StepState, e: Event) -> Result:
+    assert isinstance(e, RollbackRequested)
+    return replace(s, heard=s.heard | {e.rank}, pending_fault=True), ()
+
+
+def rollback_ack(s: StepState, e: Event) -> Result:
+    assert isinstance(e, RollbackAcked)
+    # An ack implies the sender also requested: it counts for both barriers.
+    s = replace(s, heard=s.heard | {e.rank}, acked=s.acked | {e.rank})
+    if s.phase is Phase.ROLLBACK_REQ:
+        return _maybe_sync(s, ())
+    return _maybe_heal(s, ())
+
+
+def decision_prepared(s: StepState, e: Event) -> Result:
+    assert isinstance(e, Decision)
+    if not e.commit:
+        s = replace(s, pending_fault=False)
+        return _begin_rollback(s, s.reason or "decision: rollback", propose=False)
+    phase = Phase.DRAIN_COMMIT if s.want_drain else Phase.COMMIT
+    s = replace(s, phase=phase, leaving=s.leaving | (e.leaving - {s.rank}), admit=e.admit)
+    return s, (ApplyCommit(s.step),)
+
+
+def decision_rollback_only(s: StepState, e: Event) -> Result:
+    assert isinstance(e, Decision)
+    if e.commit:
+        # Without our vote no commit can be decided: the caller mixed up steps or epochs.
+        raise InvalidTransition(s.phase, e)
+    if s.phase is Phase.NORMAL:
+        return _begin_rollback(s, "decision: rollback", propose=False)
+    return s, ()
+
+
+def commit_applied(s: StepState, e: Event) -> Result:
+    s = replace(s, step=s.step + 1, heard=frozenset(), acked=frozenset(), reason="")
+    if s.pending_fault or s.dead:
+        s = replace(s, pending_fault=False)
+        return _begin_rollback(s, "fault after the commit decision", propose=True)
+    if s.leaving or s.admit:
+        # Every survivor read the same decision (with the same leavers, and whether to
+        # admit joiners) from the store: no barrier is needed to agree on re-forming.
+        # Joiners are admitted by the formation itself (they registered in the store).
+        # A join request latched after this member voted is not enough: the others may
+        # not have seen it; it goes with the next vote.
+        s = replace(s, phase=Phase.HEALING, dead=s.dead | s.leaving, joining=False, admit=False)
+        return s, (FormEpoch(exclude=s.dead, lost_state=s.lost_state),)
+    return replace(s, phase=Phase.NORMAL), ()
+
+
+def drain_commit_applied(s: StepState, e: Event) -> Result:
+    s = replace(s, phase=Phase.DRAIN_WAIT, step=s.step + 1, acked=frozenset({s.rank}))
+    actions: tuple[Action, ...] = (BroadcastDrainNotice(s.epoch, s.step - 1, s.reason or "drain"),)
+    return drain_acked(s, DrainAcked(s.rank), actions)
+
+
+def drain_acked(s: StepState, e: Event, actions: tuple[Action, ...] = ()) -> Result:
+    assert isinstance(e, DrainAcked)
+    s = replace(s, acked=s.acked | {e.rank})
+    if s.members <= s.acked | s.dead:
+        return replace(s, phase=Phase.EXIT), (*actions, ExitWorker("drained"))
+    return s, actions
+
+
+def want_drain(s: StepState, e: Event) -> Result:
+    assert isinstance(e, DrainRequested)
+    return replace(s, want_drain=True, reason=e.reason or "drain"), ()
+
+
+def drain_noticed(s: StepState, e: Event) -> Result:
+    assert isinstance(e, DrainNoticed)
+    known = e.rank in s.leaving
+    s = replace(s, leaving=s.leaving | {e.rank})
+    if known or e.rank not in s.members or s.phase in (Phase.COMMIT, Phase.HEALING):
+        return s, (SendDrainAck(e.rank),)
+    # A leaver the decision did not announce will never vote on this step: drop it.
+    reason = f"rank {e.rank} drained"
+    s = replace(s, dead=s.dead | {e.rank})
+    if s.phase is Phase.PREPARED:
+        s = replace(s, pending_fault=True)
+        return s, (
+            SendDrainAck(e.rank),
+            InterruptStep(reason),
+            ProposeRollback(s.epoch, s.step, reason),
+        )
+    nxt, actions = _begin_rollback(s, reason, propose=True)
+    return nxt, (SendDrainAck(e.rank), *actions)
+
+
+def drain_noticed_ack_only(s: StepState, e: Event) -> Result:
+    assert isinstance(e, DrainNoticed)
+    return s, (SendDrainAck(e.rank),)
+
+
+def drain_noticed_collect(s: StepState, e: Event) -> Result:
+    assert isinstance(e, DrainNoticed)
+    s = replace(s, dead=s.dead | {e.rank}, leaving=s.leaving | {e.rank})
+    if s.phase is Phase.ROLLBACK_SYNC:
+        return _maybe_heal(s, (SendDrainAck(e.rank),))
+    nxt, actions = _maybe_sync(s, ())
+    return nxt, (SendDrainAck(e.rank), *actions)
+
+
+def deadline(s: StepState, e: Event) -> Result:
+    silent = s.members - (s.heard if s.phase is Phase.ROLLBACK_REQ else s.acked) - s.dead
+    if not silent:
+        return s, ()
+    s = replace(s, dead=s.dead | silent)
+    nxt, actions = (_maybe_sync if s.phase is Phase.ROLLBACK_REQ else _maybe_heal)(s, ())
+    return nxt, (DeclareDead(silent), *actions)
+
+
+def join_requested(s: StepState, e: Event) -> Result:
+    assert isinstance(e, JoinRequested)
+    if e.rank in s.members and e.rank not in s.dead:
+        return s, ()  # a member's own (late or duplicate) request: nothing to admit
+    return replace(s, joining=True), ()
+
+
+def ignore(s: StepState, e: Event) -> Result:
+    return s, ()
+
+
+def shutdown(s: StepState, e: Event) -> Result:
+    assert isinstance(e, Shutdown)
+    return replace(s, phase=Phase.EXIT), (ExitWorker(e.reason or "shutdown"),)
+
+
+def exit_ignore(s: StepState, e: Event) -> Result:
+    return s, ()

@@ -1,0 +1,150 @@
+"""The process-group wrapper of ``ManagerFFT``: every collective's ``wait()`` waits on a
+future of ours, which the collective's completion resolves *or* a bus fault fails (a Gloo
+``abort()`` does not release an allreduce whose peer is stopped). The abandoned operation
+keeps running on the old communicator, which torchft replaces at the next quorum; it is
+kept alive (its destructor would block on the dead peer) and the process ends without
+running destructors. On NCCL (or XCCL) the works are not wrapped: the communicator is
+aborted instead, which NCCL supports. Chosen by the process group's backend, not by
+whether CUDA is present (Gloo on a GPU machine is wrapped)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchft.process_group import ProcessGroup, ProcessGroupWrapper
+
+from fastft.interrupt.collectives import relay
+from fastft.process.teardown import exit_without_destructors_later
+
+__all__ = ["BusProcessGroup", "BusWork", "Pending", "aborts_release_waiters"]
+
+
+class Pending:
+    """The in-flight collectives of the current communicator, and whether it is poisoned
+    (a member is known dead: new collectives fail at once)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.futures: set[torch.futures.Future[Any]] = set()
+        self.poisoned: Exception | None = None
+        self.abandoned: list[Any] = []
+        """Works abandoned in flight and the communicators they run on: never destroyed."""
+        self.dirty = False
+        """An operation was abandoned on the current communicator."""
+        self.on_block: Callable[[bool], None] = lambda on: None
+
+    def fail_all(self, exc: Exception) -> int:
+        with self.lock:
+            self.poisoned = exc
+            futs, self.futures = self.futures, set()
+        n = 0
+        for f in futs:
+            try:
+                f.set_exception(exc)
+                n += 1
+            except RuntimeError:  # completed meanwhile
+                pass
+        return n
+
+
+class BusWork(dist._Work):
+    """A collective whose ``wait()`` a bus fault can end."""
+
+    def __init__(self, work: dist._Work, pending: Pending) -> None:
+        super().__init__()
+        self._work = work
+        self._pending = pending
+        self._fut: torch.futures.Future[Any] = torch.futures.Future()
+        with pending.lock:
+            poisoned = pending.poisoned
+            if poisoned is None:
+                pending.futures.add(self._fut)
+        if poisoned is not None:
+            self._fut.set_exception(poisoned)
+            pending.abandoned.append(work)
+            pending.dirty = True
+            return
+        fut = self._fut
+
+        def forget() -> None:
+            with pending.lock:
+                pending.futures.discard(fut)
+
+        work.get_future().then(relay(fut, wrap=lambda e: e, first=forget))
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._pending.on_block(True)
+        try:
+            self._fut.wait()
+        except Exception:
+            self._pending.abandoned.append(self._work)  # still running: keep it alive
+            self._pending.dirty = True
+            exit_without_destructors_later()
+            raise
+        finally:
+            self._pending.on_block(False)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._fut
+
+    def synchronize(self) -> None:
+        pass
+
+    def block_current_stream(self) -> None:
+        pass
+
+
+def aborts_release_waiters(pg: ProcessGroup) -> bool:
+    """Whether aborting ``pg`` releases a collective stuck on a dead peer: NCCL's (and
+    XCCL's) communicator abort does; Gloo's does not, so its works are wrapped instead.
+    Decided by the backend, not by whether CUDA is present: Gloo runs on GPU machines too."""
+    try:
+        name = pg.getBackendName()
+    except NotImplementedError:
+        return False
+    return "nccl" in name or "xccl" in name
+
+
+class BusProcessGroup(ProcessGroupWrapper):
+    """Wraps the user's torchft process group; collectives return :class:`BusWork`."""
+
+    def __init__(self, pg: ProcessGroup, pending: Pending) -> None:
+        super().__init__(pg=pg)
+        self._inner = pg
+        self._pending = pending
+        self._wrap = not aborts_release_waiters(pg)
+
+    def _wrap_work(self, work: dist._Work, opts: object) -> dist._Work:
+        return BusWork(work, self._pending) if self._wrap else work
+
+    def reconfigure(self, opts: Any) -> Any:
+        with self._pending.lock:
+            self._pending.poisoned = None
+        if self._pending.dirty:
+            # The old communicator still runs an abandoned operation: keep it referenced
+            # (torchft drops it now; its destructor would wait for the dead peer).
+            self._pending.abandoned.append(self._inner.parent)
+            self._pending.dirty = False
+        return super().reconfigure(opts)
+
+    def abort(self, errored: bool = True) -> None:
+        if not self._wrap:  # NCCL: aborting the communicator releases its waiters
+            self._inner.abort(errored)
+
+    def errored(self) -> Exception | None:
+        return self._inner.errored()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()

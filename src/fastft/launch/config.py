@@ -1,0 +1,332 @@
+"""``fastft run``'s configuration: :class:`LaunchConfig`, one field per flag.
+
+Each field carries its flag, its help and its default, in one place: the CLI builds its
+parser from them (:func:`add_run_flags`), and every flag falls back to a ``FASTFT_*``
+variable named after it (``--hang-timeout`` -> ``FASTFT_HANG_TIMEOUT``;
+:func:`flag_variables` lists them). Precedence: the flag, then the variable, then the
+default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastft.errors import ConfigError
+from fastft.process.env import SPARE_RUN_AHEAD, WorkerEnv, parse_bool
+from fastft.process.malloc import PREFAULT_MAX
+
+__all__ = [
+    "LaunchConfig",
+    "add_run_flags",
+    "config_from_args",
+    "flag_variables",
+    "worker_environment",
+]
+
+PREFAULT_MAX_MB = PREFAULT_MAX >> 20
+DEFAULT_PREFAULT_MB = 0
+"""Off by default: it makes a spare ready later (the touching is part of its warm-up); it
+pays for large CPU-resident states (docs/measurements.md, "Spare prefault")."""
+
+
+def _flag(default: Any, help: str, *, flag: str = "", choices: tuple[str, ...] = ()) -> Any:
+    meta = {"help": help, "flag": flag, "choices": choices}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """``fastft run`` flags. ``command``: the worker command line."""
+
+    command: tuple[str, ...]
+    nproc: int = _flag(1, "workers on this node")
+    nnodes: int = _flag(1, "nodes in the job (one agent each)")
+    node_rank: int = _flag(0, "this node's index")
+    store: str | None = _flag(
+        None, "HOST:PORT of the store (node 0 hosts it; default: a free port)"
+    )
+    job: str = _flag("job", "job id")
+    max_restarts: int = _flag(3, "restarts per worker")
+    inject: str | None = _flag(None, "fault plan JSON (fastft plan check)")
+    hang_timeout_s: float = _flag(
+        30.0,
+        "seconds without progress before a worker is killed (the most, with --adaptive-hang)",
+        flag="--hang-timeout",
+    )
+    adaptive_hang: bool = _flag(
+        False,
+        "hang timeout = 20x the longest recent gap between a worker's heartbeats (at least "
+        "2 s, at most --hang-timeout); use ft.no_hang_check() around long work between steps",
+    )
+    start_grace_s: float = _flag(
+        120.0, "seconds a worker may take to write its first heartbeat", flag="--start-grace"
+    )
+    store_wait_s: float = _flag(60.0, "seconds to wait for node 0's store", flag="--store-wait")
+    min_replicas: int | None = _flag(
+        None,
+        "fewest workers an epoch may have; below the world size the survivors go on without a "
+        "lost worker and it rejoins when restarted (default: all, fixed world)",
+    )
+    run_dir: str | None = _flag(None, "event log and heartbeats (default: a new temp dir)")
+    seed: int = _flag(0, "the job's seed")
+    check_every: int = _flag(0, "log the state digest every N commits (S3 check; 0: never)")
+    warm_spares: int = _flag(
+        0,
+        "processes kept ready with torch imported; a restarted worker becomes one instead of "
+        "starting Python",
+    )
+    torchft: str | None = _flag(
+        None,
+        "run torchft replicas (one per worker) and start their lighthouse: 'fastft' "
+        "(ManagerFFT workers; the lighthouse hears deaths on the error bus) or 'plain' "
+        "(torchft's own lighthouse; exits restarted, stops and hangs left to torchft)",
+        choices=("fastft", "plain"),
+    )
+    lighthouse_heartbeat_ms: int = _flag(5000, "torchft lighthouse heartbeat timeout (ms)")
+    lighthouse_join_ms: int = _flag(60000, "torchft lighthouse join timeout (ms)")
+    exit_trace: bool = _flag(
+        True,
+        "trace each worker's exit sentinel (fastft.launch.exit_trace): a death is published "
+        "before the kernel frees the worker's memory (15-50 ms sooner); off lets a debugger "
+        "or py-spy attach",
+    )
+    keep_gradients: bool = _flag(
+        True,
+        "elastic world: keep a copy of each step's local gradient, so that a step that rolled "
+        "back recomputes only the samples no member kept (one gradient-sized buffer)",
+    )
+    spare_cuda: bool = _flag(
+        True,
+        "warm spares create a CUDA context on the GPU of the worker they are likely to "
+        "replace, where GPUs are visible",
+    )
+    spare_prefault_mb: int = _flag(
+        DEFAULT_PREFAULT_MB,
+        "MiB of heap memory each warm spare touches while it waits (its idle RSS grows by "
+        "that much, and it is ready later), so that the worker it becomes does not "
+        "page-fault its model and healed state on the recovery path (e.g. 192)",
+    )
+    spare_run_ahead: bool = _flag(
+        False,
+        "warm spares run the script up to its fastft.init() before they are needed, so that "
+        "the model and optimizer it builds before are off the recovery path; the script must "
+        "not need its rank before fastft.init()",
+    )
+    backend: str = _flag(
+        "auto",
+        "process groups: gloo, nccl (one GPU per worker) or auto (nccl for a model on CUDA "
+        "when each worker of the node has a GPU of its own, else gloo)",
+    )
+    env: dict[str, str] = _flag({}, "")
+    """Extra environment for the workers (not a flag)."""
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ConfigError("no worker command: fastft run [flags] script.py [args]")
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc {self.nproc}: must be >= 1")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"--backend {self.backend!r}: use auto, gloo or nccl")
+        if self.backend == "nccl":  # the workers' own rule, checked before they start
+            import torch
+
+            from fastft.runtime.contract import choose_backend  # (a pure function)
+
+            gpus = torch.cuda.device_count()  # no CUDA context in the agent
+            choose_backend("nccl", {"cuda"}, local_world=self.nproc, gpus=gpus)
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"--node-rank {self.node_rank} with --nnodes {self.nnodes}: "
+                "node rank must be in 0..nnodes-1"
+            )
+        if self.nnodes > 1 and not self.store:
+            raise ConfigError("--nnodes > 1 needs --store HOST:PORT (node 0 hosts it)")
+        if self.store is not None:
+            host, _, port = self.store.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"--store {self.store!r}: expected HOST:PORT")
+        if self.max_restarts < 0:
+            raise ConfigError("--max-restarts must be >= 0")
+        if self.hang_timeout_s <= 0:
+            raise ConfigError("--hang-timeout must be > 0 seconds")
+        world = self.nproc * self.nnodes
+        if self.min_replicas is not None and not 1 <= self.min_replicas <= world:
+            raise ConfigError(f"--min-replicas {self.min_replicas}: must be in 1..{world}")
+        if not 0 <= self.warm_spares <= self.nproc:
+            raise ConfigError(f"--warm-spares {self.warm_spares}: use 0..{self.nproc}")
+        if not 0 <= self.spare_prefault_mb <= PREFAULT_MAX_MB:
+            raise ConfigError(
+                f"--spare-prefault-mb {self.spare_prefault_mb}: use 0..{PREFAULT_MAX_MB} "
+                "(memory kept mapped above glibc's trim threshold would be returned)"
+            )
+        if self.warm_spares and (
+            len(self.command) < 2
+            or os.path.basename(self.command[0]) != os.path.basename(sys.executable)
+        ):
+            raise ConfigError(
+                "--warm-spares needs a Python worker (script.py or -m module), "
+                f"not {self.command[0]!r}"
+            )
+        if self.spare_run_ahead and not self.warm_spares:
+            raise ConfigError("--spare-run-ahead needs warm spares: add --warm-spares N")
+        if self.inject is not None:
+            from fastft.inject import FaultPlan
+
+            FaultPlan.load(self.inject)  # fails now, with the plan's own message
+        if self.torchft not in (None, "fastft", "plain"):
+            raise ConfigError(f"--torchft {self.torchft!r}: use fastft or plain")
+        if self.torchft is not None:
+            if self.lighthouse_heartbeat_ms < 1 or self.lighthouse_join_ms < 1:
+                raise ConfigError("--lighthouse-heartbeat-ms and --lighthouse-join-ms must be >= 1")
+            try:
+                import torchft  # noqa: F401
+
+                if self.torchft == "fastft":
+                    import grpc  # noqa: F401  (BusLighthouse)
+            except ImportError as e:
+                raise ConfigError(
+                    f"--torchft needs torchft: pip install 'fastft[torchft]' ({e})"
+                ) from e
+        if "/" in self.job or not self.job:
+            raise ConfigError(f"--job {self.job!r}: non-empty, without '/'")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
+def _flags() -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(LaunchConfig) if f.metadata.get("help")]
+
+
+def _flag_name(f: dataclasses.Field[Any]) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def _variable(f: dataclasses.Field[Any]) -> str:
+    return "FASTFT_" + _flag_name(f)[2:].upper().replace("-", "_")
+
+
+def flag_variables() -> dict[str, str]:
+    """``FASTFT_*`` variable -> the ``fastft run`` flag it stands in for."""
+    return {_variable(f): _flag_name(f) for f in _flags()}
+
+
+def _from_env(f: dataclasses.Field[Any], env: Mapping[str, str]) -> Any:
+    name = _variable(f)
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return f.default
+    kind = str(f.type)
+    try:
+        if kind.startswith("bool"):
+            return parse_bool(name, raw)
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a number") from None
+    return raw
+
+
+def add_run_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+    """Add one flag per :class:`LaunchConfig` field to ``p``, its default read from its
+    variable in ``env`` (the process environment by default). Raises ConfigError for a
+    malformed variable."""
+    env = os.environ if env is None else env
+    for f in _flags():
+        default = _from_env(f, env)
+        var = _variable(f)
+        shown = "none" if default is None else default
+        kind = str(f.type)
+        if kind.startswith("bool"):
+            if f.default:  # on unless turned off
+                p.add_argument(
+                    "--no-" + _flag_name(f)[2:],
+                    dest=f.name,
+                    action="store_false",
+                    default=default,
+                    help=f"do not: {f.metadata['help']} [on by default; env {var}=0]",
+                )
+            else:
+                p.add_argument(
+                    _flag_name(f),
+                    dest=f.name,
+                    action="store_true",
+                    default=default,
+                    help=f"{f.metadata['help']} [off by default; env {var}=1]",
+                )
+            continue
+        typ = int if kind.startswith("int") else float if kind.startswith("float") else str
+        p.add_argument(
+            _flag_name(f),
+            dest=f.name,
+            type=typ,
+            default=default,
+            choices=f.metadata["choices"] or None,
+            help=f"{f.metadata['help']} [default: {shown}; env {var}]",
+        )
+
+
+def config_from_args(args: argparse.Namespace, command: tuple[str, ...]) -> LaunchConfig:
+    """The config the parsed flags describe; raises ConfigError for a bad combination."""
+    return LaunchConfig(command=command, **{f.name: getattr(args, f.name) for f in _flags()})
+
+
+def worker_environment(
+    cfg: LaunchConfig,
+    *,
+    rank: int,
+    life: int,
+    incarnation: int,
+    local_rank: int,
+    store_addr: str,
+    run_dir: str,
+    heartbeat_file: str,
+    exit_trace_file: str | None,
+    lighthouse_addr: str = "",
+) -> dict[str, str]:
+    """The whole environment of one worker life: the agent's own, ``cfg.env``, the
+    :class:`WorkerEnv` contract, torchrun's local names, and torchft's for ``--torchft``."""
+    env = {
+        **os.environ,
+        **cfg.env,
+        "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        **WorkerEnv(
+            store=store_addr,
+            job=cfg.job,
+            rank=rank,
+            world_size=cfg.world_size,
+            min_replicas=cfg.min_replicas,
+            life=life,
+            run_dir=run_dir,
+            inject=str(Path(cfg.inject).resolve()) if cfg.inject else None,
+            heartbeat_file=heartbeat_file,
+            exit_trace_file=exit_trace_file,
+            seed=cfg.seed,
+            incarnation=incarnation,
+            check_every=cfg.check_every,
+            keep_gradients=cfg.keep_gradients,
+            backend=cfg.backend,
+        ).to_env(),
+        # torchrun's names: scripts place their model on cuda:LOCAL_RANK
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(cfg.nproc),
+    }
+    env.pop(SPARE_RUN_AHEAD, None)  # only a spare waits for an order
+    if cfg.torchft:
+        env["TORCHFT_LIGHTHOUSE"] = lighthouse_addr
+        env["REPLICA_GROUP_ID"] = str(rank)
+        env["NUM_REPLICA_GROUPS"] = str(cfg.world_size)
+        env.setdefault("RUST_LOG", "warn")  # torchft's per-step INFO logs halve a small step
+    return env

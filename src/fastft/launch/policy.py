@@ -1,0 +1,134 @@
+"""The agent's decisions, as pure functions over data: restart or give up after an exit,
+whether a worker is hung, which spare a restart takes, when a spare handed out is
+replaced. The agent's loop (:mod:`fastft.launch.agent`) performs what they return."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "COLD_RESTART_DELAY_S",
+    "HANG_FLOOR_S",
+    "HANG_GAPS",
+    "SPARE_REFILL_MAX_S",
+    "AfterExit",
+    "Hung",
+    "SpareInfo",
+    "after_exit",
+    "hang_verdict",
+    "pick_spare",
+    "spare_owed_done",
+]
+
+HANG_GAPS = 20.0
+"""--adaptive-hang: the timeout is this many times the longest recent heartbeat gap..."""
+HANG_FLOOR_S = 2.0
+"""...and at least this long (and at most --hang-timeout)."""
+COLD_RESTART_DELAY_S = 0.05
+"""In an elastic world, how long a cold restart waits after the exit: a cold start forks
+the agent (tens of MB of page tables), which slows the store it hosts while the survivors
+re-form through it, and they do not wait for the restart."""
+SPARE_REFILL_MAX_S = 2.0
+"""A spare handed out is replaced once the worker it became has committed, or after this
+long: a new spare's imports (~1 s of CPU) would compete with the recovery it is part of."""
+
+
+@dataclass(frozen=True)
+class AfterExit:
+    """What to do with a slot whose worker exited: ``restart`` after ``delay_s``, or mark
+    it ``done``; ``failed``: the job fails, with this reason."""
+
+    restart: bool = False
+    delay_s: float = 0.0
+    done: bool = False
+    failed: str | None = None
+
+
+def after_exit(
+    *,
+    rank: int,
+    code: int | None,
+    sig: int | None,
+    life: int,
+    max_restarts: int,
+    stopping: bool,
+    already_done: bool,
+    peers_finished: bool,
+    spares_left: bool,
+    elastic: bool,
+) -> AfterExit:
+    """A worker of slot ``rank`` in its ``life`` exited with ``code`` or signal ``sig``.
+    ``peers_finished``: another slot's worker ended the job cleanly already."""
+    if code == 0 or stopping or already_done:
+        return AfterExit(done=True)
+    how = f"code {code}" if sig is None else f"signal {sig}"
+    if peers_finished:
+        # there is nothing left to rejoin
+        return AfterExit(
+            done=True,
+            failed=f"rank {rank} failed ({code=}, {sig=}) after other workers had finished the job",
+        )
+    if life < max_restarts:
+        return AfterExit(
+            restart=True, delay_s=COLD_RESTART_DELAY_S if elastic and not spares_left else 0.0
+        )
+    return AfterExit(
+        done=True,
+        failed=f"rank {rank} failed ({how}) and has no restarts left (--max-restarts {max_restarts})",
+    )
+
+
+@dataclass(frozen=True)
+class Hung:
+    silent_s: float
+    timeout_s: float
+
+
+def hang_verdict(
+    *,
+    now: float,
+    started: float,
+    beat: float | None,
+    gap: float,
+    hang_timeout_s: float,
+    adaptive: bool,
+    start_grace_s: float,
+) -> Hung | None:
+    """Whether a worker started at ``started`` whose last heartbeat is ``beat`` (None: none
+    yet) and whose longest recent gap between beats is ``gap`` is hung at ``now``."""
+    if beat is None or beat < started:
+        if now - started <= start_grace_s:
+            return None  # still starting (imports): no heartbeat yet
+        beat = started
+    silent = now - beat
+    timeout = hang_timeout_s
+    if adaptive and gap > 0:
+        timeout = min(timeout, max(HANG_FLOOR_S, HANG_GAPS * gap))
+    return Hung(silent, timeout) if silent > timeout else None
+
+
+@dataclass(frozen=True)
+class SpareInfo:
+    pid: int
+    gpu: int | None
+    ready: bool
+    alive: bool = True
+
+
+def pick_spare(spares: Sequence[SpareInfo], gpu: int | None) -> SpareInfo | None:
+    """The spare a restart on ``gpu`` takes: a live one that warmed ``gpu`` if there is one
+    (a CUDA context costs ~0.4 s), else a ready one (a spare still warming up has up to its
+    imports left), else the oldest (the first listed)."""
+    live = [s for s in spares if s.alive]
+    if not live:
+        return None
+    return max(live, key=lambda s: (s.gpu == gpu, s.ready))
+
+
+def spare_owed_done(
+    *, now: float, deadline: float, same_life: bool, slot_done: bool, committed: bool
+) -> bool:
+    """Whether a spare handed out to a slot is replaced now: its worker committed, died
+    again (``same_life`` False) or ended, or it waited until ``deadline``."""
+    return now >= deadline or not same_life or slot_done or committed

@@ -1,0 +1,154 @@
+"""Every ``FASTFT_*`` environment variable, in one table, and the worker's environment.
+
+Three kinds of variables:
+
+* **worker**: set by the agent (``fastft run``) for each worker it starts, read once by
+  :meth:`WorkerEnv.from_env` (the worker runtime, ``ManagerFFT``, the lighthouse);
+* **spare**: set by the agent for a warm spare (:mod:`fastft.launch.spare`);
+* **flag**: the fall-back of a ``fastft run`` flag (``--nproc`` falls back to
+  ``FASTFT_NPROC``). Those are generated from :class:`fastft.launch.config.LaunchConfig`
+  and listed by :func:`fastft.launch.config.flag_variables`; where a flag and a worker
+  variable share a name (``FASTFT_STORE``, ``FASTFT_JOB``, ...) they mean the same thing.
+
+Precedence, everywhere: an explicit argument, then the variable, then the default.
+Variables are read at the edge (the CLI, :func:`fastft.init`), never inside constructors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastft.errors import ConfigError
+
+__all__ = [
+    "CUDA_DEVICE",
+    "MALLOC_TUNE",
+    "PREFAULT_MB",
+    "READY_FD",
+    "SPARE_RUN_AHEAD",
+    "VARIABLES",
+    "WORKER_FIELD_TYPES",
+    "WORKER_VARS",
+    "WorkerEnv",
+    "parse_bool",
+]
+
+SPARE_RUN_AHEAD = "FASTFT_SPARE_COMMAND"
+CUDA_DEVICE = "FASTFT_SPARE_CUDA_DEVICE"
+READY_FD = "FASTFT_SPARE_READY_FD"
+PREFAULT_MB = "FASTFT_SPARE_PREFAULT_MB"
+MALLOC_TUNE = "FASTFT_MALLOC_TUNE"
+
+VARIABLES: dict[str, str] = {
+    # spares (set by the agent)
+    SPARE_RUN_AHEAD: "spare: the worker's command line (JSON) when the spare runs the script "
+    "ahead (--spare-run-ahead); fastft.init() waits there for the agent's order",
+    CUDA_DEVICE: "spare: the GPU whose CUDA context the spare creates ahead of time",
+    READY_FD: "spare: a pipe the spare writes one byte to once it is warm",
+    PREFAULT_MB: "spare: MiB of heap memory the spare touches ahead of time (0: none)",
+    # any process
+    MALLOC_TUNE: "process: 0 leaves glibc's malloc thresholds alone (default: tuned)",
+}
+"""Name -> what it is, for every variable that is not a :class:`WorkerEnv` field (those
+add themselves below) nor a ``fastft run`` flag."""
+
+_TRUE = ("1", "true", "yes")
+_FALSE = ("0", "false", "no")
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    v = raw.strip().lower()
+    if v not in _TRUE + _FALSE:
+        raise ConfigError(f"{name}={raw!r}: expected 0 or 1")
+    return v in _TRUE
+
+
+def _var(name: str, doc: str, *, required: bool = False) -> Any:
+    return field(
+        default=None if not required else dataclasses.MISSING,
+        metadata={"var": name, "doc": doc, "required": required},
+    )
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What ``fastft run`` tells each worker, as environment variables (``to_env`` on the
+    agent, ``from_env`` in the worker). ``None``: not set (the reader's default applies)."""
+
+    store: str = _var("FASTFT_STORE", "HOST:PORT of the job's store", required=True)
+    job: str = _var("FASTFT_JOB", "job id", required=True)
+    rank: int = _var("FASTFT_RANK", "this worker's slot, stable across restarts", required=True)
+    world_size: int = _var("FASTFT_WORLD_SIZE", "number of slots", required=True)
+    min_replicas: int | None = _var("FASTFT_MIN_REPLICAS", "fewest members an epoch may have")
+    life: int | None = _var("FASTFT_LIFE", "how many times this slot was started before")
+    run_dir: str | None = _var("FASTFT_RUN_DIR", "the run directory (event log, heartbeats)")
+    inject: str | None = _var("FASTFT_INJECT", "path of the fault plan (JSON)")
+    heartbeat_file: str | None = _var("FASTFT_HEARTBEAT_FILE", "the worker's heartbeat file")
+    exit_trace_file: str | None = _var("FASTFT_EXIT_TRACE_FILE", "the exit sentinel's file")
+    seed: int | None = _var("FASTFT_SEED", "the job's seed")
+    incarnation: int | None = _var("FASTFT_INCARNATION", "this life's id, drawn by the agent")
+    check_every: int | None = _var("FASTFT_CHECK_EVERY", "log the state digest every N commits")
+    keep_gradients: bool | None = _var(
+        "FASTFT_KEEP_GRADIENTS", "elastic world: keep each step's local gradient (0 or 1)"
+    )
+    backend: str | None = _var("FASTFT_BACKEND", "process groups: auto, gloo or nccl")
+
+    def to_env(self) -> dict[str, str]:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                continue
+            out[f.metadata["var"]] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+        return out
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, supplied: frozenset[str] = frozenset()
+    ) -> WorkerEnv:
+        """Parse the variables; a missing required one (not in ``supplied``, the fields
+        the caller passes explicitly) or a malformed one is a ConfigError that names it
+        and says what to do."""
+        env = os.environ if env is None else env
+        kw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            name = f.metadata["var"]
+            raw = env.get(name)
+            if not raw:
+                if f.metadata["required"] and f.name not in supplied:
+                    raise ConfigError(
+                        f"{name} is not set: start the script with `fastft run` "
+                        f"(or pass {f.name}= to fastft.init)"
+                    )
+                continue
+            kind = str(f.type)
+            if kind.startswith("int"):
+                try:
+                    kw[f.name] = int(raw)
+                except ValueError:
+                    raise ConfigError(f"{name}={raw!r}: expected an integer") from None
+            elif kind.startswith("bool"):
+                kw[f.name] = parse_bool(name, raw)
+            else:
+                kw[f.name] = raw
+        for f in dataclasses.fields(cls):  # required ones the caller supplies
+            kw.setdefault(f.name, None)
+        return cls(**kw)
+
+    @classmethod
+    def present(cls, env: Mapping[str, str] | None = None) -> bool:
+        """Whether this process was started by ``fastft run`` (its store is set)."""
+        env = os.environ if env is None else env
+        return bool(env.get("FASTFT_STORE"))
+
+
+WORKER_VARS: dict[str, str] = {f.name: f.metadata["var"] for f in dataclasses.fields(WorkerEnv)}
+""":class:`WorkerEnv` field -> its variable."""
+WORKER_FIELD_TYPES: dict[str, str] = {f.name: str(f.type) for f in dataclasses.fields(WorkerEnv)}
+
+for _f in dataclasses.fields(WorkerEnv):
+    VARIABLES[_f.metadata["var"]] = "worker: " + _f.metadata["doc"]

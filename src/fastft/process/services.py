@@ -1,0 +1,68 @@
+"""The per-process services of one worker life, shared by the native runtime and
+``ManagerFFT``: the event log, the heartbeat, the exit sentinel, the stack dump on the
+agent's signal, the bus endpoint and the fault injector.
+
+Started in one call, last in the owner's constructor (the bus delivers messages to the
+owner's callback from then on), and closed in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from fastft.bus import BusConfig, BusEndpoint, tcpstore_bus
+from fastft.inject import FaultPlan, FaultSpec, Injector
+from fastft.process.events import EventLog
+from fastft.process.heartbeat import Heartbeat, dump_stacks_on_signal
+from fastft.process.sentinel import start_exit_sentinel
+from fastft.protocol import Message
+
+__all__ = ["Services"]
+
+
+@dataclass
+class Services:
+    events: EventLog
+    heartbeat: Heartbeat
+    bus: BusEndpoint
+    injector: Injector
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        store: dist.Store,
+        job: str,
+        rank: int,
+        incarnation: int,
+        life: int,
+        label: str,
+        run_dir: str | None,
+        heartbeat_file: str | None,
+        exit_trace_file: str | None,
+        inject: str | None,
+        on_message: Callable[[Message], None],
+        fire: Callable[[FaultSpec], None],
+        events: EventLog | None = None,
+    ) -> Services:
+        """``fire``: how the owner executes a planned fault (it logs it first);
+        ``events``: an event log the owner opened already."""
+        events = events if events is not None else EventLog(run_dir, label)
+        heartbeat = Heartbeat(heartbeat_file)
+        start_exit_sentinel(exit_trace_file)
+        dump_stacks_on_signal()
+        plan = FaultPlan.load(inject) if inject else FaultPlan(faults=())
+        injector = Injector(plan, rank, life, executor=fire)
+        bus = tcpstore_bus(store, BusConfig(job=job, rank=rank, incarnation=incarnation))
+        bus.subscribe(on_message)
+        bus.start()
+        return cls(events, heartbeat, bus, injector)
+
+    def close(self) -> None:
+        """Idempotent: each part's close is."""
+        self.bus.close()
+        self.heartbeat.close()
+        self.events.close()

@@ -1,0 +1,374 @@
+"""The worker's API: :func:`init`, :class:`Runtime` and :class:`Transaction`.
+
+One :class:`Runtime` per process. Its brain is the pure state machine
+(:func:`fastft.fsm.decide`), run by :class:`fastft.runtime.executor.Executor`. The main
+thread is interrupted (``fastft.interrupt``) only inside the user's step body; the
+runtime's own machinery is shielded from the signal and checks the state machine at its
+own safe points instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fastft.process.malloc as malloc
+from fastft.bus import connect_store
+from fastft.fsm import GradsReady, Phase, Shutdown, StepState
+from fastft.interrupt import Interrupter, StepInterrupted
+from fastft.interrupt import allreduce as interruptible_allreduce
+from fastft.process.env import SPARE_RUN_AHEAD
+from fastft.process.events import EventLog
+from fastft.process.heartbeat import Heartbeat
+from fastft.process.order import await_order, ran_ahead
+from fastft.process.services import Services
+from fastft.protocol import JobKeys
+from fastft.runtime.contract import JobFinished, Member, RuntimeConfig
+from fastft.runtime.coordinator import Coordinator, SideClient
+from fastft.runtime.dataplane import DataPlane
+from fastft.runtime.executor import Executor
+from fastft.runtime.kept import KeptGradients
+from fastft.runtime.state import StateRegistry, reseed
+
+__all__ = ["Runtime", "Transaction", "init"]
+
+log = logging.getLogger(__name__)
+
+_DECISION_WAIT_S = 0.5
+
+
+class Transaction:
+    """One attempt of one step; use as a context manager from :meth:`Runtime.transaction`.
+
+    ``step``: the step number; ``rank``/``world``: this worker's dense rank and the
+    number of members in the current epoch (partition the step's global batch by them);
+    ``committed`` is set when the ``with`` block ends.
+    """
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        self.step = -1
+        self.epoch = -1
+        self.rank = -1
+        self.world = 0
+        self.committed = False
+
+    def __enter__(self) -> Transaction:
+        return self._rt._enter(self)
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
+        return self._rt._exit(self, et, ev)
+
+    def shard(self, n: int) -> slice:
+        """This member's part of the step's global batch of ``n`` samples: contiguous and
+        balanced (the first ``n % world`` members take one more), so whatever the epoch's
+        size every sample of a committed step is consumed exactly once (S5 when the world
+        shrinks). After it, :meth:`allreduce_gradients` weights each member's gradient by
+        its share: the result is the gradient of the mean over the whole global batch.
+
+        In an elastic world, the attempts of a step after it rolled back give each member
+        a piece of the samples nobody kept: the members that had finished their part add
+        the gradient they kept (``keep_gradients``, :mod:`fastft.runtime.kept`)."""
+        rt = self._rt
+        kept = rt._x.kept
+        part = kept.shard(rt._x.view, self.step, n, self.world, self.rank)
+        # A part that will be kept is worth finishing: a peer's fault from here on is
+        # raised when the part is done (at the allreduce), not in the middle of it, and
+        # the retry adds the part instead of computing a larger one from scratch; for at
+        # most half the rollback timeout, which is how long the closer of the next epoch
+        # waits for a survivor before it leaves it out.
+        half = rt.config.rollback_timeout_s / 2
+        rt.interrupter.defer_s = half if kept.worth_finishing() else 0.0
+        return part
+
+    def allreduce_gradients(self, model: nn.Module | None = None) -> None:
+        """Average the gradients of the registered model over the epoch (interruptible);
+        weighted by the members' shares when :meth:`shard` was used."""
+        self._rt.injector.fire_due(self.step, point="collective")
+        self._rt._allreduce_gradients(model)
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> None:
+        """Sum ``tensors`` in place over the epoch's members (interruptible)."""
+        rt = self._rt
+        with rt._hb.blocked:
+            interruptible_allreduce(rt._require_pg(), tensors, rt.interrupter)
+
+
+class Runtime:
+    """fastft on one worker. Build it with :func:`init`."""
+
+    def __init__(self, config: RuntimeConfig, *, store: dist.Store | None = None) -> None:
+        malloc.tune()  # steps that do not depend on what the process freed before
+        self.config = config
+        self.rank = config.rank
+        self.incarnation = config.incarnation or (secrets.randbits(62) | 1)
+        self.me = Member(self.rank, self.incarnation)
+        self.keys = JobKeys(config.job)
+        self.events = EventLog(config.run_dir, f"rank {self.rank}")
+        self.registry = StateRegistry()
+        store = store if store is not None else connect_store(config.store)
+        decisions = store.clone()  # type: ignore[attr-defined]
+        decisions.set_timeout(datetime.timedelta(seconds=_DECISION_WAIT_S))
+        self.interrupter = Interrupter().install()
+        self.interrupter.end_step()
+        x = self._x = Executor(
+            config,
+            self.me,
+            Coordinator(
+                store,
+                self.keys,
+                self.rank,
+                self.incarnation,
+                config.world_size,
+                config.min_members,
+                dead=set(),
+                decision_store=decisions,
+            ),
+            SideClient(store.clone(), self.keys),  # type: ignore[attr-defined]
+            self.registry,
+            self.interrupter,
+            self.events,
+            DataPlane(
+                store,
+                backend=config.backend,
+                pg_timeout_s=config.pg_timeout_s,
+                model=lambda: self.registry.model,
+                events=self.events,
+            ),
+            KeptGradients(config.keep_gradients and config.elastic),
+        )
+        x.coord.dead = x.dead  # one set of the dead per process
+        self.interrupter.shield(
+            Runtime._enter, Runtime._exit, Executor.drive, Executor._run_main_action, Runtime.close
+        )
+        self._store = store
+        self._retries = 0
+        self._registered = False
+        self._step_gen = 0
+        sv = Services.start(
+            store=store,
+            job=config.job,
+            rank=self.rank,
+            incarnation=self.incarnation,
+            life=config.life,
+            label=f"rank {self.rank}",
+            run_dir=config.run_dir,
+            heartbeat_file=config.heartbeat_file,
+            exit_trace_file=config.exit_trace_file,
+            inject=config.inject,
+            on_message=x.faults.on_message,
+            fire=x.faults.inject,
+            events=self.events,
+        )
+        x.attach(sv)
+        self.bus = sv.bus
+        self.injector = sv.injector
+        self._hb: Heartbeat = sv.heartbeat
+        self.events.emit(
+            "worker_start",
+            incarnation=self.incarnation,
+            life=config.life,
+            pid=os.getpid(),
+            ran_ahead=ran_ahead(),
+        )
+
+    # --- public API ------------------------------------------------------------------------
+    def register(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        **others: Any,
+    ) -> Runtime:
+        """Register what a step changes and a heal transfers, then join the job: returns
+        once this worker is a member of an epoch and holds the committed state."""
+        self.registry.register(model, optimizer, **others)
+        if model is not None:
+            self._x.dp.backend()  # a backend that cannot work with this model fails here
+        self._registered = True
+        self._drive(lambda s: s.phase is Phase.NORMAL)
+        return self
+
+    @property
+    def step(self) -> int:
+        """Number of committed steps (the step the next transaction runs)."""
+        return self._x.state.step
+
+    @property
+    def epoch(self) -> int:
+        return self._x.state.epoch
+
+    @property
+    def world(self) -> int:
+        view = self._x.view
+        return len(view.members) if view else 0
+
+    @property
+    def commits(self) -> int:
+        return self._x.commits
+
+    @property
+    def rollbacks(self) -> int:
+        return self._x.rollbacks
+
+    def transaction(self) -> Transaction:
+        """``with ft.transaction() as tx:`` one step: commits on every member or on none."""
+        return Transaction(self)
+
+    def no_hang_check(self) -> Any:
+        """A context manager for long work between steps (evaluation, a checkpoint): the
+        heartbeat goes on while it runs, so the agent's hang timeout (adaptive or not)
+        does not kill the worker. A real hang inside it is not detected."""
+        return self._hb.blocked
+
+    def digest(self) -> str:
+        """Hash of the replicated state at the current step (S3)."""
+        return self.registry.digest(self.step)
+
+    def close(self) -> None:
+        """Leave the job. Idempotent."""
+        x = self._x
+        if x.closing:
+            return
+        x.closing = True
+        view = x.view
+        if (
+            x.state.phase is Phase.NORMAL
+            and view is not None
+            and view.has(self.rank, self.incarnation)
+        ):
+            try:  # a member ends after a committed step: joiners need not wait any more
+                self._store.set(self.keys.finished, str(x.state.step))
+            except Exception:  # noqa: BLE001 - the store may be gone at the very end
+                log.debug("could not mark the job finished", exc_info=True)
+        x.feed(Shutdown("closed"))
+        with x.lock:
+            x.cond.notify_all()
+        self.events.emit("worker_stop", step=x.state.step, commits=x.commits, rollbacks=x.rollbacks)
+        x.membership.collector.close()
+        self.bus.close()
+        self.interrupter.close()
+        self._hb.close()
+        self.events.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the step --------------------------------------------------------------------------
+    def _drive(self, done: Callable[[StepState], bool]) -> None:
+        try:
+            self._x.drive(done)
+        except JobFinished:
+            self.close()
+            raise
+
+    def _enter(self, tx: Transaction) -> Transaction:
+        if not self._registered:
+            raise RuntimeError("call ft.register(model=..., optimizer=...) before a transaction")
+        self._drive(lambda s: s.phase is Phase.NORMAL)
+        x = self._x
+        s, view = x.state, x.view
+        assert view is not None
+        tx.step, tx.epoch = s.step, s.epoch
+        tx.rank, tx.world = view.index(self.rank), len(view.members)
+        x.kept.begin_attempt()
+        reseed(self.config.seed, s.step, tx.rank)
+        self.registry.begin_step()
+        self._hb.beat()
+        self.interrupter.begin_step(s.epoch, s.step)
+        self._step_gen = x.phase_changes
+        try:
+            self.injector.fire_due(s.step)
+        except Exception as e:  # an injected exception: a local fault of this step
+            x.faults.local(e)
+        return tx
+
+    def _exit(self, tx: Transaction, et: Any, ev: Any) -> bool:
+        x = self._x
+        if et is None and x.dp.heal_tail is not None:
+            try:
+                x.finish_heal_tail()
+            except (StepInterrupted, Exception) as e:  # as if the step's body had raised it
+                et, ev = type(e), e
+        self.interrupter.end_step()
+        self._hb.beat()
+        step = tx.step
+        if et is None:
+            with x.lock:
+                if x.state.phase is Phase.NORMAL and x.state.step == step:
+                    x.feed_locked(GradsReady())
+            self._drive(
+                lambda s: (
+                    s.step != step
+                    or s.phase not in (Phase.PREPARED, Phase.COMMIT, Phase.DRAIN_COMMIT)
+                )
+            )
+            tx.committed = x.state.step > step
+            if tx.committed:
+                self._retries = 0
+            return False
+        if isinstance(ev, StepInterrupted):
+            self.events.emit(
+                "interrupted",
+                epoch=tx.epoch,
+                step=step,
+                reason=ev.reason,
+                source_rank=ev.source_rank,
+            )
+            return True
+        if isinstance(ev, Exception):
+            self._retries += 1
+            x.faults.local(ev, gen=self._step_gen)
+            if self._retries > self.config.max_step_retries:
+                log.error("step %d failed %d times in a row: giving up", step, self._retries)
+                return False
+            return True
+        return False  # KeyboardInterrupt, SystemExit, ...
+
+    def _allreduce_gradients(self, model: nn.Module | None) -> None:
+        if model is not None and self.registry.model is None:
+            self.registry.register(model=model)
+        flat = self.registry.grad_bucket()
+        grads: list[torch.Tensor] = []
+        if flat is None:  # mixed dtypes or devices: flatten a copy
+            grads = self.registry.gradients()
+            flat = torch._utils._flatten_dense_tensors(grads)
+        kept = self._x.kept
+        kept.weigh(flat, self._x.state.step)
+        pg = self._require_pg()
+        with self._hb.blocked:
+            interruptible_allreduce(pg, [flat], self.interrupter)
+        if kept.share is None:
+            flat.div_(self.world)
+        if grads:
+            unflat = torch._utils._unflatten_dense_tensors(flat, grads)
+            for g, r in zip(grads, unflat, strict=True):
+                g.copy_(r)
+
+    def _require_pg(self) -> Any:
+        self.interrupter.check()
+        pg = self._x.dp.pg
+        if pg is None:
+            raise RuntimeError("no process group: collectives run inside ft.transaction()")
+        return pg
+
+
+def init(config: RuntimeConfig | None = None, **overrides: Any) -> Runtime:
+    """Start fastft in this worker: reads what ``fastft run`` put in the environment (or
+    ``config``), connects to the job's store and joins its error bus. Then call
+    :meth:`Runtime.register` with the model and optimizer."""
+    if os.environ.get(SPARE_RUN_AHEAD):  # a warm spare that ran the script ahead:
+        await_order()  # it becomes its worker here
+    if config is None:
+        config = RuntimeConfig.from_env(**overrides)
+    return Runtime(config)

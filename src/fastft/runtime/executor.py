@@ -1,0 +1,388 @@
+"""The executor: feeds the state machine and performs its actions.
+
+Events come from two threads: the bus listener (peers' faults, rollback requests and acks,
+joins; :mod:`fastft.runtime.inbox` turns messages into events) and the main thread (the
+step finished, a local exception, a decision read from the store). Both feed
+:meth:`Executor.feed`, which runs :func:`fastft.fsm.decide` under one lock and performs the
+*immediate* actions on the spot (interrupt the step, propose ROLLBACK in the store,
+broadcast on the bus) and queues the rest (vote, apply the commit, drop gradients, form
+the next epoch, build its process group, send or fetch state) for the main thread, which
+runs them in :meth:`Executor.drive`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastft.fsm import (
+    AbortProcessGroup,
+    Action,
+    ApplyCommit,
+    BroadcastDrainNotice,
+    BroadcastRollbackAck,
+    BroadcastRollbackRequest,
+    CancelFutures,
+    CastVote,
+    CommitApplied,
+    ConfigureProcessGroup,
+    Deadline,
+    DeclareDead,
+    Event,
+    ExitWorker,
+    FetchState,
+    FormEpoch,
+    HealDone,
+    InterruptStep,
+    InvalidTransition,
+    Phase,
+    ProposeRollback,
+    SendDrainAck,
+    SendState,
+    StateLoaded,
+    StepState,
+    ZeroGrads,
+    decide,
+    initial_state,
+)
+from fastft.interrupt import Interrupter, StepInterrupted
+from fastft.process.events import EventLog
+from fastft.process.services import Services
+from fastft.protocol import (
+    DrainAck,
+    DrainNotice,
+    Fault,
+    JobKeys,
+    RollbackAck,
+    RollbackRequest,
+    Severity,
+)
+from fastft.runtime.contract import EpochView, Member, RuntimeConfig, WorkerExit
+from fastft.runtime.coordinator import Coordinator, SideClient
+from fastft.runtime.dataplane import DataPlane
+from fastft.runtime.faults import Faults
+from fastft.runtime.heal import Healer
+from fastft.runtime.kept import KeptGradients
+from fastft.runtime.membership import Membership
+from fastft.runtime.state import StateRegistry
+
+__all__ = ["Executor"]
+
+log = logging.getLogger(__name__)
+
+_MAIN_ACTIONS = (
+    CastVote,
+    ApplyCommit,
+    ZeroGrads,
+    ConfigureProcessGroup,
+    FormEpoch,
+    FetchState,
+    SendState,
+    ExitWorker,
+)
+_HEALING_ACTIONS = (FormEpoch, ConfigureProcessGroup, FetchState, SendState)
+_STEP_CYCLE = (Phase.NORMAL, Phase.PREPARED, Phase.COMMIT)
+_WAIT_S = 0.05
+_JOIN = Action()
+
+
+class Executor:
+    """One per worker. ``state`` is the state machine's; ``view`` the current epoch."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        me: Member,
+        coord: Coordinator,
+        side: SideClient,
+        registry: StateRegistry,
+        interrupter: Interrupter,
+        events: EventLog,
+        dataplane: DataPlane,
+        kept: KeptGradients,
+    ) -> None:
+        self.config = config
+        self.me = me
+        self.keys: JobKeys = coord.keys
+        self.coord = coord
+        self.side = side
+        """The listener thread's store client (rollback proposals, key collection)."""
+        self.registry = registry
+        self.interrupter = interrupter
+        self.events = events
+        self.dp = dataplane
+        self.kept = kept
+        self.dead: set[Member] = set()
+        """Lives known dead: the worker's one set (the coordinator reads it)."""
+        self.services: Services | None = None
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.state: StepState = initial_state(me.rank)
+        self.view: EpochView | None = None
+        self.phase_changes = 0
+        self._phase_since = time.monotonic()
+        self.action_gen = 0
+        self._todo: collections.deque[tuple[int, Action]] = collections.deque()
+        """Main-thread actions, each with the count of phase changes when it was queued."""
+        self.closing = False
+        self.commits = 0
+        self.rollbacks = 0
+        self.membership = Membership(self)
+        self.faults = Faults(self)
+
+    def attach(self, services: Services) -> None:
+        self.services = services
+        self.healer = Healer(
+            self.dp, self.registry, self.interrupter, services.heartbeat, self.events
+        )
+
+    @property
+    def sv(self) -> Services:
+        assert self.services is not None
+        return self.services
+
+    # --- feeding ---------------------------------------------------------------------------
+    def feed(self, event: Event) -> None:
+        with self.lock:
+            self.feed_locked(event)
+
+    def feed_locked(self, event: Event) -> None:
+        before = self.state
+        try:
+            new, actions = decide(before, event)
+        except InvalidTransition as e:
+            log.error("state machine: %s (ignored)", e)
+            return
+        self.state = new
+        if new.phase is not before.phase:
+            self._phase_since = time.monotonic()
+            self.phase_changes += 1
+            if not (before.phase in _STEP_CYCLE and new.phase in _STEP_CYCLE):
+                # the fault-free cycle NORMAL -> PREPARED -> COMMIT is logged as commits
+                self.events.emit(
+                    "phase",
+                    frm=before.phase.name,
+                    to=new.phase.name,
+                    epoch=new.epoch,
+                    step=new.step,
+                    on=type(event).__name__,
+                    reason=new.reason or None,
+                )
+        for a in actions:
+            if isinstance(a, _MAIN_ACTIONS):
+                self._todo.append((self.phase_changes, a))
+            else:
+                self._run_immediate(a)
+        self.cond.notify_all()
+
+    def header(self) -> dict[str, Any]:
+        s = self.state
+        return dict(
+            job=self.config.job,
+            epoch=s.epoch,
+            rank=self.me.rank,
+            incarnation=self.me.incarnation,
+            step=s.step,
+        )
+
+    def _run_immediate(self, a: Action) -> None:
+        s = self.state
+        bus = self.sv.bus
+        if isinstance(a, InterruptStep):
+            if self.interrupter.interrupt(a.reason, epoch=s.epoch):
+                self.events.emit("interrupt", epoch=s.epoch, step=s.step, reason=a.reason)
+        elif isinstance(a, ProposeRollback):
+            got = self.side.propose_rollback(a.epoch, a.step, a.reason)
+            self.events.emit(
+                "propose_rollback", epoch=a.epoch, step=a.step, reason=a.reason, decision=got[:1]
+            )
+        elif isinstance(a, BroadcastRollbackRequest):
+            bus.broadcast(RollbackRequest(**self.header(), reason=a.reason[:2000]))
+        elif isinstance(a, BroadcastRollbackAck):
+            bus.broadcast(RollbackAck(**self.header()))
+        elif isinstance(a, AbortProcessGroup):
+            self.dp.abort(s.epoch)
+        elif isinstance(a, CancelFutures):
+            pass  # the interrupt already failed every pending future of the step
+        elif isinstance(a, BroadcastDrainNotice):
+            bus.broadcast(DrainNotice(**self.header(), reason=a.reason[:2000]))
+        elif isinstance(a, SendDrainAck):
+            bus.broadcast(DrainAck(**self.header(), drained_rank=a.rank))
+        elif isinstance(a, DeclareDead):
+            view = self.view
+            for r in sorted(a.ranks):
+                inc = view.incarnation(r) if view and r in view.ranks else 0
+                self.events.emit("declare_dead", rank=r, incarnation=inc, epoch=s.epoch)
+                if inc:  # its exit notice, when the agent has killed it, is no new fault
+                    self.dead.add(Member(r, inc))
+                bus.broadcast(
+                    Fault(
+                        **self.header(),
+                        severity=Severity.FAULT1,
+                        cause="silent during rollback",
+                        faulty_rank=r,
+                        faulty_incarnation=inc,
+                    )
+                )
+        else:  # pragma: no cover - a new action without an executor
+            raise AssertionError(f"no executor for {a}")
+
+    # --- the main thread -------------------------------------------------------------------
+    def drive(self, done: Callable[[StepState], bool]) -> None:
+        """Main thread: run queued actions until ``done(state)``."""
+        hb = self.sv.heartbeat
+        while True:
+            with self.lock:
+                queued, action = self._todo.popleft() if self._todo else (0, None)
+                if isinstance(action, _HEALING_ACTIONS) and queued != self.phase_changes:
+                    # queued by a healing that a later fault ended: the new one queued its own
+                    log.debug("dropping stale %s", action)
+                    continue
+                if action is None:
+                    s = self.state
+                    if done(s):
+                        return
+                    if s.phase is Phase.EXIT:
+                        raise WorkerExit(s.reason or "worker left the job")
+                    if (
+                        s.phase in (Phase.ROLLBACK_REQ, Phase.ROLLBACK_SYNC)
+                        and time.monotonic() - self._phase_since > self.config.rollback_timeout_s
+                    ):
+                        self._phase_since = time.monotonic()
+                        self.feed_locked(Deadline(time.monotonic()))
+                        continue
+                    if s.phase is Phase.INIT:
+                        action = _JOIN
+                    else:
+                        hb.beat()
+                        self.cond.wait(_WAIT_S)
+                        continue
+                self.action_gen = queued if action is not _JOIN else self.phase_changes
+            hb.beat()
+            self._run_main_action(action)
+
+    def _run_main_action(self, a: Action) -> None:
+        m = self.membership
+        if a is _JOIN:
+            m.join()
+        elif isinstance(a, CastVote):
+            m.vote(a)
+        elif isinstance(a, ApplyCommit):
+            self._apply_commit(a)
+        elif isinstance(a, ZeroGrads):
+            self.registry.rollback()
+            self.rollbacks += 1
+            s = self.state
+            self.events.emit("rollback", epoch=s.epoch, step=s.step, reason=s.reason)
+        elif isinstance(a, FormEpoch):
+            m.form(a)
+        elif isinstance(a, ConfigureProcessGroup):
+            self._configure(a)
+        elif isinstance(a, FetchState | SendState):
+            self._heal(a)
+        elif isinstance(a, ExitWorker):
+            self.events.emit("exit", reason=a.reason)
+            if not self.closing:
+                raise WorkerExit(a.reason)
+        else:  # pragma: no cover
+            raise AssertionError(f"no executor for {a}")
+
+    def cancelled(self, phase: Phase) -> Callable[[], bool]:
+        """A check for long main-thread waits: true once the job closes or the state
+        machine left ``phase``, even if it came back to it meanwhile (a fault during a
+        formation or a process-group build queues a new one; the old wait is stale)."""
+        changes = self.action_gen
+        hb = self.sv.heartbeat
+
+        def check() -> bool:
+            hb.beat()
+            return self.closing or self.state.phase is not phase or self.phase_changes != changes
+
+        return check
+
+    def _apply_commit(self, a: ApplyCommit) -> None:
+        self.sv.injector.fire_due(a.step, point="commit")  # tests: death after the decision
+        opt = self.registry.optimizer
+        with self.interrupter.atomic():
+            if opt is not None:
+                opt.step()
+            self.registry.zero_grads()
+        self.commits += 1
+        if self.dp.heal_pg is not None:
+            # every member voted, so every heal of the epoch is over on both of its ends
+            # (the sender's side can finish before the receiver's): the group can go
+            self.dp.release_heal(pending=False)
+        self.sv.heartbeat.tracking = True
+        every = self.config.check_every
+        digest = self.registry.digest(a.step + 1) if every and (a.step + 1) % every == 0 else None
+        k = self.kept
+        share = list(k.share) if k.share is not None else None
+        extra: dict[str, Any] = {}
+        if k.adding is not None and share is not None:
+            extra["kept"] = [*k.adding, share[2]]
+        self.events.emit(
+            "commit",
+            epoch=self.state.epoch,
+            step=a.step,
+            digest=digest,
+            shard=share,
+            wait_ms=self.membership.take_decision_wait(),
+            **extra,
+        )
+        self.feed(CommitApplied())
+
+    def _configure(self, a: ConfigureProcessGroup) -> None:
+        view = self.view
+        assert view is not None and view.epoch == a.epoch
+        base = self.cancelled(self.state.phase)
+        try:
+            self.dp.configure(
+                view,
+                self.me.rank,
+                self.keys.pg_prefix(a.epoch),
+                lambda: base() or self.state.epoch != a.epoch,
+            )
+        except Exception as e:
+            self.faults.local(e, gen=self.action_gen)
+
+    def _heal(self, a: FetchState | SendState) -> None:
+        view = self.view
+        assert view is not None and view.source is not None
+        if self.dp.pg is None or self.dp.pg_epoch != a.epoch:
+            return  # the process group was not built (cancelled): the fsm moved on
+        self.sv.injector.fire_due(a.step, point="heal")  # tests: death while healing
+        try:
+            got = self.healer.transfer(
+                a.epoch, a.step, view, self.me.rank, fetch=isinstance(a, FetchState)
+            )
+        except StepInterrupted:
+            return
+        except Exception as e:
+            self.faults.local(e, gen=self.action_gen)
+            return
+        with self.lock:
+            if got.tail is not None:
+                if self.dp.heal_pg is None or self.dp.heal_pg[0] != a.epoch:
+                    return  # a fault released the group (and ended the epoch) meanwhile
+                self.dp.heal_tail = got.tail
+            self.feed_locked(HealDone(pending=got.tail is not None and got.receiving))
+
+    def finish_heal_tail(self) -> None:
+        """Before the vote (S4: no vote without the whole state); raises StepInterrupted
+        on a fault meanwhile."""
+        tail = self.dp.heal_tail
+        if tail is None:
+            return
+        self.healer.finish_tail(tail)
+        with self.lock:
+            if self.dp.heal_tail is not tail:
+                self.interrupter.check()  # released by a fault that ended the step
+                return
+            self.dp.heal_tail = None
+            s = self.state
+            if tail.receiving and s.phase is Phase.NORMAL and s.epoch == tail.epoch:
+                self.feed_locked(StateLoaded())

@@ -1,0 +1,103 @@
+"""The worker's faults: its own (reported on the bus and fed to the state machine),
+its peers' (bus messages routed by :mod:`fastft.runtime.inbox`), and planned ones (the
+injector). Performed for the executor, under its lock."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fastft.fsm import LocalFault
+from fastft.inject import FaultKind, FaultSpec, StateLost, execute
+from fastft.protocol import Fault, Inject, Message, Severity
+from fastft.protocol.faults import fault_of
+from fastft.runtime.inbox import route
+
+if TYPE_CHECKING:
+    from fastft.runtime.executor import Executor
+
+__all__ = ["Faults"]
+
+
+class Faults:
+    def __init__(self, x: Executor) -> None:
+        self.x = x
+
+    def local(self, exc: BaseException, gen: int | None = None) -> None:
+        """Report this worker's own fault: event, bus, state machine. ``gen``: the count of
+        phase changes when the failed work began; if the state machine moved since (a
+        peer's fault already rolled the step back, and perhaps finished the rollback), the
+        failure is a consequence of that fault and starts nothing: a second rollback
+        cycle there would wait for members that are already past it."""
+        x = self.x
+        severity = Severity.FAULT1 if isinstance(exc, StateLost) else Severity.FAULT2
+        cause = f"{type(exc).__name__}: {exc}"
+        x.kept.fault()
+        with x.lock:
+            s = x.state
+            if gen is not None and gen != x.phase_changes and severity is Severity.FAULT2:
+                x.events.emit("local_fault_superseded", step=s.step, cause=cause[:300])
+                return
+            x.events.emit(
+                "local_fault",
+                step=s.step,
+                epoch=s.epoch,
+                severity=severity.name,
+                cause=cause[:500],
+                incarnation=x.me.incarnation,
+            )
+            x.sv.bus.broadcast(
+                Fault(
+                    **x.header(),
+                    severity=severity,
+                    cause=cause[:2000],
+                    faulty_rank=x.me.rank,
+                    faulty_incarnation=x.me.incarnation,
+                )
+            )
+            x.feed_locked(LocalFault(severity, cause[:200]))
+
+    def on_message(self, m: Message) -> None:
+        """The bus listener's callback."""
+        x = self.x
+        if isinstance(m, Inject):
+            x.sv.injector.on_message(m)
+            return
+        r = fault_of(m)
+        finished = r is not None and r.clean_exit and x.side.job_finished()
+        with x.lock:
+            s = x.state
+            out = route(
+                m,
+                me=x.me,
+                view=x.view,
+                epoch=s.epoch,
+                step=s.step,
+                dead=x.dead,
+                finished=finished,
+            )
+            if out.dead is not None:
+                x.dead.add(out.dead)
+            if out.record is not None:
+                x.events.emit(out.record[0], **out.record[1])
+            for ev in out.events:
+                x.feed_locked(ev)
+
+    def inject(self, spec: FaultSpec) -> None:
+        x = self.x
+        s = x.state
+        x.events.emit(
+            "injected",
+            kind=spec.kind.value,
+            point=spec.point,
+            step=s.step,
+            epoch=s.epoch,
+            incarnation=x.me.incarnation,
+        )
+        if spec.kind is FaultKind.STATE_LOST:
+            # make the loss real: a worker that failed to heal ends with a wrong digest
+            with torch.no_grad():
+                for t in x.registry.model.parameters() if x.registry.model else ():
+                    t.fill_(float("nan"))
+        execute(spec)

@@ -1,0 +1,124 @@
+"""The worker's inbox: a bus message becomes state-machine events. Pure.
+
+:func:`route` returns what the executor does with a message: the events it feeds, a life
+it now knows dead, and the record it logs. It reads nothing and sends nothing; whether the
+job finished (a store read) is asked by the executor before, only for a clean exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from dataclasses import dataclass
+from typing import Any
+
+from fastft.fsm import (
+    DrainAcked,
+    DrainNoticed,
+    Event,
+    JoinRequested,
+    LocalFault,
+    PeerFault,
+    RollbackAcked,
+    RollbackRequested,
+)
+from fastft.protocol import (
+    DrainAck,
+    DrainNotice,
+    Fault,
+    JoinRequest,
+    Message,
+    RollbackAck,
+    RollbackRequest,
+)
+from fastft.protocol.faults import fault_of
+from fastft.runtime.contract import EpochView, Member
+
+__all__ = ["Routed", "route"]
+
+
+@dataclass(frozen=True)
+class Routed:
+    """``events``: feed them, in order; ``dead``: add this life to the dead set;
+    ``record``: (event name, fields) for the event log."""
+
+    events: tuple[Event, ...] = ()
+    dead: Member | None = None
+    record: tuple[str, dict[str, Any]] | None = None
+
+
+NOTHING = Routed()
+
+
+def route(
+    m: Message,
+    *,
+    me: Member,
+    view: EpochView | None,
+    epoch: int,
+    step: int,
+    dead: Set[Member],
+    finished: bool = False,
+) -> Routed:
+    """What message ``m`` means to worker ``me`` in ``view`` (None before its first epoch)
+    at ``epoch``/``step``, knowing the lives in ``dead``. ``finished``: a member marked
+    the job finished (only asked for a clean exit: it then ends the job, not a fault)."""
+    r = fault_of(m)
+    if r is not None:
+        if r.clean_exit and finished:
+            # It finished the job after the last step, which this worker voted for too
+            # and is still applying: an end, not a fault.
+            return Routed(record=("peer_finished", {"rank": r.rank, "incarnation": r.incarnation}))
+        if r.rank == me.rank and r.incarnation in (0, me.incarnation):
+            if isinstance(m, Fault) and m.sender != (me.rank, me.incarnation):
+                # a monitor or an operator reports this worker faulty
+                why = f"reported by {m.role.name.lower()}: {r.cause}"[:200]
+                return Routed(events=(LocalFault(r.severity, why),))
+            return NOTHING
+        newly_dead = None
+        if r.dead:
+            who = Member(r.rank, r.incarnation)
+            if who in dead:
+                # one death, several messages (stopped, then killed; declared dead, then
+                # exited): the first one already started the recovery
+                return NOTHING
+            newly_dead = who
+        if (
+            view is not None
+            and r.rank in view.ranks
+            and r.incarnation
+            in (
+                0,
+                view.incarnation(r.rank),
+            )
+        ):
+            record = {
+                "rank": r.rank,
+                "incarnation": r.incarnation,
+                "severity": r.severity.name,
+                "cause": r.cause[:300],
+                "kind": type(m).__name__,
+                "sent": m.wall_time,
+                "epoch": epoch,
+                "step": step,
+            }
+            return Routed(
+                events=(PeerFault(r.rank, r.severity, r.cause[:200]),),
+                dead=newly_dead,
+                record=("peer_fault", record),
+            )
+        return Routed(dead=newly_dead)
+    if view is None or m.rank == me.rank:
+        return NOTHING  # not in an epoch yet (joins are admitted by the formation), or ours
+    member = view.has(m.rank, m.incarnation)
+    ev: Event | None = None
+    if isinstance(m, RollbackRequest):
+        ev = RollbackRequested(m.rank) if member and m.epoch == epoch else None
+    elif isinstance(m, RollbackAck):
+        ev = RollbackAcked(m.rank) if member and m.epoch == epoch else None
+    elif isinstance(m, DrainNotice):
+        ev = DrainNoticed(m.rank) if member else None
+    elif isinstance(m, DrainAck):
+        ev = DrainAcked(m.rank) if m.drained_rank == me.rank else None
+    elif isinstance(m, JoinRequest):
+        ev = JoinRequested(m.rank)
+    return Routed(events=(ev,)) if ev is not None else NOTHING

@@ -1,0 +1,151 @@
+"""Votes and epochs on the main thread: the executor's store-facing actions (join, form
+the next epoch, adopt it, vote and wait for the decision). The decisions themselves are
+the state machine's and :mod:`fastft.runtime.formation`'s; this module performs them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from fastft.fsm import CastVote, Decision, FormEpoch, PeerFault, Phase, QuorumReady
+from fastft.protocol import JoinRequest, Severity
+from fastft.runtime.contract import EpochView, JobFinished
+from fastft.runtime.coordinator import ADMIT, COMMIT, KeyCollector
+
+if TYPE_CHECKING:
+    from fastft.runtime.executor import Executor
+
+__all__ = ["Membership"]
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    def __init__(self, x: Executor) -> None:
+        self.x = x
+        self.collector = KeyCollector(x.side)
+        self._decision_wait_ms: float | None = None
+
+    def take_decision_wait(self) -> float | None:
+        """The last fault-free commit's wait for its decision (logged with the commit)."""
+        ms, self._decision_wait_ms = self._decision_wait_ms, None
+        return ms
+
+    # --- votes -----------------------------------------------------------------------------
+    def vote(self, a: CastVote) -> None:
+        x = self.x
+        view = x.view
+        assert view is not None
+        t0 = time.monotonic()
+        got = x.coord.vote(
+            a.epoch, a.step, len(view.members), leaving=a.want_drain, joining=a.joining
+        )
+        while got is None:
+            got = x.coord.await_decision(a.epoch, a.step)
+            if x.closing:
+                break
+            x.sv.heartbeat.beat()
+        commit = got is not None and got[:1] == COMMIT
+        admit = commit and got == COMMIT + ADMIT
+        if commit and view.index(x.me.rank) == 0 and a.step > 0:
+            self.collector.put(a.epoch, a.step - 1)  # every member has read it by now
+        wait_ms = round((time.monotonic() - t0) * 1e3, 3)
+        if commit and not admit:  # the fault-free path: one line per step, the commit's
+            self._decision_wait_ms = wait_ms
+        else:
+            x.events.emit(
+                "decision",
+                epoch=a.epoch,
+                step=a.step,
+                decision="commit" if commit else "rollback",
+                reason=None if commit or got is None else got[1:],
+                admit=admit,
+                wait_ms=wait_ms,
+            )
+        x.feed(Decision(commit=commit, admit=admit))
+
+    # --- epochs ----------------------------------------------------------------------------
+    def _announce_join(self) -> None:
+        x = self.x
+        x.sv.bus.broadcast(
+            JoinRequest(job=x.config.job, epoch=0, rank=x.me.rank, incarnation=x.me.incarnation)
+        )
+
+    def _finished(self, e: JobFinished, what: str) -> None:
+        self.x.events.emit("job_finished", step=e.step)
+        log.warning("%s", what)
+
+    def join(self) -> None:
+        x = self.x
+        x.events.emit("join_wait", incarnation=x.me.incarnation)
+        t0 = time.monotonic()
+        try:
+            view = x.coord.form_as_joiner(
+                start_timeout_s=x.config.start_timeout_s,
+                cancelled=x.cancelled(Phase.INIT),
+                announce=self._announce_join,
+            )
+        except JobFinished as e:
+            self._finished(e, str(e))
+            raise
+        if view is not None:
+            self.adopt(view, waited_s=time.monotonic() - t0)
+
+    def form(self, a: FormEpoch) -> None:
+        x = self.x
+        prev = x.view
+        assert prev is not None
+        t0 = time.monotonic()
+        exclude = a.exclude | frozenset(m.rank for m in prev.members if m in x.dead)
+        try:
+            view = x.coord.form_as_survivor(
+                prev,
+                exclude,
+                step=x.state.step,
+                lost_state=a.lost_state,
+                timeout_s=x.config.rollback_timeout_s,
+                cancelled=x.cancelled(Phase.HEALING),
+                kept=x.kept.of_step(x.state.step),
+                # elastic: the retry goes on without workers still to heal (admitted after
+                # the next commit); a fixed world cannot step without them
+                admit=not (a.rollback and x.config.elastic),
+            )
+        except JobFinished as e:
+            self._finished(e, f"the job finished at step {e.step} while this worker re-formed")
+            raise
+        if view is None:
+            return
+        if not view.has(x.me.rank, x.me.incarnation):
+            x.events.emit("excluded", epoch=view.epoch)
+            x.feed(QuorumReady(view.epoch, view.ranks, view.step, view.needs_state))
+            return
+        self.adopt(view, waited_s=time.monotonic() - t0)
+
+    def adopt(self, view: EpochView, waited_s: float) -> None:
+        x = self.x
+        x.events.emit(
+            "epoch",
+            epoch=view.epoch,
+            members=[m.rank for m in view.members],
+            step=view.step,
+            needs_state=sorted(view.needs_state),
+            source=view.source,
+            form_ms=round(waited_s * 1e3, 3),
+            **({"kept": [list(k) for k in view.kept]} if view.kept else {}),
+            **({"waiting": list(view.waiting)} if view.waiting else {}),
+        )
+        with x.lock:
+            x.view = view
+            ready = QuorumReady(
+                view.epoch,
+                view.ranks,
+                view.step,
+                view.needs_state,
+                waiting=bool(view.waiting),
+                source=view.source if x.dp.heal_apart() else None,
+            )
+            x.feed_locked(ready)
+            for m in view.members:  # deaths we heard of while the epoch was being formed
+                if m in x.dead and m != x.me:
+                    x.feed_locked(PeerFault(m.rank, Severity.FAULT1, "died during formation"))

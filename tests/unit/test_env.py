@@ -1,0 +1,93 @@
+"""The environment contract: every FASTFT_* variable in one table, the worker's environment
+round trip, and `fastft run` flags that fall back to their variables (pure)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fastft.errors import ConfigError
+from fastft.launch.config import LaunchConfig, add_run_flags, config_from_args, flag_variables
+from fastft.process.env import VARIABLES, WORKER_VARS, WorkerEnv
+
+
+@given(
+    rank=st.integers(0, 1000),
+    world=st.integers(1, 1000),
+    life=st.none() | st.integers(0, 9),
+    keep=st.none() | st.booleans(),
+    inc=st.none() | st.integers(1, 2**62),
+    run_dir=st.none() | st.text("abc/_-", min_size=1),
+)
+def test_the_worker_environment_round_trips(rank, world, life, keep, inc, run_dir):
+    we = WorkerEnv(
+        store="h:1",
+        job="j",
+        rank=rank,
+        world_size=world,
+        life=life,
+        keep_gradients=keep,
+        incarnation=inc,
+        run_dir=run_dir,
+    )
+    env = we.to_env()
+    assert set(env) <= set(VARIABLES)
+    assert WorkerEnv.from_env(env) == we
+
+
+def test_a_missing_or_malformed_variable_names_itself():
+    with pytest.raises(ConfigError, match="FASTFT_STORE is not set"):
+        WorkerEnv.from_env({})
+    base = WorkerEnv(store="h:1", job="j", rank=0, world_size=1).to_env()
+    with pytest.raises(ConfigError, match="FASTFT_SEED='x': expected an integer"):
+        WorkerEnv.from_env({**base, WORKER_VARS["seed"]: "x"})
+
+
+def test_every_variable_is_documented_once():
+    assert all(name.startswith("FASTFT_") and doc for name, doc in VARIABLES.items())
+    flags = flag_variables()
+    assert flags["FASTFT_HANG_TIMEOUT"] == "--hang-timeout"
+    assert flags["FASTFT_NPROC"] == "--nproc"
+    # a flag and a worker variable of the same name mean the same thing
+    for shared in set(flags) & set(VARIABLES):
+        assert shared in {
+            "FASTFT_STORE",
+            "FASTFT_JOB",
+            "FASTFT_SEED",
+            "FASTFT_MIN_REPLICAS",
+            "FASTFT_RUN_DIR",
+            "FASTFT_INJECT",
+            "FASTFT_CHECK_EVERY",
+            "FASTFT_KEEP_GRADIENTS",
+            "FASTFT_BACKEND",
+            "FASTFT_SPARE_PREFAULT_MB",
+        }, shared
+
+
+def _parse(argv, env):
+    p = argparse.ArgumentParser()
+    add_run_flags(p, env)
+    return config_from_args(p.parse_args(argv), ("python", "x.py"))
+
+
+def test_flags_fall_back_to_their_variables_then_to_the_default():
+    assert _parse([], {}) == LaunchConfig(command=("python", "x.py"))
+    cfg = _parse([], {"FASTFT_NPROC": "3", "FASTFT_ADAPTIVE_HANG": "1", "FASTFT_EXIT_TRACE": "0"})
+    assert (cfg.nproc, cfg.adaptive_hang, cfg.exit_trace) == (3, True, False)
+    cfg = _parse(["--nproc", "2", "--hang-timeout", "7"], {"FASTFT_NPROC": "3"})
+    assert (cfg.nproc, cfg.hang_timeout_s) == (2, 7.0)
+    assert _parse(["--no-keep-gradients"], {}).keep_gradients is False
+
+
+def test_a_malformed_flag_variable_fails_at_start():
+    with pytest.raises(ConfigError, match="FASTFT_NPROC='many'"):
+        _parse([], {"FASTFT_NPROC": "many"})
+
+
+def test_every_launch_field_but_the_command_and_env_is_a_flag():
+    names = {f.name for f in dataclasses.fields(LaunchConfig)} - {"command", "env"}
+    assert len(flag_variables()) == len(names)

@@ -1,0 +1,94 @@
+"""Epoch formation's decisions (pure): who is admitted, who heals, who sends."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fastft.runtime.contract import EpochView, Member
+from fastft.runtime.formation import Arrival, close_after, close_first
+
+PREV = EpochView(4, (Member(0, 10), Member(1, 11), Member(2, 12)), 7, frozenset(), 0)
+
+
+def _close(arrived, joiners=None, expected=(0, 1, 2), timed_out=False, admit=True, min_members=3):
+    return close_after(
+        PREV,
+        arrived,
+        joiners or {},
+        expected=list(expected),
+        timed_out=timed_out,
+        admit=admit,
+        min_members=min_members,
+    )
+
+
+def test_waits_for_every_expected_survivor_until_the_deadline():
+    arrived = {0: Arrival(10, 7, False), 1: Arrival(11, 7, False)}
+    assert _close(arrived) is None
+    view = _close(arrived, joiners={2: 99}, timed_out=True)
+    assert view is not None and view.epoch == 5
+    assert view.members == (Member(0, 10), Member(1, 11), Member(2, 99))
+    assert view.needs_state == {2} and view.source == 0 and view.step == 7
+
+
+def test_below_min_members_it_waits_for_restarted_workers():
+    arrived = {0: Arrival(10, 7, False), 1: Arrival(11, 7, False)}
+    assert _close(arrived, expected=(0, 1)) is None
+    assert _close(arrived, expected=(0, 1), min_members=2).members == (Member(0, 10), Member(1, 11))
+
+
+def test_a_survivor_that_lost_its_state_heals_from_the_lowest_that_holds_it():
+    arrived = {r: Arrival(10 + r, 7, r == 0) for r in range(3)}
+    view = _close(arrived)
+    assert view.source == 1 and view.needs_state == {0}
+
+
+def test_an_elastic_retry_leaves_joiners_waiting_when_the_survivors_are_enough():
+    arrived = {0: Arrival(10, 7, False), 1: Arrival(11, 7, False, kept=(0, 4, 8))}
+    view = _close(arrived, joiners={2: 99}, expected=(0, 1), admit=False, min_members=2)
+    assert view.waiting == (2,) and Member(2, 99) not in view.members
+    assert view.kept == ((1, 0, 4, 8),)
+
+
+def test_arrivals_round_trip_through_the_store():
+    for a in (Arrival(5, 3, False), Arrival(5, 3, True), Arrival(5, 3, False, kept=(1, 2, 9))):
+        assert Arrival.from_json(a.to_json()) == a
+    assert Arrival.from_json(Arrival(5, 3, True, kept=(1, 2, 9)).to_json()).kept is None
+
+
+def test_the_first_epoch_is_closed_by_the_lowest_joiner_once_every_slot_is_there():
+    joiners = {0: 10, 1: 11, 2: 12}
+    kw = dict(latest=0, world_size=3, min_members=3, waited_s=0.0, start_timeout_s=300.0)
+    assert close_first(joiners, me=1, **kw) is None
+    view = close_first(joiners, me=0, **kw)
+    assert view is not None and view.epoch == 1 and view.source == 0
+    assert view.needs_state == {1, 2}
+    assert close_first({0: 10, 1: 11}, me=0, **kw) is None
+    late = dict(kw, min_members=2, waited_s=301.0)
+    assert close_first({0: 10, 1: 11}, me=0, **late).members == (Member(0, 10), Member(1, 11))
+
+
+@given(
+    st.dictionaries(
+        st.integers(0, 2),
+        st.tuples(st.integers(1, 50), st.integers(0, 9), st.booleans()),
+        min_size=1,
+    ),
+    st.dictionaries(st.integers(3, 5), st.integers(1, 50), max_size=2),
+)
+def test_every_closed_view_is_consistent(arrivals, joiners):
+    arrived = {r: Arrival(inc, step, lost) for r, (inc, step, lost) in arrivals.items()}
+    view = close_after(
+        PREV, arrived, joiners, expected=[0, 1, 2], timed_out=True, admit=True, min_members=1
+    )
+    assert view is not None
+    ranks = [m.rank for m in view.members]
+    assert ranks == sorted(ranks) and set(ranks) == set(arrived) | set(joiners)
+    holders = {r for r, a in arrived.items() if not a.lost}
+    if holders:
+        assert view.source == min(holders)
+        assert view.step == max(a.step for r, a in arrived.items() if not a.lost)
+        assert view.needs_state == (set(ranks) - holders)
+    else:
+        assert view.source is None and not view.needs_state

@@ -1,0 +1,138 @@
+"""The worker's inbox: bus messages become state-machine events (pure)."""
+
+from __future__ import annotations
+
+from fastft.fsm import (
+    DrainAcked,
+    DrainNoticed,
+    JoinRequested,
+    LocalFault,
+    PeerFault,
+    RollbackAcked,
+    RollbackRequested,
+)
+from fastft.protocol import (
+    DrainAck,
+    DrainNotice,
+    Fault,
+    HangSuspected,
+    JoinRequest,
+    ProcessExited,
+    Role,
+    RollbackAck,
+    RollbackRequest,
+    Severity,
+)
+from fastft.runtime.contract import EpochView, Member
+from fastft.runtime.inbox import route
+
+ME = Member(0, 10)
+VIEW = EpochView(3, (Member(0, 10), Member(1, 11), Member(2, 12)), 5, frozenset(), 0)
+HDR = dict(job="j", epoch=3, step=5)
+AGENT = dict(HDR, rank=-1, incarnation=0, role=Role.AGENT)
+
+
+def _route(m, view=VIEW, dead=frozenset(), finished=False):
+    return route(m, me=ME, view=view, epoch=3, step=5, dead=dead, finished=finished)
+
+
+def _exited(rank, inc, code=None, sig=9):
+    return ProcessExited(
+        **AGENT, exited_rank=rank, exited_incarnation=inc, exit_code=code, signal=sig
+    )
+
+
+def test_a_peer_death_is_a_fault1_and_names_the_life_dead():
+    out = _route(_exited(1, 11))
+    assert out.events == (PeerFault(1, Severity.FAULT1, "rank 1 exited (signal 9)"),)
+    assert out.dead == Member(1, 11)
+    assert out.record is not None and out.record[0] == "peer_fault"
+
+
+def test_one_death_several_messages_starts_one_recovery():
+    hung = HangSuspected(**AGENT, hung_rank=1, hung_incarnation=11, silent_for_s=1.0, stopped=True)
+    first = _route(hung)
+    assert first.dead == Member(1, 11) and first.events
+    again = _route(_exited(1, 11), dead={Member(1, 11)})
+    assert again.events == () and again.dead is None
+
+
+def test_an_older_life_is_dead_but_not_a_fault_of_this_epoch():
+    out = _route(_exited(1, 7))
+    assert out.events == () and out.dead == Member(1, 7)
+
+
+def test_a_clean_exit_after_the_job_finished_is_an_end_not_a_fault():
+    out = _route(_exited(1, 11, code=0, sig=None), finished=True)
+    assert out.events == () and out.dead is None and out.record[0] == "peer_finished"
+    assert _route(_exited(1, 11, code=0, sig=None)).events  # not finished: a fault
+
+
+def test_a_monitor_reporting_this_worker_is_a_local_fault():
+    f = Fault(
+        **HDR,
+        rank=-1,
+        incarnation=5,
+        role=Role.MONITOR,
+        severity=Severity.FAULT2,
+        cause="ecc",
+        faulty_rank=0,
+        faulty_incarnation=0,
+    )
+    (ev,) = _route(f).events
+    assert isinstance(ev, LocalFault) and ev.severity is Severity.FAULT2 and "monitor" in ev.cause
+
+
+def test_our_own_fault_and_the_agents_notice_of_our_exit_are_ignored():
+    own = Fault(
+        **HDR,
+        rank=0,
+        incarnation=10,
+        severity=Severity.FAULT2,
+        cause="x",
+        faulty_rank=0,
+        faulty_incarnation=10,
+    )
+    assert _route(own).events == ()
+    assert _route(_exited(0, 10)).events == ()
+
+
+def test_a_peer_reporting_its_own_fault1_lost_its_state_but_lives():
+    f = Fault(
+        **HDR,
+        rank=1,
+        incarnation=11,
+        severity=Severity.FAULT1,
+        cause="state lost",
+        faulty_rank=1,
+        faulty_incarnation=11,
+    )
+    out = _route(f)
+    assert out.dead is None and out.events == (PeerFault(1, Severity.FAULT1, "state lost"),)
+
+
+def test_barrier_messages_count_only_from_members_of_this_epoch():
+    req = RollbackRequest(**HDR, rank=1, incarnation=11, reason="r")
+    assert _route(req).events == (RollbackRequested(1),)
+    stale = RollbackRequest(**dict(HDR, epoch=2), rank=1, incarnation=11, reason="r")
+    assert _route(stale).events == ()
+    stranger = RollbackAck(**HDR, rank=1, incarnation=99)
+    assert _route(stranger).events == ()
+    assert _route(RollbackAck(**HDR, rank=2, incarnation=12)).events == (RollbackAcked(2),)
+
+
+def test_drains_and_joins():
+    assert _route(DrainNotice(**HDR, rank=2, incarnation=12, reason="bye")).events == (
+        DrainNoticed(2),
+    )
+    assert _route(DrainAck(**HDR, rank=2, incarnation=12, drained_rank=0)).events == (
+        DrainAcked(2),
+    )
+    assert _route(DrainAck(**HDR, rank=2, incarnation=12, drained_rank=1)).events == ()
+    assert _route(JoinRequest(**HDR, rank=1, incarnation=77)).events == (JoinRequested(1),)
+
+
+def test_before_the_first_epoch_only_deaths_are_noted():
+    assert _route(JoinRequest(**HDR, rank=1, incarnation=77), view=None).events == ()
+    out = _route(_exited(1, 11), view=None)
+    assert out.events == () and out.dead == Member(1, 11)

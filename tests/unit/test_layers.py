@@ -1,0 +1,110 @@
+"""The package's layers: no module imports from a layer above its own, and no import cycle
+among the modules (imports at module level; lazy imports inside functions and imports
+for type checking only are not cycles at run time, but they must still respect layers)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import fastft
+
+SRC = Path(fastft.__file__).parent
+
+LAYERS = [
+    {"errors"},
+    {"protocol"},
+    {"fsm", "bus", "interrupt", "inject"},
+    {"process"},
+    {"runtime", "report", "testing"},
+    {"integrations"},
+    {"launch"},
+    {""},  # the package itself (its lazy ``fastft.init``)
+    {"cli", "demo"},  # the demo is a user of the public API
+]
+RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+
+
+def _module(path: Path) -> str:
+    parts = ("fastft", *path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(tree: ast.Module, top_level_only: bool) -> set[str]:
+    out: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.split(".")[0] == "fastft":
+                    out.add(node.module)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name.split(".")[0] == "fastft")
+            elif isinstance(node, ast.If):
+                if top_level_only and "TYPE_CHECKING" in ast.unparse(node.test):
+                    continue
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+            elif not top_level_only:
+                visit([c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)])
+
+    visit(tree.body)
+    return out
+
+
+def _graph(top_level_only: bool) -> dict[str, set[str]]:
+    return {
+        _module(p): _imports(ast.parse(p.read_text()), top_level_only) for p in SRC.rglob("*.py")
+    }
+
+
+def _pkg(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_package_has_a_layer():
+    pkgs = {_pkg(m) for m in _graph(False)}
+    assert pkgs <= set(RANK), f"give these a layer in LAYERS: {sorted(pkgs - set(RANK))}"
+
+
+def test_no_import_from_a_higher_layer():
+    bad = [
+        f"{a} imports {b}"
+        for a, deps in _graph(top_level_only=False).items()
+        for b in deps
+        if RANK[_pkg(b)] > RANK[_pkg(a)]
+    ]
+    assert not bad, bad
+
+
+def test_no_import_cycle():
+    graph = _graph(top_level_only=True)
+    # resolve `from fastft.x import y` to the module fastft.x (a package's __init__)
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def dfs(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(graph.get(m, ())):
+            if d not in graph:
+                continue
+            if state.get(d) == 1:
+                return path[path.index(d) :] + [d]
+            if d not in state and (cycle := dfs(d)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := dfs(m)):
+            raise AssertionError(" -> ".join(cycle))
+
+
+def test_no_module_is_too_big_to_read_in_one_sitting():
+    big = {_module(p): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not big, big

@@ -1,0 +1,71 @@
+"""The agent's pure decisions: restarts, hangs, spares."""
+
+from __future__ import annotations
+
+from fastft.launch.policy import (
+    COLD_RESTART_DELAY_S,
+    HANG_FLOOR_S,
+    SpareInfo,
+    after_exit,
+    hang_verdict,
+    pick_spare,
+    spare_owed_done,
+)
+
+BASE = dict(
+    rank=1,
+    life=0,
+    max_restarts=3,
+    stopping=False,
+    already_done=False,
+    peers_finished=False,
+    spares_left=True,
+    elastic=False,
+)
+
+
+def test_a_clean_exit_or_a_stop_ends_the_slot():
+    assert after_exit(code=0, sig=None, **BASE).done
+    assert after_exit(code=None, sig=9, **dict(BASE, stopping=True)).done
+
+
+def test_a_crash_is_restarted_until_the_restarts_run_out():
+    do = after_exit(code=1, sig=None, **BASE)
+    assert do.restart and not do.done and do.delay_s == 0.0
+    cold = after_exit(code=None, sig=9, **dict(BASE, spares_left=False, elastic=True))
+    assert cold.restart and cold.delay_s == COLD_RESTART_DELAY_S
+    out = after_exit(code=None, sig=9, **dict(BASE, life=3))
+    assert out.done and out.failed and "--max-restarts 3" in out.failed and "signal 9" in out.failed
+
+
+def test_a_crash_after_the_job_finished_fails_it():
+    do = after_exit(code=1, sig=None, **dict(BASE, peers_finished=True))
+    assert do.done and not do.restart and "finished the job" in do.failed
+
+
+def test_hangs_are_judged_after_the_start_grace_and_by_the_adaptive_timeout():
+    kw = dict(started=0.0, hang_timeout_s=30.0, adaptive=False, start_grace_s=120.0)
+    assert hang_verdict(now=100.0, beat=None, gap=0.0, **kw) is None  # still starting
+    h = hang_verdict(now=121.0, beat=None, gap=0.0, **kw)
+    assert h is not None and h.silent_s == 121.0
+    assert hang_verdict(now=40.0, beat=20.0, gap=0.0, **kw) is None
+    assert hang_verdict(now=51.0, beat=20.0, gap=0.0, **kw).timeout_s == 30.0
+    ad = dict(kw, adaptive=True)
+    assert hang_verdict(now=23.0, beat=20.0, gap=0.01, **ad).timeout_s == HANG_FLOOR_S
+    assert hang_verdict(now=23.5, beat=20.0, gap=0.2, **ad) is None  # 20 x 0.2 = 4 s
+
+
+def test_a_restart_takes_a_spare_warm_on_its_gpu_then_a_ready_one_then_the_oldest():
+    spares = [SpareInfo(10, 0, False), SpareInfo(11, 1, False), SpareInfo(12, None, True)]
+    assert pick_spare(spares, 1).pid == 11
+    assert pick_spare(spares, None).pid == 12
+    assert pick_spare([SpareInfo(10, None, False), SpareInfo(11, None, False)], None).pid == 10
+    assert pick_spare([SpareInfo(10, None, True, alive=False)], None) is None
+
+
+def test_a_spare_handed_out_is_replaced_once_its_worker_recovered():
+    kw = dict(now=1.0, deadline=2.0, same_life=True, slot_done=False, committed=False)
+    assert not spare_owed_done(**kw)
+    assert spare_owed_done(**dict(kw, committed=True))
+    assert spare_owed_done(**dict(kw, same_life=False))
+    assert spare_owed_done(**dict(kw, now=2.0))
