@@ -40,6 +40,9 @@ __all__ = ["StoreTransport", "tcpstore_bus", "host_store", "connect_store", "par
 
 log = logging.getLogger(__name__)
 
+DRAIN_JOIN_S = 2.0
+"""How long closing an endpoint waits for a drain of an evicted queue to end."""
+
 _CHECK_EVERY = 64
 
 
@@ -102,6 +105,7 @@ class StoreTransport:
         self._pub = store.clone()  # type: ignore[attr-defined]
         self._sub: dist.Store | None = None
         self._drainer: dist.Store | None = None
+        self._drains: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._pushes: dict[str, int] = {}
         self._alive_seen: dict[str, tuple[bytes, float]] = {}
@@ -156,12 +160,14 @@ class StoreTransport:
         if self._drainer is None:  # one long-lived connection: new ones can be slow
             self._drainer = self._pub.clone()
         drainer = self._drainer
-        threading.Thread(
+        t = threading.Thread(
             target=self._drain,
             args=(drainer, self.keys.bus_queue(sid)),
             daemon=True,
             name=f"fastft-bus-drain-{sid}",
-        ).start()
+        )
+        self._drains = [d for d in self._drains if d.is_alive()] + [t]
+        t.start()
 
     @staticmethod
     def _drain(store: dist.Store, key: str) -> None:
@@ -231,7 +237,12 @@ class StoreTransport:
             self._pub.queue_push(self.keys.bus_queue(self.id), WAKE)
 
     def close(self) -> None:
-        """Drop both connections now: clients must not outlive their use."""
+        """Drop both connections now: clients must not outlive their use. A drain still
+        running is waited for (at most ``DRAIN_JOIN_S``): a process that exits while a
+        thread is inside a store call aborts in C++ ("terminate called without an active
+        exception")."""
+        for t in self._drains:
+            t.join(timeout=DRAIN_JOIN_S)
         with self._lock:
             self._sub = self._drainer = None
             self._pub = None
