@@ -14,7 +14,7 @@ length; a queue at ``max_queue`` gets its subscriber evicted and its queue drain
 background (a TCPStore queue cannot be deleted, only emptied).
 
 Connections are long-lived on purpose: every new TCPStore connection costs torch 2.13 a
-reverse DNS lookup, which can stall for 5 s (``docs/architecture.md``, "Known limit"), so
+reverse DNS lookup, which can stall for 5 s (``docs/measurements.md``, "Known limit"), so
 no connection is opened on a hot path. Each endpoint uses two connections of its own (cloned from the store it is given): one for
 publishing and membership, one for the listener's blocking pop, which waits up to
 ``idle_pop_s`` and is woken early by a sentinel pushed into its own queue at close.

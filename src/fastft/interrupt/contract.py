@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastft.errors import FastFTError
+from fastft.protocol.faults import fault_of
 from fastft.protocol.messages import Message
 
 __all__ = ["StepInterrupted", "FutureCancelled", "CollectiveFailed"]
@@ -29,10 +30,8 @@ class StepInterrupted(BaseException):
         m = self.message
         if m is None:
             return None
-        for name in ("faulty_rank", "exited_rank", "hung_rank"):
-            if hasattr(m, name):
-                return int(getattr(m, name))
-        return m.rank
+        r = fault_of(m)
+        return r.rank if r is not None else m.rank
 
     def __str__(self) -> str:
         return f"step {self.step} of epoch {self.epoch} interrupted: {self.reason}"

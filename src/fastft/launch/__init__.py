@@ -1,5 +1,24 @@
-"""The node agent and launcher: ``fastft run``."""
+"""The node agent and launcher: ``fastft run``. Imported lazily: the CLI builds its
+``run`` flags from :mod:`fastft.launch.config` without importing torch."""
 
-from fastft.launch.agent import Agent, LaunchConfig
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastft.launch.agent import Agent
+    from fastft.launch.config import LaunchConfig
 
 __all__ = ["Agent", "LaunchConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Agent":
+        from fastft.launch.agent import Agent
+
+        return Agent
+    if name == "LaunchConfig":
+        from fastft.launch.config import LaunchConfig
+
+        return LaunchConfig
+    raise AttributeError(f"module 'fastft.launch' has no attribute {name!r}")

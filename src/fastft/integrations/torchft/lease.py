@@ -3,7 +3,7 @@
 
 A committed quorum in which every member was at its max step is reused by the following
 steps instead of asking the lighthouse, while the bus reports nothing that breaks it; every
-``quorum_every``-th step asks anyway. Why it is safe: ``docs/architecture.md``, "Quorum
+``quorum_every``-th step asks anyway. Why it is safe: ``docs/measurements.md``, "Quorum
 leases".
 """
 

@@ -31,12 +31,10 @@ from fastft.integrations.torchft.quorum import (
     parse_replica_id,
     quorum_changed,
 )
+from fastft.protocol.faults import fault_of
 from fastft.protocol.messages import (
-    Fault,
-    HangSuspected,
     JoinRequest,
     Message,
-    ProcessExited,
     RollbackRequest,
     Severity,
 )
@@ -189,14 +187,12 @@ class BusLighthouse:
 
     # --- the bus ---------------------------------------------------------------------------
     def on_message(self, m: Message) -> None:
-        if isinstance(m, ProcessExited):
-            self.mark_dead(m.exited_rank, m.exited_incarnation, "exited")
-        elif isinstance(m, HangSuspected):  # its agent kills it
-            self.mark_dead(m.hung_rank, m.hung_incarnation, "stopped" if m.stopped else "hung")
-        elif isinstance(m, Fault) and m.severity is Severity.FAULT1:
-            # Declared dead by peers, or a replica's own report that it is dying
-            # (ManagerFFT's uncaught-exception hook): either way that life is over.
-            self.mark_dead(m.faulty_rank, m.faulty_incarnation, m.cause)
+        r = fault_of(m)
+        # An exit, a stop or a hang (its agent kills it), a replica declared dead by
+        # peers, or its own report that it is dying (ManagerFFT's uncaught-exception
+        # hook): either way that life is over. A Fault2 is a report of one step.
+        if r is not None and r.severity is Severity.FAULT1:
+            self.mark_dead(r.rank, r.incarnation, r.cause)
 
     def mark_dead(self, rank: int, incarnation: int, why: str = "") -> None:
         """Replica life (rank, incarnation) is gone: unhealthy now, and re-run the quorum."""

@@ -91,7 +91,7 @@ class ManagerFFT(Manager):
     and nobody joins, a step reuses the previous step's quorum instead of asking the
     lighthouse, and every ``quorum_every``-th step asks anyway (1: every step, as torchft).
     Only under ``fastft run`` and with replica groups of one process. Why it is safe, and
-    what it costs a joiner: ``docs/architecture.md``, "Quorum leases".
+    what it costs a joiner: ``docs/measurements.md``, "Quorum leases".
     """
 
     def __init__(
@@ -235,7 +235,7 @@ class ManagerFFT(Manager):
         )
         return ok
 
-    # --- quorum leases (docs/architecture.md, "Quorum leases") -------------------------------
+    # --- quorum leases (docs/measurements.md, "Quorum leases") -------------------------------
     @property
     def quorum_every(self) -> int:
         return self.lease.quorum_every
