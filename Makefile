@@ -40,6 +40,7 @@ bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/torchft_recovery.py
 	$(BIN)/python bench/lighthouse_rpc.py
 	$(BIN)/python bench/kill_teardown.py
+	$(BIN)/python bench/hang_kill.py
 
 demo: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/fastft demo

@@ -17,7 +17,7 @@ from torchft.manager import Manager  # noqa: E402
 
 from fastft.integrations.torchft import ManagerFFT  # noqa: E402
 from fastft.integrations.torchft.pg import aborts_release_waiters  # noqa: E402
-from fastft.integrations.torchft.quorum import QuorumTap  # noqa: E402
+from fastft.integrations.torchft.replica import QuorumTap  # noqa: E402
 from fastft.process.env import WORKER_VARS as ENV  # noqa: E402
 from fastft.protocol import (  # noqa: E402
     DrainNotice,

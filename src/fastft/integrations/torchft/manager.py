@@ -33,7 +33,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroup
 
@@ -42,12 +41,8 @@ from fastft.errors import FastFTError
 from fastft.inject import FaultSpec, execute
 from fastft.integrations.torchft.lease import LeaseTable
 from fastft.integrations.torchft.pg import BusProcessGroup, Pending
-from fastft.integrations.torchft.quorum import (
-    QuorumTap,
-    advertised_host,
-    fastft_replica_id,
-    parse_replica_id,
-)
+from fastft.integrations.torchft.quorum import parse_replica_id
+from fastft.integrations.torchft.replica import QuorumTap, under_fastft_kwargs
 from fastft.process.env import SPARE_RUN_AHEAD, WorkerEnv
 from fastft.process.env import WORKER_VARS as ENV
 from fastft.process.events import EventLog
@@ -122,29 +117,9 @@ class ManagerFFT(Manager):
         if under_fastft:
             self.fft_rank = int(env[ENV["rank"]])
             self.fft_incarnation = int(env[ENV["incarnation"]])
-            kwargs["replica_id"] = fastft_replica_id(
-                self.fft_rank,
-                self.fft_incarnation,
-                str(kwargs.get("replica_id") or env.get("REPLICA_GROUP_ID", self.fft_rank)),
+            self._fft_store_server = under_fastft_kwargs(
+                kwargs, env, self.fft_rank, self.fft_incarnation
             )
-            kwargs.setdefault("hostname", advertised_host(env))
-            # The bus reports a replica's death; the lighthouse's heartbeat (5 s timeout)
-            # is only the backstop for a node lost with its agent. torchft beats every
-            # 100 ms, and each beat costs the Python BusLighthouse ~0.7 ms of CPU
-            # (bench/lighthouse_rpc.py).
-            kwargs.setdefault("heartbeat_interval", timedelta(seconds=1))
-            if (
-                kwargs.get("store_addr") is None
-                and "MASTER_ADDR" not in env
-                and int(kwargs.get("world_size") or env.get("WORLD_SIZE", "1")) == 1
-            ):
-                self._fft_store_server = dist.TCPStore(
-                    "127.0.0.1", 0, is_master=True, wait_for_workers=False
-                )
-                kwargs["store_addr"] = "127.0.0.1"
-                kwargs["store_port"] = self._fft_store_server.port
-                kwargs.setdefault("rank", 0)
-                kwargs.setdefault("world_size", 1)
         else:
             self.fft_rank, self.fft_incarnation = -1, 0
             log.warning("ManagerFFT outside `fastft run`: no error bus, plain torchft Manager")

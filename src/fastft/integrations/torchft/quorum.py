@@ -27,15 +27,10 @@ about (rank, incarnation) names exactly one life of one replica.
 from __future__ import annotations
 
 import re
-import socket
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 __all__ = [
     "LighthouseOptions",
-    "QuorumTap",
-    "advertised_host",
     "Member",
     "QuorumState",
     "compute_quorum",
@@ -152,32 +147,3 @@ def quorum_changed(a: tuple[Member, ...], b: tuple[Member, ...] | None) -> bool:
         or [m.replica_id for m in a] != [m.replica_id for m in b]
         or any(m.commit_failures > 0 for m in a)
     )
-
-
-class QuorumTap:
-    """Forwards to torchft's ManagerClient and reports each quorum's members; answers from
-    ``reuse`` (a leased quorum) instead when it has one."""
-
-    def __init__(
-        self, client: Any, reuse: Callable[[], Any], on_quorum: Callable[[Any], None]
-    ) -> None:
-        self._client = client
-        self._reuse = reuse
-        self._on_quorum = on_quorum
-
-    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        q = self._reuse()
-        if q is not None:
-            return q
-        q = self._client._quorum(*args, **kwargs)
-        self._on_quorum(q)
-        return q
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-
-def advertised_host(env: Mapping[str, str]) -> str:
-    """The host name torchft advertises: loopback for a single-node job."""
-    store = env.get("FASTFT_STORE", "")
-    return "127.0.0.1" if store.startswith("127.0.0.1:") else socket.gethostname()
