@@ -1,11 +1,24 @@
 """torchft's DDP example with fastft's error bus: the one change from torchft's own
 ``train_ddp.py`` is ``Manager`` -> ``ManagerFFT``.
 
+Under fastft's launcher, which starts the lighthouse, one replica group per worker, and
+restarts a replica that dies (the restarted one heals from a live peer):
+
     fastft run --torchft fastft --nproc 3 examples/torchft_ddp.py --steps 200
 
-``fastft run`` starts the lighthouse, one replica group per worker, and restarts a replica
-that dies; the restarted one heals from a live peer. Each replica prints its final step and
-a digest of its parameters (all replicas print the same digest).
+Under torchrun (or any launcher): one store for the job that every replica group reaches,
+torchft's lighthouse, and each replica group told where the bus is (``--bus``):
+
+    fastft store --bind 127.0.0.1:29600 &
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000 &
+    REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=2 TORCHFT_LIGHTHOUSE=http://localhost:29510 \
+      torchrun --nproc-per-node 1 --master-port 29501 examples/torchft_ddp.py \
+      --bus 127.0.0.1:29600 --job demo
+    # ... and the same with REPLICA_GROUP_ID=1 and --master-port 29502
+
+A replica's exception then reaches its peers in milliseconds instead of a timeout (nobody
+watches for processes that die there: torchft's timeouts handle those). Each replica
+prints its final step and a digest of its parameters (all replicas print the same one).
 """
 
 import argparse
@@ -17,13 +30,17 @@ import torch
 from torch import nn, optim
 from torchft import DistributedDataParallel, Optimizer, ProcessGroupGloo
 
-from fastft.integrations.torchft import ManagerFFT
+from fastft.integrations.torchft import ManagerFFT, connect
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument(
+        "--bus", default=None, help="HOST:PORT of the job's store (not under fastft run)"
+    )
+    ap.add_argument("--job", default="torchft-ddp", help="the job's id on the bus")
     args = ap.parse_args()
     replica_group = int(os.environ.get("REPLICA_GROUP_ID", 0))
 
@@ -45,6 +62,7 @@ def main() -> None:
         state_dict=state_dict,
         replica_id=f"train_ddp_{replica_group}",
         timeout=timedelta(seconds=30),
+        bus=connect(args.bus, args.job) if args.bus else None,
     )
     model = DistributedDataParallel(manager, m)
     optimizer = Optimizer(manager, inner)

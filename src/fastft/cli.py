@@ -5,6 +5,7 @@
 * ``fastft bus tail``     print bus traffic as it happens
 * ``fastft plan check``   validate a fault plan file
 * ``fastft fsm-doc``      print the state machine's table as Markdown
+* ``fastft store``        host a job's store (ManagerFFT under another launcher)
 * ``fastft run``          the node agent: start, watch and restart the workers of a job
 * ``fastft report``       the timeline and figures of a finished run
 * ``fastft demo``         4 workers, one fault of each kind, checked against a clean run
@@ -92,6 +93,14 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("path")
 
     sub.add_parser("fsm-doc", help="print the step state machine as Markdown")
+
+    p = sub.add_parser(
+        "store",
+        help="host a job's store (for ManagerFFT under another launcher: connect())",
+        description="Host a TCPStore that every replica group of a job reaches, until "
+        "Ctrl-C. Under `fastft run` node 0's agent hosts it instead.",
+    )
+    p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT (port 0: any free one)")
 
     p = sub.add_parser(
         "run",
@@ -296,6 +305,27 @@ def _cmd_plan_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_store(args: argparse.Namespace) -> int:
+    host, _, port = args.bind.rpartition(":")
+    if not host or not port.isdigit():
+        _fail(f"--bind {args.bind!r}: expected HOST:PORT")
+    import signal
+    import threading
+
+    from fastft.bus import host_store
+
+    try:
+        server = host_store(host, int(port))
+    except Exception as e:  # noqa: BLE001 - a port in use, an address not ours
+        _fail(f"cannot host a store at {args.bind}: {e}")
+    print(f"{host}:{server.port}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    return 0
+
+
 def _cmd_fsm_doc(args: argparse.Namespace) -> int:
     from fastft.fsm.doc import render
 
@@ -382,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "inject": _cmd_inject,
         "report-error": _cmd_report,
         "fsm-doc": _cmd_fsm_doc,
+        "store": _cmd_store,
         "run": _cmd_run,
         "report": _cmd_report_run,
         "demo": _cmd_demo,

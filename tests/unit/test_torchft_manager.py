@@ -46,6 +46,8 @@ def manager_kwargs(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setenv(ENV["store"], "127.0.0.1:29400")
     monkeypatch.setenv(ENV["rank"], "2")
     monkeypatch.setenv(ENV["incarnation"], "5")
+    monkeypatch.setenv(ENV["job"], "j")
+    monkeypatch.setenv(ENV["world_size"], "3")
     return seen
 
 

@@ -318,6 +318,7 @@ def worker_environment(
             check_every=cfg.check_every,
             keep_gradients=cfg.keep_gradients,
             backend=cfg.backend,
+            lighthouse="bus" if cfg.torchft == "fastft" else None,
         ).to_env(),
         # torchrun's names: scripts place their model on cuda:LOCAL_RANK
         "LOCAL_RANK": str(local_rank),

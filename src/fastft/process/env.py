@@ -96,6 +96,11 @@ class WorkerEnv:
         "FASTFT_KEEP_GRADIENTS", "elastic world: keep each step's local gradient (0 or 1)"
     )
     backend: str | None = _var("FASTFT_BACKEND", "process groups: auto, gloo or nccl")
+    lighthouse: str | None = _var(
+        "FASTFT_LIGHTHOUSE",
+        "torchft replicas: 'bus' when their lighthouse announces joins on the bus "
+        "(ManagerFFT's quorum leases are then on by default)",
+    )
 
     def to_env(self) -> dict[str, str]:
         out = {}

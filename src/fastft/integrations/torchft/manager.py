@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -40,11 +41,10 @@ from fastft.bus import BusEndpoint, connect_store
 from fastft.errors import FastFTError
 from fastft.inject import FaultSpec, execute
 from fastft.integrations.torchft.lease import LeaseTable
-from fastft.integrations.torchft.pg import BusProcessGroup, Pending
+from fastft.integrations.torchft.pg import BusProcessGroup, Pending, wrap
 from fastft.integrations.torchft.quorum import parse_replica_id
 from fastft.integrations.torchft.replica import QuorumTap, under_fastft_kwargs
 from fastft.process.env import SPARE_RUN_AHEAD, WorkerEnv
-from fastft.process.env import WORKER_VARS as ENV
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat
 from fastft.process.services import Services
@@ -90,15 +90,24 @@ class ManagerFFT(Manager):
     """
 
     def __init__(
-        self, pg: ProcessGroup, *args: Any, quorum_every: int = QUORUM_EVERY, **kwargs: Any
+        self,
+        pg: ProcessGroup,
+        *args: Any,
+        quorum_every: int | None = None,
+        bus: WorkerEnv | None = None,
+        **kwargs: Any,
     ) -> None:
-        if isinstance(quorum_every, bool) or not isinstance(quorum_every, int) or quorum_every < 1:
+        if quorum_every is not None and (
+            isinstance(quorum_every, bool) or not isinstance(quorum_every, int) or quorum_every < 1
+        ):
             raise ValueError(f"quorum_every={quorum_every!r}: must be an integer >= 1")
         if os.environ.get(SPARE_RUN_AHEAD):  # a warm spare that ran the script ahead:
             from fastft.process.order import await_order
 
             await_order()  # it becomes its replica here
         env = os.environ
+        if bus is None and WorkerEnv.present(env):
+            bus = WorkerEnv.from_env(env)  # under `fastft run`
         self._fft_store_server: Any = None
         self.bus: BusEndpoint | None = None
         self.events: EventLog | None = None
@@ -108,48 +117,53 @@ class ManagerFFT(Manager):
         self._rolled_back: tuple[int, int] = (-1, -1)
         """(step, quorum id) of this replica's last rolled-back attempt."""
         self.lease = LeaseTable()
-        """Quorum leases; ``quorum_every`` is set under ``fastft run`` (they need the bus)."""
+        """Quorum leases (they need the bus); off unless turned on below."""
         self._fft_lock = threading.Lock()
         self._pending = Pending()
         self.peer_faults = 0
         self.interrupted = 0
-        under_fastft = bool(env.get(ENV["store"]))
-        if under_fastft:
-            self.fft_rank = int(env[ENV["rank"]])
-            self.fft_incarnation = int(env[ENV["incarnation"]])
+        if bus is not None:
+            self.fft_rank = bus.rank
+            self.fft_incarnation = bus.incarnation or (secrets.randbits(62) | 1)
             self._fft_store_server = under_fastft_kwargs(
-                kwargs, env, self.fft_rank, self.fft_incarnation
+                kwargs, env, self.fft_rank, self.fft_incarnation, store=bus.store
             )
         else:
             self.fft_rank, self.fft_incarnation = -1, 0
-            log.warning("ManagerFFT outside `fastft run`: no error bus, plain torchft Manager")
-        super().__init__(BusProcessGroup(pg, self._pending), *args, **kwargs)
+            log.warning(
+                "ManagerFFT without an error bus (not under `fastft run`, and no bus= "
+                "argument: see fastft.integrations.torchft.connect): a plain torchft Manager"
+            )
+        super().__init__(wrap(pg, self._pending), *args, **kwargs)
         client = self._client  # type: ignore[has-type]
         self._client = QuorumTap(client, self._reuse_quorum, self._on_quorum)
-        if not under_fastft:
+        if bus is None:
             return
+        if quorum_every is None:
+            # Leases hold back a replica that joins late unless its join is announced on
+            # the bus (BusLighthouse does): elsewhere, torchft's every-step quorum.
+            quorum_every = QUORUM_EVERY if bus.lighthouse == "bus" else 1
         if int(kwargs.get("world_size") or env.get("WORLD_SIZE", "1")) == 1:
             # A group of several processes would need its ranks to agree on every reuse.
             self.lease.quorum_every = quorum_every
-        we = WorkerEnv.from_env(env)
-        self._fft_store = connect_store(we.store)
+        self._fft_store = connect_store(bus.store)
         label = f"replica {self.fft_rank}"
         sv = Services.start(
             store=self._fft_store,
-            job=we.job,
+            job=bus.job,
             rank=self.fft_rank,
             incarnation=self.fft_incarnation,
-            life=we.life or 0,
+            life=bus.life or 0,
             label=label,
-            run_dir=we.run_dir,
-            heartbeat_file=we.heartbeat_file,
-            exit_trace_file=we.exit_trace_file,
-            inject=we.inject,
+            run_dir=bus.run_dir,
+            heartbeat_file=bus.heartbeat_file,
+            exit_trace_file=bus.exit_trace_file,
+            inject=bus.inject,
             on_message=self._on_message,
             fire=self._inject,
-            events=EventLog(we.run_dir, label) if we.run_dir else None,
+            events=EventLog(bus.run_dir, label) if bus.run_dir else None,
         )
-        self.events = sv.events if we.run_dir else None
+        self.events = sv.events if bus.run_dir else None
         self._hb, self.bus, self.injector = sv.heartbeat, sv.bus, sv.injector
         self._pending.on_block = self._hb.waiting
         self._prev_hook = sys.excepthook
@@ -353,7 +367,8 @@ class ManagerFFT(Manager):
         self.lease.told = True
         super().report_error(exc)
         n = self._pending.fail_all(exc)
-        self._pg.abort()  # NCCL only (see BusProcessGroup.abort)
+        if isinstance(self._pg, BusProcessGroup):
+            self._pg.abort()  # NCCL only (see BusProcessGroup.abort)
         self.interrupted += n
         self._emit(
             "peer_fault",

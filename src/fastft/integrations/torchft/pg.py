@@ -10,6 +10,7 @@ whether CUDA is present (Gloo on a GPU machine is wrapped)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -21,7 +22,18 @@ from torchft.process_group import ProcessGroup, ProcessGroupWrapper
 from fastft.interrupt.collectives import relay
 from fastft.process.teardown import exit_without_destructors_later
 
-__all__ = ["BusProcessGroup", "BusWork", "Pending", "aborts_release_waiters"]
+__all__ = ["BusProcessGroup", "BusWork", "Pending", "aborts_release_waiters", "wrap"]
+
+_POLL_S = 0.001
+"""While a wrapped work is waited for: how often it is asked whether it completed while
+its future has not (the future's completion or a bus fault wakes the wait at once)."""
+
+
+def wrap(pg: Any, pending: Pending) -> Any:
+    """The group ``ManagerFFT`` gives torchft: a torchft ``ProcessGroup`` wrapped so that a
+    bus fault ends its collectives' waits; a native ``torch.distributed`` group as it is
+    (torchft checks and drives it itself; a bus fault then fails the step at the vote)."""
+    return BusProcessGroup(pg, pending) if isinstance(pg, ProcessGroup) else pg
 
 
 class Pending:
@@ -78,17 +90,35 @@ class BusWork(dist._Work):
         work.get_future().then(relay(fut, wrap=lambda e: e, first=forget))
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait until the collective completes, a bus fault fails it, or ``timeout``
+        passes; then the work's own ``wait(timeout)`` gives its result (its errors, its
+        timeout), as torchft's work would. A work that completed while its future has not
+        (yet) is not waited for beyond that."""
         self._pending.on_block(True)
         try:
-            self._fut.wait()
+            self._await(timeout)
+            if self._fut.done():
+                self._fut.value()  # raises a bus fault, or the collective's own failure
+            return bool(self._work.wait(timeout) if timeout is not None else self._work.wait())
         except Exception:
-            self._pending.abandoned.append(self._work)  # still running: keep it alive
+            self._pending.abandoned.append(self._work)  # may still run: keep it alive
             self._pending.dirty = True
             exit_without_destructors_later()
             raise
         finally:
             self._pending.on_block(False)
-        return True
+
+    def _await(self, timeout: timedelta | None) -> None:
+        if self._fut.done() or self._work.is_completed():
+            return
+        woken = threading.Event()
+        self._fut.then(lambda _: woken.set())
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        while not self._fut.done() and not self._work.is_completed():
+            left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                return  # the work's own wait(timeout) reports the timeout
+            woken.wait(left)
 
     def is_completed(self) -> bool:
         return self._fut.done()
@@ -106,10 +136,11 @@ class BusWork(dist._Work):
 def aborts_release_waiters(pg: ProcessGroup) -> bool:
     """Whether aborting ``pg`` releases a collective stuck on a dead peer: NCCL's (and
     XCCL's) communicator abort does; Gloo's does not, so its works are wrapped instead.
-    Decided by the backend, not by whether CUDA is present: Gloo runs on GPU machines too."""
+    Decided by the backend, not by whether CUDA is present: Gloo runs on GPU machines too.
+    A group that cannot name its backend yet (not configured) is wrapped."""
     try:
         name = pg.getBackendName()
-    except NotImplementedError:
+    except Exception:  # NotImplementedError, or a native group's RuntimeError
         return False
     return "nccl" in name or "xccl" in name
 
@@ -142,6 +173,13 @@ class BusProcessGroup(ProcessGroupWrapper):
 
     def errored(self) -> Exception | None:
         return self._inner.errored()
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        return bool(getattr(self._inner, "supports_reconfigure", False))
+
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> Any:
+        return self._inner._create_pg(store, rank, world_size)
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._inner.set_timeout(timeout)

@@ -1,0 +1,91 @@
+"""A pytest plugin: torchft's own test files (shipped in its wheel) with ``torchft.Manager``
+rebound to :class:`fastft.integrations.torchft.ManagerFFT`.
+
+    pytest -p fastft_conformance --fastft-mode plain --pyargs torchft.manager_test ...
+
+``--fastft-mode plain``: ManagerFFT without a bus (what a torchft user gets by changing
+the class); ``bus``: every ManagerFFT joins an error bus on a TCPStore this plugin hosts on
+127.0.0.1 (a fresh job id per test), its replica index read from the ``replica_id``
+torchft's test gives it. ``EXCLUDED`` lists the tests left out, each with its reason; they
+are reported at the end, apart from torchft's own skips.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+import pytest
+
+EXCLUDED: dict[str, str] = {
+    # test id (module::class::test) -> why it cannot run against ManagerFFT
+}
+
+_STATE: dict[str, Any] = {"job": "conformance", "store": None, "server": None}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fastft-mode", choices=("plain", "bus"), default="plain")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import torchft
+    import torchft.manager
+
+    from fastft.integrations.torchft import ManagerFFT, connect
+
+    cls: type = ManagerFFT
+    if config.getoption("--fastft-mode") == "bus":
+        from fastft.bus import host_store
+
+        server = host_store()
+        _STATE["server"] = server
+        _STATE["store"] = f"127.0.0.1:{server.port}"
+
+        class BusManagerFFT(ManagerFFT):
+            """ManagerFFT on the plugin's bus: one job per test, the replica index from
+            the trailing digits of torchft's ``replica_id``."""
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                digits = re.search(r"(\d+)$", str(kwargs.get("replica_id") or "0"))
+                replica = int(digits.group(1)) if digits else 0
+                kwargs.setdefault(
+                    "bus",
+                    connect(_STATE["store"], _STATE["job"], replica=replica, replicas=replica + 1),
+                )
+                super().__init__(*args, **kwargs)
+
+        cls = BusManagerFFT
+    torchft.manager.Manager = cls  # type: ignore[misc]
+    torchft.Manager = cls  # type: ignore[attr-defined,misc]
+    config.addinivalue_line("markers", "fastft_excluded: left out of the conformance run")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_job() -> None:
+    _STATE["job"] = f"conformance-{uuid.uuid4().hex[:8]}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    kept, excluded = [], []
+    for item in items:
+        (excluded if _key(item) in EXCLUDED else kept).append(item)
+    if excluded:
+        config.hook.pytest_deselected(items=excluded)
+        items[:] = kept
+    config._fastft_excluded = [_key(i) for i in excluded]  # type: ignore[attr-defined]
+
+
+def _key(item: pytest.Item) -> str:
+    return item.nodeid.split("/")[-1]
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    tr = terminalreporter
+    tr.section(f"fastft conformance ({config.getoption('--fastft-mode')} mode)")
+    for key in getattr(config, "_fastft_excluded", []):
+        tr.write_line(f"excluded: {key}: {EXCLUDED[key]}")
+    for rep in tr.stats.get("skipped", []):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        tr.write_line(f"skipped by torchft: {rep.nodeid}: {reason}")
