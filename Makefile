@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: test unit lint bench demo fsm-doc clean
+.PHONY: test test-slow conformance unit lint bench demo fsm-doc clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -21,8 +21,17 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml constraints.txt
 	$(BIN)/python -m compileall -q src
 	touch $@
 
+# make test: every tier but the slowest scenarios (under 10 minutes on 2 cores);
+# make test-slow: those (CI runs both, and the torchft conformance run).
 test: $(VENV)/.installed
-	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q tests
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow" tests
+
+test-slow: $(VENV)/.installed
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m slow tests
+
+# torchft's own test files (shipped in its wheel) with torchft.Manager rebound to ManagerFFT
+conformance: $(VENV)/.installed
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python tests/conformance/run.py
 
 unit: $(VENV)/.installed
 	$(BIN)/python -m pytest -q tests/unit

@@ -187,6 +187,7 @@ def test_two_ranks_in_one_step_and_a_death_between_decision_and_apply(tmp_path, 
     assert ("rank 1", 6) in fetched and ("rank 0", 15) in fetched
 
 
+@pytest.mark.slow
 def test_deaths_while_healing(tmp_path, clean):
     plan = [
         # rank 1 dies; its restart dies again while healing; the third life heals
@@ -212,6 +213,7 @@ def test_deaths_while_healing(tmp_path, clean):
     assert ("rank 2", 15) in sent, sent
 
 
+@pytest.mark.slow
 def test_a_heal_sends_the_optimizer_state_while_the_step_runs(tmp_path):
     """With a model whose Adam moments are large (a 512x512 layer: 1 MiB each), a heal
     sends all but them first and lets them follow while the healed worker runs its step;
@@ -243,6 +245,7 @@ def test_a_heal_sends_the_optimizer_state_while_the_step_runs(tmp_path):
     assert tails[0]["mono"] < last_commit_5["mono"]  # loaded before its vote
 
 
+@pytest.mark.slow
 def test_a_worker_lost_while_the_bus_is_flooded(tmp_path, clean):
     """The agent hosts the store: while an outside publisher floods the bus with valid
     and malformed messages, a worker is killed; recovery and S5 are unaffected."""
@@ -341,6 +344,7 @@ def test_gil_hang_is_killed_after_the_hang_timeout(tmp_path, clean):
     assert "most recent call first" in log and "execute.py" in log, log[-3000:]
 
 
+@pytest.mark.slow
 def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     """--min-replicas 2 of 3: the survivors go on without the killed worker, the restarted
     one heals and joins again at a step boundary. Every sample of every committed step is

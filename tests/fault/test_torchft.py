@@ -48,7 +48,9 @@ def run_example(tmp: Path, kind: str) -> tuple[Path, str]:
     return run, out
 
 
-@pytest.mark.parametrize("kind", ["sigkill", "exception", "sigstop", "gil_hang"])
+@pytest.mark.parametrize(
+    "kind", ["sigkill", "exception", "sigstop", pytest.param("gil_hang", marks=pytest.mark.slow)]
+)
 def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
     run, out = run_example(tmp_path, kind)
     ev = read_events(run)

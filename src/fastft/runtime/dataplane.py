@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastft.process.events import EventLog
-from fastft.process.teardown import drop_later, exit_without_destructors_later
+from fastft.process.teardown import drop_later, keep_forever
 from fastft.runtime.contract import EpochView, choose_backend
 
 __all__ = ["DataPlane", "HealTail"]
@@ -60,7 +60,6 @@ class DataPlane:
         self._chosen: str | None = None
         self.pg: Any = None
         self.pg_epoch = -1
-        self.abandoned: list[Any] = []  # never destroyed mid-operation, never reused
         self.heal_pg: tuple[int, Any] | None = None
         """(epoch, group) of the source and the members it heals (:meth:`heal_ranks`)."""
         self.heal_tail: HealTail | None = None
@@ -119,8 +118,7 @@ class DataPlane:
         """The epoch ends with an operation perhaps in flight: abandon its groups."""
         self.release_heal(pending=True)
         if self.pg is not None:
-            self.abandoned.append(self.pg)
-            exit_without_destructors_later()
+            keep_forever(self.pg)  # never destroyed mid-operation, never reused
             if hasattr(self.pg, "abort") and self.backend() == "nccl":
                 self._abort_nccl(self.pg, epoch)
             self.pg = None
@@ -134,8 +132,7 @@ class DataPlane:
         self.heal_pg = None
         self.heal_tail = None  # abandoned with it, or already finished
         if pending:
-            self.abandoned.extend(held)
-            exit_without_destructors_later()
+            keep_forever(held[0])
         else:
             drop_later(held)
 
@@ -163,10 +160,10 @@ class DataPlane:
                     break
                 except cf.TimeoutError:
                     if cancelled():
-                        self.abandoned.extend(groups)
+                        _keep_all(groups, futs)
                         return False
                 except Exception:
-                    self.abandoned.extend(groups)
+                    _keep_all(groups, futs)
                     raise
         if self.pg is not None:  # the last epoch's, after a commit: nothing is pending
             done = [self.pg]
@@ -230,3 +227,17 @@ class DataPlane:
             )
 
         threading.Thread(target=run, name=f"fastft-nccl-abort-{epoch}", daemon=True).start()
+
+
+def _keep_all(groups: list[Any], futs: list[cf.Future[Any]]) -> None:
+    """A build given up: the groups built so far, and those a build thread still makes,
+    are never destroyed (a peer may be connecting to them, or gone)."""
+    for g in groups:
+        keep_forever(g)
+
+    def keep(f: cf.Future[Any]) -> None:
+        if f.exception() is None:
+            keep_forever(f.result())
+
+    for f in futs:
+        f.add_done_callback(keep)

@@ -48,7 +48,6 @@ from fastft.process.env import SPARE_RUN_AHEAD, WorkerEnv
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat
 from fastft.process.services import Services
-from fastft.process.teardown import exit_without_destructors_later
 from fastft.protocol.faults import fault_of
 from fastft.protocol.messages import (
     DrainNotice,
@@ -361,9 +360,10 @@ class ManagerFFT(Manager):
         self.peer_faults += 1
         # The next quorum reconfigures the process group, abandoning collectives that may
         # be stuck on the peer (torchft's own works included, not only those we wait on):
-        # their destructors at interpreter exit can abort the process after the job is
-        # done (seen: SIGABRT, "terminate called without an active exception").
-        exit_without_destructors_later()
+        # the communicator they run on is kept forever (BusProcessGroup.reconfigure), or
+        # its destructor at interpreter exit could abort the process after the job is done
+        # (seen: SIGABRT, "terminate called without an active exception").
+        self._pending.dirty = True
         self.lease.told = True
         super().report_error(exc)
         n = self._pending.fail_all(exc)

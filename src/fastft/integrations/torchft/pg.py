@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torchft.process_group import ProcessGroup, ProcessGroupWrapper
 
 from fastft.interrupt.collectives import relay
-from fastft.process.teardown import exit_without_destructors_later
+from fastft.process.teardown import keep_forever
 
 __all__ = ["BusProcessGroup", "BusWork", "Pending", "aborts_release_waiters", "wrap"]
 
@@ -50,6 +50,13 @@ class Pending:
         """An operation was abandoned on the current communicator."""
         self.on_block: Callable[[bool], None] = lambda on: None
 
+    def abandon(self, work: Any) -> None:
+        """``work`` was left in flight: never destroyed, and its communicator is kept too
+        when the next quorum replaces it."""
+        self.abandoned.append(work)
+        keep_forever(work)
+        self.dirty = True
+
     def fail_all(self, exc: Exception) -> int:
         with self.lock:
             self.poisoned = exc
@@ -78,8 +85,7 @@ class BusWork(dist._Work):
                 pending.futures.add(self._fut)
         if poisoned is not None:
             self._fut.set_exception(poisoned)
-            pending.abandoned.append(work)
-            pending.dirty = True
+            pending.abandon(work)
             return
         fut = self._fut
 
@@ -101,9 +107,7 @@ class BusWork(dist._Work):
                 self._fut.value()  # raises a bus fault, or the collective's own failure
             return bool(self._work.wait(timeout) if timeout is not None else self._work.wait())
         except Exception:
-            self._pending.abandoned.append(self._work)  # may still run: keep it alive
-            self._pending.dirty = True
-            exit_without_destructors_later()
+            self._pending.abandon(self._work)  # it may still run
             raise
         finally:
             self._pending.on_block(False)
@@ -163,7 +167,7 @@ class BusProcessGroup(ProcessGroupWrapper):
         if self._pending.dirty:
             # The old communicator still runs an abandoned operation: keep it referenced
             # (torchft drops it now; its destructor would wait for the dead peer).
-            self._pending.abandoned.append(self._inner.parent)
+            keep_forever(self._inner.parent)
             self._pending.dirty = False
         return super().reconfigure(opts)
 
