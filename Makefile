@@ -50,6 +50,9 @@ bench: $(VENV)/.installed
 	$(BIN)/python bench/lighthouse_rpc.py
 	$(BIN)/python bench/kill_teardown.py
 	$(BIN)/python bench/hang_kill.py
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/checkpoint.py
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/chaos.py --planned
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/chaos.py --ends 100
 
 demo: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/fastft demo

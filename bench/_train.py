@@ -56,6 +56,21 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=96)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--extra-sync", action="store_true", help="ddp: + one 1-element allreduce")
+    ap.add_argument(
+        "--sync-ckpt",
+        type=Path,
+        default=None,
+        help="fastft: rank 0 saves the committed state with a synchronous dcp.save here "
+        "every --every steps (the reference for fastft's asynchronous checkpoints)",
+    )
+    ap.add_argument("--every", type=int, default=50)
+    ap.add_argument(
+        "--resume-from",
+        type=Path,
+        default=None,
+        help="ddp: load this fastft checkpoint before the first step (a cold restart's "
+        "restore); each rank writes the wall time its first step ended",
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     model = build(a.hidden, 0, a.layers)
@@ -71,8 +86,14 @@ def main() -> None:
 
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if a.resume_from is not None:
+            from fastft.runtime.durable import Checkpoints
+
+            st = Checkpoints.load(a.resume_from)
+            model.load_state_dict(st["model"])
+            opt.load_state_dict(st["optimizer"])
         ddp = DistributedDataParallel(model)
-        opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
         dist.barrier()
         for step in range(a.steps):
             t0 = time.perf_counter()
@@ -85,6 +106,9 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - t0)
             clock.tick(len(times))
+            if a.resume_from is not None and step == 0:
+                a.out.mkdir(parents=True, exist_ok=True)
+                (a.out / f"first-step-rank{rank}.json").write_text(json.dumps(time.time()))
         dist.barrier()
         # torch 2.13's Gloo teardown at exit sometimes aborts ("terminate called without
         # an active exception"): write the result and leave without destructors
@@ -104,6 +128,13 @@ def main() -> None:
                 mine = tx.shard(a.batch)
                 nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
                 tx.allreduce_gradients()
+            # as fastft's writer: one member writes the replicated state
+            sync = a.sync_ckpt is not None and rank == 0
+            if sync and tx.committed and ft.step % a.every == 0:
+                import torch.distributed.checkpoint as dcp
+
+                state = {"model": model.state_dict(), "optim": opt.state_dict()}
+                dcp.save(state, checkpoint_id=a.sync_ckpt / f"step-{ft.step}", no_dist=True)
             if tx.committed:
                 times.append(time.perf_counter() - t0)
                 clock.tick(len(times))

@@ -137,6 +137,7 @@ def run_fastft(
     plan: list[dict[str, object]] | None = None,
     world: str = "fixed",
     flags: tuple[str, ...] = (),
+    worker_args: list[str] | None = None,
 ) -> Path:
     run = tmp / name
     run.mkdir(parents=True)
@@ -154,6 +155,7 @@ def run_fastft(
         cmd += ["--inject", str(run / "plan.json")]
     cmd += [WORKER, "--mode", "fastft", "--steps", str(steps)]
     cmd += ["--hidden", str(hidden), "--layers", str(layers), "--out", str(run / "out")]
+    cmd += worker_args or []
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         raise RuntimeError(f"fastft run {name} failed: {p.stderr[-2000:]}")

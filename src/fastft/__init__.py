@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fastft.runtime import Runtime, RuntimeConfig, Transaction, init
+    from fastft.runtime import Batches, Runtime, RuntimeConfig, Transaction, init
 
-__all__ = ["init", "Runtime", "RuntimeConfig", "Transaction"]
+__all__ = ["init", "Batches", "Runtime", "RuntimeConfig", "Transaction"]
 
 
 def __getattr__(name: str) -> Any:

@@ -165,6 +165,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     goodput = min(1.0, len(steps) * step_s / span) if span > 0 else None
     return {
         "run_dir": str(run_dir),
+        "total_losses": total_losses(ev),
         "steps_committed": len(steps),
         "last_step": steps[-1] if steps else None,
         "steps_rolled_back": len(rolled),
@@ -178,6 +179,38 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "goodput": None if goodput is None else round(goodput, 3),
         "faults": faults,
     }
+
+
+def total_losses(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each epoch that closed without a live holder of the committed state: the state the
+    job had committed (``committed``: the step it was at), and what became of it (restored
+    from the checkpoint of ``restored``, so steps ``restored..committed - 1`` were trained
+    again; started again from 0; or the job failed)."""
+    out = []
+    for epoch in sorted({e["epoch"] for e in ev if e["event"] == "epoch" and "lost" in e}):
+        first = min(
+            (e for e in ev if e["event"] == "epoch" and e["epoch"] == epoch),
+            key=lambda e: e["mono"],
+        )
+        before = [e["step"] for e in ev if e["event"] == "commit" and e["mono"] < first["mono"]]
+        committed = max([first["lost"], *(s + 1 for s in before)])
+        restored = first.get("restore")
+        if restored is not None:
+            outcome = "restored"
+        elif any(e["event"] == "fresh_start" and e["epoch"] == epoch for e in ev):
+            outcome, restored = "fresh start", 0
+        else:
+            outcome = "job failed"
+        out.append(
+            {
+                "epoch": epoch,
+                "committed": committed,
+                "restored": restored,
+                "outcome": outcome,
+                "redone": None if restored is None else committed - restored,
+            }
+        )
+    return out
 
 
 def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
@@ -197,6 +230,17 @@ def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
             + (f" (+{f['secondary']} peer collectives failed)" if f["secondary"] else "")
             + f" | {f['step'] if f['step'] is not None else '-'} "
             f"| {fmt(f['detect_ms'])} | {fmt(f['recover_ms'])} | {fmt(f['rejoin_ms'])} |"
+        )
+    for x in s["total_losses"]:
+        lines.append("")
+        what = (
+            "the job failed (no checkpoint)"
+            if x["outcome"] == "job failed"
+            else f"{x['outcome']} from step {x['restored']}: {x['redone']} steps trained again"
+        )
+        lines.append(
+            f"total loss in epoch {x['epoch']}: no live member held the state of step "
+            f"{x['committed']}; {what}"
         )
     lines.append("")
     lines.append(

@@ -12,8 +12,11 @@ are reported at the end, apart from torchft's own skips.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +29,13 @@ _STATE: dict[str, Any] = {"job": "conformance", "store": None, "server": None}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--fastft-mode", choices=("plain", "bus"), default="plain")
+    parser.addoption("--fastft-mode", choices=("torchft", "plain", "bus"), default="plain")
+    parser.addoption(
+        "--fastft-fixtures",
+        default=None,
+        help="where diloco_regression_test's numeric fixtures are (the wheel leaves them "
+        "out); with WRITE_FIXTURE=true, where they are written",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -35,6 +44,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
     from fastft.integrations.torchft import ManagerFFT, connect
 
+    fixtures = config.getoption("--fastft-fixtures")
+    if fixtures:
+        _fixtures_in(Path(fixtures))
+    config.addinivalue_line("markers", "fastft_excluded: left out of the conformance run")
+    if config.getoption("--fastft-mode") == "torchft":
+        return  # the reference: torchft's own Manager
     cls: type = ManagerFFT
     if config.getoption("--fastft-mode") == "bus":
         from fastft.bus import host_store
@@ -59,7 +74,24 @@ def pytest_configure(config: pytest.Config) -> None:
         cls = BusManagerFFT
     torchft.manager.Manager = cls  # type: ignore[misc]
     torchft.Manager = cls  # type: ignore[attr-defined,misc]
-    config.addinivalue_line("markers", "fastft_excluded: left out of the conformance run")
+
+
+def _fixtures_in(where: Path) -> None:
+    """Point ``diloco_regression_test``'s fixtures at ``where`` (its own lookup goes to
+    ``site-packages/test_fixtures``, which the wheel does not ship): same read, same
+    write, same comparison."""
+    import torchft.diloco_regression_test as drt
+
+    def handle_fixture(name: str, results: Any) -> Any:
+        path = where / name
+        if os.environ.get("WRITE_FIXTURE", "false").lower() == "true":
+            where.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(results, indent=2))
+            return None
+        assert path.exists(), f"fixture {path} does not exist (run.py writes it first)"
+        return json.loads(path.read_text())
+
+    drt.handle_fixture = handle_fixture
 
 
 @pytest.fixture(autouse=True)

@@ -14,90 +14,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+from _runs import STEPS, check_s1_s3, fastft_run, finals
 
-from fastft.launch.policy import COLD_RESTART_DELAY_S
+from fastft.launch.policy import COLD_RESTART_DELAY_S, SPARE_REFILL_MAX_S
 from fastft.report import shards_by_step, untiled_steps
 from fastft.runtime import read_events
 
-STEPS = 30
 pytestmark = pytest.mark.timeout(180)
-
-
-def fastft_run(
-    tmp: Path,
-    name: str,
-    *flags: str,
-    plan: list[dict] | None = None,
-    steps: int = STEPS,
-    timeout: float = 150,
-    train: tuple[str, ...] = (),
-) -> Path:
-    run = tmp / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "fastft.cli",
-        "run",
-        "--nproc",
-        "3",
-        "--run-dir",
-        str(run),
-        "--check-every",
-        "1",
-        "--job",
-        name,
-        *flags,
-    ]
-    if plan is not None:
-        run.mkdir(parents=True)
-        (run / "plan.json").write_text(json.dumps({"faults": plan}))
-        cmd += ["--inject", str(run / "plan.json")]
-    cmd += ["-m", "fastft.demo.train", "--", "--steps", str(steps), "--out", str(run / "out")]
-    cmd += train
-    run.mkdir(parents=True, exist_ok=True)
-    with open(run / "launcher.log", "w") as log:  # kept: hung workers' stack dumps land here
-        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    assert p.returncode == 0, (run / "launcher.log").read_text()[-3000:]
-    return run
-
-
-def finals(run: Path) -> dict[int, dict]:
-    return {
-        int(f.stem.split("rank")[1]): json.loads(f.read_text())
-        for f in (run / "out").glob("final-rank*.json")
-    }
-
-
-def check_s1_s3(run: Path, steps: int = STEPS) -> None:
-    ev = read_events(run)
-    by_step: dict[int, set[str]] = defaultdict(set)
-    history: dict[tuple[str, int], list[int]] = defaultdict(list)
-    life: dict[str, int] = defaultdict(int)
-    for e in ev:
-        if e["event"] == "worker_start":
-            life[e["src"]] = e["incarnation"]
-        if e["event"] == "commit":
-            by_step[e["step"]].add(e["digest"])
-            history[(e["src"], life[e["src"]])].append(e["step"])
-    assert sorted(by_step) == list(range(steps)), "a step was never committed"
-    for step, digests in by_step.items():
-        assert len(digests) == 1, f"S3: members disagree after step {step}: {digests}"
-    for who, seq in history.items():
-        assert seq == list(range(seq[0], seq[0] + len(seq))), f"S1: {who} applied {seq}"
-
-
-@pytest.fixture(scope="module")
-def clean(tmp_path_factory) -> dict[int, dict]:
-    run = fastft_run(tmp_path_factory.mktemp("clean"), "clean")
-    check_s1_s3(run)
-    f = finals(run)
-    assert len(f) == 3 and len({v["digest"] for v in f.values()}) == 1
-    return f
 
 
 def test_exception_sigkill_and_sigstop_end_bitwise_equal_to_a_clean_run(tmp_path, clean):
@@ -148,7 +75,10 @@ def test_rank0_killed_and_a_state_loss_are_survived_with_a_warm_spare(tmp_path, 
         for e in ev
         if e["event"] == "commit" and e["src"] == "rank 0" and e["mono"] > handed
     )
-    assert back <= refill < handed + 2.5, (handed, back, refill)
+    # (or after SPARE_REFILL_MAX_S, if that worker has not committed by then: a new store
+    # connection can stall 5 s here, see Limits)
+    first = min(back, handed + SPARE_REFILL_MAX_S)
+    assert first - 0.05 <= refill < handed + SPARE_REFILL_MAX_S + 0.5, (handed, back, refill)
     fetched = [
         (e["src"], e["step"])
         for e in ev

@@ -245,3 +245,43 @@ def test_bad_config_fails_at_start(kw):
     base.update(kw)
     with pytest.raises(ConfigError):
         BusConfig(**base)
+
+
+EVICT_THEN_EXIT = r"""
+import sys, threading, time
+from fastft.bus import BusConfig, host_store, tcpstore_bus
+from fastft.protocol import Heartbeat
+store = host_store()
+cfg = lambda r, **kw: BusConfig(job="j", rank=r, incarnation=r + 100, **kw)
+gate = threading.Event()
+slow = tcpstore_bus(store, cfg(1, max_queue=64, idle_pop_s=0.2, stale_s=0.3)).start()
+slow.subscribe(lambda m: gate.wait(60))  # a subscriber that never reads again
+pub = tcpstore_bus(store, cfg(0, subscribe=False, max_queue=64, stale_s=0.3)).start()
+i, deadline = 0, time.monotonic() + 20
+while pub.stats.evicted_peers == 0 and time.monotonic() < deadline:
+    pub.broadcast(Heartbeat(job="j", epoch=0, rank=0, incarnation=100, step=i))
+    i += 1
+    time.sleep(0.001)
+assert pub.stats.evicted_peers == 1
+if sys.argv[1] == "close":
+    pub.close()
+sys.exit(0)  # at once: the evicted queue's drain is still running in a thread
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "close"])
+def test_exiting_right_after_an_eviction_ends_with_status_0(tmp_path, how):
+    """An eviction drains the queue on a thread inside a torch store call; a process that
+    exited during the drain aborted ("terminate called without an active exception",
+    SIGABRT: the agent's own exit status, issue 25), 8 runs in 8."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "evict.py"
+    script.write_text(EVICT_THEN_EXIT)
+    for _ in range(3):
+        p = subprocess.run(
+            [sys.executable, str(script), how], capture_output=True, text=True, timeout=60
+        )
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert "terminate called" not in p.stderr

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -47,6 +48,7 @@ def free_port():
         ["run", "--warm-spares", "1", "--spare-prefault-mb", "999", "-m", "fastft.demo.train"],
         ["run", "--spare-prefault-mb", "-1", "-m", "fastft.demo.train"],
         ["frobnicate"],
+        ["run", "--nproc", "2", "-m", "fastft.demo.no_such_module"],
     ],
 )
 def test_bad_flags_and_unreachable_stores_give_one_line_and_exit_2(args):
@@ -164,3 +166,51 @@ def test_nccl_without_a_gpu_per_worker_fails_at_start_and_says_what_to_do():
     assert r.returncode == 2, r
     assert "backend nccl needs one GPU per worker: 2 workers on this node, 0 GPU" in r.stderr
     assert "use --backend gloo" in r.stderr
+
+
+@pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 200 OK\r\n\r\n" * 50])
+def test_a_port_that_is_not_a_store_gives_one_line_and_exit_2(answer):
+    # a listener that accepts and never answers (or answers garbage): no wait forever,
+    # no C++ backtrace (issue 25)
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    srv.settimeout(0.2)
+    conns: list[socket.socket] = []
+    done = False
+
+    def serve() -> None:
+        while not done:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            conns.append(c)
+            if answer:
+                c.sendall(answer)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        port = srv.getsockname()[1]
+        r = fastft(
+            "inject",
+            "--store",
+            f"127.0.0.1:{port}",
+            "--job",
+            "j",
+            "--rank",
+            "0",
+            "--kind",
+            "sigkill",
+            timeout=60,
+        )
+    finally:
+        done = True
+        t.join(5)
+        for c in conns:
+            c.close()
+        srv.close()
+    assert r.returncode == 2, r
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "does not answer as a store" in lines[0], r.stderr

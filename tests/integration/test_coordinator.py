@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -235,3 +236,42 @@ def _survive(
     views = [out[c.me.rank] for c in cs]
     assert all(v == views[0] for v in views), views
     return views[0]
+
+
+def test_a_member_that_died_after_arriving_is_left_out_at_once(server):
+    # issue 25: rank 2 arrived for the next epoch, then died; its stale arrival counted,
+    # the epoch closed with a dead member, and the restarted worker was killed 5 s later
+    cs = [coord(server, r, 10 + r) for r in range(3)]
+    first = _join_all(cs)[0]
+    assert first is not None
+    keys = JobKeys(JOB)
+    cs[2].store.set(keys.epoch_arrival(2, 2), '{"inc": 12, "step": 7, "lost": false}')
+    dead = {Member(1, 11), Member(2, 12)}  # rank 1 died first, rank 2 after arriving
+    cs[0].dead = dead
+    cs[0].min_members = 1
+    t0 = time.monotonic()
+    v = cs[0].form_as_survivor(
+        first,
+        frozenset({1}),
+        step=7,
+        lost_state=False,
+        timeout_s=5,
+        cancelled=lambda: False,
+    )
+    assert v is not None and v.members == (Member(0, 10),)
+    assert time.monotonic() - t0 < 2.5, "waited for a survivor known dead"
+
+
+def test_when_the_closer_dies_during_a_formation_the_next_survivor_closes(server):
+    cs = [coord(server, r, 10 + r) for r in range(3)]
+    first = _join_all(cs)[0]
+    assert first is not None
+    # rank 0 (the closer: the lowest survivor) dies once the formation without rank 2 began
+    cs[1].dead = {Member(2, 12), Member(0, 10)}
+    cs[1].min_members = 1
+    t0 = time.monotonic()
+    v = cs[1].form_as_survivor(
+        first, frozenset({2}), step=7, lost_state=False, timeout_s=5, cancelled=lambda: False
+    )
+    assert v is not None and v.members == (Member(1, 11),)
+    assert time.monotonic() - t0 < 2.5, "waited for a dead closer"

@@ -65,6 +65,11 @@ def test_every_variable_is_documented_once():
             "FASTFT_KEEP_GRADIENTS",
             "FASTFT_BACKEND",
             "FASTFT_SPARE_PREFAULT_MB",
+            "FASTFT_CHECKPOINT_DIR",
+            "FASTFT_CHECKPOINT_EVERY",
+            "FASTFT_CHECKPOINT_INTERVAL",
+            "FASTFT_CHECKPOINT_KEEP",
+            "FASTFT_ALLOW_FRESH_START",
         }, shared
 
 

@@ -6,12 +6,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fastft.runtime.contract import EpochView, Member
-from fastft.runtime.formation import Arrival, close_after, close_first
+from fastft.runtime.formation import Arrival, Recovery, close_after, close_first
 
+NOTHING = Recovery()
 PREV = EpochView(4, (Member(0, 10), Member(1, 11), Member(2, 12)), 7, frozenset(), 0)
 
 
-def _close(arrived, joiners=None, expected=(0, 1, 2), timed_out=False, admit=True, min_members=3):
+def _close(
+    arrived,
+    joiners=None,
+    expected=(0, 1, 2),
+    timed_out=False,
+    admit=True,
+    min_members=3,
+    recovery=NOTHING,
+):
     return close_after(
         PREV,
         arrived,
@@ -20,6 +29,7 @@ def _close(arrived, joiners=None, expected=(0, 1, 2), timed_out=False, admit=Tru
         timed_out=timed_out,
         admit=admit,
         min_members=min_members,
+        recovery=recovery,
     )
 
 
@@ -49,6 +59,59 @@ def test_an_elastic_retry_leaves_joiners_waiting_when_the_survivors_are_enough()
     view = _close(arrived, joiners={2: 99}, expected=(0, 1), admit=False, min_members=2)
     assert view.waiting == (2,) and Member(2, 99) not in view.members
     assert view.kept == ((1, 0, 4, 8),)
+
+
+def test_survivors_that_all_lost_their_state_are_never_admitted_as_holders():
+    # the silent divergence: every survivor arrived without the state
+    arrived = {0: Arrival(10, 9, True), 1: Arrival(11, 9, True)}
+    view = _close(arrived, expected=(0, 1), min_members=2)
+    assert view.fatal and view.lost == 9 and view.step == 9
+    assert EpochView.from_json(view.to_json()) == view
+
+
+def test_a_total_loss_restores_the_checkpoint_on_every_member():
+    arrived = {0: Arrival(10, 9, True), 1: Arrival(11, 9, True)}
+    view = _close(arrived, {2: 99}, expected=(0, 1), recovery=Recovery(checkpoint=5))
+    assert view.restore == 5 and view.step == 5 and view.lost == 9 and not view.fatal
+    assert view.source is None and not view.needs_state  # every member loads it
+    assert EpochView.from_json(view.to_json()) == view
+
+
+def test_a_fresh_start_takes_a_fresh_process_as_its_source_and_only_when_allowed():
+    arrived = {0: Arrival(10, 9, True), 1: Arrival(11, 9, True)}
+    allowed = Recovery(fresh_start=True)
+    view = _close(arrived, {2: 99}, expected=(0, 1), recovery=allowed)
+    assert view.step == 0 and view.source == 2 and view.needs_state == {0, 1}
+    assert view.lost == 9 and not view.fatal
+    # without a fresh process to start from, the members restart as fresh ones
+    assert _close(arrived, expected=(0, 1), min_members=2, recovery=allowed).fatal
+    assert _close(
+        arrived, {2: 99}, expected=(0, 1)
+    ).fatal  # and not at all without --allow-fresh-start
+
+
+def test_a_holder_wins_over_any_checkpoint():
+    arrived = {0: Arrival(10, 9, True), 1: Arrival(11, 9, False)}
+    view = _close(arrived, expected=(0, 1), min_members=2, recovery=Recovery(checkpoint=5))
+    assert view.source == 1 and view.restore is None and view.lost is None
+
+
+def test_when_every_worker_was_lost_the_joiners_restore_or_fail():
+    joiners = {0: 20, 1: 21, 2: 22}
+    kw = dict(me=0, latest=6, world_size=3, min_members=3, waited_s=0.0, start_timeout_s=1.0)
+    view = close_first(joiners, **kw, last_step=40)
+    assert view.fatal and view.lost == 40 and view.epoch == 7
+    view = close_first(joiners, **kw, last_step=40, recovery=Recovery(checkpoint=35))
+    assert view.restore == 35 and view.step == 35 and view.lost == 40 and not view.needs_state
+    view = close_first(joiners, **kw, last_step=40, recovery=Recovery(fresh_start=True))
+    assert view.step == 0 and view.source == 0 and view.lost == 40
+
+
+def test_a_first_start_resumes_from_the_checkpoint():
+    kw = dict(me=0, latest=0, world_size=2, min_members=2, waited_s=0.0, start_timeout_s=1.0)
+    view = close_first({0: 20, 1: 21}, **kw, recovery=Recovery(checkpoint=35))
+    assert view.restore == 35 and view.step == 35 and view.lost is None
+    assert close_first({0: 20, 1: 21}, **kw).lost is None  # a plain first start
 
 
 def test_arrivals_round_trip_through_the_store():
@@ -90,5 +153,6 @@ def test_every_closed_view_is_consistent(arrivals, joiners):
         assert view.source == min(holders)
         assert view.step == max(a.step for r, a in arrived.items() if not a.lost)
         assert view.needs_state == (set(ranks) - holders)
-    else:
+    else:  # nothing restores it: the job cannot go on, never a silent step 0
+        assert view.fatal and view.lost == max([PREV.step, *(a.step for a in arrived.values())])
         assert view.source is None and not view.needs_state

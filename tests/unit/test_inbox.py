@@ -33,7 +33,7 @@ AGENT = dict(HDR, rank=-1, incarnation=0, role=Role.AGENT)
 
 
 def _route(m, view=VIEW, dead=frozenset(), finished=False):
-    return route(m, me=ME, view=view, epoch=3, step=5, dead=dead, finished=finished)
+    return route(m, me=ME, view=view, epoch=3, step=5, dead=dead, finished=finished, world_size=4)
 
 
 def _exited(rank, inc, code=None, sig=9):
@@ -130,6 +130,18 @@ def test_drains_and_joins():
     )
     assert _route(DrainAck(**HDR, rank=2, incarnation=12, drained_rank=1)).events == ()
     assert _route(JoinRequest(**HDR, rank=1, incarnation=77)).events == (JoinRequested(1),)
+
+
+def test_joins_that_cannot_be_admitted_are_logged_not_acted_on():
+    # a valid JoinRequest from rank 99 re-formed the epoch after every commit (issue 25)
+    for m, why in (
+        (JoinRequest(**HDR, rank=99, incarnation=77), "outside the world"),
+        (JoinRequest(**HDR, rank=1, incarnation=11), "a member"),
+        (JoinRequest(**HDR, rank=3, incarnation=5), "dead"),
+    ):
+        out = _route(m, dead={Member(3, 5)})
+        assert out.events == () and out.record == ("join_ignored", {"rank": m.rank, "why": why})
+    assert _route(JoinRequest(**HDR, rank=3, incarnation=6), dead={Member(3, 5)}).events
 
 
 def test_before_the_first_epoch_only_deaths_are_noted():

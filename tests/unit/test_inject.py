@@ -32,6 +32,10 @@ def test_plan_round_trips_through_json():
         ('{"faults": [{"kind": "sigkill", "rank": -1}]}', "rank=-1"),
         ('{"faults": [{"kind": "sigkill", "rank": 0, "at_step": "soon"}]}', "at_step"),
         ('{"faults": [{"kind": "sigkill", "rank": 0, "when": 3}]}', "when"),
+        ('{"faults": [{"kind": "exit", "rank": 0, "arg": NaN}]}', "finite number"),
+        ('{"faults": [{"kind": "gil_hang", "rank": 0, "arg": Infinity}]}', "finite number"),
+        ('{"faults": [{"kind": "exit", "rank": 0, "arg": 1e300}]}', "finite number"),
+        ('{"faults": ' + "[" * 200_000 + "]" * 200_000 + "}", "nested too deeply"),
     ],
 )
 def test_bad_plans_say_what_to_fix(text, match):
@@ -42,6 +46,9 @@ def test_bad_plans_say_what_to_fix(text, match):
 def test_load_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         FaultPlan.load(tmp_path / "nope.json")
+    (tmp_path / "latin1.json").write_bytes(b'{"faults": []} \xff\xfe')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        FaultPlan.load(tmp_path / "latin1.json")
 
 
 def test_injector_fires_due_faults_once_and_only_in_their_life():

@@ -16,6 +16,7 @@ Each scenario drives 3-4 members through faults and joins and checks:
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -390,3 +391,23 @@ def test_every_decision_is_applied_alike() -> None:
     w.check()
     for key, outcomes in _decisions(w).items():
         assert outcomes == {"commit"}, key
+
+
+def test_an_elastic_world_below_min_replicas_says_so_and_waits() -> None:
+    w = World(3, steps=12, min_replicas=2)
+    w.restart_dead = False  # restarted below, once both are dead and rank 0 had to wait
+
+    def restart_late() -> None:
+        while sum(s.dead for s in w.lives) < 2:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        for rank in (1, 2):
+            w.spawn(rank)
+
+    threading.Thread(target=restart_late, daemon=True).start()
+    w.run({1: {"die_at": 4}, 2: {"die_at": 4}})
+    w.check()
+    (first,) = [s for s in w.lives if s.rank == 0]
+    assert first.x.membership._below is not None  # event below_min_replicas, and a warning
+    _, have, need = first.x.membership._below
+    assert (have, need) == (1, 2)

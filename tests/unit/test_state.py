@@ -212,3 +212,31 @@ def test_a_deferred_optimizer_state_goes_last_and_loads_apart():
     assert r2.digest(3) == r.digest(3)
     with pytest.raises(ValueError, match="part"):
         r2.load_packed(header, got, part="optimizer")
+
+
+class _Count:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, st):
+        self.n = st["n"]
+
+
+def test_a_rollback_after_a_commit_keeps_what_the_committed_step_did():
+    """A fault between a commit and the next step's start (the survivors of a death after
+    the decision) rolls back nothing the committed step did."""
+    r = StateRegistry()
+    c = _Count()
+    r.register(None, None, counter=c)
+    r.begin_step()
+    c.n += 1
+    r.rollback()  # the step failed: undone
+    assert c.n == 0
+    r.begin_step()
+    c.n += 1
+    r.committed()
+    r.rollback()  # after the commit: the step stays done
+    assert c.n == 1

@@ -44,9 +44,17 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 def test_a_native_process_group_is_passed_through_to_torchfts_own_checks(seen):
     native = dist.ProcessGroup(dist.HashStore(), 0, 1)
+    bus = connect("127.0.0.1:1", "j")
     with pytest.raises(_Stop):
-        ManagerFFT(pg=native, load_state_dict=None, state_dict=None, min_replica_size=1)
+        ManagerFFT(pg=native, bus=bus, load_state_dict=None, state_dict=None, min_replica_size=1)
     assert seen["pg"] is native  # torchft checks supports_reconfigure itself
+
+
+def test_without_a_bus_the_group_is_torchfts_own(seen):
+    pg = ProcessGroupGloo()
+    with pytest.raises(_Stop):
+        ManagerFFT(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=1)
+    assert seen["pg"] is pg  # nothing to relay: no wrapper (torchft's tests mock its group)
 
 
 def test_a_native_group_without_reconfigure_gets_torchfts_own_message(monkeypatch):
@@ -55,6 +63,7 @@ def test_a_native_group_without_reconfigure_gets_torchfts_own_message(monkeypatc
     with pytest.raises(ValueError, match="enable_reconfigure=True"):
         ManagerFFT(
             pg=dist.ProcessGroup(dist.HashStore(), 0, 1),
+            bus=connect("127.0.0.1:1", "j"),
             load_state_dict=None,
             state_dict=None,
             min_replica_size=1,

@@ -22,12 +22,14 @@ publishing and membership, one for the listener's blocking pop, which waits up t
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -42,6 +44,21 @@ log = logging.getLogger(__name__)
 
 DRAIN_JOIN_S = 2.0
 """How long closing an endpoint waits for a drain of an evicted queue to end."""
+_draining: list[threading.Thread] = []
+_exiting = threading.Event()
+
+
+@atexit.register
+def _stop_drains() -> None:
+    """At the interpreter's exit: stop the drains (each ends after the pop it is in) and
+    wait for them. A process that exits while a thread is inside a store call aborts in
+    C++ ("terminate called without an active exception"): a process exiting right after
+    an eviction, without closing its endpoint, ended with SIGABRT (issue 25)."""
+    _exiting.set()
+    deadline = time.monotonic() + DRAIN_JOIN_S
+    for t in list(_draining):
+        t.join(max(0.0, deadline - time.monotonic()))
+
 
 _CHECK_EVERY = 64
 
@@ -71,6 +88,10 @@ def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) 
     )
 
 
+HANDSHAKE_S = 10.0
+"""How long a store client waits for the store's handshake."""
+
+
 def connect_store(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) -> dist.TCPStore:
     """Connect to ``HOST:PORT``; raises StoreUnreachable with one clear line if it can't.
     ``wait_s``: keep trying that long while nothing listens yet (an agent of another node
@@ -90,12 +111,36 @@ def connect_store(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) ->
                     f"no store answers at {host}:{port} ({e.strerror or e})"
                 ) from e
             time.sleep(0.05)
-    try:
-        return dist.TCPStore(
-            host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    # TCPStore's handshake has no deadline of its own against a peer that accepts and
+    # never answers: build the client on a thread and give up on it after a while.
+    got: list[Any] = []
+
+    def build() -> None:
+        try:
+            got.append(
+                dist.TCPStore(
+                    host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+                )
+            )
+        except Exception as e:  # noqa: BLE001 - reported below, one line
+            got.append(e)
+
+    t = threading.Thread(target=build, name="fastft-store-connect", daemon=True)
+    t.start()
+    t.join(min(timeout_s, HANDSHAKE_S))
+    if not got:
+        raise StoreUnreachable(
+            f"{host}:{port} accepts connections but does not answer as a store within "
+            f"{min(timeout_s, HANDSHAKE_S):.0f} s: is it the job's store (--store)?"
         )
-    except Exception as e:
-        raise StoreUnreachable(f"store at {host}:{port} did not answer: {e}") from e
+    if isinstance(got[0], Exception):
+        first = (
+            str(got[0]).strip().splitlines()[0] if str(got[0]).strip() else type(got[0]).__name__
+        )
+        raise StoreUnreachable(
+            f"{host}:{port} did not answer as a store ({first}): is it the job's store?"
+        ) from got[0]
+    return got[0]
 
 
 class StoreTransport:
@@ -167,12 +212,15 @@ class StoreTransport:
             name=f"fastft-bus-drain-{sid}",
         )
         self._drains = [d for d in self._drains if d.is_alive()] + [t]
+        _draining[:] = [d for d in _draining if d.is_alive()] + [t]
         t.start()
 
     @staticmethod
     def _drain(store: dist.Store, key: str) -> None:
         try:
             for _ in range(store.queue_len(key)):
+                if _exiting.is_set():
+                    return
                 store.queue_pop(key, block=False)
         except Exception:
             log.debug("bus: draining %s stopped", key, exc_info=True)

@@ -11,8 +11,11 @@ so a restarted worker that heals back to the same step does not fire the fault a
 ``arg``: the kind's parameter (``exit``: exit code; ``gil_hang``/``sigstop``: nothing;
 ``hang``-like kinds never return on their own).
 ``point``: ``step`` (default), ``commit`` (between the COMMIT decision of ``at_step`` and
-its application), ``heal`` (while healing to step ``at_step``, before the transfer) or
-``collective`` (as the step's gradient collective starts: its peers are inside it).
+its application), ``heal`` (while healing to step ``at_step``, before the transfer),
+``collective`` (as the step's gradient collective starts: its peers are inside it),
+``rollback`` (just before it requests the rollback of step ``at_step``: its peers are
+collecting the requests) or ``formation`` (once it arrived, as a survivor, for the next
+epoch at step ``at_step``).
 ``delay_s``: wait that many seconds at the point, then fire (with ``collective``: the
 peers are already waiting inside the collective, so they have finished their own part of
 the step when the fault hits).
@@ -56,10 +59,16 @@ FAULT_SEVERITY = {k: (2 if k is FaultKind.EXCEPTION else 1) for k in FaultKind}
 """Severity (1 = Fault1, 2 = Fault2) of each kind."""
 
 
-POINTS = ("step", "commit", "heal", "collective")
+POINTS = ("step", "commit", "heal", "collective", "rollback", "formation")
 """Where a scheduled fault fires: at the start of the step (``step``); after the step was
 decided COMMIT and before this worker applied it (``commit``); while healing to the step,
-before the state transfer (``heal``)."""
+before the state transfer (``heal``); as its gradient collective starts (``collective``);
+just before this worker requests the step's rollback (``rollback``); once it has arrived
+for the next epoch's formation at the step, as a survivor (``formation``)."""
+
+
+ARG_MAX = 1e6
+"""A fault's ``arg`` (an exit status, a hang's seconds) is a finite number up to this."""
 
 
 @dataclass(frozen=True)
@@ -89,8 +98,10 @@ class FaultSpec:
             isinstance(self.at_step, bool) or not isinstance(self.at_step, int) or self.at_step < 0
         ):
             raise ConfigError(f"fault at_step={self.at_step!r}: use an integer >= 0 or null")
-        if isinstance(self.arg, bool) or not isinstance(self.arg, (int, float)):
-            raise ConfigError(f"fault arg={self.arg!r}: use a number")
+        a = self.arg
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not abs(a) <= ARG_MAX:
+            # (NaN and infinities fail the comparison: an exit status, a hang's seconds)
+            raise ConfigError(f"fault arg={a!r}: use a finite number (at most {ARG_MAX:g})")
         object.__setattr__(self, "arg", float(self.arg))
         d = self.delay_s
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 3600:
@@ -135,6 +146,8 @@ class FaultPlan:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{source}: not valid JSON ({e})") from e
+        except RecursionError:
+            raise ConfigError(f"{source}: nested too deeply to be a fault plan") from None
         if not isinstance(data, dict) or not isinstance(data.get("faults"), list):
             raise ConfigError(f'{source}: expected {{"faults": [...]}}')
         specs = []
@@ -158,7 +171,11 @@ class FaultPlan:
     def load(cls, path: str | Path) -> FaultPlan:
         p = Path(path)
         try:
-            text = p.read_text()
+            text = p.read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"fault plan {p}: cannot read ({e.strerror})") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"fault plan {p}: not UTF-8 text ({e.reason} at byte {e.start})"
+            ) from e
         return cls.from_json(text, source=str(p))

@@ -27,6 +27,7 @@ import fastft.launch.policy as policy
 from fastft.bus import BusConfig, connect_store, host_store, tcpstore_bus
 from fastft.launch.children import Children, Slot, await_signal_taken, die_with_parent
 from fastft.launch.config import LaunchConfig, worker_environment
+from fastft.launch.exits import Exits
 from fastft.launch.spare import order_line
 from fastft.launch.spares import SparePool
 from fastft.process.events import EventLog
@@ -37,7 +38,6 @@ from fastft.protocol import (
     HangSuspected,
     JobKeys,
     Message,
-    ProcessExited,
     Role,
     Severity,
 )
@@ -74,11 +74,12 @@ class Agent:
         )
         first = config.node_rank * config.nproc
         self.slots = {r: Slot(r) for r in range(first, first + config.nproc)}
+        self.exits = Exits(self)
         self.children = Children(
-            on_stopped=self._on_stopped,
-            claim=self._claim_exit,
-            after_exit=self._after_exit,
-            on_other=self._on_other_exit,
+            on_stopped=self.exits.on_stopped,
+            claim=self.exits.claim_exit,
+            after_exit=self.exits.after_exit,
+            on_other=self.exits.on_other_exit,
         )
         gpus = 0
         if config.warm_spares and config.spare_cuda:
@@ -222,100 +223,6 @@ class Agent:
         if self._stopping is None and not self._failed:
             self.spares.start(gpu)
 
-    def _on_other_exit(self, info: os.waitid_result) -> None:
-        if self.spares.mark_dead(info.si_pid) and self._stopping is None:
-            self.spares.idle_exited(info)
-
-    def _on_stopped(self, slot: Slot, t: float, via: str) -> None:
-        with self.children.lock:  # the exit trace and waitid may both see it
-            if slot.stopped == slot.incarnation:
-                return
-            slot.stopped = slot.incarnation
-        self.events.emit(
-            "worker_stopped", rank=slot.rank, incarnation=slot.incarnation, detected=t, via=via
-        )
-        if self.config.torchft == "plain":
-            slot.hung = slot.incarnation  # torchft's baseline: left to torchft's timeouts
-            return
-        self._publish(
-            HangSuspected(
-                **self._hdr,
-                hung_rank=slot.rank,
-                hung_incarnation=slot.incarnation,
-                silent_for_s=0.0,
-                stopped=True,
-            )
-        )
-        self.children.kill(slot)
-
-    def _claim_exit(
-        self, slot: Slot, pid: int, code: int | None, sig: int | None, t: float, via: str
-    ) -> bool:
-        """Report the exit of ``pid`` once; False if it was reported already."""
-        if not self.children.claim(slot, pid):
-            return False
-        assert slot.proc is not None and slot.proc.pid == pid
-        slot.proc.returncode = code if code is not None else -(sig or 0)
-        self.events.emit(
-            "worker_exit",
-            rank=slot.rank,
-            incarnation=slot.incarnation,
-            exit_code=code,
-            signal=sig,
-            life=slot.life,
-            detected=t,
-            via=via,
-        )
-        self._publish(
-            ProcessExited(
-                **self._hdr,
-                exited_rank=slot.rank,
-                exited_incarnation=slot.incarnation,
-                exit_code=code,
-                signal=sig,
-            )
-        )
-        return True
-
-    def _after_exit(self, slot: Slot, code: int | None, sig: int | None) -> None:
-        self._forget_joiner(slot)
-        cfg = self.config
-        do = policy.after_exit(
-            rank=slot.rank,
-            code=code,
-            sig=sig,
-            life=slot.life,
-            max_restarts=cfg.max_restarts,
-            stopping=self._stopping is not None,
-            already_done=slot.done,
-            peers_finished=any(
-                s.done and s.proc is not None and s.proc.returncode == 0
-                for s in self.slots.values()
-            ),
-            spares_left=bool(self.spares),
-            elastic=cfg.min_replicas is not None and cfg.min_replicas < cfg.world_size,
-        )
-        if do.failed:
-            self._failed = do.failed
-        if do.done:
-            slot.done = True
-        if do.restart:
-            slot.life += 1
-            self.restarts += 1
-            self.events.emit("restart", rank=slot.rank, life=slot.life)
-            with self.children.lock:
-                self._restarts_due.append((time.monotonic() + do.delay_s, slot))
-        self._wake.set()
-
-    def _forget_joiner(self, slot: Slot) -> None:
-        key = self.keys.joiner(slot.rank)
-        try:
-            # Joiner keys are cleared, never deleted: a worker may be between its check
-            # and its get of the key, and a get of a missing key blocks for the timeout.
-            self.store.compare_set(key, str(slot.incarnation), "")
-        except Exception:  # noqa: BLE001 - best effort
-            log.debug("could not clear joiner key of rank %d", slot.rank, exc_info=True)
-
     def _watch(self) -> None:
         """Main loop: restarts, spares, hang detection and the end of the job."""
         period = min(0.02, self.config.hang_timeout_s / 10)  # a hang is seen within 20 ms
@@ -343,7 +250,7 @@ class Agent:
                     time.monotonic(), _committed, lambda s: self.spares.gpu_of(self._local(s))
                 )
             if self.config.torchft == "plain":
-                self._end_stopped()
+                self.exits.end_stopped()
                 continue  # no heartbeats: torchft's own timeouts handle hangs
             now = time.monotonic()
             for slot in slots:
@@ -397,15 +304,6 @@ class Agent:
             if slot and slot.incarnation == m.faulty_incarnation and not slot.done:
                 self.events.emit("kill_declared_dead", rank=slot.rank, cause=m.cause)
                 self.children.kill(slot)
-
-    def _end_stopped(self) -> None:
-        """torchft's baseline leaves a stopped worker stopped; once every other worker
-        finished, end it so that the job ends."""
-        live = [s for s in self.slots.values() if not s.done]
-        if live and all(s.hung == s.incarnation for s in live):
-            for s in live:
-                s.done = True
-                self.children.kill(s, incarnation=s.incarnation)
 
     def _start_lighthouse(self) -> None:
         cfg = self.config

@@ -126,6 +126,24 @@ class LaunchConfig:
         "process groups: gloo, nccl (one GPU per worker) or auto (nccl for a model on CUDA "
         "when each worker of the node has a GPU of its own, else gloo)",
     )
+    checkpoint_dir: str | None = _flag(
+        None,
+        "durable checkpoints of the committed state (shared by every node): used when every "
+        "holder of the state is lost, and to resume a job run again with the same directory",
+    )
+    checkpoint_every: int = _flag(0, "checkpoint every N committed steps (0: not by steps)")
+    checkpoint_interval_s: float = _flag(
+        0.0,
+        "checkpoint every S seconds (0: not by time; with --checkpoint-dir and neither "
+        "schedule: 600)",
+        flag="--checkpoint-interval",
+    )
+    checkpoint_keep: int = _flag(2, "complete checkpoints kept (older ones are removed)")
+    allow_fresh_start: bool = _flag(
+        False,
+        "when every holder of the committed state is lost and there is no checkpoint, start "
+        "again from step 0 (otherwise the job fails and says so)",
+    )
     env: dict[str, str] = _flag({}, "")
     """Extra environment for the workers (not a flag)."""
 
@@ -196,6 +214,14 @@ class LaunchConfig:
                 raise ConfigError(
                     f"--torchft needs torchft: pip install 'fastft[torchft]' ({e})"
                 ) from e
+        from fastft.runtime.contract import check_checkpoints  # (pure)
+
+        check_checkpoints(
+            self.checkpoint_dir,
+            self.checkpoint_every,
+            self.checkpoint_interval_s,
+            self.checkpoint_keep,
+        )
         if "/" in self.job or not self.job:
             raise ConfigError(f"--job {self.job!r}: non-empty, without '/'")
 
@@ -319,6 +345,11 @@ def worker_environment(
             keep_gradients=cfg.keep_gradients,
             backend=cfg.backend,
             lighthouse="bus" if cfg.torchft == "fastft" else None,
+            checkpoint_dir=str(Path(cfg.checkpoint_dir).resolve()) if cfg.checkpoint_dir else None,
+            checkpoint_every=cfg.checkpoint_every,
+            checkpoint_interval_s=cfg.checkpoint_interval_s,
+            checkpoint_keep=cfg.checkpoint_keep,
+            allow_fresh_start=cfg.allow_fresh_start,
         ).to_env(),
         # torchrun's names: scripts place their model on cuda:LOCAL_RANK
         "LOCAL_RANK": str(local_rank),

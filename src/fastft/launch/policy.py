@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fastft.runtime.contract import EXIT_STATE_LOST
+
 __all__ = [
     "COLD_RESTART_DELAY_S",
     "HANG_FLOOR_S",
@@ -62,6 +64,12 @@ def after_exit(
     ``peers_finished``: another slot's worker ended the job cleanly already."""
     if code == 0 or stopping or already_done:
         return AfterExit(done=True)
+    if code == EXIT_STATE_LOST:
+        return AfterExit(
+            done=True,
+            failed=f"rank {rank}: every holder of the committed state was lost and nothing "
+            "could restore it (the worker's message says what to change)",
+        )
     how = f"code {code}" if sig is None else f"signal {sig}"
     if peers_finished:
         # there is nothing left to rejoin

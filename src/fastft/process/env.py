@@ -96,6 +96,19 @@ class WorkerEnv:
         "FASTFT_KEEP_GRADIENTS", "elastic world: keep each step's local gradient (0 or 1)"
     )
     backend: str | None = _var("FASTFT_BACKEND", "process groups: auto, gloo or nccl")
+    checkpoint_dir: str | None = _var(
+        "FASTFT_CHECKPOINT_DIR", "durable checkpoints of the committed state go here"
+    )
+    checkpoint_every: int | None = _var("FASTFT_CHECKPOINT_EVERY", "checkpoint every N steps")
+    checkpoint_interval_s: float | None = _var(
+        "FASTFT_CHECKPOINT_INTERVAL", "checkpoint every S seconds"
+    )
+    checkpoint_keep: int | None = _var("FASTFT_CHECKPOINT_KEEP", "checkpoints kept")
+    allow_fresh_start: bool | None = _var(
+        "FASTFT_ALLOW_FRESH_START",
+        "when every holder of the state is lost and no checkpoint exists, start again from "
+        "step 0 (0 or 1; otherwise the job fails)",
+    )
     lighthouse: str | None = _var(
         "FASTFT_LIGHTHOUSE",
         "torchft replicas: 'bus' when their lighthouse announces joins on the bus "
@@ -138,6 +151,11 @@ class WorkerEnv:
                     raise ConfigError(f"{name}={raw!r}: expected an integer") from None
             elif kind.startswith("bool"):
                 kw[f.name] = parse_bool(name, raw)
+            elif kind.startswith("float"):
+                try:
+                    kw[f.name] = float(raw)
+                except ValueError:
+                    raise ConfigError(f"{name}={raw!r}: expected a number") from None
             else:
                 kw[f.name] = raw
         for f in dataclasses.fields(cls):  # required ones the caller supplies

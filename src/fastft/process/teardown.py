@@ -7,16 +7,73 @@ import ctypes
 import os
 import sys
 import threading
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["drop_later", "keep_forever"]
+__all__ = ["drop_later", "join_at_exit", "keep_at_exit", "keep_forever"]
+
+
+JOIN_AT_EXIT_S = 10.0
+"""How long the interpreter's exit waits, in all, for background threads inside torch."""
+_joined: list[threading.Thread] = []
+_joined_lock = threading.Lock()
+
+
+def join_at_exit(t: threading.Thread) -> None:
+    """Have the interpreter's exit wait (at most ``JOIN_AT_EXIT_S`` in all) for ``t``, a
+    started daemon thread that calls into torch: a process that exits while such a thread
+    is inside a C++ destructor aborts ("terminate called without an active exception")
+    instead of ending with its own status."""
+    with _joined_lock:
+        _joined[:] = [x for x in _joined if x.is_alive()]
+        if not _joined:
+            atexit.unregister(_join_all)
+            atexit.register(_join_all)
+        _joined.append(t)
+
+
+def _join_all() -> None:
+    with _joined_lock:
+        threads = list(_joined)
+    deadline = time.monotonic() + JOIN_AT_EXIT_S
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
+_live: list[Callable[[], Iterable[Any]]] = []
+
+
+def keep_at_exit(live: Callable[[], Iterable[Any]]) -> None:
+    """At the interpreter's exit, keep forever what ``live()`` then returns (the process
+    groups still in use): the interpreter's finalization would otherwise destroy them, and
+    a Gloo group destroyed while a peer closes its end aborts the process
+    (``gloo::IoException``, "Connection closed by peer", in ``std::terminate``) instead of
+    ending with its status. The exit then skips C++'s static destructors too
+    (:func:`keep_forever`)."""
+    if not _live:
+        atexit.register(_keep_live)
+    _live.append(live)
+
+
+def _keep_live() -> None:
+    for live in _live:
+        try:
+            for obj in live():
+                if obj is not None:
+                    keep_forever(obj)
+        except Exception:  # noqa: BLE001 - never fail an exit
+            pass
 
 
 def drop_later(groups: list[Any]) -> None:
     """Destroy process groups in a thread of their own: a Gloo group's destructor takes
     ~20 ms (its threads' shutdown), on whichever thread drops the last reference.
-    ``groups`` must hold the only references: the caller gives them up."""
-    threading.Thread(target=groups.clear, name="fastft-pg-drop", daemon=True).start()
+    ``groups`` must hold the only references: the caller gives them up. The process's
+    exit waits for the thread (:func:`join_at_exit`)."""
+    t = threading.Thread(target=groups.clear, name="fastft-pg-drop", daemon=True)
+    t.start()
+    join_at_exit(t)
 
 
 def keep_forever(obj: Any) -> None:
@@ -48,8 +105,13 @@ def _end_at_exit() -> None:
     on_exit = getattr(libc, "on_exit", None)
     if on_exit is not None:
         on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        handler = ctypes.cast(libc._exit, ctypes.c_void_p)
         # _exit(int) as a handler of (int status, void *arg): the status comes first
-        on_exit(ctypes.cast(libc._exit, ctypes.c_void_p), None)
+        on_exit(handler, None)
+        # exit() runs its handlers newest first, and C++ registers a function-local
+        # static's destructor when the static is first built (gloo's device loop, with
+        # the first group: after this), so register again as the interpreter finalizes.
+        atexit.register(on_exit, handler, None)
         return
     prev = sys.excepthook  # pragma: no cover - not glibc
 

@@ -65,6 +65,11 @@ class JobKeys:
         return f"{self.root}/ep/{epoch}/arrived/{rank}"
 
     @property
+    def committed(self) -> str:
+        """A lower bound of the job's committed step (set off the training path)."""
+        return f"{self.root}/committed"
+
+    @property
     def finished(self) -> str:
         """Set (to the final step) by a member that closed after its last committed step:
         a worker still waiting to join learns there is nothing left to join."""

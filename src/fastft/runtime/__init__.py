@@ -3,16 +3,28 @@ healing. See :mod:`fastft.runtime.api` and, for what is where, ``docs/architectu
 
 from fastft.process.events import EventLog, read_events
 from fastft.runtime.api import Runtime, Transaction, init
-from fastft.runtime.contract import EpochView, JobFinished, Member, RuntimeConfig, WorkerExit
+from fastft.runtime.contract import (
+    EXIT_STATE_LOST,
+    EpochView,
+    JobFinished,
+    Member,
+    RuntimeConfig,
+    StateLost,
+    WorkerExit,
+)
+from fastft.runtime.data import Batches
 from fastft.runtime.state import StateRegistry
 
 __all__ = [
+    "EXIT_STATE_LOST",
+    "Batches",
     "EpochView",
     "EventLog",
     "JobFinished",
     "Member",
     "Runtime",
     "RuntimeConfig",
+    "StateLost",
     "StateRegistry",
     "Transaction",
     "WorkerExit",

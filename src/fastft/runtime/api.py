@@ -9,6 +9,7 @@ own safe points instead.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -33,8 +34,11 @@ from fastft.process.services import Services
 from fastft.protocol import JobKeys
 from fastft.runtime.contract import JobFinished, Member, RuntimeConfig
 from fastft.runtime.coordinator import Coordinator, SideClient
+from fastft.runtime.data import Batches
 from fastft.runtime.dataplane import DataPlane
+from fastft.runtime.durable import Checkpoints
 from fastft.runtime.executor import Executor
+from fastft.runtime.formation import Recovery
 from fastft.runtime.kept import KeptGradients
 from fastft.runtime.state import StateRegistry, reseed
 
@@ -119,6 +123,16 @@ class Runtime:
         decisions.set_timeout(datetime.timedelta(seconds=_DECISION_WAIT_S))
         self.interrupter = Interrupter().install()
         self.interrupter.end_step()
+        durable = (
+            Checkpoints(config.checkpoint_dir, config.checkpoint_keep, self.events)
+            if config.checkpoint_dir
+            else None
+        )
+
+        def recovery() -> Recovery:
+            saved = durable.latest() if durable is not None else None
+            return Recovery(saved.step if saved else None, config.allow_fresh_start)
+
         x = self._x = Executor(
             config,
             self.me,
@@ -131,6 +145,7 @@ class Runtime:
                 config.min_members,
                 dead=set(),
                 decision_store=decisions,
+                recovery=recovery,
             ),
             SideClient(store.clone(), self.keys),  # type: ignore[attr-defined]
             self.registry,
@@ -144,6 +159,7 @@ class Runtime:
                 events=self.events,
             ),
             KeptGradients(config.keep_gradients and config.elastic),
+            durable,
         )
         x.coord.dead = x.dead  # one set of the dead per process
         self.interrupter.shield(
@@ -179,6 +195,26 @@ class Runtime:
             pid=os.getpid(),
             ran_ahead=ran_ahead(),
         )
+        atexit.register(self._stop_threads)
+
+    def _stop_threads(self) -> None:
+        """At interpreter exit without :meth:`close` (an exception, ``sys.exit``, a job that
+        cannot go on): stop the threads that block in torch (the bus listener's store
+        waits, the key collector) while the interpreter can still run them. One that
+        returned from C++ during finalization could not take the GIL and would abort the
+        process ("terminate called without an active exception") instead of letting it end
+        with its status."""
+        x = self._x
+        if x.closing:
+            return
+        x.closing = True
+        for stop in (x.membership.collector.close, self.bus.close, self._hb.close):
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 - never fail an exit
+                log.debug("stopping %s at exit failed", stop, exc_info=True)
+        if x.durable is not None:
+            x.durable.close(timeout_s=10.0)
 
     # --- public API ------------------------------------------------------------------------
     def register(
@@ -190,6 +226,16 @@ class Runtime:
         """Register what a step changes and a heal transfers, then join the job: returns
         once this worker is a member of an epoch and holds the committed state."""
         self.registry.register(model, optimizer, **others)
+        for name, obj in others.items():
+            if isinstance(obj, Batches):
+                obj.guard = self.interrupter.atomic
+            elif type(obj).__name__ == "StatefulDataLoader":
+                log.warning(
+                    "register(%s=StatefulDataLoader): register fastft.Batches(loader) and draw "
+                    "with .next() instead; a loader iterated directly can be torn by an "
+                    "interrupt and loses its worker processes at every rollback",
+                    name,
+                )
         if model is not None:
             self._x.dp.backend()  # a backend that cannot work with this model fails here
         self._registered = True
@@ -252,6 +298,10 @@ class Runtime:
         with x.lock:
             x.cond.notify_all()
         self.events.emit("worker_stop", step=x.state.step, commits=x.commits, rollbacks=x.rollbacks)
+        if x.durable is not None:
+            with self._hb.blocked:  # alive while it waits (the agent must not kill it as hung)
+                x.checkpoint_last()
+                x.durable.close()  # a checkpoint being written is finished: the last counts
         x.membership.collector.close()
         self.bus.close()
         self.interrupter.close()

@@ -43,7 +43,12 @@ class RuntimeConfig:
     random when None; ``check_every``: log the state digest (S3) every N commits (0: never);
     ``keep_gradients``: in an elastic world, keep a copy of the weighted local gradient
     before each step's allreduce (one more gradient-sized buffer), so that a retry after
-    the world shrank computes only the lost members' samples (:mod:`fastft.runtime.shards`).
+    the world shrank computes only the lost members' samples (:mod:`fastft.runtime.shards`);
+    ``checkpoint_dir``, ``checkpoint_every`` (steps), ``checkpoint_interval_s``,
+    ``checkpoint_keep``: the durable tier (:mod:`fastft.runtime.durable`); with a directory
+    and no schedule, every ``CHECKPOINT_INTERVAL_S``; ``allow_fresh_start``: when every
+    holder of the committed state is lost and no checkpoint exists, start again from step
+    0 instead of failing the job.
     """
 
     store: str
@@ -65,6 +70,11 @@ class RuntimeConfig:
     incarnation: int | None = None
     check_every: int = 0
     keep_gradients: bool = True
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    checkpoint_interval_s: float = 0.0
+    checkpoint_keep: int = 2
+    allow_fresh_start: bool = False
 
     def __post_init__(self) -> None:
         if ":" not in self.store:
@@ -83,6 +93,14 @@ class RuntimeConfig:
             raise ConfigError(f"backend={self.backend!r}: use auto, gloo or nccl")
         if self.max_step_retries < 0:
             raise ConfigError("max_step_retries must be >= 0")
+        check_checkpoints(
+            self.checkpoint_dir,
+            self.checkpoint_every,
+            self.checkpoint_interval_s,
+            self.checkpoint_keep,
+        )
+        if self.checkpoint_dir and not (self.checkpoint_every or self.checkpoint_interval_s):
+            object.__setattr__(self, "checkpoint_interval_s", CHECKPOINT_INTERVAL_S)
 
     @property
     def min_members(self) -> int:
@@ -115,6 +133,11 @@ class RuntimeConfig:
             ("check_every", 0),
             ("keep_gradients", True),
             ("backend", "auto"),
+            ("checkpoint_dir", None),
+            ("checkpoint_every", 0),
+            ("checkpoint_interval_s", 0.0),
+            ("checkpoint_keep", 2),
+            ("allow_fresh_start", False),
         ):
             v = getattr(we, name)
             kw[name] = default if v is None else v
@@ -124,8 +147,45 @@ class RuntimeConfig:
                 v = int(v)  # type: ignore[call-overload]
             elif v is not None and kind.startswith("bool"):
                 v = bool(v)
+            elif v is not None and kind.startswith("float"):
+                v = float(v)  # type: ignore[arg-type]
             kw[k] = v
         return cls(**kw)  # type: ignore[arg-type]
+
+
+EXIT_STATE_LOST = 86
+"""A worker's exit status when the job cannot go on: every holder of the committed state
+was lost and nothing can restore it. The agent fails the job instead of restarting."""
+
+
+class StateLost(SystemExit):
+    """The job cannot go on (see :data:`EXIT_STATE_LOST`); its message says why and what
+    to change. A SystemExit, so that a training loop's ``except Exception`` lets it end
+    the worker, with its status."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(EXIT_STATE_LOST)
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
+
+
+CHECKPOINT_INTERVAL_S = 600.0
+"""With a checkpoint directory and neither schedule given: a checkpoint every 10 minutes."""
+
+
+def check_checkpoints(directory: str | None, every: int, interval_s: float, keep: int) -> None:
+    """The checkpoint settings, checked where they are given (``fastft run`` and each
+    worker): a ConfigError that says what to fix."""
+    if every < 0:
+        raise ConfigError(f"--checkpoint-every {every}: use 0 (off) or a number of steps")
+    if not interval_s >= 0 or interval_s == float("inf"):
+        raise ConfigError(f"--checkpoint-interval {interval_s}: use 0 (off) or seconds > 0")
+    if keep < 1:
+        raise ConfigError(f"--checkpoint-keep {keep}: keep at least 1")
+    if (every or interval_s) and not directory:
+        raise ConfigError("--checkpoint-every/--checkpoint-interval need --checkpoint-dir DIR")
 
 
 def choose_backend(
@@ -179,12 +239,15 @@ class Member:
 class EpochView:
     """An agreed epoch: its members (sorted by rank), the committed ``step`` it resumes
     from, the members that must receive state, and the member that sends it (None when
-    no member holds state: the job starts from scratch). ``kept``: ``(rank, lo, hi, n)``
+    no member holds the state). ``kept``: ``(rank, lo, hi, n)``
     for each survivor holding the weighted local gradient of samples ``[lo, hi)`` of
     ``step``'s batch of ``n`` (elastic worlds; see :mod:`fastft.runtime.shards`).
     ``waiting``: workers registered to join that this epoch left out (an elastic world's
     re-formation after a rollback: the survivors retry without waiting for their heal);
-    they are admitted after the next commit."""
+    they are admitted after the next commit. ``restore``: every member loads the durable
+    checkpoint of this step (``step``) first. ``lost``: no live member held the committed
+    state, which was at least this step (restored from ``restore``, started again from 0
+    by ``source``, or :attr:`fatal`)."""
 
     epoch: int
     members: tuple[Member, ...]
@@ -193,6 +256,14 @@ class EpochView:
     source: int | None
     kept: tuple[tuple[int, int, int, int], ...] = ()
     waiting: tuple[int, ...] = ()
+    restore: int | None = None
+    lost: int | None = None
+
+    @property
+    def fatal(self) -> bool:
+        """No member holds the committed state and nothing can restore it: the job fails
+        (or, with ``allow_fresh_start``, its members start again as new workers)."""
+        return self.lost is not None and self.restore is None and self.source is None
 
     @property
     def ranks(self) -> frozenset[int]:
@@ -221,6 +292,8 @@ class EpochView:
                 "source": self.source,
                 "kept": [list(k) for k in self.kept],
                 "waiting": list(self.waiting),
+                **({"restore": self.restore} if self.restore is not None else {}),
+                **({"lost": self.lost} if self.lost is not None else {}),
             },
             separators=(",", ":"),
         )
@@ -236,6 +309,8 @@ class EpochView:
             source=None if d["source"] is None else int(d["source"]),
             kept=tuple(tuple(int(v) for v in k) for k in d.get("kept", ())),  # type: ignore[misc]
             waiting=tuple(int(r) for r in d.get("waiting", ())),
+            restore=None if d.get("restore") is None else int(d["restore"]),
+            lost=None if d.get("lost") is None else int(d["lost"]),
         )
 
 

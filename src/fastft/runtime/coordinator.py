@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from fastft.protocol.keys import JobKeys
 from fastft.runtime.contract import EpochView, JobFinished, Member
-from fastft.runtime.formation import Arrival, close_after, close_first
+from fastft.runtime.formation import Arrival, Recovery, close_after, close_first, holds_state
 
 __all__ = ["ADMIT", "COMMIT", "ROLLBACK", "Coordinator", "KeyCollector", "SideClient"]
 
@@ -63,6 +63,7 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         decision_store: dist.Store | None = None,
+        recovery: Callable[[], Recovery] = Recovery,
     ) -> None:
         self.store = store
         self.decision_store = decision_store if decision_store is not None else store
@@ -78,6 +79,12 @@ class Coordinator:
         """Lives known dead, the worker's one set (read, never written here): never
         admitted as joiners."""
         self._joiner_keys_exist = False
+        self.recovery = recovery
+        self.below_min: Callable[[int, int], None] = lambda have, need: None
+        """Told (members it has, members it needs) while a formation this worker closes
+        waits below ``min_members`` for restarted workers."""
+        """What can replace a lost state (the durable tier's newest checkpoint): asked only
+        when an epoch closes without a holder, or at a first start."""
 
     # --- decisions -------------------------------------------------------------------------
     def vote(
@@ -140,6 +147,15 @@ class Coordinator:
             return None
         return EpochView.from_json(self.store.get(k))
 
+    def committed_step(self, latest: int) -> int:
+        """A lower bound of the committed step: the last closed epoch's, or the one the
+        key collector recorded since."""
+        prev = self.closed(latest) if latest else None
+        got = [prev.step] if prev is not None else [0]
+        if self.store.check([self.keys.committed]):
+            got.append(int(self.store.get(self.keys.committed)))
+        return max(got)
+
     def finished_at(self) -> int | None:
         """The step at which a member closed after finishing the job, if one did."""
         k = self.keys.finished
@@ -191,6 +207,7 @@ class Coordinator:
         cancelled: Callable[[], bool],
         kept: tuple[int, int, int] | None = None,
         admit: bool = True,
+        arrived: Callable[[], None] = lambda: None,
     ) -> EpochView | None:
         """Take part in forming ``prev.epoch + 1``. Returns the closed view (which may not
         list this worker: it must then join), or None if ``cancelled()`` became true; raises
@@ -199,11 +216,13 @@ class Coordinator:
         ``kept``: ``(lo, hi, n)`` when this worker holds the weighted local gradient of
         those samples of ``step`` (the closer lists it in the view's ``kept``). ``admit``
         False: registered joiners are left out (listed as ``waiting``) when the survivors
-        are at least ``min_replicas`` without them."""
+        are at least ``min_replicas`` without them. ``arrived`` is called once this
+        worker's arrival is written."""
         epoch = prev.epoch + 1
         me = self.me.rank
         arrival = Arrival(self.me.incarnation, step, lost_state, kept)
         self.store.set(self.keys.epoch_arrival(epoch, me), arrival.to_json())
+        arrived()
         expected = sorted(m.rank for m in prev.members if m.rank not in exclude)
         started = self.clock()
         deadline = started + timeout_s
@@ -217,8 +236,11 @@ class Coordinator:
                 done = self.finished_at()
                 if done is not None and step >= done:
                     raise JobFinished(done)
-            if expected and expected[0] == me:
-                view = self._try_close(prev, expected, deadline, admit)
+            # the lowest expected survivor still alive closes (one that died meanwhile
+            # hands it on at once, not after the deadline)
+            live = [r for r in expected if Member(r, prev.incarnation(r)) not in self.dead]
+            if live and live[0] == me:
+                view = self._try_close(prev, live, deadline, admit)
                 if view is not None:
                     return view
             self.sleep(_POLL_S)
@@ -231,7 +253,9 @@ class Coordinator:
         for m in prev.members:
             k = self.keys.epoch_arrival(epoch, m.rank)
             if self.store.check([k]):
-                arrived[m.rank] = Arrival.from_json(self.store.get(k))
+                a = Arrival.from_json(self.store.get(k))
+                if Member(m.rank, a.incarnation) not in self.dead:
+                    arrived[m.rank] = a  # (one that died after arriving is not waited for)
         timed_out = self.clock() >= deadline
         if not set(expected) <= set(arrived) and not timed_out:
             return None  # (before reading the joiners: the common case while waiting)
@@ -244,8 +268,11 @@ class Coordinator:
             timed_out=timed_out,
             admit=admit,
             min_members=self.min_members,
+            recovery=Recovery() if holds_state(arrived) else self.recovery(),
         )
-        if view is None:
+        if view is None:  # every expected survivor is in: fewer than min_members
+            if self.min_members < self.world_size:  # (a fixed world waits by design)
+                self.below_min(len(arrived) + len(joiners), self.min_members)
             return None
         return self._close(view, {} if view.waiting else joiners)
 
@@ -280,8 +307,7 @@ class Coordinator:
                     return view
             seen = latest
             joiners = self.joiners()
-            view = close_first(
-                joiners,
+            arguments = dict(
                 me=self.me.rank,
                 latest=latest,
                 world_size=self.world_size,
@@ -289,12 +315,15 @@ class Coordinator:
                 waited_s=now - started,
                 start_timeout_s=start_timeout_s,
             )
-            if view is not None:
-                if latest:
-                    log.error(
-                        "every worker of the job was lost: starting again from step 0 "
-                        "with freshly initialized state"
-                    )
+            view = close_first(joiners, **arguments)  # type: ignore[arg-type]
+            if view is not None:  # this joiner closes: with what can replace the state
+                view = close_first(
+                    joiners,
+                    **arguments,  # type: ignore[arg-type]
+                    last_step=self.committed_step(latest),
+                    recovery=self.recovery(),
+                )
+                assert view is not None
                 agreed = self._close(view, joiners)
                 if agreed.has(self.me.rank, self.me.incarnation):
                     return agreed
@@ -329,8 +358,11 @@ class SideClient:
             return False
 
     def forget(self, epoch: int, step: int) -> None:
+        """Delete the keys of decided ``step``, and record that the state after it is
+        committed (what a total loss reports as lost)."""
         with self.lock:
             Coordinator.forget_keys(self.store, self.keys, epoch, step)
+            self.store.set(self.keys.committed, str(step + 1))
 
 
 class KeyCollector:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastft.process.events import EventLog
-from fastft.process.teardown import drop_later, keep_forever
+from fastft.process.teardown import drop_later, keep_at_exit, keep_forever
 from fastft.runtime.contract import EpochView, choose_backend
 
 __all__ = ["DataPlane", "HealTail"]
@@ -53,6 +53,11 @@ class DataPlane:
         events: EventLog,
     ) -> None:
         self._store = store
+        self._build_client: Any = None  # made by the first build, on its thread
+        self._abandoned = 0
+        """The store client of group builds: not the main thread's (a build waiting for a
+        dead peer's key holds a client for up to the timeout, and the main thread's
+        formation would queue behind it); replaced after a build is abandoned."""
         self._configured = backend
         self._timeout = datetime.timedelta(seconds=pg_timeout_s)
         self._model = model
@@ -65,6 +70,7 @@ class DataPlane:
         self.heal_tail: HealTail | None = None
         """The optimizer state of this epoch's heal, still in transit while the step runs
         (sent or received over the heal group): finished before the vote."""
+        keep_at_exit(lambda: (self.pg, self.heal_pg[1] if self.heal_pg else None))
 
     # --- the backend -----------------------------------------------------------------------
     def backend(self) -> str:
@@ -161,9 +167,13 @@ class DataPlane:
                 except cf.TimeoutError:
                     if cancelled():
                         _keep_all(groups, futs)
+                        self._build_client = None  # it may be blocked: the next build's own
+                        self._abandoned += 1
                         return False
                 except Exception:
                     _keep_all(groups, futs)
+                    self._build_client = None
+                    self._abandoned += 1
                     raise
         if self.pg is not None:  # the last epoch's, after a commit: nothing is pending
             done = [self.pg]
@@ -193,10 +203,16 @@ class DataPlane:
         timeout = self._timeout
         backend = self.backend()
         fut: cf.Future[Any] = cf.Future()
+        shared = None if own_store else self._build_client
+        abandoned = self._abandoned
 
         def run() -> None:
             try:
-                client = self._store.clone() if own_store else self._store  # type: ignore[attr-defined]
+                client = shared
+                if client is None:  # (a connection of its own, or after an abandoned build)
+                    client = self._store.clone()  # type: ignore[attr-defined]
+                    if not own_store and self._abandoned == abandoned:
+                        self._build_client = client
                 store = dist.PrefixStore(prefix, client)
                 if backend == "nccl":  # pragma: no cover - checked on a GPU machine only
                     opts = dist.ProcessGroupNCCL.Options()

@@ -64,6 +64,7 @@ from fastft.protocol import (
 from fastft.runtime.contract import EpochView, Member, RuntimeConfig, WorkerExit
 from fastft.runtime.coordinator import Coordinator, SideClient
 from fastft.runtime.dataplane import DataPlane
+from fastft.runtime.durable import Checkpoints, due
 from fastft.runtime.faults import Faults
 from fastft.runtime.heal import Healer
 from fastft.runtime.kept import KeptGradients
@@ -104,8 +105,11 @@ class Executor:
         events: EventLog,
         dataplane: DataPlane,
         kept: KeptGradients,
+        durable: Checkpoints | None = None,
     ) -> None:
         self.config = config
+        self.durable = durable
+        """The durable tier (``--checkpoint-dir``), None without one."""
         self.me = me
         self.keys: JobKeys = coord.keys
         self.coord = coord
@@ -201,6 +205,7 @@ class Executor:
                 "propose_rollback", epoch=a.epoch, step=a.step, reason=a.reason, decision=got[:1]
             )
         elif isinstance(a, BroadcastRollbackRequest):
+            self.sv.injector.fire_due(s.step, point="rollback")  # tests: death mid-rollback
             bus.broadcast(RollbackRequest(**self.header(), reason=a.reason[:2000]))
         elif isinstance(a, BroadcastRollbackAck):
             bus.broadcast(RollbackAck(**self.header()))
@@ -311,6 +316,7 @@ class Executor:
             if opt is not None:
                 opt.step()
             self.registry.zero_grads()
+            self.registry.committed()
         self.commits += 1
         if self.dp.heal_pg is not None:
             # every member voted, so every heal of the epoch is over on both of its ends
@@ -333,7 +339,40 @@ class Executor:
             wait_ms=self.membership.take_decision_wait(),
             **extra,
         )
+        self._checkpoint(a.step + 1)
         self.feed(CommitApplied())
+
+    def checkpoint_last(self) -> None:
+        """At a clean end: the last committed state, if a checkpoint of it was deferred."""
+        d = self.durable
+        if d is not None and d.deferred:
+            d.wait()  # the write that deferred it
+            self._checkpoint(self.state.step)
+
+    def _checkpoint(self, step: int) -> None:
+        """Hand the committed state of ``step`` to the durable tier if one is due: written
+        by the epoch's first member (every member holds the same state, S3)."""
+        d, view, cfg = self.durable, self.view, self.config
+        if d is None or view is None or view.members[0] != self.me:
+            return
+        d.prepare()  # the writer process, started before the first checkpoint is due
+        if d.deferred and d.busy:
+            return
+        if not d.deferred and not due(
+            step,
+            last_step=d.last_step,
+            last_time=d.last_time,
+            now=time.monotonic(),
+            every=cfg.checkpoint_every,
+            interval_s=cfg.checkpoint_interval_s,
+        ):
+            return
+        t0 = time.monotonic()
+        # the step loop pays for the copy into the writer's shared buffer only
+        if d.save_async(step, view.epoch, self.registry.state(step)):
+            self.events.emit(
+                "checkpoint_staged", step=step, stage_ms=round((time.monotonic() - t0) * 1e3, 3)
+            )
 
     def _configure(self, a: ConfigureProcessGroup) -> None:
         view = self.view

@@ -76,6 +76,7 @@ class Faults:
                 step=s.step,
                 dead=x.dead,
                 finished=finished,
+                world_size=x.config.world_size,
             )
             if out.dead is not None:
                 x.dead.add(out.dead)

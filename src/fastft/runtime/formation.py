@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from fastft.runtime.contract import EpochView, Member
 
-__all__ = ["Arrival", "close_after", "close_first"]
+__all__ = ["Arrival", "Recovery", "close_after", "close_first", "holds_state"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,21 @@ class Arrival:
         )
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """What can replace a committed state that no live member holds: the step of the
+    newest usable durable checkpoint (None: none), and whether the job may start again
+    from step 0 (``--allow-fresh-start``)."""
+
+    checkpoint: int | None = None
+    fresh_start: bool = False
+
+
+def holds_state(arrived: dict[int, Arrival]) -> bool:
+    """Whether any survivor arrived with the committed state."""
+    return any(not a.lost for a in arrived.values())
+
+
 def close_after(
     prev: EpochView,
     arrived: dict[int, Arrival],
@@ -54,12 +69,16 @@ def close_after(
     timed_out: bool,
     admit: bool,
     min_members: int,
+    recovery: Recovery = Recovery(),
 ) -> EpochView | None:
     """The view the closer of ``prev.epoch + 1`` writes, or None to wait: for the survivors
     it ``expected`` to arrive (until ``timed_out``), and for restarted workers while fewer
     than ``min_members`` take part. ``joiners``: registered joiners (rank -> incarnation)
     that did not arrive as survivors; ``admit`` False leaves them out (``waiting``) when the
-    survivors are enough without them."""
+    survivors are enough without them. When no survivor holds the state, ``recovery``
+    decides: every member restores the checkpoint; or a joiner (a fresh process) is the
+    source of a start from step 0; or the view is :attr:`EpochView.fatal`. A member that
+    lost its state is never admitted as if it held it."""
     if not set(expected) <= set(arrived) and not timed_out:
         return None
     waiting: tuple[int, ...] = ()
@@ -74,16 +93,28 @@ def close_after(
     steps = {a.step for a in arrived.values() if not a.lost}
     if len(steps) > 1:
         log.error("survivors disagree on the committed step: %s", steps)
-    step = max(steps) if steps else 0
+    epoch, members_ = prev.epoch + 1, tuple(sorted(members))
+    if not with_state:
+        # Every holder of the committed state is gone (at least prev.step was committed).
+        lost = max([prev.step, *(a.step for a in arrived.values())])
+        if recovery.checkpoint is not None:
+            c = recovery.checkpoint
+            return EpochView(epoch, members_, c, frozenset(), None, restore=c, lost=lost)
+        if recovery.fresh_start and joiners:
+            src = min(joiners)
+            needs = frozenset(m.rank for m in members_) - {src}
+            return EpochView(epoch, members_, 0, needs, src, lost=lost)
+        return EpochView(epoch, members_, lost, frozenset(), None, lost=lost)
+    step = max(steps)
     kept = tuple(
         (r, *a.kept) for r, a in sorted(arrived.items()) if a.kept and not a.lost and a.step == step
     )
     return EpochView(
-        epoch=prev.epoch + 1,
-        members=tuple(sorted(members)),
+        epoch=epoch,
+        members=members_,
         step=step,
-        needs_state=needs if with_state else frozenset(),
-        source=with_state[0] if with_state else None,
+        needs_state=needs,
+        source=with_state[0],
         kept=kept,
         waiting=waiting,
     )
@@ -98,24 +129,35 @@ def close_first(
     min_members: int,
     waited_s: float,
     start_timeout_s: float,
+    last_step: int = 0,
+    recovery: Recovery = Recovery(),
 ) -> EpochView | None:
     """The view joiner ``me`` writes when every slot is a joiner (the first start, or every
     worker was lost), or when the first start waited ``start_timeout_s`` with at least
     ``min_members``; None if it is not the one to close (or not yet). ``latest``: the last
-    closed epoch (0: none)."""
+    closed epoch (0: none), whose step was ``last_step``. A first start resumes from
+    ``recovery.checkpoint`` if there is one; after every worker was lost, ``recovery``
+    decides as in :func:`close_after`."""
     first_start = latest == 0
     everyone = len(joiners) == world_size
     enough_late = first_start and waited_s > start_timeout_s and len(joiners) >= min_members
     if not (everyone or enough_late) or min(joiners) != me:
         return None
     members = tuple(sorted(Member(r, inc) for r, inc in joiners.items()))
+    epoch, lost = latest + 1, None if first_start else last_step
+    if recovery.checkpoint is not None:  # resume, or restore after a total loss
+        c = recovery.checkpoint
+        return EpochView(epoch, members, c, frozenset(), None, restore=c, lost=lost)
+    if lost is not None and not recovery.fresh_start:
+        return EpochView(epoch, members, lost, frozenset(), None, lost=lost)
     source = members[0].rank
     return EpochView(
-        epoch=latest + 1,
+        epoch=epoch,
         members=members,
         step=0,
         # At the first start every worker built its model from the same seed; the lowest
         # sends its state anyway so that S3 holds from step 0.
         needs_state=frozenset(m.rank for m in members) - {source},
         source=source,
+        lost=lost,
     )

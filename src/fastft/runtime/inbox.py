@@ -58,6 +58,7 @@ def route(
     step: int,
     dead: Set[Member],
     finished: bool = False,
+    world_size: int | None = None,
 ) -> Routed:
     """What message ``m`` means to worker ``me`` in ``view`` (None before its first epoch)
     at ``epoch``/``step``, knowing the lives in ``dead``. ``finished``: a member marked
@@ -120,5 +121,11 @@ def route(
     elif isinstance(m, DrainAck):
         ev = DrainAcked(m.rank) if m.drained_rank == me.rank else None
     elif isinstance(m, JoinRequest):
+        outside = world_size is not None and not 0 <= m.rank < world_size
+        if outside or member or Member(m.rank, m.incarnation) in dead:
+            # A rank that cannot join this job (or a life that is in, or dead): acting on
+            # it would re-form the epoch after every commit, for nothing.
+            why = "outside the world" if outside else "dead" if not member else "a member"
+            return Routed(record=("join_ignored", {"rank": m.rank, "why": why}))
         ev = JoinRequested(m.rank)
     return Routed(events=(ev,)) if ev is not None else NOTHING

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 
 from fastft.fsm import CastVote, Decision, FormEpoch, PeerFault, Phase, QuorumReady
 from fastft.protocol import JoinRequest, Severity
-from fastft.runtime.contract import EpochView, JobFinished
+from fastft.runtime.contract import EpochView, JobFinished, StateLost
 from fastft.runtime.coordinator import ADMIT, COMMIT, KeyCollector
+from fastft.runtime.durable import CheckpointError
 
 if TYPE_CHECKING:
     from fastft.runtime.executor import Executor
@@ -26,6 +27,22 @@ class Membership:
         self.x = x
         self.collector = KeyCollector(x.side)
         self._decision_wait_ms: float | None = None
+        self._below: tuple[int, int, int] | None = None
+        x.coord.below_min = self._below_min
+
+    def _below_min(self, have: int, need: int) -> None:
+        """Said once per formation and count: an elastic world waits for restarted workers
+        because fewer than ``--min-replicas`` are left."""
+        key = (self.x.state.epoch, have, need)
+        if self._below == key:
+            return
+        self._below = key
+        self.x.events.emit("below_min_replicas", epoch=key[0] + 1, members=have, needed=need)
+        log.warning(
+            "%d of the %d members --min-replicas needs: waiting for restarted workers",
+            have,
+            need,
+        )
 
     def take_decision_wait(self) -> float | None:
         """The last fault-free commit's wait for its decision (logged with the commit)."""
@@ -110,6 +127,8 @@ class Membership:
                 # elastic: the retry goes on without workers still to heal (admitted after
                 # the next commit); a fixed world cannot step without them
                 admit=not (a.rollback and x.config.elastic),
+                # tests: a death after arriving for the epoch
+                arrived=lambda: x.sv.injector.fire_due(x.state.step, point="formation"),
             )
         except JobFinished as e:
             self._finished(e, f"the job finished at step {e.step} while this worker re-formed")
@@ -128,13 +147,18 @@ class Membership:
             "epoch",
             epoch=view.epoch,
             members=[m.rank for m in view.members],
+            incarnations=[m.incarnation for m in view.members],
             step=view.step,
             needs_state=sorted(view.needs_state),
             source=view.source,
             form_ms=round(waited_s * 1e3, 3),
             **({"kept": [list(k) for k in view.kept]} if view.kept else {}),
             **({"waiting": list(view.waiting)} if view.waiting else {}),
+            **({"restore": view.restore} if view.restore is not None else {}),
+            **({"lost": view.lost} if view.lost is not None else {}),
         )
+        if view.restore is not None or view.lost is not None:
+            self._recover(view)
         with x.lock:
             x.view = view
             ready = QuorumReady(
@@ -149,3 +173,68 @@ class Membership:
             for m in view.members:  # deaths we heard of while the epoch was being formed
                 if m in x.dead and m != x.me:
                     x.feed_locked(PeerFault(m.rank, Severity.FAULT1, "died during formation"))
+
+    def _recover(self, view: EpochView) -> None:
+        """No live member held the committed state (``view.lost``), or a first start
+        resumes: load the checkpoint every member loads, or start again from step 0 (the
+        source is a fresh process), or end this worker: :attr:`EpochView.fatal`."""
+        x = self.x
+        if view.restore is not None:
+            t0 = time.monotonic()
+            ckpt = x.durable
+            try:
+                if ckpt is None:
+                    raise CheckpointError("this worker has no --checkpoint-dir")
+                step = x.registry.load_state(ckpt.load(ckpt.path_of(view.restore)))
+            except Exception as e:  # noqa: BLE001 - the closer read it: this node cannot
+                why = (
+                    f"rank {x.me.rank} could not load the checkpoint of step {view.restore} "
+                    f"that epoch {view.epoch} restores ({type(e).__name__}: {e}); is "
+                    "--checkpoint-dir the same directory on every node?"
+                )
+                x.events.emit("restore_failed", epoch=view.epoch, step=view.restore, error=why)
+                log.critical("%s", why)
+                raise StateLost(why) from e
+            x.events.emit(
+                "restore",
+                epoch=view.epoch,
+                step=step,
+                lost=view.lost,
+                redo=None if view.lost is None else view.lost - step,
+                load_ms=round((time.monotonic() - t0) * 1e3, 3),
+            )
+            if view.lost is None:
+                log.warning("resuming from the checkpoint of step %d", step)
+            else:
+                log.error(
+                    "every holder of the committed state (step %d at least) was lost: "
+                    "restored the checkpoint of step %d%s",
+                    view.lost,
+                    step,
+                    f"; steps {step}..{view.lost - 1} are trained again"
+                    if view.lost > step
+                    else "",
+                )
+            return
+        assert view.lost is not None
+        if not view.fatal:  # a fresh start that --allow-fresh-start allowed
+            x.events.emit("fresh_start", epoch=view.epoch, lost=view.lost)
+            log.error(
+                "every holder of the committed state (step %d) was lost and there is no "
+                "checkpoint: starting again from step 0 (--allow-fresh-start)",
+                view.lost,
+            )
+            return
+        if x.config.allow_fresh_start:
+            # No fresh process among the members to start from: this one restarts as one.
+            x.events.emit("fresh_restart", epoch=view.epoch, lost=view.lost)
+            raise SystemExit(f"rank {x.me.rank}: state lost at step {view.lost}; restarting")
+        why = (
+            f"every holder of the committed state (step {view.lost}) was lost and there is no "
+            "checkpoint to restore: the job cannot go on. Run with --checkpoint-dir DIR "
+            "(and --checkpoint-every N) to survive this, or --allow-fresh-start to start "
+            "again from step 0"
+        )
+        x.events.emit("state_lost", epoch=view.epoch, lost=view.lost, error=why)
+        log.critical("%s", why)
+        raise StateLost(why)

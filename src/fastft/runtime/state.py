@@ -98,6 +98,13 @@ class StateRegistry:
             snap[name] = _clone(obj.state_dict())
         self._step_snapshot = snap
 
+    def committed(self) -> None:
+        """The step's update is applied: what it began with is no longer what a rollback
+        restores. (Kept, a fault between this commit and the next step's start rolled the
+        buffers and the other objects back to before the committed step: a data position
+        one batch behind the peers, a loss hidden by the allreduce of gradients.)"""
+        self._step_snapshot = None
+
     def rollback(self) -> None:
         """Drop the step's gradients and restore what the step changed. The gradient
         bucket is replaced, not zeroed: an allreduce abandoned on a dead peer may still
@@ -191,6 +198,10 @@ class StateRegistry:
             out["optimizer"] = self.optimizer.state_dict()
         out["others"] = {name: obj.state_dict() for name, obj in self._others.items()}
         return out
+
+    def load_state(self, st: dict[str, Any]) -> int:
+        """Load a whole state as :meth:`state` gives it; returns its step."""
+        return self._apply(st)
 
     def pack(self, step: int, *, defer: bool = False) -> tuple[bytes, list[torch.Tensor]]:
         """The state for a heal as a small header and a list of flat byte tensors ("wires")
@@ -294,7 +305,10 @@ class StateRegistry:
             self.optimizer.load_state_dict(st["optimizer"])
         for name, obj in self._others.items():
             if name in st.get("others", {}):
-                obj.load_state_dict(st["others"][name])
+                # A copy that owns its memory: a heal's tensors are views of its receive
+                # buffers, and an object may keep what it is given (a data loader keeps its
+                # sampler's generator state; a view there crashed torch's set_state).
+                obj.load_state_dict(_clone(st["others"][name]))
         if "model" in st or "others" in st:
             # what a step began with is gone; a deferred optimizer state is loaded inside
             # a step, whose snapshot stays
@@ -344,7 +358,7 @@ class _RefPickler(pickle.Pickler):
 
 
 class _RefUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: dict[int, torch.Tensor]) -> None:
+    def __init__(self, file: Any, tensors: dict[int, torch.Tensor]) -> None:
         super().__init__(file)
         self._tensors = tensors
 

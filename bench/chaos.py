@@ -1,0 +1,479 @@
+"""Chaos soak (issue 25): random faults of every kind, at random moments, sent live over
+the bus while earlier recoveries still run; then the job's history is checked.
+
+One run: a fault-free reference of the same steps (its per-step digests), then the same
+job under chaos: ``--warm-spares`` spares, a fault every ``--every`` seconds (uniform in
+the range) on a random rank, and with probability ``--overlap`` a second fault shortly
+after (``--overlap-delay``): inside the first one's rollback, heal or epoch formation.
+Faults stop after ``--duration`` seconds; the job then runs to its end. The same
+``--seed`` gives the same schedule (the moments the faults land are the machine's).
+
+Checks (``ok``: all hold; what the CI version asserts):
+  * history: every life committed consecutive steps (none applied twice or skipped), and
+    every step of the job was committed (S1);
+  * digests: every member's digest after every step equals the reference's (S3 and S5);
+  * regressions: no step was committed again after a later one was (training restarted
+    from an earlier step) while a member held the committed state; with
+    ``--checkpoint-dir`` a total loss may restore, and the steps redone are reported;
+  * the job exited 0, no process of its session is left, its store port is closed.
+
+Reported, not asserted (targets in issue 25): the survivors' next commit after each fault
+by kind (p50, p99, max), committed steps per second against the reference and (with
+``--planned``) against the same faults at planned steps.
+
+    python bench/chaos.py                       # the full soak: 600 s, 4 workers, 2 spares
+    python bench/chaos.py --duration 60 --nproc 3 --spares 1 --out DIR   # the CI version
+    python bench/chaos.py --ends 100            # 100 short soaks: does each end with 0?
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import pct, table, write  # noqa: E402
+
+from fastft.report import summarize  # noqa: E402
+from fastft.runtime import read_events  # noqa: E402
+
+KINDS = ("exception", "sigkill", "sigterm", "sigstop", "gil_hang", "segfault", "exit", "state_lost")
+ARGS = {"exit": 3.0}
+
+
+def schedule(
+    seed: int,
+    duration_s: float,
+    nproc: int,
+    every: tuple[float, float],
+    overlap: float,
+    overlap_delay: tuple[float, float],
+    kinds: tuple[str, ...] = KINDS,
+) -> list[dict[str, Any]]:
+    """The faults: (seconds after the job's first commit, rank, kind), seeded."""
+    rng = random.Random(seed)
+    out, t = [], rng.uniform(*every)
+    while t < duration_s:
+        out.append({"t": round(t, 3), "rank": rng.randrange(nproc), "kind": rng.choice(kinds)})
+        if rng.random() < overlap:
+            t2 = t + rng.uniform(*overlap_delay)
+            out.append({"t": round(t2, 3), "rank": rng.randrange(nproc), "kind": rng.choice(kinds)})
+            t = t2
+        t += rng.uniform(*every)
+    return out
+
+
+def _cmd(run: Path, a: argparse.Namespace, steps: int, extra: tuple[str, ...] = ()) -> list[str]:
+    cmd = [
+        *(sys.executable, "-m", "fastft.cli", "run", "--nproc", str(a.nproc)),
+        *("--run-dir", str(run), "--job", run.name, "--check-every", "1"),
+        *("--max-restarts", "1000", "--hang-timeout", str(a.hang_timeout)),
+        *extra,
+    ]
+    if a.checkpoint_dir and run.name == "chaos":
+        cmd += ["--checkpoint-dir", str(a.checkpoint_dir), "--checkpoint-every", "50"]
+    cmd += ["-m", "fastft.demo.train", "--", "--steps", str(steps), "--out", str(run / "out")]
+    return [*cmd, "--step-time", str(a.step_time)]
+
+
+def _session_left(sid: int) -> list[int]:
+    """Processes still in session ``sid`` (the launcher's: it was started in a new one)."""
+    left = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                left.append(int(d))
+    return left
+
+
+def _store_port(run: Path) -> int | None:
+    try:
+        head = (run / "launcher.log").read_text().splitlines()[0]
+        return int(head.split("store 127.0.0.1:")[1].split(",")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def run_job(
+    run: Path,
+    cmd: list[str],
+    faults: list[dict[str, Any]],
+    timeout_s: float,
+    last_step: int | None = None,
+) -> dict[str, Any]:
+    """Run ``cmd`` (a `fastft run`), sending ``faults`` live once it has committed; the
+    job's exit status and what it left behind."""
+    run.mkdir(parents=True, exist_ok=True)
+    log = open(run / "launcher.log", "w")  # noqa: SIM115 - closed below
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    sent: list[dict[str, Any]] = []
+    try:
+        if faults:
+            sent = _inject(run, p, faults, time.monotonic() + timeout_s, last_step)
+        rc = p.wait(timeout=max(1.0, timeout_s))
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # (the launcher's session: ours)
+        rc = p.wait()
+    finally:
+        log.close()
+    time.sleep(0.5)
+    left = _session_left(p.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    port = _store_port(run)
+    return {
+        "rc": rc,
+        "sent": sent,
+        "left_processes": left,
+        "port_open": port is not None and _port_open(port),
+    }
+
+
+class _Tail:
+    """The newest committed step in an event log, read incrementally."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.step = path, 0, -1
+
+    def last_step(self) -> int:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        for line in data[:end].splitlines():
+            if b'"commit"' in line:
+                try:
+                    self.step = max(self.step, json.loads(line)["step"])
+                except (ValueError, KeyError):
+                    continue
+        return self.step
+
+
+def _inject(
+    run: Path,
+    p: subprocess.Popen[bytes],
+    faults: list[dict[str, Any]],
+    deadline: float,
+    last_step: int | None,
+) -> list[dict[str, Any]]:
+    from fastft.bus import BusConfig, tcpstore_bus
+    from fastft.bus.tcpstore import connect_store
+    from fastft.protocol import NO_STEP, Inject, Role
+
+    while (port := _store_port(run)) is None or not (run / "events.jsonl").exists():
+        if p.poll() is not None or time.monotonic() > deadline:
+            return []
+        time.sleep(0.1)
+    while not any(e["event"] == "commit" for e in read_events(run)):  # every worker is up
+        if p.poll() is not None or time.monotonic() > deadline:
+            return []
+        time.sleep(0.2)
+    cfg = BusConfig(
+        job=run.name, rank=-1, incarnation=os.getpid(), role=Role.OPERATOR, subscribe=False
+    )
+    bus = tcpstore_bus(connect_store(f"127.0.0.1:{port}", timeout_s=5.0), cfg).start()
+    t0, sent, tail = time.monotonic(), [], _Tail(run / "events.jsonl")
+    try:
+        for f in faults:
+            while time.monotonic() - t0 < f["t"]:
+                if p.poll() is not None or (
+                    last_step is not None and tail.last_step() >= last_step
+                ):
+                    return sent  # (a fault after the last step would fail the job's end)
+                time.sleep(0.005)
+            bus.broadcast(
+                Inject(
+                    job=run.name,
+                    epoch=0,
+                    rank=-1,
+                    incarnation=os.getpid(),
+                    role=Role.OPERATOR,
+                    target_rank=f["rank"],
+                    fault_kind=f["kind"],
+                    at_step=NO_STEP,
+                    arg=ARGS.get(f["kind"], 0.0),
+                )
+            )
+            sent.append({**f, "mono": time.monotonic()})
+    finally:
+        bus.close()
+    return sent
+
+
+def check(run: Path, reference: dict[int, str], steps: int) -> dict[str, Any]:
+    """The history checks (S1, S3/S5 against ``reference``, regressions) of ``run``."""
+    ev = read_events(run)
+    life: dict[str, int] = {}
+    history: dict[tuple[str, int], list[int]] = defaultdict(list)
+    wrong: list[tuple[str, int]] = []
+    first_commit: dict[int, float] = {}
+    regressions: list[dict[str, Any]] = []
+    again: set[int] = set()
+    top = -1
+    for e in ev:
+        if e["event"] == "worker_start":
+            life[e["src"]] = e["life"]
+        elif e["event"] == "commit":
+            s = e["step"]
+            history[(e["src"], life.get(e["src"], 0))].append(s)
+            if e.get("digest") is not None and reference.get(s) != e["digest"]:
+                wrong.append((e["src"], s))
+            first_commit.setdefault(s, e["mono"])
+            if s < top and s not in again:  # committed after a later step had been
+                again.add(s)
+                regressions.append({"step": s, "by": e["src"]})
+            top = max(top, s)
+    skipped = [
+        (who, seq) for who, seq in history.items() if seq != list(range(seq[0], seq[0] + len(seq)))
+    ]
+    s = summarize(run)
+    losses = s["total_losses"]
+    return {
+        "holders_alive_at_a_loss": _holders_alive(ev, losses),
+        "applied_twice_or_skipped": [f"{w[0]} life {w[1]}: {q}" for w, q in skipped][:10],
+        "never_committed": sorted(set(range(steps)) - set(first_commit))[:20],
+        "digest_mismatches": wrong[:20],
+        "steps_trained_again": len(regressions),
+        "total_losses": losses,
+        "summary": s,
+    }
+
+
+def _holders_alive(ev: list[dict[str, Any]], losses: list[dict[str, Any]]) -> list[str]:
+    """Workers that held the committed state, and had not exited, when an epoch was closed
+    as a total loss (the state discarded while a live member held it: never allowed)."""
+    out = []
+    for loss in losses:
+        first = min(
+            (e for e in ev if e["event"] == "epoch" and e["epoch"] == loss["epoch"]),
+            key=lambda e: e["mono"],
+        )
+        t, lost = first["mono"], first["lost"]
+        last: dict[tuple[int, int], int] = {}
+        exited = set()
+        lives: dict[str, int] = {}
+        for e in ev:
+            if e["mono"] >= t:
+                break
+            if e["event"] == "worker_start":
+                lives[e["src"]] = e["life"]
+            elif e["event"] == "commit" and e["src"].startswith("rank "):
+                last[(int(e["src"][5:]), lives.get(e["src"], 0))] = e["step"]
+            elif e["event"] == "worker_exit":
+                exited.add((e["rank"], e["life"]))
+        out += [
+            f"rank {r} life {n} (epoch {loss['epoch']})"
+            for (r, n), step in last.items()
+            if step >= lost - 1 and (r, n) not in exited
+        ]
+    return out
+
+
+def recovery_by_kind(s: dict[str, Any], sent: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The survivors' next commit after each injected fault, by kind (ms)."""
+    by: dict[str, list[float]] = defaultdict(list)
+    unrecovered: dict[str, int] = defaultdict(int)
+    for f in s["faults"]:
+        if "injected" not in f["seen_as"]:
+            continue
+        if f["recover_ms"] is None:
+            unrecovered[f["kind"]] += 1
+        else:
+            by[f["kind"]].append(f["recover_ms"])
+    kinds = sorted(set(by) | set(unrecovered) | {f["kind"] for f in sent})
+    rows = []
+    for k in kinds:
+        v = by.get(k, [])
+        rows.append(
+            {
+                "kind": k,
+                "sent": sum(f["kind"] == k for f in sent),
+                "landed": len(v) + unrecovered.get(k, 0),
+                "p50_ms": round(pct(v, 50), 1) if v else None,
+                "p99_ms": round(pct(v, 99), 1) if v else None,
+                "max_ms": round(max(v), 1) if v else None,
+            }
+        )
+    return rows
+
+
+def _plan(out: Path, faults: list[dict[str, Any]], steps: int) -> Path:
+    """The same faults at evenly spaced steps (a fault plan: each in the life its rank
+    will be in by then)."""
+    per = max(1, (steps - 10) // (len(faults) + 1))
+    lives: dict[int, int] = defaultdict(int)
+    plan = []
+    for i, f in enumerate(faults):
+        plan.append(
+            {
+                "kind": f["kind"],
+                "rank": f["rank"],
+                "at_step": (i + 1) * per,
+                "life": lives[f["rank"]],
+                "arg": ARGS.get(f["kind"], 0.0),
+            }
+        )
+        if f["kind"] not in ("exception", "state_lost"):  # the others end the process
+            lives[f["rank"]] += 1
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "planned.json"
+    path.write_text(json.dumps({"faults": plan}))
+    return path
+
+
+def ends(a: argparse.Namespace, out: Path) -> int:
+    """``--ends N``: N short soaks (a seeded schedule of faults over ~6 s each); how many
+    ended with exit status 0, and with nothing left running (issue 25: the agent once
+    ended with SIGABRT at the end of a soak)."""
+    steps = max(100, int(10 / (a.step_time + 0.006)))
+    got = []
+    for i in range(a.ends):
+        run = out / f"end-{i}"
+        faults = schedule(a.seed + i, 6.0, a.nproc, a.every, a.overlap, a.overlap_delay)
+        cmd = _cmd(run, a, steps, ("--warm-spares", str(a.spares)))
+        job = run_job(run, cmd, faults, 300, last_step=steps - 30)
+        got.append({"run": i, "rc": job["rc"], "faults": len(job["sent"]), **_leftovers(job)})
+        print(f"end {i}: exit status {job['rc']}, {len(job['sent'])} faults")
+    ok = [g for g in got if g["rc"] == 0 and not g["left"]]
+    result = {"ends": a.ends, "exit_0_and_clean": len(ok), "not": [g for g in got if g not in ok]}
+    path = write(f"{a.name}-ends", got, {"result": result})
+    print(json.dumps(result, indent=1), f"\nwritten {path}")
+    return 0 if len(ok) == a.ends else 1
+
+
+def _leftovers(job: dict[str, Any]) -> dict[str, Any]:
+    return {"left": job["left_processes"] or (["store port"] if job["port_open"] else [])}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of faults")
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--spares", type=int, default=2)
+    ap.add_argument("--every", type=float, nargs=2, default=(1.0, 3.0), metavar=("MIN", "MAX"))
+    ap.add_argument("--overlap", type=float, default=0.3, help="chance of a second fault")
+    ap.add_argument("--overlap-delay", type=float, nargs=2, default=(0.02, 0.5))
+    ap.add_argument("--step-time", type=float, default=0.03)
+    ap.add_argument("--hang-timeout", type=float, default=5.0)
+    ap.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="the chaos run's durable tier (default: OUT/ckpt; every holder can be lost)",
+    )
+    ap.add_argument("--no-checkpoint", action="store_true", help="no durable tier")
+    ap.add_argument("--planned", action="store_true", help="also the same faults at steps")
+    ap.add_argument("--out", type=Path, default=None, help="run directories (default: tmp)")
+    ap.add_argument("--name", default="chaos", help="result file bench/results/NAME.json")
+    ap.add_argument("--json", type=Path, default=None, help="the result file (instead)")
+    ap.add_argument("--ends", type=int, default=0, help="N short soaks: their exit status")
+    a = ap.parse_args()
+    if a.nproc < 2 or a.duration <= 0 or not 0 <= a.overlap <= 1:
+        ap.error("--nproc >= 2, --duration > 0 and --overlap in [0, 1]")
+    out = a.out or Path(__import__("tempfile").mkdtemp(prefix="fastft-chaos-"))
+    if a.ends > 0:
+        return ends(a, out)
+    if a.checkpoint_dir is None and not a.no_checkpoint:
+        a.checkpoint_dir = out / "ckpt"
+    faults = schedule(a.seed, a.duration, a.nproc, a.every, a.overlap, a.overlap_delay)
+    # steps: about --duration of training at the reference rate with the faults' cost
+    steps = max(100, int(a.duration / (a.step_time + 0.006) * 0.5))
+    print(f"chaos: {len(faults)} faults over {a.duration:.0f} s, {steps} steps, out {out}")
+
+    t = time.monotonic()
+    ref = run_job(out / "reference", _cmd(out / "reference", a, steps), [], a.duration * 3)
+    ref_s = time.monotonic() - t
+    reference = {
+        e["step"]: e["digest"]
+        for e in read_events(out / "reference")
+        if e["event"] == "commit" and e.get("digest") is not None
+    }
+    if ref["rc"] != 0 or len(reference) != steps:
+        print(f"the reference run failed (rc {ref['rc']}): see {out / 'reference'}")
+        return 1
+    spares = ("--warm-spares", str(a.spares))
+    t = time.monotonic()
+    job = run_job(
+        out / "chaos",
+        _cmd(out / "chaos", a, steps, spares),
+        faults,
+        a.duration * 6,
+        last_step=steps - 30,  # no fault in the job's last steps: its end must be clean
+    )
+    chaos_s = time.monotonic() - t
+    got = check(out / "chaos", reference, steps)
+    s = got.pop("summary")
+    rows = recovery_by_kind(s, job["sent"])
+    rate = {"reference": steps / ref_s, "chaos": s["steps_committed"] / chaos_s}
+    if a.planned:
+        t = time.monotonic()
+        planned = run_job(
+            out / "planned",
+            _cmd(out / "planned", a, steps, (*spares, "--inject", str(_plan(out, faults, steps)))),
+            [],
+            a.duration * 6,
+        )
+        rate["planned"] = summarize(out / "planned")["steps_committed"] / (time.monotonic() - t)
+        print(f"planned soak: exit status {planned['rc']}, {rate['planned']:.1f} steps/s")
+    result = {
+        "ok": job["rc"] == 0
+        and not job["left_processes"]
+        and not job["port_open"]
+        and not got["applied_twice_or_skipped"]
+        and not got["never_committed"]
+        and not got["digest_mismatches"]
+        and not got["holders_alive_at_a_loss"]
+        and all(x["outcome"] == "restored" for x in got["total_losses"])
+        and got["steps_trained_again"] <= sum(x["redone"] or 0 for x in got["total_losses"]),
+        "seed": a.seed,
+        "faults_scheduled": len(faults),
+        "faults_sent": len(job["sent"]),
+        "steps": steps,
+        "exit_status": job["rc"],
+        "left_processes": job["left_processes"],
+        "store_port_open": job["port_open"],
+        **got,
+        "restarts": s["restarts"],
+        "epochs": s["epochs"],
+        "steps_per_s": {k: round(v, 2) for k, v in rate.items()},
+        "rate_vs_reference": round(rate["chaos"] / rate["reference"], 3),
+        "rate_vs_planned": round(rate["chaos"] / rate["planned"], 3) if a.planned else None,
+        "run_dir": str(out),
+    }
+    meta = {"result": result, "args": {k: str(v) for k, v in vars(a).items()}}
+    if a.json is not None:
+        a.json.write_text(json.dumps({"rows": rows, **meta}, indent=1))
+        path = a.json
+    else:
+        path = write(a.name, rows, meta)
+    print(table(rows, ["kind", "sent", "landed", "p50_ms", "p99_ms", "max_ms"]))
+    print(json.dumps({k: v for k, v in result.items() if k != "total_losses"}, indent=1))
+    print(f"written {path}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

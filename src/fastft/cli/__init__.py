@@ -1,0 +1,181 @@
+"""``fastft``: one console script with subcommands.
+
+* ``fastft inject``       publish a fault of the catalogue for a rank (live injection)
+* ``fastft report-error`` publish a fault observed by an external monitor
+* ``fastft bus tail``     print bus traffic as it happens
+* ``fastft plan check``   validate a fault plan file
+* ``fastft fsm-doc``      print the state machine's table as Markdown
+* ``fastft store``        host a job's store (ManagerFFT under another launcher)
+* ``fastft run``          the node agent: start, watch and restart the workers of a job
+* ``fastft report``       the timeline and figures of a finished run
+* ``fastft demo``         4 workers, one fault of each kind, checked against a clean run
+
+Flags fall back to environment variables: ``FASTFT_STORE`` and ``FASTFT_JOB`` everywhere,
+and every ``fastft run`` flag to ``FASTFT_<FLAG>`` (:mod:`fastft.launch.config`; the whole
+table: :mod:`fastft.process.env`). Bad flags and unreachable stores print one line on
+stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+__all__ = ["main", "ENVIRONMENT"]
+
+ENVIRONMENT = {
+    "FASTFT_STORE": "HOST:PORT of the job's store (the node agent hosts it)",
+    "FASTFT_JOB": "job id",
+}
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--store",
+        default=os.environ.get("FASTFT_STORE"),
+        help="HOST:PORT of the store [env FASTFT_STORE]",
+    )
+    p.add_argument("--job", default=os.environ.get("FASTFT_JOB"), help="job id [env FASTFT_JOB]")
+
+
+def _build() -> argparse.ArgumentParser:
+    from fastft.inject.plan import FaultKind
+    from fastft.launch.config import add_run_flags
+
+    parser = _Parser(prog="fastft", description="Fast fault tolerance for distributed training.")
+    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("inject", help="inject a fault into a running rank")
+    _add_target(p)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--kind", required=True, choices=[k.value for k in FaultKind])
+    p.add_argument("--at-step", type=int, default=None, help="fire at this step (default: now)")
+    p.add_argument("--arg", type=float, default=0.0, help="exit code for --kind exit")
+
+    p = sub.add_parser("report-error", help="publish a fault seen by an external monitor")
+    _add_target(p)
+    p.add_argument("--rank", type=int, required=True, help="the faulty rank")
+    p.add_argument("--incarnation", type=int, default=0)
+    p.add_argument(
+        "--severity",
+        choices=["fault1", "fault2"],
+        default="fault1",
+        help="fault1: state lost (heal); fault2: transient (roll back only)",
+    )
+    p.add_argument("--cause", required=True)
+    p.add_argument("--detail", default="")
+    p.add_argument("--epoch", type=int, default=0)
+    p.add_argument("--step", type=int, default=-1)
+
+    bus = sub.add_parser("bus", help="error bus tools")
+    bsub = bus.add_subparsers(dest="bus_cmd", required=True, parser_class=_Parser)
+    p = bsub.add_parser("tail", help="print bus traffic live")
+    _add_target(p)
+    p.add_argument("--count", type=int, default=0, help="stop after N messages (0: never)")
+    p.add_argument("--timeout", type=float, default=0.0, help="stop after S seconds (0: never)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    plan = sub.add_parser("plan", help="fault plans")
+    psub = plan.add_subparsers(dest="plan_cmd", required=True, parser_class=_Parser)
+    p = psub.add_parser("check", help="validate a fault plan file")
+    p.add_argument("path")
+
+    sub.add_parser("fsm-doc", help="print the step state machine as Markdown")
+
+    p = sub.add_parser(
+        "store",
+        help="host a job's store (for ManagerFFT under another launcher: connect())",
+        description="Host a TCPStore that every replica group of a job reaches, until "
+        "Ctrl-C. Under `fastft run` node 0's agent hosts it instead.",
+    )
+    p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT (port 0: any free one)")
+
+    p = sub.add_parser(
+        "run",
+        help="run a training script under the node agent",
+        description="Start NPROC workers of SCRIPT on this node, host the job's store (node 0), "
+        "restart workers that die or hang. Use `-m module` for a module.",
+    )
+    add_run_flags(p)
+    p.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
+    p.add_argument("script", nargs="?", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+
+    p = sub.add_parser("report", help="timeline and figures of a run")
+    p.add_argument("run_dir", help="the run directory (fastft run --run-dir)")
+    p.add_argument("--json", action="store_true", help="figures as JSON")
+
+    p = sub.add_parser("demo", help="the demo: 4 workers, one fault of each kind")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--no-live", action="store_true", help="no live display")
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="survivors go on without a lost worker (--min-replicas nproc/2); the check is "
+        "then: every sample consumed once and parameters equal up to summation order",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the workers' models train (cuda: one GPU each where there are enough, "
+        "NCCL then; else the GPUs are shared and the process groups are Gloo)",
+    )
+    return parser
+
+
+def _fail(msg: str) -> NoReturn:
+    print(f"fastft: error: {msg}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Now, not through interpreter finalization: a store client given up on (a port that
+    # is not a store) still blocks in torch on a thread that would abort the exit.
+    os._exit(EXIT_USAGE)
+
+
+def _cmd_fsm_doc(args: argparse.Namespace) -> int:
+    from fastft.fsm.doc import render
+
+    print(render(), end="")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # torch's C++ logging prints multi-line traces for a refused connection; the CLI
+    # reports one line instead. Must be set before torch is imported.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from fastft.errors import ConfigError
+
+    try:
+        parser = _build()
+    except ConfigError as e:  # a malformed FASTFT_* variable behind a flag
+        _fail(str(e))
+    args = parser.parse_args(argv)
+    from fastft.cli import ops, run  # (after the parse: `fastft --help` stays quick)
+
+    handlers = {
+        "inject": ops._cmd_inject,
+        "report-error": ops._cmd_report,
+        "fsm-doc": _cmd_fsm_doc,
+        "store": ops._cmd_store,
+        "run": run._cmd_run,
+        "report": run._cmd_report_run,
+        "demo": run._cmd_demo,
+    }
+    if args.cmd == "bus":
+        return ops._cmd_tail(args)
+    if args.cmd == "plan":
+        return ops._cmd_plan_check(args)
+    return handlers[args.cmd](args)

@@ -1,0 +1,5 @@
+"""``python -m fastft.cli``."""
+
+from fastft.cli import main
+
+raise SystemExit(main())

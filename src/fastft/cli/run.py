@@ -1,0 +1,104 @@
+"""``fastft run``, ``report`` and ``demo``: the agent, a finished run's figures, the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from fastft.cli import _fail
+
+
+def _module_exists(name: str) -> bool:
+    """Whether ``python -m name`` would find the module, without importing it or its
+    packages (their imports may be slow, or have effects): the top-level name through
+    the import system's finders, the rest by path."""
+    import importlib.machinery
+    import importlib.util
+
+    head, *rest = name.split(".")
+    if not head:
+        return False
+    sys.path.insert(0, os.getcwd())  # as `python -m` does
+    try:
+        spec = importlib.util.find_spec(head)
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path.pop(0)
+    for part in rest:
+        where = spec.submodule_search_locations if spec is not None else None
+        if not where:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(part, list(where))
+    return spec is not None
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from fastft.errors import FastFTError
+    from fastft.launch import Agent
+    from fastft.launch.config import config_from_args
+
+    rest = list(args.args or [])
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    if args.module:
+        command = [
+            sys.executable,
+            "-m",
+            args.module,
+            *([args.script] if args.script else []),
+            *rest,
+        ]
+    elif args.script:
+        if not os.path.exists(args.script):
+            _fail(f"script {args.script!r} not found")
+        command = [sys.executable, args.script, *rest]
+    else:
+        _fail("no script: fastft run [flags] script.py [args] (or -m module)")
+    try:
+        cfg = config_from_args(args, tuple(command))
+        if args.module and not _module_exists(args.module):  # (after the flags' checks)
+            _fail(
+                f"module {args.module!r} not found (from {os.getcwd()}, on this Python's "
+                "path): check its name, or run from the directory that holds it"
+            )
+        agent = Agent(cfg)
+    except FastFTError as e:
+        _fail(str(e))
+    return agent.run()
+
+
+def _cmd_report_run(args: argparse.Namespace) -> int:
+    from fastft.report import render_report, summarize
+
+    try:
+        figures = summarize(args.run_dir)
+    except FileNotFoundError:
+        _fail(f"{args.run_dir}: no events.jsonl (is it a fastft run directory?)")
+    if args.json:
+        print(json.dumps(figures, indent=2, default=str))
+    else:
+        print(render_report(args.run_dir, figures))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from fastft.demo.main import run_demo
+
+    if args.steps < 20 or args.nproc < 2:
+        _fail("demo: use --steps >= 20 and --nproc >= 2")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            _fail("demo --device cuda: no CUDA device is visible (use --device cpu)")
+    return run_demo(
+        steps=args.steps,
+        nproc=args.nproc,
+        run_dir=args.run_dir,
+        live=not args.no_live,
+        elastic=args.elastic,
+        device=args.device,
+    )

@@ -1,0 +1,133 @@
+"""What the agent does when a worker exits or stops: report it on the bus once (the exit
+trace and ``waitid`` may both see it), then restart the slot, mark it done or fail the job
+(:func:`fastft.launch.policy.after_exit` decides). The agent's part for it, as
+:class:`~fastft.runtime.membership.Membership` is the executor's: it uses the agent's
+state (``slots``, ``children``, ``spares``, ``events``, ``store``, ``keys``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import fastft.launch.policy as policy
+from fastft.launch.children import Slot
+from fastft.protocol import HangSuspected, ProcessExited
+
+if TYPE_CHECKING:
+    from fastft.launch.agent import Agent
+
+__all__ = ["Exits"]
+
+log = logging.getLogger(__name__)
+
+
+class Exits:
+    """Exits and stops of the agent's workers (see the module's docstring)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def on_other_exit(self, info: os.waitid_result) -> None:
+        if self.agent.spares.mark_dead(info.si_pid) and self.agent._stopping is None:
+            self.agent.spares.idle_exited(info)
+
+    def on_stopped(self, slot: Slot, t: float, via: str) -> None:
+        with self.agent.children.lock:  # the exit trace and waitid may both see it
+            if slot.stopped == slot.incarnation:
+                return
+            slot.stopped = slot.incarnation
+        self.agent.events.emit(
+            "worker_stopped", rank=slot.rank, incarnation=slot.incarnation, detected=t, via=via
+        )
+        if self.agent.config.torchft == "plain":
+            slot.hung = slot.incarnation  # torchft's baseline: left to torchft's timeouts
+            return
+        self.agent._publish(
+            HangSuspected(
+                **self.agent._hdr,
+                hung_rank=slot.rank,
+                hung_incarnation=slot.incarnation,
+                silent_for_s=0.0,
+                stopped=True,
+            )
+        )
+        self.agent.children.kill(slot)
+
+    def claim_exit(
+        self, slot: Slot, pid: int, code: int | None, sig: int | None, t: float, via: str
+    ) -> bool:
+        """Report the exit of ``pid`` once; False if it was reported already."""
+        if not self.agent.children.claim(slot, pid):
+            return False
+        assert slot.proc is not None and slot.proc.pid == pid
+        slot.proc.returncode = code if code is not None else -(sig or 0)
+        self.agent.events.emit(
+            "worker_exit",
+            rank=slot.rank,
+            incarnation=slot.incarnation,
+            exit_code=code,
+            signal=sig,
+            life=slot.life,
+            detected=t,
+            via=via,
+        )
+        self.agent._publish(
+            ProcessExited(
+                **self.agent._hdr,
+                exited_rank=slot.rank,
+                exited_incarnation=slot.incarnation,
+                exit_code=code,
+                signal=sig,
+            )
+        )
+        return True
+
+    def after_exit(self, slot: Slot, code: int | None, sig: int | None) -> None:
+        self.forget_joiner(slot)
+        cfg = self.agent.config
+        do = policy.after_exit(
+            rank=slot.rank,
+            code=code,
+            sig=sig,
+            life=slot.life,
+            max_restarts=cfg.max_restarts,
+            stopping=self.agent._stopping is not None,
+            already_done=slot.done,
+            peers_finished=any(
+                s.done and s.proc is not None and s.proc.returncode == 0
+                for s in self.agent.slots.values()
+            ),
+            spares_left=bool(self.agent.spares),
+            elastic=cfg.min_replicas is not None and cfg.min_replicas < cfg.world_size,
+        )
+        if do.failed:
+            self.agent._failed = do.failed
+        if do.done:
+            slot.done = True
+        if do.restart:
+            slot.life += 1
+            self.agent.restarts += 1
+            self.agent.events.emit("restart", rank=slot.rank, life=slot.life)
+            with self.agent.children.lock:
+                self.agent._restarts_due.append((time.monotonic() + do.delay_s, slot))
+        self.agent._wake.set()
+
+    def forget_joiner(self, slot: Slot) -> None:
+        key = self.agent.keys.joiner(slot.rank)
+        try:
+            # Joiner keys are cleared, never deleted: a worker may be between its check
+            # and its get of the key, and a get of a missing key blocks for the timeout.
+            self.agent.store.compare_set(key, str(slot.incarnation), "")
+        except Exception:  # noqa: BLE001 - best effort
+            log.debug("could not clear joiner key of rank %d", slot.rank, exc_info=True)
+
+    def end_stopped(self) -> None:
+        """torchft's baseline leaves a stopped worker stopped; once every other worker
+        finished, end it so that the job ends."""
+        live = [s for s in self.agent.slots.values() if not s.done]
+        if live and all(s.hung == s.incarnation for s in live):
+            for s in live:
+                s.done = True
+                self.agent.children.kill(s, incarnation=s.incarnation)

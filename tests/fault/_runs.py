@@ -1,0 +1,84 @@
+"""The fault tier's runs (imported by its test modules; the clean run is a session fixture
+in conftest.py): `fastft run` with 3 Gloo workers on CPU, training the demo, and
+the checks every faulty run is held to (S1, S3 against the events; S5 against a clean run).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from fastft.runtime import read_events
+
+STEPS = 30
+
+
+def fastft_run(
+    tmp: Path,
+    name: str,
+    *flags: str,
+    plan: list[dict] | None = None,
+    steps: int = STEPS,
+    timeout: float = 150,
+    train: tuple[str, ...] = (),
+    expect_rc: int | None = 0,
+    nproc: int = 3,
+) -> Path:
+    run = tmp / name
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastft.cli",
+        "run",
+        "--nproc",
+        str(nproc),
+        "--run-dir",
+        str(run),
+        "--check-every",
+        "1",
+        "--job",
+        name,
+        *flags,
+    ]
+    if plan is not None:
+        run.mkdir(parents=True)
+        (run / "plan.json").write_text(json.dumps({"faults": plan}))
+        cmd += ["--inject", str(run / "plan.json")]
+    cmd += ["-m", "fastft.demo.train", "--", "--steps", str(steps), "--out", str(run / "out")]
+    cmd += train
+    run.mkdir(parents=True, exist_ok=True)
+    with open(run / "launcher.log", "w") as log:  # kept: hung workers' stack dumps land here
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert expect_rc is None or p.returncode == expect_rc, (run / "launcher.log").read_text()[
+        -3000:
+    ]
+    (run / "rc").write_text(str(p.returncode))
+    return run
+
+
+def finals(run: Path) -> dict[int, dict]:
+    return {
+        int(f.stem.split("rank")[1]): json.loads(f.read_text())
+        for f in (run / "out").glob("final-rank*.json")
+    }
+
+
+def check_s1_s3(run: Path, steps: int = STEPS) -> None:
+    ev = read_events(run)
+    by_step: dict[int, set[str]] = defaultdict(set)
+    history: dict[tuple[str, int], list[int]] = defaultdict(list)
+    life: dict[str, int] = defaultdict(int)
+    for e in ev:
+        if e["event"] == "worker_start":
+            life[e["src"]] = e["incarnation"]
+        if e["event"] == "commit":
+            by_step[e["step"]].add(e["digest"])
+            history[(e["src"], life[e["src"]])].append(e["step"])
+    assert sorted(by_step) == list(range(steps)), "a step was never committed"
+    for step, digests in by_step.items():
+        assert len(digests) == 1, f"S3: members disagree after step {step}: {digests}"
+    for who, seq in history.items():
+        assert seq == list(range(seq[0], seq[0] + len(seq))), f"S1: {who} applied {seq}"
