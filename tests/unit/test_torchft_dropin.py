@@ -110,6 +110,50 @@ def test_wait_passes_the_timeout_to_the_work_and_returns_when_the_work_completed
     assert work.waits == [t, None]  # no timeout: the argument is left out
 
 
+class _NoCallbacks(torch.futures.Future):  # type: ignore[type-arg]
+    """A work's future that records Python callbacks attached to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thens = 0
+
+    def then(self, callback: Any) -> Any:  # type: ignore[override]
+        self.thens += 1
+        return super().then(callback)
+
+
+def test_no_python_callback_on_the_works_future_when_it_is_waited_for():
+    # A Gloo thread that runs (or frees) a Python callback while the interpreter finalizes
+    # aborts the process: the work is polled instead.
+    fut = _NoCallbacks()
+    work = _Work(completed=False, fut=fut)
+    w = BusWork(work, Pending())
+    assert not w.is_completed()
+    fut.set_result(["t"])
+    work.completed = True
+    assert w.wait() is True
+    assert w.get_future().value() == ["t"]
+    assert fut.thens == 0
+
+
+def test_a_collective_failure_reaches_the_future_without_a_callback():
+    fut = _NoCallbacks()
+    work = _Work(completed=True, fut=fut)
+    fut.set_exception(RuntimeError("Connection closed by peer"))
+    w = BusWork(work, Pending())
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        w.wait()
+    assert fut.thens == 0
+
+
+def test_the_future_asked_for_before_completion_still_completes():
+    fut = _NoCallbacks()
+    work = _Work(completed=False, fut=fut)
+    f = BusWork(work, Pending()).get_future()
+    fut.set_result(["t"])
+    assert f.wait() == ["t"]
+
+
 def test_wait_reports_the_works_own_timeout_error():
     work = _Work(completed=False)
     with pytest.raises(RuntimeError, match="timed out"):

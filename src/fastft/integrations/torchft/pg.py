@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -20,13 +21,14 @@ import torch.distributed as dist
 from torchft.process_group import ProcessGroup, ProcessGroupWrapper
 
 from fastft.interrupt.collectives import relay
-from fastft.process.teardown import keep_forever
+from fastft.process.teardown import keep_at_exit, keep_forever
 
 __all__ = ["BusProcessGroup", "BusWork", "Pending", "aborts_release_waiters", "wrap"]
 
-_POLL_S = 0.001
-"""While a wrapped work is waited for: how often it is asked whether it completed while
-its future has not (the future's completion or a bus fault wakes the wait at once)."""
+_SPIN_S = 50e-6
+"""While a wrapped work is waited for: how long it is polled without sleeping."""
+_POLL_S = 500e-6
+"""... then the longest sleep between two polls (a bus fault wakes the sleep at once)."""
 
 
 def wrap(pg: Any, pending: Pending) -> Any:
@@ -72,13 +74,25 @@ class Pending:
 
 
 class BusWork(dist._Work):
-    """A collective whose ``wait()`` a bus fault can end."""
+    """A collective whose ``wait()`` a bus fault can end.
+
+    Its future completes when the work is waited for or polled (``wait``,
+    ``is_completed``), as torchft's own works' callback chains are built at ``wait()``;
+    no Python callback is attached to the Gloo work's future. A work abandoned on a dead
+    peer fails later, perhaps while the interpreter finalizes, and torch then runs (or
+    frees) such a callback on a Gloo thread that can no longer take the GIL: the thread
+    exits through C++ frames and the process aborts ("terminate called after throwing an
+    instance of 'gloo::IoException'") instead of ending with its status. Seen in 1 of 7
+    runs of a torchft fault test, in the replica that ended last. ``get_future()`` before
+    the work completed falls back to such a callback (a GPU machine's
+    ``block_current_stream`` path)."""
 
     def __init__(self, work: dist._Work, pending: Pending) -> None:
         super().__init__()
         self._work = work
         self._pending = pending
         self._fut: torch.futures.Future[Any] = torch.futures.Future()
+        self._relayed = False
         with pending.lock:
             poisoned = pending.poisoned
             if poisoned is None:
@@ -86,24 +100,33 @@ class BusWork(dist._Work):
         if poisoned is not None:
             self._fut.set_exception(poisoned)
             pending.abandon(work)
-            return
-        fut = self._fut
 
-        def forget() -> None:
-            with pending.lock:
-                pending.futures.discard(fut)
+    def _forget(self) -> None:
+        with self._pending.lock:
+            self._pending.futures.discard(self._fut)
 
-        work.get_future().then(relay(fut, wrap=lambda e: e, first=forget))
+    def _settle(self) -> bool:
+        """Whether the wait is over: the future is done (a bus fault failed it), or the
+        work has completed; the future then takes the work's result if the work's own
+        future has it (torchft's works may complete their futures later)."""
+        if self._fut.done():
+            return True
+        if not self._work.is_completed():
+            return False
+        src = self._work.get_future()
+        if src.done():
+            self._forget()
+            relay(self._fut, wrap=lambda e: e)(src)
+        return True
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Wait until the collective completes, a bus fault fails it, or ``timeout``
         passes; then the work's own ``wait(timeout)`` gives its result (its errors, its
-        timeout), as torchft's work would. A work that completed while its future has not
-        (yet) is not waited for beyond that."""
+        timeout), as torchft's work would."""
         self._pending.on_block(True)
         try:
             self._await(timeout)
-            if self._fut.done():
+            if self._settle() and self._fut.done():
                 self._fut.value()  # raises a bus fault, or the collective's own failure
             return bool(self._work.wait(timeout) if timeout is not None else self._work.wait())
         except Exception:
@@ -113,21 +136,34 @@ class BusWork(dist._Work):
             self._pending.on_block(False)
 
     def _await(self, timeout: timedelta | None) -> None:
-        if self._fut.done() or self._work.is_completed():
+        """Poll the work (a spin of ``_SPIN_S``, then sleeps doubling up to ``_POLL_S``);
+        a bus fault wakes the sleep at once."""
+        if self._settle():
             return
         woken = threading.Event()
         self._fut.then(lambda _: woken.set())
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
-        while not self._fut.done() and not self._work.is_completed():
-            left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+        t_spin = time.perf_counter() + _SPIN_S
+        delay = 20e-6
+        while not self._settle():
+            if time.perf_counter() < t_spin:
+                continue
+            left = delay if deadline is None else min(delay, deadline - time.monotonic())
             if left <= 0:
                 return  # the work's own wait(timeout) reports the timeout
             woken.wait(left)
+            delay = min(delay * 2, _POLL_S)
 
     def is_completed(self) -> bool:
+        self._settle()
         return self._fut.done()
 
     def get_future(self) -> torch.futures.Future[Any]:
+        self._settle()
+        if not self._fut.done() and not self._relayed:
+            self._relayed = True
+            fut = self._fut
+            self._work.get_future().then(relay(fut, wrap=lambda e: e, first=self._forget))
         return self._fut
 
     def synchronize(self) -> None:
@@ -157,6 +193,10 @@ class BusProcessGroup(ProcessGroupWrapper):
         self._inner = pg
         self._pending = pending
         self._wrap = not aborts_release_waiters(pg)
+        # The communicator in use when the process ends is kept, not destroyed by the
+        # interpreter's finalization, as the native runtime's are (see keep_at_exit).
+        me = weakref.ref(self)
+        keep_at_exit(lambda: (getattr(getattr(me(), "_inner", None), "_pg", None),))
 
     def _wrap_work(self, work: dist._Work, opts: object) -> dist._Work:
         return BusWork(work, self._pending) if self._wrap else work
