@@ -28,6 +28,7 @@ from fastft.bus import BusConfig, connect_store, host_store, tcpstore_bus
 from fastft.launch.children import Children, Slot, await_signal_taken, die_with_parent
 from fastft.launch.config import LaunchConfig, worker_environment
 from fastft.launch.exits import Exits
+from fastft.launch.lease import DONE, LeaseConfig, NodeLease, format_lives
 from fastft.launch.spare import order_line
 from fastft.launch.spares import SparePool
 from fastft.process.events import EventLog
@@ -98,6 +99,7 @@ class Agent:
         self.restarts = 0
         self.lighthouse: Any = None
         self.lighthouse_addr = ""
+        self.lease: NodeLease | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     def run(self) -> int:
@@ -119,6 +121,7 @@ class Agent:
             flush=True,
         )
         try:
+            self._start_lease()
             self._start_lighthouse()
             for slot in self.slots.values():
                 self._spawn(slot)
@@ -127,6 +130,8 @@ class Agent:
             self._watch()
             code = self._finish()
         finally:
+            if self.lease is not None:
+                self.lease.close()
             self.spares.stop()
             self.children.kill_all(list(self.slots.values()), signal.SIGKILL, grace_s=0)
             if self.lighthouse is not None:
@@ -146,13 +151,20 @@ class Agent:
         if self._failed:
             print(f"fastft: job failed: {self._failed}", file=sys.stderr, flush=True)
             return 1
-        # Node 0 hosts the store: it waits until every other node's agent is done.
+        # Node 0 hosts the store: it waits until every other node's agent is done or lost.
+        lease = self.lease
+        if lease is not None and self._server is None:
+            lease.close()  # node 0 may close the store from now on
+        if lease is not None:  # a node done is never declared lost
+            self.store.compare_set(self.keys.node_lost(self.config.node_rank), "", DONE)
         self.store.add(f"{self.keys.root}/agents_done", 1)
         if self._server is not None and self.config.nnodes > 1:
             deadline = time.monotonic() + 60
             while int(self.store.add(f"{self.keys.root}/agents_done", 0)) < self.config.nnodes:
                 if time.monotonic() > deadline:
                     break
+                if lease is not None and set(lease.others) <= set(lease.watch.lost):
+                    break  # the others are done or lost (their leases ran out)
                 time.sleep(0.05)
         return 0
 
@@ -188,6 +200,9 @@ class Agent:
             os.unlink(slot.heartbeat)
         except FileNotFoundError:
             pass
+        if self.lease is not None:  # who a watcher declares dead if this node is lost
+            lives = {s.rank: s.incarnation for s in self.slots.values() if s.incarnation}
+            self.store.set(self.keys.node_lives(cfg.node_rank), format_lives(lives))
         gpu = self.spares.gpu_of(self._local(slot))
         taken = self.spares.take(gpu) if slot.life > 0 else None
         spare, ready = taken if taken is not None else (None, False)
@@ -304,6 +319,61 @@ class Agent:
             if slot and slot.incarnation == m.faulty_incarnation and not slot.done:
                 self.events.emit("kill_declared_dead", rank=slot.rank, cause=m.cause)
                 self.children.kill(slot)
+
+    # --- node liveness (multi-node) --------------------------------------------------------
+    def _start_lease(self) -> None:
+        cfg = self.config
+        if cfg.nnodes < 2:
+            return  # nobody else to watch; the store is this node's own
+        self.lease = NodeLease(
+            self.store,
+            self.keys,
+            cfg.node_rank,
+            cfg.nnodes,
+            LeaseConfig(cfg.node_heartbeat_ms, cfg.node_lease_misses),
+            on_lost=self._node_lost,
+            on_fenced=self._fenced,
+            on_store_lost=self._store_lost,
+            on_returned=lambda n: self.events.emit("node_returned", node=n),
+        )
+        if self.lease.rejoined:
+            self.events.emit("node_rejoined", mark=self.lease.rejoined)
+        self.lease.start()
+
+    def _node_lost(self, node: int, lives: dict[int, int], counter: int) -> None:
+        """This agent declared ``node`` lost: every worker of it is dead (Fault1)."""
+        lease = self.lease
+        assert lease is not None
+        lease_ms = round(lease.config.lease_s * 1000)
+        self.events.emit("node_lost", node=node, lease=counter, lives=len(lives), lease_ms=lease_ms)
+        log.warning("node %d lost: its lease was not renewed for %d ms", node, lease_ms)
+        for rank, inc in lives.items():
+            self._publish(
+                Fault(
+                    **self._hdr,
+                    severity=Severity.FAULT1,
+                    cause=f"node {node} lost (lease not renewed for {lease_ms} ms)",
+                    faulty_rank=rank,
+                    faulty_incarnation=inc,
+                )
+            )
+
+    def _fenced(self, mark: str) -> None:
+        """This node was declared lost while it could not renew (a partition, a stop): its
+        workers are dead to the job; kill them, and they restart as new incarnations."""
+        self.events.emit("node_fenced", mark=mark)
+        log.warning("this node was declared lost: restarting its workers")
+        for slot in self.slots.values():
+            if not slot.done:
+                self.children.kill(slot)
+
+    def _store_lost(self, reason: str) -> None:
+        self.events.emit("store_lost", reason=reason)
+        self._failed = (
+            f"the store host is gone: {reason}. Node 0 hosts the job's store: with it "
+            "the job cannot go on"
+        )
+        self._wake.set()
 
     def _start_lighthouse(self) -> None:
         cfg = self.config

@@ -144,6 +144,12 @@ class LaunchConfig:
         "when every holder of the committed state is lost and there is no checkpoint, start "
         "again from step 0 (otherwise the job fails and says so)",
     )
+    node_heartbeat_ms: int = _flag(
+        100,
+        "multi-node: each agent renews its node's lease this often (ms); a node whose lease "
+        "is not renewed for --node-lease-misses heartbeats is declared lost, its workers dead",
+    )
+    node_lease_misses: int = _flag(3, "multi-node: heartbeats a node may miss before it is lost")
     env: dict[str, str] = _flag({}, "")
     """Extra environment for the workers (not a flag)."""
 
@@ -222,6 +228,9 @@ class LaunchConfig:
             self.checkpoint_interval_s,
             self.checkpoint_keep,
         )
+        from fastft.launch.lease import LeaseConfig  # (pure)
+
+        LeaseConfig(self.node_heartbeat_ms, self.node_lease_misses)
         if "/" in self.job or not self.job:
             raise ConfigError(f"--job {self.job!r}: non-empty, without '/'")
 

@@ -82,3 +82,18 @@ class JobKeys:
     def pg_prefix(self, epoch: int) -> str:
         """Store prefix of the data-plane process group of ``epoch``."""
         return f"{self.root}/pg/{epoch}/"
+
+    # --- node liveness (fastft.launch.lease) ----------------------------------------------
+    def node_lease(self, node: int) -> str:
+        """A counter the node's agent increments every heartbeat."""
+        return f"{self.root}/node/{node}/lease"
+
+    def node_lost(self, node: int) -> str:
+        """Set by compare-and-set by the agent that declared ``node`` lost
+        (``counter@declarer``, or ``done`` once its agent finished); the node's agent
+        clears a declaration once it has fenced its workers."""
+        return f"{self.root}/node/{node}/lost"
+
+    def node_lives(self, node: int) -> str:
+        """The node's workers: ``rank:incarnation,...`` (written at every spawn)."""
+        return f"{self.root}/node/{node}/lives"

@@ -1,0 +1,289 @@
+"""Node liveness: every agent of a multi-node job holds a lease in the control plane.
+
+A parent sees its child die at once; nobody sees a node lost whole (a kernel panic, a dead
+NIC, a reclaimed host). So each agent increments its lease counter every heartbeat, and
+reads every other node's counter in the same round trip. A counter that has not moved for
+``misses`` heartbeats (by the reader's clock) is *expired*: the reader declares the node
+lost by compare-and-set (one agent wins), and publishes every worker of that node dead
+(Fault1) on the bus. The survivors roll back and go on (elastic world) or wait for the
+node's workers to return (fixed world).
+
+A node that was partitioned and comes back finds itself declared lost: its workers are
+dead to the job (their incarnations are in every survivor's dead set, so they can neither
+join nor vote in a later epoch), and its agent kills them and starts them again as new
+incarnations, which heal. Then it clears the mark.
+
+An agent that cannot reach the store for as long as a lease lasts stops the node: with the
+embedded TCPStore, the store host (node 0) is gone, and the job cannot go on.
+
+:class:`LeaseWatch` decides (pure: time comes in as arguments); :class:`NodeLease` is the
+thread that reads and writes the store and tells the agent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastft.errors import ConfigError
+from fastft.protocol.keys import JobKeys
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+__all__ = [
+    "DONE",
+    "DEFAULT_HEARTBEAT_MS",
+    "DEFAULT_MISSES",
+    "LeaseConfig",
+    "LeaseWatch",
+    "NodeLease",
+    "Verdict",
+    "format_lives",
+    "parse_lives",
+]
+
+log = logging.getLogger(__name__)
+
+DONE = "done"
+"""The lost mark of a node whose agent finished: it is never declared lost."""
+DEFAULT_HEARTBEAT_MS = 100
+"""How often an agent renews its lease (``--node-heartbeat-ms``)."""
+DEFAULT_MISSES = 3
+"""Renewals a node may miss before it is declared lost (``--node-lease-misses``): the lease
+lasts 300 ms by default."""
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    heartbeat_ms: int = DEFAULT_HEARTBEAT_MS
+    misses: int = DEFAULT_MISSES
+
+    def __post_init__(self) -> None:
+        if not 10 <= self.heartbeat_ms <= 60_000:
+            raise ConfigError(f"--node-heartbeat-ms {self.heartbeat_ms}: use 10 .. 60000")
+        if not 2 <= self.misses <= 1000:
+            raise ConfigError(f"--node-lease-misses {self.misses}: use 2 .. 1000")
+
+    @property
+    def period_s(self) -> float:
+        return self.heartbeat_ms / 1000
+
+    @property
+    def lease_s(self) -> float:
+        """How long a lease lasts without a renewal."""
+        return self.period_s * self.misses
+
+
+@dataclass
+class Verdict:
+    """What one round concluded. ``expired``: nodes whose lease just ran out (declare them
+    lost); ``returned``: nodes declared lost whose lease moved again; ``store_lost``: this
+    agent has not reached the store for a whole lease (the reason), else None."""
+
+    expired: list[int] = field(default_factory=list)
+    returned: list[int] = field(default_factory=list)
+    store_lost: str | None = None
+
+
+class LeaseWatch:
+    """The lease counters one agent has seen, and what they mean. Pure.
+
+    A node is watched from the first time its counter is seen above 0 (its agent started).
+    Staleness is measured by this agent's clock between its own rounds; a round that comes
+    late (this agent was descheduled or stopped) gives every node a fresh lease instead of
+    blaming them for this agent's pause."""
+
+    def __init__(self, me: int, config: LeaseConfig, now: float) -> None:
+        self.me = me
+        self.config = config
+        self._moved: dict[int, tuple[int, float]] = {}
+        """node -> (counter, when this agent last saw it change)."""
+        self.lost: set[int] = set()
+        self._last_round = now
+        self._last_ok = now
+        self._errors = 0
+        self._last_error = ""
+
+    def round(self, now: float, counters: dict[int, int] | None, error: str = "") -> Verdict:
+        """One round: ``counters`` are the other nodes' lease counters read now (None: the
+        store could not be reached, ``error`` says why)."""
+        v = Verdict()
+        late = now - self._last_round > self.config.lease_s / 2
+        self._last_round = now
+        if counters is None:
+            self._errors += 1
+            self._last_error = error
+            if self._errors >= self.config.misses and now - self._last_ok >= self.config.lease_s:
+                v.store_lost = (
+                    f"no answer for {(now - self._last_ok) * 1000:.0f} ms "
+                    f"({self._errors} tries): {self._last_error}"
+                )
+            return v
+        self._errors = 0
+        self._last_ok = now
+        for node, value in counters.items():
+            if node == self.me or value <= 0:
+                continue
+            seen = self._moved.get(node)
+            if seen is None or seen[0] != value or late:
+                self._moved[node] = (value, now)
+                if seen is not None and seen[0] != value and node in self.lost:
+                    self.lost.discard(node)
+                    v.returned.append(node)
+                continue
+            if node not in self.lost and now - seen[1] >= self.config.lease_s:
+                self.lost.add(node)
+                v.expired.append(node)
+        return v
+
+    def counter(self, node: int) -> int:
+        """The counter last seen for ``node`` (0: never)."""
+        seen = self._moved.get(node)
+        return seen[0] if seen else 0
+
+
+def format_lives(lives: dict[int, int]) -> str:
+    return ",".join(f"{r}:{i}" for r, i in sorted(lives.items()))
+
+
+def parse_lives(raw: bytes | str) -> dict[int, int]:
+    """``rank:incarnation,...`` -> {rank: incarnation}; malformed parts are skipped."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    out: dict[int, int] = {}
+    for part in text.split(","):
+        r, _, i = part.partition(":")
+        if r.strip().isdigit() and i.strip().isdigit():
+            out[int(r)] = int(i)
+    return out
+
+
+class NodeLease:
+    """The agent's lease thread: renew, read the other leases, act on the verdict.
+
+    ``on_lost(node, lives)``: this agent declared ``node`` lost (it won the
+    compare-and-set); publish its workers dead. ``on_fenced()``: this node was declared
+    lost while it could not renew (a partition, a stop): kill the workers, which restart
+    as new incarnations; the mark is cleared after it returns. ``on_store_lost(reason)``:
+    the store has not answered for a whole lease. ``on_returned(node)``: informational.
+    Each store call waits at most one lease (a store client of its own)."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        keys: JobKeys,
+        node: int,
+        nnodes: int,
+        config: LeaseConfig,
+        *,
+        on_lost: Callable[[int, dict[int, int], int], None],
+        on_fenced: Callable[[str], None],
+        on_store_lost: Callable[[str], None],
+        on_returned: Callable[[int], None] = lambda node: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store.clone()  # type: ignore[attr-defined]
+        self.store.set_timeout(datetime.timedelta(seconds=max(config.lease_s, 0.05)))
+        self.keys = keys
+        self.node = node
+        self.others = [n for n in range(nnodes) if n != node]
+        self.config = config
+        self.on_lost = on_lost
+        self.on_fenced = on_fenced
+        self.on_store_lost = on_store_lost
+        self.on_returned = on_returned
+        self.clock = clock
+        self.watch = LeaseWatch(node, config, clock())
+        self.renewals = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Every node's keys exist from the start, so that one read gets them all (a
+        # TCPStore read of a missing key waits for it).
+        for n in range(nnodes):
+            self.store.add(keys.node_lease(n), 0)
+            self.store.compare_set(keys.node_lost(n), "", "")
+        self.rejoined = bytes(self.store.get(keys.node_lost(node))).decode(errors="replace")
+        """The mark this node found at its start (declared lost while its agent was gone;
+        no worker of this agent to fence yet), cleared; "" if none."""
+        if self.rejoined:
+            self.store.compare_set(keys.node_lost(node), self.rejoined, "")
+        self._renew()
+
+    def _renew(self) -> None:
+        self.store.add(self.keys.node_lease(self.node), 1)
+        self.renewals += 1
+
+    def start(self) -> NodeLease:
+        self._thread = threading.Thread(target=self._run, name="fastft-node-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self.config.lease_s + 1.0)
+
+    def _run(self) -> None:
+        period = self.config.period_s
+        lease_keys = [self.keys.node_lease(n) for n in self.others]
+        mark_key = self.keys.node_lost(self.node)
+        next_at = self.clock()
+        while not self._stop.is_set():
+            next_at += period
+            counters: dict[int, int] | None = None
+            mark = ""
+            error = ""
+            try:
+                self._renew()
+                got = self.store.multi_get([*lease_keys, mark_key])
+                counters = {
+                    n: int(bytes(v) or b"0") for n, v in zip(self.others, got[:-1], strict=True)
+                }
+                mark = bytes(got[-1]).decode(errors="replace")
+            except Exception as e:  # noqa: BLE001 - every store error counts as a miss
+                error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            if self._stop.is_set():
+                return
+            v = self.watch.round(self.clock(), counters, error)
+            if v.store_lost is not None:
+                self.on_store_lost(v.store_lost)
+                return
+            if mark and mark != DONE:
+                self._fence(mark)
+            for n in v.expired:
+                self._declare(n)
+            for n in v.returned:
+                self.on_returned(n)
+            delay = next_at - self.clock()
+            if delay < -period:  # far behind (a stop, a pause): renew now, then on time
+                next_at = self.clock()
+                delay = 0
+            self._stop.wait(max(0.0, delay))
+
+    def _declare(self, node: int) -> None:
+        counter = self.watch.counter(node)
+        mark = f"{counter}@{self.node}"  # the lease value that stopped, and who saw it
+        try:
+            got = bytes(self.store.compare_set(self.keys.node_lost(node), "", mark)).decode()
+            if got != mark:
+                return  # another agent declared it (or the node is done)
+            lives = parse_lives(self.store.get(self.keys.node_lives(node)))
+        except Exception:  # noqa: BLE001 - the next round tries again
+            log.warning("node %d: could not declare it lost", node, exc_info=True)
+            self.watch.lost.discard(node)
+            return
+        self.on_lost(node, lives, counter)
+
+    def _fence(self, mark: str) -> None:
+        """This node was declared lost: the agent kills its workers; then clear the mark
+        (compare-and-set: a newer declaration stays)."""
+        self.on_fenced(mark)
+        try:
+            self.store.compare_set(self.keys.node_lost(self.node), mark, "")
+        except Exception:  # noqa: BLE001 - the next round sees the mark again
+            log.warning("could not clear this node's lost mark", exc_info=True)

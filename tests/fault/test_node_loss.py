@@ -1,0 +1,137 @@
+"""A node lost whole, with the TCPStore control plane: 3 nodes on this machine, one worker
+each (a node is an agent and its workers in a process group of their own; it is lost by
+SIGKILL of the group, partitioned by SIGSTOP of the group). Nobody's parent sees the lost
+workers die: the other agents see the node's lease run out and declare its workers dead
+(Fault1). Each run is held to S1 and S3 (every step committed once, members agree) and to
+S5 against a fault-free run."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from _nodes import Nodes, finals
+from _runs import check_s1_s3
+from test_runtime_faults import assert_equal_to_one_process
+
+from fastft.report import shards_by_step, untiled_steps
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 30
+SLOW_STEPS = ("--step-time", "0.06")  # steps long enough for a loss in the middle
+
+
+def lost_events(ev: list[dict], node: int) -> list[dict]:
+    return [e for e in ev if e["event"] == "node_lost" and e["node"] == node]
+
+
+def test_a_lost_node_is_declared_dead_and_the_elastic_world_goes_on(tmp_path):
+    """Elastic world (--min-replicas 2): node 2 is SIGKILLed whole at step 8 and never
+    returns. An agent declares it lost once its lease runs out, the survivors go on
+    without it, every sample is consumed once, and the result equals one process training
+    on the whole batch."""
+    steps, batch = 40, 96
+    job = Nodes(
+        tmp_path / "elastic",
+        3,
+        flags=("--min-replicas", "2"),
+        steps=steps,
+        train=("--batch", str(batch), *SLOW_STEPS),
+    )
+    try:
+        job.start_all()
+        job.wait_commit(8)
+        job.signal(2, signal.SIGKILL)
+        codes = job.wait(150)
+        assert codes[0] == 0 and codes[1] == 0, job.logs()
+        assert codes[2] == -signal.SIGKILL
+    finally:
+        assert job.close() in ([], [job.agent(2).pid]), job.logs()
+    ev = job.events()
+    (lost,) = lost_events(ev, 2)  # declared once, by one agent
+    assert lost["src"] in ("agent 0", "agent 1") and lost["lives"] == 1
+    assert not [e for e in ev if e["event"] == "store_lost"]
+    check_s1_s3(job.run, steps=steps)
+    shards = shards_by_step(ev)
+    assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []
+    two = min(s for s, parts in shards.items() if len(parts) == 2)  # without node 2
+    assert two >= 8 and all(len(shards[s]) == 2 for s in range(two, steps))
+    assert_equal_to_one_process(job.run / "out", steps, batch, ranks=(0, 1))
+
+
+def test_a_lost_node_that_is_started_again_heals_in_a_fixed_world(tmp_path, clean):
+    """Fixed world: node 1 is SIGKILLed whole; the survivors wait for its worker, which
+    nobody restarts until the node's agent is started again (as a scheduler would). Its
+    new worker heals from a live peer, and the result is bitwise equal to a clean run."""
+    job = Nodes(tmp_path / "fixed", 3, steps=STEPS, train=SLOW_STEPS)
+    try:
+        job.start_all()
+        job.wait_commit(8)
+        job.signal(1, signal.SIGKILL)
+        job.wait_event(lambda e: e["event"] == "node_lost" and e["node"] == 1, 30)
+        job.start(1)
+        codes = job.wait(150)
+        assert codes == {0: 0, 1: 0, 2: 0}, job.logs()
+    finally:
+        assert job.close() == [], job.logs()
+    ev = job.events()
+    assert len(lost_events(ev, 1)) == 1
+    assert any(e["event"] == "heal" and e["src"] == "rank 1" for e in ev)
+    check_s1_s3(job.run, steps=STEPS)
+    got = finals(job.run)
+    assert sorted(got) == [0, 1, 2]
+    assert {v["digest"] for v in got.values()} == {clean[0]["digest"]}
+
+
+def test_losing_the_store_host_ends_the_job_with_one_clear_line(tmp_path):
+    """With the TCPStore control plane, node 0 hosts the store: its loss ends the job.
+    The other agents say so in one line and exit non-zero within the lease timeout, and
+    leave no process behind."""
+    job = Nodes(tmp_path / "host", 3, steps=400, train=SLOW_STEPS)
+    try:
+        job.start_all()
+        job.wait_commit(5)
+        t0 = time.monotonic()
+        job.signal(0, signal.SIGKILL)
+        codes = job.wait(60)
+        took = time.monotonic() - t0
+        assert codes[1] not in (None, 0) and codes[2] not in (None, 0), (codes, job.logs())
+        assert took < 30, took  # not a hang: the lease (300 ms) plus the workers' teardown
+        for n in (1, 2):
+            log = (job.run / f"node{n}-0.log").read_text()
+            assert "the store host is gone" in log, log[-2000:]
+        deadline = time.monotonic() + 10  # the workers the agents killed are reaped
+        while job.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = job.leftovers()
+        assert left == [], job.describe(left)
+    finally:
+        job.close()
+
+
+def test_a_partitioned_node_is_fenced_and_heals(tmp_path, clean):
+    """Node 2 is stopped whole (a partition) for 2 s: declared lost after its lease, its
+    worker is dead to the job. When it comes back, its agent finds the mark, kills the
+    stale worker and starts it again as a new incarnation, which heals; the result is
+    bitwise equal to a clean run."""
+    job = Nodes(tmp_path / "partition", 3, steps=STEPS, train=SLOW_STEPS)
+    try:
+        job.start_all()
+        job.wait_commit(8)
+        job.signal(2, signal.SIGSTOP)
+        job.wait_event(lambda e: e["event"] == "node_lost" and e["node"] == 2, 30)
+        time.sleep(1.0)
+        job.signal(2, signal.SIGCONT)
+        codes = job.wait(150)
+        assert codes == {0: 0, 1: 0, 2: 0}, job.logs()
+    finally:
+        assert job.close() == [], job.logs()
+    ev = job.events()
+    assert len(lost_events(ev, 2)) == 1
+    assert [e for e in ev if e["event"] == "node_fenced" and e["src"] == "agent 2"]
+    assert any(e["event"] == "heal" and e["src"] == "rank 2" for e in ev)
+    check_s1_s3(job.run, steps=STEPS)
+    got = finals(job.run)
+    assert {v["digest"] for v in got.values()} == {clean[0]["digest"]}

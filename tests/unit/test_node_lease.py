@@ -1,0 +1,119 @@
+"""Node leases: the pure watch (time comes in as arguments) and the lease thread against a
+real TCPStore."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fastft.bus import host_store
+from fastft.errors import ConfigError
+from fastft.launch.config import LaunchConfig
+from fastft.launch.lease import (
+    LeaseConfig,
+    LeaseWatch,
+    NodeLease,
+    format_lives,
+    parse_lives,
+)
+from fastft.protocol.keys import JobKeys
+
+CFG = LeaseConfig(heartbeat_ms=100, misses=3)
+
+
+def test_a_lease_not_renewed_for_misses_heartbeats_expires_once():
+    w = LeaseWatch(0, CFG, now=0.0)
+    assert w.round(0.1, {1: 1, 2: 1}).expired == []
+    assert w.round(0.2, {1: 2, 2: 1}).expired == []
+    assert w.round(0.3, {1: 3, 2: 1}).expired == []
+    v = w.round(0.4, {1: 4, 2: 1})  # node 2 last moved at 0.1: 300 ms ago
+    assert v.expired == [2] and w.lost == {2}
+    assert w.round(0.5, {1: 5, 2: 1}).expired == []  # said once
+    v = w.round(0.6, {1: 6, 2: 2})  # it renews again: back
+    assert v.returned == [2] and w.lost == set()
+
+
+def test_a_node_that_never_started_and_this_node_itself_are_not_watched():
+    w = LeaseWatch(0, CFG, now=0.0)
+    for t in range(1, 20):
+        v = w.round(t * 0.1, {0: 1, 1: 0})
+        assert v.expired == [] and v.store_lost is None
+
+
+def test_a_late_round_blames_nobody_for_this_agents_own_pause():
+    w = LeaseWatch(0, CFG, now=0.0)
+    w.round(0.1, {1: 1})
+    # this agent was stopped for 2 s: node 1's counter did not move *as seen from here*
+    assert w.round(2.1, {1: 1}).expired == []
+    assert w.round(2.2, {1: 1}).expired == []
+    assert w.round(2.3, {1: 1}).expired == []
+    w.round(2.38, {1: 1})
+    assert w.round(2.45, {1: 1}).expired == [1]  # 350 ms of silence, seen on time
+
+
+def test_the_store_is_lost_after_a_whole_lease_of_failed_rounds():
+    w = LeaseWatch(1, CFG, now=0.0)
+    w.round(0.1, {0: 1})
+    assert w.round(0.2, None, "reset").store_lost is None
+    assert w.round(0.3, None, "reset").store_lost is None
+    v = w.round(0.4, None, "Connection reset by peer")
+    assert v.store_lost is not None and "Connection reset by peer" in v.store_lost
+    assert "300 ms" in v.store_lost
+
+
+def test_one_answer_resets_the_count_of_failed_rounds():
+    w = LeaseWatch(1, CFG, now=0.0)
+    for t in (0.1, 0.2):
+        w.round(t, None, "slow")
+    w.round(0.3, {0: 3})
+    assert w.round(0.4, None, "slow").store_lost is None
+
+
+def test_lives_round_trip_and_junk_is_skipped():
+    assert parse_lives(format_lives({3: 7, 1: 5})) == {1: 5, 3: 7}
+    assert parse_lives(b"1:5,junk,x:1,2:") == {1: 5}
+
+
+@pytest.mark.parametrize("ms, misses", [(5, 3), (100, 1), (100_000, 3)])
+def test_bad_lease_settings_fail_at_start(ms, misses):
+    with pytest.raises(ConfigError, match="--node-"):
+        LeaseConfig(ms, misses)
+    with pytest.raises(ConfigError, match="--node-"):
+        LaunchConfig(command=("x.py",), node_heartbeat_ms=ms, node_lease_misses=misses)
+
+
+@pytest.mark.timeout(30)
+def test_leases_over_a_real_store_declare_fence_and_clear():
+    """Two nodes' lease threads: node 1 stops renewing (closed), node 0 declares it lost
+    with its lives; node 1 started again finds the mark, clears it, and is back."""
+    store = host_store()
+    keys = JobKeys("lease")
+    try:
+        store.set(keys.node_lives(1), format_lives({1: 11}))
+        got: list[tuple] = []
+        done = threading.Event()
+
+        def lost(node: int, lives: dict[int, int], counter: int) -> None:
+            got.append((node, lives))
+            done.set()
+
+        def never(*a: object) -> None:
+            raise AssertionError(a)
+
+        a = NodeLease(store, keys, 0, 2, CFG, on_lost=lost, on_fenced=never, on_store_lost=never)
+        b = NodeLease(store, keys, 1, 2, CFG, on_lost=never, on_fenced=never, on_store_lost=never)
+        a.start()
+        b.start()
+        time.sleep(0.5)
+        assert got == []  # both renew
+        b.close()
+        assert done.wait(5)
+        assert got == [(1, {1: 11})]
+        assert bytes(store.get(keys.node_lost(1))).decode() != ""
+        b2 = NodeLease(store, keys, 1, 2, CFG, on_lost=never, on_fenced=never, on_store_lost=never)
+        assert b2.rejoined and bytes(store.get(keys.node_lost(1))).decode() == ""
+        a.close()
+    finally:
+        del store
