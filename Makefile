@@ -10,11 +10,12 @@ $(BIN)/activate:
 	$(PY) -m venv $(VENV)
 
 # torch first, pinned by constraints.txt (the CPU build of 2.13.0 is available offline;
-# any other version pulls gigabytes of CUDA packages), then the package with its dev and
-# torchft extras (the torchft integration's tests run in CI).
+# any other version pulls gigabytes of CUDA packages), then the package with its dev,
+# torchft and nats extras (the torchft integration's and the NATS control plane's tests run
+# in CI).
 $(VENV)/.installed: $(BIN)/activate pyproject.toml constraints.txt
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,torchft]'
+	$(PIP) -e '.[dev,torchft,nats]'
 	# bytecode for the editable source: where PYTHONDONTWRITEBYTECODE is set (as on the
 	# machine this was built on) every worker would otherwise compile fastft's modules
 	# again at start-up (~30 ms of a restart)

@@ -34,16 +34,18 @@ class Nodes:
         flags: tuple[str, ...] = (),
         steps: int = 30,
         train: tuple[str, ...] = (),
+        control: str | None = None,
     ) -> None:
         self.run = run
         self.nnodes = nnodes
         self.port = free_port()
+        plane = ("--control", control) if control else ("--store", f"127.0.0.1:{self.port}")
         self.procs: dict[int, list[subprocess.Popen[bytes]]] = {}
         self.killed: set[int] = set()
         run.mkdir(parents=True, exist_ok=True)
         self.cmd = [
             *(sys.executable, "-m", "fastft.cli", "run", "--nproc", str(nproc)),
-            *("--nnodes", str(nnodes), "--store", f"127.0.0.1:{self.port}"),
+            *("--nnodes", str(nnodes), *plane),
             *("--job", run.name, "--run-dir", str(run), "--check-every", "1", *flags),
             *("-m", "fastft.demo.train", "--", "--steps", str(steps)),
             *("--out", str(run / "out"), *train),

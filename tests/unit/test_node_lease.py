@@ -117,3 +117,18 @@ def test_leases_over_a_real_store_declare_fence_and_clear():
         a.close()
     finally:
         del store
+
+
+def test_the_first_round_after_the_store_failed_blames_nobody():
+    """While nobody can write (a NATS leader election), no lease moves: the first round
+    that reaches the store again gives every node a fresh lease."""
+    cfg = LeaseConfig(heartbeat_ms=100, misses=3, store_grace_s=15.0)
+    w = LeaseWatch(0, cfg, now=0.0)
+    w.round(0.1, {1: 1})
+    for t in range(2, 30):  # 2.8 s of failed rounds: not lost yet (grace 15 s)
+        assert w.round(t * 0.1, None, "no responders").store_lost is None
+    assert w.round(3.0, {1: 1}).expired == []
+    assert w.round(3.1, {1: 1}).expired == []
+    assert w.round(3.2, {1: 1}).expired == []
+    w.round(3.28, {1: 1})
+    assert w.round(3.35, {1: 1}).expired == [1]

@@ -6,6 +6,7 @@
 * ``fastft plan check``   validate a fault plan file
 * ``fastft fsm-doc``      print the state machine's table as Markdown
 * ``fastft store``        host a job's store (ManagerFFT under another launcher)
+* ``fastft nats up``      a local NATS cluster with JetStream (``fastft run --control``)
 * ``fastft run``          the node agent: start, watch and restart the workers of a job
 * ``fastft report``       the timeline and figures of a finished run
 * ``fastft demo``         4 workers, one fault of each kind, checked against a clean run
@@ -100,6 +101,18 @@ def _build() -> argparse.ArgumentParser:
     )
     p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT (port 0: any free one)")
 
+    nats = sub.add_parser("nats", help="a local NATS control plane")
+    nsub = nats.add_subparsers(dest="nats_cmd", required=True, parser_class=_Parser)
+    p = nsub.add_parser(
+        "up",
+        help="start a local NATS cluster with JetStream until Ctrl-C; prints its --control",
+        description="Start SERVERS nats-server processes with JetStream on 127.0.0.1 (ports "
+        "the OS picks), routed to each other, print the --control value (their URLs) and "
+        "run until Ctrl-C or SIGTERM, then stop them. Needs fastft[nats].",
+    )
+    p.add_argument("--dir", required=True, help="where the servers keep their state and logs")
+    p.add_argument("--servers", type=int, default=3, help="how many (3 survive losing one)")
+
     p = sub.add_parser(
         "run",
         help="run a training script under the node agent",
@@ -178,4 +191,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ops._cmd_tail(args)
     if args.cmd == "plan":
         return ops._cmd_plan_check(args)
+    if args.cmd == "nats":
+        return ops._cmd_nats_up(args)
     return handlers[args.cmd](args)

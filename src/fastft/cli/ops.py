@@ -13,7 +13,7 @@ from fastft.cli import _fail
 
 
 def _connect(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from fastft.bus.tcpstore import connect_store
+    from fastft.bus import connect_store
     from fastft.errors import StoreUnreachable
 
     if not args.store:
@@ -29,14 +29,14 @@ def _connect(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _publisher(args: argparse.Namespace, role: int):  # type: ignore[no-untyped-def]
-    from fastft.bus import BusConfig, tcpstore_bus
+    from fastft.bus import BusConfig, open_bus
     from fastft.protocol import Role
 
     store = _connect(args)
     cfg = BusConfig(
         job=args.job, rank=-1, incarnation=os.getpid(), role=Role(role), subscribe=False
     )
-    return tcpstore_bus(store, cfg).start()
+    return open_bus(store, cfg).start()
 
 
 def _cmd_inject(args: argparse.Namespace) -> int:
@@ -107,7 +107,7 @@ def describe(msg: object) -> dict[str, object]:
 
 
 def _cmd_tail(args: argparse.Namespace) -> int:
-    from fastft.bus import BusConfig, tcpstore_bus
+    from fastft.bus import BusConfig, open_bus
     from fastft.protocol import Role
 
     store = _connect(args)
@@ -116,7 +116,7 @@ def _cmd_tail(args: argparse.Namespace) -> int:
     )
     seen = 0
     deadline = time.monotonic() + args.timeout if args.timeout > 0 else None
-    with tcpstore_bus(store, cfg) as bus:
+    with open_bus(store, cfg) as bus:
         print(f"# tailing bus of job {args.job} at {args.store}", file=sys.stderr, flush=True)
         try:
             while not args.count or seen < args.count:
@@ -192,4 +192,26 @@ def _cmd_store(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
+    return 0
+
+
+def _cmd_nats_up(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from fastft.bus.natscluster import LocalCluster
+    from fastft.errors import FastFTError
+
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        cluster = LocalCluster(args.dir, args.servers).start()
+    except FastFTError as e:
+        _fail(str(e))
+    try:
+        print(cluster.address, flush=True)
+        done.wait()
+    finally:
+        cluster.stop()
     return 0

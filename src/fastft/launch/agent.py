@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import fastft.launch.policy as policy
-from fastft.bus import BusConfig, connect_store, host_store, tcpstore_bus
+from fastft.bus import BusConfig, connect_store, host_store, open_bus
 from fastft.launch.children import Children, Slot, await_signal_taken, die_with_parent
 from fastft.launch.config import LaunchConfig, worker_environment
 from fastft.launch.exits import Exits
-from fastft.launch.lease import DONE, LeaseConfig, NodeLease, format_lives
+from fastft.launch.lease import DONE, NATS_STORE_GRACE_S, LeaseConfig, NodeLease, format_lives
 from fastft.launch.spare import order_line
 from fastft.launch.spares import SparePool
 from fastft.process.events import EventLog
@@ -58,7 +58,9 @@ class Agent:
         self.events = EventLog(self.run_dir, f"agent {config.node_rank}")
         self.keys = JobKeys(config.job)
         self._server = None
-        if config.node_rank == 0 and (config.store is None or _is_local(config.store)):
+        if config.control is not None:  # a NATS cluster: no agent hosts anything
+            self.store_addr = config.control
+        elif config.node_rank == 0 and (config.store is None or _is_local(config.store)):
             port = int(config.store.rpartition(":")[2]) if config.store else 0
             host = "127.0.0.1" if config.store is None else config.store.rpartition(":")[0]
             self._server = host_store(host, port)
@@ -67,7 +69,7 @@ class Agent:
             assert config.store is not None
             self.store_addr = config.store
         self.store = connect_store(self.store_addr, wait_s=config.store_wait_s)
-        self.bus = tcpstore_bus(
+        self.bus = open_bus(
             self.store,
             BusConfig(
                 job=config.job, rank=NO_RANK, incarnation=secrets.randbits(62) | 1, role=Role.AGENT
@@ -330,7 +332,11 @@ class Agent:
             self.keys,
             cfg.node_rank,
             cfg.nnodes,
-            LeaseConfig(cfg.node_heartbeat_ms, cfg.node_lease_misses),
+            LeaseConfig(
+                cfg.node_heartbeat_ms,
+                cfg.node_lease_misses,
+                store_grace_s=NATS_STORE_GRACE_S if cfg.control else None,
+            ),
             on_lost=self._node_lost,
             on_fenced=self._fenced,
             on_store_lost=self._store_lost,
@@ -369,10 +375,16 @@ class Agent:
 
     def _store_lost(self, reason: str) -> None:
         self.events.emit("store_lost", reason=reason)
-        self._failed = (
-            f"the store host is gone: {reason}. Node 0 hosts the job's store: with it "
-            "the job cannot go on"
-        )
+        if self.config.control:
+            self._failed = (
+                f"the NATS control plane is unreachable: {reason}. A majority of its "
+                "servers must be up (--control)"
+            )
+        else:
+            self._failed = (
+                f"the store host is gone: {reason}. Node 0 hosts the job's store: with it "
+                "the job cannot go on (--control nats://... survives it)"
+            )
         self._wake.set()
 
     def _start_lighthouse(self) -> None:

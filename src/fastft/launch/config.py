@@ -54,6 +54,12 @@ class LaunchConfig:
     store: str | None = _flag(
         None, "HOST:PORT of the store (node 0 hosts it; default: a free port)"
     )
+    control: str | None = _flag(
+        None,
+        "the control plane (bus, decisions, epochs, leases): nats://H1:4222,nats://H2:4222,... "
+        "for a NATS cluster with JetStream, which no host's loss ends (fastft nats up starts "
+        "a local one); default: the TCPStore node 0's agent hosts (--store)",
+    )
     job: str = _flag("job", "job id")
     max_restarts: int = _flag(3, "restarts per worker")
     inject: str | None = _flag(None, "fault plan JSON (fastft plan check)")
@@ -172,8 +178,25 @@ class LaunchConfig:
                 f"--node-rank {self.node_rank} with --nnodes {self.nnodes}: "
                 "node rank must be in 0..nnodes-1"
             )
-        if self.nnodes > 1 and not self.store:
-            raise ConfigError("--nnodes > 1 needs --store HOST:PORT (node 0 hosts it)")
+        if self.control is not None:
+            from fastft.bus.nats import is_nats  # (pure)
+
+            if self.store is not None:
+                raise ConfigError("--control and --store: give one (the control plane)")
+            if not all(is_nats(u.strip()) for u in self.control.split(",") if u.strip()):
+                raise ConfigError(
+                    f"--control {self.control!r}: use nats://HOST:PORT[,nats://HOST:PORT...]"
+                )
+            try:
+                import nats  # noqa: F401
+            except ImportError as e:
+                raise ConfigError(
+                    f"--control nats needs the NATS client: pip install 'fastft[nats]' ({e})"
+                ) from e
+        elif self.nnodes > 1 and not self.store:
+            raise ConfigError(
+                "--nnodes > 1 needs --store HOST:PORT (node 0 hosts it) or --control nats://..."
+            )
         if self.store is not None:
             host, _, port = self.store.rpartition(":")
             if not host or not port.isdigit():

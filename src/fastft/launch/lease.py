@@ -40,6 +40,7 @@ __all__ = [
     "DONE",
     "DEFAULT_HEARTBEAT_MS",
     "DEFAULT_MISSES",
+    "NATS_STORE_GRACE_S",
     "LeaseConfig",
     "LeaseWatch",
     "NodeLease",
@@ -52,6 +53,9 @@ log = logging.getLogger(__name__)
 
 DONE = "done"
 """The lost mark of a node whose agent finished: it is never declared lost."""
+NATS_STORE_GRACE_S = 15.0
+"""With the NATS control plane: how long every round may fail before an agent gives up on
+the cluster (a stream leader's election after a server is lost takes seconds)."""
 DEFAULT_HEARTBEAT_MS = 100
 """How often an agent renews its lease (``--node-heartbeat-ms``)."""
 DEFAULT_MISSES = 3
@@ -61,8 +65,12 @@ lasts 300 ms by default."""
 
 @dataclass(frozen=True)
 class LeaseConfig:
+    """``store_grace_s``: how long the store may fail every round before this agent gives
+    up on it (None: one lease; a NATS cluster's leader election takes seconds)."""
+
     heartbeat_ms: int = DEFAULT_HEARTBEAT_MS
     misses: int = DEFAULT_MISSES
+    store_grace_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 10 <= self.heartbeat_ms <= 60_000:
@@ -78,6 +86,10 @@ class LeaseConfig:
     def lease_s(self) -> float:
         """How long a lease lasts without a renewal."""
         return self.period_s * self.misses
+
+    @property
+    def grace_s(self) -> float:
+        return self.lease_s if self.store_grace_s is None else max(self.store_grace_s, self.lease_s)
 
 
 @dataclass
@@ -96,8 +108,9 @@ class LeaseWatch:
 
     A node is watched from the first time its counter is seen above 0 (its agent started).
     Staleness is measured by this agent's clock between its own rounds; a round that comes
-    late (this agent was descheduled or stopped) gives every node a fresh lease instead of
-    blaming them for this agent's pause."""
+    late (this agent was descheduled or stopped), or the first one after rounds that could
+    not reach the store (nobody could renew meanwhile: a NATS leader election), gives every
+    node a fresh lease instead of blaming them for this agent's pause."""
 
     def __init__(self, me: int, config: LeaseConfig, now: float) -> None:
         self.me = me
@@ -114,12 +127,12 @@ class LeaseWatch:
         """One round: ``counters`` are the other nodes' lease counters read now (None: the
         store could not be reached, ``error`` says why)."""
         v = Verdict()
-        late = now - self._last_round > self.config.lease_s / 2
+        late = now - self._last_round > self.config.lease_s / 2 or self._errors > 0
         self._last_round = now
         if counters is None:
             self._errors += 1
             self._last_error = error
-            if self._errors >= self.config.misses and now - self._last_ok >= self.config.lease_s:
+            if self._errors >= self.config.misses and now - self._last_ok >= self.config.grace_s:
                 v.store_lost = (
                     f"no answer for {(now - self._last_ok) * 1000:.0f} ms "
                     f"({self._errors} tries): {self._last_error}"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fastft.bus import BusConfig, BusEndpoint, tcpstore_bus
+from fastft.bus import BusConfig, BusEndpoint, open_bus
 from fastft.inject import FaultPlan, FaultSpec, Injector
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat, dump_stacks_on_signal
@@ -56,7 +56,7 @@ class Services:
         dump_stacks_on_signal()
         plan = FaultPlan.load(inject) if inject else FaultPlan(faults=())
         injector = Injector(plan, rank, life, executor=fire)
-        bus = tcpstore_bus(store, BusConfig(job=job, rank=rank, incarnation=incarnation))
+        bus = open_bus(store, BusConfig(job=job, rank=rank, incarnation=incarnation))
         bus.subscribe(on_message)
         bus.start()
         return cls(events, heartbeat, bus, injector)

@@ -15,7 +15,7 @@ import logging
 import os
 import secrets
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -119,7 +119,7 @@ class Runtime:
         self.events = EventLog(config.run_dir, f"rank {self.rank}")
         self.registry = StateRegistry()
         store = store if store is not None else connect_store(config.store)
-        decisions = store.clone()  # type: ignore[attr-defined]
+        decisions = cast(Any, store).clone()
         decisions.set_timeout(datetime.timedelta(seconds=_DECISION_WAIT_S))
         self.interrupter = Interrupter().install()
         self.interrupter.end_step()
@@ -147,7 +147,7 @@ class Runtime:
                 decision_store=decisions,
                 recovery=recovery,
             ),
-            SideClient(store.clone(), self.keys),  # type: ignore[attr-defined]
+            SideClient(cast(Any, store).clone(), self.keys),
             self.registry,
             self.interrupter,
             self.events,

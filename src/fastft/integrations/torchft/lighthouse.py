@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     import secrets
     import signal
 
-    from fastft.bus import BusConfig, connect_store, tcpstore_bus
+    from fastft.bus import BusConfig, connect_store, open_bus
     from fastft.process.events import EventLog
     from fastft.protocol import NO_RANK, Role
 
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s lighthouse %(message)s")
     events = EventLog(a.run_dir, "lighthouse")
     store = connect_store(a.store, wait_s=30)
-    bus = tcpstore_bus(
+    bus = open_bus(
         store,
         BusConfig(job=a.job, rank=NO_RANK, incarnation=secrets.randbits(62) | 1, role=Role.MONITOR),
     )

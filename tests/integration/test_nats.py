@@ -1,0 +1,198 @@
+"""The NATS control plane against real servers on 127.0.0.1 (ports the OS picked): the
+store keeps TCPStore's semantics (the runtime, the agents and Gloo's rendezvous use it
+unchanged), the bus keeps the bus contract, and bad input fails at start in one line."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fastft.bus import BusConfig, connect_store, open_bus
+from fastft.bus.nats import NatsStore, connect_nats, shutdown
+from fastft.bus.natscluster import LocalCluster, server_binary
+from fastft.errors import StoreUnreachable
+from fastft.protocol import Fault, Role, Severity
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with LocalCluster(tmp_path_factory.mktemp("nats"), servers=1) as c:
+        yield c
+    shutdown()
+
+
+@pytest.fixture
+def store(server) -> NatsStore:
+    s = connect_nats(server.address, timeout_s=5.0)
+    assert isinstance(connect_store(server.address), NatsStore)  # the one entry point
+    return s
+
+
+def test_the_store_keeps_tcpstores_semantics(store, request):
+    p = request.node.name + "/"
+    store.set(p + "a", b"x")
+    assert store.get(p + "a") == b"x"
+    assert store.add(p + "n", 2) == 2 and store.add(p + "n", 3) == 5
+    assert store.compare_set(p + "c", "", "v1") == b"v1"  # a missing key counts as empty
+    assert store.compare_set(p + "c", "no", "v2") == b"v1"  # the value that holds
+    assert store.compare_set(p + "c", "v1", "v2") == b"v2"
+    assert store.compare_set(p + "missing", "x", "y") == b"x"  # TCPStore returns expected
+    assert store.check([p + "a", p + "c"]) and not store.check([p + "zz"])
+    assert store.multi_get([p + "a", p + "n"]) == [b"x", b"5"]
+    assert store.delete_key(p + "a") and not store.check([p + "a"])
+    assert not store.delete_key(p + "a")
+    odd = p + "fastft/job.1:x y/é"  # escaped into the characters JetStream allows
+    store.set(odd, "1")
+    assert store.get(odd) == b"1" and not store.check([p + "fastft/job=2E1:x y/é"])
+
+
+def test_a_missing_key_is_waited_for_until_the_timeout(store, request):
+    key = request.node.name
+    short = store.clone()
+    short.set_timeout(datetime.timedelta(seconds=0.3))
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        short.get(key)
+    assert 0.25 < time.monotonic() - t0 < 3
+    threading.Timer(0.2, lambda: store.set(key, "late")).start()
+    assert store.get(key) == b"late"
+
+
+def test_concurrent_adds_are_counted_once_each(store, request):
+    key = request.node.name
+    clones = [store.clone() for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda c=c: [c.add(key, 1) for _ in range(25)]) for c in clones
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert store.add(key, 0) == 100
+
+
+def test_gloo_rendezvous_through_the_nats_store(store, request):
+    out: dict[int, torch.Tensor] = {}
+
+    def member(rank: int) -> None:
+        ps = dist.PrefixStore(request.node.name + "/", store)
+        pg = dist.ProcessGroupGloo(ps, rank, 2, datetime.timedelta(seconds=20))
+        t = torch.full((3,), float(rank + 1))
+        pg.allreduce([t]).wait()
+        out[rank] = t
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [out[r].tolist() for r in (0, 1)] == [[3.0] * 3] * 2
+
+
+def _fault(job: str, rank: int) -> Fault:
+    return Fault(
+        job=job,
+        epoch=1,
+        rank=rank,
+        incarnation=7,
+        role=Role.WORKER,
+        severity=Severity.FAULT2,
+        cause="test",
+        faulty_rank=rank,
+        faulty_incarnation=7,
+    )
+
+
+def test_the_bus_delivers_in_order_to_others_and_drops_what_is_not_fastft(store, request):
+    job = request.node.name.replace("_", "-")[:40]
+    a = open_bus(store, BusConfig(job=job, rank=0, incarnation=1)).start()
+    b = open_bus(store.clone(), BusConfig(job=job, rank=1, incarnation=2)).start()
+    try:
+        for _ in range(20):
+            a.broadcast(_fault(job, 0))
+        b.publish_raw(b"not a fastft message")
+        got = [b.recv(5.0) for _ in range(20)]
+        assert all(m is not None for m in got)
+        assert [m.seq for m in got if m is not None] == sorted(m.seq for m in got if m)
+        assert b.recv(0.3) is None  # nothing else for b: not its own raw bytes either
+        deadline = time.monotonic() + 5
+        while a.stats.malformed < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert a.stats.malformed == 1 and a.stats.delivered == 0  # counted, dropped
+        assert b.stats.malformed == 0  # its own publish is not echoed to it
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_unreachable_control_plane_fails_in_one_line(tmp_path):
+    with pytest.raises(StoreUnreachable, match="no NATS server answers at nats://127.0.0.1:1"):
+        connect_nats("nats://127.0.0.1:1", timeout_s=2.0)
+    with pytest.raises(StoreUnreachable, match="use nats://"):
+        connect_nats("http://x:1")
+    cmd = [
+        *(sys.executable, "-m", "fastft.cli", "run", "--control", "nats://127.0.0.1:1"),
+        *("--run-dir", str(tmp_path / "r"), "-m", "fastft.demo.train"),
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().count("\n") == 0 and "no NATS server answers" in p.stderr
+
+
+def test_a_server_without_jetstream_fails_in_one_line(tmp_path):
+    port = LocalCluster(tmp_path, servers=1).ports[0]
+    proc = subprocess.Popen(
+        [server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"nats://127.0.0.1:{port}"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                connect_nats(url, timeout_s=2.0)
+                raise AssertionError("connected without JetStream")
+            except StoreUnreachable as e:
+                if "JetStream" in str(e) or time.monotonic() > deadline:
+                    assert "have no JetStream" in str(e) and "-js" in str(e), e
+                    break
+                time.sleep(0.1)  # not listening yet
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_fastft_nats_up_prints_the_control_plane_and_stops_cleanly(tmp_path):
+    p = subprocess.Popen(
+        [sys.executable, "-m", "fastft.cli", "nats", "up", "--dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline().strip()
+        assert line.count("nats://127.0.0.1:") == 3, line
+        s = connect_nats(line, timeout_s=10.0)
+        s.set("up", "1")
+        assert s.get("up") == b"1"
+    finally:
+        p.terminate()
+        assert p.wait(20) == 0
+    pids = [
+        int(x)
+        for x in subprocess.run(
+            ["pgrep", "-P", str(p.pid)], capture_output=True, text=True
+        ).stdout.split()
+    ]
+    assert pids == []  # the servers stopped with it
