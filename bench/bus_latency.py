@@ -1,11 +1,12 @@
-"""Broadcast latency to the LAST of N subscribers over the TCPStore bus.
+"""Broadcast latency to the LAST of N subscribers: the TCPStore bus and the NATS bus (a
+local 3-server cluster, ``fastft run --control``), side by side in one run.
 
 N = 4, 16, 64; subscribers are threads spread over up to 8 processes (64 = 8 x 8). The
 publisher stamps CLOCK_MONOTONIC (shared by all processes of one machine) into the
 message's ``step``; each subscriber records arrival - stamp; per message the latency is the
 largest over all subscribers. Results: bench/results/bus_latency.json and a table.
 
-    python bench/bus_latency.py [--messages 200] [--gap-ms 5]
+    python bench/bus_latency.py [--messages 200] [--gap-ms 5] [--backends tcpstore nats]
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ JOB = "bench-bus"
 
 SUBSCRIBER = r"""
 import json, sys, threading, time
-from fastft.bus import BusConfig, connect_store, tcpstore_bus
-port, count, first_rank, messages = map(int, sys.argv[1:5])
-store = connect_store(f"127.0.0.1:{port}")
+from fastft.bus import BusConfig, connect_store, open_bus
+address = sys.argv[1]
+count, first_rank, messages = map(int, sys.argv[2:5])
+store = connect_store(address)
 lat = {}
 eps = []
 done = threading.Semaphore(0)
 for i in range(count):
-    ep = tcpstore_bus(store, BusConfig(job="bench-bus", rank=first_rank + i, incarnation=1))
+    ep = open_bus(store.clone(), BusConfig(job="bench-bus", rank=first_rank + i, incarnation=1))
     got = []
     def cb(m, got=got):
         now = time.monotonic_ns()
@@ -50,11 +52,17 @@ for ep, _ in eps:
 """
 
 
-def run(n: int, messages: int, gap_s: float) -> dict[str, object]:
-    from fastft.bus import BusConfig, host_store, tcpstore_bus
+def run(backend: str, n: int, messages: int, gap_s: float, nats: str) -> dict[str, object]:
+    from fastft.bus import BusConfig, connect_store, host_store, open_bus
     from fastft.protocol import Heartbeat
 
-    store = host_store()
+    if backend == "nats":
+        store = connect_store(nats)
+        address = nats
+        store.set("bench/ready", "0")
+    else:
+        store = host_store()
+        address = f"127.0.0.1:{store.port}"
     procs_n = min(8, n)
     per = [n // procs_n + (1 if i < n % procs_n else 0) for i in range(procs_n)]
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
@@ -66,7 +74,7 @@ def run(n: int, messages: int, gap_s: float) -> dict[str, object]:
                     sys.executable,
                     "-c",
                     SUBSCRIBER,
-                    str(store.port),
+                    address,
                     str(count),
                     str(first),
                     str(messages),
@@ -83,9 +91,7 @@ def run(n: int, messages: int, gap_s: float) -> dict[str, object]:
             if time.monotonic() > deadline:
                 raise TimeoutError("subscribers did not start")
             time.sleep(0.05)
-        pub = tcpstore_bus(
-            store, BusConfig(job=JOB, rank=999, incarnation=1, subscribe=False)
-        ).start()
+        pub = open_bus(store, BusConfig(job=JOB, rank=999, incarnation=1, subscribe=False)).start()
         for _ in range(messages):
             pub.broadcast(
                 Heartbeat(job=JOB, epoch=1, rank=999, incarnation=1, step=time.monotonic_ns())
@@ -104,19 +110,45 @@ def run(n: int, messages: int, gap_s: float) -> dict[str, object]:
                 p.kill()
                 p.wait()
     assert len(per_msg) == messages, f"{len(per_msg)} of {messages} messages reached all"
-    return {"subscribers": n, "processes": procs_n, **summary_ms(list(per_msg.values()))}
+    return {
+        "backend": backend,
+        "subscribers": n,
+        "processes": procs_n,
+        **summary_ms(list(per_msg.values())),
+    }
 
 
 def main() -> None:
+    import tempfile
+
+    from fastft.bus.natscluster import LocalCluster
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=200)
     ap.add_argument("--gap-ms", type=float, default=5.0)
     ap.add_argument("--subscribers", type=int, nargs="+", default=[4, 16, 64])
+    ap.add_argument("--backends", nargs="+", default=["tcpstore", "nats"])
     a = ap.parse_args()
-    rows = [run(n, a.messages, a.gap_ms / 1e3) for n in a.subscribers]
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        cluster = LocalCluster(d).start() if "nats" in a.backends else None
+        try:
+            for n in a.subscribers:  # the backends interleaved, per size
+                for b in a.backends:
+                    address = cluster.address if cluster else ""
+                    rows.append(run(b, n, a.messages, a.gap_ms / 1e3, address))
+        finally:
+            if cluster:
+                cluster.stop()
+    for n in a.subscribers:
+        by = {r["backend"]: r for r in rows if r["subscribers"] == n}
+        for r in by.values():
+            ref = by.get("tcpstore")
+            r["p50_vs_tcpstore"] = r["p50_ms"] / ref["p50_ms"] if ref else "-"
     path = write("bus_latency", rows, {"messages": a.messages, "gap_ms": a.gap_ms})
-    print("Broadcast -> last of N subscribers (TCPStore bus, loopback)")
-    print(table(rows, ["subscribers", "processes", "n", "p50_ms", "p99_ms", "max_ms"]))
+    print("Broadcast -> last of N subscribers (loopback; NATS: a local 3-server cluster)")
+    cols = ["backend", "subscribers", "processes", "n", "p50_ms", "p99_ms", "max_ms"]
+    print(table(rows, [*cols, "p50_vs_tcpstore"]))
     print(f"written: {path}")
 
 

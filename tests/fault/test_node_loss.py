@@ -135,3 +135,99 @@ def test_a_partitioned_node_is_fenced_and_heals(tmp_path, clean):
     check_s1_s3(job.run, steps=STEPS)
     got = finals(job.run)
     assert {v["digest"] for v in got.values()} == {clean[0]["digest"]}
+
+
+# --- the NATS control plane: no node is special ----------------------------------------------
+@pytest.fixture(scope="module")
+def nats_cluster(tmp_path_factory):
+    from fastft.bus.natscluster import LocalCluster
+
+    with LocalCluster(tmp_path_factory.mktemp("nats"), servers=3) as c:
+        yield c
+
+
+def test_with_nats_losing_node_0_costs_only_its_workers(tmp_path, nats_cluster):
+    """With --control nats://..., node 0 hosts nothing: its loss whole is one more lost
+    node. The elastic world goes on without its worker, every sample is consumed once,
+    and the result equals one process training on the whole batch."""
+    steps, batch = 40, 96
+    job = Nodes(
+        tmp_path / "nats-node0",
+        3,
+        flags=("--min-replicas", "2"),
+        steps=steps,
+        train=("--batch", str(batch), *SLOW_STEPS),
+        control=nats_cluster.address,
+    )
+    try:
+        job.start_all()
+        job.wait_commit(8)
+        job.signal(0, signal.SIGKILL)
+        codes = job.wait(150)
+        assert codes == {0: -signal.SIGKILL, 1: 0, 2: 0}, job.logs()
+    finally:
+        assert job.close() in ([], [job.agent(0).pid]), job.logs()
+    ev = job.events()
+    assert len(lost_events(ev, 0)) == 1 and not [e for e in ev if e["event"] == "store_lost"]
+    check_s1_s3(job.run, steps=steps)
+    shards = shards_by_step(ev)
+    assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []
+    assert_equal_to_one_process(job.run / "out", steps, batch, ranks=(1, 2))
+
+
+def test_with_nats_a_partitioned_node_is_fenced_and_heals(tmp_path, clean, nats_cluster):
+    job = Nodes(
+        tmp_path / "nats-partition", 3, steps=STEPS, train=SLOW_STEPS, control=nats_cluster.address
+    )
+    try:
+        job.start_all()
+        job.wait_commit(8)
+        job.signal(1, signal.SIGSTOP)
+        job.wait_event(lambda e: e["event"] == "node_lost" and e["node"] == 1, 30)
+        time.sleep(1.0)
+        job.signal(1, signal.SIGCONT)
+        codes = job.wait(150)
+        assert codes == {0: 0, 1: 0, 2: 0}, job.logs()
+    finally:
+        assert job.close() == [], job.logs()
+    ev = job.events()
+    assert [e for e in ev if e["event"] == "node_fenced" and e["src"] == "agent 1"]
+    assert any(e["event"] == "heal" and e["src"] == "rank 1" for e in ev)
+    check_s1_s3(job.run, steps=STEPS)
+    assert {v["digest"] for v in finals(job.run).values()} == {clean[0]["digest"]}
+
+
+@pytest.mark.slow
+def test_with_nats_losing_a_server_then_another_stalls_but_loses_nothing(tmp_path, clean):
+    """The server that leads the control plane's bucket is SIGKILLed mid-training; once it
+    is back, the new leader is too. Each costs a leader election (a stall of seconds), no
+    worker and no step: nobody is declared lost, nothing restarts, and the result is
+    bitwise equal to a clean run."""
+    from fastft.bus.natscluster import LocalCluster
+
+    with LocalCluster(tmp_path / "nats", servers=3) as c:
+        job = Nodes(
+            tmp_path / "nats-servers", 3, steps=STEPS, train=("--step-time", "0.25"),
+            control=c.address,
+        )  # fmt: skip
+        try:
+            job.start_all()
+            job.wait_commit(4)
+            first = c.leader()
+            assert first is not None
+            c.kill(first)
+            job.wait_commit(10, timeout=60)
+            c.start_server(first)
+            c.wait_ready(30)
+            second = c.leader()
+            assert second is not None and second != first
+            c.kill(second)
+            codes = job.wait(150)
+            assert codes == {0: 0, 1: 0, 2: 0}, job.logs()
+        finally:
+            assert job.close() == [], job.logs()
+    ev = job.events()
+    assert not [e for e in ev if e["event"] in ("node_lost", "store_lost", "rollback")]
+    assert [e["restarts"] for e in ev if e["event"] == "agent_stop"] == [0, 0, 0]
+    check_s1_s3(job.run, steps=STEPS)
+    assert {v["digest"] for v in finals(job.run).values()} == {clean[0]["digest"]}

@@ -24,6 +24,7 @@ import asyncio
 import atexit
 import datetime
 import logging
+import queue
 import re
 import socket
 import threading
@@ -58,8 +59,9 @@ RECONNECT_WAIT_S = 0.05
 """How long the client waits before it tries the next server after losing one."""
 _RETRY_S = (0.001, 0.05)
 """Retries of a store call that met a reconnection or a leader change: first and last pause."""
-_POLL_S = (0.0005, 0.005)
-"""A blocking read of a missing key: first and longest pause between two reads."""
+_RECHECK_S = 0.05
+"""A blocking read of a missing key is woken by the key's write (every process watches the
+bucket's subjects on core NATS); it reads again at least this often all the same."""
 
 T = TypeVar("T")
 
@@ -110,6 +112,9 @@ class _Conn:
 
         self.servers = servers
         self.clones: list[NatsStore] = []
+        self._waiters: dict[str, list[threading.Event]] = {}
+        self._wlock = threading.Lock()
+        self._watching = False
 
         async def connect() -> tuple[Any, Any, Any]:
             async def quiet(e: Exception) -> None:  # reconnects are logged, not raised
@@ -151,6 +156,38 @@ class _Conn:
             self.nc, self.js, self.kv = _run(connect(), timeout_s + 5)
         except Exception as e:
             raise StoreUnreachable(_explain(servers, e)) from e
+
+    def waiter(self, key: str) -> threading.Event:
+        """An event set when ``key`` is next written (the first call subscribes to every
+        write of the bucket: a JetStream write is also a core NATS message)."""
+        ev = threading.Event()
+        with self._wlock:
+            self._waiters.setdefault(key, []).append(ev)
+            start, self._watching = not self._watching, True
+        if start:
+            prefix = f"$KV.{BUCKET}."
+            nc = self.nc
+
+            async def on_write(msg: Any) -> None:
+                with self._wlock:
+                    evs = self._waiters.pop(msg.subject[len(prefix) :], [])
+                for e in evs:
+                    e.set()
+
+            async def watch() -> None:
+                await nc.subscribe(prefix + ">", cb=on_write, pending_msgs_limit=1 << 20)
+                await nc.flush()
+
+            _run(watch(), 5.0)
+        return ev
+
+    def forget(self, key: str, ev: threading.Event) -> None:
+        with self._wlock:
+            evs = self._waiters.get(key)
+            if evs is not None and ev in evs:
+                evs.remove(ev)
+                if not evs:
+                    del self._waiters[key]
 
     def close(self) -> None:
         try:
@@ -329,15 +366,23 @@ class NatsStore(dist.Store):
 
     def _entry(self, key: str) -> Any:
         """The key's entry, or None if it does not exist."""
-        from nats.js.errors import KeyNotFoundError
+        return self._read(key)[0]
+
+    def _read(self, key: str) -> tuple[Any, int]:
+        """(the key's entry or None, the revision a write must expect: the entry's, a
+        deleted key's tombstone's, 0 for a key never written)."""
+        from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
         kv = self._conn.kv
 
-        async def get() -> Any:
+        async def get() -> tuple[Any, int]:
             try:
-                return await kv.get(key, validate_keys=False)
+                e = await kv._get(key)  # (the public get hides a tombstone's revision)
+                return e, int(e.revision)
+            except KeyDeletedError as err:
+                return None, int(err.entry.revision) if err.entry is not None else 0
             except KeyNotFoundError:
-                return None
+                return None, 0
 
         return self._call(get)
 
@@ -349,25 +394,30 @@ class NatsStore(dist.Store):
         """The value; waits for a missing key until the store's timeout."""
         k = _key(key)
         deadline = time.monotonic() + self.timeout_s
-        pause = _POLL_S[0]
         while True:
             e = self._entry(k)
             if e is not None:
                 return bytes(e.value or b"")
-            if time.monotonic() + pause >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise dist.DistStoreError(f"NATS store: timeout waiting for key {key!r}")
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_S[1])
+            ev = self._conn.waiter(k)
+            try:
+                e = self._entry(k)  # written before the waiter was in place?
+                if e is not None:
+                    return bytes(e.value or b"")
+                ev.wait(min(left, _RECHECK_S))
+            finally:
+                self._conn.forget(k, ev)
 
     def add(self, key: str, amount: int) -> int:
         from nats.js.errors import KeyWrongLastSequenceError
 
         k = _key(key)
         while True:
-            e = self._entry(k)
+            e, rev = self._read(k)
             cur = int(e.value or b"0") if e is not None else 0
             new = str(cur + amount).encode()
-            rev = e.revision if e is not None else 0
             try:
                 self._write(k, new, rev)
                 return cur + amount
@@ -382,14 +432,19 @@ class NatsStore(dist.Store):
         from nats.js.errors import KeyWrongLastSequenceError
 
         k, want, new = _key(key), _b(expected_value), _b(desired_value)
+        if not want:  # most often a new key (a decision): try creating it at once
+            try:
+                self._write(k, new, 0)
+                return new
+            except KeyWrongLastSequenceError:
+                pass  # it exists (or existed): read and compare
         while True:
-            e = self._entry(k)
+            e, rev = self._read(k)
             if e is None and want:
                 return want
             cur = bytes(e.value or b"") if e is not None else b""
             if e is not None and cur != want:
                 return cur
-            rev = e.revision if e is not None else 0
             try:
                 self._write(k, new, rev)
                 return new
@@ -417,10 +472,10 @@ class NatsStore(dist.Store):
             self.set_timeout(datetime.timedelta(seconds=saved))
 
     def delete_key(self, key: str) -> bool:
+        """Delete ``key``; True (without a read first: a delete of a missing key only
+        leaves a tombstone, and nothing here needs to know)."""
         kv = self._conn.kv
         k = _key(key)
-        if self._entry(k) is None:
-            return False
         self._call(lambda: kv.delete(k, validate_keys=False))
         return True
 
@@ -457,7 +512,7 @@ class NatsTransport:
         self.config = config
         self._conn = store._conn
         self.subject = f"fastft.{_key(config.job).replace('/', '_')}.bus"
-        self._queue: asyncio.Queue[bytes] | None = None
+        self._queue: queue.SimpleQueue[bytes] | None = None
         self._sub: Any = None
         self.id: str | None = None
         self.evictions = 0
@@ -466,20 +521,20 @@ class NatsTransport:
     def join(self, label: str) -> str:
         nc = self._conn.nc
         me = self.id = f"{label}@{id(self):x}"
+        q: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
-        async def subscribe() -> tuple[Any, asyncio.Queue[bytes]]:
-            q: asyncio.Queue[bytes] = asyncio.Queue()
+        async def on_msg(msg: Any) -> None:
+            if msg.headers and msg.headers.get(_FROM) == me:
+                return  # the servers echo a publisher's own messages
+            q.put_nowait(msg.data)  # the listener thread blocks on q itself
 
-            async def on_msg(msg: Any) -> None:
-                if msg.headers and msg.headers.get(_FROM) == me:
-                    return  # the servers echo a publisher's own messages
-                q.put_nowait(msg.data)
-
+        async def subscribe() -> Any:
             sub = await nc.subscribe(self.subject, cb=on_msg, pending_msgs_limit=1 << 20)
             await nc.flush()
-            return sub, q
+            return sub
 
-        self._sub, self._queue = _run(subscribe(), self._timeout_s)
+        self._queue = q
+        self._sub = _run(subscribe(), self._timeout_s)
         return me
 
     def leave(self) -> None:
@@ -507,19 +562,15 @@ class NatsTransport:
     def pop(self) -> bytes | None:
         q = self._queue
         assert q is not None
-
-        async def next_msg() -> bytes | None:
-            try:
-                return await asyncio.wait_for(q.get(), self.config.idle_pop_s)
-            except asyncio.TimeoutError:
-                return None
-
-        return _run(next_msg(), self.config.idle_pop_s + 5)
+        try:
+            return q.get(timeout=self.config.idle_pop_s)
+        except queue.Empty:
+            return None
 
     def wake(self) -> None:
         q = self._queue
         if q is not None:
-            _Loop.get().call_soon_threadsafe(q.put_nowait, WAKE)
+            q.put_nowait(WAKE)
 
     def close(self) -> None:
         self.leave()
