@@ -21,22 +21,19 @@ store call retries through that. Keys are escaped into the characters JetStream 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import datetime
 import logging
 import queue
 import re
-import socket
-import threading
 import time
 import uuid
-from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from fastft.bus.contract import BusConfig
 from fastft.bus.endpoint import WAKE, BusEndpoint
+from fastft.bus.natsio import BUCKET, Conn, connection, run, shutdown
 from fastft.errors import StoreUnreachable
 
 __all__ = [
@@ -51,12 +48,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-BUCKET = "fastft"
 ATTEMPT_S = 0.25
 """How long one try of a store call waits for its answer (a store with a shorter timeout:
 a third of it); then it is sent again."""
-RECONNECT_WAIT_S = 0.05
-"""How long the client waits before it tries the next server after losing one."""
 _RETRY_S = (0.001, 0.05)
 """Retries of a store call that met a reconnection or a leader change: first and last pause."""
 _RECHECK_S = 0.05
@@ -70,143 +64,6 @@ def is_nats(address: str | None) -> bool:
     return bool(address) and str(address).startswith(("nats://", "tls://"))
 
 
-# --- the loop -------------------------------------------------------------------------------
-class _Loop:
-    """One asyncio loop per process, in a daemon thread (started on first use)."""
-
-    _lock = threading.Lock()
-    _loop: asyncio.AbstractEventLoop | None = None
-
-    @classmethod
-    def get(cls) -> asyncio.AbstractEventLoop:
-        with cls._lock:
-            if cls._loop is None:
-                loop = asyncio.new_event_loop()
-                t = threading.Thread(target=loop.run_forever, name="fastft-nats", daemon=True)
-                t.start()
-                cls._loop = loop
-            return cls._loop
-
-
-def _run(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
-    fut = asyncio.run_coroutine_threadsafe(coro, _Loop.get())
-    try:
-        return fut.result(timeout_s)
-    except TimeoutError:
-        fut.cancel()
-        raise
-
-
-_CONNS: dict[str, _Conn] = {}
-_CONNS_LOCK = threading.Lock()
-
-
-class _Conn:
-    """One client connection per server list and process, shared by every store clone and
-    bus endpoint of the process."""
-
-    def __init__(self, servers: list[str], timeout_s: float) -> None:
-        import nats
-        from nats.js.api import KeyValueConfig, StorageType
-        from nats.js.errors import BucketNotFoundError
-
-        self.servers = servers
-        self.clones: list[NatsStore] = []
-        self._waiters: dict[str, list[threading.Event]] = {}
-        self._wlock = threading.Lock()
-        self._watching = False
-
-        async def connect() -> tuple[Any, Any, Any]:
-            async def quiet(e: Exception) -> None:  # reconnects are logged, not raised
-                log.debug("nats: %s", e)
-
-            nc = await nats.connect(
-                servers=servers,
-                name="fastft",
-                connect_timeout=max(1, int(min(timeout_s, 5))),
-                reconnect_time_wait=RECONNECT_WAIT_S,
-                max_reconnect_attempts=-1,
-                allow_reconnect=True,
-                error_cb=quiet,
-            )
-            js = nc.jetstream(timeout=min(timeout_s, 5.0))
-            try:
-                kv = await js.key_value(BUCKET)
-            except BucketNotFoundError:
-                kv = None
-            if kv is None:
-                for replicas in (3, 1):  # a single server cannot hold 3 replicas
-                    try:
-                        kv = await js.create_key_value(
-                            KeyValueConfig(
-                                bucket=BUCKET,
-                                history=1,
-                                storage=StorageType.MEMORY,
-                                replicas=replicas,
-                            )
-                        )
-                        break
-                    except Exception as e:  # noqa: BLE001 - tried again with 1 replica
-                        if replicas == 1:
-                            raise
-                        log.debug("nats: a %d-replica bucket: %s", replicas, e)
-            return nc, js, kv
-
-        try:
-            self.nc, self.js, self.kv = _run(connect(), timeout_s + 5)
-        except Exception as e:
-            raise StoreUnreachable(_explain(servers, e)) from e
-
-    def waiter(self, key: str) -> threading.Event:
-        """An event set when ``key`` is next written (the first call subscribes to every
-        write of the bucket: a JetStream write is also a core NATS message)."""
-        ev = threading.Event()
-        with self._wlock:
-            self._waiters.setdefault(key, []).append(ev)
-            start, self._watching = not self._watching, True
-        if start:
-            prefix = f"$KV.{BUCKET}."
-            nc = self.nc
-
-            async def on_write(msg: Any) -> None:
-                with self._wlock:
-                    evs = self._waiters.pop(msg.subject[len(prefix) :], [])
-                for e in evs:
-                    e.set()
-
-            async def watch() -> None:
-                await nc.subscribe(prefix + ">", cb=on_write, pending_msgs_limit=1 << 20)
-                await nc.flush()
-
-            _run(watch(), 5.0)
-        return ev
-
-    def forget(self, key: str, ev: threading.Event) -> None:
-        with self._wlock:
-            evs = self._waiters.get(key)
-            if evs is not None and ev in evs:
-                evs.remove(ev)
-                if not evs:
-                    del self._waiters[key]
-
-    def close(self) -> None:
-        try:
-            _run(self.nc.close(), 2.0)
-        except Exception:  # noqa: BLE001 - closing at exit
-            pass
-
-
-def _explain(servers: list[str], e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip().splitlines()[0][:200]
-    where = ",".join(servers)
-    if "jetstream" in text.lower() or "503" in text or "ServiceUnavailable" in text:
-        return (
-            f"the NATS servers at {where} have no JetStream ({text}): start them with "
-            "JetStream on (nats-server -js, or fastft nats up)"
-        )
-    return f"no NATS server answers at {where} ({text}): check --control"
-
-
 def connect_nats(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) -> NatsStore:
     """A store on the NATS cluster at ``address`` (comma-separated URLs); raises
     StoreUnreachable with one line if no server answers (within ``wait_s``) or JetStream
@@ -214,60 +71,7 @@ def connect_nats(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) -> 
     servers = [s.strip() for s in address.split(",") if s.strip()]
     if not servers or not all(is_nats(s) for s in servers):
         raise StoreUnreachable(f"--control {address!r}: use nats://HOST:PORT[,nats://HOST:PORT...]")
-    key = ",".join(servers)
-    with _CONNS_LOCK:
-        conn = _CONNS.get(key)
-        if conn is None:
-            _reachable(servers, wait_s)
-            conn = _CONNS[key] = _Conn(servers, timeout_s)
-    return NatsStore(conn, timeout_s)
-
-
-def _reachable(servers: list[str], wait_s: float) -> None:
-    """Fail at once (after ``wait_s`` of retries) if no server of the list accepts a
-    connection: the client itself would retry forever."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        errors = []
-        for url in servers:
-            host, _, port = url.split("://", 1)[1].rpartition(":")
-            try:
-                with socket.create_connection((host.strip("[]"), int(port or 4222)), timeout=2.0):
-                    return
-            except (OSError, ValueError) as e:
-                errors.append(f"{url}: {getattr(e, 'strerror', None) or e}")
-        if time.monotonic() >= deadline:
-            raise StoreUnreachable(
-                f"no NATS server answers at {','.join(servers)} ({'; '.join(errors)[:300]}): "
-                "check --control"
-            )
-        time.sleep(0.1)
-
-
-@atexit.register
-def shutdown() -> None:
-    """Close this process's NATS connections and stop its loop (at exit, or in tests)."""
-    with _CONNS_LOCK:
-        conns = list(_CONNS.values())
-        _CONNS.clear()
-    for c in conns:
-        c.close()
-    with _Loop._lock:
-        loop, _Loop._loop = _Loop._loop, None
-    if loop is None:
-        return
-
-    async def cancel_rest() -> None:
-        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in rest:
-            t.cancel()
-        await asyncio.gather(*rest, return_exceptions=True)
-
-    try:
-        asyncio.run_coroutine_threadsafe(cancel_rest(), loop).result(2.0)
-    except Exception:  # noqa: BLE001 - stopping anyway
-        pass
-    loop.call_soon_threadsafe(loop.stop)
+    return NatsStore(connection(servers, timeout_s, wait_s), timeout_s)
 
 
 # --- the store ------------------------------------------------------------------------------
@@ -291,7 +95,7 @@ def _b(value: bytes | str | list[int]) -> bytes:
 class NatsStore(dist.Store):
     """``torch.distributed.Store`` over the job's JetStream key-value bucket."""
 
-    def __init__(self, conn: _Conn, timeout_s: float = 30.0) -> None:
+    def __init__(self, conn: Conn, timeout_s: float = 30.0) -> None:
         super().__init__()
         self._conn = conn
         self.address = ",".join(conn.servers)
@@ -326,7 +130,7 @@ class NatsStore(dist.Store):
         while True:
             left = deadline - time.monotonic()
             try:
-                return _run(asyncio.wait_for(make(), min(attempt, max(0.01, left))), left + 1)
+                return run(asyncio.wait_for(make(), min(attempt, max(0.01, left))), left + 1)
             except (
                 TimeoutError,
                 NoRespondersError,
@@ -534,14 +338,14 @@ class NatsTransport:
             return sub
 
         self._queue = q
-        self._sub = _run(subscribe(), self._timeout_s)
+        self._sub = run(subscribe(), self._timeout_s)
         return me
 
     def leave(self) -> None:
         sub, self._sub = self._sub, None
         if sub is not None:
             try:
-                _run(sub.unsubscribe(), 2.0)
+                run(sub.unsubscribe(), 2.0)
             except Exception:  # noqa: BLE001 - the connection may be gone
                 log.debug("nats: unsubscribe failed", exc_info=True)
 
@@ -556,7 +360,7 @@ class NatsTransport:
         async def publish() -> None:
             await nc.publish(self.subject, data, headers=headers)
 
-        _run(publish(), self._timeout_s)
+        run(publish(), self._timeout_s)
         return 1
 
     def pop(self) -> bytes | None:

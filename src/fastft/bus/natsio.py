@@ -1,0 +1,226 @@
+"""The NATS client of one process: one asyncio loop in a daemon thread, and one
+connection per server list, shared by every store object and bus endpoint of the process
+(:mod:`fastft.bus.nats`). The client reconnects to another server of the list within
+~50 ms of losing its own. ``shutdown()`` (at exit, or in tests) closes them."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import socket
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from fastft.errors import StoreUnreachable
+
+__all__ = ["BUCKET", "Conn", "connection", "run", "shutdown"]
+
+log = logging.getLogger(__name__)
+
+BUCKET = "fastft"
+"""The JetStream key-value bucket of the control plane."""
+RECONNECT_WAIT_S = 0.05
+"""How long the client waits before it tries the next server after losing one."""
+
+T = TypeVar("T")
+
+
+# --- the loop -------------------------------------------------------------------------------
+class _Loop:
+    """One asyncio loop per process, in a daemon thread (started on first use)."""
+
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None:
+                loop = asyncio.new_event_loop()
+                t = threading.Thread(target=loop.run_forever, name="fastft-nats", daemon=True)
+                t.start()
+                cls._loop = loop
+            return cls._loop
+
+
+def run(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    fut = asyncio.run_coroutine_threadsafe(coro, _Loop.get())
+    try:
+        return fut.result(timeout_s)
+    except TimeoutError:
+        fut.cancel()
+        raise
+
+
+class Conn:
+    """One client connection per server list and process, shared by every store clone and
+    bus endpoint of the process."""
+
+    def __init__(self, servers: list[str], timeout_s: float) -> None:
+        import nats
+        from nats.js.api import KeyValueConfig, StorageType
+        from nats.js.errors import BucketNotFoundError
+
+        self.servers = servers
+        self.clones: list[Any] = []
+        """Store objects torch may hold from C++ alone (kept referenced)."""
+        self._waiters: dict[str, list[threading.Event]] = {}
+        self._wlock = threading.Lock()
+        self._watching = False
+
+        async def connect() -> tuple[Any, Any, Any]:
+            async def quiet(e: Exception) -> None:  # reconnects are logged, not raised
+                log.debug("nats: %s", e)
+
+            nc = await nats.connect(
+                servers=servers,
+                name="fastft",
+                connect_timeout=max(1, int(min(timeout_s, 5))),
+                reconnect_time_wait=RECONNECT_WAIT_S,
+                max_reconnect_attempts=-1,
+                allow_reconnect=True,
+                error_cb=quiet,
+            )
+            js = nc.jetstream(timeout=min(timeout_s, 5.0))
+            try:
+                kv = await js.key_value(BUCKET)
+            except BucketNotFoundError:
+                kv = None
+            if kv is None:
+                for replicas in (3, 1):  # a single server cannot hold 3 replicas
+                    try:
+                        kv = await js.create_key_value(
+                            KeyValueConfig(
+                                bucket=BUCKET,
+                                history=1,
+                                storage=StorageType.MEMORY,
+                                replicas=replicas,
+                            )
+                        )
+                        break
+                    except Exception as e:  # noqa: BLE001 - tried again with 1 replica
+                        if replicas == 1:
+                            raise
+                        log.debug("nats: a %d-replica bucket: %s", replicas, e)
+            return nc, js, kv
+
+        try:
+            self.nc, self.js, self.kv = run(connect(), timeout_s + 5)
+        except Exception as e:
+            raise StoreUnreachable(_explain(servers, e)) from e
+
+    def waiter(self, key: str) -> threading.Event:
+        """An event set when ``key`` is next written (the first call subscribes to every
+        write of the bucket: a JetStream write is also a core NATS message)."""
+        ev = threading.Event()
+        with self._wlock:
+            self._waiters.setdefault(key, []).append(ev)
+            start, self._watching = not self._watching, True
+        if start:
+            prefix = f"$KV.{BUCKET}."
+            nc = self.nc
+
+            async def on_write(msg: Any) -> None:
+                with self._wlock:
+                    evs = self._waiters.pop(msg.subject[len(prefix) :], [])
+                for e in evs:
+                    e.set()
+
+            async def watch() -> None:
+                await nc.subscribe(prefix + ">", cb=on_write, pending_msgs_limit=1 << 20)
+                await nc.flush()
+
+            run(watch(), 5.0)
+        return ev
+
+    def forget(self, key: str, ev: threading.Event) -> None:
+        with self._wlock:
+            evs = self._waiters.get(key)
+            if evs is not None and ev in evs:
+                evs.remove(ev)
+                if not evs:
+                    del self._waiters[key]
+
+    def close(self) -> None:
+        try:
+            run(self.nc.close(), 2.0)
+        except Exception:  # noqa: BLE001 - closing at exit
+            pass
+
+
+def _explain(servers: list[str], e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()[0][:200]
+    where = ",".join(servers)
+    if "jetstream" in text.lower() or "503" in text or "ServiceUnavailable" in text:
+        return (
+            f"the NATS servers at {where} have no JetStream ({text}): start them with "
+            "JetStream on (nats-server -js, or fastft nats up)"
+        )
+    return f"no NATS server answers at {where} ({text}): check --control"
+
+
+def _reachable(servers: list[str], wait_s: float) -> None:
+    """Fail at once (after ``wait_s`` of retries) if no server of the list accepts a
+    connection: the client itself would retry forever."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        errors = []
+        for url in servers:
+            host, _, port = url.split("://", 1)[1].rpartition(":")
+            try:
+                with socket.create_connection((host.strip("[]"), int(port or 4222)), timeout=2.0):
+                    return
+            except (OSError, ValueError) as e:
+                errors.append(f"{url}: {getattr(e, 'strerror', None) or e}")
+        if time.monotonic() >= deadline:
+            raise StoreUnreachable(
+                f"no NATS server answers at {','.join(servers)} ({'; '.join(errors)[:300]}): "
+                "check --control"
+            )
+        time.sleep(0.1)
+
+
+@atexit.register
+def shutdown() -> None:
+    """Close this process's NATS connections and stop its loop (at exit, or in tests)."""
+    with _CONNS_LOCK:
+        conns = list(_CONNS.values())
+        _CONNS.clear()
+    for c in conns:
+        c.close()
+    with _Loop._lock:
+        loop, _Loop._loop = _Loop._loop, None
+    if loop is None:
+        return
+
+    async def cancel_rest() -> None:
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+
+    try:
+        asyncio.run_coroutine_threadsafe(cancel_rest(), loop).result(2.0)
+    except Exception:  # noqa: BLE001 - stopping anyway
+        pass
+    loop.call_soon_threadsafe(loop.stop)
+
+
+_CONNS: dict[str, Conn] = {}
+_CONNS_LOCK = threading.Lock()
+
+
+def connection(servers: list[str], timeout_s: float, wait_s: float) -> Conn:
+    """The process's connection to ``servers`` (made on first use): raises
+    StoreUnreachable with one line if no server answers (within ``wait_s``) or JetStream
+    is off."""
+    key = ",".join(servers)
+    with _CONNS_LOCK:
+        conn = _CONNS.get(key)
+        if conn is None:
+            _reachable(servers, wait_s)
+            conn = _CONNS[key] = Conn(servers, timeout_s)
+        return conn
