@@ -276,11 +276,12 @@ class NatsStore(dist.Store):
             self.set_timeout(datetime.timedelta(seconds=saved))
 
     def delete_key(self, key: str) -> bool:
-        """Delete ``key``; True (without a read first: a delete of a missing key only
-        leaves a tombstone, and nothing here needs to know)."""
-        kv = self._conn.kv
-        k = _key(key)
-        self._call(lambda: kv.delete(k, validate_keys=False))
+        """Remove ``key`` and every trace of it (a purge of its subject: a KV delete would
+        leave a tombstone per key, and a long job deletes two keys per step); True, with
+        no read first (nothing here needs to know whether it existed)."""
+        js = self._conn.js
+        subject = f"$KV.{BUCKET}.{_key(key)}"
+        self._call(lambda: js.purge_stream(f"KV_{BUCKET}", subject=subject))
         return True
 
     # the names torch's C++ side calls

@@ -104,7 +104,11 @@ class Conn:
                     except Exception as e:  # noqa: BLE001 - tried again with 1 replica
                         if replicas == 1:
                             raise
-                        log.debug("nats: a %d-replica bucket: %s", replicas, e)
+                        log.warning(
+                            "nats: the control plane's bucket gets 1 replica, not 3 (%s): "
+                            "losing the server that holds it loses the job's decisions",
+                            e,
+                        )
             return nc, js, kv
 
         try:
