@@ -256,7 +256,27 @@ class NatsStore(dist.Store):
                 continue
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self.get(k) for k in keys]
+        """Every value, read concurrently (one round trip, not one per key); a key still
+        missing is then waited for as ``get`` does."""
+        from nats.js.errors import KeyNotFoundError
+
+        kv = self._conn.kv
+        ks = [_key(k) for k in keys]
+
+        async def read_all() -> list[Any]:
+            async def one(k: str) -> Any:
+                try:
+                    return await kv.get(k, validate_keys=False)
+                except KeyNotFoundError:
+                    return None
+
+            return list(await asyncio.gather(*(one(k) for k in ks)))
+
+        got = self._call(read_all)
+        return [
+            bytes(e.value or b"") if e is not None else self.get(k)
+            for e, k in zip(got, keys, strict=True)
+        ]
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
         for k, v in zip(keys, values, strict=True):
