@@ -31,21 +31,13 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import pct, table, write  # noqa: E402
-from recovery import SIZES, _step_times, n_params, run_fastft  # noqa: E402
+from recovery import SIZES, _free_port, _step_times, n_params, run_fastft  # noqa: E402
 
 from fastft.bus.natscluster import LocalCluster  # noqa: E402
 from fastft.runtime import read_events  # noqa: E402
 
 LOSS_STEP = 8
 STEPS = 40
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def loss_trial(run: Path, control: str | None, lost: int) -> dict[str, float]:

@@ -6,28 +6,20 @@ by process group, and says whether anything was."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from fastft.bus.natscluster import free_port
 from fastft.runtime import read_events
-
 
 LEASE = ("--node-lease-misses", "5")
 """500 ms leases: the tests' 3 agents share 2 cores with the workers (and 3 NATS servers),
 and an agent descheduled for 300 ms would be declared lost (its workers restarted, which
 the checks would count); bench/node_loss.py measures the default (300 ms)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Nodes:
@@ -163,10 +155,3 @@ class Nodes:
                 except subprocess.TimeoutExpired:
                     pass
         return left
-
-
-def finals(run: Path) -> dict[int, dict]:
-    return {
-        int(f.stem.split("rank")[1]): json.loads(f.read_text())
-        for f in (run / "out").glob("final-rank*.json")
-    }

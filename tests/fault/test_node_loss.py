@@ -1,4 +1,4 @@
-"""A node lost whole, with the TCPStore control plane: 3 nodes on this machine, one worker
+"""A node lost whole, with the TCPStore and the NATS control planes: 3 nodes on this machine, one worker
 each (a node is an agent and its workers in a process group of their own; it is lost by
 SIGKILL of the group, partitioned by SIGSTOP of the group). Nobody's parent sees the lost
 workers die: the other agents see the node's lease run out and declare its workers dead
@@ -11,8 +11,8 @@ import signal
 import time
 
 import pytest
-from _nodes import Nodes, finals
-from _runs import check_s1_s3
+from _nodes import Nodes
+from _runs import check_s1_s3, finals
 from test_runtime_faults import assert_equal_to_one_process
 
 from fastft.report import shards_by_step, untiled_steps
@@ -27,11 +27,29 @@ def lost_events(ev: list[dict], node: int) -> list[dict]:
     return [e for e in ev if e["event"] == "node_lost" and e["node"] == node]
 
 
-def test_a_lost_node_is_declared_dead_and_the_elastic_world_goes_on(tmp_path):
-    """Elastic world (--min-replicas 2): node 2 is SIGKILLed whole at step 8 and never
-    returns. An agent declares it lost once its lease runs out, the survivors go on
-    without it, every sample is consumed once, and the result equals one process training
-    on the whole batch."""
+@pytest.fixture(scope="module")
+def nats_cluster(tmp_path_factory):
+    from fastft.bus.natscluster import LocalCluster
+
+    with LocalCluster(tmp_path_factory.mktemp("nats"), servers=3) as c:
+        yield c
+
+
+def control(cluster, plane: str) -> str | None:
+    """The ``--control`` value of ``plane``: None (TCPStore, hosted by node 0's agent) or
+    the module's 3-server NATS cluster (a fixture of every test that may use it: started
+    before the test, so that the test's leftover check does not count its servers)."""
+    return cluster.address if plane == "nats" else None
+
+
+@pytest.mark.parametrize("plane, lost", [("tcpstore", 2), ("nats", 0)])
+def test_a_lost_node_is_declared_dead_and_the_elastic_world_goes_on(
+    tmp_path, nats_cluster, plane, lost
+):
+    """Elastic world (--min-replicas 2): a node is SIGKILLed whole at step 8 and never
+    returns (with NATS, node 0: it hosts nothing there). An agent declares it lost once
+    its lease runs out, the survivors go on without it, every sample is consumed once,
+    and the result equals one process training on the whole batch."""
     steps, batch = 40, 96
     job = Nodes(
         tmp_path / "elastic",
@@ -39,26 +57,27 @@ def test_a_lost_node_is_declared_dead_and_the_elastic_world_goes_on(tmp_path):
         flags=("--min-replicas", "2"),
         steps=steps,
         train=("--batch", str(batch), *SLOW_STEPS),
+        control=control(nats_cluster, plane),
     )
+    survivors = [n for n in range(3) if n != lost]
     try:
         job.start_all()
         job.wait_commit(8)
-        job.signal(2, signal.SIGKILL)
+        job.signal(lost, signal.SIGKILL)
         codes = job.wait(150)
-        assert codes[0] == 0 and codes[1] == 0, job.logs()
-        assert codes[2] == -signal.SIGKILL
+        assert codes == {lost: -signal.SIGKILL, **{n: 0 for n in survivors}}, job.logs()
     finally:
-        assert job.close() in ([], [job.agent(2).pid]), job.logs()
+        assert job.close() in ([], [job.agent(lost).pid]), job.logs()
     ev = job.events()
-    (lost,) = lost_events(ev, 2)  # declared once, by one agent
-    assert lost["src"] in ("agent 0", "agent 1") and lost["lives"] == 1
+    (declared,) = lost_events(ev, lost)  # declared once, by one agent
+    assert declared["src"] in [f"agent {n}" for n in survivors] and declared["lives"] == 1
     assert not [e for e in ev if e["event"] == "store_lost"]
     check_s1_s3(job.run, steps=steps)
     shards = shards_by_step(ev)
     assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []
-    two = min(s for s, parts in shards.items() if len(parts) == 2)  # without node 2
+    two = min(s for s, parts in shards.items() if len(parts) == 2)  # without the lost node
     assert two >= 8 and all(len(shards[s]) == 2 for s in range(two, steps))
-    assert_equal_to_one_process(job.run / "out", steps, batch, ranks=(0, 1))
+    assert_equal_to_one_process(job.run / "out", steps, batch, ranks=survivors)
 
 
 def test_a_lost_node_that_is_started_again_heals_in_a_fixed_world(tmp_path, clean):
@@ -111,92 +130,39 @@ def test_losing_the_store_host_ends_the_job_with_one_clear_line(tmp_path):
         job.close()
 
 
-def test_a_partitioned_node_is_fenced_and_heals(tmp_path, clean):
-    """Node 2 is stopped whole (a partition) for 2 s: declared lost after its lease, its
-    worker is dead to the job. When it comes back, its agent finds the mark, kills the
-    stale worker and starts it again as a new incarnation, which heals; the result is
+@pytest.mark.parametrize("plane, node", [("tcpstore", 2), ("nats", 1)])
+def test_a_partitioned_node_is_fenced_and_heals(tmp_path, clean, nats_cluster, plane, node):
+    """A node is stopped whole (a partition): declared lost after its lease, its worker is
+    dead to the job. When it comes back a second later, its agent finds the mark, kills
+    the stale worker and starts it again as a new incarnation, which heals; the result is
     bitwise equal to a clean run."""
-    job = Nodes(tmp_path / "partition", 3, steps=STEPS, train=SLOW_STEPS)
-    try:
-        job.start_all()
-        job.wait_commit(8)
-        job.signal(2, signal.SIGSTOP)
-        job.wait_event(lambda e: e["event"] == "node_lost" and e["node"] == 2, 30)
-        time.sleep(1.0)
-        job.signal(2, signal.SIGCONT)
-        codes = job.wait(150)
-        assert codes == {0: 0, 1: 0, 2: 0}, job.logs()
-    finally:
-        assert job.close() == [], job.logs()
-    ev = job.events()
-    assert len(lost_events(ev, 2)) == 1
-    assert [e for e in ev if e["event"] == "node_fenced" and e["src"] == "agent 2"]
-    assert any(e["event"] == "heal" and e["src"] == "rank 2" for e in ev)
-    check_s1_s3(job.run, steps=STEPS)
-    got = finals(job.run)
-    assert {v["digest"] for v in got.values()} == {clean[0]["digest"]}
-
-
-# --- the NATS control plane: no node is special ----------------------------------------------
-@pytest.fixture(scope="module")
-def nats_cluster(tmp_path_factory):
-    from fastft.bus.natscluster import LocalCluster
-
-    with LocalCluster(tmp_path_factory.mktemp("nats"), servers=3) as c:
-        yield c
-
-
-def test_with_nats_losing_node_0_costs_only_its_workers(tmp_path, nats_cluster):
-    """With --control nats://..., node 0 hosts nothing: its loss whole is one more lost
-    node. The elastic world goes on without its worker, every sample is consumed once,
-    and the result equals one process training on the whole batch."""
-    steps, batch = 40, 96
     job = Nodes(
-        tmp_path / "nats-node0",
+        tmp_path / "partition",
         3,
-        flags=("--min-replicas", "2"),
-        steps=steps,
-        train=("--batch", str(batch), *SLOW_STEPS),
-        control=nats_cluster.address,
+        steps=STEPS,
+        train=SLOW_STEPS,
+        control=control(nats_cluster, plane),
     )
     try:
         job.start_all()
         job.wait_commit(8)
-        job.signal(0, signal.SIGKILL)
-        codes = job.wait(150)
-        assert codes == {0: -signal.SIGKILL, 1: 0, 2: 0}, job.logs()
-    finally:
-        assert job.close() in ([], [job.agent(0).pid]), job.logs()
-    ev = job.events()
-    assert len(lost_events(ev, 0)) == 1 and not [e for e in ev if e["event"] == "store_lost"]
-    check_s1_s3(job.run, steps=steps)
-    shards = shards_by_step(ev)
-    assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []
-    assert_equal_to_one_process(job.run / "out", steps, batch, ranks=(1, 2))
-
-
-def test_with_nats_a_partitioned_node_is_fenced_and_heals(tmp_path, clean, nats_cluster):
-    job = Nodes(
-        tmp_path / "nats-partition", 3, steps=STEPS, train=SLOW_STEPS, control=nats_cluster.address
-    )
-    try:
-        job.start_all()
-        job.wait_commit(8)
-        job.signal(1, signal.SIGSTOP)
-        job.wait_event(lambda e: e["event"] == "node_lost" and e["node"] == 1, 30)
+        job.signal(node, signal.SIGSTOP)
+        job.wait_event(lambda e: e["event"] == "node_lost" and e["node"] == node, 30)
         time.sleep(1.0)
-        job.signal(1, signal.SIGCONT)
+        job.signal(node, signal.SIGCONT)
         codes = job.wait(150)
         assert codes == {0: 0, 1: 0, 2: 0}, job.logs()
     finally:
         assert job.close() == [], job.logs()
     ev = job.events()
-    assert [e for e in ev if e["event"] == "node_fenced" and e["src"] == "agent 1"]
-    assert any(e["event"] == "heal" and e["src"] == "rank 1" for e in ev)
+    assert len(lost_events(ev, node)) == 1
+    assert [e for e in ev if e["event"] == "node_fenced" and e["src"] == f"agent {node}"]
+    assert any(e["event"] == "heal" and e["src"] == f"rank {node}" for e in ev)
     check_s1_s3(job.run, steps=STEPS)
     assert {v["digest"] for v in finals(job.run).values()} == {clean[0]["digest"]}
 
 
+# --- losing NATS servers --------------------------------------------------------------------
 @pytest.mark.slow
 def test_with_nats_losing_a_server_then_another_stalls_but_loses_nothing(tmp_path, clean):
     """The server that leads the control plane's bucket is SIGKILLed mid-training; once it

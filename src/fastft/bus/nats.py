@@ -27,7 +27,7 @@ import queue
 import re
 import time
 import uuid
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 
@@ -56,8 +56,6 @@ _RETRY_S = (0.001, 0.05)
 _RECHECK_S = 0.05
 """A blocking read of a missing key is woken by the key's write (every process watches the
 bucket's subjects on core NATS); it reads again at least this often all the same."""
-
-T = TypeVar("T")
 
 
 def is_nats(address: str | None) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fastft.errors import ConfigError, StoreUnreachable
 
-__all__ = ["LocalCluster", "server_binary"]
+__all__ = ["LocalCluster", "free_port", "server_binary"]
 
 
 def server_binary() -> str:
@@ -30,7 +30,8 @@ def server_binary() -> str:
     return found
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port the OS picked for 127.0.0.1 (free when this returns)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -46,8 +47,8 @@ class LocalCluster:
             raise ConfigError(f"--servers {servers}: use at least 1")
         self.dir = Path(directory)
         self.n = servers
-        self.ports = [_free_port() for _ in range(servers)]
-        self.routes = [_free_port() for _ in range(servers)]
+        self.ports = [free_port() for _ in range(servers)]
+        self.routes = [free_port() for _ in range(servers)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * servers
         self.binary = server_binary()
 
