@@ -7,6 +7,8 @@ boundary. Subclasses are named after what the caller should do:
 * :class:`ProtocolError` -- a message on the wire is not ours or is damaged; log and drop it.
 * :class:`BusClosed` -- the bus was closed; stop using it.
 * :class:`StoreUnreachable` -- the coordination store cannot be reached; check HOST:PORT.
+* :class:`ControlPlaneError` -- the store holds what no member of the job wrote (a value
+  without the job secret's tag); it is not applied.
 
 Asynchronous interruption of a blocked rank is *not* a ``FastFTError``: it is
 :class:`fastft.interrupt.StepInterrupted`, a ``BaseException`` so that a user's
@@ -21,6 +23,7 @@ __all__ = [
     "ProtocolError",
     "BusClosed",
     "StoreUnreachable",
+    "ControlPlaneError",
 ]
 
 
@@ -43,3 +46,8 @@ class BusClosed(FastFTError, RuntimeError):
 
 class StoreUnreachable(FastFTError, ConnectionError):
     """The coordination store (TCPStore) at the given address did not answer."""
+
+
+class ControlPlaneError(FastFTError, RuntimeError):
+    """The control plane holds a value no member of the job wrote (it lacks the job
+    secret's tag): something else writes to the job's store. The value is not applied."""

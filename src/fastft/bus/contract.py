@@ -19,6 +19,10 @@ Guarantees every backend keeps (tests in ``tests/unit/test_bus_*.py`` run agains
   counts it and re-joins.
 * Bytes that are not a valid message of this job are logged and counted (``malformed``),
   never delivered and never fatal.
+* With the job secret (``BusConfig.secret``) every frame is sealed with a tag
+  (:mod:`fastft.protocol.auth`). A frame without a valid tag (``forged``) or seen before
+  (``replayed``) is dropped, counted per claimed sender (``rejected_by``) and logged once
+  per sender; it never reaches a callback.
 * ``close()`` returns within ~100 ms and is idempotent.
 """
 
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from fastft.errors import ConfigError
+from fastft.protocol.auth import JobSecret
 from fastft.protocol.messages import Message, Role
 
 __all__ = ["BusConfig", "BusStats", "ErrorBus", "Callback", "Transport"]
@@ -50,7 +55,9 @@ class BusConfig:
     ``idle_pop_s``: the listener's blocking pop returns after this many seconds without a
     message to check that it is still a member (closing does not wait for it: ``close()``
     wakes the listener at once). ``local_buffer``: messages kept for ``recv()``; older ones
-    are dropped (and counted) if nobody calls ``recv()``.
+    are dropped (and counted) if nobody calls ``recv()``. ``secret``: the job secret; every
+    endpoint of a job needs the same one (None: frames are neither sealed nor checked,
+    for tests in one process only).
     """
 
     job: str
@@ -62,6 +69,7 @@ class BusConfig:
     idle_pop_s: float = 10.0
     stale_s: float = 2.0
     local_buffer: int = 4096
+    secret: JobSecret | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.job or "/" in self.job:
@@ -88,6 +96,10 @@ class BusStats:
     evicted_peers: int = 0
     self_evictions: int = 0
     transport_errors: int = 0
+    forged: int = 0
+    replayed: int = 0
+    rejected_by: dict[str, int] = field(default_factory=dict)
+    """Forged or replayed frames per claimed sender (``rank R incarnation I role X``)."""
     malformed_samples: list[str] = field(default_factory=list)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -12,7 +13,8 @@ from dataclasses import replace
 
 from fastft.bus.contract import BusConfig, BusStats, Callback, Transport
 from fastft.errors import BusClosed, ProtocolError
-from fastft.protocol.codec import decode, encode
+from fastft.protocol.auth import NONCE_BYTES, Forged, MessageAuth, ReplayGuard
+from fastft.protocol.codec import claimed_sender, decode, encode
 from fastft.protocol.messages import Message
 
 __all__ = ["BusEndpoint", "WAKE"]
@@ -23,6 +25,8 @@ WAKE = b"\x00fastft-wake"
 """Sentinel a closing endpoint pushes into its own queue to end a blocking pop."""
 
 _MAX_SAMPLES = 8
+_MAX_REJECTING = 256
+"""Claimed senders counted one by one; more are counted together as ``others``."""
 
 
 class BusEndpoint:
@@ -47,6 +51,9 @@ class BusEndpoint:
         self._thread: threading.Thread | None = None
         self._started = False
         self.subscriber_id: str | None = None
+        self._auth = MessageAuth(config.secret) if config.secret is not None else None
+        self._nonce = secrets.token_bytes(NONCE_BYTES)
+        self._replays = ReplayGuard(time.time())
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> BusEndpoint:
@@ -109,7 +116,10 @@ class BusEndpoint:
         if msg.job != self.config.job:
             raise ProtocolError(f"message of job {msg.job!r} on the bus of {self.config.job!r}")
         sent = self.stamp(msg)
-        self._transport.push_all(encode(sent))
+        data = encode(sent)
+        if self._auth is not None:
+            data = self._auth.seal(data, self._nonce)
+        self._transport.push_all(data)
         self.stats.published += 1
         self.stats.evicted_peers = self._transport.evictions
         return sent
@@ -170,6 +180,14 @@ class BusEndpoint:
             self._deliver(data)
 
     def _deliver(self, data: bytes) -> None:
+        nonce = b""
+        if self._auth is not None:
+            try:
+                data, nonce = self._auth.open(data)
+            except Forged as e:
+                self.stats.forged += 1
+                self._reject(claimed_sender(data), f"forged: {e}")
+                return
         try:
             msg = decode(data, job=self.config.job)
         except ProtocolError as e:
@@ -178,6 +196,14 @@ class BusEndpoint:
                 self.stats.malformed_samples.append(str(e))
             log.warning("bus: dropped a malformed message (%d so far): %s", self.stats.malformed, e)
             return
+        if self._auth is not None:
+            why = self._replays.check(
+                (int(msg.role), msg.rank, msg.incarnation, nonce), msg.seq, msg.wall_time
+            )
+            if why is not None:
+                self.stats.replayed += 1
+                self._reject(claimed_sender(data), f"replayed: {why}")
+                return
         self.stats.delivered += 1
         for cb in list(self._callbacks):
             try:
@@ -191,6 +217,21 @@ class BusEndpoint:
                 self.stats.dropped_local += 1
             self._buffer.append(msg)
             self._cond.notify()
+
+    def _reject(self, sender: str, why: str) -> None:
+        """Count a frame that is not acted on; log the first one of each claimed sender."""
+        by = self.stats.rejected_by
+        if sender not in by and len(by) >= _MAX_REJECTING:
+            sender = "others"
+        by[sender] = by.get(sender, 0) + 1
+        if by[sender] == 1:
+            log.error(
+                "bus: dropped a frame that claims to be from %s (%s); further ones from it are "
+                "counted, not logged. Is something without the job secret writing to the "
+                "job's store?",
+                sender,
+                why,
+            )
 
     def _label(self) -> str:
         c = self.config

@@ -38,7 +38,14 @@ from fastft.bus.endpoint import WAKE, BusEndpoint
 from fastft.errors import StoreUnreachable
 from fastft.protocol.keys import JobKeys
 
-__all__ = ["StoreTransport", "tcpstore_bus", "host_store", "connect_store", "parse_members"]
+__all__ = [
+    "is_local_address",
+    "StoreTransport",
+    "tcpstore_bus",
+    "host_store",
+    "connect_store",
+    "parse_members",
+]
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +85,51 @@ def _format_members(members: dict[str, str]) -> str:
 
 
 def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> dist.TCPStore:
-    """Start a TCPStore server (port 0: the OS picks one; read ``.port``)."""
-    return dist.TCPStore(
-        host,
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    """Start a TCPStore server listening on ``host`` only (port 0: the OS picks one; read
+    ``.port``). TCPStore itself listens on every interface; here it is handed a socket
+    bound to ``host`` (``0.0.0.0`` or ``::`` for every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(512)
+        server = dist.TCPStore(
+            host if host not in WILDCARDS else "127.0.0.1",
+            sock.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            master_listen_fd=sock.fileno(),
+            use_libuv=True,
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the server's event loop owns the descriptor now (and closes it)
+    return server
+
+
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` names this machine (loopback, a wildcard, or an address one of its
+    interfaces has): a socket can be bound to it."""
+    if host in WILDCARDS or host == "localhost":
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+                return True
+        except OSError:
+            continue
+    return False
 
 
 HANDSHAKE_S = 10.0

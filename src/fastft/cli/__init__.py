@@ -30,6 +30,7 @@ __all__ = ["main", "ENVIRONMENT"]
 ENVIRONMENT = {
     "FASTFT_STORE": "HOST:PORT of the job's store (the node agent hosts it)",
     "FASTFT_JOB": "job id",
+    "FASTFT_SECRET_FILE": "the job secret's file (fastft inject, report-error, bus tail)",
 }
 
 EXIT_USAGE = 2
@@ -47,6 +48,12 @@ def _add_target(p: argparse.ArgumentParser) -> None:
         help="HOST:PORT of the store [env FASTFT_STORE]",
     )
     p.add_argument("--job", default=os.environ.get("FASTFT_JOB"), help="job id [env FASTFT_JOB]")
+    p.add_argument(
+        "--job-secret-file",
+        default=os.environ.get("FASTFT_SECRET_FILE"),
+        help="the job secret (fastft run prints where: RUN_DIR/job.secret, or its "
+        "--job-secret-file) [env FASTFT_SECRET_FILE]",
+    )
 
 
 def _build() -> argparse.ArgumentParser:
@@ -92,6 +99,16 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("path")
 
     sub.add_parser("fsm-doc", help="print the step state machine as Markdown")
+
+    sec = sub.add_parser("secret", help="job secrets")
+    ssub = sec.add_subparsers(dest="secret_cmd", required=True, parser_class=_Parser)
+    p = ssub.add_parser(
+        "new",
+        help="write a new job secret to PATH (mode 0600) for --job-secret-file",
+        description="Write 32 random bytes (hex) to a new file of mode 0600. Give the same "
+        "file to every node's `fastft run --job-secret-file`.",
+    )
+    p.add_argument("path")
 
     p = sub.add_parser(
         "store",
@@ -191,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ops._cmd_tail(args)
     if args.cmd == "plan":
         return ops._cmd_plan_check(args)
+    if args.cmd == "secret":
+        return ops._cmd_secret_new(args)
     if args.cmd == "nats":
         return ops._cmd_nats_up(args)
     return handlers[args.cmd](args)

@@ -28,13 +28,36 @@ def _connect(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         _fail(str(e))
 
 
+def _secret(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The job secret these commands must hold; exit 2 saying where to find it if not."""
+    from fastft.errors import ConfigError
+    from fastft.protocol.auth import JobSecret
+
+    if not args.job_secret_file:
+        _fail(
+            f"fastft {args.cmd} needs the job secret: pass --job-secret-file PATH (fastft run "
+            "printed it at start: RUN_DIR/job.secret, or its --job-secret-file) or set "
+            "FASTFT_SECRET_FILE"
+        )
+    try:
+        return JobSecret.load(args.job_secret_file)
+    except ConfigError as e:
+        _fail(str(e))
+
+
 def _publisher(args: argparse.Namespace, role: int):  # type: ignore[no-untyped-def]
     from fastft.bus import BusConfig, open_bus
     from fastft.protocol import Role
 
+    secret = _secret(args)
     store = _connect(args)
     cfg = BusConfig(
-        job=args.job, rank=-1, incarnation=os.getpid(), role=Role(role), subscribe=False
+        job=args.job,
+        rank=-1,
+        incarnation=os.getpid(),
+        role=Role(role),
+        subscribe=False,
+        secret=secret,
     )
     return open_bus(store, cfg).start()
 
@@ -110,9 +133,15 @@ def _cmd_tail(args: argparse.Namespace) -> int:
     from fastft.bus import BusConfig, open_bus
     from fastft.protocol import Role
 
+    secret = _secret(args)
     store = _connect(args)
     cfg = BusConfig(
-        job=args.job, rank=-1, incarnation=os.getpid(), role=Role.OPERATOR, idle_pop_s=1.0
+        job=args.job,
+        rank=-1,
+        incarnation=os.getpid(),
+        role=Role.OPERATOR,
+        idle_pop_s=1.0,
+        secret=secret,
     )
     seen = 0
     deadline = time.monotonic() + args.timeout if args.timeout > 0 else None
@@ -171,6 +200,21 @@ def _cmd_plan_check(args: argparse.Namespace) -> int:
     for f in plan.faults:
         at = "now" if f.at_step is None else f"step {f.at_step}"
         print(f"rank {f.rank} life {f.life}: {f.kind.value} at {at}")
+    return 0
+
+
+def _cmd_secret_new(args: argparse.Namespace) -> int:
+    from fastft.errors import ConfigError
+    from fastft.protocol.auth import JobSecret
+
+    try:
+        path = JobSecret.draw().save(args.path)
+    except (ConfigError, OSError) as e:
+        _fail(f"cannot write {args.path}: {e}")
+    print(
+        f"wrote a new job secret to {path} (mode 0600): give it to every node's "
+        f"fastft run --job-secret-file {path}"
+    )
     return 0
 
 

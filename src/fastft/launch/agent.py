@@ -25,6 +25,8 @@ from typing import Any
 
 import fastft.launch.policy as policy
 from fastft.bus import BusConfig, connect_store, host_store, open_bus
+from fastft.bus.signed import SignedStore
+from fastft.bus.tcpstore import WILDCARDS, is_local_address
 from fastft.launch.children import Children, Slot, await_signal_taken, die_with_parent
 from fastft.launch.config import LaunchConfig, worker_environment
 from fastft.launch.exits import Exits
@@ -42,6 +44,7 @@ from fastft.protocol import (
     Role,
     Severity,
 )
+from fastft.protocol.auth import JobSecret, ValueAuth
 
 __all__ = ["Agent", "LaunchConfig"]
 
@@ -58,21 +61,34 @@ class Agent:
         self.events = EventLog(self.run_dir, f"agent {config.node_rank}")
         self.keys = JobKeys(config.job)
         self._server = None
+        self.bound = ""
+        """Where node 0's store listens (HOST:PORT), when it hosts it."""
         if config.control is not None:  # a NATS cluster: no agent hosts anything
             self.store_addr = config.control
-        elif config.node_rank == 0 and (config.store is None or _is_local(config.store)):
+        elif config.node_rank == 0 and (
+            config.store is None or is_local_address(config.store.rpartition(":")[0])
+        ):
             port = int(config.store.rpartition(":")[2]) if config.store else 0
             host = "127.0.0.1" if config.store is None else config.store.rpartition(":")[0]
-            self._server = host_store(host, port)
-            self.store_addr = f"127.0.0.1:{self._server.port}"
+            self._server = host_store(host, port)  # listening on `host` alone
+            self.bound = f"{host}:{self._server.port}"
+            local = host if host not in WILDCARDS and host != "localhost" else "127.0.0.1"
+            self.store_addr = f"{local}:{self._server.port}"
         else:
             assert config.store is not None
             self.store_addr = config.store
-        self.store = connect_store(self.store_addr, wait_s=config.store_wait_s)
+        self.secret_file, secret = self._secret()
+        raw = connect_store(self.store_addr, wait_s=config.store_wait_s)
+        self.store = SignedStore(raw, self.keys, ValueAuth(secret))
+        """The job's store; node marks and joiner keys signed (fastft.bus.signed)."""
         self.bus = open_bus(
-            self.store,
+            raw,
             BusConfig(
-                job=config.job, rank=NO_RANK, incarnation=secrets.randbits(62) | 1, role=Role.AGENT
+                job=config.job,
+                rank=NO_RANK,
+                incarnation=secrets.randbits(62) | 1,
+                role=Role.AGENT,
+                secret=secret,
             ),
         )
         first = config.node_rank * config.nproc
@@ -117,8 +133,9 @@ class Agent:
             world_size=cfg.world_size,
             pid=os.getpid(),
         )
+        where = f"store {self.bound} (listening)" if self.bound else f"store {self.store_addr}"
         print(
-            f"fastft: job {cfg.job}, store {self.store_addr}, run dir {self.run_dir}",
+            f"fastft: job {cfg.job}, {where}, run dir {self.run_dir}, secret {self.secret_file}",
             file=sys.stderr,
             flush=True,
         )
@@ -175,6 +192,18 @@ class Agent:
             self._stopping = signum
             self._wake.set()
 
+    def _secret(self) -> tuple[Path, JobSecret]:
+        """The job secret: ``--job-secret-file``, or (one node) a new one in the run dir,
+        mode 0600, whose path the workers are given (never the secret itself)."""
+        if self.config.job_secret_file:
+            path = Path(self.config.job_secret_file).resolve()
+            return path, JobSecret.load(path)
+        path = self.run_dir / "job.secret"
+        path.unlink(missing_ok=True)  # a run dir used again: a new job, a new secret
+        secret = JobSecret.draw()
+        secret.save(path)
+        return path, secret
+
     # --- workers ---------------------------------------------------------------------------
     def _local(self, slot: Slot) -> int:
         """The slot's rank on this node (``LOCAL_RANK``)."""
@@ -197,6 +226,7 @@ class Agent:
             heartbeat_file=slot.heartbeat,
             exit_trace_file=trace_path if traced else None,
             lighthouse_addr=self.lighthouse_addr,
+            secret_file=str(self.secret_file),
         )
         try:
             os.unlink(slot.heartbeat)
@@ -397,13 +427,15 @@ class Agent:
             kind=cfg.torchft,
             job=cfg.job,
             node_rank=cfg.node_rank,
-            store=self.store,
+            store=self.store.raw,
             store_addr=self.store_addr,
             min_replicas=cfg.min_replicas or 1,
             world_size=cfg.world_size,
             heartbeat_ms=cfg.lighthouse_heartbeat_ms,
             join_ms=cfg.lighthouse_join_ms,
             run_dir=str(self.run_dir),
+            secret_file=str(self.secret_file),
+            loopback=cfg.nnodes == 1,
             wait_s=cfg.store_wait_s,
             preexec=die_with_parent,
         )
@@ -426,8 +458,3 @@ def _committed(slot: Slot) -> bool:
     from its first commit on)."""
     hb = read_heartbeat(slot.heartbeat)
     return hb is not None and hb[0] >= slot.started and hb[1] > 0
-
-
-def _is_local(addr: str) -> bool:
-    host = addr.rpartition(":")[0]
-    return host in ("127.0.0.1", "localhost", "0.0.0.0", "::1")

@@ -156,6 +156,12 @@ class LaunchConfig:
         "is not renewed for --node-lease-misses heartbeats is declared lost, its workers dead",
     )
     node_lease_misses: int = _flag(3, "multi-node: heartbeats a node may miss before it is lost")
+    job_secret_file: str | None = _flag(
+        None,
+        "the job secret (a file of mode 0600, the same on every node; fastft secret new PATH "
+        "writes one): it authenticates every control message and decision; default on one "
+        "node: a new one in the run dir",
+    )
     env: dict[str, str] = _flag({}, "")
     """Extra environment for the workers (not a flag)."""
 
@@ -196,6 +202,16 @@ class LaunchConfig:
         elif self.nnodes > 1 and not self.store:
             raise ConfigError(
                 "--nnodes > 1 needs --store HOST:PORT (node 0 hosts it) or --control nats://..."
+            )
+        if self.job_secret_file is not None:
+            from fastft.protocol.auth import JobSecret  # (a file check)
+
+            JobSecret.load(self.job_secret_file)
+        elif self.nnodes > 1:
+            raise ConfigError(
+                "--nnodes > 1 needs --job-secret-file PATH: one secret every node's agent "
+                "reads (create it once with `fastft secret new PATH`, copy it to each node "
+                "with mode 0600)"
             )
         if self.store is not None:
             host, _, port = self.store.rpartition(":")
@@ -353,6 +369,7 @@ def worker_environment(
     heartbeat_file: str,
     exit_trace_file: str | None,
     lighthouse_addr: str = "",
+    secret_file: str | None = None,
 ) -> dict[str, str]:
     """The whole environment of one worker life: the agent's own, ``cfg.env``, the
     :class:`WorkerEnv` contract, torchrun's local names, and torchft's for ``--torchft``."""
@@ -382,12 +399,17 @@ def worker_environment(
             checkpoint_interval_s=cfg.checkpoint_interval_s,
             checkpoint_keep=cfg.checkpoint_keep,
             allow_fresh_start=cfg.allow_fresh_start,
+            secret_file=secret_file,
         ).to_env(),
         # torchrun's names: scripts place their model on cuda:LOCAL_RANK
         "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(cfg.nproc),
     }
     env.pop(SPARE_RUN_AHEAD, None)  # only a spare waits for an order
+    env.pop("FASTFT_JOB_SECRET_FILE", None)  # (the agent's flag; workers read the above)
+    if cfg.nnodes == 1 and cfg.control is None:  # one node: the data plane on loopback too
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     if cfg.torchft:
         env["TORCHFT_LIGHTHOUSE"] = lighthouse_addr
         env["REPLICA_GROUP_ID"] = str(rank)

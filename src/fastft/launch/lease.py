@@ -28,13 +28,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
+from fastft.bus.signed import ForgedValue
 from fastft.errors import ConfigError
 from fastft.protocol.keys import JobKeys
-
-if TYPE_CHECKING:
-    import torch.distributed as dist
 
 __all__ = [
     "DONE",
@@ -188,7 +186,7 @@ class NodeLease:
 
     def __init__(
         self,
-        store: dist.Store,
+        store: Any,
         keys: JobKeys,
         node: int,
         nnodes: int,
@@ -200,7 +198,7 @@ class NodeLease:
         on_returned: Callable[[int], None] = lambda node: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.store = store.clone()  # type: ignore[attr-defined]
+        self.store = store.clone()
         self.store.set_timeout(datetime.timedelta(seconds=max(config.lease_s, 0.05)))
         self.keys = keys
         self.node = node
@@ -220,7 +218,11 @@ class NodeLease:
         for n in range(nnodes):
             self.store.add(keys.node_lease(n), 0)
             self.store.compare_set(keys.node_lost(n), "", "")
-        self.rejoined = bytes(self.store.get(keys.node_lost(node))).decode(errors="replace")
+        try:
+            self.rejoined = bytes(self.store.get(keys.node_lost(node))).decode(errors="replace")
+        except ForgedValue as f:  # no mark of this job's: clear it
+            self.store.replace(keys.node_lost(node), f.raw, "")
+            self.rejoined = ""
         """The mark this node found at its start (declared lost while its agent was gone;
         no worker of this agent to fence yet), cleared; "" if none."""
         if self.rejoined:
@@ -281,8 +283,12 @@ class NodeLease:
     def _declare(self, node: int) -> None:
         counter = self.watch.counter(node)
         mark = f"{counter}@{self.node}"  # the lease value that stopped, and who saw it
+        key = self.keys.node_lost(node)
         try:
-            got = bytes(self.store.compare_set(self.keys.node_lost(node), "", mark)).decode()
+            try:
+                got = bytes(self.store.compare_set(key, "", mark)).decode()
+            except ForgedValue as f:  # a mark without the job's secret is none
+                got = bytes(self.store.replace(key, f.raw, mark)).decode()
             if got != mark:
                 return  # another agent declared it (or the node is done)
             lives = parse_lives(self.store.get(self.keys.node_lives(node)))

@@ -109,6 +109,11 @@ class WorkerEnv:
         "when every holder of the state is lost and no checkpoint exists, start again from "
         "step 0 (0 or 1; otherwise the job fails)",
     )
+    secret_file: str | None = _var(
+        "FASTFT_SECRET_FILE",
+        "path of the job secret (a file of mode 0600; the secret itself is never in the "
+        "environment)",
+    )
     lighthouse: str | None = _var(
         "FASTFT_LIGHTHOUSE",
         "torchft replicas: 'bus' when their lighthouse announces joins on the bus "

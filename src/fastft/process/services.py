@@ -19,6 +19,7 @@ from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat, dump_stacks_on_signal
 from fastft.process.sentinel import start_exit_sentinel
 from fastft.protocol import Message
+from fastft.protocol.auth import JobSecret
 
 __all__ = ["Services"]
 
@@ -46,17 +47,20 @@ class Services:
         inject: str | None,
         on_message: Callable[[Message], None],
         fire: Callable[[FaultSpec], None],
+        secret_file: str | None,
         events: EventLog | None = None,
     ) -> Services:
         """``fire``: how the owner executes a planned fault (it logs it first);
+        ``secret_file``: the job secret (required: ConfigError without);
         ``events``: an event log the owner opened already."""
+        secret = JobSecret.for_worker(secret_file)
         events = events if events is not None else EventLog(run_dir, label)
         heartbeat = Heartbeat(heartbeat_file)
         start_exit_sentinel(exit_trace_file)
         dump_stacks_on_signal()
         plan = FaultPlan.load(inject) if inject else FaultPlan(faults=())
         injector = Injector(plan, rank, life, executor=fire)
-        bus = open_bus(store, BusConfig(job=job, rank=rank, incarnation=incarnation))
+        bus = open_bus(store, BusConfig(job=job, rank=rank, incarnation=incarnation, secret=secret))
         bus.subscribe(on_message)
         bus.start()
         return cls(events, heartbeat, bus, injector)

@@ -34,7 +34,7 @@ from fastft.protocol.messages import (
     body_fields,
 )
 
-__all__ = ["encode", "decode", "MAGIC", "HEADER"]
+__all__ = ["encode", "decode", "claimed_sender", "MAGIC", "HEADER"]
 
 MAGIC = b"FT"
 HEADER = struct.Struct(">2sBBIiQqQdBH")
@@ -132,3 +132,16 @@ def _decode(data: bytes, job: str | None) -> Message:
         role=role_value,
         **body,
     )
+
+
+def claimed_sender(data: bytes) -> str:
+    """Who a frame says it is from, read from its header without trusting it (for the log
+    line of a rejected frame): ``rank R incarnation I role X``, or ``unknown``."""
+    try:
+        (magic, _, _, _, rank, inc, _, _, _, role, _) = HEADER.unpack_from(bytes(data[:64]))
+        if magic != MAGIC:
+            return "unknown"
+        name = Role(role).name.lower() if role in Role._value2member_map_ else f"role{role}"
+        return f"rank {rank} incarnation {inc} {name}"
+    except Exception:  # noqa: BLE001 - any bytes at all
+        return "unknown"

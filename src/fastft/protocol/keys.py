@@ -17,6 +17,19 @@ class JobKeys:
             raise ValueError(f"job id {job!r} must be non-empty and contain no '/'")
         self.job = job
         self.root = f"fastft/{job}"
+        self._signed = (f"{self.root}/rt/", f"{self.root}/ep/", f"{self.root}/join/")
+        self._signed_exact = (f"{self.root}/committed", f"{self.root}/finished")
+
+    def signed(self, key: str) -> bool:
+        """Whether ``key``'s value carries the job secret's tag (``fastft.bus.signed``):
+        decisions, drain marks, epochs and arrivals, joiners, the committed and finished
+        marks, node marks and lives. Counters (votes, leases) and the bus's and process
+        groups' keys do not."""
+        if key.startswith(self._signed):
+            return not key.endswith("/votes")
+        if key in self._signed_exact:
+            return True
+        return key.startswith(f"{self.root}/node/") and key.endswith(("/lost", "/lives"))
 
     # --- error bus -------------------------------------------------------------------------
     @property

@@ -15,7 +15,7 @@ import logging
 import os
 import secrets
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torch import nn
 
 import fastft.process.malloc as malloc
 from fastft.bus import connect_store
+from fastft.bus.signed import SignedStore
 from fastft.fsm import GradsReady, Phase, Shutdown, StepState
 from fastft.interrupt import Interrupter, StepInterrupted
 from fastft.interrupt import allreduce as interruptible_allreduce
@@ -32,6 +33,7 @@ from fastft.process.heartbeat import Heartbeat
 from fastft.process.order import await_order, ran_ahead
 from fastft.process.services import Services
 from fastft.protocol import JobKeys
+from fastft.protocol.auth import JobSecret, ValueAuth
 from fastft.runtime.contract import JobFinished, Member, RuntimeConfig
 from fastft.runtime.coordinator import Coordinator, SideClient
 from fastft.runtime.data import Batches
@@ -118,8 +120,10 @@ class Runtime:
         self.keys = JobKeys(config.job)
         self.events = EventLog(config.run_dir, f"rank {self.rank}")
         self.registry = StateRegistry()
+        secret = JobSecret.for_worker(config.secret_file)
         store = store if store is not None else connect_store(config.store)
-        decisions = cast(Any, store).clone()
+        control = SignedStore(store, self.keys, ValueAuth(secret))
+        decisions = control.clone()
         decisions.set_timeout(datetime.timedelta(seconds=_DECISION_WAIT_S))
         self.interrupter = Interrupter().install()
         self.interrupter.end_step()
@@ -137,7 +141,7 @@ class Runtime:
             config,
             self.me,
             Coordinator(
-                store,
+                control,
                 self.keys,
                 self.rank,
                 self.incarnation,
@@ -147,7 +151,7 @@ class Runtime:
                 decision_store=decisions,
                 recovery=recovery,
             ),
-            SideClient(cast(Any, store).clone(), self.keys),
+            SideClient(control.clone(), self.keys),
             self.registry,
             self.interrupter,
             self.events,
@@ -165,7 +169,7 @@ class Runtime:
         self.interrupter.shield(
             Runtime._enter, Runtime._exit, Executor.drive, Executor._run_main_action, Runtime.close
         )
-        self._store = store
+        self._store = control
         self._retries = 0
         self._registered = False
         self._step_gen = 0
@@ -182,6 +186,7 @@ class Runtime:
             inject=config.inject,
             on_message=x.faults.on_message,
             fire=x.faults.inject,
+            secret_file=config.secret_file,
             events=self.events,
         )
         x.attach(sv)

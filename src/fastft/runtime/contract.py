@@ -48,7 +48,9 @@ class RuntimeConfig:
     ``checkpoint_keep``: the durable tier (:mod:`fastft.runtime.durable`); with a directory
     and no schedule, every ``CHECKPOINT_INTERVAL_S``; ``allow_fresh_start``: when every
     holder of the committed state is lost and no checkpoint exists, start again from step
-    0 instead of failing the job.
+    0 instead of failing the job. ``secret_file``: the job secret every process of the job
+    shares (``fastft run`` hands it to its workers): it authenticates control messages and
+    decisions (:mod:`fastft.protocol.auth`); required.
     """
 
     store: str
@@ -75,6 +77,7 @@ class RuntimeConfig:
     checkpoint_interval_s: float = 0.0
     checkpoint_keep: int = 2
     allow_fresh_start: bool = False
+    secret_file: str | None = None
 
     def __post_init__(self) -> None:
         if ":" not in self.store:
@@ -125,7 +128,7 @@ class RuntimeConfig:
             "incarnation": we.incarnation,
             "min_replicas": we.min_replicas,
         }
-        for name in ("store", "job", "rank", "world_size", "run_dir", "inject"):
+        for name in ("store", "job", "rank", "world_size", "run_dir", "inject", "secret_file"):
             kw[name] = getattr(we, name)
         for name, default in (
             ("life", 0),

@@ -24,9 +24,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Set
+from typing import Any
 
 import torch.distributed as dist
 
+from fastft.bus.signed import ForgedValue
+from fastft.errors import ControlPlaneError
 from fastft.protocol.keys import JobKeys
 from fastft.runtime.contract import EpochView, JobFinished, Member
 from fastft.runtime.formation import Arrival, Recovery, close_after, close_first, holds_state
@@ -44,15 +47,35 @@ JOIN_FLAG = 1 << 20
 _POLL_S = 0.002
 _FINISHED_CHECK_AFTER_S = 0.2
 """A formation waiting longer than this also checks whether the job already finished."""
+_REPLACE_FORGED = 8
+"""Forged values one compare-and-set replaces before it gives up (ControlPlaneError)."""
+
+
+def _decide(store: Any, key: str, desired: str) -> str:
+    """Compare-and-set ``desired`` into an empty ``key``; the value that holds. A value
+    without the job secret's tag that got there first is no decision: it is replaced
+    (a signed store raises ForgedValue for it; docs/security.md)."""
+    try:
+        return bytes(store.compare_set(key, "", desired)).decode(errors="replace")
+    except ForgedValue as f:
+        forged = f.raw
+    for _ in range(_REPLACE_FORGED):
+        try:
+            return bytes(store.replace(key, forged, desired)).decode(errors="replace")
+        except ForgedValue as f:
+            forged = f.raw
+    raise ControlPlaneError(f"store key {key} is rewritten without the job secret, again and again")
 
 
 class Coordinator:
     """Decisions and formations for one worker, over its own store client (the main
-    thread's; the listener thread proposes rollbacks through a second client)."""
+    thread's; the listener thread proposes rollbacks through a second client). The
+    clients are a :class:`~fastft.bus.signed.SignedStore` in a job (values signed with the
+    job secret), or plain store clients in tests."""
 
     def __init__(
         self,
-        store: dist.Store,
+        store: Any,
         keys: JobKeys,
         rank: int,
         incarnation: int,
@@ -62,7 +85,7 @@ class Coordinator:
         dead: Set[Member] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
-        decision_store: dist.Store | None = None,
+        decision_store: Any = None,
         recovery: Callable[[], Recovery] = Recovery,
     ) -> None:
         self.store = store
@@ -107,10 +130,18 @@ class Coordinator:
             self.store.set(self.keys.leaving(epoch, step, self.me.rank), "1")
         inc = 1 + (JOIN_FLAG if joining else 0)
         got = int(self.store.add(self.keys.votes(epoch, step), inc))
+        if got % JOIN_FLAG > n_members or got >= 2 * JOIN_FLAG * n_members:
+            log.error(
+                "the vote counter of epoch %d step %d reads %d with %d members: something "
+                "that is not part of this job adds to it (docs/security.md)",
+                epoch,
+                step,
+                got,
+                n_members,
+            )
         if got % JOIN_FLAG == n_members:
             decision = COMMIT + (ADMIT if got >= JOIN_FLAG else "")
-            cas = self.store.compare_set(self.keys.decision(epoch, step), "", decision)
-            return bytes(cas).decode(errors="replace")
+            return _decide(self.store, self.keys.decision(epoch, step), decision)
         return None
 
     @staticmethod
@@ -118,8 +149,7 @@ class Coordinator:
         store: dist.Store, keys: JobKeys, epoch: int, step: int, reason: str
     ) -> str:
         """CAS ROLLBACK as the decision; returns the decision that holds."""
-        got = store.compare_set(keys.decision(epoch, step), "", ROLLBACK + reason[:200])
-        return bytes(got).decode(errors="replace")
+        return _decide(store, keys.decision(epoch, step), ROLLBACK + reason[:200])
 
     def await_decision(self, epoch: int, step: int) -> str | None:
         """The decision of (epoch, step), or None if it was not made within the decision
@@ -127,6 +157,9 @@ class Coordinator:
         try:
             got = self.decision_store.get(self.keys.decision(epoch, step))
         except dist.DistStoreError:
+            return None
+        except ForgedValue:  # no decision: wait for the one a member puts in its place
+            self.sleep(_POLL_S)
             return None
         return bytes(got).decode(errors="replace")
 
@@ -137,29 +170,38 @@ class Coordinator:
             store.delete_key(key)
 
     # --- epochs ----------------------------------------------------------------------------
+    def _value(self, key: str) -> bytes | None:
+        """The value of ``key``; None when it is absent or forged (the signed store logs a
+        forged one)."""
+        if not self.store.check([key]):
+            return None
+        try:
+            return bytes(self.store.get(key))
+        except ForgedValue:
+            return None
+
     def latest_epoch(self) -> int:
-        k = self.keys.latest_epoch
-        return int(self.store.get(k)) if self.store.check([k]) else 0
+        got = self._value(self.keys.latest_epoch)
+        return int(got) if got else 0
 
     def closed(self, epoch: int) -> EpochView | None:
-        k = self.keys.epoch_members(epoch)
-        if not self.store.check([k]):
-            return None
-        return EpochView.from_json(self.store.get(k))
+        got = self._value(self.keys.epoch_members(epoch))
+        return EpochView.from_json(got) if got else None
 
     def committed_step(self, latest: int) -> int:
         """A lower bound of the committed step: the last closed epoch's, or the one the
         key collector recorded since."""
         prev = self.closed(latest) if latest else None
         got = [prev.step] if prev is not None else [0]
-        if self.store.check([self.keys.committed]):
-            got.append(int(self.store.get(self.keys.committed)))
+        committed = self._value(self.keys.committed)
+        if committed:
+            got.append(int(committed))
         return max(got)
 
     def finished_at(self) -> int | None:
         """The step at which a member closed after finishing the job, if one did."""
-        k = self.keys.finished
-        return int(self.store.get(k)) if self.store.check([k]) else None
+        got = self._value(self.keys.finished)
+        return int(got) if got else None
 
     def register_joiner(self) -> None:
         self.store.set(self.keys.joiner(self.me.rank), str(self.me.incarnation))
@@ -187,7 +229,7 @@ class Coordinator:
     def _close(self, view: EpochView, admitted: dict[int, int]) -> EpochView:
         """Close ``view.epoch`` with ``view`` unless another view closed it first; the
         closer clears the joiner keys of the joiners it ``admitted`` (rank -> incarnation)."""
-        got = self.store.compare_set(self.keys.epoch_members(view.epoch), "", view.to_json())
+        got = _decide(self.store, self.keys.epoch_members(view.epoch), view.to_json())
         agreed = EpochView.from_json(got)
         if agreed == view:
             self.store.set(self.keys.latest_epoch, str(view.epoch))
@@ -251,9 +293,9 @@ class Coordinator:
         epoch = prev.epoch + 1
         arrived: dict[int, Arrival] = {}
         for m in prev.members:
-            k = self.keys.epoch_arrival(epoch, m.rank)
-            if self.store.check([k]):
-                a = Arrival.from_json(self.store.get(k))
+            got = self._value(self.keys.epoch_arrival(epoch, m.rank))
+            if got:
+                a = Arrival.from_json(got)
                 if Member(m.rank, a.incarnation) not in self.dead:
                     arrived[m.rank] = a  # (one that died after arriving is not waited for)
         timed_out = self.clock() >= deadline
@@ -339,7 +381,7 @@ class SideClient:
     mark) and of the key collector, shared under a lock: a store client serialises its
     requests, and the main thread's may be blocked waiting for a decision."""
 
-    def __init__(self, store: dist.Store, keys: JobKeys) -> None:
+    def __init__(self, store: Any, keys: JobKeys) -> None:
         self.store = store
         self.keys = keys
         self.lock = threading.Lock()
@@ -352,7 +394,10 @@ class SideClient:
         """Whether a member marked the job finished (it closed after a committed step)."""
         try:
             with self.lock:
-                return bool(self.store.check([self.keys.finished]))
+                if not self.store.check([self.keys.finished]):
+                    return False
+                self.store.get(self.keys.finished)  # a forged mark raises ForgedValue
+                return True
         except Exception:  # noqa: BLE001 - then a clean exit counts as a fault, as before
             log.debug("could not read the job's finished mark", exc_info=True)
             return False

@@ -18,10 +18,11 @@ the rest (every holder lost at once, or the whole job stopped): ``fastft run
 * **Restore.** :meth:`Checkpoints.latest` verifies the manifest of the newest checkpoint
   and falls back to the one before it, with an error in the log, if a file is missing,
   truncated or altered; it first waits (up to 30 s) for a newer one that a writer whose
-  worker died is still completing. A checkpoint directory is trusted like any torch
-  checkpoint: the structure is a pickle.
+  worker died is still completing. The structure is JSON (``fastft.runtime.tree``),
+  which cannot run code when read; DCP's own ``.metadata`` is a pickle torch reads, so
+  the directory must be as private as the job's other files.
 
-Layout: ``DIR/step-00000040/{.metadata, *.distcp, structure.pkl, fastft.json}``; a write
+Layout: ``DIR/step-00000040/{.metadata, *.distcp, structure.json, fastft.json}``; a write
 in progress is ``DIR/.tmp-step-00000040-<host>-<writer pid>`` (never read; removed by the
 next writer on that host once that process is gone, by any after a day).
 """
@@ -29,7 +30,6 @@ next writer on that host once that process is gone, by any after a day).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -45,9 +45,10 @@ from typing import Any
 
 import torch
 
+import fastft.runtime.tree as tree  # the heal's: the structure as JSON, tensors apart
 from fastft.process.events import EventLog
 from fastft.process.teardown import join_at_exit
-from fastft.runtime.state import _clone, _RefPickler, _RefUnpickler  # the heal's: tensors apart
+from fastft.runtime.state import _clone
 from fastft.runtime.writer import SharedBuffer, WriterProcess, layout, process_alive, views
 
 warnings.filterwarnings(  # no_dist=True says so already
@@ -59,8 +60,9 @@ __all__ = ["CheckpointError", "Checkpoints", "Saved", "due"]
 log = logging.getLogger(__name__)
 
 MANIFEST = "fastft.json"
-STRUCTURE = "structure.pkl"
-FORMAT = 1
+STRUCTURE = "structure.json"
+FORMAT = 2
+"""2: the structure is JSON (:mod:`fastft.runtime.tree`); 1 was a pickle."""
 JOIN_AT_CLOSE_S = 120.0
 """How long a worker that ends cleanly waits for its last checkpoint to be written."""
 WAIT_FOR_WRITER_S = 30.0
@@ -160,8 +162,7 @@ class Checkpoints:
         if self._writer is None:
             return None
         tensors: list[torch.Tensor] = []
-        buf = io.BytesIO()
-        _RefPickler(buf, tensors).dump(state)
+        structure = tree.dump(state, tensors)
         entries, nbytes = layout(tensors)
         try:
             b = self._buf
@@ -182,7 +183,7 @@ class Checkpoints:
             for t, v in zip(tensors, views(b.flat, entries), strict=True):
                 v.copy_(t.detach().to("cpu"))
         job = {"step": step, "epoch": epoch, "root": str(self.root)}
-        return {**job, "structure": buf.getvalue(), "entries": entries}
+        return {**job, "structure": structure, "entries": entries}
 
     def wait(self, timeout_s: float = JOIN_AT_CLOSE_S) -> None:
         """Wait for the write in progress."""
@@ -316,8 +317,10 @@ class Checkpoints:
         }
         dcp.load(tensors, checkpoint_id=path, no_dist=True)
         by_index = {int(k[1:]): v for k, v in tensors.items()}
-        with open(path / STRUCTURE, "rb") as f:
-            state = _RefUnpickler(f, by_index).load()
+        try:
+            state = tree.load((path / STRUCTURE).read_bytes(), by_index)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {STRUCTURE}: {e}") from None
         if int(state["step"]) != int(manifest["step"]):
             raise CheckpointError(f"{path}: holds step {state['step']}, not {manifest['step']}")
         return state
@@ -360,10 +363,9 @@ def write_checkpoint(
     for f in tmp.iterdir():
         shutil.rmtree(f) if f.is_dir() else f.unlink()
     tensors: list[torch.Tensor] = []
-    buf = io.BytesIO()
-    _RefPickler(buf, tensors).dump(state)
+    structure = tree.dump(state, tensors)
     dcp.save({f"t{i}": t for i, t in enumerate(tensors)}, checkpoint_id=tmp, no_dist=True)
-    (tmp / STRUCTURE).write_bytes(buf.getvalue())
+    (tmp / STRUCTURE).write_bytes(structure)
     files: dict[str, tuple[int, str]] = {}
     for f in sorted(tmp.iterdir()):
         files[f.name] = (f.stat().st_size, _sha256(f))

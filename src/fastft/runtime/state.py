@@ -16,15 +16,16 @@ needs no transfer.
 from __future__ import annotations
 
 import hashlib
-import io
+import json
 import math
-import pickle
 import random
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+import fastft.runtime.tree as tree
 
 __all__ = ["Stateful", "StateRegistry", "reseed"]
 
@@ -209,25 +210,24 @@ class StateRegistry:
         of at least ``_DIRECT_BYTES`` (contiguous, not 0-dim) is sent as a byte view of its
         own storage, without a copy, so the sender holds no second copy of a large state;
         the smaller ones are copied into one buffer per device (aligned for their dtype),
-        so a state of many small tensors still costs one collective. The header pickles
-        the state with every tensor replaced by a reference, and says where each tensor
-        lies on the wires, which the receivers allocate from (:meth:`allocate`).
+        so a state of many small tensors still costs one collective. The header is JSON:
+        the state's structure with every tensor replaced by a reference
+        (:mod:`fastft.runtime.tree`; nothing in it can run code where it is read), and
+        where each tensor lies on the wires, which the receivers allocate from (:meth:`allocate`).
 
         ``defer``: the optimizer's large tensors go last, from wire :meth:`tail` on, so
         that a heal can load the rest first (``part="head"``) and let them follow while
         the step runs (``part="tail"``): a step needs the optimizer state only when it
         commits. Its small tensors stay in the buffers in front."""
         st = self.state(step)
-        sections: dict[str, bytes] = {}
+        sections: dict[str, str] = {}
         entries: list[tuple[str, int, str, tuple[int, ...], int, int]] = []
         small: dict[str, list[tuple[torch.Tensor, int, int]]] = {}  # dev -> (t, entry, off)
         sizes: dict[str, int] = {}
         direct: list[tuple[torch.Tensor, int]] = []  # (byte view, entry)
         for name, obj in st.items():
             tensors: list[torch.Tensor] = []
-            buf = io.BytesIO()
-            _RefPickler(buf, tensors).dump(obj)
-            sections[name] = buf.getvalue()
+            sections[name] = tree.dump(obj, tensors, name).decode()
             for i, t in enumerate(tensors):
                 dtype = str(t.dtype).removeprefix("torch.")
                 entries.append((name, i, dtype, tuple(t.shape), -1, 0))
@@ -256,21 +256,21 @@ class StateRegistry:
             wires.append(view)
             buffers.append((view.device.type, view.numel()))
         meta = {"sections": sections, "entries": entries, "buffers": buffers, "tail": tail}
-        return pickle.dumps(meta), wires
+        return json.dumps(meta, separators=(",", ":")).encode(), wires
 
     @staticmethod
     def tail(header: bytes) -> int:
         """The first wire that only the deferred optimizer state uses (:meth:`pack`); the
         number of wires when nothing was deferred."""
-        meta = pickle.loads(header)
-        return int(meta.get("tail", len(meta["buffers"])))
+        meta = _header(header)
+        return int(meta["tail"])
 
     @staticmethod
     def allocate(header: bytes, cuda: torch.device | None = None) -> list[torch.Tensor]:
         """Empty flat byte tensors to receive the wires :meth:`pack` sent with ``header``;
         the sender's GPU tensors land on ``cuda`` (default: the current device)."""
         out = []
-        for dev, size in pickle.loads(header)["buffers"]:
+        for dev, size in _header(header)["buffers"]:
             device = (
                 (cuda or torch.device("cuda", torch.cuda.current_device()))
                 if dev == "cuda"
@@ -285,14 +285,14 @@ class StateRegistry:
         ``"tail"`` the optimizer state alone."""
         if part not in ("all", "head", "tail"):
             raise ValueError(f"part must be 'all', 'head' or 'tail', not {part!r}")
-        meta = pickle.loads(header)
+        meta = _header(header)
         if len(wires) != len(meta["buffers"]):
             raise ValueError(f"heal: {len(wires)} wires for {len(meta['buffers'])} buffers")
         tensors: dict[str, dict[int, torch.Tensor]] = {}
         for name, i, dtype, shape, wire, off in meta["entries"]:
-            tensors.setdefault(name, {})[i] = _view(wires[wire], off, getattr(torch, dtype), shape)
+            tensors.setdefault(name, {})[i] = _entry(wires, wire, off, dtype, shape)
         st = {
-            name: _RefUnpickler(io.BytesIO(blob), tensors.get(name, {})).load()
+            name: tree.load(blob.encode(), tensors.get(name, {}))
             for name, blob in meta["sections"].items()
             if part == "all" or name == "step" or (name == _DEFERRED) == (part == "tail")
         }
@@ -343,27 +343,48 @@ def _view(flat: torch.Tensor, off: int, dtype: torch.dtype, shape: tuple[int, ..
     return flat[off : off + n].view(dtype).view(shape)
 
 
-class _RefPickler(pickle.Pickler):
-    """Pickles everything but tensors, which it appends to ``tensors`` and references."""
+def _header(header: bytes) -> dict[str, Any]:
+    """A heal's header, checked: JSON with the fields :meth:`StateRegistry.pack` writes
+    (a peer's header is never unpickled: it could run code)."""
+    try:
+        meta = json.loads(header)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"heal: the header is not JSON ({e})") from None
+    if not isinstance(meta, dict) or set(meta) != {"sections", "entries", "buffers", "tail"}:
+        raise ValueError("heal: the header does not have the fields of a heal's header")
+    ok = (
+        isinstance(meta["sections"], dict)
+        and all(isinstance(v, str) for v in meta["sections"].values())
+        and isinstance(meta["entries"], list)
+        and all(isinstance(e, list) and len(e) == 6 for e in meta["entries"])
+        and isinstance(meta["buffers"], list)
+        and all(
+            isinstance(b, list) and len(b) == 2 and b[0] in ("cpu", "cuda") and _nat(b[1])
+            for b in meta["buffers"]
+        )
+        and _nat(meta["tail"])
+    )
+    if not ok:
+        raise ValueError("heal: a malformed header")
+    return meta
 
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._tensors = tensors
 
-    def persistent_id(self, obj: Any) -> int | None:
-        if isinstance(obj, torch.Tensor):
-            self._tensors.append(obj)
-            return len(self._tensors) - 1
-        return None
+def _nat(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-class _RefUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any, tensors: dict[int, torch.Tensor]) -> None:
-        super().__init__(file)
-        self._tensors = tensors
-
-    def persistent_load(self, pid: Any) -> torch.Tensor:
-        return self._tensors[int(pid)]
+def _entry(wires: list[torch.Tensor], wire: Any, off: Any, dtype: Any, shape: Any) -> torch.Tensor:
+    """The tensor a header entry places on the wires, checked against them."""
+    dt = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"heal: {dtype!r} is not a torch dtype")
+    if not (_nat(wire) and wire < len(wires) and _nat(off) and isinstance(shape, list)):
+        raise ValueError("heal: a malformed header entry")
+    if not all(_nat(n) for n in shape):
+        raise ValueError("heal: a malformed tensor shape")
+    if off + math.prod(shape) * dt.itemsize > wires[wire].numel():
+        raise ValueError("heal: a header entry lies outside its wire")
+    return _view(wires[wire], off, dt, tuple(shape))
 
 
 def _bytes(t: torch.Tensor) -> bytes:

@@ -22,7 +22,6 @@ processes of the same job: trusted like the checkpoint directory itself).
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import pickle
@@ -217,13 +216,13 @@ class WriterProcess:
 
 def main() -> int:
     """The writer: answer each job on stdin, until it closes. A job: ``step``, ``epoch``,
-    ``root``, ``structure`` (the state pickled with its tensors as references),
+    ``root``, ``structure`` (the state's JSON structure, its tensors as references),
     ``entries`` (their layout in the buffer), and ``map`` (path, size) when the buffer is
     new."""
     import torch.distributed.checkpoint  # noqa: F401 - imported before the priority drops
 
+    import fastft.runtime.tree as tree
     from fastft.runtime.durable import write_checkpoint
-    from fastft.runtime.state import _RefUnpickler
 
     try:
         os.setpriority(os.PRIO_PROCESS, 0, WRITER_NICE)
@@ -254,7 +253,7 @@ def main() -> int:
                     pass
             assert flat is not None, "no buffer mapped"
             tensors = dict(enumerate(views(flat, job["entries"])))
-            state = _RefUnpickler(io.BytesIO(job["structure"]), tensors).load()
+            state = tree.load(job["structure"], tensors)
             path_out, size = write_checkpoint(job["root"], job["step"], job["epoch"], state)
             answer = {"ok": True, "path": str(path_out), "size": size}
         except Exception as e:  # noqa: BLE001 - reported, never a training fault

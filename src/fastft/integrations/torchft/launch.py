@@ -32,6 +32,8 @@ def start_lighthouse(
     heartbeat_ms: int,
     join_ms: int,
     run_dir: str,
+    secret_file: str,
+    loopback: bool,
     wait_s: float,
     preexec: Callable[[], None],
 ) -> tuple[Any, str]:
@@ -39,7 +41,7 @@ def start_lighthouse(
     key = lighthouse_key(job)
     if node_rank != 0:
         return None, store.get(key).decode()
-    local = store_addr.startswith("127.0.0.1:")
+    local = loopback or store_addr.startswith("127.0.0.1:")
     host = "127.0.0.1" if local else "0.0.0.0"
     adv = "127.0.0.1" if local else socket.gethostname()
     lighthouse: Any
@@ -71,6 +73,7 @@ def start_lighthouse(
             # the first quorum waits for every replica started (slow imports vary)
             f"--first-quorum={world_size}",
             f"--run-dir={run_dir}",
+            f"--secret-file={secret_file}",
         ],
         preexec_fn=preexec,
     )

@@ -329,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     from fastft.bus import BusConfig, connect_store, open_bus
     from fastft.process.events import EventLog
     from fastft.protocol import NO_RANK, Role
+    from fastft.protocol.auth import JobSecret
 
     ap = argparse.ArgumentParser(prog="fastft-lighthouse")
     ap.add_argument("--store", required=True)
@@ -340,13 +341,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--join-ms", type=int, default=60000)
     ap.add_argument("--first-quorum", type=int, default=0)
     ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--secret-file", required=True, help="the job secret (mode 0600)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s lighthouse %(message)s")
     events = EventLog(a.run_dir, "lighthouse")
     store = connect_store(a.store, wait_s=30)
     bus = open_bus(
         store,
-        BusConfig(job=a.job, rank=NO_RANK, incarnation=secrets.randbits(62) | 1, role=Role.MONITOR),
+        BusConfig(
+            job=a.job,
+            rank=NO_RANK,
+            incarnation=secrets.randbits(62) | 1,
+            role=Role.MONITOR,
+            secret=JobSecret.load(a.secret_file),
+        ),
     )
 
     def announce(replica_id: str) -> None:

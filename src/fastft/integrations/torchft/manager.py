@@ -152,6 +152,7 @@ class ManagerFFT(OnTheBus, Manager):
             inject=bus.inject,
             on_message=self._on_message,
             fire=self._inject,
+            secret_file=bus.secret_file,
             events=EventLog(bus.run_dir, label) if bus.run_dir else None,
         )
         self.events = sv.events if bus.run_dir else None

@@ -84,6 +84,7 @@ def connect(
     run_dir: str | None = None,
     announces_joins: bool = False,
     env: Mapping[str, str] | None = None,
+    secret_file: str | None = None,
 ) -> WorkerEnv:
     """The error bus for a ``ManagerFFT`` started by any launcher (torchrun, torchx, SLURM):
     ``ManagerFFT(pg, ..., bus=connect("host:port", "my-job"))``.
@@ -97,7 +98,9 @@ def connect(
     (fastft's BusLighthouse), which turns quorum leases on by default. Every process life
     draws its own incarnation. Without ``fastft run``'s agent nobody reports a process that
     dies or hangs: the bus carries the replicas' own errors (``report_error``, an uncaught
-    exception), and torchft's timeouts handle the rest."""
+    exception), and torchft's timeouts handle the rest. ``secret_file``: the job secret
+    every replica shares (default: ``FASTFT_SECRET_FILE``; ``fastft secret new PATH``
+    writes one); the bus authenticates every message with it."""
     env = os.environ if env is None else env
     host, _, port = store.rpartition(":")
     if not host or not port.isdigit():
@@ -120,4 +123,5 @@ def connect(
         world_size=replicas,
         run_dir=run_dir,
         lighthouse="bus" if announces_joins else None,
+        secret_file=secret_file or env.get("FASTFT_SECRET_FILE") or None,
     )
