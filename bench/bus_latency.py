@@ -26,14 +26,17 @@ JOB = "bench-bus"
 SUBSCRIBER = r"""
 import json, sys, threading, time
 from fastft.bus import BusConfig, connect_store, open_bus
+from fastft.protocol.auth import JobSecret
 address = sys.argv[1]
 count, first_rank, messages = map(int, sys.argv[2:5])
+secret = JobSecret.load(sys.argv[5]) if sys.argv[5] != "-" else None
 store = connect_store(address)
 lat = {}
 eps = []
 done = threading.Semaphore(0)
 for i in range(count):
-    ep = open_bus(store.clone(), BusConfig(job="bench-bus", rank=first_rank + i, incarnation=1))
+    cfg = BusConfig(job="bench-bus", rank=first_rank + i, incarnation=1, secret=secret)
+    ep = open_bus(store.clone(), cfg)
     got = []
     def cb(m, got=got):
         now = time.monotonic_ns()
@@ -52,9 +55,15 @@ for ep, _ in eps:
 """
 
 
-def run(backend: str, n: int, messages: int, gap_s: float, nats: str) -> dict[str, object]:
+def run(
+    backend: str, n: int, messages: int, gap_s: float, nats: str, secret_file: str | None = None
+) -> dict[str, object]:
+    """``secret_file``: every frame sealed and checked with that job secret."""
     from fastft.bus import BusConfig, connect_store, host_store, open_bus
     from fastft.protocol import Heartbeat
+    from fastft.protocol.auth import JobSecret
+
+    secret = JobSecret.load(secret_file) if secret_file else None
 
     if backend == "nats":
         store = connect_store(nats)
@@ -78,6 +87,7 @@ def run(backend: str, n: int, messages: int, gap_s: float, nats: str) -> dict[st
                     str(count),
                     str(first),
                     str(messages),
+                    secret_file or "-",
                 ],
                 stdout=subprocess.PIPE,
                 text=True,
@@ -91,7 +101,8 @@ def run(backend: str, n: int, messages: int, gap_s: float, nats: str) -> dict[st
             if time.monotonic() > deadline:
                 raise TimeoutError("subscribers did not start")
             time.sleep(0.05)
-        pub = open_bus(store, BusConfig(job=JOB, rank=999, incarnation=1, subscribe=False)).start()
+        cfg = BusConfig(job=JOB, rank=999, incarnation=1, subscribe=False, secret=secret)
+        pub = open_bus(store, cfg).start()
         for _ in range(messages):
             pub.broadcast(
                 Heartbeat(job=JOB, epoch=1, rank=999, incarnation=1, step=time.monotonic_ns())
@@ -112,6 +123,7 @@ def run(backend: str, n: int, messages: int, gap_s: float, nats: str) -> dict[st
     assert len(per_msg) == messages, f"{len(per_msg)} of {messages} messages reached all"
     return {
         "backend": backend,
+        "tags": secret is not None,
         "subscribers": n,
         "processes": procs_n,
         **summary_ms(list(per_msg.values())),

@@ -34,6 +34,7 @@ from _common import pct, table, write  # noqa: E402
 from recovery import SIZES, _free_port, _step_times, n_params, run_fastft  # noqa: E402
 
 from fastft.bus.natscluster import LocalCluster  # noqa: E402
+from fastft.protocol.auth import JobSecret  # noqa: E402
 from fastft.runtime import read_events  # noqa: E402
 
 LOSS_STEP = 8
@@ -45,6 +46,8 @@ def loss_trial(run: Path, control: str | None, lost: int) -> dict[str, float]:
     plane = ["--control", control] if control else ["--store", f"127.0.0.1:{_free_port()}"]
     agents = []
     run.mkdir(parents=True)
+    secret = JobSecret.draw().save(run / "job.secret")  # one for every node
+    plane += ["--job-secret-file", str(secret)]
     for node in range(3):
         cmd = [
             *(sys.executable, "-m", "fastft.cli", "run", "--nproc", "1", "--nnodes", "3"),

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from fastft.bus.natscluster import free_port
+from fastft.protocol.auth import JobSecret
 from fastft.runtime import read_events
 
 LEASE = ("--node-lease-misses", "5")
@@ -41,9 +42,11 @@ class Nodes:
         self.procs: dict[int, list[subprocess.Popen[bytes]]] = {}
         self.killed: set[int] = set()
         run.mkdir(parents=True, exist_ok=True)
+        self.secret = run / "job.secret"  # one file every node's agent reads
+        JobSecret.draw().save(self.secret)
         self.cmd = [
             *(sys.executable, "-m", "fastft.cli", "run", "--nproc", str(nproc)),
-            *("--nnodes", str(nnodes), *plane),
+            *("--nnodes", str(nnodes), *plane, "--job-secret-file", str(self.secret)),
             *("--job", run.name, "--run-dir", str(run), "--check-every", "1", *LEASE, *flags),
             *("-m", "fastft.demo.train", "--", "--steps", str(steps)),
             *("--out", str(run / "out"), *train),

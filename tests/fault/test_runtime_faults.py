@@ -21,6 +21,7 @@ import pytest
 from _runs import STEPS, check_s1_s3, fastft_run, finals
 
 from fastft.launch.policy import COLD_RESTART_DELAY_S, SPARE_REFILL_MAX_S
+from fastft.protocol.auth import JobSecret
 from fastft.report import shards_by_step, untiled_steps
 from fastft.runtime import read_events
 
@@ -380,6 +381,7 @@ def test_two_agents_form_one_job(tmp_path, clean):
     run = tmp_path / "multi"
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"faults": [{"kind": "sigkill", "rank": 3, "at_step": 7}]}))
+    secret = JobSecret.draw().save(tmp_path / "job.secret")  # the same on both nodes
     procs = []
     for node in (0, 1):
         cmd = [
@@ -395,6 +397,8 @@ def test_two_agents_form_one_job(tmp_path, clean):
             str(node),
             "--store",
             f"127.0.0.1:{port}",
+            "--job-secret-file",
+            str(secret),
             "--job",
             "multi",
             "--run-dir",
@@ -445,6 +449,8 @@ def test_two_agents_form_one_job(tmp_path, clean):
         (["--nproc", "3", "--min-replicas", "4"], "--min-replicas 4"),
         (["--nproc", "2", "--warm-spares", "3"], "--warm-spares 3"),
         (["--nproc", "2", "--nnodes", "2"], "needs --store"),
+        (["--nproc", "2", "--nnodes", "2", "--store", "127.0.0.1:1"], "--job-secret-file"),
+        (["--nproc", "1", "--job-secret-file", "/nonexistent/s"], "fastft secret new"),
         (["--nproc", "2", "--spare-run-ahead"], "--spare-run-ahead needs warm spares"),
         (["--nproc", "2", "--inject", "/nonexistent/plan.json"], "plan"),
     ],

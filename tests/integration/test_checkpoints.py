@@ -88,7 +88,7 @@ def test_a_truncated_or_altered_checkpoint_is_passed_over_with_an_error(tmp_path
         _save(c, r, step)
     data = next(p for p in (tmp_path / "step-00000030").iterdir() if p.suffix == ".distcp")
     data.write_bytes(data.read_bytes()[:-7])  # truncated
-    blob = tmp_path / "step-00000020" / "structure.pkl"
+    blob = tmp_path / "step-00000020" / "structure.json"
     raw = bytearray(blob.read_bytes())
     raw[-2] ^= 0xFF  # same size, altered
     blob.write_bytes(bytes(raw))

@@ -16,6 +16,12 @@ import pytest
 from fastft.bus import BusConfig, tcpstore_bus
 from fastft.inject import FaultKind
 from fastft.protocol import Fault, Heartbeat, Inject, Severity
+from fastft.protocol.auth import JobSecret
+
+
+@pytest.fixture(scope="module")
+def secret(tmp_path_factory) -> str:
+    return str(JobSecret.draw().save(tmp_path_factory.mktemp("sec") / "job.secret"))
 
 
 def fastft(*args, env=None, timeout=60):
@@ -51,9 +57,10 @@ def free_port():
         ["run", "--nproc", "2", "-m", "fastft.demo.no_such_module"],
     ],
 )
-def test_bad_flags_and_unreachable_stores_give_one_line_and_exit_2(args):
+def test_bad_flags_and_unreachable_stores_give_one_line_and_exit_2(args, secret):
     port = str(free_port())
-    r = fastft(*[a.replace("PORT", port) for a in args], env={"FASTFT_STORE": ""})
+    env = {"FASTFT_STORE": "", "FASTFT_SECRET_FILE": secret}
+    r = fastft(*[a.replace("PORT", port) for a in args], env=env)
     assert r.returncode == 2, r
     lines = [
         ln
@@ -64,11 +71,25 @@ def test_bad_flags_and_unreachable_stores_give_one_line_and_exit_2(args):
     assert lines[0].startswith("fastft") and "error" in lines[0]
 
 
-def test_inject_and_report_error_reach_a_subscriber(store):
-    with tcpstore_bus(store, BusConfig(job="cli", rank=0, incarnation=1)) as sub:
+@pytest.mark.parametrize("cmd", [["inject", "--rank", "0", "--kind", "sigkill"],
+                                 ["report-error", "--rank", "0", "--cause", "x"],
+                                 ["bus", "tail", "--count", "1"]])  # fmt: skip
+def test_the_operator_commands_need_the_job_secret(store, cmd):
+    r = fastft(*cmd, "--store", f"127.0.0.1:{store.port}", "--job", "cli",
+               env={"FASTFT_SECRET_FILE": ""})  # fmt: skip
+    assert r.returncode == 2, r
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--job-secret-file" in lines[0], r.stderr
+
+
+def test_inject_and_report_error_reach_a_subscriber(store, secret):
+    cfg = BusConfig(job="cli", rank=0, incarnation=1, secret=JobSecret.load(secret))
+    with tcpstore_bus(store, cfg) as sub:
         addr = f"127.0.0.1:{store.port}"
         r = fastft(
             "inject",
+            "--job-secret-file",
+            secret,
             "--store",
             addr,
             "--job",
@@ -92,7 +113,7 @@ def test_inject_and_report_error_reach_a_subscriber(store):
             "Xid 79: GPU fell off the bus",
             "--severity",
             "fault1",
-            env={"FASTFT_STORE": addr, "FASTFT_JOB": "cli"},
+            env={"FASTFT_STORE": addr, "FASTFT_JOB": "cli", "FASTFT_SECRET_FILE": secret},
         )
         assert r.returncode == 0, r.stderr
         m = sub.recv(10)
@@ -100,7 +121,7 @@ def test_inject_and_report_error_reach_a_subscriber(store):
         assert m.cause.startswith("Xid 79")
 
 
-def test_bus_tail_prints_traffic(store):
+def test_bus_tail_prints_traffic(store, secret):
     addr = f"127.0.0.1:{store.port}"
     p = subprocess.Popen(
         [
@@ -118,15 +139,18 @@ def test_bus_tail_prints_traffic(store):
             "--timeout",
             "30",
             "--json",
+            "--job-secret-file",
+            secret,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        with tcpstore_bus(
-            store, BusConfig(job="cli", rank=5, incarnation=9, subscribe=False)
-        ) as pub:
+        cfg = BusConfig(
+            job="cli", rank=5, incarnation=9, subscribe=False, secret=JobSecret.load(secret)
+        )
+        with tcpstore_bus(store, cfg) as pub:
             from fastft.protocol import JobKeys
 
             key = JobKeys("cli").bus_members
@@ -144,7 +168,7 @@ def test_bus_tail_prints_traffic(store):
             p.communicate()
     lines = [json.loads(x) for x in out.splitlines()]
     assert [x["step"] for x in lines] == [33, 34] and lines[0]["kind"] == "Heartbeat"
-    assert "1 malformed" in err
+    assert "1 forged and 0 replayed" in err  # the junk: no tag of the secret
 
 
 def test_plan_check(tmp_path):
@@ -169,7 +193,7 @@ def test_nccl_without_a_gpu_per_worker_fails_at_start_and_says_what_to_do():
 
 
 @pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 200 OK\r\n\r\n" * 50])
-def test_a_port_that_is_not_a_store_gives_one_line_and_exit_2(answer):
+def test_a_port_that_is_not_a_store_gives_one_line_and_exit_2(answer, secret):
     # a listener that accepts and never answers (or answers garbage): no wait forever,
     # no C++ backtrace (issue 25)
     srv = socket.socket()
@@ -195,6 +219,8 @@ def test_a_port_that_is_not_a_store_gives_one_line_and_exit_2(answer):
         port = srv.getsockname()[1]
         r = fastft(
             "inject",
+            "--job-secret-file",
+            secret,
             "--store",
             f"127.0.0.1:{port}",
             "--job",

@@ -31,8 +31,11 @@ def _connect(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def _secret(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The job secret these commands must hold; exit 2 saying where to find it if not."""
     from fastft.errors import ConfigError
+    from fastft.process.env import insecure
     from fastft.protocol.auth import JobSecret
 
+    if insecure():
+        return None
     if not args.job_secret_file:
         _fail(
             f"fastft {args.cmd} needs the job secret: pass --job-secret-file PATH (fastft run "
@@ -184,8 +187,15 @@ def _cmd_tail(args: argparse.Namespace) -> int:
                     print(f"{head} {body}", flush=True)
         except KeyboardInterrupt:
             pass
-        if bus.stats.malformed:
-            print(f"# {bus.stats.malformed} malformed message(s) dropped", file=sys.stderr)
+        st = bus.stats
+        if st.malformed:
+            print(f"# {st.malformed} malformed message(s) dropped", file=sys.stderr)
+        if st.forged or st.replayed:
+            print(
+                f"# {st.forged} forged and {st.replayed} replayed frame(s) dropped "
+                f"(without the job secret), by claimed sender: {st.rejected_by}",
+                file=sys.stderr,
+            )
     return 0
 
 

@@ -86,9 +86,9 @@ def _max_param_diff(a: Path, b: Path) -> float:
     import torch
 
     worst = 0.0
-    ref = torch.load(next((a / "out").glob("final-rank*.pt")))
+    ref = torch.load(next((a / "out").glob("final-rank*.pt")), weights_only=True)
     for f in (b / "out").glob("final-rank*.pt"):
-        got = torch.load(f)
+        got = torch.load(f, weights_only=True)
         for k, v in ref.items():
             worst = max(worst, float((got[k] - v).abs().max()))
     return worst

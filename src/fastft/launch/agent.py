@@ -33,6 +33,7 @@ from fastft.launch.exits import Exits
 from fastft.launch.lease import DONE, NATS_STORE_GRACE_S, LeaseConfig, NodeLease, format_lives
 from fastft.launch.spare import order_line
 from fastft.launch.spares import SparePool
+from fastft.process.env import insecure
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import STACKS_SIGNAL, read_heartbeat
 from fastft.protocol import (
@@ -79,7 +80,7 @@ class Agent:
             self.store_addr = config.store
         self.secret_file, secret = self._secret()
         raw = connect_store(self.store_addr, wait_s=config.store_wait_s)
-        self.store = SignedStore(raw, self.keys, ValueAuth(secret))
+        self.store = SignedStore(raw, self.keys, ValueAuth(secret), insecure=insecure())
         """The job's store; node marks and joiner keys signed (fastft.bus.signed)."""
         self.bus = open_bus(
             raw,
@@ -88,7 +89,7 @@ class Agent:
                 rank=NO_RANK,
                 incarnation=secrets.randbits(62) | 1,
                 role=Role.AGENT,
-                secret=secret,
+                secret=None if insecure() else secret,
             ),
         )
         first = config.node_rank * config.nproc
@@ -133,6 +134,13 @@ class Agent:
             world_size=cfg.world_size,
             pid=os.getpid(),
         )
+        if insecure():
+            print(
+                "fastft: WARNING: FASTFT_INSECURE_NO_AUTH=1: control messages and decisions "
+                "carry no tags; anything that reaches the store can steer this job",
+                file=sys.stderr,
+                flush=True,
+            )
         where = f"store {self.bound} (listening)" if self.bound else f"store {self.store_addr}"
         print(
             f"fastft: job {cfg.job}, {where}, run dir {self.run_dir}, secret {self.secret_file}",

@@ -26,6 +26,7 @@ from fastft.errors import ConfigError
 
 __all__ = [
     "CUDA_DEVICE",
+    "INSECURE",
     "MALLOC_TUNE",
     "PREFAULT_MB",
     "READY_FD",
@@ -34,6 +35,7 @@ __all__ = [
     "WORKER_FIELD_TYPES",
     "WORKER_VARS",
     "WorkerEnv",
+    "insecure",
     "parse_bool",
 ]
 
@@ -42,6 +44,7 @@ CUDA_DEVICE = "FASTFT_SPARE_CUDA_DEVICE"
 READY_FD = "FASTFT_SPARE_READY_FD"
 PREFAULT_MB = "FASTFT_SPARE_PREFAULT_MB"
 MALLOC_TUNE = "FASTFT_MALLOC_TUNE"
+INSECURE = "FASTFT_INSECURE_NO_AUTH"
 
 VARIABLES: dict[str, str] = {
     # spares (set by the agent)
@@ -52,12 +55,20 @@ VARIABLES: dict[str, str] = {
     PREFAULT_MB: "spare: MiB of heap memory the spare touches ahead of time (0: none)",
     # any process
     MALLOC_TUNE: "process: 0 leaves glibc's malloc thresholds alone (default: tuned)",
+    INSECURE: "process: 1 turns the job secret's tags off, in every process of the job "
+    "(for measuring what they cost; anyone who reaches the store can then steer the job)",
 }
 """Name -> what it is, for every variable that is not a :class:`WorkerEnv` field (those
 add themselves below) nor a ``fastft run`` flag."""
 
 _TRUE = ("1", "true", "yes")
 _FALSE = ("0", "false", "no")
+
+
+def insecure(env: Mapping[str, str] | None = None) -> bool:
+    """``FASTFT_INSECURE_NO_AUTH=1``: no tags on messages and values (measurement only)."""
+    raw = (os.environ if env is None else env).get(INSECURE, "")
+    return bool(raw) and parse_bool(INSECURE, raw)
 
 
 def parse_bool(name: str, raw: str) -> bool:

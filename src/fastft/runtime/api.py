@@ -27,7 +27,7 @@ from fastft.bus.signed import SignedStore
 from fastft.fsm import GradsReady, Phase, Shutdown, StepState
 from fastft.interrupt import Interrupter, StepInterrupted
 from fastft.interrupt import allreduce as interruptible_allreduce
-from fastft.process.env import SPARE_RUN_AHEAD
+from fastft.process.env import SPARE_RUN_AHEAD, insecure
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat
 from fastft.process.order import await_order, ran_ahead
@@ -120,9 +120,11 @@ class Runtime:
         self.keys = JobKeys(config.job)
         self.events = EventLog(config.run_dir, f"rank {self.rank}")
         self.registry = StateRegistry()
-        secret = JobSecret.for_worker(config.secret_file)
         store = store if store is not None else connect_store(config.store)
-        control = SignedStore(store, self.keys, ValueAuth(secret))
+        control: Any = store  # (FASTFT_INSECURE_NO_AUTH: values without tags)
+        if not insecure():
+            secret = JobSecret.for_worker(config.secret_file)
+            control = SignedStore(store, self.keys, ValueAuth(secret))
         decisions = control.clone()
         decisions.set_timeout(datetime.timedelta(seconds=_DECISION_WAIT_S))
         self.interrupter = Interrupter().install()
@@ -302,7 +304,20 @@ class Runtime:
         x.feed(Shutdown("closed"))
         with x.lock:
             x.cond.notify_all()
-        self.events.emit("worker_stop", step=x.state.step, commits=x.commits, rollbacks=x.rollbacks)
+        st = self.bus.stats
+        self.events.emit(
+            "worker_stop",
+            step=x.state.step,
+            commits=x.commits,
+            rollbacks=x.rollbacks,
+            rejected={  # what was not acted on: frames without the secret, replays, forgeries
+                "malformed": st.malformed,
+                "forged": st.forged,
+                "replayed": st.replayed,
+                "by_sender": dict(st.rejected_by),
+                "forged_values": getattr(self._store, "forged", None) and self._store.forged.total,
+            },
+        )
         if x.durable is not None:
             with self._hb.blocked:  # alive while it waits (the agent must not kill it as hung)
                 x.checkpoint_last()

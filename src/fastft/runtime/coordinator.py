@@ -215,7 +215,10 @@ class Coordinator:
         keys = [self.keys.joiner(r) for r in range(self.world_size)]
         if not self._joiner_keys_exist:
             for k in keys:
-                self.store.compare_set(k, "", "")  # creates "" if missing, else no change
+                try:
+                    self.store.compare_set(k, "", "")  # creates "" if missing, else no change
+                except ForgedValue:
+                    pass  # (there, forged: read as no joiner below)
             self._joiner_keys_exist = True
         out = {}
         for r, raw in enumerate(self.store.multi_get(keys)):
