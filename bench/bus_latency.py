@@ -95,12 +95,16 @@ def run(
             )
         )
         first += count
-    try:
-        deadline = time.monotonic() + 400
-        while int(store.add("bench/ready", 0)) < n:
-            if time.monotonic() > deadline:
+        # one process at a time: eight importing torch at once on a small machine stall
+        # each other's store handshakes past connect_store's deadline
+        deadline = time.monotonic() + 120
+        while int(store.add("bench/ready", 0)) < first:
+            if time.monotonic() > deadline or procs[-1].poll() is not None:
+                for p in procs:
+                    p.kill()
                 raise TimeoutError("subscribers did not start")
             time.sleep(0.05)
+    try:
         cfg = BusConfig(job=JOB, rank=999, incarnation=1, subscribe=False, secret=secret)
         pub = open_bus(store, cfg).start()
         for _ in range(messages):

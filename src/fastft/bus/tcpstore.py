@@ -94,6 +94,9 @@ def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) 
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(512)
+        # non-blocking, as an event loop's listener must be: on a blocking one the server's
+        # loop waits inside accept() for the *next* client, and stalls the ones it has
+        sock.setblocking(False)
         server = dist.TCPStore(
             host if host not in WILDCARDS else "127.0.0.1",
             sock.getsockname()[1],
