@@ -242,7 +242,10 @@ class Agent:
             pass
         if self.lease is not None:  # who a watcher declares dead if this node is lost
             lives = {s.rank: s.incarnation for s in self.slots.values() if s.incarnation}
-            self.store.set(self.keys.node_lives(cfg.node_rank), format_lives(lives))
+            try:
+                self.store.set(self.keys.node_lives(cfg.node_rank), format_lives(lives))
+            except Exception as e:  # noqa: BLE001 - the lease tells a store that is gone
+                log.warning("could not record this node's workers in the store: %s", e)
         gpu = self.spares.gpu_of(self._local(slot))
         taken = self.spares.take(gpu) if slot.life > 0 else None
         spare, ready = taken if taken is not None else (None, False)
