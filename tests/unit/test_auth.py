@@ -211,6 +211,7 @@ def test_values_are_bound_to_their_key():
     assert va.verify(k1, v) == "C" and va.verify(k1, v.encode()) == "C"
     assert va.verify(k2, v) is None  # moved to another key
     assert va.verify(k1, "C") is None and va.verify(k1, "C#00") is None
+    assert va.verify(k1, "C#\u00e9\u00e9") is None and va.verify(k1, b"C#\xff\xfe") is None
     assert va.sign(k1, "") == "" and va.verify(k1, "") == ""
     assert ValueAuth(JobSecret(b"z" * 32)).verify(k1, v) is None
 
@@ -289,3 +290,16 @@ def test_a_frame_is_bound_to_its_sequence_number():
     assert tampered != frame and len(tampered) == len(frame)
     with pytest.raises(Forged):
         _AUTH.open(tampered)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_in_a_signed_key_are_no_value_and_raise_nothing_else(raw):
+    va = ValueAuth(SECRET)
+    got = va.verify("fastft/j/rt/1/1/decision", raw)
+    assert got is None or raw == b""
+    s = SignedStore(MemoryStore(), JobKeys("j"), va)
+    s.raw.set("fastft/j/rt/1/1/decision", raw)
+    if raw:
+        with pytest.raises(ForgedValue):
+            s.get("fastft/j/rt/1/1/decision")

@@ -193,7 +193,8 @@ class ValueAuth:
         if text == "":
             return ""
         value, sep, tag = text.rpartition(self.SEP)
-        if not sep or not hmac.compare_digest(tag, self._tag(key, value)):
+        got = tag.encode("utf-8", "surrogateescape")  # (bytes: any text compares, no error)
+        if not sep or not hmac.compare_digest(got, self._tag(key, value).encode()):
             return None
         return value
 
