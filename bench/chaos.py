@@ -181,6 +181,7 @@ def _inject(
     from fastft.bus import BusConfig, tcpstore_bus
     from fastft.bus.tcpstore import connect_store
     from fastft.protocol import NO_STEP, Inject, Role
+    from fastft.protocol.auth import JobSecret
 
     while (port := _store_port(run)) is None or not (run / "events.jsonl").exists():
         if p.poll() is not None or time.monotonic() > deadline:
@@ -190,8 +191,13 @@ def _inject(
         if p.poll() is not None or time.monotonic() > deadline:
             return []
         time.sleep(0.2)
-    cfg = BusConfig(
-        job=run.name, rank=-1, incarnation=os.getpid(), role=Role.OPERATOR, subscribe=False
+    cfg = BusConfig(  # an operator of the job: it holds the job's secret
+        job=run.name,
+        rank=-1,
+        incarnation=os.getpid(),
+        role=Role.OPERATOR,
+        subscribe=False,
+        secret=JobSecret.load(run / "job.secret"),
     )
     bus = tcpstore_bus(connect_store(f"127.0.0.1:{port}", timeout_s=5.0), cfg).start()
     t0, sent, tail = time.monotonic(), [], _Tail(run / "events.jsonl")

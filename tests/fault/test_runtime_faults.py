@@ -193,9 +193,11 @@ def test_a_worker_lost_while_the_bus_is_flooded(tmp_path, clean):
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
+    secret = JobSecret.draw().save(run / "flood.secret")  # the flood's messages are valid
     cmd = [
         *(sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--job", "flood"),
         *("--store", f"127.0.0.1:{port}", "--run-dir", str(run), "--check-every", "1"),
+        *("--job-secret-file", str(secret)),
         *("--inject", str(run / "plan.json"), "-m", "fastft.demo.train", "--"),
         *("--steps", str(STEPS), "--step-time", "0.05", "--out", str(run / "out")),
     ]
@@ -205,7 +207,8 @@ def test_a_worker_lost_while_the_bus_is_flooded(tmp_path, clean):
 
     def flood() -> None:
         store = connect_store(f"127.0.0.1:{port}", wait_s=60)
-        bus = tcpstore_bus(store, BusConfig(job="flood", rank=99, incarnation=5)).start()
+        cfg = BusConfig(job="flood", rank=99, incarnation=5, secret=JobSecret.load(secret))
+        bus = tcpstore_bus(store, cfg).start()
         try:
             while not stop.is_set() and proc.poll() is None:
                 bus.broadcast(Heartbeat(job="flood", epoch=0, rank=99, incarnation=5))
