@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -103,10 +104,10 @@ def _session_left(sid: int) -> list[int]:
 
 def _store_port(run: Path) -> int | None:
     try:
-        head = (run / "launcher.log").read_text().splitlines()[0]
-        return int(head.split("store 127.0.0.1:")[1].split(",")[0])
-    except (OSError, IndexError, ValueError):
+        m = re.search(r"store 127\.0\.0\.1:(\d+)", (run / "launcher.log").read_text())
+    except OSError:
         return None
+    return int(m.group(1)) if m else None
 
 
 def _port_open(port: int) -> bool:
