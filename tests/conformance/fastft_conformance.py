@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -53,10 +54,14 @@ def pytest_configure(config: pytest.Config) -> None:
     cls: type = ManagerFFT
     if config.getoption("--fastft-mode") == "bus":
         from fastft.bus import host_store
+        from fastft.protocol.auth import JobSecret
 
         server = host_store()
         _STATE["server"] = server
         _STATE["store"] = f"127.0.0.1:{server.port}"
+        # the job's secret: every replica of the run shares it (as under `fastft run`)
+        secret_dir = Path(tempfile.mkdtemp(prefix="fastft-conformance-"))
+        _STATE["secret"] = str(JobSecret.draw().save(secret_dir / "job.secret"))
 
         class BusManagerFFT(ManagerFFT):
             """ManagerFFT on the plugin's bus: one job per test, the replica index from
@@ -67,7 +72,13 @@ def pytest_configure(config: pytest.Config) -> None:
                 replica = int(digits.group(1)) if digits else 0
                 kwargs.setdefault(
                     "bus",
-                    connect(_STATE["store"], _STATE["job"], replica=replica, replicas=replica + 1),
+                    connect(
+                        _STATE["store"],
+                        _STATE["job"],
+                        replica=replica,
+                        replicas=replica + 1,
+                        secret_file=_STATE["secret"],
+                    ),
                 )
                 super().__init__(*args, **kwargs)
 
@@ -121,3 +132,11 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     for rep in tr.stats.get("skipped", []):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         tr.write_line(f"skipped by torchft: {rep.nodeid}: {reason}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the run's secret (bus mode)."""
+    import shutil
+
+    if _STATE.get("secret"):
+        shutil.rmtree(Path(_STATE["secret"]).parent, ignore_errors=True)
