@@ -24,11 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import fastft.launch.policy as policy
-from fastft.bus import BusConfig, connect_store, host_store, open_bus
-from fastft.bus.signed import SignedStore
-from fastft.bus.tcpstore import WILDCARDS, is_local_address
 from fastft.launch.children import Children, Slot, await_signal_taken, die_with_parent
 from fastft.launch.config import LaunchConfig, worker_environment
+from fastft.launch.control import ControlPlane
 from fastft.launch.exits import Exits
 from fastft.launch.lease import DONE, NATS_STORE_GRACE_S, LeaseConfig, NodeLease, format_lives
 from fastft.launch.spare import order_line
@@ -45,7 +43,6 @@ from fastft.protocol import (
     Role,
     Severity,
 )
-from fastft.protocol.auth import JobSecret, ValueAuth
 
 __all__ = ["Agent", "LaunchConfig"]
 
@@ -61,37 +58,10 @@ class Agent:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir, f"agent {config.node_rank}")
         self.keys = JobKeys(config.job)
-        self._server = None
-        self.bound = ""
-        """Where node 0's store listens (HOST:PORT), when it hosts it."""
-        if config.control is not None:  # a NATS cluster: no agent hosts anything
-            self.store_addr = config.control
-        elif config.node_rank == 0 and (
-            config.store is None or is_local_address(config.store.rpartition(":")[0])
-        ):
-            port = int(config.store.rpartition(":")[2]) if config.store else 0
-            host = "127.0.0.1" if config.store is None else config.store.rpartition(":")[0]
-            self._server = host_store(host, port)  # listening on `host` alone
-            self.bound = f"{host}:{self._server.port}"
-            local = host if host not in WILDCARDS and host != "localhost" else "127.0.0.1"
-            self.store_addr = f"{local}:{self._server.port}"
-        else:
-            assert config.store is not None
-            self.store_addr = config.store
-        self.secret_file, secret = self._secret()
-        raw = connect_store(self.store_addr, wait_s=config.store_wait_s)
-        self.store = SignedStore(raw, self.keys, ValueAuth(secret), insecure=insecure())
-        """The job's store; node marks and joiner keys signed (fastft.bus.signed)."""
-        self.bus = open_bus(
-            raw,
-            BusConfig(
-                job=config.job,
-                rank=NO_RANK,
-                incarnation=secrets.randbits(62) | 1,
-                role=Role.AGENT,
-                secret=None if insecure() else secret,
-            ),
-        )
+        plane = ControlPlane.open(config, self.run_dir, self.keys)
+        self._server, self.bound = plane.server, plane.bound
+        self.store_addr, self.secret_file = plane.address, plane.secret_file
+        self.store, self.bus = plane.store, plane.bus
         first = config.node_rank * config.nproc
         self.slots = {r: Slot(r) for r in range(first, first + config.nproc)}
         self.exits = Exits(self)
@@ -199,18 +169,6 @@ class Agent:
         if self._stopping is None:
             self._stopping = signum
             self._wake.set()
-
-    def _secret(self) -> tuple[Path, JobSecret]:
-        """The job secret: ``--job-secret-file``, or (one node) a new one in the run dir,
-        mode 0600, whose path the workers are given (never the secret itself)."""
-        if self.config.job_secret_file:
-            path = Path(self.config.job_secret_file).resolve()
-            return path, JobSecret.load(path)
-        path = self.run_dir / "job.secret"
-        path.unlink(missing_ok=True)  # a run dir used again: a new job, a new secret
-        secret = JobSecret.draw()
-        secret.save(path)
-        return path, secret
 
     # --- workers ---------------------------------------------------------------------------
     def _local(self, slot: Slot) -> int:

@@ -1,0 +1,79 @@
+"""What one agent opens of the job's control plane before it starts any worker: the store
+(node 0 hosts a TCPStore, listening on the address given alone), the job secret, the signed
+store client and the agent's bus endpoint."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastft.bus import BusConfig, BusEndpoint, connect_store, host_store, open_bus
+from fastft.bus.signed import SignedStore
+from fastft.bus.tcpstore import WILDCARDS, is_local_address
+from fastft.launch.config import LaunchConfig
+from fastft.process.env import insecure
+from fastft.protocol import NO_RANK, JobKeys, Role
+from fastft.protocol.auth import JobSecret, ValueAuth
+
+__all__ = ["ControlPlane"]
+
+
+@dataclass
+class ControlPlane:
+    server: Any
+    """The TCPStore server node 0 hosts (None elsewhere, and with --control)."""
+    bound: str
+    """Where that server listens (HOST:PORT), "" if none."""
+    address: str
+    """What this node's processes connect to."""
+    secret_file: Path
+    store: SignedStore
+    """The job's store; decisions, node marks and joiner keys signed (fastft.bus.signed)."""
+    bus: BusEndpoint
+
+    @classmethod
+    def open(cls, config: LaunchConfig, run_dir: Path, keys: JobKeys) -> ControlPlane:
+        server, bound, address = _host_or_join(config)
+        secret_file, secret = _secret(config, run_dir)
+        raw = connect_store(address, wait_s=config.store_wait_s)
+        store = SignedStore(raw, keys, ValueAuth(secret), insecure=insecure())
+        cfg = BusConfig(
+            job=config.job,
+            rank=NO_RANK,
+            incarnation=secrets.randbits(62) | 1,
+            role=Role.AGENT,
+            secret=None if insecure() else secret,
+        )
+        return cls(server, bound, address, secret_file, store, open_bus(raw, cfg))
+
+
+def _host_or_join(config: LaunchConfig) -> tuple[Any, str, str]:
+    """(server, bound, address): node 0 hosts the store when ``--store`` names an address of
+    its own (or is not given); every other agent connects to it, or to ``--control``."""
+    if config.control is not None:  # a NATS cluster: no agent hosts anything
+        return None, "", config.control
+    if config.node_rank == 0 and (
+        config.store is None or is_local_address(config.store.rpartition(":")[0])
+    ):
+        port = int(config.store.rpartition(":")[2]) if config.store else 0
+        host = "127.0.0.1" if config.store is None else config.store.rpartition(":")[0]
+        server = host_store(host, port)  # listening on `host` alone
+        local = host if host not in WILDCARDS and host != "localhost" else "127.0.0.1"
+        return server, f"{host}:{server.port}", f"{local}:{server.port}"
+    assert config.store is not None
+    return None, "", config.store
+
+
+def _secret(config: LaunchConfig, run_dir: Path) -> tuple[Path, JobSecret]:
+    """The job secret: ``--job-secret-file``, or (one node) a new one in the run dir, mode
+    0600, whose path the workers are given (never the secret itself)."""
+    if config.job_secret_file:
+        path = Path(config.job_secret_file).resolve()
+        return path, JobSecret.load(path)
+    path = run_dir / "job.secret"
+    path.unlink(missing_ok=True)  # a run dir used again: a new job, a new secret
+    secret = JobSecret.draw()
+    secret.save(path)
+    return path, secret
