@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -141,6 +143,32 @@ def test_a_replayed_frame_is_rejected():
         assert len(got) == 1
         a.broadcast(_fault(rank=0, incarnation=1, role=Role.WORKER))  # the stream goes on
         assert wait_for(lambda: len(got) == 2, 2)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_concurrent_broadcasts_from_one_endpoint_are_never_taken_for_replays():
+    """The agent reports two deaths from two threads at once: the frames must leave in the
+    order of their sequence numbers (a death notice was dropped as a replay, and the
+    survivors waited out the rollback deadline for it)."""
+    a, b, got = _pair()
+    seal = a._auth.seal  # type: ignore[union-attr]
+    a._auth.seal = lambda data, nonce: (time.sleep(0.002), seal(data, nonce))[1]  # type: ignore[union-attr,method-assign]
+    try:
+        senders = [
+            threading.Thread(
+                target=lambda: [a.broadcast(_fault(rank=0, incarnation=1)) for _ in range(25)]
+            )
+            for _ in range(4)
+        ]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(10)
+        assert wait_for(lambda: len(got) == 100, 5), (len(got), b.stats)
+        assert b.stats.replayed == 0
+        assert [m.seq for m in got] == sorted(m.seq for m in got)
     finally:
         a.close()
         b.close()

@@ -43,7 +43,9 @@ class BusEndpoint:
         self.stats = BusStats()
         self._transport = transport
         self._seq = itertools.count(1)
-        self._seq_lock = threading.Lock()
+        # Held from the sequence number to the push: two threads that stamped in one order
+        # and pushed in the other would have the later frame rejected as a replay.
+        self._send_lock = threading.Lock()
         self._callbacks: list[Callback] = []
         self._buffer: deque[Message] = deque()
         self._cond = threading.Condition()
@@ -104,10 +106,9 @@ class BusEndpoint:
 
     # --- publishing ------------------------------------------------------------------------
     def stamp(self, msg: Message) -> Message:
-        """Fill in the sender's sequence number and the wall time."""
-        with self._seq_lock:
-            seq = next(self._seq)
-        return replace(msg, seq=seq, wall_time=time.time())
+        """Fill in the sender's next sequence number and the wall time (the caller holds
+        ``_send_lock`` until the message is pushed)."""
+        return replace(msg, seq=next(self._seq), wall_time=time.time())
 
     def broadcast(self, msg: Message) -> Message:
         """Put ``msg`` (stamped) into every other subscriber's queue; returns what was sent."""
@@ -115,11 +116,12 @@ class BusEndpoint:
             raise BusClosed("bus endpoint is closed")
         if msg.job != self.config.job:
             raise ProtocolError(f"message of job {msg.job!r} on the bus of {self.config.job!r}")
-        sent = self.stamp(msg)
-        data = encode(sent)
-        if self._auth is not None:
-            data = self._auth.seal(data, self._nonce)
-        self._transport.push_all(data)
+        with self._send_lock:  # frames leave in the order of their sequence numbers
+            sent = self.stamp(msg)
+            data = encode(sent)
+            if self._auth is not None:
+                data = self._auth.seal(data, self._nonce)
+            self._transport.push_all(data)
         self.stats.published += 1
         self.stats.evicted_peers = self._transport.evictions
         return sent
