@@ -82,3 +82,6 @@ def check_s1_s3(run: Path, steps: int = STEPS) -> None:
         assert len(digests) == 1, f"S3: members disagree after step {step}: {digests}"
     for who, seq in history.items():
         assert seq == list(range(seq[0], seq[0] + len(seq))), f"S1: {who} applied {seq}"
+    for e in ev:  # nothing the job itself sent was dropped (a death notice once was)
+        if e["event"] == "worker_stop":
+            assert not e["rejected"]["replayed"], f"{e['src']} dropped valid frames: {e}"
