@@ -70,6 +70,7 @@ def test_every_variable_is_documented_once():
             "FASTFT_CHECKPOINT_INTERVAL",
             "FASTFT_CHECKPOINT_KEEP",
             "FASTFT_ALLOW_FRESH_START",
+            "FASTFT_SHARD_SIZE",
         }, shared
 
 

@@ -74,6 +74,7 @@ class _FakePlane:
     """The data plane without process groups: building one always succeeds."""
 
     def __init__(self) -> None:
+        self.k = 1  # (one worker per replica)
         self.pg: Any = None
         self.pg_epoch = -1
         self.heal_pg: tuple[int, Any] | None = None

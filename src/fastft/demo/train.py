@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import fastft
+from fastft.runtime.hsdp import local as local_shards
 
 
 def build(hidden: int, seed: int, layers: int = 2) -> nn.Module:
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=96, help="global batch per step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sgd", action="store_true", help="plain SGD instead of Adam")
     ap.add_argument(
         "--step-time",
         type=float,
@@ -72,8 +74,20 @@ def main(argv: list[str] | None = None) -> None:
         dev = torch.device("cuda", local % torch.cuda.device_count())
 
     model = build(a.hidden, a.seed, a.layers).to(dev)  # built on the CPU: the same everywhere
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ft = fastft.init()
+    if ft.sharded:  # `fastft run --shard-size K`: K workers shard one copy (FSDP2, HSDP)
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = ft.shard_mesh(dev.type)
+        for layer in model.modules():
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.05)
+        if a.sgd
+        else torch.optim.Adam(model.parameters(), lr=1e-2)
+    )
     ft.register(model=model, optimizer=opt)
     while ft.step < a.steps:
         with ft.transaction() as tx:
@@ -86,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
             tx.allreduce_gradients()
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
-        torch.save(model.state_dict(), a.out / f"final-rank{ft.rank}.pt")
+        # (with shard groups: this member's shards)
+        torch.save(local_shards(model.state_dict()), a.out / f"final-rank{ft.rank}.pt")
         (a.out / f"final-rank{ft.rank}.json").write_text(
             json.dumps(
                 {

@@ -86,6 +86,10 @@ class Agent:
         self._stopping: int | None = None
         self._failed: str | None = None
         self.restarts = 0
+        self.group_gen: dict[int, int] = {}
+        """Shard group -> how many times the agent started it again (``--shard-size``)."""
+        self.taken_down: set[int] = set()
+        """Lives killed because their shard group restarts (their exits restart no group)."""
         self.lighthouse: Any = None
         self.lighthouse_addr = ""
         self.lease: NodeLease | None = None
@@ -193,6 +197,7 @@ class Agent:
             exit_trace_file=trace_path if traced else None,
             lighthouse_addr=self.lighthouse_addr,
             secret_file=str(self.secret_file),
+            group_gen=self.group_gen.get(slot.rank // cfg.shard_size, 0),
         )
         try:
             os.unlink(slot.heartbeat)

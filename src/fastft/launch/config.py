@@ -82,6 +82,11 @@ class LaunchConfig:
         "fewest workers an epoch may have; below the world size the survivors go on without a "
         "lost worker and it rejoins when restarted (default: all, fixed world)",
     )
+    shard_size: int = _flag(
+        1,
+        "workers per shard group (HSDP): ranks r // K shard one copy of the model (FSDP2) and "
+        "are the unit of fault; must divide --nproc (default 1: one worker per replica)",
+    )
     run_dir: str | None = _flag(None, "event log and heartbeats (default: a new temp dir)")
     seed: int = _flag(0, "the job's seed")
     check_every: int = _flag(0, "log the state digest every N commits (S3 check; 0: never)")
@@ -259,7 +264,19 @@ class LaunchConfig:
                 raise ConfigError(
                     f"--torchft needs torchft: pip install 'fastft[torchft]' ({e})"
                 ) from e
-        from fastft.runtime.contract import check_checkpoints  # (pure)
+        from fastft.runtime.contract import check_checkpoints, check_shard_groups  # (pure)
+
+        if self.shard_size > 1 and self.nproc % self.shard_size:
+            raise ConfigError(
+                f"--shard-size {self.shard_size} does not divide --nproc {self.nproc}: a shard "
+                "group lies on one node; use a divisor of --nproc"
+            )
+        check_shard_groups(self.shard_size, world, self.min_replicas or world)
+        if self.shard_size > 1 and (self.checkpoint_dir or self.torchft):
+            raise ConfigError(
+                f"--shard-size with --{'checkpoint-dir' if self.checkpoint_dir else 'torchft'}: "
+                "shard groups do not work with it yet; leave one of them out"
+            )
 
         check_checkpoints(
             self.checkpoint_dir,
@@ -370,6 +387,7 @@ def worker_environment(
     exit_trace_file: str | None,
     lighthouse_addr: str = "",
     secret_file: str | None = None,
+    group_gen: int = 0,
 ) -> dict[str, str]:
     """The whole environment of one worker life: the agent's own, ``cfg.env``, the
     :class:`WorkerEnv` contract, torchrun's local names, and torchft's for ``--torchft``."""
@@ -400,6 +418,8 @@ def worker_environment(
             checkpoint_keep=cfg.checkpoint_keep,
             allow_fresh_start=cfg.allow_fresh_start,
             secret_file=secret_file,
+            shard_size=cfg.shard_size if cfg.shard_size > 1 else None,
+            group_gen=group_gen if cfg.shard_size > 1 else None,
         ).to_env(),
         # torchrun's names: scripts place their model on cuda:LOCAL_RANK
         "LOCAL_RANK": str(local_rank),

@@ -106,6 +106,8 @@ class Exits:
             self.agent._failed = do.failed
         if do.done:
             slot.done = True
+        if do.restart and cfg.shard_size > 1:
+            self._restart_group(slot)
         if do.restart:
             slot.life += 1
             self.agent.restarts += 1
@@ -113,6 +115,27 @@ class Exits:
             with self.agent.children.lock:
                 self.agent._restarts_due.append((time.monotonic() + do.delay_s, slot))
         self.agent._wake.set()
+
+    def _restart_group(self, slot: Slot) -> None:
+        """Take the rest of ``slot``'s shard group down with it: the group starts again as
+        a whole, under its next generation (the prefix its members meet under)."""
+        agent, k = self.agent, self.agent.config.shard_size
+        lives = {r: s.incarnation for r, s in agent.slots.items() if s.incarnation and not s.done}
+        mates = policy.group_mates(slot.rank, slot.incarnation, k, lives, agent.taken_down)
+        if mates is None:
+            return
+        group = slot.rank // k
+        agent.group_gen[group] = agent.group_gen.get(group, 0) + 1
+        agent.taken_down.update(lives[r] for r in mates)
+        agent.events.emit(
+            "group_restart",
+            group=group,
+            gen=agent.group_gen[group],
+            cause=slot.rank,
+            ranks=[slot.rank, *mates],
+        )
+        for r in mates:
+            agent.children.kill(agent.slots[r], incarnation=lives[r])
 
     def forget_joiner(self, slot: Slot) -> None:
         key = self.agent.keys.joiner(slot.rank)

@@ -18,6 +18,7 @@ __all__ = [
     "Hung",
     "SpareInfo",
     "after_exit",
+    "group_mates",
     "hang_verdict",
     "pick_spare",
     "spare_owed_done",
@@ -85,6 +86,21 @@ def after_exit(
         done=True,
         failed=f"rank {rank} failed ({how}) and has no restarts left (--max-restarts {max_restarts})",
     )
+
+
+def group_mates(
+    rank: int, incarnation: int, shard_size: int, lives: dict[int, int], taken_down: set[int]
+) -> list[int] | None:
+    """A worker of a shard group (``shard_size`` > 1) exited and restarts: the ranks of its
+    group whose lives ``lives`` (rank -> incarnation, this node's) the agent takes down
+    with it, so that the group starts again as a whole and its members meet anew (their
+    FSDP collectives cannot go on without it, and Gloo cannot abort them). None when the
+    exit was itself the agent's doing (``incarnation`` in ``taken_down``) or there are no
+    shard groups."""
+    if shard_size <= 1 or incarnation in taken_down:
+        return None
+    first = rank - rank % shard_size
+    return [r for r in range(first, first + shard_size) if r != rank and r in lives]
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,15 @@ class WorkerEnv:
         "path of the job secret (a file of mode 0600; the secret itself is never in the "
         "environment)",
     )
+    shard_size: int | None = _var(
+        "FASTFT_SHARD_SIZE",
+        "workers per shard group (HSDP): ranks r // K form one replica group, 1 (default): "
+        "one worker per replica",
+    )
+    group_gen: int | None = _var(
+        "FASTFT_GROUP_GEN",
+        "how many times this worker's shard group was started again (its members meet on it)",
+    )
     lighthouse: str | None = _var(
         "FASTFT_LIGHTHOUSE",
         "torchft replicas: 'bus' when their lighthouse announces joins on the bus "

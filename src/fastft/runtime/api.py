@@ -34,13 +34,14 @@ from fastft.process.order import await_order, ran_ahead
 from fastft.process.services import Services
 from fastft.protocol import JobKeys
 from fastft.protocol.auth import JobSecret, ValueAuth
-from fastft.runtime.contract import JobFinished, Member, RuntimeConfig
+from fastft.runtime.contract import EXIT_GROUP_FAULT, JobFinished, Member, RuntimeConfig
 from fastft.runtime.coordinator import Coordinator, SideClient
 from fastft.runtime.data import Batches
 from fastft.runtime.dataplane import DataPlane
 from fastft.runtime.durable import Checkpoints
 from fastft.runtime.executor import Executor
 from fastft.runtime.formation import Recovery
+from fastft.runtime.hsdp import meet_shard_group
 from fastft.runtime.kept import KeptGradients
 from fastft.runtime.state import StateRegistry, reseed
 
@@ -92,7 +93,13 @@ class Transaction:
         # most half the rollback timeout, which is how long the closer of the next epoch
         # waits for a survivor before it leaves it out.
         half = rt.config.rollback_timeout_s / 2
-        rt.interrupter.defer_s = half if kept.worth_finishing() else 0.0
+        rt.interrupter.defer_s = half if kept.worth_finishing() or rt.sharded else 0.0
+        if rt.sharded and n % self.world:
+            raise ValueError(
+                f"tx.shard({n}) over {self.world} members of shard groups: FSDP averages a "
+                "group's gradients with equal weights, so the global batch must divide "
+                "evenly; use a multiple of the world size"
+            )
         return part
 
     def allreduce_gradients(self, model: nn.Module | None = None) -> None:
@@ -163,6 +170,7 @@ class Runtime:
                 pg_timeout_s=config.pg_timeout_s,
                 model=lambda: self.registry.model,
                 events=self.events,
+                shard_size=config.shard_size,
             ),
             KeptGradients(config.keep_gradients and config.elastic),
             durable,
@@ -172,6 +180,8 @@ class Runtime:
             Runtime._enter, Runtime._exit, Executor.drive, Executor._run_main_action, Runtime.close
         )
         self._store = control
+        self._raw_store = store
+        self._mesh: Any = None
         self._retries = 0
         self._registered = False
         self._step_gen = 0
@@ -248,6 +258,31 @@ class Runtime:
         self._registered = True
         self._drive(lambda s: s.phase is Phase.NORMAL)
         return self
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this worker is a member of a shard group (``--shard-size`` > 1)."""
+        return self.config.shard_size > 1
+
+    def shard_mesh(self, device_type: str | None = None) -> Any:
+        """The 1-D ``DeviceMesh`` of this worker's shard group (``--shard-size K``): shard
+        the model over it with FSDP2 before :meth:`register`, as torch's own HSDP does::
+
+            model = fully_shard(model, mesh=ft.shard_mesh())
+
+        The replicate dimension is fastft's (:mod:`fastft.runtime.hsdp`). ``device_type``:
+        ``cuda`` when CUDA is available, else ``cpu``."""
+        if not self.sharded:
+            raise RuntimeError(
+                "ft.shard_mesh(): this job has no shard groups; start it with "
+                "`fastft run --shard-size K` (K workers shard one copy of the model)"
+            )
+        if self._mesh is None:
+            with self._hb.blocked:  # (waits for the group's other members to start)
+                self._mesh = meet_shard_group(self.config, self._raw_store, device_type)
+            cfg = self.config
+            self.events.emit("shard_group", group=self.rank // cfg.shard_size, gen=cfg.group_gen)
+        return self._mesh
 
     @property
     def step(self) -> int:
@@ -357,9 +392,13 @@ class Runtime:
         self._hb.beat()
         self.interrupter.begin_step(s.epoch, s.step)
         self._step_gen = x.phase_changes
+        if self.sharded:  # FSDP's collectives inside the group finish; the reduce is interrupted
+            self.interrupter.defer_s = self.config.rollback_timeout_s / 2
         try:
             self.injector.fire_due(s.step)
         except Exception as e:  # an injected exception: a local fault of this step
+            if self.sharded:
+                self._group_fault(e)
             x.faults.local(e)
         return tx
 
@@ -396,6 +435,8 @@ class Runtime:
                 source_rank=ev.source_rank,
             )
             return True
+        if isinstance(ev, Exception) and self.sharded:
+            self._group_fault(ev)
         if isinstance(ev, Exception):
             self._retries += 1
             x.faults.local(ev, gen=self._step_gen)
@@ -404,6 +445,15 @@ class Runtime:
                 return False
             return True
         return False  # KeyboardInterrupt, SystemExit, ...
+
+    def _group_fault(self, e: BaseException) -> None:
+        """A member of a shard group raised inside its step: its group mates may be inside
+        an FSDP collective with it, which Gloo cannot abort. It ends; its agent restarts
+        the group, which heals from the other groups (a Fault1 of the group)."""
+        log.error("rank %d raised in step %d; its group restarts", self.rank, self.step, exc_info=e)
+        self.events.emit("group_fault", step=self.step, error=repr(e)[:300])
+        self.events.close()
+        os._exit(EXIT_GROUP_FAULT)
 
     def _allreduce_gradients(self, model: nn.Module | None) -> None:
         if model is not None and self.registry.model is None:
@@ -418,8 +468,8 @@ class Runtime:
         pg = self._require_pg()
         with self._hb.blocked:
             interruptible_allreduce(pg, [flat], self.interrupter)
-        if kept.share is None:
-            flat.div_(self.world)
+        if kept.share is None:  # (FSDP averaged a shard group's gradients already)
+            flat.div_(self.world // self.config.shard_size)
         if grads:
             unflat = torch._utils._unflatten_dense_tensors(flat, grads)
             for g, r in zip(grads, unflat, strict=True):

@@ -50,7 +50,10 @@ class RuntimeConfig:
     holder of the committed state is lost and no checkpoint exists, start again from step
     0 instead of failing the job. ``secret_file``: the job secret every process of the job
     shares (``fastft run`` hands it to its workers): it authenticates control messages and
-    decisions (:mod:`fastft.protocol.auth`); required.
+    decisions (:mod:`fastft.protocol.auth`); required. ``shard_size``: workers per shard
+    group (HSDP, :mod:`fastft.runtime.hsdp`): ranks ``r // shard_size`` shard one copy of
+    the model and are the unit of fault; ``group_gen``: how many times the agent started
+    this worker's group again (its members meet under it).
     """
 
     store: str
@@ -78,6 +81,8 @@ class RuntimeConfig:
     checkpoint_keep: int = 2
     allow_fresh_start: bool = False
     secret_file: str | None = None
+    shard_size: int = 1
+    group_gen: int = 0
 
     def __post_init__(self) -> None:
         if ":" not in self.store:
@@ -96,6 +101,12 @@ class RuntimeConfig:
             raise ConfigError(f"backend={self.backend!r}: use auto, gloo or nccl")
         if self.max_step_retries < 0:
             raise ConfigError("max_step_retries must be >= 0")
+        check_shard_groups(self.shard_size, self.world_size, self.min_members)
+        if self.shard_size > 1 and self.checkpoint_dir:
+            raise ConfigError(
+                "--shard-size with --checkpoint-dir: the durable tier does not save shard "
+                "groups yet; leave one of them out"
+            )
         check_checkpoints(
             self.checkpoint_dir,
             self.checkpoint_every,
@@ -141,6 +152,8 @@ class RuntimeConfig:
             ("checkpoint_interval_s", 0.0),
             ("checkpoint_keep", 2),
             ("allow_fresh_start", False),
+            ("shard_size", 1),
+            ("group_gen", 0),
         ):
             v = getattr(we, name)
             kw[name] = default if v is None else v
@@ -154,6 +167,24 @@ class RuntimeConfig:
                 v = float(v)  # type: ignore[arg-type]
             kw[k] = v
         return cls(**kw)  # type: ignore[arg-type]
+
+
+def check_shard_groups(shard_size: int, world_size: int, min_members: int) -> None:
+    """Shard groups must tile the world; an elastic world of shard groups is not built yet
+    (a lost group's members would leave the epoch one by one)."""
+    if shard_size < 1:
+        raise ConfigError(f"--shard-size {shard_size}: must be >= 1")
+    if world_size % shard_size:
+        raise ConfigError(
+            f"--shard-size {shard_size} does not divide the {world_size} workers: use a "
+            "divisor of --nproc (times --nnodes)"
+        )
+    if shard_size > 1 and min_members < world_size:
+        raise ConfigError(
+            f"--shard-size {shard_size} with an elastic world (--min-replicas "
+            f"{min_members} < {world_size} workers): shard groups run in a fixed world "
+            "for now; leave --min-replicas out"
+        )
 
 
 EXIT_STATE_LOST = 86
@@ -173,6 +204,10 @@ class StateLost(SystemExit):
     def __str__(self) -> str:
         return self.why
 
+
+EXIT_GROUP_FAULT = 87
+"""A member of a shard group raised inside its step and ended: the agent restarts its
+group (:mod:`fastft.runtime.hsdp`)."""
 
 CHECKPOINT_INTERVAL_S = 600.0
 """With a checkpoint directory and neither schedule given: a checkpoint every 10 minutes."""

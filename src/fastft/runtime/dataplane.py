@@ -21,6 +21,7 @@ from torch import nn
 from fastft.process.events import EventLog
 from fastft.process.teardown import drop_later, keep_at_exit, keep_forever
 from fastft.runtime.contract import EpochView, choose_backend
+from fastft.runtime.hsdp import heal_group, replicate_ranks
 
 __all__ = ["DataPlane", "HealTail"]
 
@@ -51,8 +52,12 @@ class DataPlane:
         pg_timeout_s: float,
         model: Callable[[], nn.Module | None],
         events: EventLog,
+        shard_size: int = 1,
     ) -> None:
         self._store = store
+        self.k = shard_size
+        """Workers per shard group: the epoch's group is then this member's replicate group
+        (:mod:`fastft.runtime.hsdp`)."""
         self._build_client: Any = None  # made by the first build, on its thread
         self._abandoned = 0
         """The store client of group builds: not the main thread's (a build waiting for a
@@ -109,15 +114,20 @@ class DataPlane:
         while the other members go on with the step. On Gloo, where a group is cheap and
         the other members would otherwise receive the whole state for nothing (and take
         CPU from the two that need it). On NCCL a communicator is expensive, so the heal
-        stays one broadcast over the epoch's group."""
-        return self.backend() != "nccl"
+        stays one broadcast over the epoch's group. Shard groups heal apart always: one
+        group per shard index, all at once."""
+        return self.k > 1 or self.backend() != "nccl"
 
     def heal_ranks(self, view: EpochView, rank: int) -> list[int] | None:
         """The heal group of ``view`` (source first) when ``rank`` is in one."""
-        if not view.needs_state or view.source is None or not self.heal_apart():
+        if not self.heal_apart():
             return None
-        ranks = [view.source, *sorted(view.needs_state - {view.source})]
-        return ranks if rank in ranks else None
+        return heal_group(view, rank, self.k)
+
+    def group_ranks(self, view: EpochView, rank: int) -> list[int]:
+        """The members of ``rank``'s epoch group: all of them, or with shard groups the
+        members of its shard index (:func:`replicate_ranks`)."""
+        return replicate_ranks(view, rank, self.k)
 
     # --- groups ----------------------------------------------------------------------------
     def abort(self, epoch: int) -> None:
@@ -148,14 +158,20 @@ class DataPlane:
         """Build ``view``'s group (and its heal group, when ``rank`` is in one) and make
         it current. False if ``cancelled()`` first; raises what a build raised."""
         t0 = time.monotonic()
-        size = len(view.members)
+        ranks = self.group_ranks(view, rank)
+        size = len(ranks)
         name = f"fastft-pg-{view.epoch}"
-        futs = [self._build(prefix, view.index(rank), size, name)]
+        part = f"{rank % self.k}/" if self.k > 1 else ""  # one group per shard index
+        futs = [self._build(prefix + part, ranks.index(rank), size, name)]
         heal = self.heal_ranks(view, rank)
         if heal is not None:  # built alongside, not after: the heal waits for both
             futs.append(
                 self._build(
-                    prefix + "heal/", heal.index(rank), len(heal), name + "-heal", own_store=True
+                    f"{prefix}heal/{part}",
+                    heal.index(rank),
+                    len(heal),
+                    name + "-heal",
+                    own_store=True,
                 )
             )
         groups: list[Any] = []

@@ -21,6 +21,7 @@ from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat
 from fastft.runtime.contract import EpochView
 from fastft.runtime.dataplane import DataPlane, HealTail
+from fastft.runtime.hsdp import shard_source
 from fastft.runtime.state import StateRegistry
 
 __all__ = ["HealResult", "Healer"]
@@ -60,12 +61,13 @@ class Healer:
         """Send (``rank`` is the source), fetch (``fetch``, or ``rank`` needs state) or
         relay the state of ``step``. Raises what the transfer raised (StepInterrupted on
         a fault of the epoch), after abandoning the heal group."""
-        assert view.source is not None
+        source = shard_source(view, rank, self.dp.k)  # (with shard groups, of its index)
+        assert source is not None
         t0 = time.monotonic()
         dp = self.dp
-        sending = rank == view.source
+        sending = rank == source
         receiving = fetch or rank in view.needs_state
-        pg, src, apart = dp.pg, view.index(view.source), False
+        pg, src, apart = dp.pg, dp.group_ranks(view, rank).index(source), False
         if dp.heal_pg is not None and dp.heal_pg[0] == epoch:
             pg, src, apart = dp.heal_pg[1], 0, True  # the source and the members it heals
         self.interrupter.begin_step(epoch, step)  # a fault of this epoch ends the heal

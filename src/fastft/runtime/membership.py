@@ -13,6 +13,7 @@ from fastft.protocol import JoinRequest, Severity
 from fastft.runtime.contract import EpochView, JobFinished, StateLost
 from fastft.runtime.coordinator import ADMIT, COMMIT, KeyCollector
 from fastft.runtime.durable import CheckpointError
+from fastft.runtime.hsdp import heal_group, shard_source
 
 if TYPE_CHECKING:
     from fastft.runtime.executor import Executor
@@ -167,12 +168,21 @@ class Membership:
                 view.step,
                 view.needs_state,
                 waiting=bool(view.waiting),
-                source=view.source if x.dp.heal_apart() else None,
+                source=self._source(view) if x.dp.heal_apart() else None,
             )
             x.feed_locked(ready)
             for m in view.members:  # deaths we heard of while the epoch was being formed
                 if m in x.dead and m != x.me:
                     x.feed_locked(PeerFault(m.rank, Severity.FAULT1, "died during formation"))
+
+    def _source(self, view: EpochView) -> int | None:
+        """Who sends this member's state (its shard's, with shard groups). A member of an
+        index that heals nobody is a bystander: any rank but its own says so."""
+        me, k = self.x.me.rank, self.x.dp.k
+        src = shard_source(view, me, k)
+        if k > 1 and me not in view.needs_state and heal_group(view, me, k) is None:
+            return -1 if src == me else src
+        return src
 
     def _recover(self, view: EpochView) -> None:
         """No live member held the committed state (``view.lost``), or a first start

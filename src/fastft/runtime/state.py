@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import fastft.runtime.tree as tree
+from fastft.runtime.hsdp import is_sharded, load_model_shards, local, optimizer_shards
 
 __all__ = ["Stateful", "StateRegistry", "reseed"]
 
@@ -64,6 +65,7 @@ class StateRegistry:
         self._step_snapshot: dict[str, Any] | None = None
         self._bucket: torch.Tensor | None = None
         self._bucket_ptrs: list[int] = []
+        self._sharded: bool | None = None
 
     def register(
         self,
@@ -75,6 +77,7 @@ class StateRegistry:
             if not isinstance(model, nn.Module):
                 raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
             self.model = model
+            self._sharded = None
         if optimizer is not None:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(
@@ -90,6 +93,13 @@ class StateRegistry:
             self._others[name] = obj
 
     # --- per step --------------------------------------------------------------------------
+    @property
+    def sharded(self) -> bool:
+        """Whether the registered model is sharded (FSDP2's DTensors)."""
+        if self._sharded is None:
+            self._sharded = is_sharded(self.model)
+        return self._sharded
+
     def begin_step(self) -> None:
         """Snapshot what a rolled-back step must undo: buffers and other objects."""
         snap: dict[str, Any] = {}
@@ -140,8 +150,8 @@ class StateRegistry:
         if self.model is None:
             raise RuntimeError("register(model=...) before reducing gradients")
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if not params or len({(p.dtype, p.device) for p in params}) != 1:
-            return None
+        if not params or len({(p.dtype, p.device) for p in params}) != 1 or self.sharded:
+            return None  # (FSDP2 sets its own sharded gradients)
         flat = self._bucket
         if (
             flat is not None
@@ -187,16 +197,16 @@ class StateRegistry:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            out.append(p.grad)
+            out.append(local(p.grad))  # (with FSDP2: this member's shard of it)
         return out
 
     # --- healing ---------------------------------------------------------------------------
     def state(self, step: int) -> dict[str, Any]:
         out: dict[str, Any] = {"step": step}
         if self.model is not None:
-            out["model"] = self.model.state_dict()
+            out["model"] = local(self.model.state_dict())
         if self.optimizer is not None:
-            out["optimizer"] = self.optimizer.state_dict()
+            out["optimizer"] = local(self.optimizer.state_dict())
         out["others"] = {name: obj.state_dict() for name, obj in self._others.items()}
         return out
 
@@ -300,9 +310,15 @@ class StateRegistry:
 
     def _apply(self, st: dict[str, Any]) -> int:
         if self.model is not None and "model" in st:
-            self.model.load_state_dict(st["model"])
+            if self.sharded:
+                load_model_shards(self.model, st["model"])
+            else:
+                self.model.load_state_dict(st["model"])
         if self.optimizer is not None and "optimizer" in st:
-            self.optimizer.load_state_dict(st["optimizer"])
+            opt = st["optimizer"]
+            self.optimizer.load_state_dict(
+                optimizer_shards(self.optimizer, opt) if self.sharded else opt
+            )
         for name, obj in self._others.items():
             if name in st.get("others", {}):
                 # A copy that owns its memory: a heal's tensors are views of its receive
@@ -322,9 +338,9 @@ class StateRegistry:
         if self.model is not None:
             for name, p in self.model.named_parameters():
                 h.update(name.encode())
-                h.update(_bytes(p))
+                h.update(_bytes(local(p)))  # (with FSDP2: this member's shard)
         if self.optimizer is not None:
-            for t in _tensors(self.optimizer.state_dict()["state"]):
+            for t in _tensors(local(self.optimizer.state_dict()["state"])):
                 h.update(_bytes(t))
         return h.hexdigest()[:16]
 
