@@ -66,20 +66,23 @@ def finals(run: Path) -> dict[int, dict]:
     }
 
 
-def check_s1_s3(run: Path, steps: int = STEPS) -> None:
+def check_s1_s3(run: Path, steps: int = STEPS, *, shard_size: int = 1) -> None:
+    """S1 per life, S3 per step (with shard groups: among the members of each shard index,
+    who hold the same part of the model)."""
     ev = read_events(run)
-    by_step: dict[int, set[str]] = defaultdict(set)
+    by_step: dict[tuple[int, int], set[str]] = defaultdict(set)
     history: dict[tuple[str, int], list[int]] = defaultdict(list)
     life: dict[str, int] = defaultdict(int)
     for e in ev:
         if e["event"] == "worker_start":
             life[e["src"]] = e["incarnation"]
         if e["event"] == "commit":
-            by_step[e["step"]].add(e["digest"])
+            index = int(e["src"].split()[1]) % shard_size
+            by_step[(e["step"], index)].add(e["digest"])
             history[(e["src"], life[e["src"]])].append(e["step"])
-    assert sorted(by_step) == list(range(steps)), "a step was never committed"
-    for step, digests in by_step.items():
-        assert len(digests) == 1, f"S3: members disagree after step {step}: {digests}"
+    assert sorted({s for s, _ in by_step}) == list(range(steps)), "a step was never committed"
+    for (step, index), digests in by_step.items():
+        assert len(digests) == 1, f"S3: members disagree after step {step}: {digests} ({index=})"
     for who, seq in history.items():
         assert seq == list(range(seq[0], seq[0] + len(seq))), f"S1: {who} applied {seq}"
     for e in ev:  # nothing the job itself sent was dropped (a death notice once was)

@@ -464,12 +464,13 @@ class Runtime:
             grads = self.registry.gradients()
             flat = torch._utils._flatten_dense_tensors(grads)
         kept = self._x.kept
-        kept.weigh(flat, self._x.state.step)
+        if not self.sharded:  # (FSDP averaged a shard group's gradients with equal weights)
+            kept.weigh(flat, self._x.state.step)
         pg = self._require_pg()
         with self._hb.blocked:
             interruptible_allreduce(pg, [flat], self.interrupter)
-        if kept.share is None:  # (FSDP averaged a shard group's gradients already)
-            flat.div_(self.world // self.config.shard_size)
+        if kept.share is None or self.sharded:
+            flat.div_(self.world // self.config.shard_size)  # (shard groups: over the groups)
         if grads:
             unflat = torch._utils._unflatten_dense_tensors(flat, grads)
             for g, r in zip(grads, unflat, strict=True):

@@ -1,0 +1,80 @@
+"""Shard groups (issue 22), real processes: 2 replica groups x 2 shards (FSDP2 on Gloo),
+per-step sync, fixed world. A SIGKILL, an exception or a SIGSTOP of one shard rank takes
+its group down; the group restarts, heals shard to shard from the other group (each index
+from its own, at once), and the job ends bitwise equal to a fault-free run. And sharding
+changes nothing but the summation order: SGD over 2 x 2 equals SGD over 4 replicas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _runs import check_s1_s3, fastft_run, finals
+
+from fastft.report import summarize
+from fastft.runtime import read_events
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+HSDP = ("--shard-size", "2")
+
+
+@pytest.fixture(scope="module")
+def sharded_clean(tmp_path_factory) -> dict[int, dict]:
+    run = fastft_run(tmp_path_factory.mktemp("hsdp"), "hsdp-clean", *HSDP, nproc=4)
+    check_s1_s3(run, shard_size=2)
+    f = finals(run)
+    assert f[0]["digest"] == f[2]["digest"] and f[1]["digest"] == f[3]["digest"]
+    assert f[0]["digest"] != f[1]["digest"]  # two halves of the model
+    return f
+
+
+@pytest.mark.parametrize("kind", ["sigkill", "exception", "sigstop"])
+def test_a_shard_rank_fault_restarts_its_group_which_heals_shard_to_shard(
+    tmp_path, sharded_clean, kind
+):
+    plan = [{"kind": kind, "rank": 1, "at_step": 8}]
+    run = fastft_run(tmp_path, f"hsdp-{kind}", *HSDP, plan=plan, nproc=4)
+    check_s1_s3(run, shard_size=2)
+    assert {r: v["digest"] for r, v in finals(run).items()} == {
+        r: v["digest"] for r, v in sharded_clean.items()
+    }  # S5, bitwise
+    ev = read_events(run)
+    assert not summarize(run)["total_losses"]
+    restarts = [e for e in ev if e["event"] == "group_restart"]
+    assert [(e["group"], sorted(e["ranks"])) for e in restarts] == [(0, [0, 1])], restarts
+    # the new lives met as group 0's next generation, and each fetched its own shard
+    assert {(e["src"], e["gen"]) for e in ev if e["event"] == "shard_group" and e["gen"]} == {
+        ("rank 0", 1),
+        ("rank 1", 1),
+    }
+    heals = {
+        e["src"]: e["heal_group"]
+        for e in ev
+        if e["event"] == "process_group" and e["epoch"] > 1 and "heal_group" in e
+    }
+    epochs = [e for e in ev if e["event"] in ("epoch", "heal", "heal_aborted", "process_group")]
+    assert heals == {"rank 0": [2, 0], "rank 2": [2, 0], "rank 1": [3, 1], "rank 3": [3, 1]}, epochs
+    fetched = [e for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"] == 8]
+    assert sorted(e["src"] for e in fetched) == ["rank 0", "rank 1"], epochs
+
+
+def _params(run: Path, ranks: list[int]) -> dict[str, torch.Tensor]:
+    """The model of ``run`` whole: the members' shards (dim 0) put back together."""
+    parts = [torch.load(run / "out" / f"final-rank{r}.pt") for r in ranks]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def test_sharding_changes_nothing_but_the_summation_order(tmp_path):
+    """SGD (Adam would hide a wrong scale of the gradients) over 2 groups x 2 shards and
+    over 4 replicas: the same model to rounding. A gradient averaged over the wrong count
+    would be off by a factor of 2 from the first step on."""
+    sgd = ("--sgd",)
+    whole = fastft_run(tmp_path, "replicas", nproc=4, steps=12, train=sgd)
+    sharded = fastft_run(tmp_path, "shards", *HSDP, nproc=4, steps=12, train=sgd)
+    a, b = _params(whole, [0]), _params(sharded, [0, 1])
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert _params(sharded, [2, 3]).keys() == a.keys()

@@ -1,0 +1,78 @@
+"""Shard groups (issue 22): who reduces with whom, who heals whom, which lives the agent
+takes down with a faulty member, and the configurations refused at start."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastft.errors import ConfigError
+from fastft.launch.config import LaunchConfig
+from fastft.launch.policy import group_mates
+from fastft.protocol.auth import JobSecret
+from fastft.runtime.contract import EpochView, Member, RuntimeConfig
+from fastft.runtime.hsdp import heal_group, replicate_ranks, shard_source
+
+
+def _view(n: int, needs: set[int], source: int | None) -> EpochView:
+    members = tuple(Member(r, 100 + r) for r in range(n))
+    return EpochView(2, members, 8, frozenset(needs), source)
+
+
+def test_the_replicate_group_is_the_shard_index_across_groups():
+    v = _view(6, set(), None)  # 3 groups of 2
+    assert replicate_ranks(v, 4, 2) == [0, 2, 4]
+    assert replicate_ranks(v, 3, 2) == [1, 3, 5]
+    assert replicate_ranks(v, 3, 1) == list(range(6))  # one worker per replica: everyone
+
+
+def test_a_restarted_group_heals_each_shard_from_its_own_index():
+    v = _view(4, {0, 1}, 2)  # group 0 restarted; the epoch's source is rank 2
+    assert [shard_source(v, r, 2) for r in range(4)] == [2, 3, 2, 3]
+    assert heal_group(v, 0, 2) == [2, 0] and heal_group(v, 2, 2) == [2, 0]
+    assert heal_group(v, 1, 2) == [3, 1] and heal_group(v, 3, 2) == [3, 1]
+    v6 = _view(6, {2, 3}, 0)  # group 1 of 3 restarted: the lowest holder of each index sends
+    assert heal_group(v6, 4, 2) is None  # a bystander
+    assert heal_group(v6, 5, 2) is None
+    assert heal_group(v6, 3, 2) == [1, 3]
+
+
+def test_at_the_first_start_the_lowest_member_of_each_index_sends():
+    v = _view(4, {1, 2, 3}, 0)
+    assert heal_group(v, 2, 2) == [0, 2]
+    assert heal_group(v, 3, 2) == [1, 3]  # rank 1 built its shard from the same seed
+
+
+def test_one_worker_per_replica_heals_as_before():
+    v = _view(3, {1}, 0)
+    assert shard_source(v, 2, 1) == 0
+    assert heal_group(v, 1, 1) == [0, 1] and heal_group(v, 2, 1) is None
+    assert heal_group(_view(3, set(), 0), 0, 1) is None
+
+
+def test_the_agent_takes_the_whole_group_down_once():
+    lives = {0: 10, 1: 11, 2: 12, 3: 13}
+    assert group_mates(1, 11, 2, lives, set()) == [0]
+    assert group_mates(2, 12, 2, lives, set()) == [3]
+    assert group_mates(0, 10, 2, lives, {10}) is None  # its exit was the agent's doing
+    assert group_mates(1, 11, 1, lives, set()) is None  # no shard groups
+    assert group_mates(5, 15, 3, {3: 1, 4: 2, 5: 15}, set()) == [3, 4]
+
+
+def _runtime(**kw) -> RuntimeConfig:
+    return RuntimeConfig(store="h:1", job="j", rank=0, world_size=4, **kw)
+
+
+def test_bad_shard_groups_are_refused_with_what_to_change(tmp_path):
+    with pytest.raises(ConfigError, match="does not divide the 4 workers"):
+        _runtime(shard_size=3)
+    with pytest.raises(ConfigError, match="fixed world for now"):
+        _runtime(shard_size=2, min_replicas=2)
+    with pytest.raises(ConfigError, match="durable tier does not save shard groups"):
+        _runtime(shard_size=2, checkpoint_dir="/tmp/x")
+    assert _runtime(shard_size=2).shard_size == 2
+    with pytest.raises(ConfigError, match="does not divide --nproc 4"):
+        LaunchConfig(command=("t.py",), nproc=4, shard_size=3)
+    with pytest.raises(ConfigError, match="does not divide --nproc 4"):
+        secret = str(JobSecret.draw().save(tmp_path / "s"))
+        LaunchConfig(command=("t.py",), nproc=4, nnodes=2, shard_size=8, store="h:1",
+                     job_secret_file=secret)  # fmt: skip
