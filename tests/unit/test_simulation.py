@@ -75,6 +75,7 @@ class _FakePlane:
 
     def __init__(self) -> None:
         self.k = 1  # (one worker per replica)
+        self.gate = None
         self.pg: Any = None
         self.pg_epoch = -1
         self.heal_pg: tuple[int, Any] | None = None

@@ -41,78 +41,16 @@ from fastft.runtime.dataplane import DataPlane
 from fastft.runtime.durable import Checkpoints
 from fastft.runtime.executor import Executor
 from fastft.runtime.formation import Recovery
-from fastft.runtime.hsdp import meet_shard_group
+from fastft.runtime.hsdp import StepGate, meet_shard_group
 from fastft.runtime.kept import KeptGradients
 from fastft.runtime.state import StateRegistry, reseed
+from fastft.runtime.transaction import Transaction
 
-__all__ = ["Runtime", "Transaction", "init"]
+__all__ = ["Runtime", "Transaction", "init"]  # (Transaction: fastft.runtime.transaction)
 
 log = logging.getLogger(__name__)
 
 _DECISION_WAIT_S = 0.5
-
-
-class Transaction:
-    """One attempt of one step; use as a context manager from :meth:`Runtime.transaction`.
-
-    ``step``: the step number; ``rank``/``world``: this worker's dense rank and the
-    number of members in the current epoch (partition the step's global batch by them);
-    ``committed`` is set when the ``with`` block ends.
-    """
-
-    def __init__(self, rt: Runtime) -> None:
-        self._rt = rt
-        self.step = -1
-        self.epoch = -1
-        self.rank = -1
-        self.world = 0
-        self.committed = False
-
-    def __enter__(self) -> Transaction:
-        return self._rt._enter(self)
-
-    def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
-        return self._rt._exit(self, et, ev)
-
-    def shard(self, n: int) -> slice:
-        """This member's part of the step's global batch of ``n`` samples: contiguous and
-        balanced (the first ``n % world`` members take one more), so whatever the epoch's
-        size every sample of a committed step is consumed exactly once (S5 when the world
-        shrinks). After it, :meth:`allreduce_gradients` weights each member's gradient by
-        its share: the result is the gradient of the mean over the whole global batch.
-
-        In an elastic world, the attempts of a step after it rolled back give each member
-        a piece of the samples nobody kept: the members that had finished their part add
-        the gradient they kept (``keep_gradients``, :mod:`fastft.runtime.kept`)."""
-        rt = self._rt
-        kept = rt._x.kept
-        part = kept.shard(rt._x.view, self.step, n, self.world, self.rank)
-        # A part that will be kept is worth finishing: a peer's fault from here on is
-        # raised when the part is done (at the allreduce), not in the middle of it, and
-        # the retry adds the part instead of computing a larger one from scratch; for at
-        # most half the rollback timeout, which is how long the closer of the next epoch
-        # waits for a survivor before it leaves it out.
-        half = rt.config.rollback_timeout_s / 2
-        rt.interrupter.defer_s = half if kept.worth_finishing() or rt.sharded else 0.0
-        if rt.sharded and n % self.world:
-            raise ValueError(
-                f"tx.shard({n}) over {self.world} members of shard groups: FSDP averages a "
-                "group's gradients with equal weights, so the global batch must divide "
-                "evenly; use a multiple of the world size"
-            )
-        return part
-
-    def allreduce_gradients(self, model: nn.Module | None = None) -> None:
-        """Average the gradients of the registered model over the epoch (interruptible);
-        weighted by the members' shares when :meth:`shard` was used."""
-        self._rt.injector.fire_due(self.step, point="collective")
-        self._rt._allreduce_gradients(model)
-
-    def allreduce(self, tensors: list[torch.Tensor]) -> None:
-        """Sum ``tensors`` in place over the epoch's members (interruptible)."""
-        rt = self._rt
-        with rt._hb.blocked:
-            interruptible_allreduce(rt._require_pg(), tensors, rt.interrupter)
 
 
 class Runtime:
@@ -182,6 +120,7 @@ class Runtime:
         self._store = control
         self._raw_store = store
         self._mesh: Any = None
+        self._gate_gen = 0
         self._retries = 0
         self._registered = False
         self._step_gen = 0
@@ -242,6 +181,11 @@ class Runtime:
     ) -> Runtime:
         """Register what a step changes and a heal transfers, then join the job: returns
         once this worker is a member of an epoch and holds the committed state."""
+        if self.sharded and self._mesh is None:
+            raise RuntimeError(
+                "this worker is in a shard group (--shard-size): shard the model over "
+                "ft.shard_mesh() (fully_shard(model, mesh=ft.shard_mesh())) before ft.register"
+            )
         self.registry.register(model, optimizer, **others)
         for name, obj in others.items():
             if isinstance(obj, Batches):
@@ -280,6 +224,7 @@ class Runtime:
         if self._mesh is None:
             with self._hb.blocked:  # (waits for the group's other members to start)
                 self._mesh = meet_shard_group(self.config, self._raw_store, device_type)
+            self._x.dp.gate = StepGate(self._hb.blocked)
             cfg = self.config
             self.events.emit("shard_group", group=self.rank // cfg.shard_size, gen=cfg.group_gen)
         return self._mesh
@@ -380,8 +325,10 @@ class Runtime:
     def _enter(self, tx: Transaction) -> Transaction:
         if not self._registered:
             raise RuntimeError("call ft.register(model=..., optimizer=...) before a transaction")
-        self._drive(lambda s: s.phase is Phase.NORMAL)
         x = self._x
+        self._drive(lambda s: s.phase is Phase.NORMAL)
+        while x.dp.gate is not None and not self._cross_gate():
+            pass
         s, view = x.state, x.view
         assert view is not None
         tx.step, tx.epoch = s.step, s.epoch
@@ -394,6 +341,9 @@ class Runtime:
         self._step_gen = x.phase_changes
         if self.sharded:  # FSDP's collectives inside the group finish; the reduce is interrupted
             self.interrupter.defer_s = self.config.rollback_timeout_s / 2
+            if self._gate_gen != self._step_gen:  # a fault came after the gate: the mates run
+                self._step_gen = self._gate_gen  # the body (FSDP pairs them); it then rolls back
+                self.interrupter.interrupt("a fault as the step began", epoch=s.epoch, step=s.step)
         try:
             self.injector.fire_due(s.step)
         except Exception as e:  # an injected exception: a local fault of this step
@@ -436,7 +386,10 @@ class Runtime:
             )
             return True
         if isinstance(ev, Exception) and self.sharded:
-            self._group_fault(ev)
+            if x.phase_changes == self._step_gen:  # (else a consequence of a known fault)
+                self._group_fault(ev)
+            x.faults.local(ev, gen=self._step_gen)
+            return True
         if isinstance(ev, Exception):
             self._retries += 1
             x.faults.local(ev, gen=self._step_gen)
@@ -445,6 +398,21 @@ class Runtime:
                 return False
             return True
         return False  # KeyboardInterrupt, SystemExit, ...
+
+    def _cross_gate(self) -> bool:
+        """Shard groups: whether every group mate enters this attempt too (StepGate); if
+        not, wait for the fault a mate knew of, the rollback, and the next attempt."""
+        x = self._x
+        assert x.dp.gate is not None
+        with x.lock:
+            attempt = (x.state.epoch, x.state.step)
+            go = x.state.phase is Phase.NORMAL
+            self._gate_gen = x.phase_changes
+        if x.dp.gate.cross(attempt, go) and go:
+            return True
+        self._drive(lambda s: s.phase is not Phase.NORMAL or (s.epoch, s.step) != attempt)
+        self._drive(lambda s: s.phase is Phase.NORMAL)
+        return False
 
     def _group_fault(self, e: BaseException) -> None:
         """A member of a shard group raised inside its step: its group mates may be inside

@@ -21,7 +21,7 @@ from torch import nn
 from fastft.process.events import EventLog
 from fastft.process.teardown import drop_later, keep_at_exit, keep_forever
 from fastft.runtime.contract import EpochView, choose_backend
-from fastft.runtime.hsdp import heal_group, replicate_ranks
+from fastft.runtime.hsdp import StepGate, heal_group, replicate_ranks
 
 __all__ = ["DataPlane", "HealTail"]
 
@@ -58,6 +58,8 @@ class DataPlane:
         self.k = shard_size
         """Workers per shard group: the epoch's group is then this member's replicate group
         (:mod:`fastft.runtime.hsdp`)."""
+        self.gate: StepGate | None = None
+        """The shard group's step gate, once the group has met (:meth:`Runtime.shard_mesh`)."""
         self._build_client: Any = None  # made by the first build, on its thread
         self._abandoned = 0
         """The store client of group builds: not the main thread's (a build waiting for a

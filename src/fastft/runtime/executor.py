@@ -282,6 +282,8 @@ class Executor:
             self.registry.rollback()
             self.rollbacks += 1
             s = self.state
+            if self.dp.gate is not None:  # (shard groups: the mates that entered it go back)
+                self.dp.gate.leave((s.epoch, s.step))
             self.events.emit("rollback", epoch=s.epoch, step=s.step, reason=s.reason)
         elif isinstance(a, FormEpoch):
             m.form(a)

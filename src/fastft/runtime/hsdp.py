@@ -40,6 +40,7 @@ __all__ = [
     "optimizer_shards",
     "replicate_ranks",
     "shard_source",
+    "StepGate",
 ]
 
 
@@ -94,6 +95,34 @@ def meet_shard_group(config: RuntimeConfig, store: dist.Store, device_type: str 
     )
     device = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     return DeviceMesh(device, list(range(k)))
+
+
+class StepGate:
+    """The members of a shard group run a step's body together or not at all.
+
+    FSDP's collectives inside the body pair up by order on the group's process group, and
+    Gloo cannot abandon one: a member that started a step's forward while its group mate,
+    told of a fault a moment earlier, went to roll back without it, waited in the
+    all-gather until it was killed as hung (and its group with it). So every member
+    crosses the gate of every attempt (epoch, step) exactly once: on entering it (``go``:
+    it knows of no fault) or on rolling it back without having entered (``go`` False).
+    The gate is a MIN over the group: the body runs only if every member said go."""
+
+    def __init__(self, blocked: Any) -> None:
+        self._blocked = blocked  # (the heartbeat goes on while a group mate is awaited)
+        self.crossed: tuple[int, int] | None = None
+
+    def cross(self, attempt: tuple[int, int], go: bool) -> bool:
+        flag = torch.tensor([1 if go else 0], dtype=torch.int32)
+        with self._blocked:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        self.crossed = attempt
+        return bool(flag.item())
+
+    def leave(self, attempt: tuple[int, int]) -> None:
+        """``attempt`` rolls back: cross its gate (as a no) unless this member entered it."""
+        if self.crossed != attempt:
+            self.cross(attempt, go=False)
 
 
 # --- sharded state (FSDP2's DTensors) as the heal, the digest and the reduce see it --------

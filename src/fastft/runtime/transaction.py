@@ -1,0 +1,78 @@
+"""One attempt of one step, as the user's ``with ft.transaction() as tx:`` sees it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fastft.interrupt import allreduce as interruptible_allreduce
+
+if TYPE_CHECKING:
+    from fastft.runtime.api import Runtime
+
+__all__ = ["Transaction"]
+
+
+class Transaction:
+    """One attempt of one step; use as a context manager from :meth:`Runtime.transaction`.
+
+    ``step``: the step number; ``rank``/``world``: this worker's dense rank and the
+    number of members in the current epoch (partition the step's global batch by them);
+    ``committed`` is set when the ``with`` block ends.
+    """
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        self.step = -1
+        self.epoch = -1
+        self.rank = -1
+        self.world = 0
+        self.committed = False
+
+    def __enter__(self) -> Transaction:
+        return self._rt._enter(self)
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
+        return self._rt._exit(self, et, ev)
+
+    def shard(self, n: int) -> slice:
+        """This member's part of the step's global batch of ``n`` samples: contiguous and
+        balanced (the first ``n % world`` members take one more), so whatever the epoch's
+        size every sample of a committed step is consumed exactly once (S5 when the world
+        shrinks). After it, :meth:`allreduce_gradients` weights each member's gradient by
+        its share: the result is the gradient of the mean over the whole global batch.
+
+        In an elastic world, the attempts of a step after it rolled back give each member
+        a piece of the samples nobody kept: the members that had finished their part add
+        the gradient they kept (``keep_gradients``, :mod:`fastft.runtime.kept`)."""
+        rt = self._rt
+        kept = rt._x.kept
+        part = kept.shard(rt._x.view, self.step, n, self.world, self.rank)
+        # A part that will be kept is worth finishing: a peer's fault from here on is
+        # raised when the part is done (at the allreduce), not in the middle of it, and
+        # the retry adds the part instead of computing a larger one from scratch; for at
+        # most half the rollback timeout, which is how long the closer of the next epoch
+        # waits for a survivor before it leaves it out.
+        half = rt.config.rollback_timeout_s / 2
+        rt.interrupter.defer_s = half if kept.worth_finishing() or rt.sharded else 0.0
+        if rt.sharded and n % self.world:
+            raise ValueError(
+                f"tx.shard({n}) over {self.world} members of shard groups: FSDP averages a "
+                "group's gradients with equal weights, so the global batch must divide "
+                "evenly; use a multiple of the world size"
+            )
+        return part
+
+    def allreduce_gradients(self, model: nn.Module | None = None) -> None:
+        """Average the gradients of the registered model over the epoch (interruptible);
+        weighted by the members' shares when :meth:`shard` was used."""
+        self._rt.injector.fire_due(self.step, point="collective")
+        self._rt._allreduce_gradients(model)
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> None:
+        """Sum ``tensors`` in place over the epoch's members (interruptible)."""
+        rt = self._rt
+        with rt._hb.blocked:
+            interruptible_allreduce(rt._require_pg(), tensors, rt.interrupter)
