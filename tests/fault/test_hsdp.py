@@ -78,3 +78,32 @@ def test_sharding_changes_nothing_but_the_summation_order(tmp_path):
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
     assert _params(sharded, [2, 3]).keys() == a.keys()
+
+
+def test_elastic_a_lost_group_leaves_the_other_goes_on_and_it_rejoins_whole(tmp_path):
+    """--min-replicas 2: rank 1 dies, group 0 goes down and restarts; group 1 commits the
+    next step alone (its members take the whole batch) and group 0 comes back as a whole,
+    healed shard to shard. Every sample of every committed step is consumed once."""
+    plan = [{"kind": "sigkill", "rank": 1, "at_step": 8}]
+    steps = 150  # (a cold restart takes ~4 s here: the group must be back before the end)
+    run = fastft_run(tmp_path, "hsdp-elastic", *HSDP, "--min-replicas", "2", plan=plan,
+                     nproc=4, steps=steps)  # fmt: skip
+    check_s1_s3(run, steps, shard_size=2)
+    ev = read_events(run)
+    epochs = {e["epoch"]: e for e in ev if e["event"] == "epoch" and e["src"] == "rank 2"}
+    assert [(v["members"], v["step"]) for v in epochs.values()][:2] == [
+        ([0, 1, 2, 3], 0),
+        ([2, 3], 8),  # group 1 alone, from the step that rolled back
+    ]
+    back = list(epochs.values())[2]
+    assert back["members"] == [0, 1, 2, 3] and back["needs_state"] == [0, 1], back
+    parts: dict[int, set[tuple[int, int, int]]] = {}
+    for e in ev:
+        if e["event"] == "commit":
+            parts.setdefault(e["step"], set()).add(tuple(e["shard"]))
+    for step, got in parts.items():  # the members' parts tile the batch of 96: once each
+        covered = sorted((lo, hi) for lo, hi, _ in got)
+        assert covered[0][0] == 0 and covered[-1][1] == 96, (step, covered)
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False)), covered
+    f = finals(run)
+    assert f[0]["digest"] == f[2]["digest"] and f[1]["digest"] == f[3]["digest"]

@@ -54,7 +54,7 @@ def free_port():
         ["run", "--warm-spares", "1", "--spare-prefault-mb", "999", "-m", "fastft.demo.train"],
         ["run", "--spare-prefault-mb", "-1", "-m", "fastft.demo.train"],
         ["run", "--nproc", "4", "--shard-size", "3", "-m", "fastft.demo.train"],
-        ["run", "--nproc", "4", "--shard-size", "2", "--min-replicas", "2", "-m", "m"],
+        ["run", "--nproc", "4", "--shard-size", "2", "--min-replicas", "3", "-m", "m"],
         ["frobnicate"],
         ["run", "--nproc", "2", "-m", "fastft.demo.no_such_module"],
     ],

@@ -10,7 +10,13 @@ from fastft.launch.config import LaunchConfig
 from fastft.launch.policy import group_mates
 from fastft.protocol.auth import JobSecret
 from fastft.runtime.contract import EpochView, Member, RuntimeConfig
-from fastft.runtime.hsdp import heal_group, replicate_ranks, shard_source
+from fastft.runtime.hsdp import (
+    broken_groups,
+    heal_group,
+    replicate_ranks,
+    shard_source,
+    whole_groups,
+)
 
 
 def _view(n: int, needs: set[int], source: int | None) -> EpochView:
@@ -65,8 +71,9 @@ def _runtime(**kw) -> RuntimeConfig:
 def test_bad_shard_groups_are_refused_with_what_to_change(tmp_path):
     with pytest.raises(ConfigError, match="does not divide the 4 workers"):
         _runtime(shard_size=3)
-    with pytest.raises(ConfigError, match="fixed world for now"):
-        _runtime(shard_size=2, min_replicas=2)
+    with pytest.raises(ConfigError, match="multiple of the group size"):
+        _runtime(shard_size=2, min_replicas=3)
+    assert _runtime(shard_size=2, min_replicas=2).elastic
     with pytest.raises(ConfigError, match="durable tier does not save shard groups"):
         _runtime(shard_size=2, checkpoint_dir="/tmp/x")
     assert _runtime(shard_size=2).shard_size == 2
@@ -76,3 +83,12 @@ def test_bad_shard_groups_are_refused_with_what_to_change(tmp_path):
         secret = str(JobSecret.draw().save(tmp_path / "s"))
         LaunchConfig(command=("t.py",), nproc=4, nnodes=2, shard_size=8, store="h:1",
                      job_secret_file=secret)  # fmt: skip
+
+
+def test_an_epoch_admits_whole_groups_and_waits_for_no_broken_one():
+    v = _view(6, set(), 0)
+    assert broken_groups(v, {Member(3, 103)}, 2) == {1}
+    assert broken_groups(v, {Member(3, 999)}, 2) == set()  # a life that is not a member
+    assert broken_groups(v, {Member(3, 103)}, 1) == set()
+    assert whole_groups([0, 1, 2, 4, 5], 2) == {0, 1, 4, 5}
+    assert whole_groups([3, 4, 5], 3) == {3, 4, 5}

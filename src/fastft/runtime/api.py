@@ -97,6 +97,7 @@ class Runtime:
                 dead=set(),
                 decision_store=decisions,
                 recovery=recovery,
+                shard_size=config.shard_size,
             ),
             SideClient(control.clone(), self.keys),
             self.registry,
@@ -110,7 +111,8 @@ class Runtime:
                 events=self.events,
                 shard_size=config.shard_size,
             ),
-            KeptGradients(config.keep_gradients and config.elastic),
+            # (not with shard groups: FSDP averaged a group's parts already)
+            KeptGradients(config.keep_gradients and config.elastic and config.shard_size == 1),
             durable,
         )
         x.coord.dead = x.dead  # one set of the dead per process

@@ -170,8 +170,7 @@ class RuntimeConfig:
 
 
 def check_shard_groups(shard_size: int, world_size: int, min_members: int) -> None:
-    """Shard groups must tile the world; an elastic world of shard groups is not built yet
-    (a lost group's members would leave the epoch one by one)."""
+    """Shard groups must tile the world, and an epoch of whole groups its fewest members."""
     if shard_size < 1:
         raise ConfigError(f"--shard-size {shard_size}: must be >= 1")
     if world_size % shard_size:
@@ -179,11 +178,10 @@ def check_shard_groups(shard_size: int, world_size: int, min_members: int) -> No
             f"--shard-size {shard_size} does not divide the {world_size} workers: use a "
             "divisor of --nproc (times --nnodes)"
         )
-    if shard_size > 1 and min_members < world_size:
+    if shard_size > 1 and min_members % shard_size:
         raise ConfigError(
-            f"--shard-size {shard_size} with an elastic world (--min-replicas "
-            f"{min_members} < {world_size} workers): shard groups run in a fixed world "
-            "for now; leave --min-replicas out"
+            f"--min-replicas {min_members} with --shard-size {shard_size}: an epoch has whole "
+            "shard groups, so the fewest workers must be a multiple of the group size"
         )
 
 

@@ -33,6 +33,7 @@ from fastft.errors import ControlPlaneError
 from fastft.protocol.keys import JobKeys
 from fastft.runtime.contract import EpochView, JobFinished, Member
 from fastft.runtime.formation import Arrival, Recovery, close_after, close_first, holds_state
+from fastft.runtime.hsdp import broken_groups, whole_groups
 
 __all__ = ["ADMIT", "COMMIT", "ROLLBACK", "Coordinator", "KeyCollector", "SideClient"]
 
@@ -87,8 +88,11 @@ class Coordinator:
         sleep: Callable[[float], None] = time.sleep,
         decision_store: Any = None,
         recovery: Callable[[], Recovery] = Recovery,
+        shard_size: int = 1,
     ) -> None:
         self.store = store
+        self.k = shard_size
+        """Workers per shard group: an epoch admits whole groups (:mod:`.hsdp`)."""
         self.decision_store = decision_store if decision_store is not None else store
         """Where members block for a decision; give it a short timeout (set_timeout): a
         wait that times out returns None and the caller checks whether to go on."""
@@ -283,7 +287,12 @@ class Coordinator:
                     raise JobFinished(done)
             # the lowest expected survivor still alive closes (one that died meanwhile
             # hands it on at once, not after the deadline)
-            live = [r for r in expected if Member(r, prev.incarnation(r)) not in self.dead]
+            broken = broken_groups(prev, self.dead, self.k)
+            live = [
+                r
+                for r in expected
+                if Member(r, prev.incarnation(r)) not in self.dead and r // self.k not in broken
+            ]
             if live and live[0] == me:
                 view = self._try_close(prev, live, deadline, admit)
                 if view is not None:
@@ -305,6 +314,12 @@ class Coordinator:
         if not set(expected) <= set(arrived) and not timed_out:
             return None  # (before reading the joiners: the common case while waiting)
         joiners = self.joiners(exclude=frozenset(arrived))
+        if self.k > 1:  # whole shard groups only (the rest of a broken one is going down)
+            broken = broken_groups(prev, self.dead, self.k)
+            arrived = {r: a for r, a in arrived.items() if r // self.k not in broken}
+            whole = whole_groups([*arrived, *joiners], self.k)
+            arrived = {r: a for r, a in arrived.items() if r in whole}
+            joiners = {r: i for r, i in joiners.items() if r in whole}
         view = close_after(
             prev,
             arrived,
@@ -352,6 +367,9 @@ class Coordinator:
                     return view
             seen = latest
             joiners = self.joiners()
+            if self.k > 1:  # whole shard groups only
+                whole = whole_groups(joiners, self.k)
+                joiners = {r: i for r, i in joiners.items() if r in whole}
             arguments = dict(
                 me=self.me.rank,
                 latest=latest,

@@ -22,6 +22,7 @@ Pure functions over an :class:`EpochView`; the executors call them.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterable, Set
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fastft.runtime.contract import EpochView, RuntimeConfig
+from fastft.runtime.contract import EpochView, Member, RuntimeConfig
 
 __all__ = [
     "heal_group",
@@ -41,6 +42,8 @@ __all__ = [
     "replicate_ranks",
     "shard_source",
     "StepGate",
+    "broken_groups",
+    "whole_groups",
 ]
 
 
@@ -73,6 +76,20 @@ def heal_group(view: EpochView, rank: int, k: int) -> list[int] | None:
         return None
     ranks = [src, *needs]
     return ranks if rank in ranks else None
+
+
+def broken_groups(view: EpochView, dead: Set[Member], k: int) -> set[int]:
+    """The shard groups of ``view`` with a member known dead: their agent takes the rest of
+    them down too, so none of them is waited for or admitted as a survivor."""
+    if k == 1:
+        return set()
+    return {m.rank // k for m in view.members if m in dead}
+
+
+def whole_groups(ranks: Iterable[int], k: int) -> set[int]:
+    """Those of ``ranks`` whose shard group is all there: an epoch admits whole groups."""
+    have = set(ranks)
+    return {r for r in have if all(q in have for q in range(r - r % k, r - r % k + k))}
 
 
 def meet_shard_group(config: RuntimeConfig, store: dist.Store, device_type: str | None) -> Any:

@@ -13,7 +13,7 @@ from fastft.protocol import JoinRequest, Severity
 from fastft.runtime.contract import EpochView, JobFinished, StateLost
 from fastft.runtime.coordinator import ADMIT, COMMIT, KeyCollector
 from fastft.runtime.durable import CheckpointError
-from fastft.runtime.hsdp import heal_group, shard_source
+from fastft.runtime.hsdp import heal_group, shard_source, whole_groups
 
 if TYPE_CHECKING:
     from fastft.runtime.executor import Executor
@@ -56,8 +56,11 @@ class Membership:
         view = x.view
         assert view is not None
         t0 = time.monotonic()
+        joining = a.joining
+        if joining and x.dp.k > 1:  # admit a restarted shard group once all of it is there
+            joining = bool(whole_groups(x.coord.joiners(), x.dp.k))
         got = x.coord.vote(
-            a.epoch, a.step, len(view.members), leaving=a.want_drain, joining=a.joining
+            a.epoch, a.step, len(view.members), leaving=a.want_drain, joining=joining
         )
         while got is None:
             got = x.coord.await_decision(a.epoch, a.step)
