@@ -107,3 +107,59 @@ def test_elastic_a_lost_group_leaves_the_other_goes_on_and_it_rejoins_whole(tmp_
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False)), covered
     f = finals(run)
     assert f[0]["digest"] == f[2]["digest"] and f[1]["digest"] == f[3]["digest"]
+
+
+EVERY = ("--sync", "every-k:4")  # sync steps 3, 7, ..., 31
+
+
+@pytest.fixture(scope="module")
+def local_sgd_clean(tmp_path_factory) -> dict[int, dict]:
+    run = fastft_run(tmp_path_factory.mktemp("every"), "every-clean", *HSDP, *EVERY, nproc=4,
+                     steps=32)  # fmt: skip
+    check_s1_s3(run, 32, shard_size=2, sync_every=4)
+    ev = read_events(run)
+    step0 = {e["src"]: e["digest"] for e in ev if e["event"] == "commit" and e["step"] == 0}
+    assert step0["rank 0"] != step0["rank 2"]  # a local step: each group its own gradient
+    f = finals(run)
+    assert f[0]["digest"] == f[2]["digest"] and f[1]["digest"] == f[3]["digest"]
+    return f
+
+
+def test_every_k_a_death_at_a_windows_first_step_is_bitwise_equal(tmp_path, local_sgd_clean):
+    """The sync step before it left every group the same: the group that restarts heals
+    the state it had, and nothing of the window is lost."""
+    plan = [{"kind": "sigkill", "rank": 1, "at_step": 8}]
+    run = fastft_run(tmp_path, "every-8", *HSDP, *EVERY, plan=plan, nproc=4, steps=32)
+    check_s1_s3(run, 32, shard_size=2, sync_every=4)
+    assert {r: v["digest"] for r, v in finals(run).items()} == {
+        r: v["digest"] for r, v in local_sgd_clean.items()
+    }
+
+
+def test_every_k_a_death_inside_a_window_replaces_its_groups_local_steps(tmp_path):
+    """The documented semantics (docs/hsdp.md): the survivors keep their local steps 8 and
+    9; the lost group takes the survivors' state of step 10 (its own steps 8 and 9 are
+    gone) and the next sync averages as usual. S1, S3 at every sync step, whole groups."""
+    plan = [{"kind": "sigkill", "rank": 1, "at_step": 10}]
+    run = fastft_run(tmp_path, "every-10", *HSDP, *EVERY, plan=plan, nproc=4, steps=32)
+    check_s1_s3(run, 32, shard_size=2, sync_every=4)
+    ev = read_events(run)
+    survivors = [e for e in ev if e["event"] == "commit" and e["src"] in ("rank 2", "rank 3")]
+    assert [e["step"] for e in survivors if e["src"] == "rank 2"] == list(range(32))
+    fetched = [e for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"] == 10]
+    assert sorted(e["src"] for e in fetched) == ["rank 0", "rank 1"]
+    f = finals(run)
+    assert f[0]["digest"] == f[2]["digest"] and f[1]["digest"] == f[3]["digest"]
+
+
+def test_every_k_an_exception_inside_a_window_loses_nothing(tmp_path):
+    """One worker per replica, 3 replicas: an exception rolls back the step in place, each
+    replica keeps its local steps, and the result is bitwise the fault-free one's."""
+    clean = fastft_run(tmp_path, "every-k1-clean", *EVERY, steps=32)
+    plan = [{"kind": "exception", "rank": 1, "at_step": 10}]
+    run = fastft_run(tmp_path, "every-k1-exc", *EVERY, plan=plan, steps=32)
+    check_s1_s3(run, 32, sync_every=4)
+    assert {r: v["digest"] for r, v in finals(run).items()} == {
+        r: v["digest"] for r, v in finals(clean).items()
+    }
+    assert len({v["digest"] for v in finals(run).values()}) == 1  # step 31 synced them

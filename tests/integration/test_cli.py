@@ -55,6 +55,7 @@ def free_port():
         ["run", "--spare-prefault-mb", "-1", "-m", "fastft.demo.train"],
         ["run", "--nproc", "4", "--shard-size", "3", "-m", "fastft.demo.train"],
         ["run", "--nproc", "4", "--shard-size", "2", "--min-replicas", "3", "-m", "m"],
+        ["run", "--nproc", "2", "--sync", "diloco:4", "-m", "fastft.demo.train"],
         ["frobnicate"],
         ["run", "--nproc", "2", "-m", "fastft.demo.no_such_module"],
     ],

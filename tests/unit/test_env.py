@@ -71,6 +71,7 @@ def test_every_variable_is_documented_once():
             "FASTFT_CHECKPOINT_KEEP",
             "FASTFT_ALLOW_FRESH_START",
             "FASTFT_SHARD_SIZE",
+            "FASTFT_SYNC",
         }, shared
 
 

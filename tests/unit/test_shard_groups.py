@@ -92,3 +92,13 @@ def test_an_epoch_admits_whole_groups_and_waits_for_no_broken_one():
     assert broken_groups(v, {Member(3, 103)}, 1) == set()
     assert whole_groups([0, 1, 2, 4, 5], 2) == {0, 1, 4, 5}
     assert whole_groups([3, 4, 5], 3) == {3, 4, 5}
+
+
+def test_sync_policies_are_parsed_or_refused_with_what_to_use():
+    assert _runtime(sync="per-step").sync_every == 1
+    assert _runtime(sync="every-k:8", shard_size=2).sync_every == 8
+    for bad in ("every-k:0", "every-k", "every-3", "sometimes"):
+        with pytest.raises(ConfigError, match="use per-step or every-k:N"):
+            _runtime(sync=bad)
+    with pytest.raises(ConfigError, match="not built yet"):
+        _runtime(sync="diloco:4")

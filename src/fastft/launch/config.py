@@ -87,6 +87,12 @@ class LaunchConfig:
         "workers per shard group (HSDP): ranks r // K shard one copy of the model (FSDP2) and "
         "are the unit of fault; must divide --nproc (default 1: one worker per replica)",
     )
+    sync: str = _flag(
+        "per-step",
+        "how replica groups sync: per-step (every step's gradients averaged) or every-k:N "
+        "(LocalSGD: groups step on their own gradients, and every N-th step starts from "
+        "their averaged parameters and optimizer state and applies the averaged gradient)",
+    )
     run_dir: str | None = _flag(None, "event log and heartbeats (default: a new temp dir)")
     seed: int = _flag(0, "the job's seed")
     check_every: int = _flag(0, "log the state digest every N commits (S3 check; 0: never)")
@@ -264,7 +270,11 @@ class LaunchConfig:
                 raise ConfigError(
                     f"--torchft needs torchft: pip install 'fastft[torchft]' ({e})"
                 ) from e
-        from fastft.runtime.contract import check_checkpoints, check_shard_groups  # (pure)
+        from fastft.runtime.contract import (  # (pure)
+            check_checkpoints,
+            check_shard_groups,
+            check_sync,
+        )
 
         if self.shard_size > 1 and self.nproc % self.shard_size:
             raise ConfigError(
@@ -272,6 +282,7 @@ class LaunchConfig:
                 "group lies on one node; use a divisor of --nproc"
             )
         check_shard_groups(self.shard_size, world, self.min_replicas or world)
+        check_sync(self.sync)
         if self.shard_size > 1 and (self.checkpoint_dir or self.torchft):
             raise ConfigError(
                 f"--shard-size with --{'checkpoint-dir' if self.checkpoint_dir else 'torchft'}: "
@@ -420,6 +431,7 @@ def worker_environment(
             secret_file=secret_file,
             shard_size=cfg.shard_size if cfg.shard_size > 1 else None,
             group_gen=group_gen if cfg.shard_size > 1 else None,
+            sync=cfg.sync if cfg.sync != "per-step" else None,
         ).to_env(),
         # torchrun's names: scripts place their model on cuda:LOCAL_RANK
         "LOCAL_RANK": str(local_rank),

@@ -130,6 +130,10 @@ class WorkerEnv:
         "workers per shard group (HSDP): ranks r // K form one replica group, 1 (default): "
         "one worker per replica",
     )
+    sync: str | None = _var(
+        "FASTFT_SYNC",
+        "how replica groups sync: per-step (default) or every-k:N (LocalSGD)",
+    )
     group_gen: int | None = _var(
         "FASTFT_GROUP_GEN",
         "how many times this worker's shard group was started again (its members meet on it)",

@@ -433,6 +433,9 @@ class Runtime:
         if flat is None:  # mixed dtypes or devices: flatten a copy
             grads = self.registry.gradients()
             flat = torch._utils._flatten_dense_tensors(grads)
+        every = self.config.sync_every
+        if every > 1 and (self._x.state.step + 1) % every:
+            return  # every-k: a local step (FSDP averaged the group's shards already)
         kept = self._x.kept
         if not self.sharded:  # (FSDP averaged a shard group's gradients with equal weights)
             kept.weigh(flat, self._x.state.step)
@@ -445,6 +448,13 @@ class Runtime:
             unflat = torch._utils._unflatten_dense_tensors(flat, grads)
             for g, r in zip(grads, unflat, strict=True):
                 g.copy_(r)
+        if every > 1:  # a sync step starts from the groups' average, applied at its commit
+            held = self.registry.sync_tensors()
+            avg = torch._utils._flatten_dense_tensors(held)
+            with self._hb.blocked:
+                interruptible_allreduce(pg, [avg], self.interrupter)
+            avg.div_(self.world // self.config.shard_size)
+            self.registry.hold_average(held, torch._utils._unflatten_dense_tensors(avg, held))
 
     def _require_pg(self) -> Any:
         self.interrupter.check()

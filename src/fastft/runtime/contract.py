@@ -53,7 +53,8 @@ class RuntimeConfig:
     decisions (:mod:`fastft.protocol.auth`); required. ``shard_size``: workers per shard
     group (HSDP, :mod:`fastft.runtime.hsdp`): ranks ``r // shard_size`` shard one copy of
     the model and are the unit of fault; ``group_gen``: how many times the agent started
-    this worker's group again (its members meet under it).
+    this worker's group again (its members meet under it). ``sync``: how the replica groups
+    sync, ``per-step`` or ``every-k:N`` (:mod:`fastft.runtime.hsdp`).
     """
 
     store: str
@@ -83,6 +84,7 @@ class RuntimeConfig:
     secret_file: str | None = None
     shard_size: int = 1
     group_gen: int = 0
+    sync: str = "per-step"
 
     def __post_init__(self) -> None:
         if ":" not in self.store:
@@ -102,6 +104,7 @@ class RuntimeConfig:
         if self.max_step_retries < 0:
             raise ConfigError("max_step_retries must be >= 0")
         check_shard_groups(self.shard_size, self.world_size, self.min_members)
+        check_sync(self.sync)
         if self.shard_size > 1 and self.checkpoint_dir:
             raise ConfigError(
                 "--shard-size with --checkpoint-dir: the durable tier does not save shard "
@@ -120,6 +123,11 @@ class RuntimeConfig:
     def min_members(self) -> int:
         assert self.min_replicas is not None
         return self.min_replicas
+
+    @property
+    def sync_every(self) -> int:
+        """Steps between the replica groups' syncs: 1 for ``per-step``."""
+        return check_sync(self.sync)
 
     @property
     def elastic(self) -> bool:
@@ -154,6 +162,7 @@ class RuntimeConfig:
             ("allow_fresh_start", False),
             ("shard_size", 1),
             ("group_gen", 0),
+            ("sync", "per-step"),
         ):
             v = getattr(we, name)
             kw[name] = default if v is None else v
@@ -167,6 +176,21 @@ class RuntimeConfig:
                 v = float(v)  # type: ignore[arg-type]
             kw[k] = v
         return cls(**kw)  # type: ignore[arg-type]
+
+
+def check_sync(sync: str) -> int:
+    """The sync policy's period: 1 for ``per-step``, N for ``every-k:N``."""
+    if sync == "per-step":
+        return 1
+    kind, _, n = sync.partition(":")
+    if kind == "diloco":
+        raise ConfigError(
+            "--sync diloco: an outer optimizer on the pseudo-gradient is not built yet; use "
+            "per-step or every-k:N"
+        )
+    if kind != "every-k" or not n.isdigit() or int(n) < 1:
+        raise ConfigError(f"--sync {sync!r}: use per-step or every-k:N (N >= 1 steps)")
+    return int(n)
 
 
 def check_shard_groups(shard_size: int, world_size: int, min_members: int) -> None:

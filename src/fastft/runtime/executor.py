@@ -315,6 +315,7 @@ class Executor:
         self.sv.injector.fire_due(a.step, point="commit")  # tests: death after the decision
         opt = self.registry.optimizer
         with self.interrupter.atomic():
+            self.registry.apply_average()  # (--sync every-k: a sync step's averages)
             if opt is not None:
                 opt.step()
             self.registry.zero_grads()

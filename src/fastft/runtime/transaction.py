@@ -67,7 +67,10 @@ class Transaction:
 
     def allreduce_gradients(self, model: nn.Module | None = None) -> None:
         """Average the gradients of the registered model over the epoch (interruptible);
-        weighted by the members' shares when :meth:`shard` was used."""
+        weighted by the members' shares when :meth:`shard` was used. With shard groups,
+        each shard over the groups; with ``--sync every-k:N``, only at every N-th step
+        (the others are each replica group's own), which also averages the parameters and
+        the optimizer state (applied at its commit)."""
         self._rt.injector.fire_due(self.step, point="collective")
         self._rt._allreduce_gradients(model)
 
