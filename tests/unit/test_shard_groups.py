@@ -97,8 +97,42 @@ def test_an_epoch_admits_whole_groups_and_waits_for_no_broken_one():
 def test_sync_policies_are_parsed_or_refused_with_what_to_use():
     assert _runtime(sync="per-step").sync_every == 1
     assert _runtime(sync="every-k:8", shard_size=2).sync_every == 8
-    for bad in ("every-k:0", "every-k", "every-3", "sometimes"):
-        with pytest.raises(ConfigError, match="use per-step or every-k:N"):
+    assert _runtime(sync="diloco:4").sync_every == 4
+    assert _runtime(sync="diloco:4").sync_kind == "diloco"
+    for bad in ("every-k:0", "every-k", "every-3", "sometimes", "diloco", "diloco:x"):
+        with pytest.raises(ConfigError, match="use per-step, every-k:N or diloco:N"):
             _runtime(sync=bad)
-    with pytest.raises(ConfigError, match="not built yet"):
-        _runtime(sync="diloco:4")
+
+
+def test_an_outer_step_moves_the_anchor_and_the_parameters_and_a_rollback_undoes_it():
+    """DiLoCo's outer step (fastft.runtime.sync.Outer) on two parameters; against the
+    formula for plain SGD (lr 0.5): anchor - 0.5 * averaged pseudo-gradient."""
+    import copy
+
+    import torch
+
+    from fastft.runtime.sync import Outer
+
+    params = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
+    outer = Outer(params, lambda ps: torch.optim.SGD(ps, lr=0.5))
+    with torch.no_grad():  # the group's local steps moved the parameters
+        params[0].sub_(torch.tensor([0.2, 0.4]))
+        params[1].add_(1.0)
+    delta = outer.pseudo_gradient()
+    assert torch.allclose(delta, torch.tensor([0.2, 0.4, -1.0]))
+    before = [p.clone() for p in params]
+    outer.step(delta * 2)  # as if the other group's move were the same again
+    assert torch.allclose(params[0], torch.tensor([0.8, 1.6]))
+    assert torch.allclose(params[1], torch.tensor([4.0]))
+    assert all(torch.equal(a, p) for a, p in zip(outer.anchor, params, strict=True))
+    outer.rollback()  # the step it began did not commit
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert torch.equal(outer.anchor[0], torch.tensor([1.0, 2.0]))
+    saved = copy.deepcopy(outer.state_dict())  # (live tensors, as a module's state_dict)
+    outer.step(delta)
+    outer.committed()
+    outer.rollback()  # nothing to undo once committed
+    assert torch.allclose(params[1], torch.tensor([3.5]))
+    other = Outer([torch.zeros(2), torch.zeros(1)])  # (Nesterov SGD, as a heal loads it)
+    other.load_state_dict(saved)
+    assert torch.equal(other.anchor[1], torch.tensor([3.0]))

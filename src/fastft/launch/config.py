@@ -91,7 +91,9 @@ class LaunchConfig:
         "per-step",
         "how replica groups sync: per-step (every step's gradients averaged) or every-k:N "
         "(LocalSGD: groups step on their own gradients, and every N-th step starts from "
-        "their averaged parameters and optimizer state and applies the averaged gradient)",
+        "their averaged parameters and optimizer state and applies the averaged gradient) "
+        "or diloco:N (groups step on their own; every N steps an outer optimizer, Nesterov "
+        "SGD by default, steps on the pseudo-gradient averaged over the groups)",
     )
     run_dir: str | None = _flag(None, "event log and heartbeats (default: a new temp dir)")
     seed: int = _flag(0, "the job's seed")
@@ -283,6 +285,11 @@ class LaunchConfig:
             )
         check_shard_groups(self.shard_size, world, self.min_replicas or world)
         check_sync(self.sync)
+        if self.sync != "per-step" and self.torchft:
+            raise ConfigError(
+                f"--sync {self.sync} with --torchft: torchft's Manager syncs every step; "
+                "leave one of them out"
+            )
         if self.shard_size > 1 and (self.checkpoint_dir or self.torchft):
             raise ConfigError(
                 f"--shard-size with --{'checkpoint-dir' if self.checkpoint_dir else 'torchft'}: "

@@ -132,7 +132,7 @@ class WorkerEnv:
     )
     sync: str | None = _var(
         "FASTFT_SYNC",
-        "how replica groups sync: per-step (default) or every-k:N (LocalSGD)",
+        "how replica groups sync: per-step (default), every-k:N (LocalSGD) or diloco:N",
     )
     group_gen: int | None = _var(
         "FASTFT_GROUP_GEN",

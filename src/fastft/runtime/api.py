@@ -26,7 +26,6 @@ from fastft.bus import connect_store
 from fastft.bus.signed import SignedStore
 from fastft.fsm import GradsReady, Phase, Shutdown, StepState
 from fastft.interrupt import Interrupter, StepInterrupted
-from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.process.env import SPARE_RUN_AHEAD, insecure
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat
@@ -44,6 +43,7 @@ from fastft.runtime.formation import Recovery
 from fastft.runtime.hsdp import StepGate, meet_shard_group
 from fastft.runtime.kept import KeptGradients
 from fastft.runtime.state import StateRegistry, reseed
+from fastft.runtime.sync import Outer, OuterOptimizer, outer_due, outer_step, reduce_gradients
 from fastft.runtime.transaction import Transaction
 
 __all__ = ["Runtime", "Transaction", "init"]  # (Transaction: fastft.runtime.transaction)
@@ -111,8 +111,14 @@ class Runtime:
                 events=self.events,
                 shard_size=config.shard_size,
             ),
-            # (not with shard groups: FSDP averaged a group's parts already)
-            KeptGradients(config.keep_gradients and config.elastic and config.shard_size == 1),
+            # (not with shard groups: FSDP averaged a group's parts already; not with local
+            # steps, which reduce no gradients)
+            KeptGradients(
+                config.keep_gradients
+                and config.elastic
+                and config.shard_size == 1
+                and config.sync == "per-step"
+            ),
             durable,
         )
         x.coord.dead = x.dead  # one set of the dead per process
@@ -179,16 +185,23 @@ class Runtime:
         self,
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        outer_optimizer: OuterOptimizer | None = None,
         **others: Any,
     ) -> Runtime:
         """Register what a step changes and a heal transfers, then join the job: returns
-        once this worker is a member of an epoch and holds the committed state."""
+        once this worker is a member of an epoch and holds the committed state.
+        ``outer_optimizer`` (``--sync diloco``): builds the outer optimizer over a list of
+        tensors (default: Nesterov SGD, lr 0.7, momentum 0.9)."""
         if self.sharded and self._mesh is None:
             raise RuntimeError(
                 "this worker is in a shard group (--shard-size): shard the model over "
                 "ft.shard_mesh() (fully_shard(model, mesh=ft.shard_mesh())) before ft.register"
             )
         self.registry.register(model, optimizer, **others)
+        if self.config.sync_kind == "diloco" and model is not None:
+            self.registry.outer = Outer(self.registry.local_parameters(), outer_optimizer)
+        elif outer_optimizer is not None:
+            raise ValueError("outer_optimizer: only with --sync diloco:N")
         for name, obj in others.items():
             if isinstance(obj, Batches):
                 obj.guard = self.interrupter.atomic
@@ -328,8 +341,7 @@ class Runtime:
         if not self._registered:
             raise RuntimeError("call ft.register(model=..., optimizer=...) before a transaction")
         x = self._x
-        self._drive(lambda s: s.phase is Phase.NORMAL)
-        while x.dp.gate is not None and not self._cross_gate():
+        while not self._begin_attempt():
             pass
         s, view = x.state, x.view
         assert view is not None
@@ -401,14 +413,42 @@ class Runtime:
             return True
         return False  # KeyboardInterrupt, SystemExit, ...
 
-    def _cross_gate(self) -> bool:
+    def _begin_attempt(self) -> bool:
+        """Wait for a step to attempt; run DiLoCo's outer step when it begins one, then
+        cross the shard group's gate. False: a fault came first; wait for the next."""
+        x = self._x
+        self._drive(lambda s: s.phase is Phase.NORMAL)
+        ok = True
+        if outer_due(self, x.state.step):
+            with x.lock:
+                epoch, step, self._step_gen = x.state.epoch, x.state.step, x.phase_changes
+            self.interrupter.begin_step(epoch, step)
+            try:
+                outer_step(self)
+            except StepInterrupted as e:
+                self.events.emit("interrupted", epoch=epoch, step=step, reason=e.reason)
+                ok = False
+            except Exception as e:  # (the peers learn of it; the step rolls back)
+                if self.sharded:
+                    self._group_fault(e)
+                x.faults.local(e, gen=self._step_gen)
+                ok = False
+            finally:
+                self.interrupter.end_step()
+        if x.dp.gate is not None:
+            return self._cross_gate(ok)  # (a member that failed above says no)
+        if not ok:  # wait for the rollback, which undoes the outer step
+            self._drive(lambda s: s.phase is not Phase.NORMAL or (s.epoch, s.step) != (epoch, step))
+        return ok
+
+    def _cross_gate(self, ok: bool = True) -> bool:
         """Shard groups: whether every group mate enters this attempt too (StepGate); if
         not, wait for the fault a mate knew of, the rollback, and the next attempt."""
         x = self._x
         assert x.dp.gate is not None
         with x.lock:
             attempt = (x.state.epoch, x.state.step)
-            go = x.state.phase is Phase.NORMAL
+            go = ok and x.state.phase is Phase.NORMAL
             self._gate_gen = x.phase_changes
         if x.dp.gate.cross(attempt, go) and go:
             return True
@@ -428,33 +468,7 @@ class Runtime:
     def _allreduce_gradients(self, model: nn.Module | None) -> None:
         if model is not None and self.registry.model is None:
             self.registry.register(model=model)
-        flat = self.registry.grad_bucket()
-        grads: list[torch.Tensor] = []
-        if flat is None:  # mixed dtypes or devices: flatten a copy
-            grads = self.registry.gradients()
-            flat = torch._utils._flatten_dense_tensors(grads)
-        every = self.config.sync_every
-        if every > 1 and (self._x.state.step + 1) % every:
-            return  # every-k: a local step (FSDP averaged the group's shards already)
-        kept = self._x.kept
-        if not self.sharded:  # (FSDP averaged a shard group's gradients with equal weights)
-            kept.weigh(flat, self._x.state.step)
-        pg = self._require_pg()
-        with self._hb.blocked:
-            interruptible_allreduce(pg, [flat], self.interrupter)
-        if kept.share is None or self.sharded:
-            flat.div_(self.world // self.config.shard_size)  # (shard groups: over the groups)
-        if grads:
-            unflat = torch._utils._unflatten_dense_tensors(flat, grads)
-            for g, r in zip(grads, unflat, strict=True):
-                g.copy_(r)
-        if every > 1:  # a sync step starts from the groups' average, applied at its commit
-            held = self.registry.sync_tensors()
-            avg = torch._utils._flatten_dense_tensors(held)
-            with self._hb.blocked:
-                interruptible_allreduce(pg, [avg], self.interrupter)
-            avg.div_(self.world // self.config.shard_size)
-            self.registry.hold_average(held, torch._utils._unflatten_dense_tensors(avg, held))
+        reduce_gradients(self)
 
     def _require_pg(self) -> Any:
         self.interrupter.check()

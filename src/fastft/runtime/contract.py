@@ -54,7 +54,7 @@ class RuntimeConfig:
     group (HSDP, :mod:`fastft.runtime.hsdp`): ranks ``r // shard_size`` shard one copy of
     the model and are the unit of fault; ``group_gen``: how many times the agent started
     this worker's group again (its members meet under it). ``sync``: how the replica groups
-    sync, ``per-step`` or ``every-k:N`` (:mod:`fastft.runtime.hsdp`).
+    sync, ``per-step``, ``every-k:N`` or ``diloco:N`` (:mod:`fastft.runtime.sync`).
     """
 
     store: str
@@ -130,6 +130,11 @@ class RuntimeConfig:
         return check_sync(self.sync)
 
     @property
+    def sync_kind(self) -> str:
+        """``per-step``, ``every-k`` or ``diloco``."""
+        return self.sync.partition(":")[0]
+
+    @property
     def elastic(self) -> bool:
         """Epochs may have fewer members than slots: survivors go on without a lost one."""
         return self.min_members < self.world_size
@@ -179,17 +184,12 @@ class RuntimeConfig:
 
 
 def check_sync(sync: str) -> int:
-    """The sync policy's period: 1 for ``per-step``, N for ``every-k:N``."""
+    """The sync policy's period: 1 for ``per-step``, N for ``every-k:N`` and ``diloco:N``."""
     if sync == "per-step":
         return 1
     kind, _, n = sync.partition(":")
-    if kind == "diloco":
-        raise ConfigError(
-            "--sync diloco: an outer optimizer on the pseudo-gradient is not built yet; use "
-            "per-step or every-k:N"
-        )
-    if kind != "every-k" or not n.isdigit() or int(n) < 1:
-        raise ConfigError(f"--sync {sync!r}: use per-step or every-k:N (N >= 1 steps)")
+    if kind not in ("every-k", "diloco") or not n.isdigit() or int(n) < 1:
+        raise ConfigError(f"--sync {sync!r}: use per-step, every-k:N or diloco:N (N >= 1 steps)")
     return int(n)
 
 

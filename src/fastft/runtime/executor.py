@@ -333,6 +333,8 @@ class Executor:
         extra: dict[str, Any] = {}
         if k.adding is not None and share is not None:
             extra["kept"] = [*k.adding, share[2]]
+        if digest is not None and self.registry.outer is not None:
+            extra["outer"] = self.registry.outer_digest()  # (--sync diloco: S3 of the anchor)
         self.events.emit(
             "commit",
             epoch=self.state.epoch,
