@@ -95,6 +95,14 @@ class LaunchConfig:
         "or diloco:N (groups step on their own; every N steps an outer optimizer, Nesterov "
         "SGD by default, steps on the pseudo-gradient averaged over the groups)",
     )
+    stage: str | None = _flag(
+        None,
+        "I/S: this job is stage I of a pipeline of S stages, each its own job; they meet in "
+        "the flow store (--flow) and stage I commits at most --max-ahead steps ahead of I+1",
+    )
+    flow: str | None = _flag(None, "HOST:PORT of the flow store the pipeline's stages share")
+    flow_name: str = _flag("pipeline", "the pipeline's name in the flow store")
+    max_ahead: int = _flag(1, "steps a stage's commits may run ahead of the next stage's")
     run_dir: str | None = _flag(None, "event log and heartbeats (default: a new temp dir)")
     seed: int = _flag(0, "the job's seed")
     check_every: int = _flag(0, "log the state digest every N commits (S3 check; 0: never)")
@@ -275,6 +283,7 @@ class LaunchConfig:
         from fastft.runtime.contract import (  # (pure)
             check_checkpoints,
             check_shard_groups,
+            check_stage,
             check_sync,
         )
 
@@ -285,6 +294,15 @@ class LaunchConfig:
             )
         check_shard_groups(self.shard_size, world, self.min_replicas or world)
         check_sync(self.sync)
+        check_stage(
+            self.stage,
+            self.flow,
+            self.max_ahead,
+            (self.min_replicas or world) < world,
+            self.shard_size,
+        )
+        if self.stage is not None and self.torchft:
+            raise ConfigError("--stage with --torchft: leave one of them out")
         if self.sync != "per-step" and self.torchft:
             raise ConfigError(
                 f"--sync {self.sync} with --torchft: torchft's Manager syncs every step; "
@@ -439,6 +457,10 @@ def worker_environment(
             shard_size=cfg.shard_size if cfg.shard_size > 1 else None,
             group_gen=group_gen if cfg.shard_size > 1 else None,
             sync=cfg.sync if cfg.sync != "per-step" else None,
+            flow=cfg.flow,
+            flow_name=cfg.flow_name if cfg.stage else None,
+            stage=cfg.stage,
+            max_ahead=cfg.max_ahead if cfg.stage else None,
         ).to_env(),
         # torchrun's names: scripts place their model on cuda:LOCAL_RANK
         "LOCAL_RANK": str(local_rank),

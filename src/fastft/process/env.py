@@ -134,6 +134,16 @@ class WorkerEnv:
         "FASTFT_SYNC",
         "how replica groups sync: per-step (default), every-k:N (LocalSGD) or diloco:N",
     )
+    flow: str | None = _var(
+        "FASTFT_FLOW",
+        "pipeline stages: HOST:PORT of the flow store the stages share (fastft.runtime.flow)",
+    )
+    flow_name: str | None = _var("FASTFT_FLOW_NAME", "pipeline stages: the pipeline's name")
+    stage: str | None = _var("FASTFT_STAGE", "pipeline stages: I/S, this job is stage I of S")
+    max_ahead: int | None = _var(
+        "FASTFT_MAX_AHEAD",
+        "pipeline stages: steps a stage's commits may run ahead of the next stage's",
+    )
     group_gen: int | None = _var(
         "FASTFT_GROUP_GEN",
         "how many times this worker's shard group was started again (its members meet on it)",

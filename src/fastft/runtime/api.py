@@ -39,6 +39,7 @@ from fastft.runtime.data import Batches
 from fastft.runtime.dataplane import DataPlane
 from fastft.runtime.durable import Checkpoints
 from fastft.runtime.executor import Executor
+from fastft.runtime.flow import flow_of, hold_stage
 from fastft.runtime.formation import Recovery
 from fastft.runtime.hsdp import StepGate, meet_shard_group
 from fastft.runtime.kept import KeptGradients
@@ -67,8 +68,8 @@ class Runtime:
         self.registry = StateRegistry()
         store = store if store is not None else connect_store(config.store)
         control: Any = store  # (FASTFT_INSECURE_NO_AUTH: values without tags)
-        if not insecure():
-            secret = JobSecret.for_worker(config.secret_file)
+        secret = None if insecure() else JobSecret.for_worker(config.secret_file)
+        if secret is not None:
             control = SignedStore(store, self.keys, ValueAuth(secret))
         decisions = control.clone()
         decisions.set_timeout(datetime.timedelta(seconds=_DECISION_WAIT_S))
@@ -125,6 +126,9 @@ class Runtime:
         self.interrupter.shield(
             Runtime._enter, Runtime._exit, Executor.drive, Executor._run_main_action, Runtime.close
         )
+        self.flow = flow_of(config, secret)  # (pipeline stages: --stage, --flow)
+        if self.flow is not None:
+            x.after_commit = self.flow.committed
         self._store = control
         self._raw_store = store
         self._mesh: Any = None
@@ -418,6 +422,8 @@ class Runtime:
         cross the shard group's gate. False: a fault came first; wait for the next."""
         x = self._x
         self._drive(lambda s: s.phase is Phase.NORMAL)
+        if self.flow is not None and not hold_stage(self):
+            return False  # (the staleness bound held it; a fault came first)
         ok = True
         if outer_due(self, x.state.step):
             with x.lock:

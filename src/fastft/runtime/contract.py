@@ -85,6 +85,10 @@ class RuntimeConfig:
     shard_size: int = 1
     group_gen: int = 0
     sync: str = "per-step"
+    flow: str | None = None
+    flow_name: str = "pipeline"
+    stage: str | None = None
+    max_ahead: int = 1
 
     def __post_init__(self) -> None:
         if ":" not in self.store:
@@ -105,6 +109,7 @@ class RuntimeConfig:
             raise ConfigError("max_step_retries must be >= 0")
         check_shard_groups(self.shard_size, self.world_size, self.min_members)
         check_sync(self.sync)
+        check_stage(self.stage, self.flow, self.max_ahead, self.elastic, self.shard_size)
         if self.shard_size > 1 and self.checkpoint_dir:
             raise ConfigError(
                 "--shard-size with --checkpoint-dir: the durable tier does not save shard "
@@ -168,6 +173,10 @@ class RuntimeConfig:
             ("shard_size", 1),
             ("group_gen", 0),
             ("sync", "per-step"),
+            ("flow", None),
+            ("flow_name", "pipeline"),
+            ("stage", None),
+            ("max_ahead", 1),
         ):
             v = getattr(we, name)
             kw[name] = default if v is None else v
@@ -191,6 +200,36 @@ def check_sync(sync: str) -> int:
     if kind not in ("every-k", "diloco") or not n.isdigit() or int(n) < 1:
         raise ConfigError(f"--sync {sync!r}: use per-step, every-k:N or diloco:N (N >= 1 steps)")
     return int(n)
+
+
+def check_stage(
+    stage: str | None, flow: str | None, max_ahead: int, elastic: bool, shard_size: int
+) -> tuple[int, int]:
+    """A pipeline stage's configuration (:mod:`fastft.runtime.flow`): (I, S), (0, 1) for a
+    job that is no stage."""
+    if stage is None:
+        if flow is not None:
+            raise ConfigError("--flow without --stage I/S: say which stage this job is")
+        return 0, 1
+    i = stage.partition("/")[0]
+    s = stage.partition("/")[2]
+    if not (i.isdigit() and s.isdigit()) or not 0 <= int(i) < int(s):
+        raise ConfigError(
+            f"--stage {stage!r}: use I/S, the stage's index I of S stages (0 <= I < S)"
+        )
+    if int(s) > 1 and flow is None:
+        raise ConfigError(
+            f"--stage {stage} without --flow HOST:PORT: the stages meet in a flow store "
+            "(fastft store hosts one)"
+        )
+    if max_ahead < 1:
+        raise ConfigError(f"--max-ahead {max_ahead}: must be >= 1")
+    if elastic or shard_size > 1:
+        raise ConfigError(
+            f"--stage with --{'min-replicas' if elastic else 'shard-size'}: pipeline stages "
+            "are built for fixed worlds of one worker per replica; leave it out"
+        )
+    return int(i), int(s)
 
 
 def check_shard_groups(shard_size: int, world_size: int, min_members: int) -> None:

@@ -110,6 +110,8 @@ class Executor:
         self.config = config
         self.durable = durable
         """The durable tier (``--checkpoint-dir``), None without one."""
+        self.after_commit: Callable[[int], None] | None = None
+        """Called with the count of committed steps after each commit (pipeline stages)."""
         self.me = me
         self.keys: JobKeys = coord.keys
         self.coord = coord
@@ -344,6 +346,8 @@ class Executor:
             wait_ms=self.membership.take_decision_wait(),
             **extra,
         )
+        if self.after_commit is not None:  # (after the commit event: see runtime.flow)
+            self.after_commit(a.step + 1)
         self._checkpoint(a.step + 1)
         self.feed(CommitApplied())
 

@@ -79,3 +79,20 @@ class Transaction:
         rt = self._rt
         with rt._hb.blocked:
             interruptible_allreduce(rt._require_pg(), tensors, rt.interrupter)
+
+    def send(self, tensor: torch.Tensor) -> None:
+        """Pipeline stages (``--stage``): this member's output of this step, for the
+        member of the same rank in the next stage (:mod:`fastft.runtime.flow`)."""
+        rt = self._rt
+        if rt.flow is None:
+            raise RuntimeError("tx.send(): this job is no pipeline stage (fastft run --stage)")
+        rt.flow.send(self.step, rt.rank, tensor)
+
+    def recv(self) -> torch.Tensor:
+        """Pipeline stages: the previous stage's output of this step for this member, once
+        that stage has committed the step (interruptible)."""
+        rt = self._rt
+        if rt.flow is None:
+            raise RuntimeError("tx.recv(): this job is no pipeline stage (fastft run --stage)")
+        with rt._hb.blocked:
+            return rt.flow.recv(self.step, rt.rank, rt.interrupter.check)
