@@ -72,6 +72,10 @@ def test_every_variable_is_documented_once():
             "FASTFT_ALLOW_FRESH_START",
             "FASTFT_SHARD_SIZE",
             "FASTFT_SYNC",
+            "FASTFT_STAGE",
+            "FASTFT_FLOW",
+            "FASTFT_FLOW_NAME",
+            "FASTFT_MAX_AHEAD",
         }, shared
 
 

@@ -315,6 +315,7 @@ class Runtime:
                 "replayed": st.replayed,
                 "by_sender": dict(st.rejected_by),
                 "forged_values": getattr(self._store, "forged", None) and self._store.forged.total,
+                "forged_flow": self.flow.forged if self.flow is not None else 0,
             },
         )
         if x.durable is not None:
