@@ -6,10 +6,12 @@ changes nothing but the summation order: SGD over 2 x 2 equals SGD over 4 replic
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from _nodes import Nodes
 from _runs import check_s1_s3, fastft_run, finals
 
 from fastft.report import summarize
@@ -28,6 +30,26 @@ def sharded_clean(tmp_path_factory) -> dict[int, dict]:
     assert f[0]["digest"] == f[2]["digest"] and f[1]["digest"] == f[3]["digest"]
     assert f[0]["digest"] != f[1]["digest"]  # two halves of the model
     return f
+
+
+def test_shard_groups_across_nodes_end_as_on_one_node(tmp_path, sharded_clean):
+    """2 nodes x 2 workers, --shard-size 2: each node hosts one group, whose replicate
+    groups span the nodes. An exception on node 1 (rank 3) restarts its group there,
+    which heals from node 0, and every shard ends bitwise equal to the one-node run's."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"faults": [{"kind": "exception", "rank": 3, "at_step": 8}]}))
+    job = Nodes(tmp_path / "nodes", 2, nproc=2, flags=(*HSDP, "--inject", str(plan)))
+    try:
+        job.start_all()
+        codes = job.wait(180)
+        assert codes == {0: 0, 1: 0}, job.logs()
+    finally:
+        assert job.close() == [], job.logs()
+    check_s1_s3(job.run, shard_size=2)
+    fetched = [e for e in job.events() if e["event"] == "heal" and e["role"] == "fetch"]
+    assert sorted(e["src"] for e in fetched if e["step"] == 8) == ["rank 2", "rank 3"]
+    got = {r: v["digest"] for r, v in finals(job.run).items()}
+    assert got == {r: v["digest"] for r, v in sharded_clean.items()}
 
 
 @pytest.mark.parametrize("kind", ["sigkill", "exception", "sigstop"])
