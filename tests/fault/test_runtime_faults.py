@@ -21,6 +21,7 @@ import pytest
 from _runs import STEPS, check_s1_s3, fastft_run, finals
 
 from fastft.launch.policy import COLD_RESTART_DELAY_S, SPARE_REFILL_MAX_S
+from fastft.protocol import EXIT_DRAINED
 from fastft.protocol.auth import JobSecret
 from fastft.report import shards_by_step, untiled_steps
 from fastft.runtime import read_events
@@ -238,7 +239,9 @@ def test_a_worker_lost_while_the_bus_is_flooded(tmp_path, clean):
 
 
 def test_sigterm_segfault_and_exit_code_end_bitwise_equal_to_a_clean_run(tmp_path, clean):
-    """The rest of the catalogue under the runtime (each a Fault1: restart and heal)."""
+    """The rest of the catalogue under the runtime: a SIGTERM is a preemption notice (the
+    worker drains at its next commit and starts again), the others are Fault1s (restart
+    and heal)."""
     plan = [
         {"kind": "sigterm", "rank": 0, "at_step": 5},
         {"kind": "segfault", "rank": 1, "at_step": 12},
@@ -257,7 +260,8 @@ def test_sigterm_segfault_and_exit_code_end_bitwise_equal_to_a_clean_run(tmp_pat
         for e in ev
         if e["event"] == "worker_exit" and (e["exit_code"] or e["signal"])
     }
-    assert exits == {(0, None, 15), (1, None, 11), (2, 3, None)}
+    assert exits == {(0, EXIT_DRAINED, None), (1, None, 11), (2, 3, None)}
+    assert not [e for e in ev if e["event"] == "rollback" and e["step"] in (5, 6)]
     fetched = {e["src"] for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"]}
     assert fetched == {"rank 0", "rank 1", "rank 2"}
 

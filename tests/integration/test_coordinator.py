@@ -12,7 +12,7 @@ import torch.distributed as dist
 from fastft.bus import host_store
 from fastft.protocol.keys import JobKeys
 from fastft.runtime.contract import EpochView, JobFinished, Member
-from fastft.runtime.coordinator import ADMIT, COMMIT, ROLLBACK, Coordinator
+from fastft.runtime.coordinator import ADMIT, COMMIT, ROLLBACK, Coordinator, parse_commit
 
 pytestmark = pytest.mark.timeout(60)
 JOB = "coord"
@@ -160,6 +160,19 @@ def test_a_vote_with_a_join_request_makes_the_commit_admit_joiners(server):
     assert cs[1].vote(1, 3, 3, joining=True) is None  # only one member saw the request
     assert cs[2].vote(1, 3, 3) == COMMIT + ADMIT  # the completing vote knows from the count
     assert {c.await_decision(1, 3) for c in cs} == {COMMIT + ADMIT}
+
+
+def test_a_vote_with_a_drain_names_the_leavers_in_the_commit(server):
+    cs = [coord(server, r, 10 + r) for r in range(3)]
+    ranks = (0, 1, 2)
+    assert cs[2].vote(1, 4, 3, leaving=True, ranks=ranks) is None
+    assert cs[0].vote(1, 4, 3, leaving=True, joining=True, ranks=ranks) is None
+    got = cs[1].vote(1, 4, 3, ranks=ranks)
+    assert got == COMMIT + ADMIT + "L0,2"
+    assert parse_commit(got) == (True, frozenset({0, 2}))
+    assert parse_commit(COMMIT) == (False, frozenset())
+    for bad in (ROLLBACK + "x", "CLx", "CQ", ""):
+        assert parse_commit(bad) is None
 
 
 def test_a_survivor_waiting_for_a_peer_that_finished_the_job_ends_too(server):

@@ -73,6 +73,7 @@ def test_every_variable_is_documented_once():
             "FASTFT_SHARD_SIZE",
             "FASTFT_SYNC",
             "FASTFT_STAGE",
+            "FASTFT_DRAIN_GRACE",
             "FASTFT_FLOW",
             "FASTFT_FLOW_NAME",
             "FASTFT_MAX_AHEAD",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastft.fsm import (
     DrainAcked,
     DrainNoticed,
+    DrainRequested,
     JoinRequested,
     LocalFault,
     PeerFault,
@@ -12,8 +13,10 @@ from fastft.fsm import (
     RollbackRequested,
 )
 from fastft.protocol import (
+    EXIT_DRAINED,
     DrainAck,
     DrainNotice,
+    DrainRequest,
     Fault,
     HangSuspected,
     JoinRequest,
@@ -148,3 +151,22 @@ def test_before_the_first_epoch_only_deaths_are_noted():
     assert _route(JoinRequest(**HDR, rank=1, incarnation=77), view=None).events == ()
     out = _route(_exited(1, 11), view=None)
     assert out.events == () and out.dead == Member(1, 11)
+
+
+def test_a_drained_exit_is_no_fault_when_expected_and_a_drain_request_is_latched():
+    drained = _exited(1, 11, code=EXIT_DRAINED, sig=None)
+    expected = route(
+        drained, me=ME, view=VIEW, epoch=3, step=5, dead=frozenset(), world_size=4, leaving={1}
+    )
+    assert expected.events == (DrainAcked(1),) and expected.dead == Member(1, 11)
+    assert expected.record is not None and expected.record[0] == "peer_drained"
+    outside = _route(_exited(1, 7, code=EXIT_DRAINED, sig=None))  # a life not in this epoch
+    assert outside.events == (DrainAcked(1),) and outside.dead == Member(1, 7)
+    # a member this worker still counts on (it left from a formation): a fault like any exit
+    assert _route(drained).events == (PeerFault(1, Severity.FAULT1, "rank 1 exited (code 88)"),)
+    op = dict(HDR, rank=-1, incarnation=5, role=Role.OPERATOR)
+    assert _route(DrainRequest(**op, target_rank=0, reason="maintenance")).events == (
+        DrainRequested("maintenance"),
+    )
+    assert _route(DrainRequest(**op, target_rank=2)).events == ()  # not this worker
+    assert _route(DrainRequest(**op, target_rank=0), view=None).events  # latched before an epoch

@@ -11,6 +11,7 @@ from fastft.launch.policy import (
     pick_spare,
     spare_owed_done,
 )
+from fastft.protocol import EXIT_DRAINED
 
 BASE = dict(
     rank=1,
@@ -27,6 +28,14 @@ BASE = dict(
 def test_a_clean_exit_or_a_stop_ends_the_slot():
     assert after_exit(code=0, sig=None, **BASE).done
     assert after_exit(code=None, sig=9, **dict(BASE, stopping=True)).done
+
+
+def test_a_drained_worker_restarts_in_a_fixed_world_only_and_a_draining_agent_restarts_none():
+    assert after_exit(code=EXIT_DRAINED, sig=None, **dict(BASE, life=3)).restart  # no failure
+    assert after_exit(code=EXIT_DRAINED, sig=None, **dict(BASE, elastic=True)).done
+    for code, sig in ((EXIT_DRAINED, None), (1, None), (None, 9)):
+        do = after_exit(code=code, sig=sig, **dict(BASE, draining=True))
+        assert do.done and not do.restart and do.failed is None
 
 
 def test_a_crash_is_restarted_until_the_restarts_run_out():

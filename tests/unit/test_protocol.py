@@ -12,6 +12,7 @@ from fastft.protocol import (
     MESSAGE_TYPES,
     NO_STEP,
     DrainAck,
+    DrainRequest,
     Fault,
     HangSuspected,
     Inject,
@@ -87,6 +88,10 @@ bodies = {
         }
     ),
     DrainAck: st.fixed_dictionaries({"drained_rank": ranks}),
+    DrainRequest: st.one_of(
+        st.fixed_dictionaries({"target_rank": ranks, "reason": text}),
+        st.fixed_dictionaries({"target_node": ranks, "reason": text}),
+    ),
 }
 
 

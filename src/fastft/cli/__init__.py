@@ -70,6 +70,19 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--at-step", type=int, default=None, help="fire at this step (default: now)")
     p.add_argument("--arg", type=float, default=0.0, help="exit code for --kind exit")
 
+    p = sub.add_parser(
+        "drain",
+        help="make a rank, or every rank of a node, leave after its next commit",
+        description="Drain: the rank leaves the job after its next commit, with nothing "
+        "rolled back; in a fixed world its agent starts it again (it heals), in an elastic "
+        "one the world shrinks. --node N drains every worker of node N and its agent ends.",
+    )
+    _add_target(p)
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--rank", type=int, help="the rank to drain")
+    who.add_argument("--node", type=int, help="the node whose workers all drain")
+    p.add_argument("--reason", default="", help="logged by the drained workers")
+
     p = sub.add_parser("report-error", help="publish a fault seen by an external monitor")
     _add_target(p)
     p.add_argument("--rank", type=int, required=True, help="the faulty rank")
@@ -197,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     handlers = {
         "inject": ops._cmd_inject,
+        "drain": ops._cmd_drain,
         "report-error": ops._cmd_report,
         "fsm-doc": _cmd_fsm_doc,
         "store": ops._cmd_store,

@@ -93,6 +93,33 @@ def _cmd_inject(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_drain(args: argparse.Namespace) -> int:
+    from fastft.protocol import NO_RANK, DrainRequest, Role
+
+    target = args.rank if args.rank is not None else args.node
+    what = "--rank" if args.rank is not None else "--node"
+    if target < 0:
+        _fail(f"{what} {target}: use a number >= 0")
+    bus = _publisher(args, Role.OPERATOR)
+    try:
+        bus.broadcast(
+            DrainRequest(
+                job=args.job,
+                epoch=0,
+                rank=NO_RANK,
+                incarnation=os.getpid(),
+                role=Role.OPERATOR,
+                target_rank=target if args.rank is not None else NO_RANK,
+                target_node=target if args.node is not None else NO_RANK,
+                reason=args.reason[:500] or f"fastft drain {what} {target}",
+            )
+        )
+    finally:
+        bus.close()
+    print(f"asked {'rank' if args.rank is not None else 'node'} {target} to drain")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from fastft.protocol import Fault, Role, Severity
 

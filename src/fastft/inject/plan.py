@@ -42,7 +42,9 @@ class FaultKind(str, enum.Enum):
     SIGKILL = "sigkill"
     """The process is killed (Fault1)."""
     SIGTERM = "sigterm"
-    """The process is asked to terminate (Fault1)."""
+    """The process is asked to terminate. Under the runtime it is a preemption notice: the
+    worker drains (leaves after its next commit, nothing rolled back) and its agent starts
+    it again in a fixed world; without the runtime, the process ends (Fault1)."""
     SIGSTOP = "sigstop"
     """The process is stopped: a hang its parent can see (Fault1 once killed)."""
     GIL_HANG = "gil_hang"

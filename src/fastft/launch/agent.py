@@ -36,6 +36,7 @@ from fastft.process.events import EventLog
 from fastft.process.heartbeat import STACKS_SIGNAL, read_heartbeat
 from fastft.protocol import (
     NO_RANK,
+    DrainRequest,
     Fault,
     HangSuspected,
     JobKeys,
@@ -84,6 +85,11 @@ class Agent:
         when the *thread* that forked it ends, and the threads that see exits are short-lived."""
         self._wake = threading.Event()
         self._stopping: int | None = None
+        self.draining: float | None = None
+        """When the agent drains its workers (a SIGTERM, ``fastft drain --node``): the
+        deadline after which it stops them (``--drain-grace``)."""
+        self._drain_sent: set[int] = set()
+        """Lives told to drain."""
         self._failed: str | None = None
         self.restarts = 0
         self.group_gen: dict[int, int] = {}
@@ -170,9 +176,20 @@ class Agent:
         return 0
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        if self._stopping is None:
+        if signum == signal.SIGTERM and self.draining is None and self._stopping is None:
+            self._drain("SIGTERM")  # a preemption notice: leave at the next commit
+            return
+        if self._stopping is None:  # SIGINT, or a second SIGTERM: stop now
             self._stopping = signum
             self._wake.set()
+
+    def _drain(self, why: str) -> None:
+        """Drain every worker of this node: each leaves after its next commit (nothing
+        is rolled back), none is restarted, and the agent exits 0 once they have left;
+        after ``--drain-grace`` seconds it stops those still there."""
+        self.draining = time.monotonic() + self.config.drain_grace_s
+        self.events.emit("drain", why=why, grace_s=self.config.drain_grace_s)
+        self._wake.set()
 
     # --- workers ---------------------------------------------------------------------------
     def _local(self, slot: Slot) -> int:
@@ -251,12 +268,27 @@ class Agent:
         while True:
             self._wake.wait(period)
             self._wake.clear()
+            if self.draining is not None:
+                for slot in slots:  # (each worker's SIGTERM handler asks for its drain)
+                    # once its runtime is up (its first heartbeat): before, the handler is
+                    # not there yet, and a SIGTERM would end it
+                    if (
+                        not slot.done
+                        and slot.incarnation not in self._drain_sent
+                        and read_heartbeat(slot.heartbeat) is not None
+                    ):
+                        self._drain_sent.add(slot.incarnation)
+                        self.children.kill(slot, signal.SIGTERM, incarnation=slot.incarnation)
+            late = self.draining is not None and time.monotonic() > self.draining
+            if late and not all(s.done for s in slots):
+                log.error("drain: workers still running after --drain-grace; stopping them")
+                self._stopping = signal.SIGTERM
             if self._stopping is not None:
                 self.events.emit("stop", signal=self._stopping)
-                self.children.kill_all(slots, signal.SIGTERM, grace_s=5.0)
+                self.children.kill_all(slots, signal.SIGKILL, grace_s=0.0)
                 return
             if self._failed:
-                self.children.kill_all(slots, signal.SIGTERM, grace_s=2.0)
+                self.children.kill_all(slots, signal.SIGKILL, grace_s=0.0)
                 return
             if all(s.done for s in slots):
                 return
@@ -265,6 +297,9 @@ class Agent:
                 due = [s for t, s in self._restarts_due if t <= now]
                 self._restarts_due = [(t, s) for t, s in self._restarts_due if t > now]
             for slot in due:
+                if self.draining is not None:  # (no new lives once the node drains)
+                    slot.done = True
+                    continue
                 self._spawn(slot)
             if self.spares.owed:
                 self.spares.refill(
@@ -319,6 +354,10 @@ class Agent:
         self.children.kill(slot, incarnation=inc)  # never the restarted life in the slot
 
     def _on_message(self, m: Message) -> None:
+        if isinstance(m, DrainRequest) and m.target_node == self.config.node_rank:
+            if self.draining is None:
+                self._drain(m.reason or "fastft drain --node")
+            return
         # A worker declared silent by its peers: kill it if it is one of ours (restart).
         if isinstance(m, Fault) and m.severity is Severity.FAULT1 and m.rank != m.faulty_rank:
             slot = self.slots.get(m.faulty_rank)

@@ -38,6 +38,8 @@ class Slot:
     """The incarnation last reported hung (killed; not reported twice)."""
     stopped: int = 0
     """The incarnation last reported stopped."""
+    drains: int = 0
+    """Lives that ended drained (they use up no restart)."""
 
 
 ExitCallback = Callable[[Slot, int, "int | None", "int | None", float, str], bool]

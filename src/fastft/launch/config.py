@@ -103,6 +103,12 @@ class LaunchConfig:
     flow: str | None = _flag(None, "HOST:PORT of the flow store the pipeline's stages share")
     flow_name: str = _flag("pipeline", "the pipeline's name in the flow store")
     max_ahead: int = _flag(1, "steps a stage's commits may run ahead of the next stage's")
+    drain_grace_s: float = _flag(
+        30.0,
+        "after a SIGTERM (or fastft drain --node), seconds the workers have to leave at "
+        "their next commit before they are stopped",
+        flag="--drain-grace",
+    )
     run_dir: str | None = _flag(None, "event log and heartbeats (default: a new temp dir)")
     seed: int = _flag(0, "the job's seed")
     check_every: int = _flag(0, "log the state digest every N commits (S3 check; 0: never)")
@@ -242,6 +248,8 @@ class LaunchConfig:
             raise ConfigError("--max-restarts must be >= 0")
         if self.hang_timeout_s <= 0:
             raise ConfigError("--hang-timeout must be > 0 seconds")
+        if not 0 < self.drain_grace_s < 86400:
+            raise ConfigError(f"--drain-grace {self.drain_grace_s}: use 0 < seconds < 86400")
         world = self.nproc * self.nnodes
         if self.min_replicas is not None and not 1 <= self.min_replicas <= world:
             raise ConfigError(f"--min-replicas {self.min_replicas}: must be in 1..{world}")
@@ -445,6 +453,7 @@ def worker_environment(
             seed=cfg.seed,
             incarnation=incarnation,
             check_every=cfg.check_every,
+            drain_grace_s=cfg.drain_grace_s,
             keep_gradients=cfg.keep_gradients,
             backend=cfg.backend,
             lighthouse="bus" if cfg.torchft == "fastft" else None,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import fastft.launch.policy as policy
 from fastft.launch.children import Slot
-from fastft.protocol import HangSuspected, ProcessExited
+from fastft.protocol import EXIT_DRAINED, HangSuspected, ProcessExited
 
 if TYPE_CHECKING:
     from fastft.launch.agent import Agent
@@ -91,7 +91,7 @@ class Exits:
             rank=slot.rank,
             code=code,
             sig=sig,
-            life=slot.life,
+            life=slot.life - slot.drains,
             max_restarts=cfg.max_restarts,
             stopping=self.agent._stopping is not None,
             already_done=slot.done,
@@ -101,6 +101,7 @@ class Exits:
             ),
             spares_left=bool(self.agent.spares),
             elastic=cfg.min_replicas is not None and cfg.min_replicas < cfg.world_size,
+            draining=self.agent.draining is not None,
         )
         if do.failed:
             self.agent._failed = do.failed
@@ -108,6 +109,8 @@ class Exits:
             slot.done = True
         if do.restart and cfg.shard_size > 1:
             self._restart_group(slot)
+        if do.restart and code == EXIT_DRAINED:
+            slot.drains += 1  # (a drain is no failure: it uses up no restart)
         if do.restart:
             slot.life += 1
             self.agent.restarts += 1

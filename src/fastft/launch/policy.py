@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fastft.protocol import EXIT_DRAINED
 from fastft.runtime.contract import EXIT_STATE_LOST
 
 __all__ = [
@@ -60,11 +61,19 @@ def after_exit(
     peers_finished: bool,
     spares_left: bool,
     elastic: bool,
+    draining: bool = False,
 ) -> AfterExit:
     """A worker of slot ``rank`` in its ``life`` exited with ``code`` or signal ``sig``.
-    ``peers_finished``: another slot's worker ended the job cleanly already."""
-    if code == 0 or stopping or already_done:
+    ``peers_finished``: another slot's worker ended the job cleanly already;
+    ``draining``: the agent drains its workers (a SIGTERM, ``fastft drain --node``).
+
+    A drained worker (:data:`EXIT_DRAINED`) left on purpose: in a fixed world it starts
+    again (a new life that heals; not counted against ``max_restarts``), in an elastic
+    world, or when its agent drains, the slot is done."""
+    if code == 0 or stopping or already_done or draining:
         return AfterExit(done=True)
+    if code == EXIT_DRAINED:
+        return AfterExit(done=True) if elastic or peers_finished else AfterExit(restart=True)
     if code == EXIT_STATE_LOST:
         return AfterExit(
             done=True,

@@ -7,12 +7,14 @@ from fastft.errors import ProtocolError
 from fastft.protocol.codec import decode, encode
 from fastft.protocol.keys import JobKeys
 from fastft.protocol.messages import (
+    EXIT_DRAINED,
     MESSAGE_TYPES,
     NO_RANK,
     NO_STEP,
     WIRE_VERSION,
     DrainAck,
     DrainNotice,
+    DrainRequest,
     Fault,
     HangSuspected,
     Heartbeat,
@@ -30,6 +32,8 @@ __all__ = [
     "MESSAGE_TYPES",
     "NO_RANK",
     "NO_STEP",
+    "EXIT_DRAINED",
+    "DrainRequest",
     "WIRE_VERSION",
     "DrainAck",
     "DrainNotice",

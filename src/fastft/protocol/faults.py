@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastft.protocol.messages import Fault, HangSuspected, Message, ProcessExited, Severity
+from fastft.protocol.messages import (
+    EXIT_DRAINED,
+    Fault,
+    HangSuspected,
+    Message,
+    ProcessExited,
+    Severity,
+)
 
 __all__ = ["FaultReport", "fault_of"]
 
@@ -16,7 +23,9 @@ class FaultReport:
     ``severity``: FAULT1 (its state is gone) or FAULT2 (transient); ``cause``: one line;
     ``dead``: the life is gone (exited, hung, stopped, declared dead by a peer or a
     monitor); a life reporting its own Fault1 lost its state but lives;
-    ``clean_exit``: it exited with code 0; ``self_reported``: sent by that life itself."""
+    ``clean_exit``: it exited with code 0; ``drained``: it exited after a drain
+    (:data:`EXIT_DRAINED`: every member had let it go); ``self_reported``: sent by that
+    life itself."""
 
     rank: int
     incarnation: int
@@ -24,6 +33,7 @@ class FaultReport:
     cause: str
     dead: bool
     clean_exit: bool = False
+    drained: bool = False
     self_reported: bool = False
 
     @property
@@ -52,6 +62,7 @@ def fault_of(m: Message) -> FaultReport | None:
             f"rank {m.exited_rank} exited ({how})",
             dead=bool(m.exited_incarnation),
             clean_exit=m.exit_code == 0,
+            drained=m.exit_code == EXIT_DRAINED,
         )
     if isinstance(m, HangSuspected):
         what = "stopped" if m.stopped else "hung"

@@ -39,6 +39,8 @@ __all__ = [
     "MESSAGE_TYPES",
     "NO_RANK",
     "NO_STEP",
+    "EXIT_DRAINED",
+    "DrainRequest",
 ]
 
 WIRE_VERSION = 1
@@ -46,6 +48,9 @@ NO_RANK = -1
 """``rank`` of a sender that is not a training worker (agent, monitor, operator)."""
 NO_STEP = -1
 """``step`` when the sender does not know or have one."""
+EXIT_DRAINED = 88
+"""A worker's exit status after a drain: it committed its last step and every member
+acknowledged that it leaves. Its exit is no fault (:func:`fastft.protocol.fault_of`)."""
 
 _U32 = 2**32 - 1
 _I32 = 2**31 - 1
@@ -296,6 +301,26 @@ class JoinRequest(Message):
     KIND: ClassVar[int] = 10
 
 
+@dataclass(frozen=True, kw_only=True)
+class DrainRequest(Message):
+    """Ask a worker (``target_rank``) or every worker of a node's agent (``target_node``)
+    to drain: leave the job after the next commit, with nothing rolled back
+    (``fastft drain``)."""
+
+    KIND: ClassVar[int] = 11
+
+    target_rank: int = NO_RANK
+    target_node: int = NO_RANK
+    reason: str = ""
+
+    def _validate_body(self) -> None:
+        _check_int("target_rank", self.target_rank, NO_RANK, _I32)
+        _check_int("target_node", self.target_node, NO_RANK, _I32)
+        if (self.target_rank == NO_RANK) == (self.target_node == NO_RANK):
+            raise ProtocolError("a drain request names a rank or a node, one of them")
+        _check_text("reason", self.reason)
+
+
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.KIND: cls
     for cls in (
@@ -309,6 +334,7 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         Inject,
         Heartbeat,
         JoinRequest,
+        DrainRequest,
     )
 }
 

@@ -14,6 +14,8 @@ import datetime
 import logging
 import os
 import secrets
+import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -24,8 +26,8 @@ from torch import nn
 import fastft.process.malloc as malloc
 from fastft.bus import connect_store
 from fastft.bus.signed import SignedStore
-from fastft.fsm import GradsReady, Phase, Shutdown, StepState
-from fastft.interrupt import Interrupter, StepInterrupted
+from fastft.fsm import DrainRequested, Phase, Shutdown, StepState
+from fastft.interrupt import Interrupter
 from fastft.process.env import SPARE_RUN_AHEAD, insecure
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat
@@ -33,18 +35,25 @@ from fastft.process.order import await_order, ran_ahead
 from fastft.process.services import Services
 from fastft.protocol import JobKeys
 from fastft.protocol.auth import JobSecret, ValueAuth
-from fastft.runtime.contract import EXIT_GROUP_FAULT, JobFinished, Member, RuntimeConfig
+from fastft.runtime.attempt import StepAttempts
+from fastft.runtime.contract import (
+    Drained,
+    JobFinished,
+    Member,
+    RuntimeConfig,
+    WorkerExit,
+)
 from fastft.runtime.coordinator import Coordinator, SideClient
 from fastft.runtime.data import Batches
 from fastft.runtime.dataplane import DataPlane
 from fastft.runtime.durable import Checkpoints
 from fastft.runtime.executor import Executor
-from fastft.runtime.flow import flow_of, hold_stage
+from fastft.runtime.flow import flow_of
 from fastft.runtime.formation import Recovery
 from fastft.runtime.hsdp import StepGate, meet_shard_group
 from fastft.runtime.kept import KeptGradients
-from fastft.runtime.state import StateRegistry, reseed
-from fastft.runtime.sync import Outer, OuterOptimizer, outer_due, outer_step, reduce_gradients
+from fastft.runtime.state import StateRegistry
+from fastft.runtime.sync import Outer, OuterOptimizer, reduce_gradients
 from fastft.runtime.transaction import Transaction
 
 __all__ = ["Runtime", "Transaction", "init"]  # (Transaction: fastft.runtime.transaction)
@@ -54,7 +63,7 @@ log = logging.getLogger(__name__)
 _DECISION_WAIT_S = 0.5
 
 
-class Runtime:
+class Runtime(StepAttempts):
     """fastft on one worker. Build it with :func:`init`."""
 
     def __init__(self, config: RuntimeConfig, *, store: dist.Store | None = None) -> None:
@@ -74,6 +83,10 @@ class Runtime:
         decisions = control.clone()
         decisions.set_timeout(datetime.timedelta(seconds=_DECISION_WAIT_S))
         self.interrupter = Interrupter().install()
+        if threading.current_thread() is threading.main_thread() and config.shard_size == 1:
+            # a preemption notice, or the agent draining its node: leave after the next
+            # commit (ft.drain); a second SIGTERM, or the agent's grace, ends it anyway
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         self.interrupter.end_step()
         durable = (
             Checkpoints(config.checkpoint_dir, config.checkpoint_keep, self.events)
@@ -341,136 +354,39 @@ class Runtime:
         except JobFinished:
             self.close()
             raise
+        except WorkerExit as e:
+            if self._x.state.want_drain:  # every member let it go: end as drained
+                why = self._x.state.reason or str(e)
+                self.events.emit("drained", step=self._x.state.step, reason=why)
+                self.close()
+                raise Drained(why) from None
+            raise
 
-    def _enter(self, tx: Transaction) -> Transaction:
-        if not self._registered:
-            raise RuntimeError("call ft.register(model=..., optimizer=...) before a transaction")
-        x = self._x
-        while not self._begin_attempt():
-            pass
-        s, view = x.state, x.view
-        assert view is not None
-        tx.step, tx.epoch = s.step, s.epoch
-        tx.rank, tx.world = view.index(self.rank), len(view.members)
-        x.kept.begin_attempt()
-        reseed(self.config.seed, s.step, tx.rank)
-        self.registry.begin_step()
-        self._hb.beat()
-        self.interrupter.begin_step(s.epoch, s.step)
-        self._step_gen = x.phase_changes
-        if self.sharded:  # FSDP's collectives inside the group finish; the reduce is interrupted
-            self.interrupter.defer_s = self.config.rollback_timeout_s / 2
-            if self._gate_gen != self._step_gen:  # a fault came after the gate: the mates run
-                self._step_gen = self._gate_gen  # the body (FSDP pairs them); it then rolls back
-                self.interrupter.interrupt("a fault as the step began", epoch=s.epoch, step=s.step)
-        try:
-            self.injector.fire_due(s.step)
-        except Exception as e:  # an injected exception: a local fault of this step
-            if self.sharded:
-                self._group_fault(e)
-            x.faults.local(e)
-        return tx
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        """A preemption notice: drain, and if that has not ended the worker within the
+        grace (``--drain-grace``), end it as a second SIGTERM does (the default action)."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.drain("SIGTERM")
+        grace = threading.Timer(
+            self.config.drain_grace_s, os.kill, args=(os.getpid(), signal.SIGTERM)
+        )
+        grace.daemon = True
+        grace.start()
 
-    def _exit(self, tx: Transaction, et: Any, ev: Any) -> bool:
-        x = self._x
-        if et is None and x.dp.heal_tail is not None:
-            try:
-                x.finish_heal_tail()
-            except (StepInterrupted, Exception) as e:  # as if the step's body had raised it
-                et, ev = type(e), e
-        self.interrupter.end_step()
-        self._hb.beat()
-        step = tx.step
-        if et is None:
-            with x.lock:
-                if x.state.phase is Phase.NORMAL and x.state.step == step:
-                    x.feed_locked(GradsReady())
-            self._drive(
-                lambda s: (
-                    s.step != step
-                    or s.phase not in (Phase.PREPARED, Phase.COMMIT, Phase.DRAIN_COMMIT)
-                )
+    def drain(self, reason: str = "ft.drain()") -> None:
+        """Leave the job after the next commit, with nothing rolled back: the peers
+        re-form without this worker, which then ends (:class:`Drained`, exit status
+        ``EXIT_DRAINED``). A SIGTERM to the worker does the same (a preemption notice);
+        so does ``fastft drain --rank R``. Returns at once; the step loop goes on until
+        the commit."""
+        if self.sharded:
+            raise RuntimeError(
+                "ft.drain(): a drain of one member of a shard group is not built; the "
+                "group is the unit (stop the job, or let the member fail)"
             )
-            tx.committed = x.state.step > step
-            if tx.committed:
-                self._retries = 0
-            return False
-        if isinstance(ev, StepInterrupted):
-            self.events.emit(
-                "interrupted",
-                epoch=tx.epoch,
-                step=step,
-                reason=ev.reason,
-                source_rank=ev.source_rank,
-            )
-            return True
-        if isinstance(ev, Exception) and self.sharded:
-            if x.phase_changes == self._step_gen:  # (else a consequence of a known fault)
-                self._group_fault(ev)
-            x.faults.local(ev, gen=self._step_gen)
-            return True
-        if isinstance(ev, Exception):
-            self._retries += 1
-            x.faults.local(ev, gen=self._step_gen)
-            if self._retries > self.config.max_step_retries:
-                log.error("step %d failed %d times in a row: giving up", step, self._retries)
-                return False
-            return True
-        return False  # KeyboardInterrupt, SystemExit, ...
-
-    def _begin_attempt(self) -> bool:
-        """Wait for a step to attempt; run DiLoCo's outer step when it begins one, then
-        cross the shard group's gate. False: a fault came first; wait for the next."""
-        x = self._x
-        self._drive(lambda s: s.phase is Phase.NORMAL)
-        if self.flow is not None and not hold_stage(self):
-            return False  # (the staleness bound held it; a fault came first)
-        ok = True
-        if outer_due(self, x.state.step):
-            with x.lock:
-                epoch, step, self._step_gen = x.state.epoch, x.state.step, x.phase_changes
-            self.interrupter.begin_step(epoch, step)
-            try:
-                outer_step(self)
-            except StepInterrupted as e:
-                self.events.emit("interrupted", epoch=epoch, step=step, reason=e.reason)
-                ok = False
-            except Exception as e:  # (the peers learn of it; the step rolls back)
-                if self.sharded:
-                    self._group_fault(e)
-                x.faults.local(e, gen=self._step_gen)
-                ok = False
-            finally:
-                self.interrupter.end_step()
-        if x.dp.gate is not None:
-            return self._cross_gate(ok)  # (a member that failed above says no)
-        if not ok:  # wait for the rollback, which undoes the outer step
-            self._drive(lambda s: s.phase is not Phase.NORMAL or (s.epoch, s.step) != (epoch, step))
-        return ok
-
-    def _cross_gate(self, ok: bool = True) -> bool:
-        """Shard groups: whether every group mate enters this attempt too (StepGate); if
-        not, wait for the fault a mate knew of, the rollback, and the next attempt."""
-        x = self._x
-        assert x.dp.gate is not None
-        with x.lock:
-            attempt = (x.state.epoch, x.state.step)
-            go = ok and x.state.phase is Phase.NORMAL
-            self._gate_gen = x.phase_changes
-        if x.dp.gate.cross(attempt, go) and go:
-            return True
-        self._drive(lambda s: s.phase is not Phase.NORMAL or (s.epoch, s.step) != attempt)
-        self._drive(lambda s: s.phase is Phase.NORMAL)
-        return False
-
-    def _group_fault(self, e: BaseException) -> None:
-        """A member of a shard group raised inside its step: its group mates may be inside
-        an FSDP collective with it, which Gloo cannot abort. It ends; its agent restarts
-        the group, which heals from the other groups (a Fault1 of the group)."""
-        log.error("rank %d raised in step %d; its group restarts", self.rank, self.step, exc_info=e)
-        self.events.emit("group_fault", step=self.step, error=repr(e)[:300])
-        self.events.close()
-        os._exit(EXIT_GROUP_FAULT)
+        threading.Thread(
+            target=self._x.feed, args=(DrainRequested(reason[:200]),), daemon=True
+        ).start()  # (not under the caller's frame: a signal handler may call this)
 
     def _allreduce_gradients(self, model: nn.Module | None) -> None:
         if model is not None and self.registry.model is None:

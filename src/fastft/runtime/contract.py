@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 from fastft.errors import ConfigError, FastFTError
 from fastft.process.env import WORKER_FIELD_TYPES, WorkerEnv
+from fastft.protocol.messages import EXIT_DRAINED
 
 __all__ = [
+    "Drained",
     "RuntimeConfig",
     "Member",
     "EpochView",
@@ -85,6 +87,7 @@ class RuntimeConfig:
     shard_size: int = 1
     group_gen: int = 0
     sync: str = "per-step"
+    drain_grace_s: float = 30.0
     flow: str | None = None
     flow_name: str = "pipeline"
     stage: str | None = None
@@ -173,6 +176,7 @@ class RuntimeConfig:
             ("shard_size", 1),
             ("group_gen", 0),
             ("sync", "per-step"),
+            ("drain_grace_s", 30.0),
             ("flow", None),
             ("flow_name", "pipeline"),
             ("stage", None),
@@ -264,6 +268,19 @@ class StateLost(SystemExit):
 
     def __str__(self) -> str:
         return self.why
+
+
+class Drained(SystemExit):
+    """This worker drained: it committed its last step, every member let it go, and it
+    ends with :data:`~fastft.protocol.EXIT_DRAINED` (the agent restarts it in a fixed
+    world, as a new life that heals; not in an elastic one)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(EXIT_DRAINED)
+        self.why = why
+
+    def __str__(self) -> str:
+        return f"drained: {self.why}"
 
 
 EXIT_GROUP_FAULT = 87

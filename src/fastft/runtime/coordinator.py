@@ -35,7 +35,16 @@ from fastft.runtime.contract import EpochView, JobFinished, Member
 from fastft.runtime.formation import Arrival, Recovery, close_after, close_first, holds_state
 from fastft.runtime.hsdp import broken_groups, whole_groups
 
-__all__ = ["ADMIT", "COMMIT", "ROLLBACK", "Coordinator", "KeyCollector", "SideClient"]
+__all__ = [
+    "ADMIT",
+    "COMMIT",
+    "LEAVE",
+    "ROLLBACK",
+    "Coordinator",
+    "KeyCollector",
+    "SideClient",
+    "parse_commit",
+]
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +54,32 @@ ADMIT = "J"
 ROLLBACK = "R"
 JOIN_FLAG = 1 << 20
 """Added to a vote by a member that saw a join request (epochs have fewer members)."""
+LEAVE = "L"
+"""In a commit decision: the ranks that leave after it (drained), ``L1,3``."""
+LEAVE_FLAG = 1 << 40
+"""Added to a vote by a member that leaves after the step (a drain)."""
 _POLL_S = 0.002
 _FINISHED_CHECK_AFTER_S = 0.2
 """A formation waiting longer than this also checks whether the job already finished."""
 _REPLACE_FORGED = 8
 """Forged values one compare-and-set replaces before it gives up (ControlPlaneError)."""
+
+
+def parse_commit(decision: str) -> tuple[bool, frozenset[int]] | None:
+    """A commit decision's (admit, leaving ranks); None for a rollback (or garbage)."""
+    if decision[:1] != COMMIT:
+        return None
+    rest = decision[1:]
+    admit = rest.startswith(ADMIT)
+    rest = rest.removeprefix(ADMIT)
+    if not rest:
+        return admit, frozenset()
+    if not rest.startswith(LEAVE):
+        return None
+    parts = rest[1:].split(",") if rest[1:] else []
+    if not all(p.isdigit() for p in parts):
+        return None
+    return admit, frozenset(int(p) for p in parts)
 
 
 def _decide(store: Any, key: str, desired: str) -> str:
@@ -122,6 +152,7 @@ class Coordinator:
         *,
         leaving: bool = False,
         joining: bool = False,
+        ranks: tuple[int, ...] = (),
     ) -> str | None:
         """Vote yes; the completing vote proposes COMMIT and returns the decision that
         holds (a rollback may have landed first). Other votes return None: wait for it.
@@ -129,12 +160,18 @@ class Coordinator:
         ``joining``: this member saw a worker waiting to join. The vote then adds
         ``JOIN_FLAG + 1`` instead of 1, so the completing vote knows from the counter alone,
         with no extra round trip, whether any member asked, and decides ``CJ`` (commit,
-        then re-form the epoch to admit) instead of ``C``."""
+        then re-form the epoch to admit) instead of ``C``.
+
+        ``leaving``: this member drains after the step; it marks itself in the store, then
+        adds ``LEAVE_FLAG``, so the completing vote (which knows the members, ``ranks``)
+        names the leavers in the decision, ``C...L1,3``: every member re-forms without
+        them after the commit, with nothing to roll back."""
         if leaving:
             self.store.set(self.keys.leaving(epoch, step, self.me.rank), "1")
-        inc = 1 + (JOIN_FLAG if joining else 0)
+        inc = 1 + (JOIN_FLAG if joining else 0) + (LEAVE_FLAG if leaving else 0)
         got = int(self.store.add(self.keys.votes(epoch, step), inc))
-        if got % JOIN_FLAG > n_members or got >= 2 * JOIN_FLAG * n_members:
+        joins = got % LEAVE_FLAG
+        if joins % JOIN_FLAG > n_members or joins >= JOIN_FLAG * (n_members + 1):
             log.error(
                 "the vote counter of epoch %d step %d reads %d with %d members: something "
                 "that is not part of this job adds to it (docs/security.md)",
@@ -143,8 +180,13 @@ class Coordinator:
                 got,
                 n_members,
             )
-        if got % JOIN_FLAG == n_members:
-            decision = COMMIT + (ADMIT if got >= JOIN_FLAG else "")
+        if joins % JOIN_FLAG == n_members:
+            decision = COMMIT + (ADMIT if joins >= JOIN_FLAG else "")
+            if got >= LEAVE_FLAG:
+                leavers = [
+                    r for r in ranks if self.store.check([self.keys.leaving(epoch, step, r)])
+                ]
+                decision += LEAVE + ",".join(map(str, leavers))
             return _decide(self.store, self.keys.decision(epoch, step), decision)
         return None
 

@@ -348,7 +348,9 @@ class Executor:
         )
         if self.after_commit is not None:  # (after the commit event: see runtime.flow)
             self.after_commit(a.step + 1)
-        self._checkpoint(a.step + 1)
+        s = self.state
+        # a drain's commit is checkpointed: workers that leave may leave no holder
+        self._checkpoint(a.step + 1, force=s.want_drain or bool(s.leaving))
         self.feed(CommitApplied())
 
     def checkpoint_last(self) -> None:
@@ -358,22 +360,29 @@ class Executor:
             d.wait()  # the write that deferred it
             self._checkpoint(self.state.step)
 
-    def _checkpoint(self, step: int) -> None:
-        """Hand the committed state of ``step`` to the durable tier if one is due: written
-        by the epoch's first member (every member holds the same state, S3)."""
+    def _checkpoint(self, step: int, force: bool = False) -> None:
+        """Hand the committed state of ``step`` to the durable tier if one is due (or
+        ``force``: every member drains after it): written by the epoch's first member
+        (every member holds the same state, S3)."""
         d, view, cfg = self.durable, self.view, self.config
         if d is None or view is None or view.members[0] != self.me:
             return
         d.prepare()  # the writer process, started before the first checkpoint is due
+        if force and d.busy:
+            d.wait()  # (the job ends after this one: it must be written)
         if d.deferred and d.busy:
             return
-        if not d.deferred and not due(
-            step,
-            last_step=d.last_step,
-            last_time=d.last_time,
-            now=time.monotonic(),
-            every=cfg.checkpoint_every,
-            interval_s=cfg.checkpoint_interval_s,
+        if (
+            not force
+            and not d.deferred
+            and not due(
+                step,
+                last_step=d.last_step,
+                last_time=d.last_time,
+                now=time.monotonic(),
+                every=cfg.checkpoint_every,
+                interval_s=cfg.checkpoint_interval_s,
+            )
         ):
             return
         t0 = time.monotonic()

@@ -77,6 +77,7 @@ class Faults:
                 dead=x.dead,
                 finished=finished,
                 world_size=x.config.world_size,
+                leaving=s.leaving,
             )
             if out.dead is not None:
                 x.dead.add(out.dead)

@@ -88,8 +88,13 @@ class Flow:
 
     # --- commits and the bound -------------------------------------------------------------
     def committed(self, count: int) -> None:
-        """This stage has committed ``count`` steps (after its commit event is written)."""
+        """This stage has committed ``count`` steps (after its commit event is written).
+        The mark of ``count - max_ahead - 1`` goes: by the bound and the data-flow order,
+        neither neighbour can still wait for it."""
         self._set(f"{self.stage}/c/{count}", b"1")
+        old = count - self.max_ahead - 1
+        if old >= 1:
+            self.store.delete_key(self.prefix + f"{self.stage}/c/{old}")
 
     def hold(self, step: int, cancelled: Callable[[], bool]) -> float | None:
         """Wait until this stage may enter ``step`` (the staleness bound); returns the

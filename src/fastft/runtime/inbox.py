@@ -14,6 +14,7 @@ from typing import Any
 from fastft.fsm import (
     DrainAcked,
     DrainNoticed,
+    DrainRequested,
     Event,
     JoinRequested,
     LocalFault,
@@ -24,6 +25,7 @@ from fastft.fsm import (
 from fastft.protocol import (
     DrainAck,
     DrainNotice,
+    DrainRequest,
     Fault,
     JoinRequest,
     Message,
@@ -58,6 +60,7 @@ def route(
     step: int,
     dead: Set[Member],
     finished: bool = False,
+    leaving: Set[int] = frozenset(),
     world_size: int | None = None,
 ) -> Routed:
     """What message ``m`` means to worker ``me`` in ``view`` (None before its first epoch)
@@ -69,6 +72,19 @@ def route(
             # It finished the job after the last step, which this worker voted for too
             # and is still applying: an end, not a fault.
             return Routed(record=("peer_finished", {"rank": r.rank, "incarnation": r.incarnation}))
+        in_view = view is not None and view.has(r.rank, r.incarnation)
+        if r.drained and (r.rank in leaving or not in_view):
+            # It left after a drain this worker knew of (its epoch re-forms without it,
+            # with nothing rolled back), or from outside this worker's epoch (a formation
+            # it was waiting in). Only its life is over. A drained member this worker
+            # still counts on is a fault below, like any exit.
+            who = Member(r.rank, r.incarnation)
+            return Routed(
+                # (a worker draining at the same commit waits for no ack from it)
+                events=(DrainAcked(r.rank),),
+                dead=who if r.incarnation and who not in dead else None,
+                record=("peer_drained", {"rank": r.rank, "incarnation": r.incarnation}),
+            )
         if r.rank == me.rank and r.incarnation in (0, me.incarnation):
             if isinstance(m, Fault) and m.sender != (me.rank, me.incarnation):
                 # a monitor or an operator reports this worker faulty
@@ -108,6 +124,11 @@ def route(
                 record=("peer_fault", record),
             )
         return Routed(dead=newly_dead)
+    if isinstance(m, DrainRequest):  # (latched until the next commit, even before one)
+        if m.target_rank != me.rank:
+            return NOTHING
+        why = m.reason or f"drain requested by {m.role.name.lower()}"
+        return Routed(events=(DrainRequested(why[:200]),), record=("drain_requested", {"why": why}))
     if view is None or m.rank == me.rank:
         return NOTHING  # not in an epoch yet (joins are admitted by the formation), or ours
     member = view.has(m.rank, m.incarnation)
@@ -120,6 +141,7 @@ def route(
         ev = DrainNoticed(m.rank) if member else None
     elif isinstance(m, DrainAck):
         ev = DrainAcked(m.rank) if m.drained_rank == me.rank else None
+
     elif isinstance(m, JoinRequest):
         outside = world_size is not None and not 0 <= m.rank < world_size
         if outside or member or Member(m.rank, m.incarnation) in dead:

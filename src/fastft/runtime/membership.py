@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from fastft.fsm import CastVote, Decision, FormEpoch, PeerFault, Phase, QuorumReady
 from fastft.protocol import JoinRequest, Severity
-from fastft.runtime.contract import EpochView, JobFinished, StateLost
-from fastft.runtime.coordinator import ADMIT, COMMIT, KeyCollector
+from fastft.runtime.contract import EpochView, JobFinished, StateLost, WorkerExit
+from fastft.runtime.coordinator import KeyCollector, parse_commit
 from fastft.runtime.durable import CheckpointError
 from fastft.runtime.hsdp import heal_group, shard_source, whole_groups
 
@@ -60,19 +60,25 @@ class Membership:
         if joining and x.dp.k > 1:  # admit a restarted shard group once all of it is there
             joining = bool(whole_groups(x.coord.joiners(), x.dp.k))
         got = x.coord.vote(
-            a.epoch, a.step, len(view.members), leaving=a.want_drain, joining=joining
+            a.epoch,
+            a.step,
+            len(view.members),
+            leaving=a.want_drain,
+            joining=joining,
+            ranks=tuple(sorted(view.ranks)),
         )
         while got is None:
             got = x.coord.await_decision(a.epoch, a.step)
             if x.closing:
                 break
             x.sv.heartbeat.beat()
-        commit = got is not None and got[:1] == COMMIT
-        admit = commit and got == COMMIT + ADMIT
+        parsed = parse_commit(got) if got is not None else None
+        commit = parsed is not None
+        admit, leaving = parsed if parsed is not None else (False, frozenset[int]())
         if commit and view.index(x.me.rank) == 0 and a.step > 0:
             self.collector.put(a.epoch, a.step - 1)  # every member has read it by now
         wait_ms = round((time.monotonic() - t0) * 1e3, 3)
-        if commit and not admit:  # the fault-free path: one line per step, the commit's
+        if commit and not admit and not leaving:  # the fault-free path: the commit's line
             self._decision_wait_ms = wait_ms
         else:
             x.events.emit(
@@ -82,9 +88,10 @@ class Membership:
                 decision="commit" if commit else "rollback",
                 reason=None if commit or got is None else got[1:],
                 admit=admit,
+                leaving=sorted(leaving),
                 wait_ms=wait_ms,
             )
-        x.feed(Decision(commit=commit, admit=admit))
+        x.feed(Decision(commit=commit, admit=admit, leaving=leaving))
 
     # --- epochs ----------------------------------------------------------------------------
     def _announce_join(self) -> None:
@@ -119,6 +126,12 @@ class Membership:
         assert prev is not None
         t0 = time.monotonic()
         exclude = a.exclude | frozenset(m.rank for m in prev.members if m in x.dead)
+        base = x.cancelled(Phase.HEALING)
+
+        def cancelled() -> bool:
+            return base() or x.state.want_drain
+
+        self._drain_from_formation()
         try:
             view = x.coord.form_as_survivor(
                 prev,
@@ -126,7 +139,7 @@ class Membership:
                 step=x.state.step,
                 lost_state=a.lost_state,
                 timeout_s=x.config.rollback_timeout_s,
-                cancelled=x.cancelled(Phase.HEALING),
+                cancelled=cancelled,
                 kept=x.kept.of_step(x.state.step),
                 # elastic: the retry goes on without workers still to heal (admitted after
                 # the next commit); a fixed world cannot step without them
@@ -138,12 +151,21 @@ class Membership:
             self._finished(e, f"the job finished at step {e.step} while this worker re-formed")
             raise
         if view is None:
+            self._drain_from_formation()
             return
         if not view.has(x.me.rank, x.me.incarnation):
             x.events.emit("excluded", epoch=view.epoch)
             x.feed(QuorumReady(view.epoch, view.ranks, view.step, view.needs_state))
             return
         self.adopt(view, waited_s=time.monotonic() - t0)
+
+    def _drain_from_formation(self) -> None:
+        """A worker asked to drain while its epoch re-forms leaves at once: it has no step
+        in flight, and its peers hold the committed state too (with the durable tier, the
+        commit of any drain was checkpointed). Peers that count on it see an exit."""
+        if self.x.state.want_drain:
+            self.x.events.emit("drain_from_formation", step=self.x.state.step)
+            raise WorkerExit("drained")
 
     def adopt(self, view: EpochView, waited_s: float) -> None:
         x = self.x
