@@ -21,7 +21,7 @@ from fastft.runtime import read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-SLOW = ("--step-time", "0.05")  # time to reach the job with a command mid-run
+SLOW = ("--step-time", "0.2")  # time to reach the job with a command mid-run
 
 
 def drained(run: Path) -> list[tuple[int, int]]:
