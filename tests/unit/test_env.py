@@ -74,6 +74,7 @@ def test_every_variable_is_documented_once():
             "FASTFT_SYNC",
             "FASTFT_STAGE",
             "FASTFT_DRAIN_GRACE",
+            "FASTFT_MAX_RECOVERIES",
             "FASTFT_FLOW",
             "FASTFT_FLOW_NAME",
             "FASTFT_MAX_AHEAD",

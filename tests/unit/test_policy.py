@@ -10,8 +10,10 @@ from fastft.launch.policy import (
     hang_verdict,
     pick_spare,
     spare_owed_done,
+    startup_failed,
 )
 from fastft.protocol import EXIT_DRAINED
+from fastft.runtime.contract import EXIT_FAULT_STORM
 
 BASE = dict(
     rank=1,
@@ -78,3 +80,15 @@ def test_a_spare_handed_out_is_replaced_once_its_worker_recovered():
     assert spare_owed_done(**dict(kw, committed=True))
     assert spare_owed_done(**dict(kw, same_life=False))
     assert spare_owed_done(**dict(kw, now=2.0))
+
+
+def test_a_script_that_cannot_start_fails_the_job_after_one_round():
+    assert startup_failed({0: True, 1: True})
+    assert not startup_failed({0: True, 1: None})  # one still starting
+    assert not startup_failed({0: True, 1: False})  # one committed, or ended otherwise
+    assert not startup_failed({})
+
+
+def test_a_fault_storm_fails_the_job_with_the_reason():
+    out = after_exit(code=EXIT_FAULT_STORM, sig=None, **BASE)
+    assert out.done and out.failed and "fault storm" in out.failed

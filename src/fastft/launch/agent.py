@@ -92,6 +92,9 @@ class Agent:
         """Lives told to drain."""
         self._failed: str | None = None
         self.restarts = 0
+        self.first_lives: dict[int, bool | None] = {r: None for r in self.slots}
+        """Rank -> whether its first life failed before its first commit (None: running)."""
+        self.committed = _committed
         self.group_gen: dict[int, int] = {}
         """Shard group -> how many times the agent started it again (``--shard-size``)."""
         self.taken_down: set[int] = set()

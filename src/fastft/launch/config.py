@@ -103,6 +103,11 @@ class LaunchConfig:
     flow: str | None = _flag(None, "HOST:PORT of the flow store the pipeline's stages share")
     flow_name: str = _flag("pipeline", "the pipeline's name in the flow store")
     max_ahead: int = _flag(1, "steps a stage's commits may run ahead of the next stage's")
+    max_recoveries: int = _flag(
+        50,
+        "recoveries in a row without a committed step after which the job stops with exit "
+        "1 (a fault storm) instead of restarting forever",
+    )
     drain_grace_s: float = _flag(
         30.0,
         "after a SIGTERM (or fastft drain --node), seconds the workers have to leave at "
@@ -246,6 +251,8 @@ class LaunchConfig:
                 raise ConfigError(f"--store {self.store!r}: expected HOST:PORT")
         if self.max_restarts < 0:
             raise ConfigError("--max-restarts must be >= 0")
+        if self.max_recoveries < 1:
+            raise ConfigError(f"--max-recoveries {self.max_recoveries}: must be >= 1")
         if self.hang_timeout_s <= 0:
             raise ConfigError("--hang-timeout must be > 0 seconds")
         if not 0 < self.drain_grace_s < 86400:
@@ -454,6 +461,7 @@ def worker_environment(
             incarnation=incarnation,
             check_every=cfg.check_every,
             drain_grace_s=cfg.drain_grace_s,
+            max_recoveries=cfg.max_recoveries,
             keep_gradients=cfg.keep_gradients,
             backend=cfg.backend,
             lighthouse="bus" if cfg.torchft == "fastft" else None,

@@ -87,6 +87,24 @@ class Exits:
     def after_exit(self, slot: Slot, code: int | None, sig: int | None) -> None:
         self.forget_joiner(slot)
         cfg = self.agent.config
+        first = self.agent.first_lives
+        if slot.life == 0 and slot.rank in first and first[slot.rank] is None:
+            failed = (
+                code not in (0, EXIT_DRAINED)
+                and self.agent._stopping is None
+                and slot.incarnation not in self.agent.taken_down  # (its group restarts)
+            )
+            first[slot.rank] = failed and not self.agent.committed(slot)
+            if policy.startup_failed(first):
+                how = f"code {code}" if sig is None else f"signal {sig}"
+                self.agent._failed = (
+                    f"every worker failed before its first commit (rank {slot.rank}: {how}); "
+                    "the script cannot start: its error is above"
+                )
+                slot.done = True
+                self.agent._wake.set()
+                return
+
         do = policy.after_exit(
             rank=slot.rank,
             code=code,

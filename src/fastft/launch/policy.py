@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastft.protocol import EXIT_DRAINED
-from fastft.runtime.contract import EXIT_STATE_LOST
+from fastft.runtime.contract import EXIT_FAULT_STORM, EXIT_STATE_LOST
 
 __all__ = [
     "COLD_RESTART_DELAY_S",
@@ -23,6 +23,7 @@ __all__ = [
     "hang_verdict",
     "pick_spare",
     "spare_owed_done",
+    "startup_failed",
 ]
 
 HANG_GAPS = 20.0
@@ -74,6 +75,12 @@ def after_exit(
         return AfterExit(done=True)
     if code == EXIT_DRAINED:
         return AfterExit(done=True) if elastic or peers_finished else AfterExit(restart=True)
+    if code == EXIT_FAULT_STORM:
+        return AfterExit(
+            done=True,
+            failed=f"rank {rank}: too many recoveries in a row without a committed step "
+            "(a fault storm; the worker's message says which faults; --max-recoveries)",
+        )
     if code == EXIT_STATE_LOST:
         return AfterExit(
             done=True,
@@ -95,6 +102,15 @@ def after_exit(
         done=True,
         failed=f"rank {rank} failed ({how}) and has no restarts left (--max-restarts {max_restarts})",
     )
+
+
+def startup_failed(first_lives: dict[int, bool | None]) -> bool:
+    """Whether the job fails as a whole at its start: every slot's first life has ended
+    (``first_lives``: rank -> True if it failed before its first commit, False if it
+    ended otherwise or committed, None while it runs) and every one failed before its
+    first commit. A script that cannot start (an import error, a syntax error, a bad
+    argument) then fails the job once, instead of every worker ``max_restarts`` times."""
+    return bool(first_lives) and all(v is True for v in first_lives.values())
 
 
 def group_mates(

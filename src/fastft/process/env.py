@@ -103,6 +103,10 @@ class WorkerEnv:
     seed: int | None = _var("FASTFT_SEED", "the job's seed")
     incarnation: int | None = _var("FASTFT_INCARNATION", "this life's id, drawn by the agent")
     check_every: int | None = _var("FASTFT_CHECK_EVERY", "log the state digest every N commits")
+    max_recoveries: int | None = _var(
+        "FASTFT_MAX_RECOVERIES",
+        "recoveries in a row without a committed step before the job stops (a fault storm)",
+    )
     drain_grace_s: float | None = _var(
         "FASTFT_DRAIN_GRACE",
         "after a SIGTERM, seconds this worker has to leave at its next commit before it ends",

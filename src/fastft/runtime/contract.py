@@ -18,6 +18,8 @@ from fastft.protocol.messages import EXIT_DRAINED
 
 __all__ = [
     "Drained",
+    "EXIT_FAULT_STORM",
+    "FaultStorm",
     "RuntimeConfig",
     "Member",
     "EpochView",
@@ -88,6 +90,7 @@ class RuntimeConfig:
     group_gen: int = 0
     sync: str = "per-step"
     drain_grace_s: float = 30.0
+    max_recoveries: int = 50
     flow: str | None = None
     flow_name: str = "pipeline"
     stage: str | None = None
@@ -177,6 +180,7 @@ class RuntimeConfig:
             ("group_gen", 0),
             ("sync", "per-step"),
             ("drain_grace_s", 30.0),
+            ("max_recoveries", 50),
             ("flow", None),
             ("flow_name", "pipeline"),
             ("stage", None),
@@ -281,6 +285,22 @@ class Drained(SystemExit):
 
     def __str__(self) -> str:
         return f"drained: {self.why}"
+
+
+EXIT_FAULT_STORM = 89
+"""A worker's exit status when ``max_recoveries`` recoveries in a row ended without a
+committed step: the job stops (the agent fails it) instead of looping."""
+
+
+class FaultStorm(SystemExit):
+    """Too many recoveries without a commit (see :data:`EXIT_FAULT_STORM`)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(EXIT_FAULT_STORM)
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
 
 
 EXIT_GROUP_FAULT = 87

@@ -61,7 +61,7 @@ from fastft.protocol import (
     RollbackRequest,
     Severity,
 )
-from fastft.runtime.contract import EpochView, Member, RuntimeConfig, WorkerExit
+from fastft.runtime.contract import EpochView, FaultStorm, Member, RuntimeConfig, WorkerExit
 from fastft.runtime.coordinator import Coordinator, SideClient
 from fastft.runtime.dataplane import DataPlane
 from fastft.runtime.durable import Checkpoints, due
@@ -137,6 +137,8 @@ class Executor:
         self.closing = False
         self.commits = 0
         self.rollbacks = 0
+        self.recoveries = 0
+        """Rollbacks since this worker's last commit (a fault storm past max_recoveries)."""
         self.membership = Membership(self)
         self.faults = Faults(self)
 
@@ -283,7 +285,17 @@ class Executor:
         elif isinstance(a, ZeroGrads):
             self.registry.rollback()
             self.rollbacks += 1
+            self.recoveries += 1
             s = self.state
+            if self.recoveries > self.config.max_recoveries:
+                why = (
+                    f"{self.recoveries} recoveries in a row without a committed step (the "
+                    f"last at step {s.step}: {s.reason}); a fault storm: stopping the job "
+                    "(--max-recoveries)"
+                )
+                self.events.emit("fault_storm", step=s.step, recoveries=self.recoveries)
+                log.error("%s", why)
+                raise FaultStorm(why)
             if self.dp.gate is not None:  # (shard groups: the mates that entered it go back)
                 self.dp.gate.leave((s.epoch, s.step))
             self.events.emit("rollback", epoch=s.epoch, step=s.step, reason=s.reason)
@@ -323,6 +335,7 @@ class Executor:
             self.registry.zero_grads()
             self.registry.committed()
         self.commits += 1
+        self.recoveries = 0
         if self.dp.heal_pg is not None:
             # every member voted, so every heal of the epoch is over on both of its ends
             # (the sender's side can finish before the receiver's): the group can go
