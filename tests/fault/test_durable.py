@@ -77,6 +77,7 @@ def test_with_allow_fresh_start_it_starts_again_and_says_so(tmp_path, clean):
     assert "starting again from step 0" in (run / "launcher.log").read_text()
 
 
+@pytest.mark.slow  # (the slow tier keeps make test under its 10 minutes)
 def test_the_same_command_resumes_a_job_stopped_whole(tmp_path, clean):
     ckpt = tmp_path / "ckpt"
     out = tmp_path / "out"

@@ -67,6 +67,7 @@ def _consumed(parts: dict[tuple[int, int], list[int]]) -> dict[int, list[int]]:
     return out
 
 
+@pytest.mark.slow  # (the slow tier keeps make test under its 10 minutes)
 def test_every_sample_once_and_bitwise_equal_through_faults_and_a_restore(tmp_path):
     clean = _run(tmp_path, "clean")
     faulty = _run(

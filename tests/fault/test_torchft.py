@@ -48,9 +48,8 @@ def run_example(tmp: Path, kind: str) -> tuple[Path, str]:
     return run, out
 
 
-@pytest.mark.parametrize(
-    "kind", ["sigkill", "exception", "sigstop", pytest.param("gil_hang", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow  # (~25 s each: the slow tier keeps make test under its 10 minutes)
+@pytest.mark.parametrize("kind", ["sigkill", "exception", "sigstop", "gil_hang"])
 def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
     run, out = run_example(tmp_path, kind)
     ev = read_events(run)
@@ -150,6 +149,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_a_replica_that_starts_late_is_in_the_first_quorum(tmp_path: Path) -> None:
     """Regression (16-core GPU machine, `import torch` ~6 s and uneven): under torchft's
     rule with the example's ``min_replica_size=1`` the replicas that were up started

@@ -95,6 +95,8 @@ class Agent:
         self.first_lives: dict[int, bool | None] = {r: None for r in self.slots}
         """Rank -> whether its first life failed before its first commit (None: running)."""
         self.committed = _committed
+        self.fenced: set[int] = set()
+        """Lives killed because this node was declared lost (not the script's failure)."""
         self.group_gen: dict[int, int] = {}
         """Shard group -> how many times the agent started it again (``--shard-size``)."""
         self.taken_down: set[int] = set()
@@ -417,6 +419,7 @@ class Agent:
         log.warning("this node was declared lost: restarting its workers")
         for slot in self.slots.values():
             if not slot.done:
+                self.fenced.add(slot.incarnation)
                 self.children.kill(slot)
 
     def _store_lost(self, reason: str) -> None:

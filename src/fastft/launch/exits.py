@@ -89,10 +89,15 @@ class Exits:
         cfg = self.agent.config
         first = self.agent.first_lives
         if slot.life == 0 and slot.rank in first and first[slot.rank] is None:
-            failed = (
+            failed = (  # (not an exit the agent caused: a stop, a failed job, a group)
                 code not in (0, EXIT_DRAINED)
+                and not slot.done
                 and self.agent._stopping is None
-                and slot.incarnation not in self.agent.taken_down  # (its group restarts)
+                and self.agent._failed is None
+                and self.agent.draining is None
+                and slot.incarnation not in self.agent.taken_down
+                and slot.incarnation not in self.agent.fenced
+                and slot.hung != slot.incarnation  # (hung: the hang timeout's business)
             )
             first[slot.rank] = failed and not self.agent.committed(slot)
             if policy.startup_failed(first):
