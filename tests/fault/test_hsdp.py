@@ -107,9 +107,11 @@ def test_elastic_a_lost_group_leaves_the_other_goes_on_and_it_rejoins_whole(tmp_
     next step alone (its members take the whole batch) and group 0 comes back as a whole,
     healed shard to shard. Every sample of every committed step is consumed once."""
     plan = [{"kind": "sigkill", "rank": 1, "at_step": 8}]
-    steps = 150  # (a cold restart takes ~4 s here: the group must be back before the end)
+    # a cold restart of the group takes ~5 s here, and group 1 alone ran 142 steps in 5.8
+    # s in CI once, finishing before the group was back: steps of at least 50 ms
+    steps = 150
     run = fastft_run(tmp_path, "hsdp-elastic", *HSDP, "--min-replicas", "2", plan=plan,
-                     nproc=4, steps=steps)  # fmt: skip
+                     nproc=4, steps=steps, train=("--step-time", "0.05"))  # fmt: skip
     check_s1_s3(run, steps, shard_size=2)
     ev = read_events(run)
     epochs = {e["epoch"]: e for e in ev if e["event"] == "epoch" and e["src"] == "rank 2"}
