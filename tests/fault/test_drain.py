@@ -50,7 +50,7 @@ def test_a_sigterm_drains_the_rank_with_no_rollback_and_its_restart_heals(tmp_pa
     assert rollbacks(run) == []
     ev = read_events(run)
     left = next(e for e in ev if e["event"] == "drained")
-    assert left["src"] == "rank 1" and left["step"] in (11, 12)  # after its next commit
+    assert left["src"] == "rank 1" and left["step"] > 10  # at a commit after the request
     fetched = [e for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"]]
     assert [(e["src"], e["step"]) for e in fetched] == [("rank 1", left["step"])]
 
