@@ -69,6 +69,7 @@ def test_a_total_loss_without_a_checkpoint_fails_the_job_and_says_why(tmp_path):
     assert commits.count(0) == 3  # once per worker: the first start only
 
 
+@pytest.mark.slow  # (the slow tier keeps make test under its 10 minutes)
 def test_with_allow_fresh_start_it_starts_again_and_says_so(tmp_path, clean):
     run = fastft_run(tmp_path, "fresh", "--allow-fresh-start", plan=ALL_AT_17)
     assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}

@@ -80,6 +80,7 @@ def test_a_lost_node_is_declared_dead_and_the_elastic_world_goes_on(
     assert_equal_to_one_process(job.run / "out", steps, batch, ranks=survivors)
 
 
+@pytest.mark.slow  # (the slow tier keeps make test under its 10 minutes)
 def test_a_lost_node_that_is_started_again_heals_in_a_fixed_world(tmp_path, clean):
     """Fixed world: node 1 is SIGKILLed whole; the survivors wait for its worker, which
     nobody restarts until the node's agent is started again (as a scheduler would). Its
