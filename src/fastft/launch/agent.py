@@ -25,12 +25,13 @@ from typing import Any
 
 import fastft.launch.policy as policy
 from fastft.launch.children import Children, Slot, await_signal_taken, die_with_parent
-from fastft.launch.config import LaunchConfig, worker_environment
+from fastft.launch.config import LaunchConfig
 from fastft.launch.control import ControlPlane
 from fastft.launch.exits import Exits
 from fastft.launch.lease import DONE, NATS_STORE_GRACE_S, LeaseConfig, NodeLease, format_lives
 from fastft.launch.spare import order_line
 from fastft.launch.spares import SparePool
+from fastft.launch.workerenv import worker_environment
 from fastft.process.env import insecure
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import STACKS_SIGNAL, read_heartbeat

@@ -43,7 +43,7 @@ from fastft.runtime.contract import (
     RuntimeConfig,
     WorkerExit,
 )
-from fastft.runtime.coordinator import Coordinator, SideClient
+from fastft.runtime.coordinator import Coordinator
 from fastft.runtime.data import Batches
 from fastft.runtime.dataplane import DataPlane
 from fastft.runtime.durable import Checkpoints
@@ -52,6 +52,7 @@ from fastft.runtime.flow import flow_of
 from fastft.runtime.formation import Recovery
 from fastft.runtime.hsdp import StepGate, meet_shard_group
 from fastft.runtime.kept import KeptGradients
+from fastft.runtime.sideclient import SideClient
 from fastft.runtime.state import StateRegistry
 from fastft.runtime.sync import Outer, OuterOptimizer, reduce_gradients
 from fastft.runtime.transaction import Transaction

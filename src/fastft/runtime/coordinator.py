@@ -20,8 +20,6 @@ every worker was lost), where the lowest joiner closes the epoch itself.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Set
 from typing import Any
@@ -41,8 +39,6 @@ __all__ = [
     "LEAVE",
     "ROLLBACK",
     "Coordinator",
-    "KeyCollector",
-    "SideClient",
     "parse_commit",
 ]
 
@@ -437,64 +433,3 @@ class Coordinator:
             # (TCPStore.wait with a timeout would avoid polling, but each timed-out wait
             # reconnects, and torch 2.13 stalls one new connection in ~25 for 5 s here.)
             self.sleep(0.01 if latest == 0 else _POLL_S)
-
-
-class SideClient:
-    """The store client of the bus listener's thread (rollback proposals, the finished
-    mark) and of the key collector, shared under a lock: a store client serialises its
-    requests, and the main thread's may be blocked waiting for a decision."""
-
-    def __init__(self, store: Any, keys: JobKeys) -> None:
-        self.store = store
-        self.keys = keys
-        self.lock = threading.Lock()
-
-    def propose_rollback(self, epoch: int, step: int, reason: str) -> str:
-        with self.lock:
-            return Coordinator.propose_rollback(self.store, self.keys, epoch, step, reason)
-
-    def job_finished(self) -> bool:
-        """Whether a member marked the job finished (it closed after a committed step)."""
-        try:
-            with self.lock:
-                if not self.store.check([self.keys.finished]):
-                    return False
-                self.store.get(self.keys.finished)  # a forged mark raises ForgedValue
-                return True
-        except Exception:  # noqa: BLE001 - then a clean exit counts as a fault, as before
-            log.debug("could not read the job's finished mark", exc_info=True)
-            return False
-
-    def forget(self, epoch: int, step: int) -> None:
-        """Delete the keys of decided ``step``, and record that the state after it is
-        committed (what a total loss reports as lost)."""
-        with self.lock:
-            Coordinator.forget_keys(self.store, self.keys, epoch, step)
-            self.store.set(self.keys.committed, str(step + 1))
-
-
-class KeyCollector:
-    """A thread that deletes the keys of decided steps off the training path."""
-
-    def __init__(self, side: SideClient) -> None:
-        self._side = side
-        self._queue: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="fastft-store-gc", daemon=True)
-        self._thread.start()
-
-    def put(self, epoch: int, step: int) -> None:
-        self._queue.put((epoch, step))
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=1)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            try:
-                self._side.forget(*item)
-            except Exception:  # noqa: BLE001 - a leftover key costs a few bytes
-                log.debug("store gc: could not delete the keys of %s", item, exc_info=True)

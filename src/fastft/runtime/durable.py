@@ -48,7 +48,7 @@ import torch
 import fastft.runtime.tree as tree  # the heal's: the structure as JSON, tensors apart
 from fastft.process.events import EventLog
 from fastft.process.teardown import join_at_exit
-from fastft.runtime.state import _clone
+from fastft.runtime.wire import _clone
 from fastft.runtime.writer import SharedBuffer, WriterProcess, layout, process_alive, views
 
 warnings.filterwarnings(  # no_dist=True says so already

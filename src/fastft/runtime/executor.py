@@ -62,13 +62,14 @@ from fastft.protocol import (
     Severity,
 )
 from fastft.runtime.contract import EpochView, FaultStorm, Member, RuntimeConfig, WorkerExit
-from fastft.runtime.coordinator import Coordinator, SideClient
+from fastft.runtime.coordinator import Coordinator
 from fastft.runtime.dataplane import DataPlane
 from fastft.runtime.durable import Checkpoints, due
 from fastft.runtime.faults import Faults
 from fastft.runtime.heal import Healer
 from fastft.runtime.kept import KeptGradients
 from fastft.runtime.membership import Membership
+from fastft.runtime.sideclient import SideClient
 from fastft.runtime.state import StateRegistry
 
 __all__ = ["Executor"]

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 from fastft.fsm import CastVote, Decision, FormEpoch, PeerFault, Phase, QuorumReady
 from fastft.protocol import JoinRequest, Severity
 from fastft.runtime.contract import EpochView, JobFinished, StateLost, WorkerExit
-from fastft.runtime.coordinator import KeyCollector, parse_commit
+from fastft.runtime.coordinator import parse_commit
 from fastft.runtime.durable import CheckpointError
 from fastft.runtime.hsdp import heal_group, shard_source, whole_groups
+from fastft.runtime.sideclient import KeyCollector
 
 if TYPE_CHECKING:
     from fastft.runtime.executor import Executor

@@ -1,0 +1,77 @@
+"""The store clients off the training path: the bus listener's side client (rollback
+proposals, the finished mark) and the key collector that deletes decided steps' keys."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+from fastft.protocol.keys import JobKeys
+from fastft.runtime.coordinator import Coordinator
+
+__all__ = ["KeyCollector", "SideClient"]
+
+log = logging.getLogger(__name__)
+
+
+class SideClient:
+    """The store client of the bus listener's thread (rollback proposals, the finished
+    mark) and of the key collector, shared under a lock: a store client serialises its
+    requests, and the main thread's may be blocked waiting for a decision."""
+
+    def __init__(self, store: Any, keys: JobKeys) -> None:
+        self.store = store
+        self.keys = keys
+        self.lock = threading.Lock()
+
+    def propose_rollback(self, epoch: int, step: int, reason: str) -> str:
+        with self.lock:
+            return Coordinator.propose_rollback(self.store, self.keys, epoch, step, reason)
+
+    def job_finished(self) -> bool:
+        """Whether a member marked the job finished (it closed after a committed step)."""
+        try:
+            with self.lock:
+                if not self.store.check([self.keys.finished]):
+                    return False
+                self.store.get(self.keys.finished)  # a forged mark raises ForgedValue
+                return True
+        except Exception:  # noqa: BLE001 - then a clean exit counts as a fault, as before
+            log.debug("could not read the job's finished mark", exc_info=True)
+            return False
+
+    def forget(self, epoch: int, step: int) -> None:
+        """Delete the keys of decided ``step``, and record that the state after it is
+        committed (what a total loss reports as lost)."""
+        with self.lock:
+            Coordinator.forget_keys(self.store, self.keys, epoch, step)
+            self.store.set(self.keys.committed, str(step + 1))
+
+
+class KeyCollector:
+    """A thread that deletes the keys of decided steps off the training path."""
+
+    def __init__(self, side: SideClient) -> None:
+        self._side = side
+        self._queue: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="fastft-store-gc", daemon=True)
+        self._thread.start()
+
+    def put(self, epoch: int, step: int) -> None:
+        self._queue.put((epoch, step))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=1)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._side.forget(*item)
+            except Exception:  # noqa: BLE001 - a leftover key costs a few bytes
+                log.debug("store gc: could not delete the keys of %s", item, exc_info=True)
