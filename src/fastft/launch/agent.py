@@ -28,7 +28,8 @@ from fastft.launch.children import Children, Slot, await_signal_taken, die_with_
 from fastft.launch.config import LaunchConfig
 from fastft.launch.control import ControlPlane
 from fastft.launch.exits import Exits
-from fastft.launch.lease import DONE, NATS_STORE_GRACE_S, LeaseConfig, NodeLease, format_lives
+from fastft.launch.lease import DONE, NodeLease, format_lives
+from fastft.launch.nodewatch import NodeWatch
 from fastft.launch.spare import order_line
 from fastft.launch.spares import SparePool
 from fastft.launch.workerenv import worker_environment
@@ -67,6 +68,7 @@ class Agent:
         first = config.node_rank * config.nproc
         self.slots = {r: Slot(r) for r in range(first, first + config.nproc)}
         self.exits = Exits(self)
+        self.nodes = NodeWatch(self)
         self.children = Children(
             on_stopped=self.exits.on_stopped,
             claim=self.exits.claim_exit,
@@ -134,7 +136,7 @@ class Agent:
             flush=True,
         )
         try:
-            self._start_lease()
+            self.nodes.start()
             self._start_lighthouse()
             for slot in self.slots.values():
                 self._spawn(slot)
@@ -370,72 +372,6 @@ class Agent:
             if slot and slot.incarnation == m.faulty_incarnation and not slot.done:
                 self.events.emit("kill_declared_dead", rank=slot.rank, cause=m.cause)
                 self.children.kill(slot)
-
-    # --- node liveness (multi-node) --------------------------------------------------------
-    def _start_lease(self) -> None:
-        cfg = self.config
-        if cfg.nnodes < 2:
-            return  # nobody else to watch; the store is this node's own
-        self.lease = NodeLease(
-            self.store,
-            self.keys,
-            cfg.node_rank,
-            cfg.nnodes,
-            LeaseConfig(
-                cfg.node_heartbeat_ms,
-                cfg.node_lease_misses,
-                store_grace_s=NATS_STORE_GRACE_S if cfg.control else None,
-            ),
-            on_lost=self._node_lost,
-            on_fenced=self._fenced,
-            on_store_lost=self._store_lost,
-            on_returned=lambda n: self.events.emit("node_returned", node=n),
-        )
-        if self.lease.rejoined:
-            self.events.emit("node_rejoined", mark=self.lease.rejoined)
-        self.lease.start()
-
-    def _node_lost(self, node: int, lives: dict[int, int], counter: int) -> None:
-        """This agent declared ``node`` lost: every worker of it is dead (Fault1)."""
-        lease = self.lease
-        assert lease is not None
-        lease_ms = round(lease.config.lease_s * 1000)
-        self.events.emit("node_lost", node=node, lease=counter, lives=len(lives), lease_ms=lease_ms)
-        log.warning("node %d lost: its lease was not renewed for %d ms", node, lease_ms)
-        for rank, inc in lives.items():
-            self._publish(
-                Fault(
-                    **self._hdr,
-                    severity=Severity.FAULT1,
-                    cause=f"node {node} lost (lease not renewed for {lease_ms} ms)",
-                    faulty_rank=rank,
-                    faulty_incarnation=inc,
-                )
-            )
-
-    def _fenced(self, mark: str) -> None:
-        """This node was declared lost while it could not renew (a partition, a stop): its
-        workers are dead to the job; kill them, and they restart as new incarnations."""
-        self.events.emit("node_fenced", mark=mark)
-        log.warning("this node was declared lost: restarting its workers")
-        for slot in self.slots.values():
-            if not slot.done:
-                self.fenced.add(slot.incarnation)
-                self.children.kill(slot)
-
-    def _store_lost(self, reason: str) -> None:
-        self.events.emit("store_lost", reason=reason)
-        if self.config.control:
-            self._failed = (
-                f"the NATS control plane is unreachable: {reason}. A majority of its "
-                "servers must be up (--control)"
-            )
-        else:
-            self._failed = (
-                f"the store host is gone: {reason}. Node 0 hosts the job's store: with it "
-                "the job cannot go on (--control nats://... survives it)"
-            )
-        self._wake.set()
 
     def _start_lighthouse(self) -> None:
         cfg = self.config

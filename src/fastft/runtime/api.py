@@ -334,7 +334,7 @@ class Runtime(StepAttempts):
         )
         if x.durable is not None:
             with self._hb.blocked:  # alive while it waits (the agent must not kill it as hung)
-                x.checkpoint_last()
+                x.checkpoints.last()
                 x.durable.close()  # a checkpoint being written is finished: the last counts
         x.membership.collector.close()
         self.bus.close()

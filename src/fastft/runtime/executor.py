@@ -61,10 +61,11 @@ from fastft.protocol import (
     RollbackRequest,
     Severity,
 )
+from fastft.runtime.checkpointing import CommitCheckpoints
 from fastft.runtime.contract import EpochView, FaultStorm, Member, RuntimeConfig, WorkerExit
 from fastft.runtime.coordinator import Coordinator
 from fastft.runtime.dataplane import DataPlane
-from fastft.runtime.durable import Checkpoints, due
+from fastft.runtime.durable import Checkpoints
 from fastft.runtime.faults import Faults
 from fastft.runtime.heal import Healer
 from fastft.runtime.kept import KeptGradients
@@ -142,6 +143,7 @@ class Executor:
         """Rollbacks since this worker's last commit (a fault storm past max_recoveries)."""
         self.membership = Membership(self)
         self.faults = Faults(self)
+        self.checkpoints = CommitCheckpoints(self)
 
     def attach(self, services: Services) -> None:
         self.services = services
@@ -364,47 +366,8 @@ class Executor:
             self.after_commit(a.step + 1)
         s = self.state
         # a drain's commit is checkpointed: workers that leave may leave no holder
-        self._checkpoint(a.step + 1, force=s.want_drain or bool(s.leaving))
+        self.checkpoints.after_commit(a.step + 1, force=s.want_drain or bool(s.leaving))
         self.feed(CommitApplied())
-
-    def checkpoint_last(self) -> None:
-        """At a clean end: the last committed state, if a checkpoint of it was deferred."""
-        d = self.durable
-        if d is not None and d.deferred:
-            d.wait()  # the write that deferred it
-            self._checkpoint(self.state.step)
-
-    def _checkpoint(self, step: int, force: bool = False) -> None:
-        """Hand the committed state of ``step`` to the durable tier if one is due (or
-        ``force``: every member drains after it): written by the epoch's first member
-        (every member holds the same state, S3)."""
-        d, view, cfg = self.durable, self.view, self.config
-        if d is None or view is None or view.members[0] != self.me:
-            return
-        d.prepare()  # the writer process, started before the first checkpoint is due
-        if force and d.busy:
-            d.wait()  # (the job ends after this one: it must be written)
-        if d.deferred and d.busy:
-            return
-        if (
-            not force
-            and not d.deferred
-            and not due(
-                step,
-                last_step=d.last_step,
-                last_time=d.last_time,
-                now=time.monotonic(),
-                every=cfg.checkpoint_every,
-                interval_s=cfg.checkpoint_interval_s,
-            )
-        ):
-            return
-        t0 = time.monotonic()
-        # the step loop pays for the copy into the writer's shared buffer only
-        if d.save_async(step, view.epoch, self.registry.state(step)):
-            self.events.emit(
-                "checkpoint_staged", step=step, stage_ms=round((time.monotonic() - t0) * 1e3, 3)
-            )
 
     def _configure(self, a: ConfigureProcessGroup) -> None:
         view = self.view

@@ -1,0 +1,96 @@
+"""Node liveness for the agent (multi-node): each agent renews its node's lease in the
+store and watches the others' (:class:`~fastft.launch.lease.NodeLease`). This is what the
+agent does with the lease's verdicts: a node lost (its workers are dead: Fault1 for each,
+on the bus), this node fenced (declared lost while it could not renew: its workers are
+killed and start again as new lives), the store lost (the job cannot go on). The agent's
+part for it, as :class:`~fastft.launch.exits.Exits` is for its workers' exits."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from fastft.launch.lease import NATS_STORE_GRACE_S, LeaseConfig, NodeLease
+from fastft.protocol import Fault, Severity
+
+if TYPE_CHECKING:
+    from fastft.launch.agent import Agent
+
+__all__ = ["NodeWatch"]
+
+log = logging.getLogger(__name__)
+
+
+class NodeWatch:
+    """The agent's node lease and what it does with its verdicts (see the module)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def start(self) -> None:
+        a = self.agent
+        cfg = a.config
+        if cfg.nnodes < 2:
+            return  # nobody else to watch; the store is this node's own
+        a.lease = NodeLease(
+            a.store,
+            a.keys,
+            cfg.node_rank,
+            cfg.nnodes,
+            LeaseConfig(
+                cfg.node_heartbeat_ms,
+                cfg.node_lease_misses,
+                store_grace_s=NATS_STORE_GRACE_S if cfg.control else None,
+            ),
+            on_lost=self.node_lost,
+            on_fenced=self.fenced,
+            on_store_lost=self.store_lost,
+            on_returned=lambda n: a.events.emit("node_returned", node=n),
+        )
+        if a.lease.rejoined:
+            a.events.emit("node_rejoined", mark=a.lease.rejoined)
+        a.lease.start()
+
+    def node_lost(self, node: int, lives: dict[int, int], counter: int) -> None:
+        """This agent declared ``node`` lost: every worker of it is dead (Fault1)."""
+        lease = self.agent.lease
+        assert lease is not None
+        lease_ms = round(lease.config.lease_s * 1000)
+        self.agent.events.emit(
+            "node_lost", node=node, lease=counter, lives=len(lives), lease_ms=lease_ms
+        )
+        log.warning("node %d lost: its lease was not renewed for %d ms", node, lease_ms)
+        for rank, inc in lives.items():
+            self.agent._publish(
+                Fault(
+                    **self.agent._hdr,
+                    severity=Severity.FAULT1,
+                    cause=f"node {node} lost (lease not renewed for {lease_ms} ms)",
+                    faulty_rank=rank,
+                    faulty_incarnation=inc,
+                )
+            )
+
+    def fenced(self, mark: str) -> None:
+        """This node was declared lost while it could not renew (a partition, a stop): its
+        workers are dead to the job; kill them, and they restart as new incarnations."""
+        self.agent.events.emit("node_fenced", mark=mark)
+        log.warning("this node was declared lost: restarting its workers")
+        for slot in self.agent.slots.values():
+            if not slot.done:
+                self.agent.fenced.add(slot.incarnation)
+                self.agent.children.kill(slot)
+
+    def store_lost(self, reason: str) -> None:
+        self.agent.events.emit("store_lost", reason=reason)
+        if self.agent.config.control:
+            self.agent._failed = (
+                f"the NATS control plane is unreachable: {reason}. A majority of its "
+                "servers must be up (--control)"
+            )
+        else:
+            self.agent._failed = (
+                f"the store host is gone: {reason}. Node 0 hosts the job's store: with it "
+                "the job cannot go on (--control nats://... survives it)"
+            )
+        self.agent._wake.set()
