@@ -79,6 +79,8 @@ def _cmd(run: Path, a: argparse.Namespace, steps: int, extra: tuple[str, ...] = 
         *(sys.executable, "-m", "fastft.cli", "run", "--nproc", str(a.nproc)),
         *("--run-dir", str(run), "--job", run.name, "--check-every", "1"),
         *("--max-restarts", "1000", "--hang-timeout", str(a.hang_timeout)),
+        # a storm of faults on healthy workers on purpose: no slot is a repeat offender
+        *("--quarantine", "off"),
         *extra,
     ]
     if a.checkpoint_dir and run.name == "chaos":

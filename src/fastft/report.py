@@ -166,6 +166,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     return {
         "run_dir": str(run_dir),
         "total_losses": total_losses(ev),
+        "offenders": offenders(ev),
         "steps_committed": len(steps),
         "last_step": steps[-1] if steps else None,
         "steps_rolled_back": len(rolled),
@@ -179,6 +180,33 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "goodput": None if goodput is None else round(goodput, 3),
         "faults": faults,
     }
+
+
+def offenders(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Worker slots that faulted more than once (crashes, hangs, in-process restarts,
+    failed health checks; not drains or clean ends), most first, and whether the agent
+    quarantined them (``--quarantine``, :mod:`fastft.launch.offenders`) and why."""
+    count: dict[int, list[str]] = {}
+    for e in ev:
+        name, rank = e["event"], e.get("rank", _rank_of(e["src"]))
+        if rank is None:
+            continue
+        if name == "worker_exit" and e.get("exit_code") not in (0, 88):
+            what = f"exit {e['exit_code']}" if e.get("signal") is None else f"signal {e['signal']}"
+        elif name in ("worker_hung", "worker_stopped", "health_failed"):
+            what = name.removeprefix("worker_")
+        elif name == "restarted_in_process":
+            what = "in-process restart"
+        else:
+            continue
+        count.setdefault(rank, []).append(what)
+    why = {e["rank"]: e["reason"] for e in ev if e["event"] == "quarantined"}
+    out = [
+        {"rank": r, "faults": len(w), "kinds": sorted(set(w)), "quarantined": why.get(r)}
+        for r, w in count.items()
+        if len(w) > 1 or r in why
+    ]
+    return sorted(out, key=lambda o: (-o["faults"], o["rank"]))
 
 
 def total_losses(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -242,6 +270,11 @@ def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
             f"total loss in epoch {x['epoch']}: no live member held the state of step "
             f"{x['committed']}; {what}"
         )
+    if s["offenders"]:
+        lines += ["", "repeat offenders (worker slots that faulted more than once):"]
+        for o in s["offenders"]:
+            q = f"; quarantined: {o['quarantined']}" if o["quarantined"] else ""
+            lines.append(f"  rank {o['rank']}: {o['faults']} faults ({', '.join(o['kinds'])}){q}")
     lines.append("")
     lines.append(
         f"steps committed {s['steps_committed']}, rolled back {s['steps_rolled_back']}, "

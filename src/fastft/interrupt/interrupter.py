@@ -74,6 +74,7 @@ class Interrupter:
         self._deferral: threading.Timer | None = None
         self._armed = True  # step 0 of epoch 0 is armed until the first end_step()
         self._shielded: set[Any] = set()
+        self._forced: BaseException | None = None
         self.interrupts = 0
         self.deliveries = 0
 
@@ -245,6 +246,17 @@ class Interrupter:
                 t.start()
         return True
 
+    def raise_in_main(self, exc: BaseException | None) -> None:
+        """Raise ``exc`` in the main thread at its next Python instruction outside
+        :meth:`atomic` and the shielded machinery, inside a step or not (any thread; a
+        soft timeout). Call it again to re-signal a main thread that was shielded; None
+        withdraws it."""
+        with self._lock:
+            self._forced = exc
+            if exc is None or not self._installed:
+                return
+        self._poke_main()
+
     def _cancel_deferral(self) -> None:
         if self._deferral is None:  # the fault-free path: twice per step, no lock
             return
@@ -280,17 +292,25 @@ class Interrupter:
         signal.pthread_kill(self._main_ident, self.signum)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        forced = self._forced
+        if forced is not None and self._atomic_depth == 0 and not self._in_shield(frame):
+            self._forced = None
+            raise forced
         if self._exc is None or self._atomic_depth > 0 or not self._armed:
             return  # stale signal, or deferred to the end of atomic()
         if self.defer_s and time.monotonic() - self._interrupted_at < self.defer_s:
             return  # deferred to the next check(), or to the deferral's end
-        if self._shielded:
-            f = frame
-            while f is not None:
-                if f.f_code in self._shielded:
-                    return
-                f = f.f_back
+        if self._in_shield(frame):
+            return
         self.raise_if_interrupted()
+
+    def _in_shield(self, frame: FrameType | None) -> bool:
+        f = frame
+        while f is not None and self._shielded:
+            if f.f_code in self._shielded:
+                return True
+            f = f.f_back
+        return False
 
 
 def _fail(fut: torch.futures.Future[Any], exc: StepInterrupted) -> None:

@@ -30,6 +30,7 @@ from fastft.launch.control import ControlPlane
 from fastft.launch.exits import Exits
 from fastft.launch.lease import DONE, NodeLease, format_lives
 from fastft.launch.nodewatch import NodeWatch
+from fastft.launch.offenders import Offenders
 from fastft.launch.spare import order_line
 from fastft.launch.spares import SparePool
 from fastft.launch.workerenv import worker_environment
@@ -69,6 +70,7 @@ class Agent:
         self.slots = {r: Slot(r) for r in range(first, first + config.nproc)}
         self.exits = Exits(self)
         self.nodes = NodeWatch(self)
+        self.offenders = Offenders(config.quarantine_rule)
         self.children = Children(
             on_stopped=self.exits.on_stopped,
             claim=self.exits.claim_exit,
@@ -245,10 +247,16 @@ class Agent:
             except OSError:  # it died before it was needed: start the worker cold
                 log.warning("warm spare %d is gone; starting rank %d cold", spare.pid, slot.rank)
                 spare = None
+        if spare is None and slot.spare_only:  # (the policy saw one a moment ago)
+            self.events.emit("spare_missing", rank=slot.rank)
+            log.warning("rank %d should start on a warm spare; none is left: cold", slot.rank)
         if spare is not None:
             self.children.adopt(slot, spare)
         else:
             self.children.popen(slot, list(cfg.command), env)
+        if slot.spare_only:
+            self.offenders.replaced(slot.rank)
+            slot.spare_only = False
         assert slot.proc is not None
         if traced:
             self.children.trace_exit(slot, slot.proc.pid, trace_path)
@@ -365,6 +373,15 @@ class Agent:
         if isinstance(m, DrainRequest) and m.target_node == self.config.node_rank:
             if self.draining is None:
                 self._drain(m.reason or "fastft drain --node")
+            return
+        if (  # a worker of ours lost its state and lives (an in-process restart): a fault
+            isinstance(m, Fault)
+            and m.severity is Severity.FAULT1
+            and m.sender == (m.faulty_rank, m.faulty_incarnation)
+            and m.rank in self.slots
+            and self.slots[m.rank].incarnation == m.incarnation
+        ):
+            self.exits.count_fault(m.rank, m.cause[:200])
             return
         # A worker declared silent by its peers: kill it if it is one of ours (restart).
         if isinstance(m, Fault) and m.severity is Severity.FAULT1 and m.rank != m.faulty_rank:

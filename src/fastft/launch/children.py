@@ -40,6 +40,9 @@ class Slot:
     """The incarnation last reported stopped."""
     drains: int = 0
     """Lives that ended drained (they use up no restart)."""
+    spare_only: bool = False
+    """The next life must be a warm spare (the last one failed its health check, or the
+    slot is quarantined: :mod:`fastft.launch.offenders`)."""
 
 
 ExitCallback = Callable[[Slot, int, "int | None", "int | None", float, str], bool]

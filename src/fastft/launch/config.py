@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastft.errors import ConfigError
+from fastft.launch.offenders import QuarantineRule
 from fastft.process.env import parse_bool
 from fastft.process.malloc import PREFAULT_MAX
 
@@ -105,6 +106,17 @@ class LaunchConfig:
         50,
         "recoveries in a row without a committed step after which the job stops with exit "
         "1 (a fault storm) instead of restarting forever",
+    )
+    health_host_mb: int = _flag(
+        256,
+        "health check before a worker joins or rejoins: MiB of host memory that must be "
+        "available (0: no check); a worker that fails a health check is not admitted",
+        flag="--health-host-mb",
+    )
+    quarantine: str = _flag(
+        "3/600",
+        "N/S: a worker slot that faults N times within S seconds is a repeat offender: its "
+        "next life is a warm spare, or the world shrinks (elastic), or the job stops; 'off'",
     )
     drain_grace_s: float = _flag(
         30.0,
@@ -253,6 +265,9 @@ class LaunchConfig:
             raise ConfigError(f"--max-recoveries {self.max_recoveries}: must be >= 1")
         if self.hang_timeout_s <= 0:
             raise ConfigError("--hang-timeout must be > 0 seconds")
+        if self.health_host_mb < 0:
+            raise ConfigError(f"--health-host-mb {self.health_host_mb}: must be >= 0")
+        QuarantineRule.parse(self.quarantine)  # (a malformed --quarantine fails here)
         if not 0 < self.drain_grace_s < 86400:
             raise ConfigError(f"--drain-grace {self.drain_grace_s}: use 0 < seconds < 86400")
         world = self.nproc * self.nnodes
@@ -338,6 +353,11 @@ class LaunchConfig:
         LeaseConfig(self.node_heartbeat_ms, self.node_lease_misses)
         if "/" in self.job or not self.job:
             raise ConfigError(f"--job {self.job!r}: non-empty, without '/'")
+
+    @property
+    def quarantine_rule(self) -> QuarantineRule | None:
+        """``--quarantine N/S`` parsed (None: ``off``)."""
+        return QuarantineRule.parse(self.quarantine)
 
     @property
     def world_size(self) -> int:

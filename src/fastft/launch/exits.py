@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -88,20 +89,22 @@ class Exits:
         self.forget_joiner(slot)
         cfg = self.agent.config
         first = self.agent.first_lives
+        own = (  # a failure of the worker itself, not an exit the agent caused (a stop,
+            code not in (0, EXIT_DRAINED)  # a failed job, a drain, a group, a fence)
+            and not slot.done
+            and self.agent._stopping is None
+            and self.agent._failed is None
+            and self.agent.draining is None
+            and slot.incarnation not in self.agent.taken_down
+            and slot.incarnation not in self.agent.fenced
+        )
+        how = f"code {code}" if sig is None else f"signal {sig}"
+        if own:
+            self.count_fault(slot.rank, "hung" if slot.hung == slot.incarnation else how)
         if slot.life == 0 and slot.rank in first and first[slot.rank] is None:
-            failed = (  # (not an exit the agent caused: a stop, a failed job, a group)
-                code not in (0, EXIT_DRAINED)
-                and not slot.done
-                and self.agent._stopping is None
-                and self.agent._failed is None
-                and self.agent.draining is None
-                and slot.incarnation not in self.agent.taken_down
-                and slot.incarnation not in self.agent.fenced
-                and slot.hung != slot.incarnation  # (hung: the hang timeout's business)
-            )
+            failed = own and slot.hung != slot.incarnation  # (hung: the hang timeout's)
             first[slot.rank] = failed and not self.agent.committed(slot)
             if policy.startup_failed(first):
-                how = f"code {code}" if sig is None else f"signal {sig}"
                 self.agent._failed = (
                     f"every worker failed before its first commit (rank {slot.rank}: {how}); "
                     "the script cannot start: its error is above"
@@ -125,9 +128,14 @@ class Exits:
             spares_left=bool(self.agent.spares),
             elastic=cfg.min_replicas is not None and cfg.min_replicas < cfg.world_size,
             draining=self.agent.draining is not None,
+            quarantined=self.agent.offenders.quarantined.get(slot.rank),
         )
         if do.failed:
             self.agent._failed = do.failed
+        if do.shrink:
+            self.agent.events.emit("world_shrinks", rank=slot.rank, reason=do.shrink)
+            log.warning("the world goes on without rank %d: %s", slot.rank, do.shrink)
+        slot.spare_only = do.spare_only
         if do.done:
             slot.done = True
         if do.restart and cfg.shard_size > 1:
@@ -141,6 +149,20 @@ class Exits:
             with self.agent.children.lock:
                 self.agent._restarts_due.append((time.monotonic() + do.delay_s, slot))
         self.agent._wake.set()
+
+    def count_fault(self, rank: int, what: str) -> None:
+        """A fault of ``rank``'s slot (:mod:`fastft.launch.offenders`); at the count of
+        ``--quarantine`` it is quarantined. A live worker is then drained: it leaves at
+        its next commit, and its exit takes the quarantine's way."""
+        agent = self.agent
+        why = agent.offenders.fault(rank, time.monotonic(), what)
+        if why is None:
+            return
+        agent.events.emit("quarantined", rank=rank, reason=why)
+        log.warning("%s: quarantined (--quarantine %s)", why, agent.config.quarantine)
+        slot = agent.slots[rank]
+        if slot.proc is not None and slot.proc.returncode is None and not slot.done:
+            agent.children.kill(slot, signal.SIGTERM, incarnation=slot.incarnation)
 
     def _restart_group(self, slot: Slot) -> None:
         """Take the rest of ``slot``'s shard group down with it: the group starts again as

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastft.protocol import EXIT_DRAINED
-from fastft.runtime.contract import EXIT_FAULT_STORM, EXIT_STATE_LOST
+from fastft.runtime.contract import EXIT_FAULT_STORM, EXIT_STATE_LOST, EXIT_UNHEALTHY
 
 __all__ = [
     "COLD_RESTART_DELAY_S",
@@ -48,6 +48,10 @@ class AfterExit:
     delay_s: float = 0.0
     done: bool = False
     failed: str | None = None
+    spare_only: bool = False
+    """The slot's next life must be a warm spare (a failed health check, a quarantine)."""
+    shrink: str | None = None
+    """The slot is done and the elastic world goes on without it, for this reason."""
 
 
 def after_exit(
@@ -63,6 +67,7 @@ def after_exit(
     spares_left: bool,
     elastic: bool,
     draining: bool = False,
+    quarantined: str | None = None,
 ) -> AfterExit:
     """A worker of slot ``rank`` in its ``life`` exited with ``code`` or signal ``sig``.
     ``peers_finished``: another slot's worker ended the job cleanly already;
@@ -70,11 +75,13 @@ def after_exit(
 
     A drained worker (:data:`EXIT_DRAINED`) left on purpose: in a fixed world it starts
     again (a new life that heals; not counted against ``max_restarts``), in an elastic
-    world, or when its agent drains, the slot is done."""
+    world, or when its agent drains, the slot is done.
+
+    A worker that failed its health check (:data:`EXIT_UNHEALTHY`), or a slot
+    ``quarantined`` (a repeat offender: why), does not start again in place: a warm spare
+    takes its place, or the world shrinks (elastic), or the job stops with the reason."""
     if code == 0 or stopping or already_done or draining:
         return AfterExit(done=True)
-    if code == EXIT_DRAINED:
-        return AfterExit(done=True) if elastic or peers_finished else AfterExit(restart=True)
     if code == EXIT_FAULT_STORM:
         return AfterExit(
             done=True,
@@ -87,6 +94,25 @@ def after_exit(
             failed=f"rank {rank}: every holder of the committed state was lost and nothing "
             "could restore it (the worker's message says what to change)",
         )
+    if code == EXIT_UNHEALTHY or quarantined:
+        why = quarantined or f"rank {rank} failed its health check (its reason is above)"
+        if peers_finished:
+            return AfterExit(done=True, shrink=why)  # (it was not needed any more)
+        if life >= max_restarts:
+            return AfterExit(
+                done=True, failed=f"{why}; no restarts left (--max-restarts {max_restarts})"
+            )
+        if spares_left:
+            return AfterExit(restart=True, spare_only=True)
+        if elastic:
+            return AfterExit(done=True, shrink=why)
+        return AfterExit(
+            done=True,
+            failed=f"{why}, and no warm spare can take its place in this fixed world "
+            "(--warm-spares N gives it one; --min-replicas lets the world shrink)",
+        )
+    if code == EXIT_DRAINED:
+        return AfterExit(done=True) if elastic or peers_finished else AfterExit(restart=True)
     how = f"code {code}" if sig is None else f"signal {sig}"
     if peers_finished:
         # there is nothing left to rejoin

@@ -47,6 +47,8 @@ def worker_environment(
             incarnation=incarnation,
             check_every=cfg.check_every,
             drain_grace_s=cfg.drain_grace_s,
+            health_host_mb=cfg.health_host_mb,
+            hang_timeout_s=cfg.hang_timeout_s,
             max_recoveries=cfg.max_recoveries,
             keep_gradients=cfg.keep_gradients,
             backend=cfg.backend,

@@ -107,6 +107,13 @@ class WorkerEnv:
         "FASTFT_MAX_RECOVERIES",
         "recoveries in a row without a committed step before the job stops (a fault storm)",
     )
+    health_host_mb: int | None = _var(
+        "FASTFT_HEALTH_HOST_MB",
+        "health check: MiB of host memory that must be available before this worker joins",
+    )
+    hang_timeout_s: float | None = _var(
+        "FASTFT_HANG_TIMEOUT", "seconds without progress before the agent kills this worker"
+    )
     drain_grace_s: float | None = _var(
         "FASTFT_DRAIN_GRACE",
         "after a SIGTERM, seconds this worker has to leave at its next commit before it ends",

@@ -63,6 +63,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._prev = 0.0
+        self._last = time.monotonic()
         self._gap = 0.0
         self.tracking = False
         """Set after the first commit: gaps before it (start-up, healing) are not steps."""
@@ -77,10 +78,21 @@ class Heartbeat:
             self._thread = threading.Thread(target=self._run, name="fastft-heartbeat", daemon=True)
             self._thread.start()
 
+    @property
+    def last(self) -> float:
+        """CLOCK_MONOTONIC of the last sign of life (now, while in a blocked wait)."""
+        return time.monotonic() if self._waiting.is_set() else self._last
+
+    @property
+    def gap(self) -> float:
+        """The longest recent gap between beats (0 before the first commit)."""
+        return self._gap
+
     def beat(self) -> None:
+        now = time.monotonic()
+        self._last = now
         if self._mm is None:
             return
-        now = time.monotonic()
         if self.tracking and self._prev:
             self._gap = max(now - self._prev, self._gap * self._DECAY)
         self._prev = now

@@ -12,7 +12,7 @@ import sys
 
 from fastft.process.env import READY_FD, SPARE_RUN_AHEAD
 
-__all__ = ["await_order", "become", "ran_ahead", "tell_ready"]
+__all__ = ["await_order", "become", "ran_ahead", "tell_ready", "was_spare"]
 
 
 def tell_ready() -> None:
@@ -31,6 +31,7 @@ def become(line: bytes) -> list[str]:
     """Take the agent's order: the worker's environment (all of it), stdin like a fresh
     worker's; returns the worker's command line."""
     order = json.loads(line)
+    _was_spare[0] = True
     os.environ.clear()
     os.environ.update(order["env"])
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -41,6 +42,12 @@ def become(line: bytes) -> list[str]:
 
 
 _ran_ahead = [False]
+_was_spare = [False]
+
+
+def was_spare() -> bool:
+    """Whether this worker is a warm spare that took its order (ran ahead or not)."""
+    return _was_spare[0]
 
 
 def ran_ahead() -> bool:

@@ -17,7 +17,7 @@ import secrets
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from fastft.interrupt import Interrupter
 from fastft.process.env import SPARE_RUN_AHEAD, insecure
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat
-from fastft.process.order import await_order, ran_ahead
+from fastft.process.order import await_order, ran_ahead, was_spare
 from fastft.process.services import Services
 from fastft.protocol import JobKeys
 from fastft.protocol.auth import JobSecret, ValueAuth
@@ -50,8 +50,10 @@ from fastft.runtime.durable import Checkpoints
 from fastft.runtime.executor import Executor
 from fastft.runtime.flow import flow_of
 from fastft.runtime.formation import Recovery
+from fastft.runtime.health import HealthCheck, admit_or_leave
 from fastft.runtime.hsdp import StepGate, meet_shard_group
 from fastft.runtime.kept import KeptGradients
+from fastft.runtime.restart import Restartable
 from fastft.runtime.sideclient import SideClient
 from fastft.runtime.state import StateRegistry
 from fastft.runtime.sync import Outer, OuterOptimizer, reduce_gradients
@@ -62,6 +64,7 @@ __all__ = ["Runtime", "Transaction", "init"]  # (Transaction: fastft.runtime.tra
 log = logging.getLogger(__name__)
 
 _DECISION_WAIT_S = 0.5
+T = TypeVar("T")
 
 
 class Runtime(StepAttempts):
@@ -150,6 +153,8 @@ class Runtime(StepAttempts):
         self._retries = 0
         self._registered = False
         self._step_gen = 0
+        self.health_checks: list[tuple[str, HealthCheck]] = []
+        """The user's health checks (:meth:`add_health_check`)."""
         sv = Services.start(
             store=store,
             job=config.job,
@@ -176,6 +181,7 @@ class Runtime(StepAttempts):
             life=config.life,
             pid=os.getpid(),
             ran_ahead=ran_ahead(),
+            spare=was_spare(),
         )
         atexit.register(self._stop_threads)
 
@@ -232,9 +238,27 @@ class Runtime(StepAttempts):
                 )
         if model is not None:
             self._x.dp.backend()  # a backend that cannot work with this model fails here
+        admit_or_leave(self, check_state=True)  # (fastft.runtime.health: raises Unhealthy)
         self._registered = True
         self._drive(lambda s: s.phase is Phase.NORMAL)
         return self
+
+    def add_health_check(self, check: HealthCheck, name: str | None = None) -> None:
+        """Add a check this worker runs before it joins (:meth:`register`, so add it
+        before) and before an in-process restart rejoins (:meth:`run`): it passes when it
+        returns None or True, fails when it returns False or a reason (a string) or raises.
+        A worker that fails one is not admitted (:mod:`fastft.runtime.health`)."""
+        self.health_checks.append((name or str(getattr(check, "__name__", "user")), check))
+
+    def run(self, fn: Callable[..., T], *args: Any, **options: Any) -> T:
+        """Run ``fn(*args)`` (the training loop, after :meth:`register`) and restart it in
+        this process when an exception escapes every transaction: the worker leaves its
+        epoch, heals from a peer if its state may be damaged, and calls ``fn`` again at
+        the committed step (:mod:`fastft.runtime.restart`). ``options``: ``on_fault(exc)``,
+        ``health_check()``, ``before_restart()``, ``finalize()``, ``max_restarts`` (3)
+        within ``window_s`` (600), ``heal`` ('auto', True, False), ``soft_timeout_s``,
+        ``hard_timeout_s``. Returns what ``fn`` returns."""
+        return cast(T, Restartable(self, fn, **options)(*args))
 
     @property
     def sharded(self) -> bool:

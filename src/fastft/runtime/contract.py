@@ -26,7 +26,9 @@ from fastft.runtime.checks import (
 __all__ = [
     "Drained",
     "EXIT_FAULT_STORM",
+    "EXIT_UNHEALTHY",
     "FaultStorm",
+    "Unhealthy",
     "RuntimeConfig",
     "Member",
     "EpochView",
@@ -98,6 +100,8 @@ class RuntimeConfig:
     sync: str = "per-step"
     drain_grace_s: float = 30.0
     max_recoveries: int = 50
+    health_host_mb: int = 256
+    hang_timeout_s: float = 30.0
     flow: str | None = None
     flow_name: str = "pipeline"
     stage: str | None = None
@@ -187,6 +191,8 @@ class RuntimeConfig:
             ("group_gen", 0),
             ("sync", "per-step"),
             ("drain_grace_s", 30.0),
+            ("health_host_mb", 256),
+            ("hang_timeout_s", 30.0),
             ("max_recoveries", 50),
             ("flow", None),
             ("flow_name", "pipeline"),
@@ -252,6 +258,23 @@ class FaultStorm(SystemExit):
 
     def __str__(self) -> str:
         return self.why
+
+
+EXIT_UNHEALTHY = 90
+"""A worker's exit status when it failed a health check before it joined or rejoined
+(:mod:`fastft.runtime.health`): it is not admitted. The agent gives its slot to a warm
+spare, or lets the world shrink (elastic), or stops the job with the reason."""
+
+
+class Unhealthy(SystemExit):
+    """This worker failed a health check (see :data:`EXIT_UNHEALTHY`)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(EXIT_UNHEALTHY)
+        self.why = why
+
+    def __str__(self) -> str:
+        return f"health check failed: {self.why}"
 
 
 EXIT_GROUP_FAULT = 87

@@ -1,0 +1,232 @@
+"""In-process restart: :meth:`fastft.Runtime.run` (issue 23, after NVRx's in-process
+``Wrapper``).
+
+An exception inside a transaction rolls the step back and the step runs again; one that
+escapes every transaction (data loading between steps, an evaluation, a checkpoint hook,
+a step that failed ``max_step_retries`` times) would end the process, and a restart
+would cost a new Python, its imports and a heal. Under ``ft.run(train)`` it restarts
+``train`` in the same process instead:
+
+1. ``on_fault(exc)`` runs;
+2. the health checks run (:mod:`fastft.runtime.health`); a worker that fails them is not
+   admitted again: it ends (``EXIT_UNHEALTHY``) and its agent gives the slot to a spare,
+   lets the world shrink, or stops the job;
+3. the worker leaves its epoch and rejoins it: it reports a fault of its own (the step its
+   peers run without it rolls back, nothing committed is lost), and when its state may
+   be damaged (``heal="auto"``: whenever a live peer holds the committed state) as a
+   Fault1, so that it heals from a peer as a restarted worker would;
+4. ``before_restart()`` runs, then ``train`` is called again, at the committed step;
+5. ``finalize()`` runs once, when ``train`` returns or the wrapper gives up.
+
+More than ``max_restarts`` in-process restarts within ``window_s`` end the process with
+the exception (its agent restarts it, and counts the fault). Every in-process restart is
+also a fault of the worker's slot for the agent's repeat-offender count
+(:mod:`fastft.launch.offenders`).
+
+**Timeouts.** A watchdog thread watches the worker's progress (its heartbeat: every step,
+and every wait of the runtime's). No progress for ``soft_timeout_s`` after the first
+commit: it prints every thread's stack and raises :class:`SoftTimeout` in the main thread
+(outside the runtime's own machinery), which restarts ``train`` in process. No progress
+for ``hard_timeout_s``: it kills the process (its agent restarts it). Defaults, from the
+step time (``gap``: the longest recent gap between the worker's heartbeats, about a
+step): soft = ``SOFT_GAPS`` (20) x gap, at least ``SOFT_FLOOR_S`` (10 s); hard = 2 x soft;
+each at most half and 90 % of the agent's ``--hang-timeout`` (its own kill comes last).
+Wrap long work between steps in ``ft.no_hang_check()``, as for the agent's timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastft.errors import FastFTError
+from fastft.fsm import Phase
+from fastft.inject import StateLost
+from fastft.runtime.contract import WorkerExit
+from fastft.runtime.health import admit_or_leave
+
+if TYPE_CHECKING:
+    from fastft.runtime.api import Runtime
+
+__all__ = ["SOFT_FLOOR_S", "SOFT_GAPS", "Restartable", "SoftTimeout", "timeouts"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SOFT_GAPS = 20.0
+SOFT_FLOOR_S = 10.0
+WINDOW_S = 600.0
+
+
+class SoftTimeout(FastFTError, RuntimeError):
+    """Raised in the main thread when the worker made no progress for the soft timeout."""
+
+
+def timeouts(
+    gap_s: float, hang_timeout_s: float, soft_s: float | None, hard_s: float | None
+) -> tuple[float, float]:
+    """(soft, hard) in seconds: the given ones, else the defaults (see the module)."""
+    soft = (
+        soft_s
+        if soft_s is not None
+        else min(max(SOFT_FLOOR_S, SOFT_GAPS * gap_s), hang_timeout_s / 2)
+    )
+    hard = hard_s if hard_s is not None else min(2 * soft, 0.9 * hang_timeout_s)
+    return soft, max(hard, soft)
+
+
+@dataclass
+class Restartable:
+    """One ``ft.run(fn, ...)`` (see the module); :meth:`__call__` runs it."""
+
+    rt: Runtime
+    fn: Callable[..., Any]
+    on_fault: Callable[[BaseException], Any] | None = None
+    health_check: Callable[[], Any] | None = None
+    before_restart: Callable[[], Any] | None = None
+    finalize: Callable[[], Any] | None = None
+    max_restarts: int = 3
+    window_s: float = WINDOW_S
+    heal: bool | str = "auto"
+    soft_timeout_s: float | None = None
+    hard_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.heal not in ("auto", True, False):
+            raise ValueError(f"heal={self.heal!r}: use 'auto', True or False")
+        if self.max_restarts < 0 or self.window_s <= 0:
+            raise ValueError("max_restarts must be >= 0 and window_s > 0")
+        self._times: collections.deque[float] = collections.deque()
+        self.restarts = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rt = self.rt
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("ft.run() must be called from the main thread")
+        if not rt._registered:
+            raise RuntimeError("call ft.register(model=..., optimizer=...) before ft.run()")
+        dog = _Watchdog(rt, self.soft_timeout_s, self.hard_timeout_s)
+        dog.start()
+        try:
+            while True:
+                try:
+                    return self.fn(*args, **kwargs)
+                except WorkerExit:
+                    raise  # the runtime is ending this worker
+                except Exception as e:  # noqa: BLE001 - what escaped the transactions
+                    rt.interrupter.raise_in_main(None)
+                    self._restart(e)
+        finally:
+            dog.stop()
+            if self.finalize is not None:
+                self.finalize()
+
+    def _restart(self, e: Exception) -> None:
+        rt, x = self.rt, self.rt._x
+        now = time.monotonic()
+        self._times.append(now)
+        while self._times and self._times[0] < now - self.window_s:
+            self._times.popleft()
+        cause = f"{type(e).__name__}: {e}"[:300]
+        log.error("rank %d: %s escaped the step; restarting in process", rt.rank, cause, exc_info=e)
+        if self.on_fault is not None:
+            self.on_fault(e)
+        if len(self._times) > self.max_restarts:
+            rt.events.emit("restart_given_up", step=rt.step, cause=cause, restarts=self.restarts)
+            raise e
+        t0 = time.monotonic()
+        with x.lock:
+            view = x.view
+            peers = view is not None and len(view.members) > 1
+        lose = self.heal is True or (self.heal == "auto" and peers)
+        extra = [("user", self.health_check)] if self.health_check is not None else []
+        admit_or_leave(rt, check_state=not lose, extra=extra)  # (raises Unhealthy)
+        step = rt.step
+        # leave and rejoin: the peers roll their step back and re-form; a Fault1 heals
+        x.faults.local(StateLost(f"in-process restart ({cause})") if lose else e)
+        rt._drive(lambda s: s.phase is Phase.NORMAL)
+        if self.before_restart is not None:
+            self.before_restart()
+        self.restarts += 1
+        rt.events.emit(
+            "restarted_in_process",
+            step=rt.step,
+            fault_step=step,
+            healed=lose,
+            cause=cause,
+            restart_ms=round((time.monotonic() - t0) * 1e3, 3),
+            restarts=self.restarts,
+        )
+
+
+class _Watchdog:
+    """The soft and hard timeouts (see the module)."""
+
+    def __init__(self, rt: Runtime, soft_s: float | None, hard_s: float | None) -> None:
+        self.rt = rt
+        self.soft_s, self.hard_s = soft_s, hard_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fastft-watchdog", daemon=True)
+        self._soft_at: float | None = None
+        """The beat the soft timeout fired for (once per stall)."""
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1)
+        self.rt.interrupter.raise_in_main(None)
+
+    def _run(self) -> None:
+        rt, hb = self.rt, self.rt._hb
+        while not self._stop.wait(0.2):
+            if not hb.tracking or rt._x.closing:
+                continue  # before the first commit: the agent's start-up grace applies
+            soft, hard = timeouts(hb.gap, rt.config.hang_timeout_s, self.soft_s, self.hard_s)
+            last = hb.last
+            idle = time.monotonic() - last
+            if idle > hard:
+                self._hard(idle, hard)
+                return
+            if idle > soft:
+                if self._soft_at != last:
+                    self._soft_at = last
+                    self._soft(idle, soft)
+                else:  # not raised yet (the main thread was in the runtime's machinery)
+                    rt.interrupter.raise_in_main(rt.interrupter._forced)
+            else:
+                self._soft_at = None
+
+    def _soft(self, idle: float, soft: float) -> None:
+        rt = self.rt
+        rt.events.emit(
+            "soft_timeout", step=rt.step, idle_s=round(idle, 3), timeout_s=round(soft, 3)
+        )
+        log.error("rank %d: no progress for %.1f s (soft timeout): stacks follow", rt.rank, idle)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        rt.interrupter.raise_in_main(
+            SoftTimeout(f"no progress for {idle:.1f} s (soft timeout {soft:.1f} s)")
+        )
+
+    def _hard(self, idle: float, hard: float) -> None:
+        rt = self.rt
+        rt.events.emit(
+            "hard_timeout", step=rt.step, idle_s=round(idle, 3), timeout_s=round(hard, 3)
+        )
+        log.error(
+            "rank %d: no progress for %.1f s (hard timeout): killing the process", rt.rank, idle
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        rt.events.close()
+        os.kill(os.getpid(), signal.SIGKILL)
