@@ -60,6 +60,8 @@ def free_port():
         ["run", "--stage", "2/2", "--flow", "127.0.0.1:1", "-m", "fastft.demo.pipeline"],
         ["run", "--stage", "0/2", "-m", "fastft.demo.pipeline"],
         ["run", "--stage", "0/2", "--flow", "h:1", "--max-ahead", "0", "-m", "m"],
+        ["run", "--quarantine", "3", "-m", "fastft.demo.train"],
+        ["run", "--health-host-mb", "-5", "-m", "fastft.demo.train"],
         ["frobnicate"],
         ["run", "--nproc", "2", "-m", "fastft.demo.no_such_module"],
     ],
