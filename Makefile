@@ -54,6 +54,7 @@ bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/checkpoint.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/node_loss.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/hsdp.py
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/inprocess.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/chaos.py --planned
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/chaos.py --ends 100
 
