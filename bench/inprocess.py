@@ -42,7 +42,7 @@ VARIANTS = {
 }
 NVRX_S = {"destroy process groups": 0.5, "rank assignment": 0.5, "barrier": 0.5}
 
-WORKER = '''
+WORKER = """
 import json, os, sys, time
 import torch
 from torch import nn
@@ -75,7 +75,7 @@ def train():
 raised = []
 ft.run(train) if wrap else train()
 ft.close()
-'''
+"""
 
 
 def one(tmp: Path, name: str, flags: tuple[str, ...], hidden: int) -> dict[str, float]:
