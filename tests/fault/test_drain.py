@@ -149,3 +149,19 @@ def test_a_sigterm_to_the_agent_drains_every_rank_exits_0_and_the_job_resumes(tm
     restored = [e for e in read_events(again) if e["event"] == "restore"]
     assert restored and restored[0]["step"] == max(saved)
     assert {v["digest"] for v in finals(again).values()} == {clean[0]["digest"]}
+
+
+def test_fastft_drain_of_a_node_drains_its_ranks_and_its_agent_exits_0(tmp_path):
+    run = tmp_path / "drain-node"
+    p = _start(run)
+    try:
+        _wait_commit(run, 5, p)
+        agent = next(e for e in read_events(run) if e["event"] == "agent_start")
+        drain = [sys.executable, "-m", "fastft.cli", "drain", "--store", agent["store"]]
+        drain += ["--job", run.name, "--job-secret-file", str(run / "job.secret"), "--node", "0"]
+        subprocess.run(drain, check=True, timeout=60, capture_output=True)
+    finally:
+        assert _finish(p, run) == 0, (run / "launcher.log").read_text()[-3000:]
+    assert [r for r, _ in drained(run)] == [0, 1, 2]
+    assert rollbacks(run) == []
+    assert max(e["step"] for e in read_events(run) if e["event"] == "commit") < STEPS - 1
