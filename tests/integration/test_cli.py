@@ -249,3 +249,23 @@ def test_a_port_that_is_not_a_store_gives_one_line_and_exit_2(answer, secret):
     assert r.returncode == 2, r
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "does not answer as a store" in lines[0], r.stderr
+
+
+def test_bare_fastft_prints_the_help_and_subcommands_show_their_defaults():
+    r = fastft()
+    assert r.returncode == 2 and "usage: fastft" in r.stderr and "run" in r.stderr
+    assert "required" not in r.stderr
+    r = fastft("bus", "tail", "--help")
+    assert r.returncode == 0 and "(default: 0)" in r.stdout
+    r = fastft("run", "--help")
+    assert "[default: 30.0; env FASTFT_HANG_TIMEOUT]" in " ".join(r.stdout.split())
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_never_calls_init_gets_a_warning_at_exit(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("print('trained nothing')\n")
+    r = fastft("run", "--nproc", "2", "--run-dir", str(tmp_path / "run"), str(script), timeout=90)
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} exited 0 without calling fastft.init()" in r.stderr

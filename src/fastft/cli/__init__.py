@@ -37,6 +37,11 @@ EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        # defaults in --help (``fastft run``'s flags say theirs in their help already)
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
@@ -148,6 +153,7 @@ def _build() -> argparse.ArgumentParser:
         help="run a training script under the node agent",
         description="Start NPROC workers of SCRIPT on this node, host the job's store (node 0), "
         "restart workers that die or hang. Use `-m module` for a module.",
+        formatter_class=argparse.HelpFormatter,
     )
     add_run_flags(p)
     p.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
@@ -205,6 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = _build()
     except ConfigError as e:  # a malformed FASTFT_* variable behind a flag
         _fail(str(e))
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)  # (bare `fastft`: what there is, not a parse error)
+        return EXIT_USAGE
     args = parser.parse_args(argv)
     from fastft.cli import ops, run  # (after the parse: `fastft --help` stays quick)
 

@@ -131,6 +131,16 @@ class Agent:
                 file=sys.stderr,
                 flush=True,
             )
+        cores = len(os.sched_getaffinity(0))
+        busy = cfg.nproc + cfg.warm_spares
+        if busy > cores:
+            print(
+                f"fastft: WARNING: {busy} worker and spare processes on {cores} CPU core(s): "
+                "they will compete for the cores (steps slow down, timeouts fire sooner); "
+                "lower --nproc or --warm-spares",
+                file=sys.stderr,
+                flush=True,
+            )
         where = f"store {self.bound} (listening)" if self.bound else f"store {self.store_addr}"
         print(
             f"fastft: job {cfg.job}, {where}, run dir {self.run_dir}, secret {self.secret_file}",

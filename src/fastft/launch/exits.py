@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from typing import TYPE_CHECKING
 
 import fastft.launch.policy as policy
 from fastft.launch.children import Slot
+from fastft.process.heartbeat import read_heartbeat
 from fastft.protocol import EXIT_DRAINED, HangSuspected, ProcessExited
 
 if TYPE_CHECKING:
@@ -99,6 +101,16 @@ class Exits:
             and slot.incarnation not in self.agent.fenced
         )
         how = f"code {code}" if sig is None else f"signal {sig}"
+        if code == 0 and cfg.torchft != "plain" and not _joined(slot):
+            self.agent.events.emit("never_joined", rank=slot.rank, life=slot.life)
+            print(
+                f"fastft: WARNING: rank {slot.rank} exited 0 without calling fastft.init(): it "
+                "never joined the job (a script under `fastft run` calls ft = fastft.init(), "
+                "ft.register(model=..., optimizer=...) and runs its steps in "
+                "`with ft.transaction():`)",
+                file=sys.stderr,
+                flush=True,
+            )
         if own:
             self.count_fault(slot.rank, "hung" if slot.hung == slot.incarnation else how)
         if slot.life == 0 and slot.rank in first and first[slot.rank] is None:
@@ -202,3 +214,9 @@ class Exits:
             for s in live:
                 s.done = True
                 self.agent.children.kill(s, incarnation=s.incarnation)
+
+
+def _joined(slot: Slot) -> bool:
+    """Whether the slot's worker started fastft (its runtime writes the heartbeat file)."""
+    hb = read_heartbeat(slot.heartbeat)
+    return hb is not None and hb[0] >= slot.started
