@@ -69,6 +69,7 @@ def test_every_variable_is_documented_once():
             "FASTFT_CHECKPOINT_EVERY",
             "FASTFT_CHECKPOINT_INTERVAL",
             "FASTFT_HANG_TIMEOUT",
+            "FASTFT_BETWEEN_STEPS_TIMEOUT",
             "FASTFT_HEALTH_HOST_MB",
             "FASTFT_CHECKPOINT_KEEP",
             "FASTFT_ALLOW_FRESH_START",

@@ -7,6 +7,7 @@ from fastft.launch.policy import (
     HANG_FLOOR_S,
     SpareInfo,
     after_exit,
+    hang_reason,
     hang_verdict,
     pick_spare,
     spare_owed_done,
@@ -64,6 +65,23 @@ def test_hangs_are_judged_after_the_start_grace_and_by_the_adaptive_timeout():
     ad = dict(kw, adaptive=True)
     assert hang_verdict(now=23.0, beat=20.0, gap=0.01, **ad).timeout_s == HANG_FLOOR_S
     assert hang_verdict(now=23.5, beat=20.0, gap=0.2, **ad) is None  # 20 x 0.2 = 4 s
+
+
+def test_between_steps_only_a_stopped_interpreter_or_the_longer_timeout_is_a_hang():
+    kw = dict(started=0.0, hang_timeout_s=5.0, adaptive=True, start_grace_s=120.0, gap=0.01)
+    kw |= dict(between_timeout_s=600.0, between_since=10.0)
+    # an evaluation of 100 s: the heartbeat thread beats, the main thread makes no progress
+    assert hang_verdict(now=110.0, beat=109.9, **kw) is None
+    stuck = hang_verdict(now=110.0, beat=100.0, **kw)  # a thread holds the GIL: no beats
+    assert stuck is not None and not stuck.between and stuck.timeout_s == 5.0
+    long = hang_verdict(now=611.0, beat=610.9, **kw)
+    assert long is not None and long.between and long.silent_s == 601.0
+    assert "--between-steps-timeout 600" in hang_reason(1, 0, long)
+    assert "ft.no_hang_check()" in hang_reason(1, 0, stuck) and "no progress for 10.0 s" in (
+        hang_reason(1, 0, stuck)
+    )
+    # a heartbeat left by an earlier life says nothing about this one
+    assert hang_verdict(now=110.0, beat=109.9, **dict(kw, started=50.0, between_since=10.0)) is None
 
 
 def test_a_restart_takes_a_spare_warm_on_its_gpu_then_a_ready_one_then_the_oldest():

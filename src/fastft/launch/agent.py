@@ -352,6 +352,8 @@ class Agent:
             hang_timeout_s=self.config.hang_timeout_s,
             adaptive=self.config.adaptive_hang,
             start_grace_s=self.config.start_grace_s,
+            between_since=hb[2] if hb is not None else 0.0,
+            between_timeout_s=self.config.between_steps_timeout_s,
         )
         if hung is None:
             return
@@ -361,7 +363,11 @@ class Agent:
             incarnation=slot.incarnation,
             silent_s=round(hung.silent_s, 3),
             timeout_s=round(hung.timeout_s, 3),
+            between=hung.between,
             detected=now,
+        )
+        print(
+            f"fastft: {policy.hang_reason(slot.rank, slot.life, hung)}", file=sys.stderr, flush=True
         )
         self._publish(
             HangSuspected(

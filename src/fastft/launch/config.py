@@ -67,6 +67,12 @@ class LaunchConfig:
         "seconds without progress before a worker is killed (the most, with --adaptive-hang)",
         flag="--hang-timeout",
     )
+    between_steps_timeout_s: float = _flag(
+        1800.0,
+        "seconds a worker may spend between steps (an evaluation, a checkpoint) while its "
+        "Python runs before it is killed as hung; --hang-timeout judges steps",
+        flag="--between-steps-timeout",
+    )
     adaptive_hang: bool = _flag(
         False,
         "hang timeout = 20x the longest recent gap between a worker's heartbeats (at least "
@@ -265,6 +271,8 @@ class LaunchConfig:
             raise ConfigError(f"--max-recoveries {self.max_recoveries}: must be >= 1")
         if self.hang_timeout_s <= 0:
             raise ConfigError("--hang-timeout must be > 0 seconds")
+        if self.between_steps_timeout_s <= 0:
+            raise ConfigError("--between-steps-timeout must be > 0 seconds")
         if self.health_host_mb < 0:
             raise ConfigError(f"--health-host-mb {self.health_host_mb}: must be >= 0")
         QuarantineRule.parse(self.quarantine)  # (a malformed --quarantine fails here)

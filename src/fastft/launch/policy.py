@@ -20,6 +20,7 @@ __all__ = [
     "SpareInfo",
     "after_exit",
     "group_mates",
+    "hang_reason",
     "hang_verdict",
     "pick_spare",
     "spare_owed_done",
@@ -156,8 +157,13 @@ def group_mates(
 
 @dataclass(frozen=True)
 class Hung:
+    """``silent_s`` without progress, past ``timeout_s``; ``between``: the worker was
+    between steps (its interpreter ran, for longer than ``--between-steps-timeout``), else
+    it made no progress at all (in a step, or an interpreter that stopped running)."""
+
     silent_s: float
     timeout_s: float
+    between: bool = False
 
 
 def hang_verdict(
@@ -169,18 +175,44 @@ def hang_verdict(
     hang_timeout_s: float,
     adaptive: bool,
     start_grace_s: float,
+    between_since: float = 0.0,
+    between_timeout_s: float = float("inf"),
 ) -> Hung | None:
     """Whether a worker started at ``started`` whose last heartbeat is ``beat`` (None: none
-    yet) and whose longest recent gap between beats is ``gap`` is hung at ``now``."""
+    yet) and whose longest recent gap between beats is ``gap`` is hung at ``now``.
+    ``between_since``: since when it is between steps (0: in one). Between steps its
+    heartbeat thread beats while the interpreter runs: a long evaluation or checkpoint is
+    not a hang until ``between_timeout_s``; only an interpreter that stops running (a
+    thread holding the GIL) is hung after ``hang_timeout_s``."""
     if beat is None or beat < started:
         if now - started <= start_grace_s:
             return None  # still starting (imports): no heartbeat yet
         beat = started
     silent = now - beat
+    if between_since >= started and between_since > 0:
+        if silent > hang_timeout_s:
+            return Hung(silent, hang_timeout_s)
+        idle = now - between_since
+        return Hung(idle, between_timeout_s, between=True) if idle > between_timeout_s else None
     timeout = hang_timeout_s
     if adaptive and gap > 0:
         timeout = min(timeout, max(HANG_FLOOR_S, HANG_GAPS * gap))
     return Hung(silent, timeout) if silent > timeout else None
+
+
+def hang_reason(rank: int, life: int, hung: Hung) -> str:
+    """The one line the agent prints before a hung worker's stacks."""
+    t = f"{hung.silent_s:.1f} s"
+    if hung.between:
+        return (
+            f"rank {rank} (life {life}) hung: {t} between steps (--between-steps-timeout "
+            f"{hung.timeout_s:g}); killing it, its stacks follow"
+        )
+    return (
+        f"rank {rank} (life {life}) hung: no progress for {t} (--hang-timeout "
+        f"{hung.timeout_s:g}); killing it, its stacks follow. Long work between steps is "
+        "not a hang; inside a step or a wait of your own, wrap it in ft.no_hang_check()"
+    )
 
 
 @dataclass(frozen=True)

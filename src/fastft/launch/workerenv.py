@@ -49,6 +49,7 @@ def worker_environment(
             drain_grace_s=cfg.drain_grace_s,
             health_host_mb=cfg.health_host_mb,
             hang_timeout_s=cfg.hang_timeout_s,
+            between_steps_timeout_s=cfg.between_steps_timeout_s,
             max_recoveries=cfg.max_recoveries,
             keep_gradients=cfg.keep_gradients,
             backend=cfg.backend,

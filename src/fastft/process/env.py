@@ -114,6 +114,10 @@ class WorkerEnv:
     hang_timeout_s: float | None = _var(
         "FASTFT_HANG_TIMEOUT", "seconds without progress before the agent kills this worker"
     )
+    between_steps_timeout_s: float | None = _var(
+        "FASTFT_BETWEEN_STEPS_TIMEOUT",
+        "seconds between steps (Python running) before the agent kills this worker",
+    )
     drain_grace_s: float | None = _var(
         "FASTFT_DRAIN_GRACE",
         "after a SIGTERM, seconds this worker has to leave at its next commit before it ends",

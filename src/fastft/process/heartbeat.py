@@ -2,7 +2,8 @@
 
 The writer (:class:`Heartbeat`) lives in the worker (the native runtime or ``ManagerFFT``);
 the reader (:func:`read_heartbeat`) in the agent. One small shared file per worker:
-CLOCK_MONOTONIC of the last sign of life and the longest recent gap between beats.
+CLOCK_MONOTONIC of the last sign of life, the longest recent gap between beats, and since
+when the worker is between steps (0 inside one).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class Heartbeat:
     interruptible wait a helper thread beats for it. A main thread that holds the GIL or
     loops without returning stops the beats."""
 
-    _FMT = "<dd"
+    _FMT = "<ddd"
     _DECAY = 0.999  # per beat: the longest gap fades over a few thousand beats
 
     def __init__(self, path: str | None) -> None:
@@ -65,6 +66,7 @@ class Heartbeat:
         self._prev = 0.0
         self._last = time.monotonic()
         self._gap = 0.0
+        self._between = 0.0
         self.tracking = False
         """Set after the first commit: gaps before it (start-up, healing) are not steps."""
         self.blocked = _Blocked(self)
@@ -88,24 +90,43 @@ class Heartbeat:
         """The longest recent gap between beats (0 before the first commit)."""
         return self._gap
 
+    @property
+    def between_since(self) -> float:
+        """Since when the main thread is between steps (0: inside one, or in the runtime)."""
+        return self._between
+
     def beat(self) -> None:
+        """The main thread's sign of progress."""
         now = time.monotonic()
         self._last = now
+        self._write(now)
+
+    def _write(self, now: float) -> None:
         if self._mm is None:
             return
         if self.tracking and self._prev:
             self._gap = max(now - self._prev, self._gap * self._DECAY)
         self._prev = now
-        self._mm[0:16] = struct.pack(self._FMT, now, self._gap)
+        self._mm[0:24] = struct.pack(self._FMT, now, self._gap, self._between)
 
     def waiting(self, on: bool) -> None:
         (self._waiting.set if on else self._waiting.clear)()
+        self.beat()
+
+    def between(self, on: bool) -> None:
+        """The main thread leaves a step for the user's code between steps (``on``), or
+        enters the next. Between steps the helper thread beats while the interpreter runs:
+        an evaluation or a checkpoint is not a hang; the agent judges that time by
+        ``--between-steps-timeout`` instead of ``--hang-timeout``."""
+        self._between = time.monotonic() if on else 0.0
         self.beat()
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
             if self._waiting.is_set():
                 self.beat()
+            elif self._between:
+                self._write(time.monotonic())  # alive, but no progress of the main thread
 
     EXIT_GRACE_S = 60.0
     """After close, the agent gives the process this long to exit before it calls it hung
@@ -117,17 +138,19 @@ class Heartbeat:
             self._thread.join(timeout=1)
         if self._mm is not None:
             # A last beat in the future: the worker is leaving, not hung.
-            self._mm[0:16] = struct.pack(self._FMT, time.monotonic() + self.EXIT_GRACE_S, 0.0)
+            left = time.monotonic() + self.EXIT_GRACE_S
+            self._mm[0:24] = struct.pack(self._FMT, left, 0.0, 0.0)
             self._mm.close()
             self._mm = None
 
 
-def read_heartbeat(path: str) -> tuple[float, float] | None:
-    """(last beat in CLOCK_MONOTONIC seconds, longest recent gap between beats; 0 before
-    the first commit) from ``path``; None if unreadable."""
+def read_heartbeat(path: str) -> tuple[float, float, float] | None:
+    """(last beat in CLOCK_MONOTONIC seconds, longest recent gap between beats (0 before
+    the first commit), since when the worker is between steps (0: inside one)) from
+    ``path``; None if unreadable."""
     try:
         with open(path, "rb") as f:
-            data = f.read(16)
-        return struct.unpack("<dd", data) if len(data) == 16 else None
+            data = f.read(24)
+        return struct.unpack(Heartbeat._FMT, data) if len(data) == 24 else None
     except OSError:
         return None

@@ -241,6 +241,7 @@ class Runtime(StepAttempts):
         admit_or_leave(self, check_state=True)  # (fastft.runtime.health: raises Unhealthy)
         self._registered = True
         self._drive(lambda s: s.phase is Phase.NORMAL)
+        self._hb.between(True)  # (the user's code until its first step)
         return self
 
     def add_health_check(self, check: HealthCheck, name: str | None = None) -> None:

@@ -66,6 +66,7 @@ class StepAttempts:
     def _enter(self, tx: Transaction) -> Transaction:
         if not self._registered:
             raise RuntimeError("call ft.register(model=..., optimizer=...) before a transaction")
+        self._hb.between(False)
         x = self._x
         while not self._begin_attempt():
             pass

@@ -102,6 +102,7 @@ class RuntimeConfig:
     max_recoveries: int = 50
     health_host_mb: int = 256
     hang_timeout_s: float = 30.0
+    between_steps_timeout_s: float = 1800.0
     flow: str | None = None
     flow_name: str = "pipeline"
     stage: str | None = None
@@ -193,6 +194,7 @@ class RuntimeConfig:
             ("drain_grace_s", 30.0),
             ("health_host_mb", 256),
             ("hang_timeout_s", 30.0),
+            ("between_steps_timeout_s", 1800.0),
             ("max_recoveries", 50),
             ("flow", None),
             ("flow_name", "pipeline"),

@@ -31,7 +31,8 @@ for ``hard_timeout_s``: it kills the process (its agent restarts it). Defaults, 
 step time (``gap``: the longest recent gap between the worker's heartbeats, about a
 step): soft = ``SOFT_GAPS`` (20) x gap, at least ``SOFT_FLOOR_S`` (10 s); hard = 2 x soft;
 each at most half and 90 % of the agent's ``--hang-timeout`` (its own kill comes last).
-Wrap long work between steps in ``ft.no_hang_check()``, as for the agent's timeout.
+Between steps (an evaluation, a checkpoint) the defaults are half and 90 % of the agent's
+``--between-steps-timeout`` (1800 s) instead: long work there is not a hang.
 """
 
 from __future__ import annotations
@@ -193,7 +194,11 @@ class _Watchdog:
         while not self._stop.wait(0.2):
             if not hb.tracking or rt._x.closing:
                 continue  # before the first commit: the agent's start-up grace applies
-            soft, hard = timeouts(hb.gap, rt.config.hang_timeout_s, self.soft_s, self.hard_s)
+            if hb.between_since:  # between steps: an evaluation, a checkpoint (see the module)
+                limit = rt.config.between_steps_timeout_s
+                soft, hard = self.soft_s or limit / 2, self.hard_s or 0.9 * limit
+            else:
+                soft, hard = timeouts(hb.gap, rt.config.hang_timeout_s, self.soft_s, self.hard_s)
             last = hb.last
             idle = time.monotonic() - last
             if idle > hard:

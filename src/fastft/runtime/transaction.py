@@ -35,7 +35,10 @@ class Transaction:
         return self._rt._enter(self)
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
-        return self._rt._exit(self, et, ev)
+        try:
+            return self._rt._exit(self, et, ev)
+        finally:
+            self._rt._hb.between(True)  # the user's code until the next step
 
     def shard(self, n: int) -> slice:
         """This member's part of the step's global batch of ``n`` samples: contiguous and
