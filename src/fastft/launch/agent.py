@@ -31,6 +31,7 @@ from fastft.launch.exits import Exits
 from fastft.launch.lease import DONE, NodeLease, format_lives
 from fastft.launch.nodewatch import NodeWatch
 from fastft.launch.offenders import Offenders
+from fastft.launch.output import Output
 from fastft.launch.spare import order_line
 from fastft.launch.spares import SparePool
 from fastft.launch.workerenv import worker_environment
@@ -76,6 +77,7 @@ class Agent:
             claim=self.exits.claim_exit,
             after_exit=self.exits.after_exit,
             on_other=self.exits.on_other_exit,
+            output=Output(config.log_dir, config.tee),
         )
         gpus = 0
         if config.warm_spares and config.spare_cuda:
@@ -83,7 +85,12 @@ class Agent:
 
             gpus = torch.cuda.device_count()  # no CUDA context in the agent
         self.spares = SparePool(
-            config, self.events, reap=self.children.reap, preexec=die_with_parent, gpus=gpus
+            config,
+            self.events,
+            reap=self.children.reap,
+            preexec=die_with_parent,
+            gpus=gpus,
+            output=self.children.output,
         )
         self._restarts_due: list[tuple[float, Slot]] = []
         """Slots to restart, spawned by the main thread: a child's PR_SET_PDEATHSIG fires
@@ -173,6 +180,7 @@ class Agent:
         return code
 
     def _finish(self) -> int:
+        self.children.output.flush(timeout_s=2.0)  # (the workers' last lines first)
         if self._stopping is not None:
             return 128 + self._stopping
         if self._failed:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastft.launch.exit_trace import ExitTracer
+from fastft.launch.output import Output
 
 __all__ = ["Children", "Slot", "await_signal_taken", "die_with_parent"]
 
@@ -62,7 +63,9 @@ class Children:
         claim: ExitCallback,
         after_exit: Callable[[Slot, int | None, int | None], None],
         on_other: Callable[[os.waitid_result], None],
+        output: Output,
     ) -> None:
+        self.output = output
         self.lock = threading.Lock()
         self.by_pid: dict[int, Slot] = {}
         self.tracer = ExitTracer()
@@ -74,17 +77,25 @@ class Children:
     def popen(self, slot: Slot, command: list[str], env: dict[str, str]) -> None:
         """Start a worker cold and watch it."""
         with self.lock:
-            slot.proc = subprocess.Popen(command, env=env, preexec_fn=die_with_parent)
+            slot.proc = subprocess.Popen(
+                command,
+                env=self.output.env(env),
+                preexec_fn=die_with_parent,
+                **self.output.popen_kwargs(),
+            )
             slot.started = time.monotonic()
             self.by_pid[slot.proc.pid] = slot
+        self.output.label(slot.proc.pid, slot.rank, slot.life)
+        self.output.watch(slot.proc)
         self.reap(slot.proc.pid)
 
     def adopt(self, slot: Slot, proc: subprocess.Popen[bytes]) -> None:
-        """A spare became ``slot``'s worker (its reaper runs already)."""
+        """A spare became ``slot``'s worker (its reaper and its output's relay run already)."""
         with self.lock:
             slot.proc = proc
             slot.started = time.monotonic()
             self.by_pid[proc.pid] = slot
+        self.output.label(proc.pid, slot.rank, slot.life)
 
     def claim(self, slot: Slot, pid: int) -> bool:
         """True once per pid: the caller reports the exit."""

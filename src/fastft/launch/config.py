@@ -131,6 +131,16 @@ class LaunchConfig:
         flag="--drain-grace",
     )
     run_dir: str | None = _flag(None, "event log and heartbeats (default: a new temp dir)")
+    log_dir: str | None = _flag(
+        None,
+        "also write each worker life's stdout and stderr to DIR/rank{R}/life{L}.stdout and "
+        ".stderr (the console shows every line prefixed [rank R.L]: either way)",
+    )
+    tee: int = _flag(
+        3,
+        "with --log-dir, which streams still reach the console: 0 none, 1 stdout, 2 stderr, "
+        "3 both (torchrun's --tee)",
+    )
     seed: int = _flag(0, "the job's seed")
     check_every: int = _flag(0, "log the state digest every N commits (S3 check; 0: never)")
     warm_spares: int = _flag(
@@ -273,6 +283,8 @@ class LaunchConfig:
             raise ConfigError("--hang-timeout must be > 0 seconds")
         if self.between_steps_timeout_s <= 0:
             raise ConfigError("--between-steps-timeout must be > 0 seconds")
+        if self.tee not in (0, 1, 2, 3):
+            raise ConfigError(f"--tee {self.tee}: use 0 (none), 1 (stdout), 2 (stderr) or 3")
         if self.health_host_mb < 0:
             raise ConfigError(f"--health-host-mb {self.health_host_mb}: must be >= 0")
         QuarantineRule.parse(self.quarantine)  # (a malformed --quarantine fails here)

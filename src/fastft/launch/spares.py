@@ -16,6 +16,7 @@ from typing import Any
 
 import fastft.launch.policy as policy
 from fastft.launch.config import LaunchConfig
+from fastft.launch.output import Output
 from fastft.process.env import CUDA_DEVICE, PREFAULT_MB, READY_FD, SPARE_RUN_AHEAD
 from fastft.process.events import EventLog
 
@@ -33,8 +34,11 @@ class SparePool:
         reap: Callable[[int], None],
         preexec: Callable[[], None],
         gpus: int = 0,
+        output: Output | None = None,
     ) -> None:
-        """``reap(pid)``: watch the spare's exit; ``gpus``: GPUs the spares warm (0: none)."""
+        """``reap(pid)``: watch the spare's exit; ``gpus``: GPUs the spares warm (0: none);
+        ``output``: relays the spares' stdout and stderr (None: a new one)."""
+        self.output = output if output is not None else Output(None, 3)
         self.config = config
         self.events = events
         self._reap = reap
@@ -75,16 +79,19 @@ class SparePool:
                 # not `-m fastft.launch.spare`: the package imports that module first, and
                 # runpy warns that it runs a module already in sys.modules
                 [self.config.command[0], "-c", "from fastft.launch.spare import main; main()"],
-                env=env,
+                env=self.output.env(env),
                 stdin=subprocess.PIPE,
                 pass_fds=(ready_w,),
                 preexec_fn=self._preexec,
+                **self.output.popen_kwargs(),
             )
         except BaseException:
             os.close(ready_r)
             raise
         finally:
             os.close(ready_w)
+        self.output.label(p.pid, None)
+        self.output.watch(p)
         self.track(p, gpu)
         self._reap(p.pid)
         threading.Thread(

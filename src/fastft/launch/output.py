@@ -1,0 +1,113 @@
+"""The workers' output, as torchrun shows it: every line a worker (or a warm spare) writes
+to stdout or stderr reaches the agent's own stdout or stderr whole, prefixed with who
+wrote it (``[rank 1.0]:`` for rank 1 in its first life, ``[spare 4242]:`` for a spare
+that has not become a worker yet), so that lines from several ranks never interleave.
+With ``--log-dir DIR`` each life's lines also go, unprefixed, to
+``DIR/rank{R}/life{L}.stdout`` and ``.stderr``; ``--tee`` then says which streams still
+reach the console (torchrun's ``--tee``: 0 none, 1 stdout, 2 stderr, 3 both).
+
+One reader thread per stream of each child. Workers run with ``PYTHONUNBUFFERED=1`` (a
+pipe would otherwise hold their lines back in blocks).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["Output"]
+
+_LINE_MAX = 1 << 16
+
+
+class Output:
+    """Relays children's stdout and stderr (see the module)."""
+
+    def __init__(self, log_dir: str | None, tee: int) -> None:
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.tee = tee if self.log_dir is not None else 3
+        self._lock = threading.Lock()
+        self._labels: dict[int, tuple[str, Path | None]] = {}
+        """pid -> (prefix, the file stem for --log-dir or None)."""
+        self._threads: list[tuple[subprocess.Popen[bytes], threading.Thread]] = []
+
+    @staticmethod
+    def popen_kwargs() -> dict[str, Any]:
+        return {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+
+    @staticmethod
+    def env(env: dict[str, str]) -> dict[str, str]:
+        return {**env, "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1")}
+
+    def label(self, pid: int, rank: int | None, life: int = 0) -> None:
+        """Who ``pid`` is from now on (a spare adopted as a worker changes its label)."""
+        if rank is None:
+            self._labels[pid] = (f"[spare {pid}]: ", None)
+            return
+        stem = None
+        if self.log_dir is not None:
+            d = self.log_dir / f"rank{rank}"
+            d.mkdir(parents=True, exist_ok=True)
+            stem = d / f"life{life}"
+        self._labels[pid] = (f"[rank {rank}.{life}]: ", stem)
+
+    def watch(self, proc: subprocess.Popen[bytes]) -> None:
+        """Relay ``proc``'s pipes until they close (label it first)."""
+        for stream, name, console in (
+            (proc.stdout, "stdout", sys.stdout),
+            (proc.stderr, "stderr", sys.stderr),
+        ):
+            if stream is None:
+                continue
+            t = threading.Thread(
+                target=self._relay,
+                args=(proc.pid, stream, name, console),
+                name=f"fastft-output-{proc.pid}-{name}",
+                daemon=True,
+            )
+            t.start()
+            with self._lock:
+                self._threads = [x for x in self._threads if x[1].is_alive()] + [(proc, t)]
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until what the exited children wrote is relayed."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._threads)
+        for proc, t in threads:
+            if proc.returncode is not None:  # (set by the reaper; a live spare relays on)
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _relay(self, pid: int, stream: IO[bytes], name: str, console: IO[str]) -> None:
+        files: dict[Path, IO[bytes]] = {}
+        show = self.tee & (1 if name == "stdout" else 2)
+        try:
+            while line := stream.readline(_LINE_MAX):
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                prefix, stem = self._labels.get(pid, (f"[pid {pid}]: ", None))
+                if stem is not None:
+                    path = stem.with_suffix(f".{name}")
+                    f = files.get(path)
+                    if f is None:
+                        f = files[path] = open(path, "ab")  # noqa: SIM115 - kept open
+                    f.write(line)
+                    f.flush()
+                if show:
+                    raw = getattr(console, "buffer", None)
+                    with self._lock:
+                        if raw is not None:
+                            raw.write(prefix.encode() + line)
+                        else:  # (a console replaced by text-only stream)
+                            console.write(prefix + line.decode(errors="replace"))
+                        console.flush()
+        except (OSError, ValueError):
+            pass  # the console or a file went away: nothing left to relay to
+        finally:
+            for f in files.values():
+                f.close()
+            stream.close()
