@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: test test-slow conformance unit lint bench demo fsm-doc clean
+.PHONY: test test-slow conformance unit lint bench bench-quick demo fsm-doc clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -14,7 +14,9 @@ $(BIN)/activate:
 # torchft and nats extras (the torchft integration's and the NATS control plane's tests run
 # in CI).
 $(VENV)/.installed: $(BIN)/activate pyproject.toml constraints.txt
+	@echo "fastft: installing torch 2.13.0 (the CPU build) into $(VENV): a few minutes the first time"
 	$(PIP) torch==2.13.0
+	@echo "fastft: installing fastft and its extras (test tools, torchft, NATS)"
 	$(PIP) -e '.[dev,torchft,nats]'
 	# bytecode for the editable source: where PYTHONDONTWRITEBYTECODE is set (as on the
 	# machine this was built on) every worker would otherwise compile fastft's modules
@@ -57,6 +59,12 @@ bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/inprocess.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/chaos.py --planned
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/chaos.py --ends 100
+
+# the recovery figures in one trial each, the small model only (under 10 minutes here)
+bench-quick: $(VENV)/.installed
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/recovery.py --quick
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/inprocess.py --trials 1
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/torchft_recovery.py --trials 1 --faults sigkill,exception --steady-pairs 0
 
 demo: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/fastft demo

@@ -165,3 +165,24 @@ def test_fastft_drain_of_a_node_drains_its_ranks_and_its_agent_exits_0(tmp_path)
     assert [r for r, _ in drained(run)] == [0, 1, 2]
     assert rollbacks(run) == []
     assert max(e["step"] for e in read_events(run) if e["event"] == "commit") < STEPS - 1
+
+
+def test_fastft_report_error_restarts_the_rank_and_it_heals(tmp_path, clean):
+    """An outside monitor's Fault1 (`fastft report-error`, no incarnation: the rank's
+    current life) makes its agent restart it; the new process heals, and the job ends
+    bitwise equal to the clean run. (Not a drain: the operator commands share the helpers.)"""
+    run = tmp_path / "reported"
+    p = _start(run)
+    try:
+        _wait_commit(run, 5, p)
+        agent = next(e for e in read_events(run) if e["event"] == "agent_start")
+        cmd = [sys.executable, "-m", "fastft.cli", "report-error", "--store", agent["store"]]
+        cmd += ["--job", run.name, "--job-secret-file", str(run / "job.secret"), "--rank", "1"]
+        subprocess.run([*cmd, "--cause", "Xid 79 (test)"], check=True, timeout=60)
+    finally:
+        assert _finish(p, run) == 0, (run / "launcher.log").read_text()[-3000:]
+    check_result(run, clean)
+    ev = read_events(run)
+    (killed,) = [e for e in ev if e["event"] == "kill_declared_dead"]
+    assert killed["rank"] == 1 and "Xid 79" in killed["cause"]
+    assert [e["life"] for e in ev if e["event"] == "spawn" and e["rank"] == 1] == [0, 1]

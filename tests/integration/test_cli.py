@@ -269,3 +269,40 @@ def test_a_script_that_never_calls_init_gets_a_warning_at_exit(tmp_path):
     assert r.returncode == 0, r.stderr
     for rank in (0, 1):
         assert f"rank {rank} exited 0 without calling fastft.init()" in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_worker_lines_are_prefixed_whole_and_go_to_the_log_dir(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import os, sys\n"
+        "r = os.environ['FASTFT_RANK']\n"
+        "for i in range(200):\n"
+        "    print('line', i, 'of rank', r, end='')\n"
+        "    print(' end')\n"
+        "print('oops', r, file=sys.stderr)\n"
+    )
+    logs = tmp_path / "logs"
+    r = fastft(
+        "run",
+        "--nproc",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--log-dir",
+        str(logs),
+        "--tee",
+        "1",
+        str(script),
+        timeout=90,
+    )
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        mine = [x for x in r.stdout.splitlines() if x.startswith(f"[rank {rank}.0]: ")]
+        assert [x.split(": ", 1)[1] for x in mine] == [
+            f"line {i} of rank {rank} end" for i in range(200)
+        ]
+        assert (logs / f"rank{rank}" / "life0.stderr").read_text() == f"oops {rank}\n"
+        assert (logs / f"rank{rank}" / "life0.stdout").read_text().count("\n") == 200
+    assert "oops" not in r.stderr  # --tee 1: stdout only on the console
+    assert len(r.stdout.splitlines()) == 400

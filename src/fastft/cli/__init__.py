@@ -88,15 +88,27 @@ def _build() -> argparse.ArgumentParser:
     who.add_argument("--node", type=int, help="the node whose workers all drain")
     p.add_argument("--reason", default="", help="logged by the drained workers")
 
-    p = sub.add_parser("report-error", help="publish a fault seen by an external monitor")
+    p = sub.add_parser(
+        "report-error",
+        help="publish a fault seen by an external monitor",
+        description="A fault an outside monitor saw (a GPU Xid, an ECC error). fault1: the "
+        "rank's agent kills its worker and starts it again, and the new process heals from a "
+        "peer; fault2: the job rolls the current step back and runs it again.",
+    )
     _add_target(p)
     p.add_argument("--rank", type=int, required=True, help="the faulty rank")
-    p.add_argument("--incarnation", type=int, default=0)
+    p.add_argument(
+        "--incarnation",
+        type=int,
+        default=0,
+        help="the life it is about (the worker_start event's incarnation; 0: its current one)",
+    )
     p.add_argument(
         "--severity",
         choices=["fault1", "fault2"],
         default="fault1",
-        help="fault1: state lost (heal); fault2: transient (roll back only)",
+        help="fault1: the rank is restarted (a new process, which heals); fault2: transient "
+        "(roll back the step only)",
     )
     p.add_argument("--cause", required=True)
     p.add_argument("--detail", default="")

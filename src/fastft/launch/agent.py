@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import fastft.launch.policy as policy
-from fastft.launch.children import Children, Slot, await_signal_taken, die_with_parent
+from fastft.launch.children import Children, Slot, die_with_parent
 from fastft.launch.config import LaunchConfig
 from fastft.launch.control import ControlPlane
 from fastft.launch.exits import Exits
@@ -34,19 +33,16 @@ from fastft.launch.offenders import Offenders
 from fastft.launch.output import Output
 from fastft.launch.spare import order_line
 from fastft.launch.spares import SparePool
+from fastft.launch.verdicts import Verdicts
 from fastft.launch.workerenv import worker_environment
 from fastft.process.env import insecure
 from fastft.process.events import EventLog
-from fastft.process.heartbeat import STACKS_SIGNAL, read_heartbeat
+from fastft.process.heartbeat import read_heartbeat
 from fastft.protocol import (
     NO_RANK,
-    DrainRequest,
-    Fault,
-    HangSuspected,
     JobKeys,
     Message,
     Role,
-    Severity,
 )
 
 __all__ = ["Agent", "LaunchConfig"]
@@ -71,6 +67,7 @@ class Agent:
         self.slots = {r: Slot(r) for r in range(first, first + config.nproc)}
         self.exits = Exits(self)
         self.nodes = NodeWatch(self)
+        self.verdicts = Verdicts(self)
         self.offenders = Offenders(config.quarantine_rule)
         self.children = Children(
             on_stopped=self.exits.on_stopped,
@@ -120,7 +117,7 @@ class Agent:
     # --- lifecycle -------------------------------------------------------------------------
     def run(self) -> int:
         prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        self.bus.subscribe(self._on_message)
+        self.bus.subscribe(self.verdicts.on_message)
         self.bus.start()
         cfg = self.config
         self.events.emit(
@@ -344,75 +341,7 @@ class Agent:
                 continue  # no heartbeats: torchft's own timeouts handle hangs
             now = time.monotonic()
             for slot in slots:
-                self._check_hang(slot, now)
-
-    def _check_hang(self, slot: Slot, now: float) -> None:
-        if slot.done or slot.proc is None or slot.proc.returncode is not None:
-            return
-        if slot.hung == slot.incarnation:
-            return  # reported and killed; its exit is on the way
-        hb = read_heartbeat(slot.heartbeat)
-        hung = policy.hang_verdict(
-            now=now,
-            started=slot.started,
-            beat=hb[0] if hb is not None else None,
-            gap=hb[1] if hb is not None else 0.0,
-            hang_timeout_s=self.config.hang_timeout_s,
-            adaptive=self.config.adaptive_hang,
-            start_grace_s=self.config.start_grace_s,
-            between_since=hb[2] if hb is not None else 0.0,
-            between_timeout_s=self.config.between_steps_timeout_s,
-        )
-        if hung is None:
-            return
-        self.events.emit(
-            "worker_hung",
-            rank=slot.rank,
-            incarnation=slot.incarnation,
-            silent_s=round(hung.silent_s, 3),
-            timeout_s=round(hung.timeout_s, 3),
-            between=hung.between,
-            detected=now,
-        )
-        print(
-            f"fastft: {policy.hang_reason(slot.rank, slot.life, hung)}", file=sys.stderr, flush=True
-        )
-        self._publish(
-            HangSuspected(
-                **self._hdr,
-                hung_rank=slot.rank,
-                hung_incarnation=slot.incarnation,
-                silent_for_s=round(hung.silent_s, 3),
-                stopped=False,
-            )
-        )
-        inc = slot.incarnation
-        slot.hung = inc  # reported once, even if the exit takes a while to be seen
-        self.children.kill(slot, STACKS_SIGNAL, incarnation=inc)  # it prints its stacks
-        if slot.proc is not None:
-            await_signal_taken(slot.proc.pid, STACKS_SIGNAL)
-        self.children.kill(slot, incarnation=inc)  # never the restarted life in the slot
-
-    def _on_message(self, m: Message) -> None:
-        if isinstance(m, DrainRequest) and m.target_node == self.config.node_rank:
-            if self.draining is None:
-                self._drain(m.reason or "fastft drain --node")
-            return
-        if (  # a worker of ours lost its state and lives (an in-process restart): a fault
-            isinstance(m, Fault)
-            and m.severity is Severity.FAULT1
-            and m.sender == (m.faulty_rank, m.faulty_incarnation)
-            and m.rank in self.slots
-            and self.slots[m.rank].incarnation == m.incarnation
-        ):
-            self.exits.count_fault(m.rank, m.cause[:200])
-            return
-        # A worker declared silent by its peers: kill it if it is one of ours (restart).
-        if isinstance(m, Fault) and m.severity is Severity.FAULT1 and m.rank != m.faulty_rank:
-            slot = self.slots.get(m.faulty_rank)
-            if slot and slot.incarnation == m.faulty_incarnation and not slot.done:
-                self.events.emit("kill_declared_dead", rank=slot.rank, cause=m.cause)
-                self.children.kill(slot)
+                self.verdicts.check_hang(slot, now)
 
     def _start_lighthouse(self) -> None:
         cfg = self.config

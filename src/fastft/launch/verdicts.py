@@ -1,0 +1,106 @@
+"""What the agent makes of what it sees of its workers: a worker hung (no progress in a
+step for ``--hang-timeout``, an interpreter stopped between steps, or
+``--between-steps-timeout`` spent there: one reason line, its stacks, then the kill), and
+the bus messages it acts on (a drain of its node, a worker's own Fault1 for the
+repeat-offender count, a peer's verdict or an outside monitor's report that a worker of
+its own is dead: the kill that restarts it). The agent's part for them, as
+:class:`~fastft.launch.exits.Exits` is for exits."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import fastft.launch.policy as policy
+from fastft.launch.children import Slot, await_signal_taken
+from fastft.process.heartbeat import STACKS_SIGNAL, read_heartbeat
+from fastft.protocol import DrainRequest, Fault, HangSuspected, Message, Role, Severity
+
+if TYPE_CHECKING:
+    from fastft.launch.agent import Agent
+
+__all__ = ["Verdicts"]
+
+
+class Verdicts:
+    """The agent's hang checks and bus verdicts (see the module)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def check_hang(self, slot: Slot, now: float) -> None:
+        a = self.agent
+        if slot.done or slot.proc is None or slot.proc.returncode is not None:
+            return
+        if slot.hung == slot.incarnation:
+            return  # reported and killed; its exit is on the way
+        hb = read_heartbeat(slot.heartbeat)
+        hung = policy.hang_verdict(
+            now=now,
+            started=slot.started,
+            beat=hb[0] if hb is not None else None,
+            gap=hb[1] if hb is not None else 0.0,
+            hang_timeout_s=a.config.hang_timeout_s,
+            adaptive=a.config.adaptive_hang,
+            start_grace_s=a.config.start_grace_s,
+            between_since=hb[2] if hb is not None else 0.0,
+            between_timeout_s=a.config.between_steps_timeout_s,
+        )
+        if hung is None:
+            return
+        a.events.emit(
+            "worker_hung",
+            rank=slot.rank,
+            incarnation=slot.incarnation,
+            silent_s=round(hung.silent_s, 3),
+            timeout_s=round(hung.timeout_s, 3),
+            between=hung.between,
+            detected=now,
+        )
+        print(
+            f"fastft: {policy.hang_reason(slot.rank, slot.life, hung)}", file=sys.stderr, flush=True
+        )
+        a._publish(
+            HangSuspected(
+                **a._hdr,
+                hung_rank=slot.rank,
+                hung_incarnation=slot.incarnation,
+                silent_for_s=round(hung.silent_s, 3),
+                stopped=False,
+            )
+        )
+        inc = slot.incarnation
+        slot.hung = inc  # reported once, even if the exit takes a while to be seen
+        a.children.kill(slot, STACKS_SIGNAL, incarnation=inc)  # it prints its stacks
+        if slot.proc is not None:
+            await_signal_taken(slot.proc.pid, STACKS_SIGNAL)
+        a.children.kill(slot, incarnation=inc)  # never the restarted life in the slot
+
+    def on_message(self, m: Message) -> None:
+        a = self.agent
+        if isinstance(m, DrainRequest) and m.target_node == a.config.node_rank:
+            if a.draining is None:
+                a._drain(m.reason or "fastft drain --node")
+            return
+        if (  # a worker of ours lost its state and lives (an in-process restart): a fault
+            isinstance(m, Fault)
+            and m.severity is Severity.FAULT1
+            and m.sender == (m.faulty_rank, m.faulty_incarnation)
+            and m.rank in a.slots
+            and a.slots[m.rank].incarnation == m.incarnation
+        ):
+            a.exits.count_fault(m.rank, m.cause[:200])
+            return
+        # A worker declared silent by its peers, or whose Fault1 an outside monitor reported
+        # (`fastft report-error`: a GPU fallen off the bus; it names no life): kill it if it
+        # is one of ours (restart).
+        if isinstance(m, Fault) and m.severity is Severity.FAULT1 and m.rank != m.faulty_rank:
+            slot = a.slots.get(m.faulty_rank)
+            lives = (
+                (slot.incarnation, 0)
+                if m.role is Role.MONITOR and slot
+                else (m.faulty_incarnation,)
+            )
+            if slot and m.faulty_incarnation in lives and slot.incarnation and not slot.done:
+                a.events.emit("kill_declared_dead", rank=slot.rank, cause=m.cause)
+                a.children.kill(slot)
