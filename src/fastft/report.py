@@ -45,7 +45,7 @@ def untiled_steps(shards: dict[int, list[tuple[int, int, int]]]) -> list[int]:
 
 
 _PROCESS_EVENTS = ("worker_exit", "worker_stopped", "worker_hung")
-_FAULT_EVENTS = ("injected", "local_fault", *_PROCESS_EVENTS)
+_FAULT_EVENTS = ("injected", "reported_fault", "local_fault", *_PROCESS_EVENTS)
 
 
 def _ms(e: dict[str, Any] | None, t: float) -> float | None:
@@ -63,10 +63,13 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     ev = read_events(run_dir)
     commits = [e for e in ev if e["event"] == "commit"]
     faults: list[dict[str, Any]] = []
+    stop = min((e["mono"] for e in ev if e["event"] == "stop"), default=float("inf"))
     for e in ev:
         name = e["event"]
-        if name == "worker_exit" and e.get("exit_code") == 0:
-            continue
+        if name == "worker_exit" and e.get("exit_code") in (0, 88):
+            continue  # a clean end, a drain
+        if name in _PROCESS_EVENTS and (e["mono"] >= stop or e.get("signal") == 2):
+            continue  # the job was stopped (Ctrl-C, a second SIGTERM): not a fault
         if name not in _FAULT_EVENTS:
             continue
         rank = e.get("rank", _rank_of(e["src"]))
@@ -99,7 +102,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                 "rank": rank,
                 "incarnation": inc,
                 "t": t,
-                "kind": e.get("kind", name),
+                "kind": e.get("kind", "reported" if name == "reported_fault" else name),
                 "seen_as": [name],
                 "step": e.get("step"),
                 "epoch": max(

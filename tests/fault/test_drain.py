@@ -7,6 +7,7 @@ checks S1, S3 and S5 (bitwise equal to the fault-free run) and counts rollbacks.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -186,3 +187,11 @@ def test_fastft_report_error_restarts_the_rank_and_it_heals(tmp_path, clean):
     (killed,) = [e for e in ev if e["event"] == "kill_declared_dead"]
     assert killed["rank"] == 1 and "Xid 79" in killed["cause"]
     assert [e["life"] for e in ev if e["event"] == "spawn" and e["rank"] == 1] == [0, 1]
+    rep = subprocess.run(
+        [sys.executable, "-m", "fastft.cli", "report", str(run), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    faults = json.loads(rep.stdout)["faults"]
+    assert [(f["rank"], f["kind"]) for f in faults] == [(1, "reported")], faults

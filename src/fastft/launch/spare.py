@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -78,6 +79,9 @@ def _warm_cuda(dev: torch.device) -> None:  # pragma: no cover - GPU machines on
 
 
 def main() -> None:
+    # Ctrl-C reaches every process of the terminal's group: an idle spare leaves quietly
+    # (its agent stops it); it takes the default handler back when it becomes a worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _warm_up()
     ahead = os.environ.get(SPARE_RUN_AHEAD)
     if ahead:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 from fastft.process.env import READY_FD, SPARE_RUN_AHEAD
@@ -32,6 +33,7 @@ def become(line: bytes) -> list[str]:
     worker's; returns the worker's command line."""
     order = json.loads(line)
     _was_spare[0] = True
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (a spare ignored it)
     os.environ.clear()
     os.environ.update(order["env"])
     devnull = os.open(os.devnull, os.O_RDONLY)

@@ -91,6 +91,10 @@ class Runtime(StepAttempts):
             # a preemption notice, or the agent draining its node: leave after the next
             # commit (ft.drain); a second SIGTERM, or the agent's grace, ends it anyway
             signal.signal(signal.SIGTERM, self._on_sigterm)
+        if threading.current_thread() is threading.main_thread() and config.heartbeat_file:
+            # under `fastft run`, Ctrl-C reaches the agent and every worker alike: the
+            # agent stops the job; a worker's KeyboardInterrupt would only add tracebacks
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.interrupter.end_step()
         durable = (
             Checkpoints(config.checkpoint_dir, config.checkpoint_keep, self.events)

@@ -89,7 +89,18 @@ def route(
             if isinstance(m, Fault) and m.sender != (me.rank, me.incarnation):
                 # a monitor or an operator reports this worker faulty
                 why = f"reported by {m.role.name.lower()}: {r.cause}"[:200]
-                return Routed(events=(LocalFault(r.severity, why),))
+                return Routed(
+                    events=(LocalFault(r.severity, why),),
+                    record=(
+                        "reported_fault",
+                        {
+                            "step": step,
+                            "incarnation": me.incarnation,
+                            "severity": r.severity.name,
+                            "cause": why,
+                        },
+                    ),
+                )
             return NOTHING
         newly_dead = None
         if r.dead:
