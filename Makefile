@@ -16,8 +16,8 @@ $(BIN)/activate:
 $(VENV)/.installed: $(BIN)/activate pyproject.toml constraints.txt
 	@echo "fastft: installing torch 2.13.0 (the CPU build) into $(VENV): a few minutes the first time"
 	$(PIP) torch==2.13.0
-	@echo "fastft: installing fastft and its extras (test tools, torchft, NATS)"
-	$(PIP) -e '.[dev,torchft,nats]'
+	@echo "fastft: installing fastft and its extras (test tools, torchft, NATS, Prometheus, matplotlib)"
+	$(PIP) -e '.[dev,torchft,nats,metrics,plot]'
 	# bytecode for the editable source: where PYTHONDONTWRITEBYTECODE is set (as on the
 	# machine this was built on) every worker would otherwise compile fastft's modules
 	# again at start-up (~30 ms of a restart)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,41 @@ def test_ctrl_c_stops_the_job_without_tracebacks_and_report_counts_no_fault(tmp_
         timeout=60,
     )
     assert json.loads(rep.stdout)["faults"] == []
+
+
+def test_the_agent_serves_prometheus_metrics_while_the_job_runs(tmp_path: Path):
+    run = tmp_path / "metrics"
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"faults": [{"kind": "exception", "rank": 1, "at_step": 5}]}))
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2", "--metrics-port", "0"]
+    cmd += ["--inject", str(plan), "--run-dir", str(run), "-m", "fastft.demo.train", "--"]
+    p = subprocess.Popen(
+        [*cmd, "--steps", "60", "--step-time", "0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    text = ""
+    try:
+        deadline = time.monotonic() + 90
+        url = None
+        while time.monotonic() < deadline and p.poll() is None:
+            ev = read_events(run) if (run / "events.jsonl").exists() else []
+            url = url or next((e["url"] for e in ev if e["event"] == "metrics"), None)
+            if url is not None:
+                with urllib.request.urlopen(url, timeout=10) as r:
+                    text = r.read().decode()
+                if 'fastft_faults_total{kind="exception"} 1.0' in text:
+                    break
+            time.sleep(0.5)
+        assert url is not None and url.startswith("http://127.0.0.1:")
+    finally:
+        _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    assert 'fastft_faults_total{kind="exception"} 1.0' in text, text
+    assert "fastft_steps_rolled_back_total 1.0" in text
+    assert "fastft_recovery_seconds_count 1.0" in text
+    committed = next(
+        float(x.split()[1]) for x in text.splitlines() if x.startswith("fastft_committed_steps ")
+    )
+    assert committed > 5

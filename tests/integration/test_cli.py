@@ -306,3 +306,40 @@ def test_worker_lines_are_prefixed_whole_and_go_to_the_log_dir(tmp_path):
         assert (logs / f"rank{rank}" / "life0.stdout").read_text().count("\n") == 200
     assert "oops" not in r.stderr  # --tee 1: stdout only on the console
     assert len(r.stdout.splitlines()) == 400
+
+
+def test_report_draws_the_timeline_and_writes_an_html_page(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    events = [
+        {"event": "worker_start", "mono": 0.0, "src": f"rank {r}", "incarnation": 5 + r}
+        for r in range(2)
+    ]
+    events += [{"event": "epoch", "mono": 0.1, "src": "rank 0", "epoch": 1}]
+    for s in range(20):
+        events += [
+            {"event": "commit", "mono": 0.2 + 0.05 * s, "src": f"rank {r}", "step": s, "epoch": 1}
+            for r in range(2)
+        ]
+    events += [
+        {
+            "event": "injected",
+            "mono": 0.62,
+            "src": "rank 1",
+            "kind": "exception",
+            "step": 8,
+            "incarnation": 6,
+        },
+        {"event": "interrupt", "mono": 0.625, "src": "rank 0", "step": 8},
+        {"event": "rollback", "mono": 0.63, "src": "rank 0", "step": 8, "epoch": 1},
+        {"event": "heal", "mono": 0.64, "src": "rank 1", "role": "fetch", "heal_ms": 5.0},
+    ]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    png, page = tmp_path / "t.png", tmp_path / "r.html"
+    r = fastft("report", str(run), "--plot", str(png), "--html", str(page))
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    text = page.read_text()
+    assert "data:image/png;base64," in text and "exception" in text
+    r = fastft("report", str(run), "--plot", str(tmp_path / "t.unknown"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr

@@ -16,7 +16,7 @@ LAYERS = [
     {"protocol"},
     {"fsm", "bus", "interrupt", "inject"},
     {"process"},
-    {"runtime", "report", "testing"},
+    {"runtime", "report", "metrics", "plot", "testing"},
     {"integrations"},
     {"launch"},
     {""},  # the package itself (its lazy ``fastft.init``)

@@ -175,6 +175,10 @@ def _build() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="timeline and figures of a run")
     p.add_argument("run_dir", help="the run directory (fastft run --run-dir)")
     p.add_argument("--json", action="store_true", help="figures as JSON")
+    p.add_argument(
+        "--plot", default=None, help="draw the timeline into this file (.png, .svg, .pdf)"
+    )
+    p.add_argument("--html", default=None, help="the timeline and the report as one HTML page")
 
     p = sub.add_parser("demo", help="the demo: 4 workers, one fault of each kind")
     p.add_argument("--steps", type=int, default=200)

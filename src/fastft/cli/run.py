@@ -81,6 +81,16 @@ def _cmd_report_run(args: argparse.Namespace) -> int:
         print(json.dumps(figures, indent=2, default=str))
     else:
         print(render_report(args.run_dir, figures))
+    if args.plot or args.html:
+        from fastft.plot import plot_timeline, write_html
+
+        try:
+            if args.plot:
+                print(f"timeline: {plot_timeline(args.run_dir, args.plot)}", file=sys.stderr)
+            if args.html:
+                print(f"report: {write_html(args.run_dir, args.html)}", file=sys.stderr)
+        except (RuntimeError, ValueError) as e:  # no matplotlib, an unknown file type
+            _fail(str(e))
     return 0
 
 

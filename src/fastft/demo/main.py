@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from fastft.process.rundir import default_run_dir
 from fastft.report import render_report, summarize
 
 __all__ = ["run_demo"]
@@ -112,7 +112,7 @@ def run_demo(
     extra_flags: tuple[str, ...] = (),
 ) -> int:
     """``extra_flags``: more ``fastft run`` flags for the run with faults (benchmarks)."""
-    root = Path(run_dir or tempfile.mkdtemp(prefix="fastft-demo-"))
+    root = Path(run_dir) if run_dir else default_run_dir("demo")
     live = live and sys.stdout.isatty()  # a live display only on a terminal
     mode = f"elastic (--min-replicas {max(1, nproc // 2)})" if elastic else "fixed world"
     print(

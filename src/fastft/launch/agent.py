@@ -17,7 +17,6 @@ import os
 import secrets
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from fastft.launch.workerenv import worker_environment
 from fastft.process.env import insecure
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import read_heartbeat
+from fastft.process.rundir import default_run_dir
 from fastft.protocol import (
     NO_RANK,
     JobKeys,
@@ -55,7 +55,7 @@ class Agent:
 
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
-        self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="fastft-run-"))
+        self.run_dir = Path(config.run_dir or default_run_dir(config.job))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir, f"agent {config.node_rank}")
         self.keys = JobKeys(config.job)
@@ -151,6 +151,14 @@ class Agent:
             file=sys.stderr,
             flush=True,
         )
+        metrics = None
+        if cfg.metrics_port is not None:
+            from fastft.metrics import Exporter
+
+            metrics = Exporter(self.run_dir, cfg.metrics_addr, cfg.metrics_port)
+            url = f"http://{cfg.metrics_addr}:{metrics.port}/metrics"
+            self.events.emit("metrics", url=url, port=metrics.port)
+            print(f"fastft: metrics on {url}", file=sys.stderr, flush=True)
         try:
             self.nodes.start()
             self._start_lighthouse()
@@ -172,6 +180,8 @@ class Agent:
             for s, h in prev.items():
                 signal.signal(s, h)
             self.bus.close()
+            if metrics is not None:
+                metrics.close()
             self.events.emit("agent_stop", restarts=self.restarts, failed=self._failed)
             self.events.close()
         return code

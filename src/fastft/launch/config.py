@@ -130,7 +130,15 @@ class LaunchConfig:
         "their next commit before they are stopped",
         flag="--drain-grace",
     )
-    run_dir: str | None = _flag(None, "event log and heartbeats (default: a new temp dir)")
+    run_dir: str | None = _flag(
+        None, "event log and heartbeats (default: a new ./runs/JOB-TIME-PID)"
+    )
+    metrics_port: int | None = _flag(
+        None,
+        "serve Prometheus metrics on this port (0: one the OS picks; the agent prints it), "
+        "from the run's event log (needs fastft[metrics])",
+    )
+    metrics_addr: str = _flag("127.0.0.1", "the address --metrics-port binds")
     log_dir: str | None = _flag(
         None,
         "also write each worker life's stdout and stderr to DIR/rank{R}/life{L}.stdout and "
@@ -283,6 +291,16 @@ class LaunchConfig:
             raise ConfigError("--hang-timeout must be > 0 seconds")
         if self.between_steps_timeout_s <= 0:
             raise ConfigError("--between-steps-timeout must be > 0 seconds")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port {self.metrics_port}: use 0..65535")
+        if self.metrics_port is not None:
+            try:
+                import prometheus_client  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "--metrics-port needs the prometheus-client package: "
+                    "pip install 'fastft[metrics]'"
+                ) from None
         if self.tee not in (0, 1, 2, 3):
             raise ConfigError(f"--tee {self.tee}: use 0 (none), 1 (stdout), 2 (stderr) or 3")
         if self.health_host_mb < 0:
