@@ -43,16 +43,21 @@ def _figure(run_dir: str | Path) -> Any:
     ev = read_events(run_dir)
     if not ev:
         raise RuntimeError(f"{run_dir}: no events to draw")
-    t0 = min(e["mono"] for e in ev)
+    first = min(e["mono"] for e in ev)
+    commits = [e["mono"] for e in ev if e["event"] == "commit"]
+    # from just before the first commit: start-up (imports, the first epoch) is said in
+    # the title, not drawn (it would take most of the width)
+    t0 = min(commits) if commits else first
+    startup = t0 - first
     s = summarize(run_dir)
     ranks = sorted({r for e in ev if (r := _rank(e)) is not None})
     row = {r: i for i, r in enumerate(ranks)}
     fig, (top, ax) = plt.subplots(
         2,
         1,
-        figsize=(12, 2.2 + 0.55 * len(ranks)),
+        figsize=(12, 2.8 + 0.55 * len(ranks)),
         sharex=True,
-        gridspec_kw={"height_ratios": [1, max(1.5, 0.55 * len(ranks))]},
+        gridspec_kw={"height_ratios": [1.6, max(1.5, 0.55 * len(ranks))]},
     )
     # progress: the highest committed step over time
     pts, best = [], -1
@@ -66,15 +71,26 @@ def _figure(run_dir: str | Path) -> Any:
     top.grid(alpha=0.3)
     # lives, commits, rollbacks, heals per rank
     starts: dict[int, float] = {}
+    lives: dict[int, int] = {}
+    shades = ("#c7c7c7", "#8c8c8c")  # alternate lives of a rank
+
+    def life_bar(r: int, a: float, b: float) -> None:
+        shade = shades[lives.get(r, 0) % 2]
+        ax.plot([max(a, -0.5), b], [row[r], row[r]], color=shade, lw=6, solid_capstyle="butt")
+
     for e in sorted(ev, key=lambda e: e["mono"]):
         r, t = _rank(e), e["mono"] - t0
         if r is None or r not in row:
             continue
         y = row[r]
         if e["event"] == "worker_start":
+            if r in starts:  # (its previous life's exit was not logged)
+                life_bar(r, starts.pop(r), t)
+                lives[r] = lives.get(r, 0) + 1
             starts[r] = t
         elif e["event"] in ("worker_exit", "worker_stop") and r in starts:
-            ax.plot([starts.pop(r), t], [y, y], color="#c7c7c7", lw=6, solid_capstyle="butt")
+            life_bar(r, starts.pop(r), t)
+            lives[r] = lives.get(r, 0) + 1
         elif e["event"] == "commit":
             ax.plot([t], [y], marker="|", color="#1f77b4", ms=7, alpha=0.5)
         elif e["event"] == "rollback":
@@ -82,9 +98,10 @@ def _figure(run_dir: str | Path) -> Any:
         elif e["event"] == "heal" and e.get("role") == "fetch":
             ms = float(e.get("heal_ms", 0.0)) / 1e3
             ax.plot([t - ms, t], [y - 0.22, y - 0.22], color="#2ca02c", lw=4)
-    end = max(e["mono"] for e in ev) - t0
+    # to just after the last commit (the workers' teardown after it is not drawn)
+    end = (max(commits) if commits else max(e["mono"] for e in ev)) - t0 + 0.2
     for r, t in starts.items():
-        ax.plot([t, end], [row[r], row[r]], color="#c7c7c7", lw=6, solid_capstyle="butt")
+        life_bar(r, t, end)
     for t in sorted({e["mono"] - t0 for e in ev if e["event"] == "epoch"}):
         ax.axvline(t, color="#9467bd", ls="--", lw=0.7, alpha=0.5)
         top.axvline(t, color="#9467bd", ls="--", lw=0.7, alpha=0.5)
@@ -92,25 +109,28 @@ def _figure(run_dir: str | Path) -> Any:
         t = f["t"] - t0
         y = row.get(f["rank"], 0) if f["rank"] is not None else 0
         ax.plot([t], [y], marker="*", color="#d62728", ms=16, zorder=5)
-        what = [f"#{i} {f['kind']}"]
+        what = [f"#{i} {f['kind']} (rank {f['rank']})"]
         if f["detect_ms"] is not None:
             what.append(f"detected {f['detect_ms']:.0f} ms")
         if f["recover_ms"] is not None:
             what.append(f"next commit {f['recover_ms']:.0f} ms")
             top.axvspan(t, t + f["recover_ms"] / 1e3, color="#d62728", alpha=0.25)
-        ax.annotate(
+        top.axvline(t, color="#d62728", lw=1)
+        top.annotate(  # in the progress panel, clear of the rows
             "\n".join(what),
-            (t, y),
-            xytext=(6, 10 if i % 2 else -30),
+            (t, 0.97 - 0.33 * ((i - 1) % 3)),
+            xycoords=("data", "axes fraction"),
+            xytext=(4, 0),
             textcoords="offset points",
+            va="top",
             fontsize=8,
             color="#d62728",
         )
-        top.axvline(t, color="#d62728", lw=1)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylim(-0.8, len(ranks) - 0.2)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds from the run's start")
+    ax.set_xlim(-0.5, end)
+    ax.set_xlabel(f"seconds (0: the first commit; start-up took {startup:.1f} s before it)")
     ax.grid(axis="x", alpha=0.3)
     gp = s["goodput"]
     top.set_title(

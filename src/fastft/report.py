@@ -190,10 +190,16 @@ def offenders(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
     failed health checks; not drains or clean ends), most first, and whether the agent
     quarantined them (``--quarantine``, :mod:`fastft.launch.offenders`) and why."""
     count: dict[int, list[str]] = {}
+    lives: set[tuple[int, Any]] = set()  # (a stop, then its kill: one fault of one life)
     for e in ev:
         name, rank = e["event"], e.get("rank", _rank_of(e["src"]))
         if rank is None:
             continue
+        if name in _PROCESS_EVENTS or name == "health_failed":
+            life = (rank, e.get("incarnation"))
+            if life[1] is not None and life in lives:
+                continue
+            lives.add(life)
         if name == "worker_exit" and e.get("exit_code") not in (0, 88):
             what = f"exit {e['exit_code']}" if e.get("signal") is None else f"signal {e['signal']}"
         elif name in ("worker_hung", "worker_stopped", "health_failed"):
