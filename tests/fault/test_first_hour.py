@@ -93,3 +93,29 @@ def test_the_agent_serves_prometheus_metrics_while_the_job_runs(tmp_path: Path):
         float(x.split()[1]) for x in text.splitlines() if x.startswith("fastft_committed_steps ")
     )
     assert committed > 5
+
+
+def test_forgetting_register_fails_the_job_once_with_the_reason_and_no_abort(tmp_path: Path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, fastft\n"
+        "ft = fastft.init()\n"
+        "with ft.transaction() as tx:  # no ft.register\n"
+        "    pass\n"
+    )
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2"]
+    p = subprocess.run(
+        [*cmd, "--run-dir", str(tmp_path / "run"), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "call ft.register(model=..., optimizer=...) before a transaction" in p.stderr
+    assert "every worker failed before its first commit" in p.stderr
+    assert "terminate called" not in p.stderr and "SIGABRT" not in p.stderr
+    spawns = [e for e in read_events(tmp_path / "run") if e["event"] == "spawn"]
+    assert all(e["life"] <= 1 for e in spawns), spawns  # one round, not --max-restarts
+    exits = [e for e in read_events(tmp_path / "run") if e["event"] == "worker_exit"]
+    # no abort (a life started meanwhile is killed when the job fails: SIGKILL)
+    assert all(e["signal"] in (None, signal.SIGKILL) for e in exits), exits

@@ -261,6 +261,7 @@ def test_bare_fastft_prints_the_help_and_subcommands_show_their_defaults():
     assert "[default: 30.0; env FASTFT_HANG_TIMEOUT]" in " ".join(r.stdout.split())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_script_that_never_calls_init_gets_a_warning_at_exit(tmp_path):
     script = tmp_path / "s.py"
@@ -271,6 +272,7 @@ def test_a_script_that_never_calls_init_gets_a_warning_at_exit(tmp_path):
         assert f"rank {rank} exited 0 without calling fastft.init()" in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_worker_lines_are_prefixed_whole_and_go_to_the_log_dir(tmp_path):
     script = tmp_path / "s.py"
@@ -308,6 +310,7 @@ def test_worker_lines_are_prefixed_whole_and_go_to_the_log_dir(tmp_path):
     assert len(r.stdout.splitlines()) == 400
 
 
+@pytest.mark.slow
 def test_report_draws_the_timeline_and_writes_an_html_page(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
