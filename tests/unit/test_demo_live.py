@@ -32,6 +32,13 @@ def test_live_view_follows_the_event_log(tmp_path):
     assert state.workers[1].phase == "DEAD"
     assert len(state.faults) == 2 and "injected sigkill into rank 1" in state.faults[0]
     agent.emit("spawn", rank=1, life=1, pid=200, incarnation=9)
+    state.poll()  # starting: what it does, and for how long
+    starting = Console(record=True, width=160)
+    starting.print(state.render())
+    assert "starting Python, importing torch and the script (" in starting.export_text()
+    r1.emit("worker_start", incarnation=9, life=1, pid=200)
+    state.poll()
+    assert state.workers[1].starting.startswith("fastft.init(): ")
     r1.emit("heal", epoch=2, step=3, role="fetch", bytes=1000, heal_ms=4.0)
     state.poll()
     w = state.workers[1]

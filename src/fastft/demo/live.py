@@ -34,6 +34,9 @@ class _Worker:
     epoch: int = 0
     life: int = 0
     last: str = ""
+    starting: str = ""
+    """While it starts (phase INIT): what it is doing, shown with the time since ``since``."""
+    since: float = 0.0
 
 
 @dataclass
@@ -76,6 +79,8 @@ class LiveState:
             w = self.workers.setdefault(r, _Worker())
             if name == "spawn":
                 w.life, w.phase, w.last = e["life"], "INIT", "started"
+                w.starting = "starting Python, importing torch and the script"
+                w.since = e["mono"]
             elif name == "worker_exit" and e.get("exit_code") != 0:
                 w.phase = "DEAD"
                 how = f"signal {e['signal']}" if e.get("signal") else f"code {e['exit_code']}"
@@ -92,6 +97,10 @@ class LiveState:
             return
         r = int(src.split()[1])
         w = self.workers.setdefault(r, _Worker())
+        if name == "worker_start" and w.phase == "INIT":
+            w.starting = "fastft.init(): building the model, joining the first epoch"
+        elif name in ("epoch", "commit", "phase", "heal"):
+            w.starting = ""
         if name == "phase":
             w.phase, w.epoch = e["to"], e["epoch"]
             if e.get("reason") and e["to"] == "ROLLBACK_REQ":
@@ -113,16 +122,18 @@ class LiveState:
         table = Table(title=self.title, expand=False)
         for col in ("rank", "phase", "step", "epoch", "life", "last event"):
             table.add_column(col)
+        now = time.monotonic()
         for r in sorted(self.workers):
             w = self.workers[r]
             color = _COLORS.get(w.phase, "white")
+            last = f"{w.starting} ({now - w.since:.1f} s)" if w.starting else w.last
             table.add_row(
                 str(r),
                 Text(w.phase, style=color),
                 str(w.step),
                 str(w.epoch),
                 str(w.life),
-                w.last,
+                last,
             )
         lines = [Text(f) for f in self.faults[-8:]]
         return Group(table, *lines)
