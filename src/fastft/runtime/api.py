@@ -327,15 +327,17 @@ class Runtime(StepAttempts):
         """Hash of the replicated state at the current step (S3)."""
         return self.registry.digest(self.step)
 
-    def close(self) -> None:
-        """Leave the job. Idempotent."""
+    def close(self, *, finished: bool = True) -> None:
+        """Leave the job. Idempotent. ``finished=False``: this worker leaves on its own
+        (a failed health check); a member's close otherwise tells joiners the job ended."""
         x = self._x
         if x.closing:
             return
         x.closing = True
         view = x.view
         if (
-            x.state.phase is Phase.NORMAL
+            finished
+            and x.state.phase is Phase.NORMAL
             and view is not None
             and view.has(self.rank, self.incarnation)
         ):

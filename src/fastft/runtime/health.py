@@ -176,5 +176,5 @@ def admit_or_leave(
     rt.events.emit("health_failed", check=failed.name, reason=failed.why, step=rt.step)
     log.error("rank %d failed its health check (%s); it is not admitted", rt.rank, failed)
     print(f"fastft: rank {rt.rank} failed its health check: {failed}", file=sys.stderr, flush=True)
-    rt.close()
+    rt.close(finished=False)  # (not the job's end: a member may be leaving here)
     raise Unhealthy(str(failed))
