@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,8 @@ class Exits:
 
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
+        self._count_lock = threading.Lock()
+        """Faults are counted from the reaper threads and the bus listener alike."""
 
     def on_other_exit(self, info: os.waitid_result) -> None:
         if self.agent.spares.mark_dead(info.si_pid) and self.agent._stopping is None:
@@ -167,7 +170,8 @@ class Exits:
         ``--quarantine`` it is quarantined. A live worker is then drained: it leaves at
         its next commit, and its exit takes the quarantine's way."""
         agent = self.agent
-        why = agent.offenders.fault(rank, time.monotonic(), what)
+        with self._count_lock:
+            why = agent.offenders.fault(rank, time.monotonic(), what)
         if why is None:
             return
         agent.events.emit("quarantined", rank=rank, reason=why)
