@@ -324,6 +324,7 @@ def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     assert_equal_to_one_process(run / "out", steps, batch, ranks=range(3))
 
 
+@pytest.mark.slow  # (~20 s: make test stays under its 10 minutes on 2 cores)
 def test_elastic_two_deaths_in_one_step_split_the_lost_parts(tmp_path):
     """4 workers, --min-replicas 2: ranks 2 and 3 die in the same step while 0 and 1
     compute. The survivors keep their quarters and split the lost half; every sample is
@@ -382,6 +383,7 @@ def assert_equal_to_one_process(out: Path, steps: int, batch: int, ranks: Iterab
             torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5, msg=f"rank {r} {k}")
 
 
+@pytest.mark.slow  # (~20 s: make test stays under its 10 minutes on 2 cores)
 def test_two_agents_form_one_job(tmp_path, clean):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
