@@ -194,4 +194,7 @@ def test_fastft_report_error_restarts_the_rank_and_it_heals(tmp_path, clean):
         timeout=60,
     )
     faults = json.loads(rep.stdout)["faults"]
-    assert [(f["rank"], f["kind"]) for f in faults] == [(1, "reported")], faults
+    # one fault of rank 1: the report as the worker logged it, or (when its agent killed
+    # it before it read the report) the exit
+    assert [f["rank"] for f in faults] == [1], faults
+    assert faults[0]["kind"] in ("reported", "worker_exit"), faults

@@ -252,6 +252,23 @@ def test_survivors_of_a_drain_reform_without_rollback():
     assert acts == [SendDrainAck(0)]
 
 
+def test_a_drain_notice_before_the_decision_is_no_fault():
+    """The leaver committed step 0 and said so before this member read the decision: the
+    decision is a commit that lets it go, not a rollback."""
+    s, _ = run(normal(rank=1), GradsReady())
+    assert s.phase is Phase.PREPARED
+    s, acts = run(s, DrainNoticed(0, step=0))
+    assert acts == [SendDrainAck(0)] and s.phase is Phase.PREPARED and not s.pending_fault
+    s, _ = run(s, Decision(commit=True, leaving=frozenset({0})))
+    s, acts = run(s, CommitApplied())
+    assert s.phase is Phase.HEALING and s.step == 1
+    assert acts == [FormEpoch(exclude=frozenset({0}), lost_state=False)]
+    # a notice of another step, unannounced: the leaver will not vote here: a fault
+    s, _ = run(normal(rank=1), GradsReady())
+    s, acts = run(s, DrainNoticed(0))
+    assert s.pending_fault and any(isinstance(a, ProposeRollback) for a in acts)
+
+
 def test_shutdown_from_everywhere():
     for phase in Phase:
         s, acts = decide(StepState(phase=phase, rank=0), Shutdown("bye"))

@@ -125,9 +125,8 @@ def test_barrier_messages_count_only_from_members_of_this_epoch():
 
 
 def test_drains_and_joins():
-    assert _route(DrainNotice(**HDR, rank=2, incarnation=12, reason="bye")).events == (
-        DrainNoticed(2),
-    )
+    notice = DrainNotice(**HDR, rank=2, incarnation=12, reason="bye")
+    assert _route(notice).events == (DrainNoticed(2, step=notice.step),)  # (the step it committed)
     assert _route(DrainAck(**HDR, rank=2, incarnation=12, drained_rank=0)).events == (
         DrainAcked(2),
     )

@@ -211,9 +211,10 @@ class DrainRequested(Event):
 
 @dataclass(frozen=True)
 class DrainNoticed(Event):
-    """A member announced that it committed and left."""
+    """A member announced that it committed ``step`` and left (-1: not said)."""
 
     rank: int
+    step: int = -1
 
 
 @dataclass(frozen=True)

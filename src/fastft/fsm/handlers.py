@@ -315,6 +315,10 @@ def drain_noticed(s: StepState, e: Event) -> Result:
     s = replace(s, leaving=s.leaving | {e.rank})
     if known or e.rank not in s.members or s.phase in (Phase.COMMIT, Phase.HEALING):
         return s, (SendDrainAck(e.rank),)
+    if s.phase is Phase.PREPARED and e.step == s.step:
+        # It committed the step this worker voted on: the decision is a commit that lets it
+        # go (read next, with the leavers), not a fault.
+        return s, (SendDrainAck(e.rank),)
     # A leaver the decision did not announce will never vote on this step: drop it.
     reason = f"rank {e.rank} drained"
     s = replace(s, dead=s.dead | {e.rank})

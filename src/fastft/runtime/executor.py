@@ -221,7 +221,10 @@ class Executor:
         elif isinstance(a, CancelFutures):
             pass  # the interrupt already failed every pending future of the step
         elif isinstance(a, BroadcastDrainNotice):
-            bus.broadcast(DrainNotice(**self.header(), reason=a.reason[:2000]))
+            # (the step it committed, not its count: a member still PREPARED on it learns
+            # from the notice that the decision was a commit)
+            head = {**self.header(), "epoch": a.epoch, "step": a.step}
+            bus.broadcast(DrainNotice(**head, reason=a.reason[:2000]))
         elif isinstance(a, SendDrainAck):
             bus.broadcast(DrainAck(**self.header(), drained_rank=a.rank))
         elif isinstance(a, DeclareDead):

@@ -149,7 +149,7 @@ def route(
     elif isinstance(m, RollbackAck):
         ev = RollbackAcked(m.rank) if member and m.epoch == epoch else None
     elif isinstance(m, DrainNotice):
-        ev = DrainNoticed(m.rank) if member else None
+        ev = DrainNoticed(m.rank, m.step) if member else None
     elif isinstance(m, DrainAck):
         ev = DrainAcked(m.rank) if m.drained_rank == me.rank else None
 
