@@ -85,21 +85,14 @@ class Conn:
                 error_cb=quiet,
             )
             js = nc.jetstream(timeout=min(timeout_s, 5.0))
-            try:
-                kv = await js.key_value(BUCKET)
-            except BucketNotFoundError:
-                kv = None
+            kv = await _with_retries(lambda: _bucket(js), timeout_s)
             if kv is None:
                 for replicas in (3, 1):  # a single server cannot hold 3 replicas
+                    config = KeyValueConfig(
+                        bucket=BUCKET, history=1, storage=StorageType.MEMORY, replicas=replicas
+                    )
                     try:
-                        kv = await js.create_key_value(
-                            KeyValueConfig(
-                                bucket=BUCKET,
-                                history=1,
-                                storage=StorageType.MEMORY,
-                                replicas=replicas,
-                            )
-                        )
+                        kv = await _with_retries(lambda c=config: js.create_key_value(c), timeout_s)
                         break
                     except Exception as e:  # noqa: BLE001 - tried again with 1 replica
                         if replicas == 1:
@@ -110,6 +103,12 @@ class Conn:
                             e,
                         )
             return nc, js, kv
+
+        async def _bucket(js: Any) -> Any:
+            try:
+                return await js.key_value(BUCKET)
+            except BucketNotFoundError:
+                return None
 
         try:
             self.nc, self.js, self.kv = run(connect(), timeout_s + 5)
@@ -228,3 +227,24 @@ def connection(servers: list[str], timeout_s: float, wait_s: float) -> Conn:
             _reachable(servers, wait_s)
             conn = _CONNS[key] = Conn(servers, timeout_s)
         return conn
+
+
+async def _with_retries(call: Any, timeout_s: float) -> Any:
+    """``await call()``, tried again for up to ``timeout_s`` while JetStream does not
+    answer yet (a cluster that just started, or is electing its leader on a loaded
+    machine, times out or has no responders for a few seconds)."""
+    import asyncio
+
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            return await call()
+        except (NatsTimeout, NoRespondersError, asyncio.TimeoutError) as e:
+            if loop.time() + 0.5 > deadline:
+                raise
+            log.info("nats: JetStream not answering yet (%s); trying again", type(e).__name__)
+            await asyncio.sleep(0.5)
