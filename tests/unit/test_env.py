@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fastft.errors import ConfigError
-from fastft.launch.config import LaunchConfig, add_run_flags, config_from_args, flag_variables
+from fastft.launch.config import LaunchConfig
+from fastft.launch.flags import add_run_flags, config_from_args, flag_variables
 from fastft.process.env import VARIABLES, WORKER_VARS, WorkerEnv
 
 

@@ -63,7 +63,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 def _build() -> argparse.ArgumentParser:
     from fastft.inject.plan import FaultKind
-    from fastft.launch.config import add_run_flags
+    from fastft.launch.flags import add_run_flags
 
     parser = _Parser(prog="fastft", description="Fast fault tolerance for distributed training.")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)

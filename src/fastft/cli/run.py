@@ -38,7 +38,7 @@ def _module_exists(name: str) -> bool:
 def _cmd_run(args: argparse.Namespace) -> int:
     from fastft.errors import FastFTError
     from fastft.launch import Agent
-    from fastft.launch.config import config_from_args
+    from fastft.launch.flags import config_from_args
 
     rest = list(args.args or [])
     if rest[:1] == ["--"]:

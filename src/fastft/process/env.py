@@ -7,7 +7,7 @@ Three kinds of variables:
 * **spare**: set by the agent for a warm spare (:mod:`fastft.launch.spare`);
 * **flag**: the fall-back of a ``fastft run`` flag (``--nproc`` falls back to
   ``FASTFT_NPROC``). Those are generated from :class:`fastft.launch.config.LaunchConfig`
-  and listed by :func:`fastft.launch.config.flag_variables`; where a flag and a worker
+  and listed by :func:`fastft.launch.flags.flag_variables`; where a flag and a worker
   variable share a name (``FASTFT_STORE``, ``FASTFT_JOB``, ...) they mean the same thing.
 
 Precedence, everywhere: an explicit argument, then the variable, then the default.

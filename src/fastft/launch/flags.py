@@ -1,0 +1,97 @@
+"""``fastft run``'s flags, built from :class:`~fastft.launch.config.LaunchConfig`'s fields:
+the argparse flags with their help and defaults, each falling back to its ``FASTFT_*``
+variable (precedence: the flag, then the variable, then the default), and the config the
+parsed flags describe."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from fastft.errors import ConfigError
+from fastft.launch.config import LaunchConfig
+from fastft.process.env import parse_bool
+
+__all__ = ["add_run_flags", "config_from_args", "flag_variables"]
+
+
+def _flags() -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(LaunchConfig) if f.metadata.get("help")]
+
+
+def _flag_name(f: dataclasses.Field[Any]) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def _variable(f: dataclasses.Field[Any]) -> str:
+    return "FASTFT_" + _flag_name(f)[2:].upper().replace("-", "_")
+
+
+def flag_variables() -> dict[str, str]:
+    """``FASTFT_*`` variable -> the ``fastft run`` flag it stands in for."""
+    return {_variable(f): _flag_name(f) for f in _flags()}
+
+
+def _from_env(f: dataclasses.Field[Any], env: Mapping[str, str]) -> Any:
+    name = _variable(f)
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return f.default
+    kind = str(f.type)
+    try:
+        if kind.startswith("bool"):
+            return parse_bool(name, raw)
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a number") from None
+    return raw
+
+
+def add_run_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+    """Add one flag per :class:`LaunchConfig` field to ``p``, its default read from its
+    variable in ``env`` (the process environment by default). Raises ConfigError for a
+    malformed variable."""
+    env = os.environ if env is None else env
+    for f in _flags():
+        default = _from_env(f, env)
+        var = _variable(f)
+        shown = "none" if default is None else default
+        kind = str(f.type)
+        if kind.startswith("bool"):
+            if f.default:  # on unless turned off
+                p.add_argument(
+                    "--no-" + _flag_name(f)[2:],
+                    dest=f.name,
+                    action="store_false",
+                    default=default,
+                    help=f"do not: {f.metadata['help']} [on by default; env {var}=0]",
+                )
+            else:
+                p.add_argument(
+                    _flag_name(f),
+                    dest=f.name,
+                    action="store_true",
+                    default=default,
+                    help=f"{f.metadata['help']} [off by default; env {var}=1]",
+                )
+            continue
+        typ = int if kind.startswith("int") else float if kind.startswith("float") else str
+        p.add_argument(
+            _flag_name(f),
+            dest=f.name,
+            type=typ,
+            default=default,
+            choices=f.metadata["choices"] or None,
+            help=f"{f.metadata['help']} [default: {shown}; env {var}]",
+        )
+
+
+def config_from_args(args: argparse.Namespace, command: tuple[str, ...]) -> LaunchConfig:
+    """The config the parsed flags describe; raises ConfigError for a bad combination."""
+    return LaunchConfig(command=command, **{f.name: getattr(args, f.name) for f in _flags()})
