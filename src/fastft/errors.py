@@ -7,6 +7,7 @@ boundary. Subclasses are named after what the caller should do:
 * :class:`ProtocolError` -- a message on the wire is not ours or is damaged; log and drop it.
 * :class:`BusClosed` -- the bus was closed; stop using it.
 * :class:`StoreUnreachable` -- the coordination store cannot be reached; check HOST:PORT.
+* :class:`StoreTimeout` -- a store call's wait (a key, a queue) ran out; try again or give up.
 * :class:`ControlPlaneError` -- the store holds what no member of the job wrote (a value
   without the job secret's tag); it is not applied.
 
@@ -23,6 +24,7 @@ __all__ = [
     "ProtocolError",
     "BusClosed",
     "StoreUnreachable",
+    "StoreTimeout",
     "ControlPlaneError",
 ]
 
@@ -46,6 +48,11 @@ class BusClosed(FastFTError, RuntimeError):
 
 class StoreUnreachable(FastFTError, ConnectionError):
     """The coordination store (TCPStore) at the given address did not answer."""
+
+
+class StoreTimeout(FastFTError, TimeoutError):
+    """A wait on the store (a key that does not exist yet, an empty queue) ran out. Raised
+    by the torch-free clients; torch's own raise ``DistStoreError`` ("timeout")."""
 
 
 class ControlPlaneError(FastFTError, RuntimeError):

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from fastft.bus import BusConfig, MemoryHub, host_store, memory_bus, tcpstore_bus
+from fastft.bus.storeclient import StoreClient
 from fastft.bus.tcpstore import parse_members
 from fastft.errors import BusClosed, ConfigError, ProtocolError
 from fastft.protocol import Fault, Heartbeat, JobKeys, Severity, encode
@@ -16,9 +17,10 @@ from fastft.testing import wait_for
 JOB = "bus-test"
 
 
-@pytest.fixture(params=["memory", "tcpstore"])
+@pytest.fixture(params=["memory", "tcpstore", "tcpstore-torch-free"])
 def make(request):
-    """make(rank, **config) -> a started endpoint; all share one backend."""
+    """make(rank, **config) -> a started endpoint; all share one backend. The torch-free
+    variant runs the same contract over the pure-Python client (the operator's CLI)."""
     endpoints = []
     if request.param == "memory":
         hub = MemoryHub()
@@ -26,7 +28,8 @@ def make(request):
         backend = hub
     else:
         store = host_store()
-        factory = lambda cfg: tcpstore_bus(store, cfg)  # noqa: E731
+        client = StoreClient("127.0.0.1", store.port) if request.param != "tcpstore" else store
+        factory = lambda cfg: tcpstore_bus(client, cfg)  # noqa: E731
         backend = store
 
     def _make(rank, **kw):
@@ -162,7 +165,7 @@ def test_a_subscriber_that_stops_reading_is_evicted_and_memory_stays_bounded(mak
         time.sleep(0.001)  # a steady stream, so that stale_s passes before the hard cap
     assert pub.stats.evicted_peers == 1 and fast.stats.self_evictions == 0
     assert i < 16 * 64, "evicted for not reading, not by the hard cap"
-    if make.kind == "tcpstore":
+    if make.kind.startswith("tcpstore"):
         keys = JobKeys(JOB)
         assert wait_for(
             lambda: make.backend.queue_len(keys.bus_queue(slow.subscriber_id)) == 0, 5.0
@@ -191,15 +194,15 @@ def test_no_key_per_message_over_many_messages(make):
     pub = make(0, subscribe=False)
     count = {"n": 0}
     sub.subscribe(lambda m: count.__setitem__("n", count["n"] + 1))
-    n = 3000 if make.kind == "tcpstore" else 20000
-    keys_before = make.backend.num_keys() if make.kind == "tcpstore" else None
+    n = 3000 if make.kind.startswith("tcpstore") else 20000
+    keys_before = make.backend.num_keys() if make.kind.startswith("tcpstore") else None
     for i in range(n):
         pub.broadcast(hb(0, i))
         if i % 256 == 255:  # a bus carries bursts, not a firehose: let the reader keep up
             assert wait_for(lambda i=i: count["n"] == i + 1, 10.0)
     assert wait_for(lambda: count["n"] == n, 20.0)
     assert sub.stats.self_evictions == 0
-    if make.kind == "tcpstore":
+    if make.kind.startswith("tcpstore"):
         assert make.backend.num_keys() == keys_before
         assert make.backend.queue_len(JobKeys(JOB).bus_queue(sub.subscriber_id)) == 0
     else:
@@ -211,7 +214,7 @@ def test_leave_removes_the_subscriber(make):
     a, b = make(0), make(1)
     gone = b.subscriber_id
     b.close()
-    if make.kind == "tcpstore":
+    if make.kind.startswith("tcpstore"):
         members = parse_members(make.backend.get(JobKeys(JOB).bus_members))
     else:
         members = make.backend.queues

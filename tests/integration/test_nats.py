@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from fastft.bus import BusConfig, connect_store, open_bus
-from fastft.bus.nats import NatsStore, connect_nats, shutdown
+from fastft.bus.nats import connect_nats, shutdown
 from fastft.bus.natscluster import LocalCluster, server_binary
+from fastft.bus.natsstore import NatsStore
 from fastft.errors import StoreUnreachable
 from fastft.protocol import Fault, Role, Severity
 
@@ -132,6 +133,34 @@ def test_the_bus_delivers_in_order_to_others_and_drops_what_is_not_fastft(store,
     finally:
         a.close()
         b.close()
+
+
+def test_fastft_inject_over_nats_imports_no_torch_and_reaches_a_subscriber(
+    store, server, request, tmp_path
+):
+    from fastft.protocol import Inject
+    from fastft.protocol.auth import JobSecret
+
+    job = request.node.name.replace("_", "-")[:40]
+    secret = JobSecret.draw().save(tmp_path / "job.secret")
+    cfg = BusConfig(job=job, rank=0, incarnation=1, secret=JobSecret.load(secret))
+    sub = open_bus(store, cfg).start()
+    code = (
+        "import sys\n"
+        "from fastft.cli import main\n"
+        f"rc = main(['inject', '--store', {server.address!r}, '--job', {job!r}, "
+        f"'--job-secret-file', {str(secret)!r}, '--rank', '1', '--kind', 'sigkill'])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "sys.exit(rc)\n"
+    )
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=30)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        m = sub.recv(10.0)
+        assert isinstance(m, Inject) and m.target_rank == 1
+    finally:
+        sub.close()
 
 
 def test_an_unreachable_control_plane_fails_in_one_line(tmp_path):

@@ -29,20 +29,26 @@ __all__ = [
 ]
 
 
-def connect_store(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) -> Any:
+def connect_store(
+    address: str, timeout_s: float = 30.0, wait_s: float = 0.0, torch_free: bool = False
+) -> Any:
     """The job's store at ``address``: ``HOST:PORT`` (a TCPStore) or ``nats://...`` URLs
-    (the NATS control plane). Raises StoreUnreachable with one line if it cannot."""
+    (the NATS control plane). Raises StoreUnreachable with one line if it cannot.
+    ``torch_free``: a client that imports no torch (the operator's commands: enough for
+    the bus, not for a process group's rendezvous)."""
     if is_nats(address):
         from fastft.bus.nats import connect_nats
 
-        return connect_nats(address, timeout_s=timeout_s, wait_s=min(wait_s, 5.0))
-    return _connect_tcpstore(address, timeout_s=timeout_s, wait_s=wait_s)
+        return connect_nats(
+            address, timeout_s=timeout_s, wait_s=min(wait_s, 5.0), torch_free=torch_free
+        )
+    return _connect_tcpstore(address, timeout_s=timeout_s, wait_s=wait_s, torch_free=torch_free)
 
 
 def open_bus(store: Any, config: BusConfig) -> BusEndpoint:
     """An endpoint (not started) on the bus that goes with ``store``'s backend."""
-    from fastft.bus.nats import NatsStore, nats_bus
+    from fastft.bus.nats import NatsKV, nats_bus
 
-    if isinstance(store, NatsStore):
+    if isinstance(store, NatsKV):
         return nats_bus(store, config)
     return tcpstore_bus(store, config)

@@ -3,11 +3,13 @@
 ``--control nats://h1:4222,nats://h2:4222,nats://h3:4222`` replaces the TCPStore that node
 0's agent hosts with a NATS cluster (3 servers with JetStream survive the loss of any one):
 
-* :class:`NatsStore` is a ``torch.distributed.Store`` over a JetStream key-value bucket
+* :class:`NatsKV` is a store over a JetStream key-value bucket
   (``fastft``, 3 replicas where the cluster has them, in memory): compare-and-set by
   revision for decisions, epochs and leases, counters by compare-and-set loops, and
-  blocking reads that poll. Everything that used the TCPStore uses it unchanged, the
+  blocking reads that poll. :class:`~fastft.bus.natsstore.NatsStore` makes it a
+  ``torch.distributed.Store``: everything that used the TCPStore uses it unchanged, the
   process groups' rendezvous included (through a ``PrefixStore``), so no host is special.
+  The operator's commands use ``NatsKV`` alone, without importing torch.
 * :class:`NatsTransport` carries the error bus on core NATS: one subject per job
   (``fastft.<job>.bus``), one publish per broadcast, which the servers fan out; FIFO per
   publisher. The servers cut off a subscriber that stops reading (slow consumer).
@@ -29,16 +31,14 @@ import time
 import uuid
 from typing import Any
 
-import torch.distributed as dist
-
 from fastft.bus.contract import BusConfig
 from fastft.bus.endpoint import WAKE, BusEndpoint
 from fastft.bus.natsio import BUCKET, Conn, connection, run, shutdown
-from fastft.errors import StoreUnreachable
+from fastft.errors import StoreTimeout, StoreUnreachable
 
 __all__ = [
     "BUCKET",
-    "NatsStore",
+    "NatsKV",
     "NatsTransport",
     "connect_nats",
     "is_nats",
@@ -62,14 +62,22 @@ def is_nats(address: str | None) -> bool:
     return bool(address) and str(address).startswith(("nats://", "tls://"))
 
 
-def connect_nats(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) -> NatsStore:
-    """A store on the NATS cluster at ``address`` (comma-separated URLs); raises
-    StoreUnreachable with one line if no server answers (within ``wait_s``) or JetStream
-    is off."""
+def connect_nats(
+    address: str, timeout_s: float = 30.0, wait_s: float = 0.0, torch_free: bool = False
+) -> NatsKV:
+    """A store on the NATS cluster at ``address`` (comma-separated URLs): a
+    ``torch.distributed.Store`` (:class:`~fastft.bus.natsstore.NatsStore`), or with
+    ``torch_free`` a :class:`NatsKV`. Raises StoreUnreachable with one line if no server
+    answers (within ``wait_s``) or JetStream is off."""
     servers = [s.strip() for s in address.split(",") if s.strip()]
     if not servers or not all(is_nats(s) for s in servers):
         raise StoreUnreachable(f"--control {address!r}: use nats://HOST:PORT[,nats://HOST:PORT...]")
-    return NatsStore(connection(servers, timeout_s, wait_s), timeout_s)
+    conn = connection(servers, timeout_s, wait_s)
+    if torch_free:
+        return NatsKV(conn, timeout_s)
+    from fastft.bus.natsstore import NatsStore
+
+    return NatsStore(conn, timeout_s)
 
 
 # --- the store ------------------------------------------------------------------------------
@@ -90,8 +98,12 @@ def _b(value: bytes | str | list[int]) -> bytes:
     return bytes(value)
 
 
-class NatsStore(dist.Store):
-    """``torch.distributed.Store`` over the job's JetStream key-value bucket."""
+class NatsKV:
+    """The job's store over its JetStream key-value bucket, with ``torch.distributed.Store``'s
+    methods (and no torch: :class:`~fastft.bus.natsstore.NatsStore` adds the base class)."""
+
+    _Timeout: type[Exception] = StoreTimeout
+    """What a call that runs out of time raises (NatsStore: torch's ``DistStoreError``)."""
 
     def __init__(self, conn: Conn, timeout_s: float = 30.0) -> None:
         super().__init__()
@@ -102,13 +114,15 @@ class NatsStore(dist.Store):
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self.timeout_s = timeout.total_seconds()
-        super().set_timeout(timeout)
+        parent = getattr(super(), "set_timeout", None)  # torch's Store keeps its own
+        if parent is not None:
+            parent(timeout)
 
-    def clone(self) -> NatsStore:
+    def clone(self) -> NatsKV:
         """A store object of its own (its own timeout) on the same connection. Kept
         referenced for the process's life: torch may hold it from C++ alone, and a Python
         store whose Python object is gone fails ("Not implemented")."""
-        c = NatsStore(self._conn, self.timeout_s)
+        c = type(self)(self._conn, self.timeout_s)
         self._conn.clones.append(c)
         return c
 
@@ -138,7 +152,7 @@ class NatsStore(dist.Store):
                 asyncio.TimeoutError,
             ) as e:
                 if time.monotonic() + pause >= deadline:
-                    raise dist.DistStoreError(
+                    raise self._Timeout(
                         f"NATS store: no answer within {limit:.1f} s ({type(e).__name__})"
                     ) from e
             time.sleep(pause)
@@ -188,7 +202,7 @@ class NatsStore(dist.Store):
 
         return self._call(get)
 
-    # --- dist.Store ------------------------------------------------------------------------
+    # --- torch.distributed.Store's ------------------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
         self._write(_key(key), _b(value), None)
 
@@ -202,7 +216,7 @@ class NatsStore(dist.Store):
                 return bytes(e.value or b"")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise dist.DistStoreError(f"NATS store: timeout waiting for key {key!r}")
+                raise self._Timeout(f"NATS store: timeout waiting for key {key!r}")
             ev = self._conn.waiter(k)
             try:
                 e = self._entry(k)  # written before the waiter was in place?
@@ -331,7 +345,7 @@ _FROM = "Fastft-From"
 class NatsTransport:
     """The error bus on core NATS: one subject per job, fanned out by the servers."""
 
-    def __init__(self, store: NatsStore, config: BusConfig) -> None:
+    def __init__(self, store: NatsKV, config: BusConfig) -> None:
         self.config = config
         self._conn = store._conn
         self.subject = f"fastft.{_key(config.job).replace('/', '_')}.bus"
@@ -399,6 +413,6 @@ class NatsTransport:
         self.leave()
 
 
-def nats_bus(store: NatsStore, config: BusConfig) -> BusEndpoint:
+def nats_bus(store: NatsKV, config: BusConfig) -> BusEndpoint:
     """An endpoint on the NATS control plane (not started)."""
     return BusEndpoint(config, NatsTransport(store, config))

@@ -26,17 +26,19 @@ import atexit
 import datetime
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from fastft.bus.contract import HARD_CAP, BusConfig
 from fastft.bus.endpoint import WAKE, BusEndpoint
-from fastft.errors import StoreUnreachable
+from fastft.errors import StoreTimeout, StoreUnreachable
 from fastft.protocol.keys import JobKeys
+
+if TYPE_CHECKING:  # torch is imported where a torch store is made: not by the operator's CLI
+    import torch.distributed as dist
 
 __all__ = [
     "is_local_address",
@@ -84,10 +86,20 @@ def _format_members(members: dict[str, str]) -> str:
     return ";".join(f"{k}={v}" for k, v in members.items())
 
 
+def _timed_out(e: BaseException) -> bool:
+    """Whether a store call failed because its wait ran out (torch's client or ours)."""
+    if isinstance(e, StoreTimeout):
+        return True
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and isinstance(e, dist.DistStoreError) and "timeout" in str(e).lower()
+
+
 def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> dist.TCPStore:
     """Start a TCPStore server listening on ``host`` only (port 0: the OS picks one; read
     ``.port``). TCPStore itself listens on every interface; here it is handed a socket
     bound to ``host`` (``0.0.0.0`` or ``::`` for every interface)."""
+    import torch.distributed as dist
+
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -139,10 +151,14 @@ HANDSHAKE_S = 10.0
 """How long a store client waits for the store's handshake."""
 
 
-def connect_store(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) -> dist.TCPStore:
+def connect_store(
+    address: str, timeout_s: float = 30.0, wait_s: float = 0.0, torch_free: bool = False
+) -> Any:
     """Connect to ``HOST:PORT``; raises StoreUnreachable with one clear line if it can't.
     ``wait_s``: keep trying that long while nothing listens yet (an agent of another node
-    may start before node 0 hosts the store); 0 fails at once."""
+    may start before node 0 hosts the store); 0 fails at once. ``torch_free``: a
+    :class:`~fastft.bus.storeclient.StoreClient` (enough for the bus, not for a process
+    group's rendezvous) instead of torch's ``TCPStore``."""
     host, sep, port_s = address.rpartition(":")
     if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
         raise StoreUnreachable(f"store address {address!r}: use HOST:PORT, e.g. 127.0.0.1:29500")
@@ -158,6 +174,12 @@ def connect_store(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) ->
                     f"no store answers at {host}:{port} ({e.strerror or e})"
                 ) from e
             time.sleep(0.05)
+    if torch_free:
+        from fastft.bus.storeclient import StoreClient
+
+        return StoreClient(host, port, timeout_s=min(timeout_s, HANDSHAKE_S))
+    import torch.distributed as dist
+
     # TCPStore's handshake has no deadline of its own against a peer that accepts and
     # never answers: build the client on a thread and give up on it after a while.
     got: list[Any] = []
@@ -191,12 +213,12 @@ def connect_store(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) ->
 
 
 class StoreTransport:
-    def __init__(self, store: dist.Store, config: BusConfig) -> None:
+    def __init__(self, store: Any, config: BusConfig) -> None:
         self.config = config
         self.keys = JobKeys(config.job)
-        self._pub = store.clone()  # type: ignore[attr-defined]
-        self._sub: dist.Store | None = None
-        self._drainer: dist.Store | None = None
+        self._pub = store.clone()
+        self._sub: Any = None
+        self._drainer: Any = None
         self._drains: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._pushes: dict[str, int] = {}
@@ -263,7 +285,7 @@ class StoreTransport:
         t.start()
 
     @staticmethod
-    def _drain(store: dist.Store, key: str) -> None:
+    def _drain(store: Any, key: str) -> None:
         try:
             for _ in range(store.queue_len(key)):
                 if _exiting.is_set():
@@ -320,8 +342,8 @@ class StoreTransport:
             self._sub.set(self.keys.bus_alive(self.id), str(self._alive_n))
         try:
             return bytes(self._sub.queue_pop(self.keys.bus_queue(self.id), block=True))
-        except dist.DistStoreError as e:
-            if "timeout" in str(e).lower():
+        except Exception as e:
+            if _timed_out(e):
                 return None
             raise
 
@@ -343,6 +365,6 @@ class StoreTransport:
             self._pub = None
 
 
-def tcpstore_bus(store: dist.Store, config: BusConfig) -> BusEndpoint:
+def tcpstore_bus(store: Any, config: BusConfig) -> BusEndpoint:
     """An endpoint on ``store`` (not started). The store object is cloned, not consumed."""
     return BusEndpoint(config, StoreTransport(store, config))

@@ -23,7 +23,7 @@ def _connect(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     if "/" in args.job:
         _fail(f"--job {args.job!r}: a job id cannot contain '/'")
     try:
-        return connect_store(args.store, timeout_s=5.0)
+        return connect_store(args.store, timeout_s=5.0, torch_free=True)
     except StoreUnreachable as e:
         _fail(str(e))
 
