@@ -26,6 +26,9 @@ def test_a_script_that_cannot_start_fails_the_job_after_one_round(tmp_path: Path
     assert p.returncode == 1, p.stderr[-2000:]
     assert "every worker failed before its first commit" in p.stderr
     assert "No module named 'no_such_module_anywhere'" in p.stderr
+    # the traceback once; the other rank's (or life's) is one line pointing at it
+    assert p.stderr.count("Traceback (most recent call last)") == 1, p.stderr[-3000:]
+    assert "(the same traceback as rank " in p.stderr, p.stderr[-3000:]
     spawns = [e for e in read_events(run) if e["event"] == "spawn"]
     # once both first lives failed (the first to fail may have started again meanwhile),
     # not after --max-restarts 3 rounds

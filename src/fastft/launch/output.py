@@ -6,6 +6,11 @@ With ``--log-dir DIR`` each life's lines also go, unprefixed, to
 ``DIR/rank{R}/life{L}.stdout`` and ``.stderr``; ``--tee`` then says which streams still
 reach the console (torchrun's ``--tee``: 0 none, 1 stdout, 2 stderr, 3 both).
 
+A Python traceback that another rank (or life) already printed word for word is shown
+once: the later ones become one line, ``RuntimeError: boom (the same traceback as rank
+0.0)`` (8 ranks that fail at import print one traceback, not 8). ``--log-dir`` files keep
+every line.
+
 One reader thread per stream of each child. Workers run with ``PYTHONUNBUFFERED=1`` (a
 pipe would otherwise hold their lines back in blocks).
 """
@@ -22,6 +27,63 @@ from typing import IO, Any
 __all__ = ["Output"]
 
 _LINE_MAX = 1 << 16
+_TB_HEAD = b"Traceback (most recent call last):"
+_TB_MAX_LINES = 400
+"""A traceback block longer than this is shown as it is (not held back any longer)."""
+_TB_REMEMBERED = 256
+
+
+class Tracebacks:
+    """Folds tracebacks already shown (see the module). One per agent, shared by the
+    relays of every child; each relay feeds it its stderr lines through a :meth:`reader`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shown: dict[bytes, str] = {}
+        """A traceback's text -> who showed it first (a prefix's label)."""
+
+    def reader(self) -> _TracebackReader:
+        return _TracebackReader(self)
+
+    def first(self, text: bytes, who: str) -> str | None:
+        """Who showed ``text`` before (None: nobody; ``who`` is now the one)."""
+        with self._lock:
+            seen = self._shown.get(text)
+            if seen is None:
+                if len(self._shown) >= _TB_REMEMBERED:
+                    self._shown.pop(next(iter(self._shown)))
+                self._shown[text] = who
+            return seen
+
+
+class _TracebackReader:
+    """One stream's view: holds a traceback's lines until its last one (the exception's
+    line, not indented), then gives back either all of them or that line alone."""
+
+    def __init__(self, shared: Tracebacks) -> None:
+        self.shared = shared
+        self.held: list[bytes] = []
+
+    def feed(self, line: bytes, who: str) -> list[bytes]:
+        if not self.held:
+            if line.rstrip(b"\r\n") == _TB_HEAD:
+                self.held.append(line)
+                return []
+            return [line]
+        self.held.append(line)
+        if line[:1] in (b" ", b"\t") and len(self.held) < _TB_MAX_LINES:
+            return []
+        block, self.held = self.held, []
+        if len(block) >= _TB_MAX_LINES:
+            return block
+        seen = self.shared.first(b"".join(block), who)
+        if seen is None:
+            return block
+        return [line.rstrip(b"\r\n") + f" (the same traceback as {seen})\n".encode()]
+
+    def flush(self) -> list[bytes]:
+        block, self.held = self.held, []
+        return block
 
 
 class Output:
@@ -34,6 +96,7 @@ class Output:
         self._labels: dict[int, tuple[str, Path | None]] = {}
         """pid -> (prefix, the file stem for --log-dir or None)."""
         self._threads: list[tuple[subprocess.Popen[bytes], threading.Thread]] = []
+        self.tracebacks = Tracebacks()
 
     @staticmethod
     def popen_kwargs() -> dict[str, Any]:
@@ -85,6 +148,8 @@ class Output:
     def _relay(self, pid: int, stream: IO[bytes], name: str, console: IO[str]) -> None:
         files: dict[Path, IO[bytes]] = {}
         show = self.tee & (1 if name == "stdout" else 2)
+        folds = self.tracebacks.reader() if name == "stderr" else None
+        prefix = ""
         try:
             while line := stream.readline(_LINE_MAX):
                 if not line.endswith(b"\n"):
@@ -98,16 +163,25 @@ class Output:
                     f.write(line)
                     f.flush()
                 if show:
-                    raw = getattr(console, "buffer", None)
-                    with self._lock:
-                        if raw is not None:
-                            raw.write(prefix.encode() + line)
-                        else:  # (a console replaced by text-only stream)
-                            console.write(prefix + line.decode(errors="replace"))
-                        console.flush()
+                    lines = [line] if folds is None else folds.feed(line, prefix[1:-3])
+                    self._show(console, prefix, lines)
+            if show and folds is not None:
+                self._show(console, prefix, folds.flush())
         except (OSError, ValueError):
             pass  # the console or a file went away: nothing left to relay to
         finally:
             for f in files.values():
                 f.close()
             stream.close()
+
+    def _show(self, console: IO[str], prefix: str, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        raw = getattr(console, "buffer", None)
+        with self._lock:
+            for line in lines:
+                if raw is not None:
+                    raw.write(prefix.encode() + line)
+                else:  # (a console replaced by text-only stream)
+                    console.write(prefix + line.decode(errors="replace"))
+            console.flush()
