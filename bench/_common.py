@@ -46,3 +46,67 @@ def table(rows: list[dict[str, object]], cols: list[str]) -> str:
         for r in rows
     ]
     return "\n".join([line, sep, *body])
+
+
+class Progress:
+    """Where a long benchmark is: ``[3/12 2m41s, ~6m left] sigkill world 3 trial 1``. A
+    rich bar on a terminal (the rows a benchmark prints scroll above it); one line per
+    item on stderr otherwise (CI logs, ``| tee``)."""
+
+    def __init__(self, name: str, total: int) -> None:
+        import sys
+
+        self.name, self.total, self.done = name, max(total, 1), 0
+        self.t0 = time.monotonic()
+        self._bar = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+            from rich.progress import Progress as Bar
+
+            self._bar = Bar(
+                TextColumn(f"{name} [bold]{{task.description}}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("", total=self.total)
+
+    def next(self, label: str) -> None:
+        """Item ``label`` starts (the one before it is done)."""
+        import sys
+
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, description=label)
+        else:
+            spent = time.monotonic() - self.t0
+            left = (
+                f", ~{_dur(spent / self.done * (self.total - self.done))} left" if self.done else ""
+            )
+            print(f"[{self.name} {self.done + 1}/{self.total} {_dur(spent)}{left}] {label}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        self.done += 1
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.total)
+            self._bar.stop()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _dur(s: float) -> str:
+    return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"

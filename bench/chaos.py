@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import pct, table, write  # noqa: E402
+from _common import Progress, pct, table, write  # noqa: E402
 
 from fastft.report import summarize  # noqa: E402
 from fastft.runtime import read_events  # noqa: E402
@@ -358,13 +358,16 @@ def ends(a: argparse.Namespace, out: Path) -> int:
     ended with SIGABRT at the end of a soak)."""
     steps = max(100, int(10 / (a.step_time + 0.006)))
     got = []
+    progress = Progress("chaos --ends", a.ends)
     for i in range(a.ends):
+        progress.next(f"soak {i + 1}")
         run = out / f"end-{i}"
         faults = schedule(a.seed + i, 6.0, a.nproc, a.every, a.overlap, a.overlap_delay)
         cmd = _cmd(run, a, steps, ("--warm-spares", str(a.spares)))
         job = run_job(run, cmd, faults, 300, last_step=steps - 30)
         got.append({"run": i, "rc": job["rc"], "faults": len(job["sent"]), **_leftovers(job)})
         print(f"end {i}: exit status {job['rc']}, {len(job['sent'])} faults")
+    progress.close()
     ok = [g for g in got if g["rc"] == 0 and not g["left"]]
     result = {"ends": a.ends, "exit_0_and_clean": len(ok), "not": [g for g in got if g not in ok]}
     path = write(f"{a.name}-ends", got, {"result": result})

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import table, write  # noqa: E402
+from _common import Progress, table, write  # noqa: E402
 
 from fastft.runtime import read_events  # noqa: E402
 
@@ -116,10 +116,13 @@ def main() -> None:
     a = ap.parse_args()
     got: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="fastft-inprocess-") as tmp:
+        progress = Progress("inprocess", a.trials * len(VARIANTS))
         for t in range(a.trials):
             for v, flags in VARIANTS.items():
+                progress.next(f"{v}, trial {t + 1}")
                 slug = v.split()[0].strip("-").lower()
                 got[v].append(one(Path(tmp), f"{slug}-{t}", flags, a.hidden))
+        progress.close()
     rows: list[dict[str, object]] = []
     base = statistics.median(x["rank_next_commit_s"] for x in got["in-process (ft.run)"])
     for v, xs in got.items():

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import pct, table, write  # noqa: E402
+from _common import Progress, pct, table, write  # noqa: E402
 from recovery import SIZES, _free_port, _step_times, n_params, run_fastft  # noqa: E402
 
 from fastft.bus.natscluster import LocalCluster  # noqa: E402
@@ -95,9 +95,13 @@ def loss_trial(run: Path, control: str | None, lost: int) -> dict[str, float]:
 
 def losses(trials: int, tmp: Path, cluster: LocalCluster) -> list[dict[str, object]]:
     got: dict[str, list[dict[str, float]]] = {"tcpstore": [], "nats": []}
+    progress = Progress("node_loss", trials * 2)
     for t in range(trials):  # interleaved: the machine drifts
+        progress.next(f"tcpstore, trial {t + 1}")
         got["tcpstore"].append(loss_trial(tmp / f"tcp-{t}", None, lost=1 + t % 2))
+        progress.next(f"nats, trial {t + 1}")
         got["nats"].append(loss_trial(tmp / f"nats-{t}", cluster.address, lost=t % 3))
+    progress.close()
     rows = []
     for plane, rs in got.items():
         d = [r["declared_ms"] for r in rs]

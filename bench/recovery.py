@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import table, write  # noqa: E402
+from _common import Progress, table, write  # noqa: E402
 
 from fastft.runtime import read_events  # noqa: E402
 
@@ -290,14 +290,25 @@ def main() -> None:
         ap.error("--repeats 0 skips the steady rounds the fault targets need: add --faults none")
     tmp = Path(tempfile.mkdtemp(prefix="fastft-recovery-"))
     steady_rows, trial_rows, keep_rows = [], [], []
+    items = sum(
+        (1 if a.keep_pairs else 0)
+        + (0 if a.repeats == 0 else 1)
+        + (0 if a.repeats == 0 else sum(
+            trials if size == "small" or w in SPARE_WORLDS else 1 for w in WORLDS
+        ) * len(kinds))
+        for size in sizes
+    )  # fmt: skip
+    progress = Progress("recovery", items)
     for size in sizes:
         steps = a.steps or (300 if size == "small" else 60)
         if a.keep_pairs:
+            progress.next(f"{size}: kept parts, {a.keep_pairs} pairs")
             krow = keep_cost(size, max(steps, 80), a.keep_pairs, tmp)
             keep_rows.append(krow)
             print(f"kept parts {size}: {krow}", flush=True)
         if a.repeats == 0:
             continue
+        progress.next(f"{size}: steady DDP/fastft pairs")
         row = steady(size, steps, 1 if a.quick else a.repeats, tmp)
         steady_rows.append(row)
         print(f"steady {size}: {row}", flush=True)
@@ -305,9 +316,11 @@ def main() -> None:
         for kind in kinds:
             for world in WORLDS:
                 for t in range(trials if size == "small" or world in SPARE_WORLDS else 1):
+                    progress.next(f"{size}: {kind}, {world}, trial {t + 1}")
                     r = fault_trial(size, kind, world, step_s, t, tmp)
                     trial_rows.append(r)
                     print(f"  {r}", flush=True)
+    progress.close()
     summary = []
     for size in [r["model"] for r in steady_rows]:
         step_ms = next(float(r["fastft_step_ms"]) for r in steady_rows if r["model"] == size)  # type: ignore[arg-type]
@@ -336,7 +349,7 @@ def main() -> None:
                     }
                 )
     path = write(
-        "recovery",
+        "recovery-quick" if a.quick else "recovery",
         summary,
         {
             "nproc": NPROC,

@@ -51,7 +51,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import table, write  # noqa: E402
+from _common import Progress, table, write  # noqa: E402
 from recovery import SIZES, run_fastft  # noqa: E402
 
 from fastft.report import summarize  # noqa: E402
@@ -310,22 +310,33 @@ def main() -> None:
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="fastft-torchft-bench-") as d:
         tmp = Path(d)
-        for size in a.steady_sizes.split(",") if a.steady_pairs else ():
+        sizes = a.steady_sizes.split(",") if a.steady_pairs else []
+        trials = [
+            (size, trial, kind, variant)
+            for size, trial, kind, variant in itertools.product(
+                a.fault_sizes.split(","),
+                range(a.trials),
+                a.faults.split(","),
+                a.variants.split(","),
+            )
+            if not (kind == "gil_hang" and variant.startswith("torchft"))  # see the docstring
+        ]
+        progress = Progress("torchft_recovery", len(sizes) + len(trials))
+        for size in sizes:
+            progress.next(f"{size}: {a.steady_pairs} steady pairs")
             # ~130 ms steps at 4M parameters: fewer steps give the same warm-up share
             steps = a.steady_steps if size == "small" else max(40, a.steady_steps // 4)
             steady.append(steady_pairs(a.steady_pairs, steps, size, tmp))
             print(json.dumps(steady[-1]), flush=True)
-        for size, trial, kind, variant in itertools.product(
-            a.fault_sizes.split(","), range(a.trials), a.faults.split(","), a.variants.split(",")
-        ):
-            if kind == "gil_hang" and variant.startswith("torchft"):
-                continue  # see the module docstring
+        for size, trial, kind, variant in trials:
+            progress.next(f"{variant}: {kind}, {size}, trial {trial + 1}")
             if variant == "fastft native":
                 row = native_trial(kind, trial, tmp, size)
             else:
                 row = torchft_trial(variant, kind, trial, tmp, size)
             rows.append(row)
             print(json.dumps(row), flush=True)
+        progress.close()
     summary: list[dict[str, object]] = []
     for size, variant, kind in itertools.product(
         a.fault_sizes.split(","), a.variants.split(","), a.faults.split(",")
