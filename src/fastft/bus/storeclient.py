@@ -72,7 +72,7 @@ class StoreClient:
             self._sock.sendall(
                 bytes([_VALIDATE]) + _U32.pack(MAGIC) + bytes([_PING]) + _U32.pack(nonce)
             )
-            echoed = _U32.unpack(self._recv(4))[0]
+            echoed = _U32.unpack(self._recv(4, min(timeout_s, 5.0)))[0]
         except (OSError, StoreTimeout) as e:
             self._sock.close()
             raise StoreUnreachable(
