@@ -198,3 +198,23 @@ def test_fastft_report_error_restarts_the_rank_and_it_heals(tmp_path, clean):
     # it before it read the report) the exit
     assert [f["rank"] for f in faults] == [1], faults
     assert faults[0]["kind"] in ("reported", "worker_exit"), faults
+
+
+def test_an_elastic_world_drained_below_its_floor_fails_with_the_reason(tmp_path):
+    """Elastic (--min-replicas 2 of 3): each drained rank leaves for good; once two have,
+    the one left can never form a world. The job fails at once and says why, instead of
+    waiting below the floor forever (found by the elastic chaos soak)."""
+    plan = [
+        {"kind": "sigterm", "rank": 1, "at_step": 8},
+        {"kind": "sigterm", "rank": 2, "at_step": 16},
+    ]
+    run = fastft_run(tmp_path, "floor", "--min-replicas", "2", plan=plan, expect_rc=1, timeout=120)
+    log = (run / "launcher.log").read_text()
+    assert "fell below --min-replicas 2 for good: 1 of 3 workers left" in log, log[-3000:]
+    ev = read_events(run)
+    drained_ranks = {
+        e["rank"] for e in ev if e["event"] == "worker_exit" and e["exit_code"] == EXIT_DRAINED
+    }
+    assert drained_ranks == {1, 2}
+    mine = [e["step"] for e in ev if e["event"] == "commit" and e["src"] == "rank 0"]
+    assert mine == list(range(len(mine))) and len(mine) >= 17  # (its history, to the end)

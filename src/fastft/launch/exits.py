@@ -6,6 +6,7 @@ state (``slots``, ``children``, ``spares``, ``events``, ``store``, ``keys``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -145,6 +146,18 @@ class Exits:
             draining=self.agent.draining is not None,
             quarantined=self.agent.offenders.quarantined.get(slot.rank),
         )
+        if do.done and not do.failed and not do.restart:
+            slot.done = True  # (set below too; counted here)
+            agent = self.agent
+            if agent._stopping is None and agent.draining is None and agent._failed is None:
+                left = sum(not s.done for s in self.agent.slots.values())
+                finished = any(
+                    s.done and s.proc is not None and s.proc.returncode == 0
+                    for s in self.agent.slots.values()
+                )
+                lost = policy.floor_lost(left, cfg.min_replicas, cfg.world_size, cfg.nnodes)
+                if lost is not None and not finished:
+                    do = dataclasses.replace(do, failed=lost)
         if do.failed:
             self.agent._failed = do.failed
         if do.shrink:

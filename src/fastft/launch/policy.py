@@ -131,6 +131,20 @@ def after_exit(
     )
 
 
+def floor_lost(left: int, min_replicas: int | None, world: int, nnodes: int) -> str | None:
+    """Why an elastic job cannot go on, or None: ``left`` slots of this node's agent can
+    still run (alive, or restarting) and the world needs ``--min-replicas``. Decided by a
+    job's only agent (it sees every slot); with several nodes each agent sees its own, and
+    the workers wait below the floor (the ``below_min_replicas`` event says so)."""
+    if min_replicas is None or min_replicas >= world or nnodes != 1 or left >= min_replicas:
+        return None
+    return (
+        f"the elastic world fell below --min-replicas {min_replicas} for good: {left} of "
+        f"{world} workers left, and nothing starts the others again (they drained, or no "
+        "spare could take their place)"
+    )
+
+
 def startup_failed(first_lives: dict[int, bool | None]) -> bool:
     """Whether the job fails as a whole at its start: every slot's first life has ended
     (``first_lives``: rank -> True if it failed before its first commit, False if it
