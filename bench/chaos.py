@@ -417,6 +417,12 @@ def main() -> int:
     ap.add_argument("--spares", type=int, default=2)
     ap.add_argument("--every", type=float, nargs=2, default=(1.0, 3.0), metavar=("MIN", "MAX"))
     ap.add_argument("--overlap", type=float, default=0.3, help="chance of a second fault")
+    ap.add_argument(
+        "--kinds",
+        default=",".join(KINDS),
+        help="the catalogue's kinds to draw from (an elastic world: a SIGTERM drains its "
+        "rank for good, so leave sigterm out of a long soak)",
+    )
     ap.add_argument("--overlap-delay", type=float, nargs=2, default=(0.02, 0.5))
     ap.add_argument("--step-time", type=float, default=0.03)
     ap.add_argument("--hang-timeout", type=float, default=5.0)
@@ -449,7 +455,10 @@ def main() -> int:
         return ends(a, out)
     if a.checkpoint_dir is None and not a.no_checkpoint:
         a.checkpoint_dir = out / "ckpt"
-    faults = schedule(a.seed, a.duration, a.nproc, a.every, a.overlap, a.overlap_delay)
+    kinds = tuple(k for k in a.kinds.split(",") if k)
+    if not kinds or set(kinds) - set(KINDS):
+        ap.error(f"--kinds {a.kinds!r}: use kinds of {', '.join(KINDS)}")
+    faults = schedule(a.seed, a.duration, a.nproc, a.every, a.overlap, a.overlap_delay, kinds)
     # steps: about --duration of training at the reference rate with the faults' cost
     steps = max(100, int(a.duration / (a.step_time + 0.006) * 0.5))
     print(f"chaos: {len(faults)} faults over {a.duration:.0f} s, {steps} steps, out {out}")

@@ -18,6 +18,7 @@ import pytest
 from _runs import STEPS, check_s1_s3, fastft_run, finals
 
 from fastft.protocol import EXIT_DRAINED
+from fastft.protocol.auth import JobSecret
 from fastft.runtime import read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -218,3 +219,41 @@ def test_an_elastic_world_drained_below_its_floor_fails_with_the_reason(tmp_path
     assert drained_ranks == {1, 2}
     mine = [e["step"] for e in ev if e["event"] == "commit" and e["src"] == "rank 0"]
     assert mine == list(range(len(mine))) and len(mine) >= 17  # (its history, to the end)
+
+
+def test_workers_waiting_to_join_leave_at_once_when_drained(tmp_path):
+    """Node 1 of a 2-node job starts alone (the store hosted apart, by `fastft store`): its
+    workers wait to join a world that cannot form yet. A SIGTERM to its agent drains them;
+    they hold nothing the job needs, so they leave at once (drained), not after the
+    agent's grace (found by the chaos soak: a joiner sat out the 30 s grace, then was
+    killed)."""
+    run = tmp_path / "join-drain"
+    secret = JobSecret.draw().save(tmp_path / "job.secret")
+    store = subprocess.Popen(
+        [sys.executable, "-m", "fastft.cli", "store", "--bind", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert store.stdout is not None
+        address = store.stdout.readline().strip()
+        flags = ("--nnodes", "2", "--node-rank", "1", "--store", address)
+        p = _start(run, *flags, "--job-secret-file", str(secret))
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                assert p.poll() is None, (run / "launcher.log").read_text()[-3000:]
+                ev = read_events(run) if (run / "events.jsonl").exists() else []
+                if len({e["src"] for e in ev if e["event"] == "join_wait"}) == 3:
+                    break
+                time.sleep(0.05)
+            else:
+                raise AssertionError("the workers never waited to join")
+            p.send_signal(signal.SIGTERM)
+        finally:
+            assert _finish(p, run) == 0, (run / "launcher.log").read_text()[-3000:]
+    finally:
+        store.terminate()
+        store.wait(30)
+    assert [r for r, _ in drained(run)] == [3, 4, 5]  # EXIT_DRAINED, not killed after a grace
+    assert len([e for e in read_events(run) if e["event"] == "drain_from_join"]) == 3

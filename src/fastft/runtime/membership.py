@@ -109,10 +109,11 @@ class Membership:
         x = self.x
         x.events.emit("join_wait", incarnation=x.me.incarnation)
         t0 = time.monotonic()
+        base = x.cancelled(Phase.INIT)
         try:
             view = x.coord.form_as_joiner(
                 start_timeout_s=x.config.start_timeout_s,
-                cancelled=x.cancelled(Phase.INIT),
+                cancelled=lambda: base() or x.state.want_drain,
                 announce=self._announce_join,
             )
         except JobFinished as e:
@@ -120,6 +121,12 @@ class Membership:
             raise
         if view is not None:
             self.adopt(view, waited_s=time.monotonic() - t0)
+        elif x.state.want_drain:
+            # asked to drain while waiting to join: it holds nothing the job needs (no
+            # epoch, no committed state of its own), so it leaves now, not after the
+            # agent's grace (30 s, found by the elastic chaos soak)
+            x.events.emit("drain_from_join")
+            raise WorkerExit("drained")
 
     def form(self, a: FormEpoch) -> None:
         x = self.x
