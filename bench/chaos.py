@@ -9,7 +9,8 @@ Faults stop after ``--duration`` seconds; the job then runs to its end. The same
 ``--seed`` gives the same schedule (the moments the faults land are the machine's).
 
 Checks (``ok``: all hold; what the CI version asserts):
-  * history: every life committed consecutive steps (none applied twice or skipped), and
+  * history: every life committed consecutive steps (none applied twice or skipped; a
+    total loss restored within a life starts it again at the restored step), and
     every step of the job was committed (S1);
   * digests: every member's digest after every step equals the reference's (S3 and S5);
   * regressions: no step was committed again after a later one was (training restarted
@@ -242,18 +243,22 @@ def check(
     last epoch that committed a step: a restore trains steps again)."""
     ev = read_events(run)
     life: dict[str, int] = {}
-    history: dict[tuple[str, int], list[int]] = defaultdict(list)
+    history: dict[tuple[str, int, int], list[int]] = defaultdict(list)
+    """(worker, life, restores it went through) -> the steps it committed, in order."""
     wrong: list[tuple[str, int]] = []
     first_commit: dict[int, float] = {}
     regressions: list[dict[str, Any]] = []
     again: set[int] = set()
     top = -1
+    restores: dict[str, int] = defaultdict(int)
     for e in ev:
         if e["event"] == "worker_start":
             life[e["src"]] = e["life"]
+        elif e["event"] == "restore":  # a total loss restored: the life goes on from there
+            restores[e["src"]] += 1
         elif e["event"] == "commit":
             s = e["step"]
-            history[(e["src"], life.get(e["src"], 0))].append(s)
+            history[(e["src"], life.get(e["src"], 0), restores[e["src"]])].append(s)
             if e.get("digest") is not None and not elastic and reference.get(s) != e["digest"]:
                 wrong.append((e["src"], s))
             first_commit.setdefault(s, e["mono"])
@@ -272,7 +277,10 @@ def check(
     return {
         "untiled_steps": untiled[:20],
         "holders_alive_at_a_loss": _holders_alive(ev, losses),
-        "applied_twice_or_skipped": [f"{w[0]} life {w[1]}: {q}" for w, q in skipped][:10],
+        "applied_twice_or_skipped": [
+            f"{w[0]} life {w[1]}" + (f" after restore {w[2]}" if w[2] else "") + f": {q}"
+            for w, q in skipped
+        ][:10],
         "never_committed": sorted(set(range(steps)) - set(first_commit))[:20],
         "digest_mismatches": wrong[:20],
         "steps_trained_again": len(regressions),
@@ -301,8 +309,9 @@ def _elastic_checks(ev: list[dict[str, Any]]) -> tuple[list[tuple[str, int]], li
 
 
 def _holders_alive(ev: list[dict[str, Any]], losses: list[dict[str, Any]]) -> list[str]:
-    """Workers that held the committed state, and had not exited, when an epoch was closed
-    as a total loss (the state discarded while a live member held it: never allowed)."""
+    """Workers that held the committed state, and had not exited or lost it (a
+    ``state_lost`` fault), when an epoch was closed as a total loss (the state discarded
+    while a live member held it: never allowed)."""
     out = []
     for loss in losses:
         first = min(
@@ -320,6 +329,9 @@ def _holders_alive(ev: list[dict[str, Any]], losses: list[dict[str, Any]]) -> li
                 lives[e["src"]] = e["life"]
             elif e["event"] == "commit" and e["src"].startswith("rank "):
                 last[(int(e["src"][5:]), lives.get(e["src"], 0))] = e["step"]
+            elif e["event"] == "injected" and e["kind"] == "state_lost":
+                # alive, but it holds no state any more (until it commits again)
+                last.pop((int(e["src"][5:]), lives.get(e["src"], 0)), None)
             elif e["event"] == "worker_exit":
                 exited.add((e["rank"], e["life"]))
         out += [
