@@ -10,7 +10,7 @@ Faults stop after ``--duration`` seconds; the job then runs to its end. The same
 
 Checks (``ok``: all hold; what the CI version asserts):
   * history: every life committed consecutive steps (none applied twice or skipped; a
-    total loss restored within a life starts it again at the restored step), and
+    total loss restored, or a rejoin, within a life starts it again there), and
     every step of the job was committed (S1);
   * digests: every member's digest after every step equals the reference's (S3 and S5);
   * regressions: no step was committed again after a later one was (training restarted
@@ -254,7 +254,9 @@ def check(
     for e in ev:
         if e["event"] == "worker_start":
             life[e["src"]] = e["life"]
-        elif e["event"] == "restore":  # a total loss restored: the life goes on from there
+        elif e["event"] in ("restore", "join_wait"):
+            # a total loss restored, or a worker left out while it healed itself in place
+            # joining again: the life goes on from the step it is given
             restores[e["src"]] += 1
         elif e["event"] == "commit":
             s = e["step"]

@@ -72,15 +72,18 @@ def check_s1_s3(run: Path, steps: int = STEPS, *, shard_size: int = 1, sync_ever
     the others being each group's own)."""
     ev = read_events(run)
     by_step: dict[tuple[int, int], set[str]] = defaultdict(set)
-    history: dict[tuple[str, int], list[int]] = defaultdict(list)
+    history: dict[tuple[str, int, int], list[int]] = defaultdict(list)
     life: dict[str, int] = defaultdict(int)
-    for e in ev:
+    joins: dict[str, int] = defaultdict(int)  # (a worker left out while it healed itself
+    for e in ev:  # in place joins again, admitted at a later step: its history restarts)
         if e["event"] == "worker_start":
             life[e["src"]] = e["incarnation"]
+        if e["event"] == "join_wait":
+            joins[e["src"]] += 1
         if e["event"] == "commit":
             index = int(e["src"].split()[1]) % shard_size
             by_step[(e["step"], index)].add(e["digest"])
-            history[(e["src"], life[e["src"]])].append(e["step"])
+            history[(e["src"], life[e["src"]], joins[e["src"]])].append(e["step"])
     assert sorted({s for s, _ in by_step}) == list(range(steps)), "a step was never committed"
     for (step, index), digests in by_step.items():
         if (step + 1) % sync_every:

@@ -365,7 +365,9 @@ def test_random_event_sequences_stay_defined(seq):
             assert s.step in (before.step, before.step + 1)
             if s.step == before.step + 1:
                 assert isinstance(ev, CommitApplied)
-        if isinstance(ev, QuorumReady) and s.phase is not Phase.EXIT:
+        if isinstance(ev, QuorumReady) and s.phase is Phase.INIT:  # left out: rejoin
+            assert before.phase is Phase.HEALING and s.lost_state and s.rank not in ev.members
+        elif isinstance(ev, QuorumReady) and s.phase is not Phase.EXIT:
             assert s.members == ev.members and not s.dead and s.epoch == ev.epoch
         if any(isinstance(a, ApplyCommit) for a in actions):
             assert before.phase is Phase.PREPARED and isinstance(ev, Decision) and ev.commit
@@ -410,3 +412,20 @@ def test_a_join_request_latched_after_the_vote_waits_for_the_next_decision():
     assert s.phase is Phase.NORMAL and s.joining and acts == ()
     s, acts = decide(s, GradsReady())
     assert acts == (CastVote(1, 1, False, joining=True),)
+
+
+def test_a_member_left_out_while_it_heals_itself_rejoins_instead_of_exiting():
+    """An elastic world re-forms without a member that lost its state (an in-process
+    restart): that member registers as a joiner again; one with its state is told to
+    exit (CI once saw the in-process restart end its process: "not a member of epoch 3")."""
+    s, _ = run(normal(rank=1), LocalFault(F1, "in-process restart"))
+    s, _ = run(s, RollbackRequested(0), RollbackRequested(2), RollbackAcked(0), RollbackAcked(2))
+    assert s.phase is Phase.HEALING and s.lost_state
+    s, acts = run(s, QuorumReady(2, frozenset({0, 2}), 0))
+    assert s.phase is Phase.INIT and acts == [] and s.lost_state
+    s, acts = run(s, QuorumReady(3, ALL, 1, frozenset({1})))
+    assert s.phase is Phase.HEALING and FetchState(3, 1) in acts
+    kept, _ = run(normal(rank=1), PeerFault(0, F2, "exception"))
+    kept, _ = run(kept, RollbackRequested(2), RollbackAcked(0), RollbackAcked(2))
+    kept, acts = run(kept, QuorumReady(2, frozenset({0, 2}), 0))
+    assert kept.phase is Phase.EXIT and "not a member of epoch 2" in acts[0].reason

@@ -123,6 +123,11 @@ def _enter_epoch(s: StepState, e: QuorumReady) -> Result:
 def quorum_ready(s: StepState, e: Event) -> Result:
     assert isinstance(e, QuorumReady)
     if s.rank not in e.members:
+        if s.lost_state and s.phase is Phase.HEALING:
+            # left out while it heals itself in place (an elastic world goes on without
+            # the members still to heal): it registers as a joiner, admitted and healed
+            # at a later commit, instead of ending its process
+            return replace(s, phase=Phase.INIT, members=frozenset()), ()
         return replace(s, phase=Phase.EXIT), (ExitWorker(f"not a member of epoch {e.epoch}"),)
     return _enter_epoch(s, e)
 

@@ -103,9 +103,10 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
     row(
         [P.INIT, P.HEALING],
         QuorumReady,
-        [P.NORMAL, P.HEALING, P.EXIT],
+        [P.NORMAL, P.HEALING, P.INIT, P.EXIT],
         h.quorum_ready,
-        "quorum ready: configure the PG; heal if anyone needs state",
+        "quorum ready: configure the PG; heal if anyone needs state (left out while it "
+        "heals itself: rejoin as a joiner)",
     )
     row(
         [P.HEALING],
