@@ -46,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import Progress, pct, table, write  # noqa: E402
 
-from fastft.report import summarize  # noqa: E402
+from fastft.report import shards_by_step, summarize, untiled_steps  # noqa: E402
 from fastft.runtime import read_events  # noqa: E402
 
 KINDS = ("exception", "sigkill", "sigterm", "sigstop", "gil_hang", "segfault", "exit", "state_lost")
@@ -294,8 +294,6 @@ def check(
 def _elastic_checks(ev: list[dict[str, Any]]) -> tuple[list[tuple[str, int]], list[int]]:
     """(commits whose digest differs from another member's for the same step and epoch,
     steps whose last committing epoch did not consume the global batch exactly once)."""
-    from fastft.report import shards_by_step, untiled_steps
-
     digests: dict[tuple[int, int], dict[str, str]] = defaultdict(dict)
     last: dict[int, int] = {}
     for e in ev:

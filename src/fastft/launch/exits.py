@@ -129,35 +129,31 @@ class Exits:
                 self.agent._wake.set()
                 return
 
+        agent = self.agent
+        finished = any(  # another slot's worker ended the job cleanly already
+            s.done and s.proc is not None and s.proc.returncode == 0 for s in agent.slots.values()
+        )
         do = policy.after_exit(
             rank=slot.rank,
             code=code,
             sig=sig,
             life=slot.life - slot.drains,
             max_restarts=cfg.max_restarts,
-            stopping=self.agent._stopping is not None,
+            stopping=agent._stopping is not None,
             already_done=slot.done,
-            peers_finished=any(
-                s.done and s.proc is not None and s.proc.returncode == 0
-                for s in self.agent.slots.values()
-            ),
+            peers_finished=finished,
             spares_left=bool(self.agent.spares),
             elastic=cfg.min_replicas is not None and cfg.min_replicas < cfg.world_size,
             draining=self.agent.draining is not None,
             quarantined=self.agent.offenders.quarantined.get(slot.rank),
         )
-        if do.done and not do.failed and not do.restart:
-            slot.done = True  # (set below too; counted here)
-            agent = self.agent
-            if agent._stopping is None and agent.draining is None and agent._failed is None:
-                left = sum(not s.done for s in self.agent.slots.values())
-                finished = any(
-                    s.done and s.proc is not None and s.proc.returncode == 0
-                    for s in self.agent.slots.values()
-                )
-                lost = policy.floor_lost(left, cfg.min_replicas, cfg.world_size, cfg.nnodes)
-                if lost is not None and not finished:
-                    do = dataclasses.replace(do, failed=lost)
+        ending = agent._stopping is not None or agent.draining is not None or agent._failed
+        if do.done and not do.failed and code != 0 and not finished and not ending:
+            # a slot done for good (drained, shrunk): can the others still form a world?
+            left = sum(not s.done for s in agent.slots.values() if s is not slot)
+            lost = policy.floor_lost(left, cfg.min_replicas, cfg.world_size, cfg.nnodes)
+            if lost is not None:
+                do = dataclasses.replace(do, failed=lost)
         if do.failed:
             self.agent._failed = do.failed
         if do.shrink:
