@@ -46,7 +46,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import Progress, pct, table, write  # noqa: E402
 
-from fastft.report import shards_by_step, summarize, untiled_steps  # noqa: E402
+from fastft.report import (  # noqa: E402
+    shards_by_step,
+    summarize,
+    unlogged_commits,
+    untiled_steps,
+)
 from fastft.runtime import read_events  # noqa: E402
 
 KINDS = ("exception", "sigkill", "sigterm", "sigstop", "gil_hang", "segfault", "exit", "state_lost")
@@ -304,7 +309,8 @@ def _elastic_checks(ev: list[dict[str, Any]]) -> tuple[list[tuple[str, int]], li
     wrong = [
         (src, step) for (step, _), by in digests.items() if len(set(by.values())) > 1 for src in by
     ]
-    final = [e for e in ev if e["event"] == "commit" and e["epoch"] == last.get(e["step"])]
+    commits = [*ev, *unlogged_commits(ev)]  # (voted to commit, then died before its log)
+    final = [e for e in commits if e["event"] == "commit" and e["epoch"] == last.get(e["step"])]
     return wrong, untiled_steps(shards_by_step(final))
 
 

@@ -15,7 +15,7 @@ from _nodes import Nodes
 from _runs import check_s1_s3, finals
 from test_runtime_faults import assert_equal_to_one_process
 
-from fastft.report import shards_by_step, untiled_steps
+from fastft.report import shards_by_step, unlogged_commits, untiled_steps
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -73,7 +73,7 @@ def test_a_lost_node_is_declared_dead_and_the_elastic_world_goes_on(
     assert declared["src"] in [f"agent {n}" for n in survivors] and declared["lives"] == 1
     assert not [e for e in ev if e["event"] == "store_lost"]
     check_s1_s3(job.run, steps=steps)
-    shards = shards_by_step(ev)
+    shards = shards_by_step([*ev, *unlogged_commits(ev)])  # (+ voted, then died)
     assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []
     two = min(s for s, parts in shards.items() if len(parts) == 2)  # without the lost node
     assert two >= 8 and all(len(shards[s]) == 2 for s in range(two, steps))
@@ -202,3 +202,64 @@ def test_with_nats_losing_a_server_then_another_stalls_but_loses_nothing(tmp_pat
     assert [e["restarts"] for e in ev if e["event"] == "agent_stop"] == [0, 0, 0]
     check_s1_s3(job.run, steps=STEPS)
     assert {v["digest"] for v in finals(job.run).values()} == {clean[0]["digest"]}
+
+
+def _plan(run, faults: list[dict]) -> tuple[str, str]:
+    import json
+
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "plan.json").write_text(json.dumps({"faults": faults}))
+    return ("--inject", str(run / "plan.json"))
+
+
+@pytest.mark.slow
+def test_a_node_that_fails_the_job_ends_every_node_with_its_reason(tmp_path):
+    """Fixed world, 2 nodes: rank 1 (node 1) dies in both of its lives and has no restart
+    left, so node 1's agent fails the job. Node 0 must not wait for a rank nobody will
+    start again: it reads the failure in its next lease round, stops its worker, says why
+    and exits 1 too."""
+    run = tmp_path / "fails"
+    kills = [{"kind": "sigkill", "rank": 1, "at_step": 5, "life": life} for life in (0, 1)]
+    job = Nodes(run, 2, steps=200, flags=("--max-restarts", "1", *_plan(run, kills)))
+    try:
+        job.start_all()
+        codes = job.wait(120)
+        assert codes == {0: 1, 1: 1}, (codes, job.logs())
+        log0 = (run / "node0-0.log").read_text()
+        assert "the job failed on another node: node 1: rank 1 failed" in log0, log0[-2000:]
+        assert "no restarts left (--max-restarts 1)" in log0, log0[-2000:]
+    finally:
+        assert job.close() == [], job.logs()
+    ev = job.events()
+    assert [e["src"] for e in ev if e["event"] == "job_failed_elsewhere"] == ["agent 0"]
+    check_s1_s3(run, steps=1 + max(e["step"] for e in ev if e["event"] == "commit"))
+
+
+@pytest.mark.slow
+def test_an_elastic_world_drained_below_its_floor_across_nodes_fails(tmp_path):
+    """Elastic, 3 nodes of one worker, --min-replicas 2: rank 1 (node 1) and then rank 2
+    (node 2) drain for good. No agent sees another's slots, so the job counts the slots
+    gone in the store: the second drain leaves one worker of three, below the floor for
+    good, and the job fails at once with the reason on every node still running, instead
+    of rank 0 waiting below the floor forever."""
+    run = tmp_path / "floor"
+    plan = _plan(
+        run,
+        [
+            {"kind": "sigterm", "rank": 1, "at_step": 8},
+            {"kind": "sigterm", "rank": 2, "at_step": 16},
+        ],
+    )
+    job = Nodes(run, 3, steps=400, flags=("--min-replicas", "2", *plan), train=SLOW_STEPS)
+    try:
+        job.start_all()
+        codes = job.wait(120)
+        # node 1 ended cleanly (its only rank drained) before the floor was crossed
+        assert codes == {0: 1, 1: 0, 2: 1}, (codes, job.logs())
+        for n in (0, 2):
+            log = (run / f"node{n}-0.log").read_text()
+            assert "fell below --min-replicas 2 for good: 1 of 3 workers left" in log, log[-2000:]
+    finally:
+        assert job.close() == [], job.logs()
+    mine = [e["step"] for e in job.events() if e["event"] == "commit" and e["src"] == "rank 0"]
+    assert mine == list(range(len(mine))) and len(mine) >= 17

@@ -23,7 +23,7 @@ from _runs import STEPS, check_s1_s3, fastft_run, finals
 from fastft.launch.policy import COLD_RESTART_DELAY_S, SPARE_REFILL_MAX_S
 from fastft.protocol import EXIT_DRAINED
 from fastft.protocol.auth import JobSecret
-from fastft.report import shards_by_step, untiled_steps
+from fastft.report import shards_by_step, unlogged_commits, untiled_steps
 from fastft.runtime import read_events
 
 pytestmark = pytest.mark.timeout(180)
@@ -305,7 +305,7 @@ def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     # shrank at once, grew back when rank 2 returned; the exception re-formed it once more
     assert sizes[:2] == [3, 2] and sizes[-1] == 3 and len(sizes) == 4, sizes
     # exactly once: the shards of each committed step tile the global batch
-    shards = shards_by_step(ev)
+    shards = shards_by_step([*ev, *unlogged_commits(ev)])  # (+ voted, then died)
     assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []
     assert {p[2] for parts in shards.values() for p in parts} == {batch}
     assert len(shards[4]) == 3 and len(shards[6]) == 2  # then 2 members until it is back
@@ -334,7 +334,7 @@ def test_elastic_two_deaths_in_one_step_split_the_lost_parts(tmp_path):
     run = run_elastic(tmp_path / "elastic2", 4, plan, steps, batch)
     check_s1_s3(run, steps=steps)
     ev = read_events(run)
-    shards = shards_by_step(ev)
+    shards = shards_by_step([*ev, *unlogged_commits(ev)])  # (+ voted, then died)
     assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []
     retry = sorted((e["kept"], e["shard"]) for e in ev if e["event"] == "commit" and e["step"] == 5)
     assert retry == [([0, 24, 96], [48, 72, 96]), ([24, 48, 96], [72, 96, 96])], retry

@@ -67,6 +67,27 @@ def test_untiled_steps_finds_a_gap_an_overlap_and_a_missing_end():
     assert untiled_steps(shards) == [1, 2, 3]
 
 
+def test_a_member_that_voted_then_died_counts_only_where_that_is_what_happened():
+    """A commit needs every member's vote: a member of the epoch that died before logging
+    the step after its last logged commit had its gradient in that step (found by the
+    chaos soak: a segfault in the bus thread right after the vote). One alive, or missing
+    further on, stays missing."""
+    from fastft.report import shards_by_step, unlogged_commits, untiled_steps
+
+    def commit(src, step, lo, hi, epoch=1):
+        return {"event": "commit", "src": src, "epoch": epoch, "step": step, "shard": [lo, hi, 6]}
+
+    epoch = {"event": "epoch", "epoch": 1, "members": [0, 1], "incarnations": [10, 11]}
+    ev = [epoch, commit("rank 0", 0, 0, 3), commit("rank 1", 0, 3, 6)]
+    ev += [commit("rank 0", 1, 0, 3), commit("rank 0", 2, 0, 3)]  # rank 1 logs no more
+    assert untiled_steps(shards_by_step(ev)) == [1, 2]
+    assert unlogged_commits(ev) == []  # rank 1 alive: missing for real
+    ev.append({"event": "worker_exit", "incarnation": 11})
+    (got,) = unlogged_commits(ev)
+    assert (got["src"], got["step"], got["shard"]) == ("rank 1", 1, [3, 6, 6])
+    assert untiled_steps(shards_by_step([*ev, got])) == [2]  # not two steps after it
+
+
 def test_the_demo_plan_gives_every_kind_on_fewer_workers_in_the_right_lives():
     from fastft.demo.main import _plan
 

@@ -134,6 +134,20 @@ def test_drains_and_joins():
     assert _route(JoinRequest(**HDR, rank=1, incarnation=77)).events == (JoinRequested(1),)
 
 
+def test_a_leaver_of_an_epoch_already_left_behind_gets_its_ack_at_once():
+    """This worker read the decision that let rank 3 go and formed epoch 3 without it
+    before rank 3's notice (epoch 2) came: it acks outside the state machine, else the
+    leaver waits out its grace (30 s). A notice of this epoch from a non-member, or one
+    before any epoch, gets nothing."""
+    late = DrainNotice(**dict(HDR, epoch=2), rank=3, incarnation=13, reason="bye")
+    out = _route(late)
+    assert out.events == () and out.ack_drain == 3
+    assert out.record == ("drain_ack_late", {"rank": 3})
+    assert _route(DrainNotice(**HDR, rank=3, incarnation=13)).ack_drain is None
+    assert _route(late, view=None).ack_drain is None
+    assert _route(DrainNotice(**HDR, rank=2, incarnation=12)).ack_drain is None  # a member
+
+
 def test_joins_that_cannot_be_admitted_are_logged_not_acted_on():
     # a valid JoinRequest from rank 99 re-formed the epoch after every commit (issue 25)
     for m, why in (

@@ -26,7 +26,7 @@ from fastft.launch.children import Children, Slot, die_with_parent
 from fastft.launch.config import LaunchConfig
 from fastft.launch.control import ControlPlane
 from fastft.launch.exits import Exits
-from fastft.launch.lease import DONE, NodeLease, format_lives
+from fastft.launch.lease import NodeLease, format_lives
 from fastft.launch.nodewatch import NodeWatch
 from fastft.launch.offenders import Offenders
 from fastft.launch.output import Output
@@ -48,6 +48,11 @@ from fastft.protocol import (
 __all__ = ["Agent", "LaunchConfig"]
 
 log = logging.getLogger(__name__)
+
+DONE_WAIT_S = 60.0
+"""How long the store's node waits, at the job's end, for the other agents to finish."""
+FAILED_WAIT_S = 10.0
+"""... and after a failure, for the others to hear of it (each within a lease round)."""
 
 
 class Agent:
@@ -192,22 +197,10 @@ class Agent:
             return 128 + self._stopping
         if self._failed:
             print(f"fastft: job failed: {self._failed}", file=sys.stderr, flush=True)
+            self.nodes.finish(self._failed, timeout_s=FAILED_WAIT_S)
             return 1
         # Node 0 hosts the store: it waits until every other node's agent is done or lost.
-        lease = self.lease
-        if lease is not None and self._server is None:
-            lease.close()  # node 0 may close the store from now on
-        if lease is not None:  # a node done is never declared lost
-            self.store.compare_set(self.keys.node_lost(self.config.node_rank), "", DONE)
-        self.store.add(f"{self.keys.root}/agents_done", 1)
-        if self._server is not None and self.config.nnodes > 1:
-            deadline = time.monotonic() + 60
-            while int(self.store.add(f"{self.keys.root}/agents_done", 0)) < self.config.nnodes:
-                if time.monotonic() > deadline:
-                    break
-                if lease is not None and set(lease.others) <= set(lease.watch.lost):
-                    break  # the others are done or lost (their leases ran out)
-                time.sleep(0.05)
+        self.nodes.finish(None, timeout_s=DONE_WAIT_S)
         return 0
 
     def _on_signal(self, signum: int, frame: object) -> None:

@@ -150,8 +150,10 @@ class Exits:
         ending = agent._stopping is not None or agent.draining is not None or agent._failed
         if do.done and not do.failed and code != 0 and not finished and not ending:
             # a slot done for good (drained, shrunk): can the others still form a world?
-            left = sum(not s.done for s in agent.slots.values() if s is not slot)
-            lost = policy.floor_lost(left, cfg.min_replicas, cfg.world_size, cfg.nnodes)
+            left = self._slots_left(slot)
+            lost = (
+                None if left is None else policy.floor_lost(left, cfg.min_replicas, cfg.world_size)
+            )
             if lost is not None:
                 do = dataclasses.replace(do, failed=lost)
         if do.failed:
@@ -173,6 +175,20 @@ class Exits:
             with self.agent.children.lock:
                 self.agent._restarts_due.append((time.monotonic() + do.delay_s, slot))
         self.agent._wake.set()
+
+    def _slots_left(self, slot: Slot) -> int | None:
+        """How many of the job's slots can still run, ``slot`` now done for good: this
+        agent's own count on one node; on several, the store's count of the job's slots
+        gone (None if the store cannot say: no verdict then)."""
+        agent = self.agent
+        if agent.config.nnodes == 1:
+            return sum(not s.done for s in agent.slots.values() if s is not slot)
+        try:
+            gone = int(agent.store.add(agent.keys.slots_gone, 1))
+        except Exception:  # noqa: BLE001 - the workers then wait below the floor, and say so
+            log.warning("could not count rank %d's slot as gone", slot.rank, exc_info=True)
+            return None
+        return agent.config.world_size - gone
 
     def count_fault(self, rank: int, what: str) -> None:
         """A fault of ``rank``'s slot (:mod:`fastft.launch.offenders`); at the count of

@@ -181,8 +181,9 @@ class NodeLease:
     compare-and-set); publish its workers dead. ``on_fenced()``: this node was declared
     lost while it could not renew (a partition, a stop): kill the workers, which restart
     as new incarnations; the mark is cleared after it returns. ``on_store_lost(reason)``:
-    the store has not answered for a whole lease. ``on_returned(node)``: informational.
-    Each store call waits at most one lease (a store client of its own)."""
+    the store has not answered for a whole lease. ``on_job_failed(why)``: another node's
+    agent failed the job (:meth:`fail`): this node ends too. ``on_returned(node)``:
+    informational. Each store call waits at most one lease (a store client of its own)."""
 
     def __init__(
         self,
@@ -196,6 +197,7 @@ class NodeLease:
         on_fenced: Callable[[str], None],
         on_store_lost: Callable[[str], None],
         on_returned: Callable[[int], None] = lambda node: None,
+        on_job_failed: Callable[[str], None] = lambda why: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store.clone()
@@ -208,6 +210,9 @@ class NodeLease:
         self.on_fenced = on_fenced
         self.on_store_lost = on_store_lost
         self.on_returned = on_returned
+        self.on_job_failed = on_job_failed
+        self.failed = ""
+        """Why the job failed (another node's :meth:`fail`, or this one's), once read."""
         self.clock = clock
         self.watch = LeaseWatch(node, config, clock())
         self.renewals = 0
@@ -221,6 +226,10 @@ class NodeLease:
                 self.store.compare_set(keys.node_lost(n), "", "")
             except ForgedValue:
                 pass  # a forged mark reads as none
+        try:
+            self.store.compare_set(keys.failed, "", "")
+        except ForgedValue as f:  # not the job's own: cleared, never acted on
+            self.store.replace(keys.failed, f.raw, "")
         try:
             self.rejoined = bytes(self.store.get(keys.node_lost(node))).decode(errors="replace")
         except ForgedValue as f:  # no mark of this job's: clear it
@@ -236,6 +245,15 @@ class NodeLease:
         self.store.add(self.keys.node_lease(self.node), 1)
         self.renewals += 1
 
+    def fail(self, why: str) -> None:
+        """This node fails the job: tell every other agent (the first failure wins)."""
+        try:
+            got = bytes(self.store.compare_set(self.keys.failed, "", why)).decode()
+        except Exception:  # noqa: BLE001 - the others then see this node lost instead
+            log.warning("could not tell the other nodes that the job failed", exc_info=True)
+            return
+        self.failed = self.failed or got
+
     def start(self) -> NodeLease:
         self._thread = threading.Thread(target=self._run, name="fastft-node-lease", daemon=True)
         self._thread.start()
@@ -250,19 +268,21 @@ class NodeLease:
         period = self.config.period_s
         lease_keys = [self.keys.node_lease(n) for n in self.others]
         mark_key = self.keys.node_lost(self.node)
+        failed_key = self.keys.failed
         next_at = self.clock()
         while not self._stop.is_set():
             next_at += period
             counters: dict[int, int] | None = None
-            mark = ""
+            mark = failed = ""
             error = ""
             try:
                 self._renew()
-                got = self.store.multi_get([*lease_keys, mark_key])
+                got = self.store.multi_get([*lease_keys, mark_key, failed_key])
                 counters = {
-                    n: int(bytes(v) or b"0") for n, v in zip(self.others, got[:-1], strict=True)
+                    n: int(bytes(v) or b"0") for n, v in zip(self.others, got[:-2], strict=True)
                 }
-                mark = bytes(got[-1]).decode(errors="replace")
+                mark = bytes(got[-2]).decode(errors="replace")  # (a forged value reads b"")
+                failed = bytes(got[-1]).decode(errors="replace")
             except Exception as e:  # noqa: BLE001 - every store error counts as a miss
                 error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             if self._stop.is_set():
@@ -271,6 +291,9 @@ class NodeLease:
             if v.store_lost is not None:
                 self.on_store_lost(v.store_lost)
                 return
+            if failed and not self.failed:
+                self.failed = failed
+                self.on_job_failed(failed)
             if mark and mark != DONE:
                 self._fence(mark)
             for n in v.expired:

@@ -8,9 +8,10 @@ part for it, as :class:`~fastft.launch.exits.Exits` is for its workers' exits.""
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
-from fastft.launch.lease import NATS_STORE_GRACE_S, LeaseConfig, NodeLease
+from fastft.launch.lease import DONE, NATS_STORE_GRACE_S, LeaseConfig, NodeLease
 from fastft.protocol import Fault, Severity
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ class NodeWatch:
 
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
+        self.store_gone = False
 
     def start(self) -> None:
         a = self.agent
@@ -46,6 +48,7 @@ class NodeWatch:
             on_fenced=self.fenced,
             on_store_lost=self.store_lost,
             on_returned=lambda n: a.events.emit("node_returned", node=n),
+            on_job_failed=self.job_failed,
         )
         if a.lease.rejoined:
             a.events.emit("node_rejoined", mark=a.lease.rejoined)
@@ -81,7 +84,45 @@ class NodeWatch:
                 self.agent.fenced.add(slot.incarnation)
                 self.agent.children.kill(slot)
 
+    def job_failed(self, why: str) -> None:
+        """Another node's agent failed the job: this node ends too (exit 1, its workers
+        stopped), instead of waiting for ranks nobody will start again."""
+        a = self.agent
+        a.events.emit("job_failed_elsewhere", reason=why)
+        if not a._failed:
+            log.error("the job failed on another node: %s", why)
+            a._failed = f"the job failed on another node: {why}"
+            a._wake.set()
+
+    def finish(self, failed: str | None, timeout_s: float) -> None:
+        """The agent ends (cleanly, or failed): tell the others, and on the node that
+        hosts the store wait (at most ``timeout_s``) until every other agent is done or
+        lost, so that none loses the store before it has heard."""
+        a = self.agent
+        lease = a.lease
+        if lease is None or self.store_gone:
+            return
+        if failed and not lease.failed:
+            lease.fail(f"node {a.config.node_rank}: {failed}")
+        hosts = a._server is not None
+        if not hosts:
+            lease.close()  # node 0 may close the store from now on
+        done_key = f"{a.keys.root}/agents_done"
+        try:
+            a.store.compare_set(a.keys.node_lost(a.config.node_rank), "", DONE)  # not lost
+            a.store.add(done_key, 1)
+            deadline = time.monotonic() + timeout_s
+            while hosts and int(a.store.add(done_key, 0)) < a.config.nnodes:
+                if time.monotonic() > deadline:
+                    break
+                if set(lease.others) <= set(lease.watch.lost):
+                    break  # the others are done or lost (their leases ran out)
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the job's end does not wait on a broken store
+            log.warning("could not tell the other nodes this one is done", exc_info=True)
+
     def store_lost(self, reason: str) -> None:
+        self.store_gone = True
         self.agent.events.emit("store_lost", reason=reason)
         if self.agent.config.control:
             self.agent._failed = (

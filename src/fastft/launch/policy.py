@@ -131,12 +131,12 @@ def after_exit(
     )
 
 
-def floor_lost(left: int, min_replicas: int | None, world: int, nnodes: int) -> str | None:
-    """Why an elastic job cannot go on, or None: ``left`` slots of this node's agent can
-    still run (alive, or restarting) and the world needs ``--min-replicas``. Decided by a
-    job's only agent (it sees every slot); with several nodes each agent sees its own, and
-    the workers wait below the floor (the ``below_min_replicas`` event says so)."""
-    if min_replicas is None or min_replicas >= world or nnodes != 1 or left >= min_replicas:
+def floor_lost(left: int, min_replicas: int | None, world: int) -> str | None:
+    """Why an elastic job cannot go on, or None: ``left`` of the job's ``world`` slots can
+    still run (alive, or restarting; the others are done for good: drained, shrunk,
+    quarantined) and the world needs ``--min-replicas``. One agent counts its own slots;
+    with several nodes the count is the job's, kept in the store (``slots_gone``)."""
+    if min_replicas is None or min_replicas >= world or left >= min_replicas:
         return None
     return (
         f"the elastic world fell below --min-replicas {min_replicas} for good: {left} of "

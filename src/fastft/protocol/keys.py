@@ -18,12 +18,16 @@ class JobKeys:
         self.job = job
         self.root = f"fastft/{job}"
         self._signed = (f"{self.root}/rt/", f"{self.root}/ep/", f"{self.root}/join/")
-        self._signed_exact = (f"{self.root}/committed", f"{self.root}/finished")
+        self._signed_exact = (
+            f"{self.root}/committed",
+            f"{self.root}/finished",
+            f"{self.root}/failed",
+        )
 
     def signed(self, key: str) -> bool:
         """Whether ``key``'s value carries the job secret's tag (``fastft.bus.signed``):
-        decisions, drain marks, epochs and arrivals, joiners, the committed and finished
-        marks, node marks and lives. Counters (votes, leases) and the bus's and process
+        decisions, drain marks, epochs and arrivals, joiners, the committed, finished and
+        failed marks, node marks and lives. Counters (votes, leases) and the bus's and process
         groups' keys do not."""
         if key.startswith(self._signed):
             return not key.endswith("/votes")
@@ -87,6 +91,18 @@ class JobKeys:
         """Set (to the final step) by a member that closed after its last committed step:
         a worker still waiting to join learns there is nothing left to join."""
         return f"{self.root}/finished"
+
+    @property
+    def failed(self) -> str:
+        """Set once (compare-and-set from "") by the first agent of a multi-node job that
+        fails, to why: every other agent's lease round reads it and ends its node too."""
+        return f"{self.root}/failed"
+
+    @property
+    def slots_gone(self) -> str:
+        """A counter: the job's worker slots done for good while it ran (drained, shrunk,
+        quarantined), across every node: how far an elastic world is from its floor."""
+        return f"{self.root}/slots_gone"
 
     def joiner(self, rank: int) -> str:
         """A started or restarted worker waiting to be admitted (its incarnation)."""

@@ -10,7 +10,7 @@ import torch
 
 from fastft.fsm import LocalFault
 from fastft.inject import FaultKind, FaultSpec, StateLost, execute
-from fastft.protocol import Fault, Inject, Message, Severity
+from fastft.protocol import DrainAck, Fault, Inject, Message, Severity
 from fastft.protocol.faults import fault_of
 from fastft.runtime.inbox import route
 
@@ -85,6 +85,9 @@ class Faults:
                 x.events.emit(out.record[0], **out.record[1])
             for ev in out.events:
                 x.feed_locked(ev)
+            header = x.header()
+        if out.ack_drain is not None:
+            x.sv.bus.broadcast(DrainAck(**header, drained_rank=out.ack_drain))
 
     def inject(self, spec: FaultSpec) -> None:
         x = self.x
