@@ -93,6 +93,8 @@ def _cmd(run: Path, a: argparse.Namespace, steps: int, extra: tuple[str, ...] = 
     ]
     if a.min_replicas:
         cmd += ["--min-replicas", str(a.min_replicas)]
+    if a.adaptive_hang:
+        cmd += ["--adaptive-hang"]
     if a.checkpoint_dir and run.name == "chaos":
         cmd += ["--checkpoint-dir", str(a.checkpoint_dir), "--checkpoint-every", "50"]
     cmd += ["-m", "fastft.demo.train", "--", "--steps", str(steps), "--out", str(run / "out")]
@@ -484,6 +486,12 @@ def main() -> int:
     ap.add_argument("--overlap-delay", type=float, nargs=2, default=(0.02, 0.5))
     ap.add_argument("--step-time", type=float, default=0.03)
     ap.add_argument("--hang-timeout", type=float, default=5.0)
+    ap.add_argument(
+        "--adaptive-hang",
+        action="store_true",
+        help="the agent's --adaptive-hang: a GIL hang is known after 20x the heartbeat gap "
+        "(at least 2 s, at most --hang-timeout)",
+    )
     ap.add_argument(
         "--min-replicas",
         type=int,

@@ -96,8 +96,8 @@ class NodeWatch:
 
     def finish(self, failed: str | None, timeout_s: float) -> None:
         """The agent ends (cleanly, or failed): tell the others, and on the node that
-        hosts the store wait (at most ``timeout_s``) until every other agent is done or
-        lost, so that none loses the store before it has heard."""
+        hosts the store wait (at most ``timeout_s``) until every other agent that started
+        is done or lost, so that none loses the store before it has heard."""
         a = self.agent
         lease = a.lease
         if lease is None or self.store_gone:
@@ -113,10 +113,10 @@ class NodeWatch:
             a.store.add(done_key, 1)
             deadline = time.monotonic() + timeout_s
             while hosts and int(a.store.add(done_key, 0)) < a.config.nnodes:
-                if time.monotonic() > deadline:
-                    break
-                if set(lease.others) <= set(lease.watch.lost):
-                    break  # the others are done or lost (their leases ran out)
+                watch = lease.watch
+                running = [n for n in lease.others if n not in watch.lost and watch.counter(n)]
+                if not running or time.monotonic() > deadline:
+                    break  # the others are done, lost (their leases ran out) or never started
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the job's end does not wait on a broken store
             log.warning("could not tell the other nodes this one is done", exc_info=True)
