@@ -291,8 +291,8 @@ class NodeLease:
             if v.store_lost is not None:
                 self.on_store_lost(v.store_lost)
                 return
-            if failed and not self.failed:
-                self.failed = failed
+            if failed and not self.failed and not failed.startswith(f"node {self.node}:"):
+                self.failed = failed  # (this node's own mark: read before fail() returned)
                 self.on_job_failed(failed)
             if mark and mark != DONE:
                 self._fence(mark)
