@@ -82,7 +82,13 @@ def schedule(
     return out
 
 
-def _cmd(run: Path, a: argparse.Namespace, steps: int, extra: tuple[str, ...] = ()) -> list[str]:
+def _cmd(
+    run: Path,
+    a: argparse.Namespace,
+    steps: int,
+    extra: tuple[str, ...] = (),
+    checkpoint: Path | None = None,
+) -> list[str]:
     cmd = [
         *(sys.executable, "-m", "fastft.cli", "run", "--nproc", str(a.nproc)),
         *("--run-dir", str(run), "--job", run.name, "--check-every", "1"),
@@ -95,8 +101,8 @@ def _cmd(run: Path, a: argparse.Namespace, steps: int, extra: tuple[str, ...] = 
         cmd += ["--min-replicas", str(a.min_replicas)]
     if a.adaptive_hang:
         cmd += ["--adaptive-hang"]
-    if a.checkpoint_dir and run.name == "chaos":
-        cmd += ["--checkpoint-dir", str(a.checkpoint_dir), "--checkpoint-every", "50"]
+    if checkpoint is not None:
+        cmd += ["--checkpoint-dir", str(checkpoint), "--checkpoint-every", "50"]
     cmd += ["-m", "fastft.demo.train", "--", "--steps", str(steps), "--out", str(run / "out")]
     return [*cmd, "--step-time", str(a.step_time)]
 
@@ -443,9 +449,10 @@ def _plan(out: Path, faults: list[dict[str, Any]], steps: int) -> Path:
 
 
 def ends(a: argparse.Namespace, out: Path) -> int:
-    """``--ends N``: N short soaks (a seeded schedule of faults over ~6 s each); how many
-    ended with exit status 0, and with nothing left running (issue 25: the agent once
-    ended with SIGABRT at the end of a soak)."""
+    """``--ends N``: N short soaks (a seeded schedule of faults over ~6 s each, each with
+    its own durable tier unless ``--no-checkpoint``); how many ended with exit status 0,
+    and with nothing left running (issue 25: the agent once ended with SIGABRT at the end
+    of a soak), and how many failed saying why (exit 1 and a ``job failed:`` line)."""
     steps = max(100, int(10 / (a.step_time + 0.006)))
     got = []
     progress = Progress("chaos --ends", a.ends)
@@ -453,16 +460,45 @@ def ends(a: argparse.Namespace, out: Path) -> int:
         progress.next(f"soak {i + 1}")
         run = out / f"end-{i}"
         faults = schedule(a.seed + i, 6.0, a.nproc, a.every, a.overlap, a.overlap_delay)
-        cmd = _cmd(run, a, steps, ("--warm-spares", str(a.spares)))
+        ckpt = None if a.no_checkpoint else run / "ckpt"
+        cmd = _cmd(run, a, steps, ("--warm-spares", str(a.spares)), ckpt)
         job = run_job(run, cmd, faults, 300, last_step=steps - 30)
-        got.append({"run": i, "rc": job["rc"], "faults": len(job["sent"]), **_leftovers(job)})
-        print(f"end {i}: exit status {job['rc']}, {len(job['sent'])} faults")
+        why = failed_line(run)
+        got.append(
+            {
+                "run": i,
+                "rc": job["rc"],
+                "faults": len(job["sent"]),
+                "failed": why,
+                **_leftovers(job),
+            }
+        )
+        print(
+            f"end {i}: exit status {job['rc']}, {len(job['sent'])} faults"
+            + (f": {why}" if why else "")
+        )
     progress.close()
     ok = [g for g in got if g["rc"] == 0 and not g["left"]]
-    result = {"ends": a.ends, "exit_0_and_clean": len(ok), "not": [g for g in got if g not in ok]}
+    said = [g for g in got if g["rc"] == 1 and g["failed"] and not g["left"]]
+    result = {
+        "ends": a.ends,
+        "exit_0_and_clean": len(ok),
+        "failed_with_a_reason": len(said),  # (exit 1 and one line that says why)
+        "not": [g for g in got if g not in ok],
+    }
     path = write(f"{a.name}-ends", got, {"result": result})
     print(json.dumps(result, indent=1), f"\nwritten {path}")
     return 0 if len(ok) == a.ends else 1
+
+
+def failed_line(run: Path) -> str | None:
+    """The launcher's ``fastft: job failed: ...`` line (why the job failed), or None."""
+    try:
+        text = (run / "launcher.log").read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.findall(r"^fastft: job failed: (.*)$", text, flags=re.M)
+    return found[-1][:300] if found else None
 
 
 def _leftovers(job: dict[str, Any]) -> dict[str, Any]:
@@ -544,7 +580,7 @@ def main() -> int:
     t = time.monotonic()
     job = run_job(
         out / "chaos",
-        _cmd(out / "chaos", a, steps, spares),
+        _cmd(out / "chaos", a, steps, spares, a.checkpoint_dir),
         faults,
         a.duration * 6,
         last_step=steps - 30,  # no fault in the job's last steps: its end must be clean
