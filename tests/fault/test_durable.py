@@ -122,3 +122,29 @@ def test_the_same_command_resumes_a_job_stopped_whole(tmp_path, clean):
         for f in out.glob("final-rank*.json")
     }
     assert {v["digest"] for v in got.values()} == {clean[0]["digest"]}
+
+
+@pytest.mark.slow
+def test_an_elastic_world_restores_without_a_slot_gone_for_good(tmp_path):
+    """Elastic (--min-replicas 2 of 3): rank 2 drains for good, then both others die in one
+    step. Their restarts restore the checkpoint without waiting for the drained slot (they
+    waited for every slot, forever; found by the elastic chaos soak, where restarts lost
+    again kept a restore waiting 30 s)."""
+    ckpt = tmp_path / "ckpt"
+    plan = [
+        {"kind": "sigterm", "rank": 2, "at_step": 8},
+        *({"kind": "sigkill", "rank": r, "at_step": 17, "point": "commit"} for r in (0, 1)),
+    ]
+    flags = ("--min-replicas", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
+    run = fastft_run(tmp_path, "regroup", *flags, plan=plan, train=("--step-time", "0.1"))
+    check_s1_s3(run)
+    restores = _events(run, "restore")
+    assert sorted(e["src"] for e in restores) == ["rank 0", "rank 1"], restores
+    (restored,) = {e["step"] for e in restores}
+    assert 5 <= restored <= 17 and all(e["lost"] >= 15 for e in restores)
+    ev = read_events(run)
+    assert [e["rank"] for e in ev if e["event"] == "worker_exit" and e["exit_code"] == 88] == [2]
+    final = finals(run)
+    assert set(final) == {0, 1} and len({v["digest"] for v in final.values()}) == 1, final
+    (loss,) = summarize(run)["total_losses"]
+    assert loss["restored"] == restored

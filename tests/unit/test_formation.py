@@ -107,6 +107,23 @@ def test_when_every_worker_was_lost_the_joiners_restore_or_fail():
     assert view.step == 0 and view.source == 0 and view.lost == 40
 
 
+def test_after_every_worker_was_lost_an_elastic_world_regroups_without_the_slow_slots():
+    # a slot may be gone for good (drained, its node lost) or its restart lost again:
+    # waiting for every slot could wait forever
+    joiners = {0: 20, 3: 23}
+    kw = dict(me=0, latest=6, world_size=4, start_timeout_s=300.0, regroup_timeout_s=5.0)
+    ckpt = dict(last_step=40, recovery=Recovery(checkpoint=35))
+    assert close_first(joiners, **kw, min_members=2, waited_s=4.0, **ckpt) is None
+    view = close_first(joiners, **kw, min_members=2, waited_s=5.5, **ckpt)
+    assert view is not None and view.restore == 35 and view.lost == 40
+    assert view.members == (Member(0, 20), Member(3, 23))
+    assert close_first({0: 20}, **kw, min_members=2, waited_s=60.0, **ckpt) is None
+    assert close_first(joiners, **kw, min_members=4, waited_s=60.0, **ckpt) is None  # fixed
+    # the first start keeps its own (longer) wait
+    first = dict(kw, latest=0)
+    assert close_first(joiners, **first, min_members=2, waited_s=60.0) is None
+
+
 def test_a_first_start_resumes_from_the_checkpoint():
     kw = dict(me=0, latest=0, world_size=2, min_members=2, waited_s=0.0, start_timeout_s=1.0)
     view = close_first({0: 20, 1: 21}, **kw, recovery=Recovery(checkpoint=35))

@@ -48,6 +48,9 @@ class RuntimeConfig:
     ``rollback_timeout_s``: how long a rollback barrier waits for a silent member before
     declaring it dead (hangs are normally caught sooner by the agent);
     ``start_timeout_s``: how long the first epoch waits for every slot;
+    ``regroup_timeout_s``: after every worker was lost, how long the next epoch waits for
+    every slot before an elastic world closes it with at least ``min_replicas`` (the others
+    join at a later step: a slot may be gone for good, or its restart lost again);
     ``pg_timeout_s``: the data plane's own timeout (a backstop: faults interrupt sooner);
     ``max_step_retries``: consecutive local exceptions at one step before the exception
     is re-raised (a deterministic bug must not loop forever);
@@ -83,6 +86,7 @@ class RuntimeConfig:
     seed: int = 0
     rollback_timeout_s: float = 5.0
     start_timeout_s: float = 300.0
+    regroup_timeout_s: float = 5.0
     pg_timeout_s: float = 60.0
     max_step_retries: int = 3
     backend: str = "auto"

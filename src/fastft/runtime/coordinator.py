@@ -378,6 +378,7 @@ class Coordinator:
         self,
         *,
         start_timeout_s: float,
+        regroup_timeout_s: float = 5.0,
         cancelled: Callable[[], bool],
         announce: Callable[[], None],
         announce_every_s: float = 0.2,
@@ -415,6 +416,7 @@ class Coordinator:
                 min_members=self.min_members,
                 waited_s=now - started,
                 start_timeout_s=start_timeout_s,
+                regroup_timeout_s=regroup_timeout_s,
             )
             view = close_first(joiners, **arguments)  # type: ignore[arg-type]
             if view is not None:  # this joiner closes: with what can replace the state

@@ -129,18 +129,21 @@ def close_first(
     min_members: int,
     waited_s: float,
     start_timeout_s: float,
+    regroup_timeout_s: float = 5.0,
     last_step: int = 0,
     recovery: Recovery = Recovery(),
 ) -> EpochView | None:
     """The view joiner ``me`` writes when every slot is a joiner (the first start, or every
-    worker was lost), or when the first start waited ``start_timeout_s`` with at least
-    ``min_members``; None if it is not the one to close (or not yet). ``latest``: the last
-    closed epoch (0: none), whose step was ``last_step``. A first start resumes from
-    ``recovery.checkpoint`` if there is one; after every worker was lost, ``recovery``
-    decides as in :func:`close_after`."""
+    worker was lost), or with at least ``min_members`` once it waited ``start_timeout_s``
+    (the first start) or ``regroup_timeout_s`` (after every worker was lost: a slot may be
+    gone for good, or its restart lost again; the rest join at a later step); None if it is
+    not the one to close (or not yet). ``latest``: the last closed epoch (0: none), whose
+    step was ``last_step``. A first start resumes from ``recovery.checkpoint`` if there is
+    one; after every worker was lost, ``recovery`` decides as in :func:`close_after`."""
     first_start = latest == 0
     everyone = len(joiners) == world_size
-    enough_late = first_start and waited_s > start_timeout_s and len(joiners) >= min_members
+    waited_enough = waited_s > (start_timeout_s if first_start else regroup_timeout_s)
+    enough_late = waited_enough and len(joiners) >= min_members
     if not (everyone or enough_late) or min(joiners) != me:
         return None
     members = tuple(sorted(Member(r, inc) for r, inc in joiners.items()))

@@ -113,6 +113,7 @@ class Membership:
         try:
             view = x.coord.form_as_joiner(
                 start_timeout_s=x.config.start_timeout_s,
+                regroup_timeout_s=x.config.regroup_timeout_s,
                 cancelled=lambda: base() or x.state.want_drain,
                 announce=self._announce_join,
             )
