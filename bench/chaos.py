@@ -389,13 +389,19 @@ def recovery_by_kind(s: dict[str, Any], sent: list[dict[str, Any]]) -> list[dict
 def stalls(s: dict[str, Any], hang_timeout_s: float) -> dict[str, Any]:
     """Each landed fault's wait (the survivors' next commit) against its bound (issue 25:
     3 s; for a GIL hang, known only after the hang timeout, that + 3 s), and what explains
-    a wait past it: other faults whose recoveries overlapped it (one landed inside it, or
-    was still unrecovered when it landed). ``isolated``: the waits of faults no other
-    overlapped; ``unexplained``: past the bound with nothing overlapping (a defect)."""
+    a wait past it: other faults still in progress when it landed, or landing during its
+    wait. A fault is in progress until the survivors' next commit and, where its rank was
+    restarted, until that rank commits again (an elastic world goes on without a restarting
+    rank, and the next fault may then leave it below ``--min-replicas``, waiting for that
+    restart). ``isolated``: the waits of faults nothing overlapped; ``unexplained``: past
+    the bound with nothing overlapping (a defect)."""
     landed = [f for f in s["faults"] if "injected" in f["seen_as"]]
 
-    def end(f: dict[str, Any]) -> float:
-        return float("inf") if f["recover_ms"] is None else f["t"] + f["recover_ms"] / 1e3
+    def ends(f: dict[str, Any]) -> float:
+        """When ``f`` stops being in progress."""
+        if f["recover_ms"] is None:
+            return float("inf")
+        return f["t"] + max(f["recover_ms"], f.get("rejoin_ms") or 0.0) / 1e3
 
     isolated: list[float] = []
     past = 0
@@ -403,7 +409,8 @@ def stalls(s: dict[str, Any], hang_timeout_s: float) -> dict[str, Any]:
     for f in landed:
         if f["recover_ms"] is None:
             continue
-        overlapped = [g for g in landed if g is not f and g["t"] <= end(f) and end(g) >= f["t"]]
+        wait_end = f["t"] + f["recover_ms"] / 1e3
+        overlapped = [g for g in landed if g is not f and g["t"] <= wait_end and ends(g) >= f["t"]]
         bound = 1e3 * (3.0 + (hang_timeout_s if f["kind"] == "gil_hang" else 0.0))
         if not overlapped:
             isolated.append(f["recover_ms"])
