@@ -129,7 +129,7 @@ def test_an_elastic_world_restores_without_a_slot_gone_for_good(tmp_path):
     """Elastic (--min-replicas 2 of 3): rank 2 drains for good, then both others die in one
     step. Their restarts restore the checkpoint without waiting for the drained slot (they
     waited for every slot, forever; found by the elastic chaos soak, where restarts lost
-    again kept a restore waiting 30 s)."""
+    again kept a restore waiting 21 s)."""
     ckpt = tmp_path / "ckpt"
     plan = [
         {"kind": "sigterm", "rank": 2, "at_step": 8},

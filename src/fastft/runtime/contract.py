@@ -28,6 +28,7 @@ __all__ = [
     "EXIT_FAULT_STORM",
     "EXIT_UNHEALTHY",
     "FaultStorm",
+    "REGROUP_TIMEOUT_S",
     "Unhealthy",
     "RuntimeConfig",
     "Member",
@@ -35,6 +36,10 @@ __all__ = [
     "WorkerExit",
     "choose_backend",
 ]
+
+REGROUP_TIMEOUT_S = 5.0
+"""After every worker was lost, how long the next epoch waits for every slot before an
+elastic world closes it with at least ``min_replicas`` (:attr:`RuntimeConfig.regroup_timeout_s`)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ class RuntimeConfig:
     seed: int = 0
     rollback_timeout_s: float = 5.0
     start_timeout_s: float = 300.0
-    regroup_timeout_s: float = 5.0
+    regroup_timeout_s: float = REGROUP_TIMEOUT_S
     pg_timeout_s: float = 60.0
     max_step_retries: int = 3
     backend: str = "auto"

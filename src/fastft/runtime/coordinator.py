@@ -29,7 +29,7 @@ import torch.distributed as dist
 from fastft.bus.signed import ForgedValue
 from fastft.errors import ControlPlaneError
 from fastft.protocol.keys import JobKeys
-from fastft.runtime.contract import EpochView, JobFinished, Member
+from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, JobFinished, Member
 from fastft.runtime.formation import Arrival, Recovery, close_after, close_first, holds_state
 from fastft.runtime.hsdp import broken_groups, whole_groups
 
@@ -378,7 +378,7 @@ class Coordinator:
         self,
         *,
         start_timeout_s: float,
-        regroup_timeout_s: float = 5.0,
+        regroup_timeout_s: float = REGROUP_TIMEOUT_S,
         cancelled: Callable[[], bool],
         announce: Callable[[], None],
         announce_every_s: float = 0.2,

@@ -10,7 +10,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from fastft.runtime.contract import EpochView, Member
+from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, Member
 
 __all__ = ["Arrival", "Recovery", "close_after", "close_first", "holds_state"]
 
@@ -129,7 +129,7 @@ def close_first(
     min_members: int,
     waited_s: float,
     start_timeout_s: float,
-    regroup_timeout_s: float = 5.0,
+    regroup_timeout_s: float = REGROUP_TIMEOUT_S,
     last_step: int = 0,
     recovery: Recovery = Recovery(),
 ) -> EpochView | None:
