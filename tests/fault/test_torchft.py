@@ -95,7 +95,7 @@ def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
     assert not any("Timed out" in e.get("reason", "") for e in rollbacks), listing
     # No storm: the broken step, once per survivor, and the join may void one more leased
     # step (a peer asked the lighthouse first: "Quorum leases" in docs/measurements.md).
-    # 100+ runs here rolled back at most 3; one CI run rolled back 5 within 0.6 s of the
+    # 72 runs here rolled back at most 3; one CI run rolled back 5 within 0.6 s of the
     # fault, the last at the join (the causes were not kept: the listing now shows them).
     # The bound: at most two per replica.
     assert len(rollbacks) <= 6, listing
