@@ -496,6 +496,7 @@ os._exit(0)  # torch 2.13's Gloo teardown at exit sometimes aborts
 """
 
 
+@pytest.mark.slow  # (~20 s: the slow tier keeps make test under its 10 minutes)
 def test_a_script_that_needs_its_rank_before_init_is_told_why_spares_end(tmp_path):
     script = tmp_path / "early_rank.py"
     script.write_text(NEEDS_RANK_EARLY)
