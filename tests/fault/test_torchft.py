@@ -96,8 +96,8 @@ def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
     # No storm: the broken step, once per survivor, and the join may void one more leased
     # step (a peer asked the lighthouse first: "Quorum leases" in docs/measurements.md).
     # 72 runs here rolled back at most 3; one CI run rolled back 5 within 0.6 s of the
-    # fault, the last at the join (the causes were not kept: the listing now shows them).
-    # The bound: at most two per replica.
+    # fault, the last about when the restarted replica joined (the causes were not kept: the
+    # listing now shows them). The bound: two rollbacks for each replica, in all.
     assert len(rollbacks) <= 6, listing
 
     # Fault-free steps reused their quorum instead of asking the lighthouse (leases); the
