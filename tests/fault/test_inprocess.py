@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from _runs import STEPS, check_s1_s3
 
+from fastft.protocol.exits import EXIT_UNHEALTHY
 from fastft.runtime import read_events
-from fastft.runtime.contract import EXIT_UNHEALTHY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from _runs import fastft_run
 
+from fastft.protocol.exits import EXIT_FAULT_STORM
 from fastft.runtime import read_events
-from fastft.runtime.contract import EXIT_FAULT_STORM
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -94,3 +94,76 @@ def test_a_rollback_past_what_was_kept_loads_the_loader():
 def test_a_loader_without_state_is_refused_with_what_to_use():
     with pytest.raises(TypeError, match="StatefulDataLoader"):
         Batches([1, 2, 3])  # type: ignore[arg-type]
+
+
+def _sdl(workers: int = 0):
+    torch = pytest.importorskip("torch")
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    return sdl.StatefulDataLoader(
+        list(range(10)),
+        batch_size=4,
+        shuffle=True,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(0),
+    )
+
+
+def test_each_pass_is_the_same_however_often_the_loader_was_restored():
+    """A StatefulDataLoader with num_workers=0 restored from any state reshuffled its next
+    pass differently from one never restored (issue 40): members healed at different
+    steps drew different batches. Through Batches, every restore history gives one stream."""
+    n = 14  # nearly five passes of three batches (4, 4, 2)
+    whole = Batches(_sdl())
+    ref = [whole.next().tolist() for _ in range(n)]
+    assert ref[:3] != ref[3:6], "the passes should be shuffled apart"
+    for k in range(n):
+        a = Batches(_sdl())
+        got = [a.next().tolist() for _ in range(k)]
+        b = Batches(_sdl())
+        b.load_state_dict(copy.deepcopy(a.state_dict()))  # a heal at k
+        got += [b.next().tolist() for _ in range(2)]
+        c = Batches(_sdl())
+        c.load_state_dict(copy.deepcopy(b.state_dict()))  # and another, two batches on
+        got += [c.next().tolist() for _ in range(n - len(got))]
+        assert got[:n] == ref, f"healed at batch {k}"
+
+
+def test_a_healed_member_shuffles_with_the_seed_it_was_sent():
+    """The pass seeds travel in the state: a member whose loader was seeded otherwise
+    draws what the member it healed from draws, on every later pass."""
+    torch = pytest.importorskip("torch")
+    src = Batches(_sdl())
+    other = _sdl()
+    other.generator.manual_seed(7)
+    dst = Batches(other)
+    dst.load_state_dict(copy.deepcopy(src.state_dict()))
+    assert [dst.next().tolist() for _ in range(9)] == [src.next().tolist() for _ in range(9)]
+    assert isinstance(other.generator, torch.Generator)
+
+
+def test_the_batch_digest_sees_content_order_and_shape():
+    from fastft.runtime.data import batch_digest
+
+    torch = pytest.importorskip("torch")
+    x = torch.arange(12.0).reshape(3, 4)
+    d = batch_digest((x, [1, 2]))
+    assert d == batch_digest((x.clone(), [1, 2])) and 0 <= d < 1 << 62
+    assert d != batch_digest((x.reshape(4, 3), [1, 2]))
+    assert d != batch_digest((x.flip(0), [1, 2]))
+    assert d != batch_digest((x, [2, 1]))
+    big = torch.zeros(3 << 20)  # 12 MB: sampled, and a changed sampled element still shows
+    before = batch_digest(big)
+    big[0] = 1.0
+    assert batch_digest(big) != before
+
+
+def test_a_step_digest_covers_every_batch_the_step_drew():
+    b = Batches(Loader())
+    b.start_step()
+    assert b.digest is None
+    b.next()
+    one = b.digest
+    b.next()
+    assert b.digest not in (None, one)
+    b.start_step()
+    assert b.digest is None

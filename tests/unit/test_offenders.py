@@ -11,7 +11,7 @@ from fastft.errors import ConfigError
 from fastft.launch.offenders import Offenders, QuarantineRule
 from fastft.launch.policy import after_exit
 from fastft.protocol import EXIT_DRAINED
-from fastft.runtime.contract import EXIT_UNHEALTHY
+from fastft.protocol.exits import EXIT_UNHEALTHY
 from fastft.runtime.health import builtin_checks, first_failure
 from fastft.runtime.restart import SOFT_FLOOR_S, timeouts
 from fastft.runtime.state import StateRegistry

@@ -14,7 +14,7 @@ from fastft.launch.policy import (
     startup_failed,
 )
 from fastft.protocol import EXIT_DRAINED
-from fastft.runtime.contract import EXIT_FAULT_STORM
+from fastft.protocol.exits import EXIT_FAULT_STORM
 
 BASE = dict(
     rank=1,

@@ -7,8 +7,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fastft.protocol import EXIT_DRAINED
-from fastft.runtime.contract import EXIT_FAULT_STORM, EXIT_STATE_LOST, EXIT_UNHEALTHY
+from fastft.protocol.exits import (
+    EXIT_DATA_DIVERGED,
+    EXIT_DRAINED,
+    EXIT_FAULT_STORM,
+    EXIT_STATE_LOST,
+    EXIT_UNHEALTHY,
+)
 
 __all__ = [
     "COLD_RESTART_DELAY_S",
@@ -88,6 +93,13 @@ def after_exit(
             done=True,
             failed=f"rank {rank}: too many recoveries in a row without a committed step "
             "(a fault storm; the worker's message says which faults; --max-recoveries)",
+        )
+    if code == EXIT_DATA_DIVERGED:
+        return AfterExit(
+            done=True,
+            failed=f"rank {rank}: the members drew different batches from fastft.Batches "
+            "(the worker's message says at which step); training on would use the wrong "
+            "data: make the loader's order a function of its state",
         )
     if code == EXIT_STATE_LOST:
         return AfterExit(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fastft.errors import ProtocolError
+from fastft.protocol.exits import EXIT_DRAINED
 
 __all__ = [
     "WIRE_VERSION",
@@ -48,9 +49,6 @@ NO_RANK = -1
 """``rank`` of a sender that is not a training worker (agent, monitor, operator)."""
 NO_STEP = -1
 """``step`` when the sender does not know or have one."""
-EXIT_DRAINED = 88
-"""A worker's exit status after a drain: it committed its last step and every member
-acknowledged that it leaves. Its exit is no fault (:func:`fastft.protocol.fault_of`)."""
 
 _U32 = 2**32 - 1
 _I32 = 2**31 - 1

@@ -156,6 +156,7 @@ class Runtime(StepAttempts):
         self._gate_gen = 0
         self._retries = 0
         self._registered = False
+        self._batches: list[Batches] = []  # registered: checked equal over the members
         self._step_gen = 0
         self.health_checks: list[tuple[str, HealthCheck]] = []
         """The user's health checks (:meth:`add_health_check`)."""
@@ -233,6 +234,7 @@ class Runtime(StepAttempts):
         for name, obj in others.items():
             if isinstance(obj, Batches):
                 obj.guard = self.interrupter.atomic
+                self._batches.append(obj)
             elif type(obj).__name__ == "StatefulDataLoader":
                 log.warning(
                     "register(%s=StatefulDataLoader): register fastft.Batches(loader) and draw "

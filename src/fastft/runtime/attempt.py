@@ -10,11 +10,17 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
+import torch.distributed as dist
+
 from fastft.fsm import GradsReady, Phase, StepState
 from fastft.interrupt import Interrupter, StepInterrupted
+from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat
-from fastft.runtime.contract import EXIT_GROUP_FAULT, RuntimeConfig
+from fastft.protocol.exits import EXIT_GROUP_FAULT
+from fastft.runtime.contract import DataDiverged, RuntimeConfig
+from fastft.runtime.data import Batches, batch_digest
 from fastft.runtime.flow import hold_stage
 from fastft.runtime.state import StateRegistry, reseed
 from fastft.runtime.sync import outer_due, outer_step
@@ -44,6 +50,7 @@ class StepAttempts:
     rank: int
     _hb: Heartbeat
     _registered: bool
+    _batches: list[Batches]
     _retries: int
     _step_gen: int
     _gate_gen: int
@@ -77,6 +84,8 @@ class StepAttempts:
         x.kept.begin_attempt()
         reseed(self.config.seed, s.step, tx.rank)
         self.registry.begin_step()
+        for batches in self._batches:
+            batches.start_step()
         self._hb.beat()
         self.interrupter.begin_step(s.epoch, s.step)
         self._step_gen = x.phase_changes
@@ -98,6 +107,11 @@ class StepAttempts:
         if et is None and x.dp.heal_tail is not None:
             try:
                 x.finish_heal_tail()
+            except (StepInterrupted, Exception) as e:  # as if the step's body had raised it
+                et, ev = type(e), e
+        if et is None and self._batches and tx.world > 1:
+            try:
+                self._check_batches(tx)  # (raises DataDiverged: the job ends)
             except (StepInterrupted, Exception) as e:  # as if the step's body had raised it
                 et, ev = type(e), e
         self.interrupter.end_step()
@@ -139,6 +153,34 @@ class StepAttempts:
                 return False
             return True
         return False  # KeyboardInterrupt, SystemExit, ...
+
+    def _check_batches(self, tx: Transaction) -> None:
+        """Whether every member drew the same batches in this attempt: one allreduce (max)
+        of (digest, -digest) over the epoch, equal on every member, so that all of them
+        see a difference at once. No loader quirk may train silently on the wrong data
+        (:mod:`fastft.runtime.data`)."""
+        mine = batch_digest(tuple(-1 if b.digest is None else b.digest for b in self._batches))
+        both = torch.tensor([mine, -mine], dtype=torch.int64, device=self._x.dp.comm_device())
+        with self._hb.blocked:
+            interruptible_allreduce(
+                self._rt._require_pg(),
+                [both],
+                self.interrupter,
+                op=dist.ReduceOp.MAX,  # type: ignore[arg-type]
+            )
+        top, low = int(both[0]), -int(both[1])
+        if top == low:
+            return
+        why = (
+            f"the members of epoch {tx.epoch} drew different batches in step {tx.step} "
+            f"(batch digests from {low:#x} to {top:#x}; this member's {mine:#x}): the "
+            "data loader's order is not a function of its state on every member (a loader "
+            "restored differently, a shuffle seeded per process); the step is not committed "
+            "and the job stops rather than train on the wrong data"
+        )
+        self.events.emit("data_diverged", epoch=tx.epoch, step=tx.step, error=why)
+        log.critical("%s", why)
+        raise DataDiverged(why)
 
     def _begin_attempt(self) -> bool:
         """Wait for a step to attempt; run DiLoCo's outer step when it begins one, then

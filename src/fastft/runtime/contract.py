@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 from fastft.errors import ConfigError, FastFTError
 from fastft.process.env import WORKER_FIELD_TYPES, WorkerEnv
-from fastft.protocol.messages import EXIT_DRAINED
+from fastft.protocol.exits import (
+    EXIT_DATA_DIVERGED,
+    EXIT_DRAINED,
+    EXIT_FAULT_STORM,
+    EXIT_GROUP_FAULT,
+    EXIT_STATE_LOST,
+    EXIT_UNHEALTHY,
+)
 from fastft.runtime.checks import (
     CHECKPOINT_INTERVAL_S,
     check_checkpoints,
@@ -24,8 +31,12 @@ from fastft.runtime.checks import (
 )
 
 __all__ = [
+    "DataDiverged",
     "Drained",
+    "EXIT_DATA_DIVERGED",
     "EXIT_FAULT_STORM",
+    "EXIT_GROUP_FAULT",
+    "EXIT_STATE_LOST",
     "EXIT_UNHEALTHY",
     "FaultStorm",
     "REGROUP_TIMEOUT_S",
@@ -224,11 +235,6 @@ class RuntimeConfig:
         return cls(**kw)  # type: ignore[arg-type]
 
 
-EXIT_STATE_LOST = 86
-"""A worker's exit status when the job cannot go on: every holder of the committed state
-was lost and nothing can restore it. The agent fails the job instead of restarting."""
-
-
 class StateLost(SystemExit):
     """The job cannot go on (see :data:`EXIT_STATE_LOST`); its message says why and what
     to change. A SystemExit, so that a training loop's ``except Exception`` lets it end
@@ -255,11 +261,6 @@ class Drained(SystemExit):
         return f"drained: {self.why}"
 
 
-EXIT_FAULT_STORM = 89
-"""A worker's exit status when ``max_recoveries`` recoveries in a row ended without a
-committed step: the job stops (the agent fails it) instead of looping."""
-
-
 class FaultStorm(SystemExit):
     """Too many recoveries without a commit (see :data:`EXIT_FAULT_STORM`)."""
 
@@ -271,10 +272,15 @@ class FaultStorm(SystemExit):
         return self.why
 
 
-EXIT_UNHEALTHY = 90
-"""A worker's exit status when it failed a health check before it joined or rejoined
-(:mod:`fastft.runtime.health`): it is not admitted. The agent gives its slot to a warm
-spare, or lets the world shrink (elastic), or stops the job with the reason."""
+class DataDiverged(SystemExit):
+    """The members of a step drew different batches (see :data:`EXIT_DATA_DIVERGED`)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(EXIT_DATA_DIVERGED)
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
 
 
 class Unhealthy(SystemExit):
@@ -286,11 +292,6 @@ class Unhealthy(SystemExit):
 
     def __str__(self) -> str:
         return f"health check failed: {self.why}"
-
-
-EXIT_GROUP_FAULT = 87
-"""A member of a shard group raised inside its step and ended: the agent restarts its
-group (:mod:`fastft.runtime.hsdp`)."""
 
 
 def choose_backend(

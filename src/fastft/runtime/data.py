@@ -23,17 +23,32 @@ asked for right after it yielded a batch (a ``StatefulDataLoader`` with workers,
 right after ``load_state_dict``, could report a position one batch behind: a healed
 member then trained one batch behind its peers, which an allreduce of gradients hides).
 A heal or a checkpoint restore loads the loader's state for real.
+
+Each pass's order is a function of the pass alone. A loader's shuffle draws from its
+generator, whose state at a pass's start depends on the loader's history: a torchdata
+``StatefulDataLoader`` with ``num_workers=0`` restored from any state reshuffles its next
+pass differently from one never restored, so members whose loaders were restored at
+different steps (a heal, a restore, the start) drew different global batches from the
+second pass on. ``Batches`` therefore seeds the loader's generators (the loader's and its
+sampler's) from their seed at construction and the pass number before every pass it
+starts; the seeds are part of its state, so a member whose state came from a peer's
+shuffles as that peer does. A loader of one's own with other randomness must make its order a function of
+its state; the batch check (:func:`batch_digest`, compared over the members every step)
+fails the job if members still draw different batches.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
-__all__ = ["Batches"]
+import torch
+
+__all__ = ["Batches", "batch_digest"]
 
 KEEP = 256
 """The most batches kept for a rollback (those drawn since the next-to-last state taken);
@@ -46,6 +61,65 @@ class _Loader(Protocol):
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> Any: ...
+
+
+def _generators(loader: Any) -> list[torch.Generator]:
+    """The generators a loader's order draws from: its own and its sampler's (each once)."""
+    out: list[torch.Generator] = []
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for owner in (
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(batch_sampler, "sampler", None),
+    ):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not h for h in out):
+            out.append(g)
+    return out
+
+
+def _pass_seed(seed: int, epoch: int) -> int:
+    """The seed of pass ``epoch`` of a generator first seeded ``seed`` (a 63-bit mix: nearby
+    seeds and passes give unrelated orders)."""
+    h = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1
+
+
+_DIGEST_WHOLE = 1 << 22
+"""A tensor of up to this many bytes is digested whole; a larger one by a strided sample
+of about as many bytes (its shape and dtype always), so a batch of images costs no more
+than a batch of token ids."""
+
+
+def batch_digest(batch: Any) -> int:
+    """A 62-bit digest of a batch (tensors, numbers, strings and their lists, tuples and
+    dicts), the same on every member that drew the same batch."""
+    h = hashlib.blake2b(digest_size=8)
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            flat = t.reshape(-1)
+            if flat.numel() * flat.element_size() > _DIGEST_WHOLE:
+                flat = flat[:: -(-flat.numel() * flat.element_size() // _DIGEST_WHOLE)]
+            h.update(flat.contiguous().view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, dict):
+            h.update(b"D")
+            for k in sorted(obj, key=repr):
+                h.update(repr(k).encode())
+                visit(obj[k])
+        elif isinstance(obj, list | tuple):
+            h.update(b"L%d" % len(obj))
+            for o in obj:
+                visit(o)
+        else:
+            h.update(repr(obj).encode())
+
+    visit(batch)
+    return int.from_bytes(h.digest(), "little") >> 2
 
 
 class Batches:
@@ -61,6 +135,13 @@ class Batches:
                 )
         self.loader = loader
         self.epoch = 0
+        self._gens = _generators(loader)
+        self._seeds = [g.initial_seed() for g in self._gens]
+        self._resume = False  # the loader's next iterator resumes a loaded pass: no reseed
+        self._seed_pass()  # before any state is taken: a state of pass 0 names its order
+        self.digest: int | None = None
+        """Of the batches drawn since :meth:`start_step` (None: none drawn), which the
+        runtime compares over the members before the vote."""
         self.guard: Callable[[], AbstractContextManager[Any]] = nullcontext
         """Set by ``ft.register``: the runtime's section that an interrupt may not tear
         (a peer's fault, raised in the main thread inside the loader's ``__next__``, left
@@ -85,11 +166,20 @@ class Batches:
                 batch, pos = self._draw(), self._pos
             self._drawn.append((pos, self.epoch, batch))
             self._pos, self._state = pos + 1, None
+            d = batch_digest(batch)
+            self.digest = d if self.digest is None else batch_digest((self.digest, d))
         return batch
+
+    def start_step(self) -> None:
+        """A step attempt starts: its digest covers the batches it draws."""
+        self.digest = None
 
     def _draw(self) -> Any:
         for _ in range(2):
             if self._it is None:
+                if not self._resume:
+                    self._seed_pass()
+                self._resume = False
                 self._it = iter(self.loader)
             try:
                 return next(self._it)
@@ -97,6 +187,10 @@ class Batches:
                 self._it = None
                 self.epoch += 1
         raise RuntimeError(f"{type(self.loader).__name__} yields no batch at all")
+
+    def _seed_pass(self) -> None:
+        for g, seed in zip(self._gens, self._seeds, strict=True):
+            g.manual_seed(_pass_seed(seed, self.epoch))
 
     def __iter__(self) -> Iterator[Any]:
         while True:
@@ -110,6 +204,7 @@ class Batches:
                 "line": self._line,
                 "pos": self._pos,
                 "epoch": self.epoch,
+                "seeds": list(self._seeds),
                 "loader": self.loader.state_dict(),
             }
         if not self._marks or self._marks[-1] != self._pos:
@@ -129,7 +224,11 @@ class Batches:
         self._again.clear()
         self._line, self._pos = state.get("line", self._line), max(pos, 0)
         self.epoch = int(state["epoch"])
+        seeds = state.get("seeds")
+        if seeds is not None and len(seeds) == len(self._gens):  # the passes after this one
+            self._seeds = [int(x) for x in seeds]
         self.loader.load_state_dict(state["loader"])
+        self._resume = True
         self._state = state  # not asked of the loader before it yields again
 
     def _rewind(self, pos: int, state: dict[str, Any]) -> bool:
@@ -154,6 +253,7 @@ class Batches:
         self._it = None
         self._shut_down()
         self.loader.load_state_dict(base["loader"])
+        self._resume = True
         self.epoch = int(base["epoch"])
         for _ in range(served):
             self._draw()
