@@ -19,6 +19,7 @@ from _runs import STEPS, check_s1_s3, fastft_run, finals
 
 from fastft.protocol import EXIT_DRAINED
 from fastft.protocol.auth import JobSecret
+from fastft.protocol.exits import JOB_PREEMPTED
 from fastft.runtime import read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -132,7 +133,9 @@ def test_fastft_drain_of_rank_0_on_the_bus(tmp_path, clean):
     assert rollbacks(run) == []
 
 
-def test_a_sigterm_to_the_agent_drains_every_rank_exits_0_and_the_job_resumes(tmp_path, clean):
+def test_a_sigterm_to_the_agent_drains_every_rank_exits_143_and_the_job_resumes(tmp_path, clean):
+    """A preempted job is no finished job: a batch scheduler reads 0 as done. It exits
+    JOB_PREEMPTED (143, as a shell reports a SIGTERM) and says how to resume."""
     run, ck = tmp_path / "preempt", tmp_path / "ck"
     flags = ("--checkpoint-dir", str(ck), "--checkpoint-every", "1000")  # (none by schedule)
     p = _start(run, *flags)
@@ -140,7 +143,10 @@ def test_a_sigterm_to_the_agent_drains_every_rank_exits_0_and_the_job_resumes(tm
         _wait_commit(run, 8, p)
         p.send_signal(signal.SIGTERM)  # the agent: a preemption notice for the whole job
     finally:
-        assert _finish(p, run) == 0, (run / "launcher.log").read_text()[-3000:]
+        rc = _finish(p, run)
+    log = (run / "launcher.log").read_text()
+    assert rc == JOB_PREEMPTED, log[-3000:]
+    assert "job preempted (SIGTERM)" in log and f"restores the newest checkpoint in {ck}" in log
     assert [r for r, _ in drained(run)] == [0, 1, 2]
     ev = read_events(run)
     assert rollbacks(run) == []
@@ -251,7 +257,8 @@ def test_workers_waiting_to_join_leave_at_once_when_drained(tmp_path):
                 raise AssertionError("the workers never waited to join")
             p.send_signal(signal.SIGTERM)
         finally:
-            assert _finish(p, run) == 0, (run / "launcher.log").read_text()[-3000:]
+            rc = _finish(p, run)
+            assert rc == JOB_PREEMPTED, (run / "launcher.log").read_text()[-3000:]
     finally:
         store.terminate()
         store.wait(30)

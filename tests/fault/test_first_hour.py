@@ -48,6 +48,7 @@ def test_ctrl_c_stops_the_job_without_tracebacks_and_report_counts_no_fault(tmp_
             p.wait()
     assert p.returncode == 128 + signal.SIGINT, err[-3000:]
     assert "Traceback" not in out + err, (out + err)[-3000:]
+    assert "fastft: job stopped (Ctrl-C)" in err, err[-3000:]  # (not silent)
     rep = subprocess.run(
         [sys.executable, "-m", "fastft.cli", "report", str(run), "--json"],
         capture_output=True,

@@ -44,6 +44,7 @@ from fastft.protocol import (
     Message,
     Role,
 )
+from fastft.protocol.exits import JOB_INTERRUPTED, JOB_PREEMPTED
 
 __all__ = ["Agent", "LaunchConfig"]
 
@@ -102,6 +103,7 @@ class Agent:
         self.draining: float | None = None
         """When the agent drains its workers (a SIGTERM, ``fastft drain --node``): the
         deadline after which it stops them (``--drain-grace``)."""
+        self._drain_why: str | None = None
         self._drain_sent: set[int] = set()
         """Lives told to drain."""
         self._failed: str | None = None
@@ -193,8 +195,22 @@ class Agent:
 
     def _finish(self) -> int:
         self.children.output.flush(timeout_s=2.0)  # (the workers' last lines first)
+        finished = any(s.proc is not None and s.proc.returncode == 0 for s in self.slots.values())
         if self._stopping is not None:
-            return 128 + self._stopping
+            what = "Ctrl-C" if self._stopping == signal.SIGINT else f"signal {self._stopping}"
+            print(
+                f"fastft: job stopped ({what}); {self._resume_hint()}", file=sys.stderr, flush=True
+            )
+            return JOB_INTERRUPTED if self._stopping == signal.SIGINT else 128 + self._stopping
+        if self._drain_why == "SIGTERM" and not finished and not self._failed:
+            print(
+                "fastft: job preempted (SIGTERM): every worker drained after its last commit; "
+                f"{self._resume_hint()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.nodes.finish(None, timeout_s=DONE_WAIT_S)
+            return JOB_PREEMPTED
         if self._failed:
             print(f"fastft: job failed: {self._failed}", file=sys.stderr, flush=True)
             self.nodes.finish(self._failed, timeout_s=FAILED_WAIT_S)
@@ -202,6 +218,18 @@ class Agent:
         # Node 0 hosts the store: it waits until every other node's agent is done or lost.
         self.nodes.finish(None, timeout_s=DONE_WAIT_S)
         return 0
+
+    def _resume_hint(self) -> str:
+        ckpt = self.config.checkpoint_dir
+        if ckpt:
+            return (
+                "resumable: run the same command again and it restores the newest "
+                f"checkpoint in {ckpt}"
+            )
+        return (
+            "the trained state is not kept without --checkpoint-dir: the same command "
+            "starts again at step 0"
+        )
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if signum == signal.SIGTERM and self.draining is None and self._stopping is None:
@@ -213,9 +241,11 @@ class Agent:
 
     def _drain(self, why: str) -> None:
         """Drain every worker of this node: each leaves after its next commit (nothing
-        is rolled back), none is restarted, and the agent exits 0 once they have left;
+        is rolled back), none is restarted, and the agent exits once they have left (0;
+        :data:`JOB_PREEMPTED` after a SIGTERM, with a line that says how to resume);
         after ``--drain-grace`` seconds it stops those still there."""
         self.draining = time.monotonic() + self.config.drain_grace_s
+        self._drain_why = why
         self.events.emit("drain", why=why, grace_s=self.config.drain_grace_s)
         self._wake.set()
 
