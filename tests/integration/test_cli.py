@@ -64,6 +64,8 @@ def free_port():
         ["run", "--health-host-mb", "-5", "-m", "fastft.demo.train"],
         ["frobnicate"],
         ["run", "--nproc", "2", "-m", "fastft.demo.no_such_module"],
+        ["run", "--checkpoint-dir", "/proc/fastft-ckpt", "-m", "fastft.demo.train"],
+        ["run", "--checkpoint-dir", "/dev/null/ckpt", "-m", "fastft.demo.train"],
     ],
 )
 def test_bad_flags_and_unreachable_stores_give_one_line_and_exit_2(args, secret):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fastft.launch.policy import (
     COLD_RESTART_DELAY_S,
     HANG_FLOOR_S,
@@ -14,7 +16,7 @@ from fastft.launch.policy import (
     startup_failed,
 )
 from fastft.protocol import EXIT_DRAINED
-from fastft.protocol.exits import EXIT_FAULT_STORM
+from fastft.protocol.exits import EXIT_CHECKPOINTS_FAIL, EXIT_DATA_DIVERGED, EXIT_FAULT_STORM
 
 BASE = dict(
     rank=1,
@@ -110,6 +112,19 @@ def test_a_script_that_cannot_start_fails_the_job_after_one_round():
 def test_a_fault_storm_fails_the_job_with_the_reason():
     out = after_exit(code=EXIT_FAULT_STORM, sig=None, **BASE)
     assert out.done and out.failed and "fault storm" in out.failed
+
+
+@pytest.mark.parametrize(
+    ("code", "why"),
+    [
+        (EXIT_DATA_DIVERGED, "different batches"),
+        (EXIT_CHECKPOINTS_FAIL, "checkpoints keep failing"),
+    ],
+)
+def test_a_job_that_cannot_go_on_right_fails_with_the_reason_and_no_restart(code, why):
+    for elastic in (False, True):
+        out = after_exit(code=code, sig=None, **{**BASE, "elastic": elastic})
+        assert out.done and not out.restart and out.failed and why in out.failed
 
 
 def test_an_elastic_world_below_its_floor_for_good_is_a_failure():

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from fastft.cli import _fail
 
@@ -64,10 +65,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 f"module {args.module!r} not found (from {os.getcwd()}, on this Python's "
                 "path): check its name, or run from the directory that holds it"
             )
+        if cfg.checkpoint_dir:
+            _fail_unless_writable(cfg.checkpoint_dir)
         agent = Agent(cfg)
     except FastFTError as e:
         _fail(str(e))
     return agent.run()
+
+
+def _fail_unless_writable(directory: str) -> None:
+    """``--checkpoint-dir`` must take a checkpoint: created if missing, and a file written
+    and removed there now, not at the first checkpoint (a read-only mount trained to the
+    end with no checkpoint at all)."""
+    probe = Path(directory) / f".fastft-probe-{os.getpid()}"
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"fastft")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        _fail(
+            f"--checkpoint-dir {directory}: cannot write there ({e.strerror or e}): give a "
+            "directory this user can create and write (a shared file system for several nodes)"
+        )
 
 
 def _cmd_report_run(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastft.protocol.exits import (
+    EXIT_CHECKPOINTS_FAIL,
     EXIT_DATA_DIVERGED,
     EXIT_DRAINED,
     EXIT_FAULT_STORM,
@@ -100,6 +101,12 @@ def after_exit(
             failed=f"rank {rank}: the members drew different batches from fastft.Batches "
             "(the worker's message says at which step); training on would use the wrong "
             "data: make the loader's order a function of its state",
+        )
+    if code == EXIT_CHECKPOINTS_FAIL:
+        return AfterExit(
+            done=True,
+            failed=f"rank {rank}: checkpoints keep failing to be written (the worker's "
+            "message says why); fix --checkpoint-dir and run again",
         )
     if code == EXIT_STATE_LOST:
         return AfterExit(

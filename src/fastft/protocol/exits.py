@@ -10,6 +10,8 @@ tells a batch scheduler what happened: 0 finished, 1 failed (the last line says 
 from __future__ import annotations
 
 __all__ = [
+    "CHECKPOINT_FAILURES",
+    "EXIT_CHECKPOINTS_FAIL",
     "EXIT_DATA_DIVERGED",
     "EXIT_DRAINED",
     "EXIT_FAULT_STORM",
@@ -46,6 +48,13 @@ EXIT_DATA_DIVERGED = 91
 """A worker's exit status when the members of a step drew different batches from their
 ``fastft.Batches`` (the batch check before the vote): the step is not committed and the
 job fails, since training on would silently use the wrong data."""
+
+EXIT_CHECKPOINTS_FAIL = 92
+"""A worker's exit status when :data:`CHECKPOINT_FAILURES` checkpoints in a row failed to
+be written: the job fails rather than train on with no durable tier."""
+
+CHECKPOINT_FAILURES = 3
+"""Checkpoints that fail in a row before the job fails (``EXIT_CHECKPOINTS_FAIL``)."""
 
 JOB_FAILED = 1
 """``fastft run``'s status when the job failed; its last line says why."""

@@ -8,15 +8,20 @@ the same state (S3). The executor's part for it, as
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
+from fastft.protocol.exits import CHECKPOINT_FAILURES
+from fastft.runtime.contract import CheckpointsFail
 from fastft.runtime.durable import due
 
 if TYPE_CHECKING:
     from fastft.runtime.executor import Executor
 
 __all__ = ["CommitCheckpoints"]
+
+log = logging.getLogger(__name__)
 
 
 class CommitCheckpoints:
@@ -39,6 +44,16 @@ class CommitCheckpoints:
         d, view, cfg = x.durable, x.view, x.config
         if d is None or view is None or view.members[0] != x.me:
             return
+        if len(d.failing) >= CHECKPOINT_FAILURES:
+            why = (
+                f"the last {len(d.failing)} checkpoints in --checkpoint-dir {d.root} failed "
+                f"({'; '.join(d.failing[-CHECKPOINT_FAILURES:])}): the job stops rather than "
+                "train on with nothing to restore; free space or fix the directory, then "
+                "run again (it resumes from the newest checkpoint written)"
+            )
+            x.events.emit("checkpoints_fail", step=step, error=why)
+            log.critical("%s", why)
+            raise CheckpointsFail(why)
         d.prepare()  # the writer process, started before the first checkpoint is due
         if force and d.busy:
             d.wait()  # (the job ends after this one: it must be written)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fastft.errors import ConfigError, FastFTError
 from fastft.process.env import WORKER_FIELD_TYPES, WorkerEnv
 from fastft.protocol.exits import (
+    EXIT_CHECKPOINTS_FAIL,
     EXIT_DATA_DIVERGED,
     EXIT_DRAINED,
     EXIT_FAULT_STORM,
@@ -31,6 +32,7 @@ from fastft.runtime.checks import (
 )
 
 __all__ = [
+    "CheckpointsFail",
     "DataDiverged",
     "Drained",
     "EXIT_DATA_DIVERGED",
@@ -266,6 +268,17 @@ class FaultStorm(SystemExit):
 
     def __init__(self, why: str) -> None:
         super().__init__(EXIT_FAULT_STORM)
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
+
+
+class CheckpointsFail(SystemExit):
+    """Checkpoints keep failing to be written (see :data:`EXIT_CHECKPOINTS_FAIL`)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(EXIT_CHECKPOINTS_FAIL)
         self.why = why
 
     def __str__(self) -> str:

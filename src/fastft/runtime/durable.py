@@ -112,6 +112,8 @@ class Checkpoints:
         self.last_step = -1
         self.last_time = time.monotonic()
         self.written = 0
+        self.failing: list[str] = []
+        """The errors of the checkpoints that failed since the last one written."""
         self.deferred = False
         """A checkpoint fell due while a write ran: the next commit after it takes it."""
         self._thread: threading.Thread | None = None
@@ -233,8 +235,10 @@ class Checkpoints:
         if not a["ok"]:
             log.warning("checkpoint of step %d failed: %s", step, a["error"])
             self.events.emit("checkpoint_failed", step=step, error=a["error"])
+            self.failing.append(f"step {step}: {a['error']}")
             return
         self.written += 1
+        self.failing = []
         self.events.emit(
             "checkpoint",
             step=step,

@@ -1,0 +1,47 @@
+"""What a new user's script hit that failed in silence (issue 40): checkpoints that keep
+failing end the job with the reason instead of training on with nothing to restore."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fastft.runtime import read_events
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _events(run: Path) -> list[dict]:
+    return read_events(run) if (run / "events.jsonl").exists() else []
+
+
+def test_checkpoints_that_keep_failing_fail_the_job_with_the_reason(tmp_path: Path):
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2", "--run-dir", str(run)]
+    cmd += ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
+    cmd += ["-m", "fastft.demo.train", "--", "--steps", "100000", "--step-time", "0.02"]
+    with open(tmp_path / "launcher.log", "w") as out:
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 90
+            while not any(e["event"] == "checkpoint" for e in _events(run)):
+                assert p.poll() is None and time.monotonic() < deadline, "no first checkpoint"
+                time.sleep(0.1)
+            shutil.rmtree(ckpt)
+            ckpt.write_text("the directory is gone: a file in its place")
+            rc = p.wait(timeout=90)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    log = (tmp_path / "launcher.log").read_text()
+    assert rc == 1, log[-3000:]
+    assert "checkpoints in --checkpoint-dir" in log and "failed" in log, log[-3000:]
+    assert "job failed: rank 0: checkpoints keep failing" in log, log[-3000:]
+    failed = [e for e in read_events(run) if e["event"] == "checkpoint_failed"]
+    assert len(failed) >= 3
