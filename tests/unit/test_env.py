@@ -108,3 +108,23 @@ def test_a_malformed_flag_variable_fails_at_start():
 def test_every_launch_field_but_the_command_and_env_is_a_flag():
     names = {f.name for f in dataclasses.fields(LaunchConfig)} - {"command", "env"}
     assert len(flag_variables()) == len(names)
+
+
+def test_the_agent_sets_omp_threads_as_torchrun_does_and_counts_threads():
+    from fastft.launch.agent import cpu_warnings
+
+    cfg = LaunchConfig(command=("x.py",), nproc=2)
+    environ: dict[str, str] = {}
+    lines = cpu_warnings(cfg, environ, cores=2)
+    assert environ["OMP_NUM_THREADS"] == "1" and "OMP_NUM_THREADS=1" in lines[0]
+    assert len(lines) == 1  # 2 workers x 1 thread on 2 cores: no competition
+    environ = {}
+    assert cpu_warnings(LaunchConfig(command=("x.py",), nproc=2), environ, cores=16)
+    assert environ["OMP_NUM_THREADS"] == "8"
+    environ = {"OMP_NUM_THREADS": "4"}  # the user's own: kept, and its threads counted
+    lines = cpu_warnings(cfg, environ, cores=2)
+    assert environ["OMP_NUM_THREADS"] == "4"
+    assert len(lines) == 1 and "2 worker and spare processes x 4 thread(s)" in lines[0]
+    environ = {}  # one worker: torch's own default
+    assert cpu_warnings(LaunchConfig(command=("x.py",), nproc=1), environ, cores=2) == []
+    assert "OMP_NUM_THREADS" not in environ

@@ -46,7 +46,7 @@ from fastft.protocol import (
 )
 from fastft.protocol.exits import JOB_INTERRUPTED, JOB_PREEMPTED
 
-__all__ = ["Agent", "LaunchConfig"]
+__all__ = ["Agent", "LaunchConfig", "cpu_warnings"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,34 @@ DONE_WAIT_S = 60.0
 """How long the store's node waits, at the job's end, for the other agents to finish."""
 FAILED_WAIT_S = 10.0
 """... and after a failure, for the others to hear of it (each within a lease round)."""
+
+
+def cpu_warnings(cfg: LaunchConfig, environ: dict[str, str] | Any, cores: int) -> list[str]:
+    """Set each worker's CPU threads as torchrun does, and say what competes for the cores.
+
+    Without ``OMP_NUM_THREADS`` (in ``environ`` or ``--env``), every worker's torch starts
+    one thread per core: ``nproc`` workers then compete for every core (a step 3.2x slower
+    with 2 workers on 2 cores). The agent sets it in ``environ`` (its own environment,
+    which workers and spares inherit) to the cores over the workers, at least 1, and says
+    so; then warns if the workers' and spares' threads still outnumber the cores."""
+    out: list[str] = []
+    procs = cfg.nproc + cfg.warm_spares
+    threads = cfg.env.get("OMP_NUM_THREADS") or environ.get("OMP_NUM_THREADS")
+    if threads is None and cfg.nproc > 1:
+        threads = str(max(1, cores // cfg.nproc))
+        environ["OMP_NUM_THREADS"] = threads
+        out.append(
+            f"OMP_NUM_THREADS={threads} for each of the {cfg.nproc} workers ({cores} CPU "
+            "cores); set it yourself to tune it"
+        )
+    per = int(threads) if threads and threads.isdigit() and int(threads) > 0 else 1
+    if procs * per > cores:
+        out.append(
+            f"WARNING: {procs} worker and spare processes x {per} thread(s) on {cores} CPU "
+            "core(s): they will compete for the cores (steps slow down, timeouts fire "
+            "sooner); lower --nproc, --warm-spares or OMP_NUM_THREADS"
+        )
+    return out
 
 
 class Agent:
@@ -142,16 +170,8 @@ class Agent:
                 file=sys.stderr,
                 flush=True,
             )
-        cores = len(os.sched_getaffinity(0))
-        busy = cfg.nproc + cfg.warm_spares
-        if busy > cores:
-            print(
-                f"fastft: WARNING: {busy} worker and spare processes on {cores} CPU core(s): "
-                "they will compete for the cores (steps slow down, timeouts fire sooner); "
-                "lower --nproc or --warm-spares",
-                file=sys.stderr,
-                flush=True,
-            )
+        for line in cpu_warnings(cfg, os.environ, len(os.sched_getaffinity(0))):
+            print(f"fastft: {line}", file=sys.stderr, flush=True)
         where = f"store {self.bound} (listening)" if self.bound else f"store {self.store_addr}"
         print(
             f"fastft: job {cfg.job}, {where}, run dir {self.run_dir}, secret {self.secret_file}",
