@@ -1,5 +1,7 @@
-"""What a new user's script hit that failed in silence (issue 40): checkpoints that keep
-failing end the job with the reason instead of training on with nothing to restore."""
+"""What a new user's script hit that failed in silence or slowly (issue 40): checkpoints
+that keep failing end the job with the reason instead of training on with nothing to
+restore; a collective on torch's default process group fails the job at once with what to
+use instead (it was retried in the step, then restarted: 78 s)."""
 
 from __future__ import annotations
 
@@ -45,3 +47,31 @@ def test_checkpoints_that_keep_failing_fail_the_job_with_the_reason(tmp_path: Pa
     assert "job failed: rank 0: checkpoints keep failing" in log, log[-3000:]
     failed = [e for e in read_events(run) if e["event"] == "checkpoint_failed"]
     assert len(failed) >= 3
+
+
+ALLREDUCE_SCRIPT = """
+import torch, torch.distributed as dist, fastft
+ft = fastft.init()
+model = torch.nn.Linear(4, 1)
+ft.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+while ft.step < 5:
+    with ft.transaction() as tx:
+        model(torch.ones(2, 4)).sum().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+ft.close()
+"""
+
+
+def test_a_collective_on_the_default_group_fails_the_job_at_once_with_what_to_use(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(ALLREDUCE_SCRIPT)
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2"]
+    cmd += ["--run-dir", str(tmp_path / "run"), str(script)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "use tx.allreduce_gradients() or tx.allreduce([tensors])" in p.stderr, p.stderr[-3000:]
+    assert "the script uses fastft in a way that cannot work" in p.stderr
+    ev = read_events(tmp_path / "run")
+    assert not [e for e in ev if e["event"] == "restart"], "a restart cannot help"
+    assert [e for e in ev if e["event"] == "script_error"]  # (not retried first)

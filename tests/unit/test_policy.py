@@ -16,7 +16,11 @@ from fastft.launch.policy import (
     startup_failed,
 )
 from fastft.protocol import EXIT_DRAINED
-from fastft.protocol.exits import EXIT_CHECKPOINTS_FAIL, EXIT_DATA_DIVERGED, EXIT_FAULT_STORM
+from fastft.protocol.exits import (
+    EXIT_CHECKPOINTS_FAIL,
+    EXIT_DATA_DIVERGED,
+    EXIT_FAULT_STORM,
+)
 
 BASE = dict(
     rank=1,

@@ -12,6 +12,7 @@ from fastft.protocol.exits import (
     EXIT_DATA_DIVERGED,
     EXIT_DRAINED,
     EXIT_FAULT_STORM,
+    EXIT_SCRIPT_ERROR,
     EXIT_STATE_LOST,
     EXIT_UNHEALTHY,
 )
@@ -101,6 +102,12 @@ def after_exit(
             failed=f"rank {rank}: the members drew different batches from fastft.Batches "
             "(the worker's message says at which step); training on would use the wrong "
             "data: make the loader's order a function of its state",
+        )
+    if code == EXIT_SCRIPT_ERROR:
+        return AfterExit(
+            done=True,
+            failed=f"rank {rank}: the script uses fastft in a way that cannot work (the "
+            "worker's message says what to change); a restart would fail the same way",
         )
     if code == EXIT_CHECKPOINTS_FAIL:
         return AfterExit(

@@ -16,6 +16,7 @@ __all__ = [
     "EXIT_DRAINED",
     "EXIT_FAULT_STORM",
     "EXIT_GROUP_FAULT",
+    "EXIT_SCRIPT_ERROR",
     "EXIT_STATE_LOST",
     "EXIT_UNHEALTHY",
     "JOB_FAILED",
@@ -52,6 +53,11 @@ job fails, since training on would silently use the wrong data."""
 EXIT_CHECKPOINTS_FAIL = 92
 """A worker's exit status when :data:`CHECKPOINT_FAILURES` checkpoints in a row failed to
 be written: the job fails rather than train on with no durable tier."""
+
+EXIT_SCRIPT_ERROR = 93
+"""A worker's exit status when its script uses fastft in a way that cannot work (a
+collective on torch's default process group, which fastft does not create): its message
+says what to change, and the job fails at once, since a restart would fail the same way."""
 
 CHECKPOINT_FAILURES = 3
 """Checkpoints that fail in a row before the job fails (``EXIT_CHECKPOINTS_FAIL``)."""

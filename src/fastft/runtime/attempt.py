@@ -19,7 +19,7 @@ from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat
 from fastft.protocol.exits import EXIT_GROUP_FAULT
-from fastft.runtime.contract import DataDiverged, RuntimeConfig
+from fastft.runtime.contract import DataDiverged, RuntimeConfig, ScriptError, misuse
 from fastft.runtime.data import Batches, batch_digest
 from fastft.runtime.flow import hold_stage
 from fastft.runtime.state import StateRegistry, reseed
@@ -140,6 +140,11 @@ class StepAttempts:
                 source_rank=ev.source_rank,
             )
             return True
+        why = misuse(ev) if isinstance(ev, Exception) else None
+        if why is not None:  # no retry or restart can help: the job fails at once
+            self.events.emit("script_error", step=step, error=why)
+            log.critical("%s", why)
+            raise ScriptError(why) from ev
         if isinstance(ev, Exception) and self.sharded:
             if x.phase_changes == self._step_gen:  # (else a consequence of a known fault)
                 self._group_fault(ev)

@@ -20,6 +20,7 @@ from fastft.protocol.exits import (
     EXIT_DRAINED,
     EXIT_FAULT_STORM,
     EXIT_GROUP_FAULT,
+    EXIT_SCRIPT_ERROR,
     EXIT_STATE_LOST,
     EXIT_UNHEALTHY,
 )
@@ -33,6 +34,8 @@ from fastft.runtime.checks import (
 
 __all__ = [
     "CheckpointsFail",
+    "ScriptError",
+    "misuse",
     "DataDiverged",
     "Drained",
     "EXIT_DATA_DIVERGED",
@@ -283,6 +286,31 @@ class CheckpointsFail(SystemExit):
 
     def __str__(self) -> str:
         return self.why
+
+
+class ScriptError(SystemExit):
+    """The script uses fastft in a way that cannot work (see :data:`EXIT_SCRIPT_ERROR`)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(EXIT_SCRIPT_ERROR)
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
+
+
+def misuse(e: BaseException) -> str | None:
+    """What a script did wrong, if ``e`` says so, and how to fix it; None for any other
+    error (a fault of the step, retried)."""
+    if "Default process group has not been initialized" in str(e):
+        return (
+            "the script called a torch.distributed collective on the default process group "
+            "(dist.all_reduce, dist.barrier, DDP, ...), which fastft does not create: its "
+            "members change with every fault. In a step use tx.allreduce_gradients() or "
+            "tx.allreduce([tensors]); for a reduction between steps (an evaluation), run it "
+            "in a transaction of its own"
+        )
+    return None
 
 
 class DataDiverged(SystemExit):

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastft.errors import FastFTError
 from fastft.fsm import Phase
 from fastft.inject import StateLost
-from fastft.runtime.contract import WorkerExit
+from fastft.runtime.contract import ScriptError, WorkerExit, misuse
 from fastft.runtime.health import admit_or_leave
 
 if TYPE_CHECKING:
@@ -125,6 +125,10 @@ class Restartable:
                 except WorkerExit:
                     raise  # the runtime is ending this worker
                 except Exception as e:  # noqa: BLE001 - what escaped the transactions
+                    why = misuse(e)
+                    if why is not None:  # a restart would fail the same way
+                        log.critical("%s", why)
+                        raise ScriptError(why) from e
                     rt.interrupter.raise_in_main(None)
                     self._restart(e)
         finally:
