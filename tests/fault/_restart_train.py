@@ -4,6 +4,8 @@ under ``ft.run`` with every hook, and faults between steps (issue 23).
 ``--raise-at S,...``: after committing step S, rank ``--rank`` corrupts its model (NaN)
 and raises outside any transaction, once per step number in this process;
 ``--raise-every N``: ... after every N-th commit instead, in lives ``--lives``;
+``--rank -1``: every rank; ``--no-damage``: raise without corrupting the model (an
+evaluation that failed);
 ``--hang-at S``: rank ``--rank`` stops making progress after step S, in Python (a soft
 timeout interrupts it) or with the interrupter's signal blocked (``--uninterruptible``:
 only the hard timeout ends it); ``--unhealthy life:L|spare``: a health check fails in
@@ -43,12 +45,13 @@ def main() -> None:
     ap.add_argument("--soft", type=float, default=None)
     ap.add_argument("--hard", type=float, default=None)
     ap.add_argument("--step-time", type=float, default=0.0)
+    ap.add_argument("--no-damage", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)
     life = int(os.environ.get("FASTFT_LIFE", "0"))
     model = build(64, 0, 2)
     ft = fastft.init()
-    mine = ft.rank == a.rank
+    mine = a.rank in (ft.rank, -1)
     if a.unhealthy == "spare":
         ft.add_health_check(lambda: "a bad spare (test)" if was_spare() else None, "spare")
     elif a.unhealthy.startswith("life:"):
@@ -78,8 +81,9 @@ def main() -> None:
             )
             if due:
                 raise_at.discard(s)
-                with torch.no_grad():
-                    next(model.parameters()).fill_(float("nan"))  # damaged: it must heal
+                if not a.no_damage:
+                    with torch.no_grad():
+                        next(model.parameters()).fill_(float("nan"))  # damaged: it must heal
                 raise RuntimeError(f"an evaluation failed after step {s} (test)")
             if s == a.hang_at:
                 a.hang_at = -1

@@ -68,6 +68,24 @@ def test_an_exception_between_steps_restarts_the_loop_in_process_and_heals(tmp_p
     assert [e["exit_code"] for e in events(run, "worker_exit")] == [0, 0, 0]
 
 
+def test_an_evaluation_that_raises_on_every_rank_restarts_each_in_process(tmp_path, clean):
+    """Every rank raises after the same commit (an evaluation that fails everywhere): each
+    state is suspect, none lost. They were each declared lost, so nobody held the state
+    and the job failed ("every holder of the committed state was lost"); now the lowest
+    suspect serves, the others heal from it, and the job ends as the clean run."""
+    run, _, _ = run_job(tmp_path, "eval", train=("--rank", "-1", "--raise-at", "9", "--no-damage"))
+    check_s1_s3(run)
+    f = finals(run)
+    assert {r: v["digest"] for r, v in f.items()} == {r: clean[r]["digest"] for r in clean}
+    assert sorted(e["src"] for e in events(run, "restarted_in_process")) == [
+        "rank 0",
+        "rank 1",
+        "rank 2",
+    ]
+    assert not events(run, "state_lost") and not events(run, "restart")
+    assert [e["exit_code"] for e in events(run, "worker_exit")] == [0, 0, 0]
+
+
 def test_a_soft_timeout_interrupts_a_stalled_loop_and_restarts_it(tmp_path, clean):
     """Rank 1 stops making progress after step 8 (Python that never reaches a step): the
     soft timeout prints its stacks and raises in it; the loop restarts in process."""

@@ -69,6 +69,21 @@ def test_survivors_that_all_lost_their_state_are_never_admitted_as_holders():
     assert EpochView.from_json(view.to_json()) == view
 
 
+def test_a_suspect_state_heals_from_a_clean_holder_and_serves_when_none_is_left():
+    """An in-process restart leaves a suspect state: it heals from a clean holder; when
+    every survivor is suspect (every rank raised in an evaluation), the lowest serves."""
+    mixed = {0: Arrival(10, 7, False, suspect=True), 1: Arrival(11, 7, False)}
+    view = _close({**mixed, 2: Arrival(12, 7, False)})
+    assert view is not None and view.source == 1 and view.needs_state == {0}
+    every = {r: Arrival(10 + r, 7, False, suspect=True) for r in range(3)}
+    view = _close(every)
+    assert view is not None and view.restore is None and view.lost is None
+    assert view.step == 7 and view.source == 0 and view.needs_state == {1, 2}
+    lost_too = {0: Arrival(10, 7, True), 1: Arrival(11, 7, False, suspect=True)}
+    view = _close({**lost_too, 2: Arrival(12, 7, True)})
+    assert view is not None and view.source == 1 and view.needs_state == {0, 2}
+
+
 def test_a_total_loss_restores_the_checkpoint_on_every_member():
     arrived = {0: Arrival(10, 9, True), 1: Arrival(11, 9, True)}
     view = _close(arrived, {2: 99}, expected=(0, 1), recovery=Recovery(checkpoint=5))
@@ -129,6 +144,12 @@ def test_a_first_start_resumes_from_the_checkpoint():
     view = close_first({0: 20, 1: 21}, **kw, recovery=Recovery(checkpoint=35))
     assert view.restore == 35 and view.step == 35 and view.lost is None
     assert close_first({0: 20, 1: 21}, **kw).lost is None  # a plain first start
+
+
+def test_a_suspect_arrival_round_trips_and_an_old_one_reads_as_clean():
+    a = Arrival(5, 3, False, suspect=True)
+    assert Arrival.from_json(a.to_json()) == a
+    assert Arrival.from_json('{"inc": 5, "step": 3, "lost": false}').suspect is False
 
 
 def test_arrivals_round_trip_through_the_store():

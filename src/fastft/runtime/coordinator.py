@@ -295,6 +295,7 @@ class Coordinator:
         kept: tuple[int, int, int] | None = None,
         admit: bool = True,
         arrived: Callable[[], None] = lambda: None,
+        suspect: bool = False,
     ) -> EpochView | None:
         """Take part in forming ``prev.epoch + 1``. Returns the closed view (which may not
         list this worker: it must then join), or None if ``cancelled()`` became true; raises
@@ -304,10 +305,11 @@ class Coordinator:
         those samples of ``step`` (the closer lists it in the view's ``kept``). ``admit``
         False: registered joiners are left out (listed as ``waiting``) when the survivors
         are at least ``min_replicas`` without them. ``arrived`` is called once this
-        worker's arrival is written."""
+        worker's arrival is written. ``suspect``: this worker's state may be damaged
+        (:class:`~fastft.runtime.formation.Arrival`)."""
         epoch = prev.epoch + 1
         me = self.me.rank
-        arrival = Arrival(self.me.incarnation, step, lost_state, kept)
+        arrival = Arrival(self.me.incarnation, step, lost_state, kept, suspect)
         self.store.set(self.keys.epoch_arrival(epoch, me), arrival.to_json())
         arrived()
         expected = sorted(m.rank for m in prev.members if m.rank not in exclude)

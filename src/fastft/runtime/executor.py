@@ -114,6 +114,9 @@ class Executor:
         """The durable tier (``--checkpoint-dir``), None without one."""
         self.after_commit: Callable[[int], None] | None = None
         """Called with the count of committed steps after each commit (pipeline stages)."""
+        self.suspect_state = False
+        """An in-process restart left this worker's state in doubt: its next formation
+        heals it from a member whose state is not (:class:`~.formation.Arrival`)."""
         self.me = me
         self.keys: JobKeys = coord.keys
         self.coord = coord

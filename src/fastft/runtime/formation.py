@@ -20,17 +20,23 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Arrival:
     """A survivor's arrival at the next epoch: its life, its committed step, whether it
-    lost its state, and the kept gradient ``(lo, hi, n)`` it holds of ``step``, if any."""
+    lost its state, and the kept gradient ``(lo, hi, n)`` it holds of ``step``, if any.
+    ``suspect``: its state may have been touched (an exception escaped its step loop:
+    an in-process restart); it heals from a member whose state is not suspect, and serves
+    as the source only when no such member is left (every rank raised in an evaluation)."""
 
     incarnation: int
     step: int
     lost: bool
     kept: tuple[int, int, int] | None = None
+    suspect: bool = False
 
     def to_json(self) -> str:
         d: dict[str, object] = {"inc": self.incarnation, "step": self.step, "lost": self.lost}
         if self.kept is not None and not self.lost:
             d["kept"] = list(self.kept)
+        if self.suspect:
+            d["suspect"] = True
         return json.dumps(d)
 
     @classmethod
@@ -42,6 +48,7 @@ class Arrival:
             int(d["step"]),
             bool(d["lost"]),
             tuple(int(v) for v in kept) if kept else None,  # type: ignore[arg-type]
+            bool(d.get("suspect", False)),
         )
 
 
@@ -88,9 +95,18 @@ def close_after(
         return None  # wait for restarted workers
     members = [Member(r, a.incarnation) for r, a in arrived.items()]
     members += [Member(r, inc) for r, inc in joiners.items()]
-    with_state = sorted(r for r, a in arrived.items() if not a.lost)
+    clean = sorted(r for r, a in arrived.items() if not a.lost and not a.suspect)
+    suspects = sorted(r for r, a in arrived.items() if not a.lost and a.suspect)
+    with_state = clean or suspects  # (a suspect state is the committed one, if untouched)
+    if suspects and not clean:
+        log.warning(
+            "every survivor's state is suspect (an exception escaped each one's step loop): "
+            "rank %d's serves, the others heal from it",
+            suspects[0],
+        )
     needs = frozenset(joiners) | frozenset(r for r, a in arrived.items() if a.lost)
-    steps = {a.step for a in arrived.values() if not a.lost}
+    needs |= frozenset(suspects) - {with_state[0]} if with_state else frozenset()
+    steps = {arrived[r].step for r in with_state}
     if len(steps) > 1:
         log.error("survivors disagree on the committed step: %s", steps)
     epoch, members_ = prev.epoch + 1, tuple(sorted(members))
@@ -107,7 +123,9 @@ def close_after(
         return EpochView(epoch, members_, lost, frozenset(), None, lost=lost)
     step = max(steps)
     kept = tuple(
-        (r, *a.kept) for r, a in sorted(arrived.items()) if a.kept and not a.lost and a.step == step
+        (r, *a.kept)
+        for r, a in sorted(arrived.items())
+        if a.kept and not a.lost and not a.suspect and a.step == step
     )
     return EpochView(
         epoch=epoch,

@@ -86,7 +86,7 @@ def builtin_checks(
     if device is not None:
         checks.append(("cuda", lambda: _cuda_ok(device)))
     if check_state:
-        checks.append(("state", lambda: _state_finite(registry)))
+        checks.append(("state", lambda: state_damage(registry)))
     if host_floor_mb > 0:
         checks.append(("host_memory", lambda: _host_memory(host_floor_mb)))
     return checks
@@ -112,7 +112,8 @@ def _cuda_ok(device: torch.device) -> str | None:
     return None
 
 
-def _state_finite(registry: StateRegistry) -> str | None:
+def state_damage(registry: StateRegistry) -> str | None:
+    """Where the registered state holds NaN or Inf (damaged for sure); None if nowhere."""
     for where, t in _state_tensors(registry):
         if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
             return f"{where} holds NaN or Inf"

@@ -155,6 +155,7 @@ class Membership:
                 admit=not (a.rollback and x.config.elastic),
                 # tests: a death after arriving for the epoch
                 arrived=lambda: x.sv.injector.fire_due(x.state.step, point="formation"),
+                suspect=x.suspect_state,
             )
         except JobFinished as e:
             self._finished(e, f"the job finished at step {e.step} while this worker re-formed")
@@ -162,6 +163,7 @@ class Membership:
         if view is None:
             self._drain_from_formation()
             return
+        x.suspect_state = False  # (healed in this epoch, or the source: every state equal)
         if not view.has(x.me.rank, x.me.incarnation):
             x.events.emit("excluded", epoch=view.epoch)
             x.feed(QuorumReady(view.epoch, view.ranks, view.step, view.needs_state))

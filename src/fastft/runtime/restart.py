@@ -12,9 +12,12 @@ would cost a new Python, its imports and a heal. Under ``ft.run(train)`` it rest
    admitted again: it ends (``EXIT_UNHEALTHY``) and its agent gives the slot to a spare,
    lets the world shrink, or stops the job;
 3. the worker leaves its epoch and rejoins it: it reports a fault of its own (the step its
-   peers run without it rolls back, nothing committed is lost), and when its state may
-   be damaged (``heal="auto"``: whenever a live peer holds the committed state) as a
-   Fault1, so that it heals from a peer as a restarted worker would;
+   peers run without it rolls back, nothing committed is lost). With ``heal="auto"`` and
+   live peers its state is *suspect*: it heals from a peer whose state is not, and when
+   every survivor is suspect (an evaluation that raised on every rank) the lowest one's
+   serves the others; a state that holds NaN or Inf is lost (a Fault1: it heals from a
+   peer as a restarted worker would, or the durable tier restores it). ``heal=True``:
+   always a Fault1; ``heal=False``: never heal;
 4. ``before_restart()`` runs, then ``train`` is called again, at the committed step;
 5. ``finalize()`` runs once, when ``train`` returns or the wrapper gives up.
 
@@ -53,7 +56,7 @@ from fastft.errors import FastFTError
 from fastft.fsm import Phase
 from fastft.inject import StateLost
 from fastft.runtime.contract import ScriptError, WorkerExit, misuse
-from fastft.runtime.health import admit_or_leave
+from fastft.runtime.health import admit_or_leave, state_damage
 
 if TYPE_CHECKING:
     from fastft.runtime.api import Runtime
@@ -153,11 +156,19 @@ class Restartable:
         with x.lock:
             view = x.view
             peers = view is not None and len(view.members) > 1
-        lose = self.heal is True or (self.heal == "auto" and peers)
+        lose = self.heal is True
+        suspect = self.heal == "auto" and peers
+        if suspect and state_damage(rt.registry) is not None:  # damaged for sure: a Fault1
+            lose, suspect = True, False
         extra = [("user", self.health_check)] if self.health_check is not None else []
         admit_or_leave(rt, check_state=not lose, extra=extra)  # (raises Unhealthy)
         step = rt.step
-        # leave and rejoin: the peers roll their step back and re-form; a Fault1 heals
+        # Leave and rejoin: the peers roll their step back and re-form. A Fault1 heals; a
+        # suspect state heals from a peer whose state is not suspect, and is the source
+        # when there is none (every rank raised in the same evaluation: their states are
+        # the committed one, which no member would hold if each declared it lost).
+        with x.lock:
+            x.suspect_state = suspect
         x.faults.local(StateLost(f"in-process restart ({cause})") if lose else e)
         rt._drive(lambda s: s.phase is Phase.NORMAL)
         if self.before_restart is not None:
@@ -167,7 +178,7 @@ class Restartable:
             "restarted_in_process",
             step=rt.step,
             fault_step=step,
-            healed=lose,
+            healed=lose or suspect,
             cause=cause,
             restart_ms=round((time.monotonic() - t0) * 1e3, 3),
             restarts=self.restarts,
