@@ -75,3 +75,36 @@ def test_a_collective_on_the_default_group_fails_the_job_at_once_with_what_to_us
     ev = read_events(tmp_path / "run")
     assert not [e for e in ev if e["event"] == "restart"], "a restart cannot help"
     assert [e for e in ev if e["event"] == "script_error"]  # (not retried first)
+
+
+EVAL_SCRIPT = """
+import torch, fastft
+model = torch.nn.Linear(4, 1)
+with fastft.init() as ft:
+    ft.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    while ft.step < 50:
+        with ft.transaction() as tx:
+            model(torch.ones(2, 4)).sum().backward()
+            tx.allreduce_gradients()
+        if ft.step == 5:
+            raise RuntimeError("evaluation failed (test)")
+"""
+
+
+def test_workers_that_fail_after_commits_are_not_reported_as_never_starting(tmp_path):
+    """Every rank raises between steps after 5 commits, without ft.run, inside ``with
+    fastft.init() as ft``: the job cannot go on (every holder of the state is gone) and
+    says so. It said "every worker failed before its first commit ... the script cannot
+    start" (the runtime's close zeroed the heartbeat's record of commits), and the
+    restarted workers, told the job had finished (the ``with`` closed it as a clean end),
+    exited 0."""
+    script = tmp_path / "train.py"
+    script.write_text(EVAL_SCRIPT)
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2"]
+    cmd += ["--run-dir", str(tmp_path / "run"), str(script)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "evaluation failed (test)" in p.stderr
+    assert "before its first commit" not in p.stderr, p.stderr[-3000:]
+    assert "job finished" not in p.stderr, p.stderr[-3000:]
+    assert "every holder of the committed state was lost" in p.stderr, p.stderr[-3000:]

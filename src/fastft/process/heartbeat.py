@@ -137,9 +137,11 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join(timeout=1)
         if self._mm is not None:
-            # A last beat in the future: the worker is leaving, not hung.
+            # A last beat in the future: the worker is leaving, not hung. The gap stays:
+            # it tells the agent this life committed (zeroed, a worker that raised after
+            # 100 commits was reported as failing "before its first commit").
             left = time.monotonic() + self.EXIT_GRACE_S
-            self._mm[0:24] = struct.pack(self._FMT, left, 0.0, 0.0)
+            self._mm[0:24] = struct.pack(self._FMT, left, self._gap, 0.0)
             self._mm.close()
             self._mm = None
 

@@ -378,8 +378,8 @@ class Runtime(StepAttempts):
     def __enter__(self) -> Runtime:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, et: object, *exc: object) -> None:
+        self.close(finished=et is None)  # (an exception is no end of the job)
 
     # --- the step --------------------------------------------------------------------------
     def _drive(self, done: Callable[[StepState], bool]) -> None:
