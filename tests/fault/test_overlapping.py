@@ -57,6 +57,23 @@ def test_a_member_that_dies_after_arriving_for_the_next_epoch_is_left_out(tmp_pa
             assert (2, 0) not in _lives(ev, e), e
 
 
+def test_a_member_that_dies_a_second_after_arriving_stalls_nobody(tmp_path, clean):
+    """Issue 36's 60 s stall: rank 2 dies 1 s after arriving for the epoch that waits for
+    rank 1's cold restart. The survivor's rollback of the old epoch, queued meanwhile, ran
+    after it had entered the new one: it left that epoch in silence while the restarted
+    workers built its process group until the group's 60 s timeout (DistStoreError)."""
+    plan = [
+        {"kind": "sigkill", "rank": 1, "at_step": 8},
+        {"kind": "sigkill", "rank": 2, "at_step": 8, "point": "formation", "delay_s": 1.0},
+    ]
+    run = fastft_run(tmp_path, "arrived-death-later", plan=plan)
+    ev = _check(run, clean)
+    log = (run / "launcher.log").read_text()
+    assert "DistStoreError" not in log and "wait timeout" not in log, log[-3000:]
+    empty = [e for e in ev if e["event"] == "rollback" and not e["reason"]]
+    assert not empty, empty  # (a rollback of an epoch already left, with no reason)
+
+
 def test_a_hang_while_the_others_wait_for_a_restart(tmp_path, clean):
     """Rank 1 dies; rank 2 arrives for the next epoch, then hangs holding the GIL, so the
     epoch closes with it and the others build its process group. Rank 2 is killed as hung;

@@ -60,6 +60,19 @@ def test_one_death_several_messages_starts_one_recovery():
     assert again.events == () and again.dead is None
 
 
+def test_a_monitors_report_of_the_current_life_then_its_exit_start_one_recovery():
+    """`fastft report-error` names no life (incarnation 0: the rank's current one); the
+    agent then kills that life, whose exit notice names it. Counted as two deaths, the
+    second restarted the rollback of an epoch already re-formed, and the peers waited 60 s
+    (issue 40)."""
+    monitor = dict(HDR, rank=-1, incarnation=0, role=Role.MONITOR)
+    report = Fault(**monitor, severity=Severity.FAULT1, cause="Xid 79", faulty_rank=1)
+    first = _route(report)
+    assert first.dead == Member(1, 11) and first.events
+    again = _route(_exited(1, 11), dead={Member(1, 11)})
+    assert again.events == () and again.dead is None
+
+
 def test_an_older_life_is_dead_but_not_a_fault_of_this_epoch():
     out = _route(_exited(1, 7))
     assert out.events == () and out.dead == Member(1, 7)

@@ -88,6 +88,8 @@ _MAIN_ACTIONS = (
     ExitWorker,
 )
 _HEALING_ACTIONS = (FormEpoch, ConfigureProcessGroup, FetchState, SendState)
+_EPOCH_ACTIONS = (ZeroGrads, FormEpoch)
+"""Actions of one epoch's rollback: stale in any later epoch."""
 _STEP_CYCLE = (Phase.NORMAL, Phase.PREPARED, Phase.COMMIT)
 _WAIT_S = 0.05
 _JOIN = Action()
@@ -137,7 +139,8 @@ class Executor:
         self.phase_changes = 0
         self._phase_since = time.monotonic()
         self.action_gen = 0
-        self._todo: collections.deque[tuple[int, Action]] = collections.deque()
+        self._todo: collections.deque[tuple[int, int, Action]] = collections.deque()
+        """Main-thread actions with the phase changes and the epoch they were queued at."""
         """Main-thread actions, each with the count of phase changes when it was queued."""
         self.closing = False
         self.commits = 0
@@ -188,7 +191,7 @@ class Executor:
                 )
         for a in actions:
             if isinstance(a, _MAIN_ACTIONS):
-                self._todo.append((self.phase_changes, a))
+                self._todo.append((self.phase_changes, new.epoch, a))
             else:
                 self._run_immediate(a)
         self.cond.notify_all()
@@ -255,10 +258,20 @@ class Executor:
         hb = self.sv.heartbeat
         while True:
             with self.lock:
-                queued, action = self._todo.popleft() if self._todo else (0, None)
+                queued, epoch, action = self._todo.popleft() if self._todo else (0, 0, None)
                 if isinstance(action, _HEALING_ACTIONS) and queued != self.phase_changes:
                     # queued by a healing that a later fault ended: the new one queued its own
                     log.debug("dropping stale %s", action)
+                    continue
+                if isinstance(action, _EPOCH_ACTIONS) and epoch != self.state.epoch:
+                    # A rollback of the epoch this worker has left: a second notice of a
+                    # death that the formation in progress had already excluded (or one
+                    # that adopt() feeds again as a fault of the new epoch). Run, it left
+                    # the new epoch in silence while its peers built their process group
+                    # and waited for it until the group's 60 s timeout.
+                    log.debug(
+                        "dropping %s of epoch %d in epoch %d", action, epoch, self.state.epoch
+                    )
                     continue
                 if action is None:
                     s = self.state

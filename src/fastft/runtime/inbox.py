@@ -31,6 +31,7 @@ from fastft.protocol import (
     Message,
     RollbackAck,
     RollbackRequest,
+    Severity,
 )
 from fastft.protocol.faults import fault_of
 from fastft.runtime.contract import EpochView, Member
@@ -105,8 +106,13 @@ def route(
                 )
             return NOTHING
         newly_dead = None
-        if r.dead:
-            who = Member(r.rank, r.incarnation)
+        inc = r.incarnation
+        if not inc and view is not None and r.rank in view.ranks:
+            inc = view.incarnation(r.rank)  # (a monitor's "its current life": this one)
+        # a monitor's Fault1 of the current life: its agent kills that life
+        named = bool(inc) and not r.incarnation and r.severity is Severity.FAULT1
+        if r.dead or (named and not r.self_reported):
+            who = Member(r.rank, inc)
             if who in dead:
                 # one death, several messages (stopped, then killed; declared dead, then
                 # exited): the first one already started the recovery
