@@ -188,3 +188,43 @@ def test_a_replica_that_starts_late_is_in_the_first_quorum(tmp_path: Path) -> No
     faults = summarize(run)["faults"]
     assert [(f["rank"], f["step"]) for f in faults] == [(1, 10)], faults
     assert faults[0]["recovered"], faults
+
+
+def test_live_inject_reaches_a_managerfft_replica(tmp_path: Path) -> None:
+    """``fastft inject`` on a running ``--torchft fastft`` job: the CLI said "injected" and
+    nothing happened (the replicas' bus callback never handed it to their injector)."""
+    import time
+
+    run = tmp_path / "live"
+    cmd = [
+        sys.executable, "-m", "fastft.cli", "run", "--torchft", "fastft", "--nproc", "2",
+        "--job", "live", "--run-dir", str(run), str(EXAMPLE), "--steps", "100000",
+    ]  # fmt: skip
+    with open(tmp_path / "launcher.log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 90
+            while True:
+                assert p.poll() is None and time.monotonic() < deadline, "no commit"
+                ev = read_events(run) if (run / "events.jsonl").exists() else []
+                if any(e["event"] == "commit" and e["src"] == "replica 1" for e in ev):
+                    break
+                time.sleep(0.1)
+            store = next(e["store"] for e in ev if e["event"] == "agent_start")
+            inject = [sys.executable, "-m", "fastft.cli", "inject", "--store", store]
+            inject += ["--job", "live", "--job-secret-file", str(run / "job.secret")]
+            r = subprocess.run(
+                [*inject, "--rank", "1", "--kind", "sigkill"], capture_output=True, timeout=60
+            )
+            assert r.returncode == 0, r.stderr
+            while True:
+                assert time.monotonic() < deadline + 30, "the injected fault never happened"
+                ev = read_events(run)
+                if any(e["event"] == "restart" and e["rank"] == 1 for e in ev):
+                    break
+                time.sleep(0.1)
+        finally:
+            p.terminate()
+            p.wait(60)
+    injected = [e for e in ev if e["event"] == "injected" and e["src"] == "replica 1"]
+    assert injected and injected[0]["kind"] == "sigkill", injected

@@ -19,7 +19,7 @@ from fastft.process.env import insecure
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat, dump_stacks_on_signal
 from fastft.process.sentinel import start_exit_sentinel
-from fastft.protocol import Message
+from fastft.protocol import Inject, Message
 from fastft.protocol.auth import JobSecret
 
 __all__ = ["Services"]
@@ -51,7 +51,9 @@ class Services:
         secret_file: str | None,
         events: EventLog | None = None,
     ) -> Services:
-        """``fire``: how the owner executes a planned fault (it logs it first);
+        """``on_message``: the owner's callback for every bus message but a live fault
+        injection (``fastft inject``), which the injector takes;
+        ``fire``: how the owner executes a planned fault (it logs it first);
         ``secret_file``: the job secret (required: ConfigError without);
         ``events``: an event log the owner opened already."""
         secret = None if insecure() else JobSecret.for_worker(secret_file)
@@ -62,7 +64,14 @@ class Services:
         plan = FaultPlan.load(inject) if inject else FaultPlan(faults=())
         injector = Injector(plan, rank, life, executor=fire)
         bus = open_bus(store, BusConfig(job=job, rank=rank, incarnation=incarnation, secret=secret))
-        bus.subscribe(on_message)
+
+        def deliver(m: Message) -> None:
+            if isinstance(m, Inject):  # (live `fastft inject`, for every owner alike)
+                injector.on_message(m)
+            else:
+                on_message(m)
+
+        bus.subscribe(deliver)
         bus.start()
         return cls(events, heartbeat, bus, injector)
 

@@ -10,7 +10,7 @@ import torch
 
 from fastft.fsm import LocalFault
 from fastft.inject import FaultKind, FaultSpec, StateLost, execute
-from fastft.protocol import DrainAck, Fault, Inject, Message, Severity
+from fastft.protocol import DrainAck, Fault, Message, Severity
 from fastft.protocol.faults import fault_of
 from fastft.runtime.inbox import route
 
@@ -61,9 +61,6 @@ class Faults:
     def on_message(self, m: Message) -> None:
         """The bus listener's callback."""
         x = self.x
-        if isinstance(m, Inject):
-            x.sv.injector.on_message(m)
-            return
         r = fault_of(m)
         finished = r is not None and r.clean_exit and x.side.job_finished()
         with x.lock:
