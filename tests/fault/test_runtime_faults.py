@@ -53,6 +53,12 @@ def test_exception_sigkill_and_sigstop_end_bitwise_equal_to_a_clean_run(tmp_path
     assert kill["signal"] == 9 and kill["via"] == "exit_trace"
     (stop,) = [e for e in ev if e["event"] == "worker_stopped"]
     assert stop["rank"] == 0 and stop["via"] in ("exit_trace", "waitid")
+    # one line per fault in the log (not a terminal), and one when the slot is back
+    log = (run / "launcher.log").read_text()
+    assert "fastft: fault: rank 2.0 killed by SIGKILL; restarting it as life 1" in log, log
+    assert "fastft: fault: rank 0.0 stopped (killed by SIGKILL by the agent); restarting" in log
+    for r in (2, 0):
+        assert f"fastft: rank {r}.1 is back: it committed a step" in log, log[-3000:]
 
 
 def test_rank0_killed_and_a_state_loss_are_survived_with_a_warm_spare(tmp_path, clean):

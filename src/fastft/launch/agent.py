@@ -12,6 +12,7 @@ are forwarded so the job stops cleanly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -25,7 +26,7 @@ from typing import Any
 from fastft.launch.children import Children, Slot, die_with_parent
 from fastft.launch.config import LaunchConfig
 from fastft.launch.control import ControlPlane
-from fastft.launch.exits import Exits
+from fastft.launch.exits import Exits, back_line
 from fastft.launch.lease import NodeLease, format_lives
 from fastft.launch.nodewatch import NodeWatch
 from fastft.launch.offenders import Offenders
@@ -278,6 +279,8 @@ class Agent:
         cfg = self.config
         slot.incarnation = secrets.randbits(62) | 1
         slot.heartbeat = str(self.run_dir / f".heartbeat-{slot.rank}")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(slot.heartbeat)  # (the last life's: its commits are not this one's)
         trace_path = str(self.run_dir / f".exit-trace-{slot.rank}-{slot.life}")
         traced = cfg.exit_trace and self.children.tracer.refused is None
         env = worker_environment(
@@ -377,6 +380,11 @@ class Agent:
             if all(s.done for s in slots):
                 return
             now = time.monotonic()
+            for slot in slots:
+                back = slot.fault_at and slot.started > slot.fault_at and not slot.done
+                if back and _committed(slot):  # (a later life's first commit)
+                    print(back_line(slot, now), file=sys.stderr, flush=True)
+                    slot.fault_at = 0.0
             with self.children.lock:
                 due = [s for t, s in self._restarts_due if t <= now]
                 self._restarts_due = [(t, s) for t, s in self._restarts_due if t > now]

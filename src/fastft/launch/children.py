@@ -41,6 +41,11 @@ class Slot:
     """The incarnation last reported stopped."""
     drains: int = 0
     """Lives that ended drained (they use up no restart)."""
+    declared: tuple[int, str] = (0, "")
+    """The incarnation last declared dead by a peer or a monitor, and why (killed)."""
+    fault_at: float = 0.0
+    """CLOCK_MONOTONIC of its last life's failure, until a later life commits (0: none
+    pending): the agent's "back" line says how long the slot was out."""
     spare_only: bool = False
     """The next life must be a warm spare (the last one failed its health check, or the
     slot is quarantined: :mod:`fastft.launch.offenders`)."""

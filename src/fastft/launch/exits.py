@@ -23,7 +23,7 @@ from fastft.protocol import EXIT_DRAINED, HangSuspected, ProcessExited
 if TYPE_CHECKING:
     from fastft.launch.agent import Agent
 
-__all__ = ["Exits"]
+__all__ = ["Exits", "back_line", "fault_line"]
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ class Exits:
             )
         if own:
             self.count_fault(slot.rank, "hung" if slot.hung == slot.incarnation else how)
+            slot.fault_at = time.monotonic()
         if slot.life == 0 and slot.rank in first and first[slot.rank] is None:
             failed = own and slot.hung != slot.incarnation  # (hung: the hang timeout's)
             first[slot.rank] = failed and not self.agent.committed(slot)
@@ -156,6 +157,8 @@ class Exits:
             )
             if lost is not None:
                 do = dataclasses.replace(do, failed=lost)
+        if own:  # one line per fault in every log, a terminal or not
+            print(fault_line(slot, code, sig, do), file=sys.stderr, flush=True)
         if do.failed:
             self.agent._failed = do.failed
         if do.shrink:
@@ -249,3 +252,36 @@ def _joined(slot: Slot) -> bool:
     """Whether the slot's worker started fastft (its runtime writes the heartbeat file)."""
     hb = read_heartbeat(slot.heartbeat)
     return hb is not None and hb[0] >= slot.started
+
+
+def fault_line(slot: Slot, code: int | None, sig: int | None, do: policy.AfterExit) -> str:
+    """The agent's line for a worker's own failure: what, which rank and life, and what
+    comes next."""
+    if sig is not None:
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else sig
+        how = f"killed by {name}"
+    else:
+        how = f"exited with code {code}"
+    if slot.declared[0] == slot.incarnation:
+        how = f"{slot.declared[1]} ({how} by the agent)"
+    elif slot.hung == slot.incarnation:
+        how = f"hung ({how} by the agent)"
+    elif slot.stopped == slot.incarnation:
+        how = f"stopped ({how} by the agent)"
+    if do.restart:
+        nxt = f"restarting it as life {slot.life + 1}"
+    elif do.shrink:
+        nxt = "the world goes on without it"
+    elif do.failed:
+        nxt = "the job fails"
+    else:
+        nxt = "its slot is done"
+    return f"fastft: fault: rank {slot.rank}.{slot.life} {how}; {nxt}"
+
+
+def back_line(slot: Slot, now: float) -> str:
+    """The agent's line once a restarted slot committed again."""
+    return (
+        f"fastft: rank {slot.rank}.{slot.life} is back: it committed a step "
+        f"{now - slot.fault_at:.2f} s after its last life failed"
+    )

@@ -103,4 +103,6 @@ class Verdicts:
             )
             if slot and m.faulty_incarnation in lives and slot.incarnation and not slot.done:
                 a.events.emit("kill_declared_dead", rank=slot.rank, cause=m.cause)
+                who = "a monitor" if m.role is Role.MONITOR else f"rank {m.rank}"
+                slot.declared = (slot.incarnation, f"declared dead by {who}: {m.cause[:120]}")
                 a.children.kill(slot)
