@@ -128,3 +128,12 @@ def test_the_agent_sets_omp_threads_as_torchrun_does_and_counts_threads():
     environ = {}  # one worker: torch's own default
     assert cpu_warnings(LaunchConfig(command=("x.py",), nproc=1), environ, cores=2) == []
     assert "OMP_NUM_THREADS" not in environ
+
+
+def test_every_run_flag_is_in_one_help_section():
+    from fastft.launch.flags import GROUPS
+
+    names = [n for names in GROUPS.values() for n in names]
+    flags = {f.name for f in dataclasses.fields(LaunchConfig) if f.metadata.get("help")}
+    assert len(names) == len(set(names)), "a flag in two sections"
+    assert set(names) == flags, (sorted(flags - set(names)), sorted(set(names) - flags))

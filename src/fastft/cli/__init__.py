@@ -1,5 +1,8 @@
 """``fastft``: one console script with subcommands.
 
+* ``fastft run``          the node agent: start, watch and restart the workers of a job
+* ``fastft report``       the timeline and figures of a finished run
+* ``fastft demo``         4 workers, one fault of each kind, checked against a clean run
 * ``fastft inject``       publish a fault of the catalogue for a rank (live injection)
 * ``fastft report-error`` publish a fault observed by an external monitor
 * ``fastft bus tail``     print bus traffic as it happens
@@ -7,9 +10,6 @@
 * ``fastft fsm-doc``      print the state machine's table as Markdown
 * ``fastft store``        host a job's store (ManagerFFT under another launcher)
 * ``fastft nats up``      a local NATS cluster with JetStream (``fastft run --control``)
-* ``fastft run``          the node agent: start, watch and restart the workers of a job
-* ``fastft report``       the timeline and figures of a finished run
-* ``fastft demo``         4 workers, one fault of each kind, checked against a clean run
 
 Flags fall back to environment variables: ``FASTFT_STORE`` and ``FASTFT_JOB`` everywhere,
 and every ``fastft run`` flag to ``FASTFT_<FLAG>`` (:mod:`fastft.launch.config`; the whole
@@ -67,6 +67,18 @@ def _build() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="fastft", description="Fast fault tolerance for distributed training.")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    p = sub.add_parser(
+        "run",
+        help="run a training script under the node agent",
+        usage="fastft run [flags] SCRIPT [args ...] | fastft run [flags] -m MODULE [-- args ...]",
+        description="Start NPROC workers of SCRIPT on this node, host the job's store (node 0), "
+        "restart workers that die or hang. Use `-m module` for a module.",
+        formatter_class=argparse.HelpFormatter,
+    )
+    p.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
+    p.add_argument("script", nargs="?", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    add_run_flags(p)
 
     p = sub.add_parser("inject", help="inject a fault into a running rank")
     _add_target(p)
@@ -159,18 +171,6 @@ def _build() -> argparse.ArgumentParser:
     )
     p.add_argument("--dir", required=True, help="where the servers keep their state and logs")
     p.add_argument("--servers", type=int, default=3, help="how many (3 survive losing one)")
-
-    p = sub.add_parser(
-        "run",
-        help="run a training script under the node agent",
-        description="Start NPROC workers of SCRIPT on this node, host the job's store (node 0), "
-        "restart workers that die or hang. Use `-m module` for a module.",
-        formatter_class=argparse.HelpFormatter,
-    )
-    add_run_flags(p)
-    p.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
-    p.add_argument("script", nargs="?", help="the training script")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
 
     p = sub.add_parser("report", help="timeline and figures of a run")
     p.add_argument("run_dir", help="the run directory (fastft run --run-dir)")

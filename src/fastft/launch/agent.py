@@ -175,7 +175,8 @@ class Agent:
             print(f"fastft: {line}", file=sys.stderr, flush=True)
         where = f"store {self.bound} (listening)" if self.bound else f"store {self.store_addr}"
         print(
-            f"fastft: job {cfg.job}, {where}, run dir {self.run_dir}, secret {self.secret_file}",
+            f"fastft: job {cfg.job}, {_workers(cfg)}, {where}, run dir {self.run_dir}, "
+            f"secret {self.secret_file}",
             file=sys.stderr,
             flush=True,
         )
@@ -438,6 +439,14 @@ class Agent:
             self.bus.broadcast(msg)
         except Exception:  # noqa: BLE001 - the bus must not take the agent down
             log.exception("agent: could not publish %s", type(msg).__name__)
+
+
+def _workers(cfg: LaunchConfig) -> str:
+    """How many workers this node starts, for the start line (a forgotten --nproc ran one
+    in silence)."""
+    if cfg.nproc == 1:
+        return "1 worker on this node (--nproc N for more)"
+    return f"{cfg.nproc} workers on this node"
 
 
 def _committed(slot: Slot) -> bool:

@@ -15,7 +15,36 @@ from fastft.errors import ConfigError
 from fastft.launch.config import LaunchConfig
 from fastft.process.env import parse_bool
 
-__all__ = ["add_run_flags", "config_from_args", "flag_variables"]
+__all__ = ["GROUPS", "add_run_flags", "config_from_args", "flag_variables"]
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "workers": (
+        "nproc", "min_replicas", "max_restarts", "warm_spares", "spare_cuda",
+        "spare_prefault_mb", "spare_run_ahead", "backend", "seed",
+    ),
+    "faults and hangs": (
+        "hang_timeout_s", "between_steps_timeout_s", "adaptive_hang", "start_grace_s",
+        "max_recoveries", "health_host_mb", "quarantine", "drain_grace_s", "exit_trace",
+        "keep_gradients", "inject",
+    ),
+    "durable tier (checkpoints)": (
+        "checkpoint_dir", "checkpoint_every", "checkpoint_interval_s", "checkpoint_keep",
+        "allow_fresh_start",
+    ),
+    "several nodes": (
+        "nnodes", "node_rank", "store", "control", "job", "job_secret_file", "store_wait_s",
+        "node_heartbeat_ms", "node_lease_misses",
+    ),
+    "shard groups, sync policies, pipeline stages": (
+        "shard_size", "sync", "stage", "flow", "flow_name", "max_ahead",
+    ),
+    "output and metrics": (
+        "run_dir", "log_dir", "tee", "metrics_port", "metrics_addr", "check_every",
+    ),
+    "torchft": ("torchft", "lighthouse_heartbeat_ms", "lighthouse_join_ms"),
+}  # fmt: skip
+"""``fastft run --help``'s sections (as torchrun groups its flags), by field name; every
+flag is in one (a test says so)."""
 
 
 def _flags() -> list[dataclasses.Field[Any]]:
@@ -58,14 +87,18 @@ def add_run_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = No
     variable in ``env`` (the process environment by default). Raises ConfigError for a
     malformed variable."""
     env = os.environ if env is None else env
+    section: dict[str, Any] = {}
+    for title, names in GROUPS.items():
+        section.update(dict.fromkeys(names, p.add_argument_group(title)))
     for f in _flags():
+        g = section.get(f.name, p)
         default = _from_env(f, env)
         var = _variable(f)
         shown = "none" if default is None else default
         kind = str(f.type)
         if kind.startswith("bool"):
             if f.default:  # on unless turned off
-                p.add_argument(
+                g.add_argument(
                     "--no-" + _flag_name(f)[2:],
                     dest=f.name,
                     action="store_false",
@@ -73,7 +106,7 @@ def add_run_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = No
                     help=f"do not: {f.metadata['help']} [on by default; env {var}=0]",
                 )
             else:
-                p.add_argument(
+                g.add_argument(
                     _flag_name(f),
                     dest=f.name,
                     action="store_true",
@@ -82,7 +115,7 @@ def add_run_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = No
                 )
             continue
         typ = int if kind.startswith("int") else float if kind.startswith("float") else str
-        p.add_argument(
+        g.add_argument(
             _flag_name(f),
             dest=f.name,
             type=typ,
