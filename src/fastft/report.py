@@ -13,7 +13,14 @@ from typing import Any
 
 from fastft.process.events import read_events
 
-__all__ = ["summarize", "render_report", "shards_by_step", "untiled_steps", "unlogged_commits"]
+__all__ = [
+    "render_report",
+    "runs",
+    "shards_by_step",
+    "summarize",
+    "unlogged_commits",
+    "untiled_steps",
+]
 
 
 def shards_by_step(events: list[dict[str, Any]]) -> dict[int, list[tuple[int, int, int]]]:
@@ -78,7 +85,31 @@ def untiled_steps(shards: dict[int, list[tuple[int, int, int]]]) -> list[int]:
 
 
 _PROCESS_EVENTS = ("worker_exit", "worker_stopped", "worker_hung")
-_FAULT_EVENTS = ("injected", "reported_fault", "local_fault", *_PROCESS_EVENTS)
+_FAULT_EVENTS = (
+    "injected",
+    "reported_fault",
+    "kill_declared_dead",
+    "local_fault",
+    *_PROCESS_EVENTS,
+)
+_JOB_ENDING = (86, 88, 89, 91, 92, 93)
+"""Worker exit statuses that are no fault of their own: a drain, or the job that cannot go
+on (:mod:`fastft.protocol.exits`); the report shows those as the job's outcome."""
+_ENDS = ("stop", "job_failed")
+"""The agent stops the job (Ctrl-C, a second SIGTERM) or fails it: the exits it causes
+then are no faults."""
+
+
+def runs(ev: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The runs in one run directory's events, oldest first: a run starts with node 0's
+    ``agent_start`` (the same ``--run-dir`` used twice holds two)."""
+    starts = [e["mono"] for e in ev if e["event"] == "agent_start" and e.get("node_rank", 0) == 0]
+    if len(starts) < 2:
+        return [ev]
+    bounds = [*starts[1:], float("inf")]
+    out: list[list[dict[str, Any]]] = [[e for e in ev if e["mono"] < bounds[0]]]
+    out += [[e for e in ev if a <= e["mono"] < b] for a, b in zip(bounds, bounds[1:])]
+    return out
 
 
 def _ms(e: dict[str, Any] | None, t: float) -> float | None:
@@ -92,15 +123,20 @@ def _rank_of(src: str) -> int | None:
     return int(n) if kind in ("rank", "replica") and n.isdigit() else None
 
 
-def summarize(run_dir: str | Path) -> dict[str, Any]:
-    ev = read_events(run_dir)
+def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
+    """The figures of run ``run`` of the directory (-1: the last; :func:`runs`)."""
+    every = runs(read_events(run_dir))
+    ev = every[run]
     commits = [e for e in ev if e["event"] == "commit"]
     faults: list[dict[str, Any]] = []
-    stop = min((e["mono"] for e in ev if e["event"] == "stop"), default=float("inf"))
+    stop = min((e["mono"] for e in ev if e["event"] in _ENDS), default=float("inf"))
     for e in ev:
         name = e["event"]
-        if name == "worker_exit" and e.get("exit_code") in (0, 88):
-            continue  # a clean end, a drain
+        if name == "node_lost":
+            _node_lost(faults, e, ev)
+            continue
+        if name == "worker_exit" and e.get("exit_code") in (0, *_JOB_ENDING):
+            continue  # a clean end, a drain, the job ending
         if name in _PROCESS_EVENTS and (e["mono"] >= stop or e.get("signal") == 2):
             continue  # the job was stopped (Ctrl-C, a second SIGTERM): not a fault
         if name not in _FAULT_EVENTS:
@@ -135,9 +171,13 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                 "rank": rank,
                 "incarnation": inc,
                 "t": t,
-                "kind": e.get("kind", "reported" if name == "reported_fault" else name),
+                "kind": e.get(
+                    "kind",
+                    "reported" if name in ("reported_fault", "kill_declared_dead") else name,
+                ),
+                "cause": _cause(e, ev),
                 "seen_as": [name],
-                "step": e.get("step"),
+                "step": e["step"] if e.get("step") is not None else _step_at(commits, t),
                 "epoch": max(
                     (x["epoch"] for x in ev if x["event"] == "epoch" and x["mono"] <= t), default=0
                 ),
@@ -148,6 +188,14 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         t, r = f["t"], f["rank"]
         others = [e for e in ev if e["mono"] >= t and _rank_of(e["src"]) not in (None, r)]
         intr = next((e for e in others if e["event"] in ("interrupt", "peer_fault")), None)
+        if f["kind"] == "reported":  # the peers read the report as the agent did: maybe first
+            heard = [
+                e
+                for e in ev
+                if e["event"] == "peer_fault" and e.get("rank") == r and abs(e["mono"] - t) < 1.0
+            ]
+            if heard and (intr is None or heard[0]["mono"] < intr["mono"]):
+                intr = {**heard[0], "mono": max(heard[0]["mono"], t)}
         # the survivors' next commit of the interrupted step (or, when the step is not
         # known, of a later epoch): a commit of a step decided before the fault does not count
         nxt = next(
@@ -186,6 +234,20 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
             if restarted
             else None
         )
+        lost = next(  # every holder gone: no survivor committed, the job restored or failed
+            (
+                e
+                for e in ev
+                if e["event"] == "epoch"
+                and "lost" in e
+                and e["mono"] >= t
+                and (nxt is None or e["mono"] <= nxt["mono"])
+            ),
+            None,
+        )
+        f["total_loss"] = lost is not None
+        if lost is not None:
+            nxt = None
         f["detect_ms"] = _ms(intr, t)
         f["recover_ms"] = _ms(nxt, t)
         f["rejoin_ms"] = _ms(back, t)
@@ -201,6 +263,8 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     goodput = min(1.0, len(steps) * step_s / span) if span > 0 else None
     return {
         "run_dir": str(run_dir),
+        "run": len(every) + run + 1 if run < 0 else run + 1,
+        "runs": len(every),
         "total_losses": total_losses(ev),
         "offenders": offenders(ev),
         "steps_committed": len(steps),
@@ -218,22 +282,80 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     }
 
 
+def _step_at(commits: list[dict[str, Any]], t: float) -> int | None:
+    """The step the job was running at ``t``: one past the last commit before it."""
+    done = [e["step"] for e in commits if e["mono"] <= t]
+    return max(done) + 1 if done else None
+
+
+def _cause(e: dict[str, Any], ev: list[dict[str, Any]]) -> str | None:
+    """What a fault's first event says caused it: its own cause, or for an exit the agent
+    caused on a peer's or a monitor's word, that word."""
+    if e.get("cause"):
+        cause = str(e["cause"])
+        if e["event"] == "reported_fault" and cause.startswith("reported by "):
+            cause = cause.partition(": ")[2]  # (the kind says "reported" already)
+        return cause[:120]
+    if e["event"] in _PROCESS_EVENTS:
+        said = [
+            x
+            for x in ev
+            if x["event"] == "kill_declared_dead"
+            and x.get("rank") == e.get("rank")
+            and 0 <= e["mono"] - x["mono"] < 5.0
+        ]
+        if said:
+            return f"declared dead: {said[-1].get('cause', '')}"[:120]
+    return None
+
+
+def _node_lost(faults: list[dict[str, Any]], e: dict[str, Any], ev: list[dict[str, Any]]) -> None:
+    """A node lost whole: one fault of its ranks. A survivor's collective that failed on it
+    first (before the lease ran out) is that fault, not a fault of the survivor."""
+    lost = list(e.get("ranks", []))
+    window = e.get("lease_ms", 0) / 1e3 + 1.0
+    row = {
+        "rank": f"node {e.get('node')}" + (f" (ranks {','.join(map(str, lost))})" if lost else ""),
+        "incarnation": None,
+        "t": e["mono"],
+        "kind": "node_lost",
+        "cause": f"its lease was not renewed for {e.get('lease_ms')} ms",
+        "seen_as": ["node_lost"],
+        "step": None,
+        "epoch": max(
+            (x["epoch"] for x in ev if x["event"] == "epoch" and x["mono"] <= e["mono"]),
+            default=0,
+        ),
+        "secondary": 0,
+    }
+    for i, f in enumerate(faults):
+        early = 0 <= e["mono"] - f["t"] <= window and f["kind"] == "local_fault"
+        if early and f["rank"] not in lost:
+            row.update(t=f["t"], step=f["step"], secondary=f["secondary"] + 1)
+            faults[i] = row
+            return
+    if any(f["kind"] == "node_lost" and f["rank"] == row["rank"] for f in faults):
+        return  # (every surviving node's agent declares it)
+    faults.append(row)
+
+
 def offenders(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Worker slots that faulted more than once (crashes, hangs, in-process restarts,
     failed health checks; not drains or clean ends), most first, and whether the agent
     quarantined them (``--quarantine``, :mod:`fastft.launch.offenders`) and why."""
     count: dict[int, list[str]] = {}
     lives: set[tuple[int, Any]] = set()  # (a stop, then its kill: one fault of one life)
+    end = min((e["mono"] for e in ev if e["event"] in _ENDS), default=float("inf"))
     for e in ev:
         name, rank = e["event"], e.get("rank", _rank_of(e["src"]))
-        if rank is None:
-            continue
+        if rank is None or (name in _PROCESS_EVENTS and e["mono"] >= end):
+            continue  # (the agent's own kills as it stops or fails the job)
         if name in _PROCESS_EVENTS or name == "health_failed":
             life = (rank, e.get("incarnation"))
             if life[1] is not None and life in lives:
                 continue
             lives.add(life)
-        if name == "worker_exit" and e.get("exit_code") not in (0, 88):
+        if name == "worker_exit" and e.get("exit_code") not in (0, *_JOB_ENDING):
             what = f"exit {e['exit_code']}" if e.get("signal") is None else f"signal {e['signal']}"
         elif name in ("worker_hung", "worker_stopped", "health_failed"):
             what = name.removeprefix("worker_")
@@ -284,7 +406,13 @@ def total_losses(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
-    lines = [f"fastft run {run_dir}", ""]
+    lines = [f"fastft run {run_dir}"]
+    if s.get("runs", 1) > 1:
+        lines.append(
+            f"run {s['run']} of the {s['runs']} in this directory (--run-dir used again; "
+            "fastft report --run N for another)"
+        )
+    lines.append("")
     lines.append(
         "| # | rank | fault | step | detected (ms) | survivors' next commit (ms) "
         "| restarted worker committing (ms) |"
@@ -295,11 +423,13 @@ def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
         def fmt(v: Any) -> str:
             return "-" if v is None else f"{v:.1f}"
 
+        recover = "- (no survivor)" if f.get("total_loss") else fmt(f["recover_ms"])
         lines.append(
             f"| {i} | {f['rank']} | {f['kind']}"
+            + (f": {f['cause'][:60]}" if f.get("cause") else "")
             + (f" (+{f['secondary']} peer collectives failed)" if f["secondary"] else "")
             + f" | {f['step'] if f['step'] is not None else '-'} "
-            f"| {fmt(f['detect_ms'])} | {fmt(f['recover_ms'])} | {fmt(f['rejoin_ms'])} |"
+            f"| {fmt(f['detect_ms'])} | {recover} | {fmt(f['rejoin_ms'])} |"
         )
     for x in s["total_losses"]:
         lines.append("")

@@ -176,6 +176,13 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run directory (fastft run --run-dir)")
     p.add_argument("--json", action="store_true", help="figures as JSON")
     p.add_argument(
+        "--run",
+        type=int,
+        default=0,
+        help="which run of the directory, 1 the oldest (0: the last; a --run-dir used again "
+        "holds several)",
+    )
+    p.add_argument(
         "--plot", default=None, help="draw the timeline into this file (.png, .svg, .pdf)"
     )
     p.add_argument("--html", default=None, help="the timeline and the report as one HTML page")

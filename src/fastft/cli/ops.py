@@ -191,7 +191,8 @@ def _cmd_tail(args: argparse.Namespace) -> int:
                     print(json.dumps(d), flush=True)
                 else:
                     head = (
-                        f"{time.strftime('%H:%M:%S', time.localtime(msg.wall_time))} "
+                        f"{time.strftime('%H:%M:%S', time.localtime(msg.wall_time))}"
+                        f".{int(msg.wall_time * 1e3) % 1000:03d} "
                         f"{d['kind']:<15} from {msg.rank}.{msg.incarnation} "
                         f"epoch {msg.epoch} step {msg.step}"
                     )

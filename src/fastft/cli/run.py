@@ -96,9 +96,11 @@ def _cmd_report_run(args: argparse.Namespace) -> int:
     from fastft.report import render_report, summarize
 
     try:
-        figures = summarize(args.run_dir)
+        figures = summarize(args.run_dir, run=args.run - 1 if args.run > 0 else -1)
     except FileNotFoundError:
         _fail(f"{args.run_dir}: no events.jsonl (is it a fastft run directory?)")
+    except IndexError:
+        _fail(f"--run {args.run}: {args.run_dir} holds fewer runs")
     if args.json:
         print(json.dumps(figures, indent=2, default=str))
     else:

@@ -40,12 +40,13 @@ _IN_MAIN = (FaultKind.EXCEPTION, FaultKind.STATE_LOST)
 
 def execute(spec: FaultSpec) -> None:
     """Perform ``spec`` in this process now. Most kinds do not return."""
-    log.warning("injecting fault %s (rank %d, step %s)", spec.kind.value, spec.rank, spec.at_step)
+    when = "now (live)" if spec.at_step is None else f"at step {spec.at_step}"
+    log.warning("injecting fault %s (rank %d, %s)", spec.kind.value, spec.rank, when)
     k = spec.kind
     if k is FaultKind.EXCEPTION:
-        raise InjectedFault(f"injected exception at step {spec.at_step}")
+        raise InjectedFault(f"injected exception {when}")
     if k is FaultKind.STATE_LOST:
-        raise StateLost(f"injected state loss at step {spec.at_step}")
+        raise StateLost(f"injected state loss {when}")
     if k is FaultKind.SIGKILL:
         os.kill(os.getpid(), signal.SIGKILL)
     elif k is FaultKind.SIGTERM:

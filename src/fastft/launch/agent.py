@@ -175,7 +175,7 @@ class Agent:
             print(f"fastft: {line}", file=sys.stderr, flush=True)
         where = f"store {self.bound} (listening)" if self.bound else f"store {self.store_addr}"
         print(
-            f"fastft: job {cfg.job}, {_workers(cfg)}, {where}, run dir {self.run_dir}, "
+            f"fastft: job {cfg.job!r}, {_workers(cfg)}, {where}, run dir {self.run_dir}, "
             f"secret {self.secret_file}",
             file=sys.stderr,
             flush=True,
@@ -376,6 +376,7 @@ class Agent:
                 self.children.kill_all(slots, signal.SIGKILL, grace_s=0.0)
                 return
             if self._failed:
+                self.events.emit("job_failed", reason=self._failed)  # (its kills are no faults)
                 self.children.kill_all(slots, signal.SIGKILL, grace_s=0.0)
                 return
             if all(s.done for s in slots):

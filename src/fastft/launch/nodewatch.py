@@ -60,7 +60,12 @@ class NodeWatch:
         assert lease is not None
         lease_ms = round(lease.config.lease_s * 1000)
         self.agent.events.emit(
-            "node_lost", node=node, lease=counter, lives=len(lives), lease_ms=lease_ms
+            "node_lost",
+            node=node,
+            lease=counter,
+            lives=len(lives),
+            ranks=sorted(lives),
+            lease_ms=lease_ms,
         )
         log.warning("node %d lost: its lease was not renewed for %d ms", node, lease_ms)
         for rank, inc in lives.items():

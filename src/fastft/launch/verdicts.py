@@ -102,7 +102,13 @@ class Verdicts:
                 else (m.faulty_incarnation,)
             )
             if slot and m.faulty_incarnation in lives and slot.incarnation and not slot.done:
-                a.events.emit("kill_declared_dead", rank=slot.rank, cause=m.cause)
+                a.events.emit(
+                    "kill_declared_dead",
+                    rank=slot.rank,
+                    incarnation=slot.incarnation,
+                    cause=m.cause,
+                    by="monitor" if m.role is Role.MONITOR else f"rank {m.rank}",
+                )
                 who = "a monitor" if m.role is Role.MONITOR else f"rank {m.rank}"
                 slot.declared = (slot.incarnation, f"declared dead by {who}: {m.cause[:120]}")
                 a.children.kill(slot)

@@ -1,0 +1,74 @@
+"""``fastft report``: what a user reads after a run (issue 40, item 11), from event logs
+written here with the real EventLog."""
+
+from __future__ import annotations
+
+import time
+
+from fastft.process.events import EventLog
+from fastft.report import render_report, summarize
+
+
+def _logs(tmp_path, *srcs):
+    return [EventLog(tmp_path, s) for s in srcs]
+
+
+def _close(*logs):
+    for log in logs:
+        log.close()
+
+
+def test_a_monitors_report_is_one_fault_with_its_cause(tmp_path):
+    agent, r0, r1 = _logs(tmp_path, "agent 0", "rank 0", "rank 1")
+    r0.emit("commit", epoch=1, step=4)
+    agent.emit("kill_declared_dead", rank=1, incarnation=7, cause="Xid 79", by="monitor")
+    r0.emit("peer_fault", rank=1, incarnation=0, severity="FAULT1", cause="Xid 79")
+    agent.emit("worker_exit", rank=1, incarnation=7, exit_code=None, signal=9, life=0)
+    r0.emit("commit", epoch=2, step=5)
+    _close(agent, r0, r1)
+    s = summarize(tmp_path)
+    (f,) = s["faults"]
+    assert (f["rank"], f["kind"], f["cause"], f["step"]) == (1, "reported", "Xid 79", 5)
+    assert f["seen_as"] == ["kill_declared_dead", "worker_exit"] and f["detect_ms"] is not None
+    assert "| reported: Xid 79 | 5 |" in render_report(tmp_path, s)
+
+
+def test_a_total_loss_has_no_survivors_commit_and_the_job_ending_exits_are_no_faults(tmp_path):
+    agent, r0 = _logs(tmp_path, "agent 0", "rank 0")
+    r0.emit("commit", epoch=1, step=9)
+    agent.emit("worker_exit", rank=0, incarnation=3, exit_code=1, signal=None, life=0)
+    r0.emit("epoch", epoch=2, members=[0], step=10, lost=10)
+    agent.emit("worker_exit", rank=0, incarnation=4, exit_code=86, signal=None, life=1)
+    agent.emit("job_failed", reason="every holder lost")
+    agent.emit("worker_exit", rank=1, incarnation=5, exit_code=None, signal=9, life=1)
+    _close(agent, r0)
+    s = summarize(tmp_path)
+    assert [(f["rank"], f["total_loss"]) for f in s["faults"]] == [(0, True)]
+    assert "- (no survivor)" in render_report(tmp_path, s)
+    assert s["offenders"] == []  # (the agent's kill as the job failed is no second fault)
+
+
+def test_a_lost_node_is_one_fault_of_its_ranks_not_the_survivors(tmp_path):
+    agent, r0 = _logs(tmp_path, "agent 0", "rank 0")
+    r0.emit("commit", epoch=1, step=2)
+    r0.emit("local_fault", step=3, epoch=1, cause="CollectiveFailed: reset", incarnation=1)
+    agent.emit("node_lost", node=1, lease=4, lives=2, ranks=[2, 3], lease_ms=300)
+    r0.emit("commit", epoch=2, step=3)
+    _close(agent, r0)
+    (f,) = summarize(tmp_path)["faults"]
+    assert (f["rank"], f["kind"], f["step"]) == ("node 1 (ranks 2,3)", "node_lost", 3)
+    assert f["recover_ms"] is not None
+
+
+def test_two_runs_in_one_directory_are_apart_and_the_last_is_reported(tmp_path):
+    for job in ("first", "second"):
+        agent, r0 = _logs(tmp_path, "agent 0", "rank 0")
+        agent.emit("agent_start", node_rank=0, job=job)
+        for step in range(3 if job == "first" else 5):
+            r0.emit("commit", epoch=1, step=step)
+        _close(agent, r0)
+        time.sleep(0.01)
+    last = summarize(tmp_path)
+    assert (last["run"], last["runs"], last["steps_committed"]) == (2, 2, 5)
+    assert summarize(tmp_path, run=0)["steps_committed"] == 3
+    assert "run 2 of the 2 in this directory" in render_report(tmp_path, last)
