@@ -108,7 +108,7 @@ def runs(ev: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         return [ev]
     bounds = [*starts[1:], float("inf")]
     out: list[list[dict[str, Any]]] = [[e for e in ev if e["mono"] < bounds[0]]]
-    out += [[e for e in ev if a <= e["mono"] < b] for a, b in zip(bounds, bounds[1:])]
+    out += [[e for e in ev if a <= e["mono"] < b] for a, b in zip(bounds, bounds[1:], strict=False)]
     return out
 
 
