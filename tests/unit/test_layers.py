@@ -20,7 +20,7 @@ LAYERS = [
     {"integrations"},
     {"launch"},
     {""},  # the package itself (its lazy ``fastft.init``)
-    {"cli", "demo"},  # the demo is a user of the public API
+    {"cli", "demo", "__main__"},  # the demo is a user of the public API
 ]
 RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
