@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fastft.demo.train import batch, build
-from fastft.runtime.shards import tile
+from fastft.runtime.state.shards import tile
 
 WARMUP = 10
 
@@ -88,7 +88,7 @@ def main() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         if a.resume_from is not None:
-            from fastft.runtime.durable import Checkpoints
+            from fastft.runtime.durable.checkpoints import Checkpoints
 
             st = Checkpoints.load(a.resume_from)
             model.load_state_dict(st["model"])

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from fastft.runtime.durable import CheckpointError, Checkpoints, due, verify
-from fastft.runtime.state import StateRegistry
+from fastft.runtime.durable.checkpoints import CheckpointError, Checkpoints, due, verify
+from fastft.runtime.state.registry import StateRegistry
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,7 +122,7 @@ def test_a_write_in_progress_is_skipped_not_waited_for(tmp_path):
 WRITER = textwrap.dedent(
     """
     import sys, time, torch
-    from fastft.runtime.durable import Checkpoints
+    from fastft.runtime.durable.checkpoints import Checkpoints
     class E:
         def emit(self, *a, **k): pass
     c = Checkpoints(sys.argv[1], keep=5, events=E())
@@ -182,7 +182,7 @@ def test_a_failed_write_is_an_event_and_a_warning_never_a_fault(tmp_path, caplog
 STAGED_THEN_KILLED = textwrap.dedent(
     """
     import os, signal, sys, time, torch
-    from fastft.runtime.durable import Checkpoints
+    from fastft.runtime.durable.checkpoints import Checkpoints
     class E:
         def emit(self, *a, **k): pass
     c = Checkpoints(sys.argv[1], keep=5, events=E())
@@ -275,7 +275,7 @@ def test_a_process_forked_from_the_worker_does_not_keep_the_writer_alive(tmp_pat
 def test_a_buffer_left_by_a_job_killed_whole_is_removed_by_the_next(tmp_path):
     """A worker and its writer both killed before the writer mapped the buffer leave it in
     /dev/shm (gigabytes for a real model): the next buffer made on the host removes it."""
-    from fastft.runtime.writer import SharedBuffer
+    from fastft.runtime.durable.writer import SharedBuffer
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(timeout=30)

@@ -25,7 +25,7 @@ from fastft.protocol.auth import (
     ReplayGuard,
     ValueAuth,
 )
-from fastft.runtime.coordinator import Coordinator
+from fastft.runtime.engine.coordinator import Coordinator
 from fastft.testing import MemoryBus, MemoryHub, MemoryStore, wait_for
 
 JOB = "sec"

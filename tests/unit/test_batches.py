@@ -142,7 +142,7 @@ def test_a_healed_member_shuffles_with_the_seed_it_was_sent():
 
 
 def test_the_batch_digest_sees_content_order_and_shape():
-    from fastft.runtime.data import batch_digest
+    from fastft.runtime.state.data import batch_digest
 
     torch = pytest.importorskip("torch")
     x = torch.arange(12.0).reshape(3, 4)

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fastft.runtime.contract import EpochView, Member
-from fastft.runtime.formation import Arrival, Recovery, close_after, close_first
+from fastft.runtime.engine.formation import Arrival, Recovery, close_after, close_first
 
 NOTHING = Recovery()
 PREV = EpochView(4, (Member(0, 10), Member(1, 11), Member(2, 12)), 7, frozenset(), 0)

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import fastft
-from fastft.runtime import tree
-from fastft.runtime.state import StateRegistry
+from fastft.runtime.state import tree
+from fastft.runtime.state.registry import StateRegistry
 
 
 class _Data:
@@ -123,7 +123,7 @@ def test_tree_rejects_what_it_did_not_write():
 
 _UNPICKLE = re.compile(r"pickle\.loads?\(|Unpickler\b|marshal\.loads?\(|\beval\(|\bexec\(")
 _ALLOWED = {
-    "runtime/writer.py": "messages on the pipe between a worker and its own writer child",
+    "runtime/durable/writer.py": "messages on the pipe between a worker and its own writer child",
 }
 
 

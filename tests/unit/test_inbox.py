@@ -27,7 +27,7 @@ from fastft.protocol import (
     Severity,
 )
 from fastft.runtime.contract import EpochView, Member
-from fastft.runtime.inbox import route
+from fastft.runtime.engine.inbox import route
 
 ME = Member(0, 10)
 VIEW = EpochView(3, (Member(0, 10), Member(1, 11), Member(2, 12)), 5, frozenset(), 0)

@@ -14,7 +14,7 @@ from fastft.protocol import EXIT_DRAINED
 from fastft.protocol.exits import EXIT_UNHEALTHY
 from fastft.runtime.health import builtin_checks, first_failure
 from fastft.runtime.restart import SOFT_FLOOR_S, timeouts
-from fastft.runtime.state import StateRegistry
+from fastft.runtime.state.registry import StateRegistry
 
 BASE = dict(
     rank=1,

@@ -10,7 +10,7 @@ from fastft.launch.config import LaunchConfig
 from fastft.launch.policy import group_mates
 from fastft.protocol.auth import JobSecret
 from fastft.runtime.contract import EpochView, Member, RuntimeConfig
-from fastft.runtime.hsdp import (
+from fastft.runtime.groups.hsdp import (
     broken_groups,
     heal_group,
     replicate_ranks,
@@ -105,13 +105,13 @@ def test_sync_policies_are_parsed_or_refused_with_what_to_use():
 
 
 def test_an_outer_step_moves_the_anchor_and_the_parameters_and_a_rollback_undoes_it():
-    """DiLoCo's outer step (fastft.runtime.sync.Outer) on two parameters; against the
+    """DiLoCo's outer step (fastft.runtime.groups.sync.Outer) on two parameters; against the
     formula for plain SGD (lr 0.5): anchor - 0.5 * averaged pseudo-gradient."""
     import copy
 
     import torch
 
-    from fastft.runtime.sync import Outer
+    from fastft.runtime.groups.sync import Outer
 
     params = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
     outer = Outer(params, lambda ps: torch.optim.SGD(ps, lr=0.5))

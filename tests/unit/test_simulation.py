@@ -32,13 +32,13 @@ from fastft.process.heartbeat import Heartbeat
 from fastft.process.services import Services
 from fastft.protocol import JobKeys, ProcessExited, Role
 from fastft.runtime.contract import EpochView, Member, RuntimeConfig, WorkerExit
-from fastft.runtime.coordinator import Coordinator
-from fastft.runtime.dataplane import HealTail
-from fastft.runtime.executor import Executor
-from fastft.runtime.heal import HealResult
-from fastft.runtime.kept import KeptGradients
-from fastft.runtime.sideclient import SideClient
-from fastft.runtime.state import StateRegistry
+from fastft.runtime.engine.coordinator import Coordinator
+from fastft.runtime.engine.executor import Executor
+from fastft.runtime.engine.sideclient import SideClient
+from fastft.runtime.groups.dataplane import HealTail
+from fastft.runtime.state.heal import HealResult
+from fastft.runtime.state.kept import KeptGradients
+from fastft.runtime.state.registry import StateRegistry
 from fastft.testing import FakeClock, MemoryBus, MemoryHub, MemoryStore
 
 pytestmark = pytest.mark.timeout(60)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastft.runtime.state import StateRegistry
+from fastft.runtime.state.registry import StateRegistry
 
 
 def _setup() -> tuple[nn.Module, StateRegistry]:

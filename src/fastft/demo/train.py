@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import fastft
-from fastft.runtime.hsdp import local as local_shards
+from fastft.runtime.groups.hsdp import local as local_shards
 
 
 def build(hidden: int, seed: int, layers: int = 2) -> nn.Module:

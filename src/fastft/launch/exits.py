@@ -1,7 +1,7 @@
 """What the agent does when a worker exits or stops: report it on the bus once (the exit
 trace and ``waitid`` may both see it), then restart the slot, mark it done or fail the job
 (:func:`fastft.launch.policy.after_exit` decides). The agent's part for it, as
-:class:`~fastft.runtime.membership.Membership` is the executor's: it uses the agent's
+:class:`~fastft.runtime.engine.membership.Membership` is the executor's: it uses the agent's
 state (``slots``, ``children``, ``spares``, ``events``, ``store``, ``keys``)."""
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ class WorkerEnv:
     )
     flow: str | None = _var(
         "FASTFT_FLOW",
-        "pipeline stages: HOST:PORT of the flow store the stages share (fastft.runtime.flow)",
+        "pipeline stages: HOST:PORT of the flow store the stages share (fastft.runtime.groups.flow)",
     )
     flow_name: str | None = _var("FASTFT_FLOW_NAME", "pipeline stages: the pipeline's name")
     stage: str | None = _var("FASTFT_STAGE", "pipeline stages: I/S, this job is stage I of S")

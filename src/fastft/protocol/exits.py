@@ -30,7 +30,7 @@ was lost and nothing can restore it. The agent fails the job instead of restarti
 
 EXIT_GROUP_FAULT = 87
 """A member of a shard group raised inside its step and ended: the agent restarts its
-group (:mod:`fastft.runtime.hsdp`)."""
+group (:mod:`fastft.runtime.groups.hsdp`)."""
 
 EXIT_DRAINED = 88
 """A worker's exit status after a drain: it committed its last step and every member

@@ -12,8 +12,8 @@ from fastft.runtime.contract import (
     StateLost,
     WorkerExit,
 )
-from fastft.runtime.data import Batches
-from fastft.runtime.state import StateRegistry
+from fastft.runtime.state.data import Batches
+from fastft.runtime.state.registry import StateRegistry
 
 __all__ = [
     "EXIT_STATE_LOST",

@@ -1,7 +1,7 @@
 """The worker's API: :func:`init`, :class:`Runtime` and :class:`Transaction`.
 
 One :class:`Runtime` per process. Its brain is the pure state machine
-(:func:`fastft.fsm.decide`), run by :class:`fastft.runtime.executor.Executor`. The main
+(:func:`fastft.fsm.decide`), run by :class:`fastft.runtime.engine.executor.Executor`. The main
 thread is interrupted (``fastft.interrupt``) only inside the user's step body; the
 runtime's own machinery is shielded from the signal and checks the state machine at its
 own safe points instead.
@@ -43,20 +43,20 @@ from fastft.runtime.contract import (
     RuntimeConfig,
     WorkerExit,
 )
-from fastft.runtime.coordinator import Coordinator
-from fastft.runtime.data import Batches
-from fastft.runtime.dataplane import DataPlane
-from fastft.runtime.durable import Checkpoints
-from fastft.runtime.executor import Executor
-from fastft.runtime.flow import flow_of
-from fastft.runtime.formation import Recovery
+from fastft.runtime.durable.checkpoints import Checkpoints
+from fastft.runtime.engine.coordinator import Coordinator
+from fastft.runtime.engine.executor import Executor
+from fastft.runtime.engine.formation import Recovery
+from fastft.runtime.engine.sideclient import SideClient
+from fastft.runtime.groups.dataplane import DataPlane
+from fastft.runtime.groups.flow import flow_of
+from fastft.runtime.groups.hsdp import StepGate, meet_shard_group
+from fastft.runtime.groups.sync import Outer, OuterOptimizer, reduce_gradients
 from fastft.runtime.health import HealthCheck, admit_or_leave
-from fastft.runtime.hsdp import StepGate, meet_shard_group
-from fastft.runtime.kept import KeptGradients
 from fastft.runtime.restart import Restartable
-from fastft.runtime.sideclient import SideClient
-from fastft.runtime.state import StateRegistry
-from fastft.runtime.sync import Outer, OuterOptimizer, reduce_gradients
+from fastft.runtime.state.data import Batches
+from fastft.runtime.state.kept import KeptGradients
+from fastft.runtime.state.registry import StateRegistry
 from fastft.runtime.transaction import Transaction
 
 __all__ = ["Runtime", "Transaction", "init"]  # (Transaction: fastft.runtime.transaction)
@@ -278,7 +278,7 @@ class Runtime(StepAttempts):
 
             model = fully_shard(model, mesh=ft.shard_mesh())
 
-        The replicate dimension is fastft's (:mod:`fastft.runtime.hsdp`). ``device_type``:
+        The replicate dimension is fastft's (:mod:`fastft.runtime.groups.hsdp`). ``device_type``:
         ``cuda`` when CUDA is available, else ``cpu``."""
         if not self.sharded:
             raise RuntimeError(

@@ -20,16 +20,16 @@ from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat
 from fastft.protocol.exits import EXIT_GROUP_FAULT
 from fastft.runtime.contract import DataDiverged, RuntimeConfig, ScriptError, misuse
-from fastft.runtime.data import Batches, batch_digest
-from fastft.runtime.flow import hold_stage
-from fastft.runtime.state import StateRegistry, reseed
-from fastft.runtime.sync import outer_due, outer_step
+from fastft.runtime.groups.flow import hold_stage
+from fastft.runtime.groups.sync import outer_due, outer_step
+from fastft.runtime.state.data import Batches, batch_digest
+from fastft.runtime.state.registry import StateRegistry, reseed
 
 if TYPE_CHECKING:
     from fastft.inject.execute import Injector
     from fastft.runtime.api import Runtime
-    from fastft.runtime.executor import Executor
-    from fastft.runtime.flow import Flow
+    from fastft.runtime.engine.executor import Executor
+    from fastft.runtime.groups.flow import Flow
     from fastft.runtime.transaction import Transaction
 
 __all__ = ["StepAttempts"]
@@ -163,7 +163,7 @@ class StepAttempts:
         """Whether every member drew the same batches in this attempt: one allreduce (max)
         of (digest, -digest) over the epoch, equal on every member, so that all of them
         see a difference at once. No loader quirk may train silently on the wrong data
-        (:mod:`fastft.runtime.data`)."""
+        (:mod:`fastft.runtime.state.data`)."""
         mine = batch_digest(tuple(-1 if b.digest is None else b.digest for b in self._batches))
         both = torch.tensor([mine, -mine], dtype=torch.int64, device=self._x.dp.comm_device())
         with self._hb.blocked:

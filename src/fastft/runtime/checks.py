@@ -27,7 +27,7 @@ def check_sync(sync: str) -> int:
 def check_stage(
     stage: str | None, flow: str | None, max_ahead: int, elastic: bool, shard_size: int
 ) -> tuple[int, int]:
-    """A pipeline stage's configuration (:mod:`fastft.runtime.flow`): (I, S), (0, 1) for a
+    """A pipeline stage's configuration (:mod:`fastft.runtime.groups.flow`): (I, S), (0, 1) for a
     job that is no stage."""
     if stage is None:
         if flow is not None:

@@ -80,18 +80,18 @@ class RuntimeConfig:
     random when None; ``check_every``: log the state digest (S3) every N commits (0: never);
     ``keep_gradients``: in an elastic world, keep a copy of the weighted local gradient
     before each step's allreduce (one more gradient-sized buffer), so that a retry after
-    the world shrank computes only the lost members' samples (:mod:`fastft.runtime.shards`);
+    the world shrank computes only the lost members' samples (:mod:`fastft.runtime.state.shards`);
     ``checkpoint_dir``, ``checkpoint_every`` (steps), ``checkpoint_interval_s``,
-    ``checkpoint_keep``: the durable tier (:mod:`fastft.runtime.durable`); with a directory
+    ``checkpoint_keep``: the durable tier (:mod:`fastft.runtime.durable.checkpoints`); with a directory
     and no schedule, every ``CHECKPOINT_INTERVAL_S``; ``allow_fresh_start``: when every
     holder of the committed state is lost and no checkpoint exists, start again from step
     0 instead of failing the job. ``secret_file``: the job secret every process of the job
     shares (``fastft run`` hands it to its workers): it authenticates control messages and
     decisions (:mod:`fastft.protocol.auth`); required. ``shard_size``: workers per shard
-    group (HSDP, :mod:`fastft.runtime.hsdp`): ranks ``r // shard_size`` shard one copy of
+    group (HSDP, :mod:`fastft.runtime.groups.hsdp`): ranks ``r // shard_size`` shard one copy of
     the model and are the unit of fault; ``group_gen``: how many times the agent started
     this worker's group again (its members meet under it). ``sync``: how the replica groups
-    sync, ``per-step``, ``every-k:N`` or ``diloco:N`` (:mod:`fastft.runtime.sync`).
+    sync, ``per-step``, ``every-k:N`` or ``diloco:N`` (:mod:`fastft.runtime.groups.sync`).
     """
 
     store: str
@@ -388,7 +388,7 @@ class EpochView:
     from, the members that must receive state, and the member that sends it (None when
     no member holds the state). ``kept``: ``(rank, lo, hi, n)``
     for each survivor holding the weighted local gradient of samples ``[lo, hi)`` of
-    ``step``'s batch of ``n`` (elastic worlds; see :mod:`fastft.runtime.shards`).
+    ``step``'s batch of ``n`` (elastic worlds; see :mod:`fastft.runtime.state.shards`).
     ``waiting``: workers registered to join that this epoch left out (an elastic world's
     re-formation after a rollback: the survivors retry without waiting for their heal);
     they are admitted after the next commit. ``restore``: every member loads the durable

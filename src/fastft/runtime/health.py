@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fastft.runtime.contract import Unhealthy
-from fastft.runtime.state import StateRegistry
+from fastft.runtime.state.registry import StateRegistry
 
 if TYPE_CHECKING:
     from fastft.runtime.api import Runtime

@@ -49,7 +49,7 @@ class Transaction:
 
         In an elastic world, the attempts of a step after it rolled back give each member
         a piece of the samples nobody kept: the members that had finished their part add
-        the gradient they kept (``keep_gradients``, :mod:`fastft.runtime.kept`)."""
+        the gradient they kept (``keep_gradients``, :mod:`fastft.runtime.state.kept`)."""
         rt = self._rt
         kept = rt._x.kept
         part = kept.shard(rt._x.view, self.step, n, self.world, self.rank)
@@ -85,7 +85,7 @@ class Transaction:
 
     def send(self, tensor: torch.Tensor) -> None:
         """Pipeline stages (``--stage``): this member's output of this step, for the
-        member of the same rank in the next stage (:mod:`fastft.runtime.flow`)."""
+        member of the same rank in the next stage (:mod:`fastft.runtime.groups.flow`)."""
         rt = self._rt
         if rt.flow is None:
             raise RuntimeError("tx.send(): this job is no pipeline stage (fastft run --stage)")

@@ -9,7 +9,7 @@ the rest (every holder lost at once, or the whole job stopped): ``fastft run
   (:func:`due`). Every member holds the same state (S3), so one member writes: the
   epoch's first. RNG needs no saving: the runtime reseeds from (seed, step, rank).
 * **Asynchronous.** The step loop pays for a copy of the tensors into a shared-memory
-  buffer; a writer process (:mod:`fastft.runtime.writer`) saves them with
+  buffer; a writer process (:mod:`fastft.runtime.durable.writer`) saves them with
   ``torch.distributed.checkpoint`` plus the state's structure, then the manifest (sizes
   and SHA-256 of every file), then renames the directory into place: a checkpoint is
   visible whole or not at all. A checkpoint due while the previous one is still being
@@ -18,7 +18,7 @@ the rest (every holder lost at once, or the whole job stopped): ``fastft run
 * **Restore.** :meth:`Checkpoints.latest` verifies the manifest of the newest checkpoint
   and falls back to the one before it, with an error in the log, if a file is missing,
   truncated or altered; it first waits (up to 30 s) for a newer one that a writer whose
-  worker died is still completing. The structure is JSON (``fastft.runtime.tree``),
+  worker died is still completing. The structure is JSON (``fastft.runtime.state.tree``),
   which cannot run code when read; DCP's own ``.metadata`` is a pickle torch reads, so
   the directory must be as private as the job's other files.
 
@@ -45,11 +45,11 @@ from typing import Any
 
 import torch
 
-import fastft.runtime.tree as tree  # the heal's: the structure as JSON, tensors apart
+import fastft.runtime.state.tree as tree  # the heal's: the structure as JSON, tensors apart
 from fastft.process.events import EventLog
 from fastft.process.teardown import join_at_exit
-from fastft.runtime.wire import _clone
-from fastft.runtime.writer import SharedBuffer, WriterProcess, layout, process_alive, views
+from fastft.runtime.durable.writer import SharedBuffer, WriterProcess, layout, process_alive, views
+from fastft.runtime.state.wire import _clone
 
 warnings.filterwarnings(  # no_dist=True says so already
     "ignore", message="torch.distributed is disabled", category=UserWarning
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "fastft.json"
 STRUCTURE = "structure.json"
 FORMAT = 2
-"""2: the structure is JSON (:mod:`fastft.runtime.tree`); 1 was a pickle."""
+"""2: the structure is JSON (:mod:`fastft.runtime.state.tree`); 1 was a pickle."""
 JOIN_AT_CLOSE_S = 120.0
 """How long a worker that ends cleanly waits for its last checkpoint to be written."""
 WAIT_FOR_WRITER_S = 30.0
@@ -99,7 +99,7 @@ def _name(step: int) -> str:
 
 class Checkpoints:
     """One worker's view of the checkpoint directory: writes (one at a time, by a writer
-    process of its own, :mod:`fastft.runtime.writer`), finds and verifies, loads."""
+    process of its own, :mod:`fastft.runtime.durable.writer`), finds and verifies, loads."""
 
     def __init__(
         self, root: str | os.PathLike[str], keep: int, events: EventLog, *, process: bool = True

@@ -20,9 +20,9 @@ from fastft.interrupt import broadcast_bytes as interruptible_broadcast_bytes
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat
 from fastft.runtime.contract import EpochView
-from fastft.runtime.dataplane import DataPlane, HealTail
-from fastft.runtime.hsdp import shard_source
-from fastft.runtime.state import StateRegistry
+from fastft.runtime.groups.dataplane import DataPlane, HealTail
+from fastft.runtime.groups.hsdp import shard_source
+from fastft.runtime.state.registry import StateRegistry
 
 __all__ = ["HealResult", "Healer"]
 

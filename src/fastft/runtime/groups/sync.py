@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fastft.interrupt import allreduce as interruptible_allreduce
-from fastft.runtime.wire import _clone
+from fastft.runtime.state.wire import _clone
 
 if TYPE_CHECKING:
     from fastft.runtime.api import Runtime

@@ -1,7 +1,7 @@
 """Epoch formation, the decisions: who is admitted, who heals, who sends. Pure.
 
 The store I/O around it (arrivals, joiner keys, the closing compare-and-set) is
-:mod:`fastft.runtime.coordinator`; the protocol is described there.
+:mod:`fastft.runtime.engine.coordinator`; the protocol is described there.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import threading
 from typing import Any
 
 from fastft.protocol.keys import JobKeys
-from fastft.runtime.coordinator import Coordinator
+from fastft.runtime.engine.coordinator import Coordinator
 
 __all__ = ["KeyCollector", "SideClient"]
 

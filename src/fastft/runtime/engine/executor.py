@@ -1,7 +1,7 @@
 """The executor: feeds the state machine and performs its actions.
 
 Events come from two threads: the bus listener (peers' faults, rollback requests and acks,
-joins; :mod:`fastft.runtime.inbox` turns messages into events) and the main thread (the
+joins; :mod:`fastft.runtime.engine.inbox` turns messages into events) and the main thread (the
 step finished, a local exception, a decision read from the store). Both feed
 :meth:`Executor.feed`, which runs :func:`fastft.fsm.decide` under one lock and performs the
 *immediate* actions on the spot (interrupt the step, propose ROLLBACK in the store,
@@ -61,17 +61,17 @@ from fastft.protocol import (
     RollbackRequest,
     Severity,
 )
-from fastft.runtime.checkpointing import CommitCheckpoints
 from fastft.runtime.contract import EpochView, FaultStorm, Member, RuntimeConfig, WorkerExit
-from fastft.runtime.coordinator import Coordinator
-from fastft.runtime.dataplane import DataPlane
-from fastft.runtime.durable import Checkpoints
-from fastft.runtime.faults import Faults
-from fastft.runtime.heal import Healer
-from fastft.runtime.kept import KeptGradients
-from fastft.runtime.membership import Membership
-from fastft.runtime.sideclient import SideClient
-from fastft.runtime.state import StateRegistry
+from fastft.runtime.durable.checkpoints import Checkpoints
+from fastft.runtime.durable.commit import CommitCheckpoints
+from fastft.runtime.engine.coordinator import Coordinator
+from fastft.runtime.engine.faults import Faults
+from fastft.runtime.engine.membership import Membership
+from fastft.runtime.engine.sideclient import SideClient
+from fastft.runtime.groups.dataplane import DataPlane
+from fastft.runtime.state.heal import Healer
+from fastft.runtime.state.kept import KeptGradients
+from fastft.runtime.state.registry import StateRegistry
 
 __all__ = ["Executor"]
 

@@ -1,5 +1,5 @@
 """The worker's faults: its own (reported on the bus and fed to the state machine),
-its peers' (bus messages routed by :mod:`fastft.runtime.inbox`), and planned ones (the
+its peers' (bus messages routed by :mod:`fastft.runtime.engine.inbox`), and planned ones (the
 injector). Performed for the executor, under its lock."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from fastft.fsm import LocalFault
 from fastft.inject import FaultKind, FaultSpec, StateLost, execute
 from fastft.protocol import DrainAck, Fault, Message, Severity
 from fastft.protocol.faults import fault_of
-from fastft.runtime.inbox import route
+from fastft.runtime.engine.inbox import route
 
 if TYPE_CHECKING:
-    from fastft.runtime.executor import Executor
+    from fastft.runtime.engine.executor import Executor
 
 __all__ = ["Faults"]
 

@@ -3,8 +3,8 @@ a commit, if a checkpoint is due (every N steps or T seconds) or forced (a drain
 leavers may take the last holders of the state with them), and once more at a clean end
 if the last one was deferred. Only the epoch's first member writes: every member holds
 the same state (S3). The executor's part for it, as
-:class:`~fastft.runtime.membership.Membership` is for formations; the writing itself is
-:class:`~fastft.runtime.durable.Checkpoints`'."""
+:class:`~fastft.runtime.engine.membership.Membership` is for formations; the writing itself is
+:class:`~fastft.runtime.durable.checkpoints.Checkpoints`'."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 from fastft.protocol.exits import CHECKPOINT_FAILURES
 from fastft.runtime.contract import CheckpointsFail
-from fastft.runtime.durable import due
+from fastft.runtime.durable.checkpoints import due
 
 if TYPE_CHECKING:
-    from fastft.runtime.executor import Executor
+    from fastft.runtime.engine.executor import Executor
 
 __all__ = ["CommitCheckpoints"]
 

@@ -1,5 +1,5 @@
 """The heal's wire format, checked on the way in, and the tensor helpers of the state
-registry (:mod:`fastft.runtime.state`): a header that is JSON (never a pickle: a peer's
+registry (:mod:`fastft.runtime.state.registry`): a header that is JSON (never a pickle: a peer's
 header must not run code), byte buffers the tensors lie in."""
 
 from __future__ import annotations

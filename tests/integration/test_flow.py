@@ -1,4 +1,4 @@
-"""Pipeline stages' flow store (fastft.runtime.flow): the staleness bound's arithmetic, a
+"""Pipeline stages' flow store (fastft.runtime.groups.flow): the staleness bound's arithmetic, a
 hold that a fault cancels at once, activations that arrive only once their step is
 committed upstream, forged values ignored, and the refused configurations."""
 
@@ -15,7 +15,7 @@ from fastft.errors import ConfigError
 from fastft.interrupt import StepInterrupted
 from fastft.protocol.auth import JobSecret
 from fastft.runtime.contract import check_stage
-from fastft.runtime.flow import Flow, entry_needs
+from fastft.runtime.groups.flow import Flow, entry_needs
 
 pytestmark = pytest.mark.timeout(60)
 

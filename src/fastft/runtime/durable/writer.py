@@ -9,7 +9,7 @@ its own instead, as torch's ``async_save`` with a process checkpointer:
 * the worker stages the committed state's tensors into one shared-memory buffer (the step
   loop's only cost: that copy) and hands the writer a small header (the state's structure
   with its tensors as references, and where each tensor lies in the buffer);
-* the writer maps the buffer, saves with :func:`fastft.runtime.durable.write_checkpoint`
+* the writer maps the buffer, saves with :func:`fastft.runtime.durable.checkpoints.write_checkpoint`
   and answers with the result; one write at a time.
 * The writer is started as ``python -c`` :func:`main` (not with ``multiprocessing``: a
   spawned child would import the user's script again) on the first checkpoint, and ends
@@ -41,8 +41,8 @@ WRITER_NICE = 19
 """The writer process yields the CPU to training: it holds no lock the workers need (its
 own interpreter), so a low priority inverts nothing (a writer *thread* at nice 10 stalled
 the step loop behind the GIL it held: +16.8 %)."""
-_MAIN = "import sys; from fastft.runtime.writer import main; sys.exit(main())"
-"""(Not ``-m fastft.runtime.writer``: the package imports this module first.)"""
+_MAIN = "import sys; from fastft.runtime.durable.writer import main; sys.exit(main())"
+"""(Not ``-m fastft.runtime.durable.writer``: the package imports this module first.)"""
 _ALIGN = 64
 _PREFIX = "fastft-ckpt-"
 
@@ -221,8 +221,8 @@ def main() -> int:
     new."""
     import torch.distributed.checkpoint  # noqa: F401 - imported before the priority drops
 
-    import fastft.runtime.tree as tree
-    from fastft.runtime.durable import write_checkpoint
+    import fastft.runtime.state.tree as tree
+    from fastft.runtime.durable.checkpoints import write_checkpoint
 
     try:
         os.setpriority(os.PRIO_PROCESS, 0, WRITER_NICE)

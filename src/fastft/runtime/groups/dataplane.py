@@ -21,7 +21,7 @@ from torch import nn
 from fastft.process.events import EventLog
 from fastft.process.teardown import drop_later, keep_at_exit, keep_forever
 from fastft.runtime.contract import EpochView, choose_backend
-from fastft.runtime.hsdp import StepGate, heal_group, replicate_ranks
+from fastft.runtime.groups.hsdp import StepGate, heal_group, replicate_ranks
 
 __all__ = ["DataPlane", "HealTail"]
 
@@ -32,7 +32,7 @@ _WAIT_S = 0.05
 
 @dataclass
 class HealTail:
-    """The deferred part of a heal (:mod:`fastft.runtime.heal`): the optimizer state's
+    """The deferred part of a heal (:mod:`fastft.runtime.state.heal`): the optimizer state's
     works, started when the rest was in, and what loading it needs."""
 
     epoch: int
@@ -57,7 +57,7 @@ class DataPlane:
         self._store = store
         self.k = shard_size
         """Workers per shard group: the epoch's group is then this member's replicate group
-        (:mod:`fastft.runtime.hsdp`)."""
+        (:mod:`fastft.runtime.groups.hsdp`)."""
         self.gate: StepGate | None = None
         """The shard group's step gate, once the group has met (:meth:`Runtime.shard_mesh`)."""
         self._build_client: Any = None  # made by the first build, on its thread

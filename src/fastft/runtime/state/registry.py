@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-import fastft.runtime.tree as tree
-from fastft.runtime.hsdp import is_sharded, load_model_shards, local, optimizer_shards
-from fastft.runtime.wire import (
+import fastft.runtime.state.tree as tree
+from fastft.runtime.groups.hsdp import is_sharded, load_model_shards, local, optimizer_shards
+from fastft.runtime.state.wire import (
     _ALIGN,
     _DEFERRED,
     _DIRECT_BYTES,
@@ -38,7 +38,7 @@ from fastft.runtime.wire import (
 )
 
 if TYPE_CHECKING:
-    from fastft.runtime.sync import Outer
+    from fastft.runtime.groups.sync import Outer
 
 __all__ = ["Stateful", "StateRegistry", "reseed"]
 
@@ -81,7 +81,7 @@ class StateRegistry:
         self._average: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """A sync step's averaged parameters and optimizer state, applied at its commit."""
         self.outer: Outer | None = None
-        """``--sync diloco``: the anchor and the outer optimizer (:mod:`fastft.runtime.sync`)."""
+        """``--sync diloco``: the anchor and the outer optimizer (:mod:`fastft.runtime.groups.sync`)."""
 
     def register(
         self,
@@ -276,7 +276,7 @@ class StateRegistry:
         the smaller ones are copied into one buffer per device (aligned for their dtype),
         so a state of many small tensors still costs one collective. The header is JSON:
         the state's structure with every tensor replaced by a reference
-        (:mod:`fastft.runtime.tree`; nothing in it can run code where it is read), and
+        (:mod:`fastft.runtime.state.tree`; nothing in it can run code where it is read), and
         where each tensor lies on the wires, which the receivers allocate from (:meth:`allocate`).
 
         ``defer``: the optimizer's large tensors go last, from wire :meth:`tail` on, so

@@ -30,8 +30,8 @@ from fastft.bus.signed import ForgedValue
 from fastft.errors import ControlPlaneError
 from fastft.protocol.keys import JobKeys
 from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, JobFinished, Member
-from fastft.runtime.formation import Arrival, Recovery, close_after, close_first, holds_state
-from fastft.runtime.hsdp import broken_groups, whole_groups
+from fastft.runtime.engine.formation import Arrival, Recovery, close_after, close_first, holds_state
+from fastft.runtime.groups.hsdp import broken_groups, whole_groups
 
 __all__ = [
     "ADMIT",
@@ -306,7 +306,7 @@ class Coordinator:
         False: registered joiners are left out (listed as ``waiting``) when the survivors
         are at least ``min_replicas`` without them. ``arrived`` is called once this
         worker's arrival is written. ``suspect``: this worker's state may be damaged
-        (:class:`~fastft.runtime.formation.Arrival`)."""
+        (:class:`~fastft.runtime.engine.formation.Arrival`)."""
         epoch = prev.epoch + 1
         me = self.me.rank
         arrival = Arrival(self.me.incarnation, step, lost_state, kept, suspect)

@@ -1,6 +1,6 @@
 """Votes and epochs on the main thread: the executor's store-facing actions (join, form
 the next epoch, adopt it, vote and wait for the decision). The decisions themselves are
-the state machine's and :mod:`fastft.runtime.formation`'s; this module performs them."""
+the state machine's and :mod:`fastft.runtime.engine.formation`'s; this module performs them."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 from fastft.fsm import CastVote, Decision, FormEpoch, PeerFault, Phase, QuorumReady
 from fastft.protocol import JoinRequest, Severity
 from fastft.runtime.contract import EpochView, JobFinished, StateLost, WorkerExit
-from fastft.runtime.coordinator import parse_commit
-from fastft.runtime.durable import CheckpointError
-from fastft.runtime.hsdp import heal_group, shard_source, whole_groups
-from fastft.runtime.sideclient import KeyCollector
+from fastft.runtime.durable.checkpoints import CheckpointError
+from fastft.runtime.engine.coordinator import parse_commit
+from fastft.runtime.engine.sideclient import KeyCollector
+from fastft.runtime.groups.hsdp import heal_group, shard_source, whole_groups
 
 if TYPE_CHECKING:
-    from fastft.runtime.executor import Executor
+    from fastft.runtime.engine.executor import Executor
 
 __all__ = ["Membership"]
 
