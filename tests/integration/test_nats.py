@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from fastft.bus import BusConfig, connect_store, open_bus
-from fastft.bus.nats import connect_nats, shutdown
+from fastft.bus.nats import shutdown
 from fastft.bus.natscluster import LocalCluster, server_binary
-from fastft.bus.natsstore import NatsStore
+from fastft.bus.natsstore import NatsStore, connect_nats
 from fastft.errors import StoreUnreachable
 from fastft.protocol import Fault, Role, Severity
 

@@ -36,12 +36,14 @@ def connect_store(
     (the NATS control plane). Raises StoreUnreachable with one line if it cannot.
     ``torch_free``: a client that imports no torch (the operator's commands: enough for
     the bus, not for a process group's rendezvous)."""
-    if is_nats(address):
-        from fastft.bus.nats import connect_nats
+    if is_nats(address) and torch_free:
+        from fastft.bus.nats import connect_kv
 
-        return connect_nats(
-            address, timeout_s=timeout_s, wait_s=min(wait_s, 5.0), torch_free=torch_free
-        )
+        return connect_kv(address, timeout_s=timeout_s, wait_s=min(wait_s, 5.0))
+    if is_nats(address):
+        from fastft.bus.natsstore import connect_nats
+
+        return connect_nats(address, timeout_s=timeout_s, wait_s=min(wait_s, 5.0))
     return _connect_tcpstore(address, timeout_s=timeout_s, wait_s=wait_s, torch_free=torch_free)
 
 

@@ -40,7 +40,8 @@ __all__ = [
     "BUCKET",
     "NatsKV",
     "NatsTransport",
-    "connect_nats",
+    "connect_kv",
+    "nats_connection",
     "is_nats",
     "nats_bus",
     "shutdown",
@@ -62,22 +63,20 @@ def is_nats(address: str | None) -> bool:
     return bool(address) and str(address).startswith(("nats://", "tls://"))
 
 
-def connect_nats(
-    address: str, timeout_s: float = 30.0, wait_s: float = 0.0, torch_free: bool = False
-) -> NatsKV:
-    """A store on the NATS cluster at ``address`` (comma-separated URLs): a
-    ``torch.distributed.Store`` (:class:`~fastft.bus.natsstore.NatsStore`), or with
-    ``torch_free`` a :class:`NatsKV`. Raises StoreUnreachable with one line if no server
-    answers (within ``wait_s``) or JetStream is off."""
+def nats_connection(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) -> Conn:
+    """A connection to the NATS cluster at ``address`` (comma-separated URLs). Raises
+    StoreUnreachable with one line if no server answers (within ``wait_s``) or JetStream is
+    off."""
     servers = [s.strip() for s in address.split(",") if s.strip()]
     if not servers or not all(is_nats(s) for s in servers):
         raise StoreUnreachable(f"--control {address!r}: use nats://HOST:PORT[,nats://HOST:PORT...]")
-    conn = connection(servers, timeout_s, wait_s)
-    if torch_free:
-        return NatsKV(conn, timeout_s)
-    from fastft.bus.natsstore import NatsStore
+    return connection(servers, timeout_s, wait_s)
 
-    return NatsStore(conn, timeout_s)
+
+def connect_kv(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) -> NatsKV:
+    """The job's store on the NATS cluster at ``address`` without torch (the operator's
+    commands); :func:`fastft.bus.natsstore.connect_nats` for a ``torch.distributed.Store``."""
+    return NatsKV(nats_connection(address, timeout_s, wait_s), timeout_s)
 
 
 # --- the store ------------------------------------------------------------------------------

@@ -29,11 +29,8 @@ next writer on that host once that process is gone, by any after a day).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import re
 import shutil
 import socket
 import threading
@@ -48,6 +45,15 @@ import torch
 import fastft.runtime.state.tree as tree  # the heal's: the structure as JSON, tensors apart
 from fastft.process.events import EventLog
 from fastft.process.teardown import join_at_exit
+from fastft.runtime.durable.disk import (
+    STRUCTURE,
+    CheckpointError,
+    checkpoint_name,
+    parse_tmp,
+    tmp_name,
+    verify,
+    write_checkpoint,
+)
 from fastft.runtime.durable.writer import SharedBuffer, WriterProcess, layout, process_alive, views
 from fastft.runtime.state.wire import _clone
 
@@ -55,22 +61,14 @@ warnings.filterwarnings(  # no_dist=True says so already
     "ignore", message="torch.distributed is disabled", category=UserWarning
 )
 
-__all__ = ["CheckpointError", "Checkpoints", "Saved", "due"]
+__all__ = ["CheckpointError", "Checkpoints", "Saved", "due", "verify", "write_checkpoint"]
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "fastft.json"
-STRUCTURE = "structure.json"
-FORMAT = 2
-"""2: the structure is JSON (:mod:`fastft.runtime.state.tree`); 1 was a pickle."""
 JOIN_AT_CLOSE_S = 120.0
 """How long a worker that ends cleanly waits for its last checkpoint to be written."""
 WAIT_FOR_WRITER_S = 30.0
 """How long a restore waits for a newer checkpoint that a live writer is still writing."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used (incomplete, truncated, altered)."""
 
 
 def due(
@@ -91,10 +89,6 @@ class Saved:
 
     step: int
     path: Path
-
-
-def _name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 class Checkpoints:
@@ -215,7 +209,7 @@ class Checkpoints:
             # named now, before the writer (maybe still importing torch) starts on it: a
             # restore after every worker died sees that a live writer has this step
             pid = self._writer.start()
-            (self.root / _tmp_name(step, pid)).mkdir(parents=True, exist_ok=True)
+            (self.root / tmp_name(step, pid)).mkdir(parents=True, exist_ok=True)
             answer = self._writer.write(self._buf, job)
         except (OSError, EOFError) as e:
             answer = {"ok": False, "error": f"writer process: {type(e).__name__}: {e}"}
@@ -294,7 +288,7 @@ class Checkpoints:
             live = [  # (a writer on another host cannot be told alive: not waited for)
                 p.name
                 for p in self.root.glob(".tmp-step-*")
-                if _parse_tmp(p.name)[0] > newest and _writing(p) is True
+                if parse_tmp(p.name)[0] > newest and _writing(p) is True
             ]
             if not live or time.monotonic() >= deadline:
                 for name in live:
@@ -307,7 +301,7 @@ class Checkpoints:
             time.sleep(0.05)
 
     def path_of(self, step: int) -> Path:
-        return self.root / _name(step)
+        return self.root / checkpoint_name(step)
 
     @staticmethod
     def load(path: Path) -> dict[str, Any]:
@@ -330,83 +324,6 @@ class Checkpoints:
         return state
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """The manifest of a complete checkpoint whose every file has its recorded size and
-    hash; CheckpointError otherwise."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: no readable {MANIFEST} ({e})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT}")
-    for name, (size, digest) in manifest["files"].items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{path}: {name} is missing")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"{path}: {name} has {f.stat().st_size} bytes, not {size}")
-        if _sha256(f) != digest:
-            raise CheckpointError(f"{path}: {name} does not match its hash")
-    return manifest
-
-
-def write_checkpoint(
-    root: str | os.PathLike[str], step: int, epoch: int, state: dict[str, Any]
-) -> tuple[Path, int]:
-    """Write ``state`` as ``root/step-<step>``: tensors with DCP, the structure, then the
-    manifest, then an atomic rename (complete or invisible). Returns (path, bytes)."""
-    import torch.distributed.checkpoint as dcp
-
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / _name(step)
-    if final.exists():
-        return final, 0  # written by an earlier life (a replay after a restore)
-    tmp = root / _tmp_name(step, os.getpid())
-    tmp.mkdir(parents=True, exist_ok=True)  # (made by the worker that handed it over)
-    for f in tmp.iterdir():
-        shutil.rmtree(f) if f.is_dir() else f.unlink()
-    tensors: list[torch.Tensor] = []
-    structure = tree.dump(state, tensors)
-    dcp.save({f"t{i}": t for i, t in enumerate(tensors)}, checkpoint_id=tmp, no_dist=True)
-    (tmp / STRUCTURE).write_bytes(structure)
-    files: dict[str, tuple[int, str]] = {}
-    for f in sorted(tmp.iterdir()):
-        files[f.name] = (f.stat().st_size, _sha256(f))
-        _fsync(f)
-    manifest = {
-        "format": FORMAT,
-        "step": step,
-        "epoch": epoch,
-        "time": time.time(),
-        "shapes": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors],
-        "files": files,
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest))  # last: the checkpoint is whole
-    _fsync(tmp / MANIFEST)
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-        # the same step written meanwhile by an earlier life's writer, which finishes the
-        # write it was handed after its worker died: the same committed state (S3)
-        shutil.rmtree(tmp, ignore_errors=True)
-        return final, 0
-    _fsync(root)
-    return final, sum(s for s, _ in files.values())
-
-
-def _tmp_name(step: int, pid: int) -> str:
-    return f".tmp-{_name(step)}-{socket.gethostname()}-{pid}"
-
-
-def _parse_tmp(name: str) -> tuple[int, str, str]:
-    """(step, host, pid) of a write in progress (step -1 if ``name`` is not one)."""
-    m = re.fullmatch(r"\.tmp-step-(\d+)-(.*)-(\d+)", name)
-    return (int(m[1]), m[2], m[3]) if m else (-1, "", "")
-
-
 STALE_TMP_S = 86400.0
 """A write in progress by another host's writer, untouched this long, is abandoned."""
 
@@ -414,7 +331,7 @@ STALE_TMP_S = 86400.0
 def _writing(p: Path) -> bool | None:
     """Whether the write in progress ``p`` still has a live writer: True, False (dead, or
     not a name this module makes), or None (another host's, recently touched: unknown)."""
-    step, host, pid = _parse_tmp(p.name)
+    step, host, pid = parse_tmp(p.name)
     if step < 0:
         return False
     if host == socket.gethostname():
@@ -423,19 +340,3 @@ def _writing(p: Path) -> bool | None:
         return None if time.time() - p.stat().st_mtime < STALE_TMP_S else False
     except OSError:
         return False
-
-
-def _sha256(f: Path) -> str:
-    h = hashlib.sha256()
-    with open(f, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

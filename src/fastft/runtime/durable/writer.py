@@ -222,7 +222,7 @@ def main() -> int:
     import torch.distributed.checkpoint  # noqa: F401 - imported before the priority drops
 
     import fastft.runtime.state.tree as tree
-    from fastft.runtime.durable.checkpoints import write_checkpoint
+    from fastft.runtime.durable.disk import write_checkpoint
 
     try:
         os.setpriority(os.PRIO_PROCESS, 0, WRITER_NICE)
