@@ -111,7 +111,7 @@ def test_an_outer_step_moves_the_anchor_and_the_parameters_and_a_rollback_undoes
 
     import torch
 
-    from fastft.runtime.groups.sync import Outer
+    from fastft.runtime.state.outer import Outer
 
     params = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
     outer = Outer(params, lambda ps: torch.optim.SGD(ps, lr=0.5))

@@ -51,11 +51,12 @@ from fastft.runtime.engine.sideclient import SideClient
 from fastft.runtime.groups.dataplane import DataPlane
 from fastft.runtime.groups.flow import flow_of
 from fastft.runtime.groups.hsdp import StepGate, meet_shard_group
-from fastft.runtime.groups.sync import Outer, OuterOptimizer, reduce_gradients
+from fastft.runtime.groups.sync import reduce_gradients as sync_gradients
 from fastft.runtime.health import HealthCheck, admit_or_leave
 from fastft.runtime.restart import Restartable
 from fastft.runtime.state.data import Batches
 from fastft.runtime.state.kept import KeptGradients
+from fastft.runtime.state.outer import Outer, OuterOptimizer
 from fastft.runtime.state.registry import StateRegistry
 from fastft.runtime.transaction import Transaction
 
@@ -67,7 +68,7 @@ _DECISION_WAIT_S = 0.5
 T = TypeVar("T")
 
 
-class Runtime(StepAttempts):
+class Runtime:
     """fastft on one worker. Build it with :func:`init`."""
 
     def __init__(self, config: RuntimeConfig, *, store: dist.Store | None = None) -> None:
@@ -106,7 +107,7 @@ class Runtime(StepAttempts):
             saved = durable.latest() if durable is not None else None
             return Recovery(saved.step if saved else None, config.allow_fresh_start)
 
-        x = self._x = Executor(
+        x = self.engine = Executor(
             config,
             self.me,
             Coordinator(
@@ -145,7 +146,11 @@ class Runtime(StepAttempts):
         )
         x.coord.dead = x.dead  # one set of the dead per process
         self.interrupter.shield(
-            Runtime._enter, Runtime._exit, Executor.drive, Executor._run_main_action, Runtime.close
+            StepAttempts.enter,
+            StepAttempts.exit,
+            Executor.drive,
+            Executor.run_main_action,
+            Runtime.close,
         )
         self.flow = flow_of(config, secret)  # (pipeline stages: --stage, --flow)
         if self.flow is not None:
@@ -153,11 +158,8 @@ class Runtime(StepAttempts):
         self._store = control
         self._raw_store = store
         self._mesh: Any = None
-        self._gate_gen = 0
-        self._retries = 0
-        self._registered = False
-        self._batches: list[Batches] = []  # registered: checked equal over the members
-        self._step_gen = 0
+        self.registered = False
+        self.attempts = StepAttempts(self)
         self.health_checks: list[tuple[str, HealthCheck]] = []
         """The user's health checks (:meth:`add_health_check`)."""
         sv = Services.start(
@@ -179,7 +181,7 @@ class Runtime(StepAttempts):
         x.attach(sv)
         self.bus = sv.bus
         self.injector = sv.injector
-        self._hb: Heartbeat = sv.heartbeat
+        self.heartbeat: Heartbeat = sv.heartbeat
         self.events.emit(
             "worker_start",
             incarnation=self.incarnation,
@@ -197,11 +199,11 @@ class Runtime(StepAttempts):
         returned from C++ during finalization could not take the GIL and would abort the
         process ("terminate called without an active exception") instead of letting it end
         with its status."""
-        x = self._x
+        x = self.engine
         if x.closing:
             return
         x.closing = True
-        for stop in (x.membership.collector.close, self.bus.close, self._hb.close):
+        for stop in (x.membership.collector.close, self.bus.close, self.heartbeat.close):
             try:
                 stop()
             except Exception:  # noqa: BLE001 - never fail an exit
@@ -234,7 +236,7 @@ class Runtime(StepAttempts):
         for name, obj in others.items():
             if isinstance(obj, Batches):
                 obj.guard = self.interrupter.atomic
-                self._batches.append(obj)
+                self.attempts.batches.append(obj)
             elif type(obj).__name__ == "StatefulDataLoader":
                 log.warning(
                     "register(%s=StatefulDataLoader): register fastft.Batches(loader) and draw "
@@ -243,11 +245,11 @@ class Runtime(StepAttempts):
                     name,
                 )
         if model is not None:
-            self._x.dp.backend()  # a backend that cannot work with this model fails here
+            self.engine.dp.backend()  # a backend that cannot work with this model fails here
         admit_or_leave(self, check_state=True)  # (fastft.runtime.health: raises Unhealthy)
-        self._registered = True
-        self._drive(lambda s: s.phase is Phase.NORMAL)
-        self._hb.between(True)  # (the user's code until its first step)
+        self.registered = True
+        self.drive(lambda s: s.phase is Phase.NORMAL)
+        self.heartbeat.between(True)  # (the user's code until its first step)
         return self
 
     def add_health_check(self, check: HealthCheck, name: str | None = None) -> None:
@@ -286,9 +288,9 @@ class Runtime(StepAttempts):
                 "`fastft run --shard-size K` (K workers shard one copy of the model)"
             )
         if self._mesh is None:
-            with self._hb.blocked:  # (waits for the group's other members to start)
+            with self.heartbeat.blocked:  # (waits for the group's other members to start)
                 self._mesh = meet_shard_group(self.config, self._raw_store, device_type)
-            self._x.dp.gate = StepGate(self._hb.blocked)
+            self.engine.dp.gate = StepGate(self.heartbeat.blocked)
             cfg = self.config
             self.events.emit("shard_group", group=self.rank // cfg.shard_size, gen=cfg.group_gen)
         return self._mesh
@@ -296,34 +298,34 @@ class Runtime(StepAttempts):
     @property
     def step(self) -> int:
         """Number of committed steps (the step the next transaction runs)."""
-        return self._x.state.step
+        return self.engine.state.step
 
     @property
     def epoch(self) -> int:
-        return self._x.state.epoch
+        return self.engine.state.epoch
 
     @property
     def world(self) -> int:
-        view = self._x.view
+        view = self.engine.view
         return len(view.members) if view else 0
 
     @property
     def commits(self) -> int:
-        return self._x.commits
+        return self.engine.commits
 
     @property
     def rollbacks(self) -> int:
-        return self._x.rollbacks
+        return self.engine.rollbacks
 
     def transaction(self) -> Transaction:
         """``with ft.transaction() as tx:`` one step: commits on every member or on none."""
-        return Transaction(self)
+        return Transaction(self, self.attempts)
 
     def no_hang_check(self) -> Any:
         """A context manager for long work between steps (evaluation, a checkpoint): the
         heartbeat goes on while it runs, so the agent's hang timeout (adaptive or not)
         does not kill the worker. A real hang inside it is not detected."""
-        return self._hb.blocked
+        return self.heartbeat.blocked
 
     def digest(self) -> str:
         """Hash of the replicated state at the current step (S3)."""
@@ -332,7 +334,7 @@ class Runtime(StepAttempts):
     def close(self, *, finished: bool = True) -> None:
         """Leave the job. Idempotent. ``finished=False``: this worker leaves on its own
         (a failed health check); a member's close otherwise tells joiners the job ended."""
-        x = self._x
+        x = self.engine
         if x.closing:
             return
         x.closing = True
@@ -366,13 +368,15 @@ class Runtime(StepAttempts):
             },
         )
         if x.durable is not None:
-            with self._hb.blocked:  # alive while it waits (the agent must not kill it as hung)
-                x.checkpoints.last()
+            with (
+                self.heartbeat.blocked
+            ):  # alive while it waits (the agent must not kill it as hung)
+                x.checkpoints.last(x.state.step, x.view, x.me)
                 x.durable.close()  # a checkpoint being written is finished: the last counts
         x.membership.collector.close()
         self.bus.close()
         self.interrupter.close()
-        self._hb.close()
+        self.heartbeat.close()
         self.events.close()
 
     def __enter__(self) -> Runtime:
@@ -382,16 +386,16 @@ class Runtime(StepAttempts):
         self.close(finished=et is None)  # (an exception is no end of the job)
 
     # --- the step --------------------------------------------------------------------------
-    def _drive(self, done: Callable[[StepState], bool]) -> None:
+    def drive(self, done: Callable[[StepState], bool]) -> None:
         try:
-            self._x.drive(done)
+            self.engine.drive(done)
         except JobFinished:
             self.close()
             raise
         except WorkerExit as e:
-            if self._x.state.want_drain:  # every member let it go: end as drained
-                why = self._x.state.reason or str(e)
-                self.events.emit("drained", step=self._x.state.step, reason=why)
+            if self.engine.state.want_drain:  # every member let it go: end as drained
+                why = self.engine.state.reason or str(e)
+                self.events.emit("drained", step=self.engine.state.step, reason=why)
                 self.close()
                 raise Drained(why) from None
             raise
@@ -419,17 +423,17 @@ class Runtime(StepAttempts):
                 "group is the unit (stop the job, or let the member fail)"
             )
         threading.Thread(
-            target=self._x.feed, args=(DrainRequested(reason[:200]),), daemon=True
+            target=self.engine.feed, args=(DrainRequested(reason[:200]),), daemon=True
         ).start()  # (not under the caller's frame: a signal handler may call this)
 
-    def _allreduce_gradients(self, model: nn.Module | None) -> None:
+    def reduce_gradients(self, model: nn.Module | None) -> None:
         if model is not None and self.registry.model is None:
             self.registry.register(model=model)
-        reduce_gradients(self)
+        sync_gradients(self)
 
-    def _require_pg(self) -> Any:
+    def require_pg(self) -> Any:
         self.interrupter.check()
-        pg = self._x.dp.pg
+        pg = self.engine.dp.pg
         if pg is None:
             raise RuntimeError("no process group: collectives run inside ft.transaction()")
         return pg

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from fastft.errors import ConfigError, FastFTError
 from fastft.process.env import WORKER_FIELD_TYPES, WorkerEnv
@@ -33,6 +34,7 @@ from fastft.runtime.checks import (
 )
 
 __all__ = [
+    "HealthCheck",
     "CheckpointsFail",
     "ScriptError",
     "misuse",
@@ -52,6 +54,9 @@ __all__ = [
     "WorkerExit",
     "choose_backend",
 ]
+
+HealthCheck = Callable[[], Any]
+"""A user's health check (:meth:`fastft.Runtime.add_health_check`, :mod:`.health`)."""
 
 REGROUP_TIMEOUT_S = 5.0
 """After every worker was lost, how long the next epoch waits for every slot before an

@@ -25,17 +25,17 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from fastft.runtime.contract import Unhealthy
+from fastft.runtime.contract import HealthCheck, Unhealthy
 from fastft.runtime.state.registry import StateRegistry
 
 if TYPE_CHECKING:
-    from fastft.runtime.api import Runtime
+    from fastft.runtime.ports import RuntimePorts
 
 __all__ = [
     "CUDA_FREE_FLOOR_MB",
@@ -48,7 +48,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-HealthCheck = Callable[[], Any]
 CUDA_FREE_FLOOR_MB = 64
 """The ``cuda`` check's floor of free GPU memory (an allocator that cannot find this much
 is not going to run a step)."""
@@ -156,7 +155,7 @@ def _mem_available_mb() -> int | None:
 
 
 def admit_or_leave(
-    rt: Runtime, *, check_state: bool, extra: Iterable[tuple[str, HealthCheck]] = ()
+    rt: RuntimePorts, *, check_state: bool, extra: Iterable[tuple[str, HealthCheck]] = ()
 ) -> None:
     """Run the worker's health checks (built in, the user's added ones, ``extra``) before
     it joins or rejoins; one that fails ends the worker (:class:`Unhealthy`): it logs why,

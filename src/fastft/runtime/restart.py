@@ -59,7 +59,7 @@ from fastft.runtime.contract import ScriptError, WorkerExit, misuse
 from fastft.runtime.health import admit_or_leave, state_damage
 
 if TYPE_CHECKING:
-    from fastft.runtime.api import Runtime
+    from fastft.runtime.ports import RuntimePorts
 
 __all__ = ["SOFT_FLOOR_S", "SOFT_GAPS", "Restartable", "SoftTimeout", "timeouts"]
 
@@ -93,7 +93,7 @@ def timeouts(
 class Restartable:
     """One ``ft.run(fn, ...)`` (see the module); :meth:`__call__` runs it."""
 
-    rt: Runtime
+    rt: RuntimePorts
     fn: Callable[..., Any]
     on_fault: Callable[[BaseException], Any] | None = None
     health_check: Callable[[], Any] | None = None
@@ -117,7 +117,7 @@ class Restartable:
         rt = self.rt
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("ft.run() must be called from the main thread")
-        if not rt._registered:
+        if not rt.registered:
             raise RuntimeError("call ft.register(model=..., optimizer=...) before ft.run()")
         dog = _Watchdog(rt, self.soft_timeout_s, self.hard_timeout_s)
         dog.start()
@@ -140,7 +140,7 @@ class Restartable:
                 self.finalize()
 
     def _restart(self, e: Exception) -> None:
-        rt, x = self.rt, self.rt._x
+        rt, x = self.rt, self.rt.engine
         now = time.monotonic()
         self._times.append(now)
         while self._times and self._times[0] < now - self.window_s:
@@ -170,7 +170,7 @@ class Restartable:
         with x.lock:
             x.suspect_state = suspect
         x.faults.local(StateLost(f"in-process restart ({cause})") if lose else e)
-        rt._drive(lambda s: s.phase is Phase.NORMAL)
+        rt.drive(lambda s: s.phase is Phase.NORMAL)
         if self.before_restart is not None:
             self.before_restart()
         self.restarts += 1
@@ -188,7 +188,7 @@ class Restartable:
 class _Watchdog:
     """The soft and hard timeouts (see the module)."""
 
-    def __init__(self, rt: Runtime, soft_s: float | None, hard_s: float | None) -> None:
+    def __init__(self, rt: RuntimePorts, soft_s: float | None, hard_s: float | None) -> None:
         self.rt = rt
         self.soft_s, self.hard_s = soft_s, hard_s
         self._stop = threading.Event()
@@ -205,9 +205,9 @@ class _Watchdog:
         self.rt.interrupter.raise_in_main(None)
 
     def _run(self) -> None:
-        rt, hb = self.rt, self.rt._hb
+        rt, hb = self.rt, self.rt.heartbeat
         while not self._stop.wait(0.2):
-            if not hb.tracking or rt._x.closing:
+            if not hb.tracking or rt.engine.closing:
                 continue  # before the first commit: the agent's start-up grace applies
             if hb.between_since:  # between steps: an evaluation, a checkpoint (see the module)
                 limit = rt.config.between_steps_timeout_s

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -10,21 +10,32 @@ from torch import nn
 from fastft.interrupt import allreduce as interruptible_allreduce
 
 if TYPE_CHECKING:
-    from fastft.runtime.api import Runtime
+    from fastft.runtime.ports import RuntimePorts
 
-__all__ = ["Transaction"]
+__all__ = ["StepPorts", "Transaction"]
+
+
+class StepPorts(Protocol):
+    """A step attempt's entry and exit, as a transaction uses them
+    (:class:`~fastft.runtime.attempt.StepAttempts` is one)."""
+
+    def enter(self, tx: Transaction) -> Transaction: ...
+
+    def exit(self, tx: Transaction, et: Any, ev: Any) -> bool:
+        """Whether the exception (if any) was handled: the step rolled back."""
 
 
 class Transaction:
-    """One attempt of one step; use as a context manager from :meth:`Runtime.transaction`.
+    """One attempt of one step; use as a context manager from :meth:`fastft.Runtime.transaction`.
 
     ``step``: the step number; ``rank``/``world``: this worker's dense rank and the
     number of members in the current epoch (partition the step's global batch by them);
     ``committed`` is set when the ``with`` block ends.
     """
 
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: RuntimePorts, attempts: StepPorts) -> None:
         self._rt = rt
+        self._attempts = attempts
         self.step = -1
         self.epoch = -1
         self.rank = -1
@@ -32,13 +43,13 @@ class Transaction:
         self.committed = False
 
     def __enter__(self) -> Transaction:
-        return self._rt._enter(self)
+        return self._attempts.enter(self)
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
         try:
-            return self._rt._exit(self, et, ev)
+            return self._attempts.exit(self, et, ev)
         finally:
-            self._rt._hb.between(True)  # the user's code until the next step
+            self._rt.heartbeat.between(True)  # the user's code until the next step
 
     def shard(self, n: int) -> slice:
         """This member's part of the step's global batch of ``n`` samples: contiguous and
@@ -51,8 +62,8 @@ class Transaction:
         a piece of the samples nobody kept: the members that had finished their part add
         the gradient they kept (``keep_gradients``, :mod:`fastft.runtime.state.kept`)."""
         rt = self._rt
-        kept = rt._x.kept
-        part = kept.shard(rt._x.view, self.step, n, self.world, self.rank)
+        kept = rt.engine.kept
+        part = kept.shard(rt.engine.view, self.step, n, self.world, self.rank)
         # A part that will be kept is worth finishing: a peer's fault from here on is
         # raised when the part is done (at the allreduce), not in the middle of it, and
         # the retry adds the part instead of computing a larger one from scratch; for at
@@ -75,13 +86,13 @@ class Transaction:
         (the others are each replica group's own), which also averages the parameters and
         the optimizer state (applied at its commit)."""
         self._rt.injector.fire_due(self.step, point="collective")
-        self._rt._allreduce_gradients(model)
+        self._rt.reduce_gradients(model)
 
     def allreduce(self, tensors: list[torch.Tensor]) -> None:
         """Sum ``tensors`` in place over the epoch's members (interruptible)."""
         rt = self._rt
-        with rt._hb.blocked:
-            interruptible_allreduce(rt._require_pg(), tensors, rt.interrupter)
+        with rt.heartbeat.blocked:
+            interruptible_allreduce(rt.require_pg(), tensors, rt.interrupter)
 
     def send(self, tensor: torch.Tensor) -> None:
         """Pipeline stages (``--stage``): this member's output of this step, for the
@@ -97,5 +108,5 @@ class Transaction:
         rt = self._rt
         if rt.flow is None:
             raise RuntimeError("tx.recv(): this job is no pipeline stage (fastft run --stage)")
-        with rt._hb.blocked:
+        with rt.heartbeat.blocked:
             return rt.flow.recv(self.step, rt.rank, rt.interrupter.check)

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fastft.protocol.exits import CHECKPOINT_FAILURES
 from fastft.runtime.contract import CheckpointsFail
 from fastft.runtime.durable.checkpoints import due
 
 if TYPE_CHECKING:
-    from fastft.runtime.engine.executor import Executor
+    from fastft.process.events import EventLog
+    from fastft.runtime.contract import EpochView, Member, RuntimeConfig
+    from fastft.runtime.durable.checkpoints import Checkpoints
 
 __all__ = ["CommitCheckpoints"]
 
@@ -25,24 +28,35 @@ log = logging.getLogger(__name__)
 
 
 class CommitCheckpoints:
-    """The executor's checkpoints after commits (see the module)."""
+    """The executor's checkpoints after commits (see the module). ``state(step)``: the
+    registered state of committed ``step``, as the durable tier saves it."""
 
-    def __init__(self, x: Executor) -> None:
-        self.x = x
+    def __init__(
+        self,
+        durable: Checkpoints | None,
+        config: RuntimeConfig,
+        events: EventLog,
+        state: Callable[[int], dict[str, Any]],
+    ) -> None:
+        self.durable = durable
+        self.config = config
+        self.events = events
+        self.state = state
 
-    def last(self) -> None:
+    def last(self, step: int, view: EpochView | None, me: Member) -> None:
         """At a clean end: the last committed state, if a checkpoint of it was deferred."""
-        d = self.x.durable
+        d = self.durable
         if d is not None and d.deferred:
             d.wait()  # the write that deferred it
-            self.after_commit(self.x.state.step)
+            self.after_commit(step, view, me)
 
-    def after_commit(self, step: int, force: bool = False) -> None:
+    def after_commit(
+        self, step: int, view: EpochView | None, me: Member, force: bool = False
+    ) -> None:
         """Hand the committed state of ``step`` to the durable tier if one is due (or
-        ``force``: every member drains after it)."""
-        x = self.x
-        d, view, cfg = x.durable, x.view, x.config
-        if d is None or view is None or view.members[0] != x.me:
+        ``force``: every member drains after it). Only ``view``'s first member writes."""
+        d, cfg = self.durable, self.config
+        if d is None or view is None or view.members[0] != me:
             return
         if len(d.failing) >= CHECKPOINT_FAILURES:
             why = (
@@ -51,7 +65,7 @@ class CommitCheckpoints:
                 "train on with nothing to restore; free space or fix the directory, then "
                 "run again (it resumes from the newest checkpoint written)"
             )
-            x.events.emit("checkpoints_fail", step=step, error=why)
+            self.events.emit("checkpoints_fail", step=step, error=why)
             log.critical("%s", why)
             raise CheckpointsFail(why)
         d.prepare()  # the writer process, started before the first checkpoint is due
@@ -74,7 +88,7 @@ class CommitCheckpoints:
             return
         t0 = time.monotonic()
         # the step loop pays for the copy into the writer's shared buffer only
-        if d.save_async(step, view.epoch, x.registry.state(step)):
-            x.events.emit(
+        if d.save_async(step, view.epoch, self.state(step)):
+            self.events.emit(
                 "checkpoint_staged", step=step, stage_ms=round((time.monotonic() - t0) * 1e3, 3)
             )

@@ -149,7 +149,7 @@ class Executor:
         """Rollbacks since this worker's last commit (a fault storm past max_recoveries)."""
         self.membership = Membership(self)
         self.faults = Faults(self)
-        self.checkpoints = CommitCheckpoints(self)
+        self.checkpoints = CommitCheckpoints(durable, config, events, registry.state)
 
     def attach(self, services: Services) -> None:
         self.services = services
@@ -294,9 +294,9 @@ class Executor:
                         continue
                 self.action_gen = queued if action is not _JOIN else self.phase_changes
             hb.beat()
-            self._run_main_action(action)
+            self.run_main_action(action)
 
-    def _run_main_action(self, a: Action) -> None:
+    def run_main_action(self, a: Action) -> None:
         m = self.membership
         if a is _JOIN:
             m.join()
@@ -385,7 +385,9 @@ class Executor:
             self.after_commit(a.step + 1)
         s = self.state
         # a drain's commit is checkpointed: workers that leave may leave no holder
-        self.checkpoints.after_commit(a.step + 1, force=s.want_drain or bool(s.leaving))
+        self.checkpoints.after_commit(
+            a.step + 1, self.view, self.me, force=s.want_drain or bool(s.leaving)
+        )
         self.feed(CommitApplied())
 
     def _configure(self, a: ConfigureProcessGroup) -> None:

@@ -15,13 +15,13 @@ from fastft.protocol.faults import fault_of
 from fastft.runtime.engine.inbox import route
 
 if TYPE_CHECKING:
-    from fastft.runtime.engine.executor import Executor
+    from fastft.runtime.engine.ports import Engine
 
 __all__ = ["Faults"]
 
 
 class Faults:
-    def __init__(self, x: Executor) -> None:
+    def __init__(self, x: Engine) -> None:
         self.x = x
 
     def local(self, exc: BaseException, gen: int | None = None) -> None:

@@ -17,7 +17,7 @@ from fastft.runtime.engine.sideclient import KeyCollector
 from fastft.runtime.groups.hsdp import heal_group, shard_source, whole_groups
 
 if TYPE_CHECKING:
-    from fastft.runtime.engine.executor import Executor
+    from fastft.runtime.engine.ports import Engine
 
 __all__ = ["Membership"]
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class Membership:
-    def __init__(self, x: Executor) -> None:
+    def __init__(self, x: Engine) -> None:
         self.x = x
         self.collector = KeyCollector(x.side)
         self._decision_wait_ms: float | None = None

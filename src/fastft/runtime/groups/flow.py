@@ -29,7 +29,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,10 +37,7 @@ from fastft.errors import ConfigError
 from fastft.protocol.auth import JobSecret
 from fastft.runtime.contract import RuntimeConfig, check_stage
 
-if TYPE_CHECKING:
-    from fastft.runtime.api import Runtime
-
-__all__ = ["Flow", "POLL_S", "entry_needs", "flow_of", "hold_stage"]
+__all__ = ["Flow", "POLL_S", "entry_needs", "flow_of"]
 
 log = logging.getLogger(__name__)
 
@@ -177,27 +173,6 @@ def _raising(check: Callable[[], None]) -> Callable[[], bool]:
         return False
 
     return cancelled
-
-
-def hold_stage(rt: Runtime) -> bool:
-    """Before an attempt of the runtime's current step: hold this stage at the staleness
-    bound (heartbeat shielded, like a collective). False: a fault came first."""
-    x, flow = rt._x, rt.flow
-    assert flow is not None
-    with x.lock:
-        epoch, step, gen = x.state.epoch, x.state.step, x.phase_changes
-
-    def cancelled() -> bool:
-        return x.closing or x.phase_changes != gen
-
-    with rt._hb.blocked:
-        held = flow.hold(step, cancelled)
-    if held is None:
-        rt._drive(lambda s: (s.epoch, s.step) != (epoch, step) or x.phase_changes != gen)
-        return False
-    if held > POLL_S:
-        rt.events.emit("held", epoch=epoch, step=step, held_ms=round(held * 1e3, 3))
-    return True
 
 
 def flow_of(config: RuntimeConfig, secret: JobSecret | None) -> Flow | None:

@@ -38,7 +38,7 @@ from fastft.runtime.state.wire import (
 )
 
 if TYPE_CHECKING:
-    from fastft.runtime.groups.sync import Outer
+    from fastft.runtime.state.outer import Outer
 
 __all__ = ["Stateful", "StateRegistry", "reseed"]
 

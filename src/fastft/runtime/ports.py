@@ -1,0 +1,62 @@
+"""What the runtime's parts may use of it (STYLE 16): :class:`fastft.runtime.api.Runtime`
+satisfies :class:`RuntimePorts`; the step's entry and exit (:mod:`.attempt`), the
+transaction, the sync policies, the pipeline's hold, the health checks and the in-process
+restart are written against this protocol, not against the class that owns them (no
+import cycle, and a test can hand them a fake)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from fastft.fsm import StepState
+    from fastft.inject.execute import Injector
+    from fastft.interrupt import Interrupter
+    from fastft.process.events import EventLog
+    from fastft.process.heartbeat import Heartbeat
+    from fastft.runtime.contract import HealthCheck, RuntimeConfig
+    from fastft.runtime.engine.executor import Executor
+    from fastft.runtime.groups.flow import Flow
+    from fastft.runtime.state.registry import StateRegistry
+
+__all__ = ["RuntimePorts"]
+
+
+class RuntimePorts(Protocol):
+    """One worker's runtime as its parts see it."""
+
+    config: RuntimeConfig
+    rank: int
+    registry: StateRegistry
+    interrupter: Interrupter
+    events: EventLog
+    injector: Injector
+    flow: Flow | None
+    engine: Executor
+    """The step engine: the state machine's state, the epoch's view, the data plane."""
+    heartbeat: Heartbeat
+    registered: bool
+    health_checks: list[tuple[str, HealthCheck]]
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def world(self) -> int: ...
+
+    @property
+    def sharded(self) -> bool: ...
+
+    def drive(self, done: Callable[[StepState], bool]) -> None:
+        """Run the engine's queued actions until ``done(state)`` (main thread)."""
+
+    def require_pg(self) -> Any:
+        """The epoch's process group (raises if a fault came first)."""
+
+    def reduce_gradients(self, model: nn.Module | None) -> None:
+        """``tx.allreduce_gradients()``."""
+
+    def close(self, *, finished: bool = True) -> None: ...
