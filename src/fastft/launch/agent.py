@@ -128,14 +128,14 @@ class Agent:
         """Slots to restart, spawned by the main thread: a child's PR_SET_PDEATHSIG fires
         when the *thread* that forked it ends, and the threads that see exits are short-lived."""
         self._wake = threading.Event()
-        self._stopping: int | None = None
+        self.stopping: int | None = None
         self.draining: float | None = None
         """When the agent drains its workers (a SIGTERM, ``fastft drain --node``): the
         deadline after which it stops them (``--drain-grace``)."""
         self._drain_why: str | None = None
         self._drain_sent: set[int] = set()
         """Lives told to drain."""
-        self._failed: str | None = None
+        self.failed: str | None = None
         self.restarts = 0
         self.first_lives: dict[int, bool | None] = {r: None for r in self.slots}
         """Rank -> whether its first life failed before its first commit (None: running)."""
@@ -211,20 +211,20 @@ class Agent:
             self.bus.close()
             if metrics is not None:
                 metrics.close()
-            self.events.emit("agent_stop", restarts=self.restarts, failed=self._failed)
+            self.events.emit("agent_stop", restarts=self.restarts, failed=self.failed)
             self.events.close()
         return code
 
     def _finish(self) -> int:
         self.children.output.flush(timeout_s=2.0)  # (the workers' last lines first)
         finished = any(s.proc is not None and s.proc.returncode == 0 for s in self.slots.values())
-        if self._stopping is not None:
-            what = "Ctrl-C" if self._stopping == signal.SIGINT else f"signal {self._stopping}"
+        if self.stopping is not None:
+            what = "Ctrl-C" if self.stopping == signal.SIGINT else f"signal {self.stopping}"
             print(
                 f"fastft: job stopped ({what}); {self._resume_hint()}", file=sys.stderr, flush=True
             )
-            return JOB_INTERRUPTED if self._stopping == signal.SIGINT else 128 + self._stopping
-        if self._drain_why == "SIGTERM" and not finished and not self._failed:
+            return JOB_INTERRUPTED if self.stopping == signal.SIGINT else 128 + self.stopping
+        if self._drain_why == "SIGTERM" and not finished and not self.failed:
             print(
                 "fastft: job preempted (SIGTERM): every worker drained after its last commit; "
                 f"{self._resume_hint()}",
@@ -233,9 +233,9 @@ class Agent:
             )
             self.nodes.finish(None, timeout_s=DONE_WAIT_S)
             return JOB_PREEMPTED
-        if self._failed:
-            print(f"fastft: job failed: {self._failed}", file=sys.stderr, flush=True)
-            self.nodes.finish(self._failed, timeout_s=FAILED_WAIT_S)
+        if self.failed:
+            print(f"fastft: job failed: {self.failed}", file=sys.stderr, flush=True)
+            self.nodes.finish(self.failed, timeout_s=FAILED_WAIT_S)
             return 1
         # Node 0 hosts the store: it waits until every other node's agent is done or lost.
         self.nodes.finish(None, timeout_s=DONE_WAIT_S)
@@ -254,14 +254,14 @@ class Agent:
         )
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        if signum == signal.SIGTERM and self.draining is None and self._stopping is None:
-            self._drain("SIGTERM")  # a preemption notice: leave at the next commit
+        if signum == signal.SIGTERM and self.draining is None and self.stopping is None:
+            self.drain("SIGTERM")  # a preemption notice: leave at the next commit
             return
-        if self._stopping is None:  # SIGINT, or a second SIGTERM: stop now
-            self._stopping = signum
+        if self.stopping is None:  # SIGINT, or a second SIGTERM: stop now
+            self.stopping = signum
             self._wake.set()
 
-    def _drain(self, why: str) -> None:
+    def drain(self, why: str) -> None:
         """Drain every worker of this node: each leaves after its next commit (nothing
         is rolled back), none is restarted, and the agent exits once they have left (0;
         :data:`JOB_PREEMPTED` after a SIGTERM, with a line that says how to resume);
@@ -346,7 +346,7 @@ class Agent:
             self.spares.owe(slot)
 
     def _start_spare(self, gpu: int | None) -> None:
-        if self._stopping is None and not self._failed:
+        if self.stopping is None and not self.failed:
             self.spares.start(gpu)
 
     def _watch(self) -> None:
@@ -370,13 +370,13 @@ class Agent:
             late = self.draining is not None and time.monotonic() > self.draining
             if late and not all(s.done for s in slots):
                 log.error("drain: workers still running after --drain-grace; stopping them")
-                self._stopping = signal.SIGTERM
-            if self._stopping is not None:
-                self.events.emit("stop", signal=self._stopping)
+                self.stopping = signal.SIGTERM
+            if self.stopping is not None:
+                self.events.emit("stop", signal=self.stopping)
                 self.children.kill_all(slots, signal.SIGKILL, grace_s=0.0)
                 return
-            if self._failed:
-                self.events.emit("job_failed", reason=self._failed)  # (its kills are no faults)
+            if self.failed:
+                self.events.emit("job_failed", reason=self.failed)  # (its kills are no faults)
                 self.children.kill_all(slots, signal.SIGKILL, grace_s=0.0)
                 return
             if all(s.done for s in slots):
@@ -431,11 +431,38 @@ class Agent:
         self.events.emit("lighthouse_ready", kind=cfg.torchft, address=self.lighthouse_addr)
 
     @property
-    def _hdr(self) -> dict[str, Any]:
+    def header(self) -> dict[str, Any]:
         """The header of what the agent publishes: no rank, no epoch of its own."""
         return dict(job=self.config.job, epoch=0, rank=NO_RANK, incarnation=0, role=Role.AGENT)
 
-    def _publish(self, msg: Message) -> None:
+    @property
+    def hosts_store(self) -> bool:
+        """Whether this node's agent hosts the job's store (node 0 on a TCPStore)."""
+        return self._server is not None
+
+    def wake(self) -> None:
+        """Wake the main loop (a restart due, a failure, a stop)."""
+        self._wake.set()
+
+    def fail(self, why: str) -> None:
+        """Fail the job with ``why`` (the first reason stands: the earliest failure is the
+        cause); the main loop stops the workers and the agent exits 1 with it."""
+        if not self.failed:
+            self.failed = why
+        self._wake.set()
+
+    def restart_later(self, slot: Slot, delay_s: float) -> None:
+        """Start ``slot``'s next life from the main thread in ``delay_s`` (a child's
+        PR_SET_PDEATHSIG fires when the thread that forked it ends)."""
+        with self.children.lock:
+            self._restarts_due.append((time.monotonic() + delay_s, slot))
+        self._wake.set()
+
+    def count_fault(self, rank: int, what: str) -> None:
+        """A fault of ``rank``'s slot (:meth:`Exits.count_fault`)."""
+        self.exits.count_fault(rank, what)
+
+    def publish(self, msg: Message) -> None:
         try:
             self.bus.broadcast(msg)
         except Exception:  # noqa: BLE001 - the bus must not take the agent down

@@ -21,7 +21,7 @@ from fastft.process.heartbeat import read_heartbeat
 from fastft.protocol import EXIT_DRAINED, HangSuspected, ProcessExited
 
 if TYPE_CHECKING:
-    from fastft.launch.agent import Agent
+    from fastft.launch.ports import AgentPorts
 
 __all__ = ["Exits", "back_line", "fault_line"]
 
@@ -31,13 +31,13 @@ log = logging.getLogger(__name__)
 class Exits:
     """Exits and stops of the agent's workers (see the module's docstring)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentPorts) -> None:
         self.agent = agent
         self._count_lock = threading.Lock()
         """Faults are counted from the reaper threads and the bus listener alike."""
 
     def on_other_exit(self, info: os.waitid_result) -> None:
-        if self.agent.spares.mark_dead(info.si_pid) and self.agent._stopping is None:
+        if self.agent.spares.mark_dead(info.si_pid) and self.agent.stopping is None:
             self.agent.spares.idle_exited(info)
 
     def on_stopped(self, slot: Slot, t: float, via: str) -> None:
@@ -51,9 +51,9 @@ class Exits:
         if self.agent.config.torchft == "plain":
             slot.hung = slot.incarnation  # torchft's baseline: left to torchft's timeouts
             return
-        self.agent._publish(
+        self.agent.publish(
             HangSuspected(
-                **self.agent._hdr,
+                **self.agent.header,
                 hung_rank=slot.rank,
                 hung_incarnation=slot.incarnation,
                 silent_for_s=0.0,
@@ -80,9 +80,9 @@ class Exits:
             detected=t,
             via=via,
         )
-        self.agent._publish(
+        self.agent.publish(
             ProcessExited(
-                **self.agent._hdr,
+                **self.agent.header,
                 exited_rank=slot.rank,
                 exited_incarnation=slot.incarnation,
                 exit_code=code,
@@ -98,8 +98,8 @@ class Exits:
         own = (  # a failure of the worker itself, not an exit the agent caused (a stop,
             code not in (0, EXIT_DRAINED)  # a failed job, a drain, a group, a fence)
             and not slot.done
-            and self.agent._stopping is None
-            and self.agent._failed is None
+            and self.agent.stopping is None
+            and self.agent.failed is None
             and self.agent.draining is None
             and slot.incarnation not in self.agent.taken_down
             and slot.incarnation not in self.agent.fenced
@@ -122,12 +122,11 @@ class Exits:
             failed = own and slot.hung != slot.incarnation  # (hung: the hang timeout's)
             first[slot.rank] = failed and not self.agent.committed(slot)
             if policy.startup_failed(first):
-                self.agent._failed = (
+                slot.done = True
+                self.agent.fail(
                     f"every worker failed before its first commit (rank {slot.rank}: {how}); "
                     "the script cannot start: its error is above"
                 )
-                slot.done = True
-                self.agent._wake.set()
                 return
 
         agent = self.agent
@@ -140,7 +139,7 @@ class Exits:
             sig=sig,
             life=slot.life - slot.drains,
             max_restarts=cfg.max_restarts,
-            stopping=agent._stopping is not None,
+            stopping=agent.stopping is not None,
             already_done=slot.done,
             peers_finished=finished,
             spares_left=bool(self.agent.spares),
@@ -148,7 +147,7 @@ class Exits:
             draining=self.agent.draining is not None,
             quarantined=self.agent.offenders.quarantined.get(slot.rank),
         )
-        ending = agent._stopping is not None or agent.draining is not None or agent._failed
+        ending = agent.stopping is not None or agent.draining is not None or agent.failed
         if do.done and not do.failed and code != 0 and not finished and not ending:
             # a slot done for good (drained, shrunk): can the others still form a world?
             left = self._slots_left(slot)
@@ -160,7 +159,7 @@ class Exits:
         if own:  # one line per fault in every log, a terminal or not
             print(fault_line(slot, code, sig, do), file=sys.stderr, flush=True)
         if do.failed:
-            self.agent._failed = do.failed
+            self.agent.fail(do.failed)
         if do.shrink:
             self.agent.events.emit("world_shrinks", rank=slot.rank, reason=do.shrink)
             log.warning("the world goes on without rank %d: %s", slot.rank, do.shrink)
@@ -175,9 +174,8 @@ class Exits:
             slot.life += 1
             self.agent.restarts += 1
             self.agent.events.emit("restart", rank=slot.rank, life=slot.life)
-            with self.agent.children.lock:
-                self.agent._restarts_due.append((time.monotonic() + do.delay_s, slot))
-        self.agent._wake.set()
+            self.agent.restart_later(slot, do.delay_s)
+        self.agent.wake()
 
     def _slots_left(self, slot: Slot) -> int | None:
         """How many of the job's slots can still run, ``slot`` now done for good: this

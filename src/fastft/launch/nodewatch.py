@@ -15,7 +15,7 @@ from fastft.launch.lease import DONE, NATS_STORE_GRACE_S, LeaseConfig, NodeLease
 from fastft.protocol import Fault, Severity
 
 if TYPE_CHECKING:
-    from fastft.launch.agent import Agent
+    from fastft.launch.ports import AgentPorts
 
 __all__ = ["NodeWatch"]
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 class NodeWatch:
     """The agent's node lease and what it does with its verdicts (see the module)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentPorts) -> None:
         self.agent = agent
         self.store_gone = False
 
@@ -69,9 +69,9 @@ class NodeWatch:
         )
         log.warning("node %d lost: its lease was not renewed for %d ms", node, lease_ms)
         for rank, inc in lives.items():
-            self.agent._publish(
+            self.agent.publish(
                 Fault(
-                    **self.agent._hdr,
+                    **self.agent.header,
                     severity=Severity.FAULT1,
                     cause=f"node {node} lost (lease not renewed for {lease_ms} ms)",
                     faulty_rank=rank,
@@ -94,10 +94,9 @@ class NodeWatch:
         stopped), instead of waiting for ranks nobody will start again."""
         a = self.agent
         a.events.emit("job_failed_elsewhere", reason=why)
-        if not a._failed:
+        if not a.failed:
             log.error("the job failed on another node: %s", why)
-            a._failed = f"the job failed on another node: {why}"
-            a._wake.set()
+            a.fail(f"the job failed on another node: {why}")
 
     def finish(self, failed: str | None, timeout_s: float) -> None:
         """The agent ends (cleanly, or failed): tell the others, and on the node that
@@ -109,7 +108,7 @@ class NodeWatch:
             return
         if failed and not lease.failed:
             lease.fail(f"node {a.config.node_rank}: {failed}")
-        hosts = a._server is not None
+        hosts = a.hosts_store
         if not hosts:
             lease.close()  # node 0 may close the store from now on
         done_key = f"{a.keys.root}/agents_done"
@@ -130,13 +129,12 @@ class NodeWatch:
         self.store_gone = True
         self.agent.events.emit("store_lost", reason=reason)
         if self.agent.config.control:
-            self.agent._failed = (
+            self.agent.fail(
                 f"the NATS control plane is unreachable: {reason}. A majority of its "
                 "servers must be up (--control)"
             )
         else:
-            self.agent._failed = (
+            self.agent.fail(
                 f"the store host is gone: {reason}. Node 0 hosts the job's store: with it "
                 "the job cannot go on (--control nats://... survives it)"
             )
-        self.agent._wake.set()

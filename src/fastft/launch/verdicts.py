@@ -17,7 +17,7 @@ from fastft.process.heartbeat import STACKS_SIGNAL, read_heartbeat
 from fastft.protocol import DrainRequest, Fault, HangSuspected, Message, Role, Severity
 
 if TYPE_CHECKING:
-    from fastft.launch.agent import Agent
+    from fastft.launch.ports import AgentPorts
 
 __all__ = ["Verdicts"]
 
@@ -25,7 +25,7 @@ __all__ = ["Verdicts"]
 class Verdicts:
     """The agent's hang checks and bus verdicts (see the module)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentPorts) -> None:
         self.agent = agent
 
     def check_hang(self, slot: Slot, now: float) -> None:
@@ -60,9 +60,9 @@ class Verdicts:
         print(
             f"fastft: {policy.hang_reason(slot.rank, slot.life, hung)}", file=sys.stderr, flush=True
         )
-        a._publish(
+        a.publish(
             HangSuspected(
-                **a._hdr,
+                **a.header,
                 hung_rank=slot.rank,
                 hung_incarnation=slot.incarnation,
                 silent_for_s=round(hung.silent_s, 3),
@@ -80,7 +80,7 @@ class Verdicts:
         a = self.agent
         if isinstance(m, DrainRequest) and m.target_node == a.config.node_rank:
             if a.draining is None:
-                a._drain(m.reason or "fastft drain --node")
+                a.drain(m.reason or "fastft drain --node")
             return
         if (  # a worker of ours lost its state and lives (an in-process restart): a fault
             isinstance(m, Fault)
@@ -89,7 +89,7 @@ class Verdicts:
             and m.rank in a.slots
             and a.slots[m.rank].incarnation == m.incarnation
         ):
-            a.exits.count_fault(m.rank, m.cause[:200])
+            a.count_fault(m.rank, m.cause[:200])
             return
         # A worker declared silent by its peers, or whose Fault1 an outside monitor reported
         # (`fastft report-error`: a GPU fallen off the bus; it names no life): kill it if it
