@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from fastft.bus import host_store
 from fastft.protocol.keys import JobKeys
-from fastft.runtime.contract import EpochView, JobFinished, Member
+from fastft.runtime.contract import EpochView, Member
+from fastft.runtime.endings import JobFinished
 from fastft.runtime.engine.coordinator import ADMIT, COMMIT, ROLLBACK, Coordinator, parse_commit
 
 pytestmark = pytest.mark.timeout(60)

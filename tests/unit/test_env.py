@@ -111,7 +111,7 @@ def test_every_launch_field_but_the_command_and_env_is_a_flag():
 
 
 def test_the_agent_sets_omp_threads_as_torchrun_does_and_counts_threads():
-    from fastft.launch.agent import cpu_warnings
+    from fastft.launch.workerenv import cpu_warnings
 
     cfg = LaunchConfig(command=("x.py",), nproc=2)
     environ: dict[str, str] = {}

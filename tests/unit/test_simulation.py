@@ -31,7 +31,8 @@ from fastft.process.events import EventLog
 from fastft.process.heartbeat import Heartbeat
 from fastft.process.services import Services
 from fastft.protocol import JobKeys, ProcessExited, Role
-from fastft.runtime.contract import EpochView, Member, RuntimeConfig, WorkerExit
+from fastft.runtime.contract import EpochView, Member, RuntimeConfig
+from fastft.runtime.endings import WorkerExit
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.executor import Executor
 from fastft.runtime.engine.sideclient import SideClient

@@ -34,7 +34,7 @@ from fastft.launch.output import Output
 from fastft.launch.spare import order_line
 from fastft.launch.spares import SparePool
 from fastft.launch.verdicts import Verdicts
-from fastft.launch.workerenv import worker_environment
+from fastft.launch.workerenv import cpu_warnings, worker_environment, workers_line
 from fastft.process.env import insecure
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import read_heartbeat
@@ -47,7 +47,7 @@ from fastft.protocol import (
 )
 from fastft.protocol.exits import JOB_INTERRUPTED, JOB_PREEMPTED
 
-__all__ = ["Agent", "LaunchConfig", "cpu_warnings"]
+__all__ = ["Agent", "LaunchConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -55,34 +55,6 @@ DONE_WAIT_S = 60.0
 """How long the store's node waits, at the job's end, for the other agents to finish."""
 FAILED_WAIT_S = 10.0
 """... and after a failure, for the others to hear of it (each within a lease round)."""
-
-
-def cpu_warnings(cfg: LaunchConfig, environ: dict[str, str] | Any, cores: int) -> list[str]:
-    """Set each worker's CPU threads as torchrun does, and say what competes for the cores.
-
-    Without ``OMP_NUM_THREADS`` (in ``environ`` or ``--env``), every worker's torch starts
-    one thread per core: ``nproc`` workers then compete for every core (a step 3.2x slower
-    with 2 workers on 2 cores). The agent sets it in ``environ`` (its own environment,
-    which workers and spares inherit) to the cores over the workers, at least 1, and says
-    so; then warns if the workers' and spares' threads still outnumber the cores."""
-    out: list[str] = []
-    procs = cfg.nproc + cfg.warm_spares
-    threads = cfg.env.get("OMP_NUM_THREADS") or environ.get("OMP_NUM_THREADS")
-    if threads is None and cfg.nproc > 1:
-        threads = str(max(1, cores // cfg.nproc))
-        environ["OMP_NUM_THREADS"] = threads
-        out.append(
-            f"OMP_NUM_THREADS={threads} for each of the {cfg.nproc} workers ({cores} CPU "
-            "cores); set it yourself to tune it"
-        )
-    per = int(threads) if threads and threads.isdigit() and int(threads) > 0 else 1
-    if procs * per > cores:
-        out.append(
-            f"WARNING: {procs} worker and spare processes x {per} thread(s) on {cores} CPU "
-            "core(s): they will compete for the cores (steps slow down, timeouts fire "
-            "sooner); lower --nproc, --warm-spares or OMP_NUM_THREADS"
-        )
-    return out
 
 
 class Agent:
@@ -175,7 +147,7 @@ class Agent:
             print(f"fastft: {line}", file=sys.stderr, flush=True)
         where = f"store {self.bound} (listening)" if self.bound else f"store {self.store_addr}"
         print(
-            f"fastft: job {cfg.job!r}, {_workers(cfg)}, {where}, run dir {self.run_dir}, "
+            f"fastft: job {cfg.job!r}, {workers_line(cfg)}, {where}, run dir {self.run_dir}, "
             f"secret {self.secret_file}",
             file=sys.stderr,
             flush=True,
@@ -467,14 +439,6 @@ class Agent:
             self.bus.broadcast(msg)
         except Exception:  # noqa: BLE001 - the bus must not take the agent down
             log.exception("agent: could not publish %s", type(msg).__name__)
-
-
-def _workers(cfg: LaunchConfig) -> str:
-    """How many workers this node starts, for the start line (a forgotten --nproc ran one
-    in silence)."""
-    if cfg.nproc == 1:
-        return "1 worker on this node (--nproc N for more)"
-    return f"{cfg.nproc} workers on this node"
 
 
 def _committed(slot: Slot) -> bool:

@@ -3,15 +3,8 @@ healing. See :mod:`fastft.runtime.api` and, for what is where, ``docs/architectu
 
 from fastft.process.events import EventLog, read_events
 from fastft.runtime.api import Runtime, Transaction, init
-from fastft.runtime.contract import (
-    EXIT_STATE_LOST,
-    EpochView,
-    JobFinished,
-    Member,
-    RuntimeConfig,
-    StateLost,
-    WorkerExit,
-)
+from fastft.runtime.contract import EXIT_STATE_LOST, EpochView, Member, RuntimeConfig
+from fastft.runtime.endings import JobFinished, StateLost, WorkerExit
 from fastft.runtime.state.data import Batches
 from fastft.runtime.state.registry import StateRegistry
 

@@ -36,14 +36,9 @@ from fastft.process.services import Services
 from fastft.protocol import JobKeys
 from fastft.protocol.auth import JobSecret, ValueAuth
 from fastft.runtime.attempt import StepAttempts
-from fastft.runtime.contract import (
-    Drained,
-    JobFinished,
-    Member,
-    RuntimeConfig,
-    WorkerExit,
-)
+from fastft.runtime.contract import Member, RuntimeConfig
 from fastft.runtime.durable.checkpoints import Checkpoints
+from fastft.runtime.endings import Drained, JobFinished, WorkerExit
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.executor import Executor
 from fastft.runtime.engine.formation import Recovery

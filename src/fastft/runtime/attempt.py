@@ -17,7 +17,7 @@ from fastft.fsm import GradsReady, Phase
 from fastft.interrupt import StepInterrupted
 from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.protocol.exits import EXIT_GROUP_FAULT
-from fastft.runtime.contract import DataDiverged, ScriptError, misuse
+from fastft.runtime.endings import DataDiverged, ScriptError, misuse
 from fastft.runtime.groups.flow import POLL_S
 from fastft.runtime.groups.sync import outer_due, outer_step
 from fastft.runtime.state.data import Batches, batch_digest

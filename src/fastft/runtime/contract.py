@@ -13,17 +13,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fastft.errors import ConfigError, FastFTError
+from fastft.errors import ConfigError
 from fastft.process.env import WORKER_FIELD_TYPES, WorkerEnv
 from fastft.protocol.exits import (
-    EXIT_CHECKPOINTS_FAIL,
-    EXIT_DATA_DIVERGED,
-    EXIT_DRAINED,
-    EXIT_FAULT_STORM,
-    EXIT_GROUP_FAULT,
-    EXIT_SCRIPT_ERROR,
     EXIT_STATE_LOST,
-    EXIT_UNHEALTHY,
 )
 from fastft.runtime.checks import (
     CHECKPOINT_INTERVAL_S,
@@ -34,24 +27,12 @@ from fastft.runtime.checks import (
 )
 
 __all__ = [
-    "HealthCheck",
-    "CheckpointsFail",
-    "ScriptError",
-    "misuse",
-    "DataDiverged",
-    "Drained",
-    "EXIT_DATA_DIVERGED",
-    "EXIT_FAULT_STORM",
-    "EXIT_GROUP_FAULT",
     "EXIT_STATE_LOST",
-    "EXIT_UNHEALTHY",
-    "FaultStorm",
     "REGROUP_TIMEOUT_S",
-    "Unhealthy",
-    "RuntimeConfig",
-    "Member",
     "EpochView",
-    "WorkerExit",
+    "HealthCheck",
+    "Member",
+    "RuntimeConfig",
     "choose_backend",
 ]
 
@@ -245,101 +226,6 @@ class RuntimeConfig:
         return cls(**kw)  # type: ignore[arg-type]
 
 
-class StateLost(SystemExit):
-    """The job cannot go on (see :data:`EXIT_STATE_LOST`); its message says why and what
-    to change. A SystemExit, so that a training loop's ``except Exception`` lets it end
-    the worker, with its status."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_STATE_LOST)
-        self.why = why
-
-    def __str__(self) -> str:
-        return self.why
-
-
-class Drained(SystemExit):
-    """This worker drained: it committed its last step, every member let it go, and it
-    ends with :data:`~fastft.protocol.EXIT_DRAINED` (the agent restarts it in a fixed
-    world, as a new life that heals; not in an elastic one)."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_DRAINED)
-        self.why = why
-
-    def __str__(self) -> str:
-        return f"drained: {self.why}"
-
-
-class FaultStorm(SystemExit):
-    """Too many recoveries without a commit (see :data:`EXIT_FAULT_STORM`)."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_FAULT_STORM)
-        self.why = why
-
-    def __str__(self) -> str:
-        return self.why
-
-
-class CheckpointsFail(SystemExit):
-    """Checkpoints keep failing to be written (see :data:`EXIT_CHECKPOINTS_FAIL`)."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_CHECKPOINTS_FAIL)
-        self.why = why
-
-    def __str__(self) -> str:
-        return self.why
-
-
-class ScriptError(SystemExit):
-    """The script uses fastft in a way that cannot work (see :data:`EXIT_SCRIPT_ERROR`)."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_SCRIPT_ERROR)
-        self.why = why
-
-    def __str__(self) -> str:
-        return self.why
-
-
-def misuse(e: BaseException) -> str | None:
-    """What a script did wrong, if ``e`` says so, and how to fix it; None for any other
-    error (a fault of the step, retried)."""
-    if "Default process group has not been initialized" in str(e):
-        return (
-            "the script called a torch.distributed collective on the default process group "
-            "(dist.all_reduce, dist.barrier, DDP, ...), which fastft does not create: its "
-            "members change with every fault. In a step use tx.allreduce_gradients() or "
-            "tx.allreduce([tensors]); for a reduction between steps (an evaluation), run it "
-            "in a transaction of its own"
-        )
-    return None
-
-
-class DataDiverged(SystemExit):
-    """The members of a step drew different batches (see :data:`EXIT_DATA_DIVERGED`)."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_DATA_DIVERGED)
-        self.why = why
-
-    def __str__(self) -> str:
-        return self.why
-
-
-class Unhealthy(SystemExit):
-    """This worker failed a health check (see :data:`EXIT_UNHEALTHY`)."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_UNHEALTHY)
-        self.why = why
-
-    def __str__(self) -> str:
-        return f"health check failed: {self.why}"
-
-
 def choose_backend(
     backend: str, devices: set[str], *, local_world: int, gpus: int
 ) -> tuple[str, str]:
@@ -464,22 +350,3 @@ class EpochView:
             restore=None if d.get("restore") is None else int(d["restore"]),
             lost=None if d.get("lost") is None else int(d["lost"]),
         )
-
-
-class WorkerExit(FastFTError, RuntimeError):
-    """This worker must stop: it was excluded from the job, or the job is shutting down.
-    Under ``fastft run`` the agent decides whether to restart it."""
-
-
-class JobFinished(SystemExit):
-    """Raised in a worker that was waiting for an epoch (to join, or to re-form after a
-    peer's exit that turned out to be the end of the job) when the other members had
-    finished the job (they closed after their last step): there is nothing left to train.
-    A ``SystemExit`` with status 0, so an unhandled one ends the worker cleanly."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(0)
-        self.step = step
-
-    def __str__(self) -> str:
-        return f"the job finished at step {self.step} while this worker was waiting for an epoch"

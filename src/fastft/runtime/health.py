@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastft.runtime.contract import HealthCheck, Unhealthy
+from fastft.runtime.contract import HealthCheck
+from fastft.runtime.endings import Unhealthy
 from fastft.runtime.state.registry import StateRegistry
 
 if TYPE_CHECKING:

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastft.errors import FastFTError
 from fastft.fsm import Phase
 from fastft.inject import StateLost
-from fastft.runtime.contract import ScriptError, WorkerExit, misuse
+from fastft.runtime.endings import ScriptError, WorkerExit, misuse
 from fastft.runtime.health import admit_or_leave, state_damage
 
 if TYPE_CHECKING:

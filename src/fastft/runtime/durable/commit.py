@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastft.protocol.exits import CHECKPOINT_FAILURES
-from fastft.runtime.contract import CheckpointsFail
 from fastft.runtime.durable.checkpoints import due
+from fastft.runtime.endings import CheckpointsFail
 
 if TYPE_CHECKING:
     from fastft.process.events import EventLog

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from fastft.bus.signed import ForgedValue
 from fastft.errors import ControlPlaneError
 from fastft.protocol.keys import JobKeys
-from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, JobFinished, Member
+from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, Member
+from fastft.runtime.endings import JobFinished
 from fastft.runtime.engine.formation import Arrival, Recovery, close_after, close_first, holds_state
 from fastft.runtime.groups.hsdp import broken_groups, whole_groups
 

@@ -61,9 +61,10 @@ from fastft.protocol import (
     RollbackRequest,
     Severity,
 )
-from fastft.runtime.contract import EpochView, FaultStorm, Member, RuntimeConfig, WorkerExit
+from fastft.runtime.contract import EpochView, Member, RuntimeConfig
 from fastft.runtime.durable.checkpoints import Checkpoints
 from fastft.runtime.durable.commit import CommitCheckpoints
+from fastft.runtime.endings import FaultStorm, WorkerExit
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.faults import Faults
 from fastft.runtime.engine.membership import Membership
