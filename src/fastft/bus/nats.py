@@ -111,6 +111,11 @@ class NatsKV:
         self.timeout_s = timeout_s
         self.set_timeout(datetime.timedelta(seconds=timeout_s))
 
+    @property
+    def conn(self) -> Conn:
+        """The cluster connection (the bus on the same cluster shares it)."""
+        return self._conn
+
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self.timeout_s = timeout.total_seconds()
         parent = getattr(super(), "set_timeout", None)  # torch's Store keeps its own
@@ -192,7 +197,7 @@ class NatsKV:
 
         async def get() -> tuple[Any, int]:
             try:
-                e = await kv._get(key)  # (the public get hides a tombstone's revision)
+                e = await kv._get(key)  # noqa: SLF001 - nats-py's public get hides a tombstone's revision
                 return e, int(e.revision)
             except KeyDeletedError as err:
                 return None, int(err.entry.revision) if err.entry is not None else 0
@@ -316,10 +321,10 @@ class NatsKV:
         return True
 
     # the names torch's C++ side calls
-    def deleteKey(self, key: str) -> bool:  # noqa: N802
+    def deleteKey(self, key: str) -> bool:
         return self.delete_key(key)
 
-    def getNumKeys(self) -> int:  # noqa: N802
+    def getNumKeys(self) -> int:
         return self.num_keys()
 
     def num_keys(self) -> int:
@@ -346,7 +351,7 @@ class NatsTransport:
 
     def __init__(self, store: NatsKV, config: BusConfig) -> None:
         self.config = config
-        self._conn = store._conn
+        self._conn = store.conn
         self.subject = f"fastft.{_key(config.job).replace('/', '_')}.bus"
         self._queue: queue.SimpleQueue[bytes] | None = None
         self._sub: Any = None
@@ -378,7 +383,7 @@ class NatsTransport:
         if sub is not None:
             try:
                 run(sub.unsubscribe(), 2.0)
-            except Exception:  # noqa: BLE001 - the connection may be gone
+            except Exception:
                 log.debug("nats: unsubscribe failed", exc_info=True)
 
     def is_member(self) -> bool:

@@ -113,12 +113,12 @@ class LocalCluster:
                 nc = await nats.connect(
                     url, connect_timeout=1, allow_reconnect=False, error_cb=quiet
                 )
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:
                 return False
             try:
                 await nc.jetstream(timeout=1.0).account_info()
                 return True
-            except Exception:  # noqa: BLE001 - no meta leader yet
+            except Exception:
                 return False
             finally:
                 await nc.close()

@@ -45,6 +45,13 @@ class _Loop:
                 cls._loop = loop
             return cls._loop
 
+    @classmethod
+    def take(cls) -> asyncio.AbstractEventLoop | None:
+        """The loop, if one was started, which the caller now stops (shutdown)."""
+        with cls._lock:
+            loop, cls._loop = cls._loop, None
+        return loop
+
 
 def run(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
     fut = asyncio.run_coroutine_threadsafe(coro, _Loop.get())
@@ -94,7 +101,7 @@ class Conn:
                     try:
                         kv = await _with_retries(lambda c=config: js.create_key_value(c), timeout_s)
                         break
-                    except Exception as e:  # noqa: BLE001 - tried again with 1 replica
+                    except Exception as e:
                         if replicas == 1:
                             raise
                         log.warning(
@@ -150,7 +157,7 @@ class Conn:
     def close(self) -> None:
         try:
             run(self.nc.close(), 2.0)
-        except Exception:  # noqa: BLE001 - closing at exit
+        except Exception:
             pass
 
 
@@ -194,8 +201,7 @@ def shutdown() -> None:
         _CONNS.clear()
     for c in conns:
         c.close()
-    with _Loop._lock:
-        loop, _Loop._loop = _Loop._loop, None
+    loop = _Loop.take()
     if loop is None:
         return
 
@@ -207,7 +213,7 @@ def shutdown() -> None:
 
     try:
         asyncio.run_coroutine_threadsafe(cancel_rest(), loop).result(2.0)
-    except Exception:  # noqa: BLE001 - stopping anyway
+    except Exception:
         pass
     loop.call_soon_threadsafe(loop.stop)
 

@@ -191,7 +191,7 @@ def connect_store(
                     host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
                 )
             )
-        except Exception as e:  # noqa: BLE001 - reported below, one line
+        except Exception as e:
             got.append(e)
 
     t = threading.Thread(target=build, name="fastft-store-connect", daemon=True)

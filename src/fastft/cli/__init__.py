@@ -217,7 +217,7 @@ def _fail(msg: str) -> NoReturn:
     os._exit(EXIT_USAGE)
 
 
-def _cmd_fsm_doc(args: argparse.Namespace) -> int:
+def cmd_fsm_doc(args: argparse.Namespace) -> int:
     from fastft.fsm.doc import render
 
     print(render(), end="")
@@ -241,21 +241,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fastft.cli import ops, run  # (after the parse: `fastft --help` stays quick)
 
     handlers = {
-        "inject": ops._cmd_inject,
-        "drain": ops._cmd_drain,
-        "report-error": ops._cmd_report,
-        "fsm-doc": _cmd_fsm_doc,
-        "store": ops._cmd_store,
-        "run": run._cmd_run,
-        "report": run._cmd_report_run,
-        "demo": run._cmd_demo,
+        "inject": ops.cmd_inject,
+        "drain": ops.cmd_drain,
+        "report-error": ops.cmd_report,
+        "fsm-doc": cmd_fsm_doc,
+        "store": ops.cmd_store,
+        "run": run.cmd_run,
+        "report": run.cmd_report_run,
+        "demo": run.cmd_demo,
     }
     if args.cmd == "bus":
-        return ops._cmd_tail(args)
+        return ops.cmd_tail(args)
     if args.cmd == "plan":
-        return ops._cmd_plan_check(args)
+        return ops.cmd_plan_check(args)
     if args.cmd == "secret":
-        return ops._cmd_secret_new(args)
+        return ops.cmd_secret_new(args)
     if args.cmd == "nats":
-        return ops._cmd_nats_up(args)
+        return ops.cmd_nats_up(args)
     return handlers[args.cmd](args)

@@ -65,7 +65,7 @@ def _publisher(args: argparse.Namespace, role: int):  # type: ignore[no-untyped-
     return open_bus(store, cfg).start()
 
 
-def _cmd_inject(args: argparse.Namespace) -> int:
+def cmd_inject(args: argparse.Namespace) -> int:
     from fastft.protocol import NO_STEP, Inject, Role
 
     if args.rank < 0:
@@ -93,7 +93,7 @@ def _cmd_inject(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_drain(args: argparse.Namespace) -> int:
+def cmd_drain(args: argparse.Namespace) -> int:
     from fastft.protocol import NO_RANK, DrainRequest, Role
 
     target = args.rank if args.rank is not None else args.node
@@ -120,7 +120,7 @@ def _cmd_drain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_report(args: argparse.Namespace) -> int:
+def cmd_report(args: argparse.Namespace) -> int:
     from fastft.protocol import Fault, Role, Severity
 
     if args.rank < 0:
@@ -159,7 +159,7 @@ def describe(msg: object) -> dict[str, object]:
     return out
 
 
-def _cmd_tail(args: argparse.Namespace) -> int:
+def cmd_tail(args: argparse.Namespace) -> int:
     from fastft.bus import BusConfig, open_bus
     from fastft.protocol import Role
 
@@ -227,7 +227,7 @@ def _cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_plan_check(args: argparse.Namespace) -> int:
+def cmd_plan_check(args: argparse.Namespace) -> int:
     from fastft.errors import ConfigError
     from fastft.inject.plan import FaultPlan
 
@@ -241,7 +241,7 @@ def _cmd_plan_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_secret_new(args: argparse.Namespace) -> int:
+def cmd_secret_new(args: argparse.Namespace) -> int:
     from fastft.errors import ConfigError
     from fastft.protocol.auth import JobSecret
 
@@ -256,7 +256,7 @@ def _cmd_secret_new(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_store(args: argparse.Namespace) -> int:
+def cmd_store(args: argparse.Namespace) -> int:
     host, _, port = args.bind.rpartition(":")
     if not host or not port.isdigit():
         _fail(f"--bind {args.bind!r}: expected HOST:PORT")
@@ -267,7 +267,7 @@ def _cmd_store(args: argparse.Namespace) -> int:
 
     try:
         server = host_store(host, int(port))
-    except Exception as e:  # noqa: BLE001 - a port in use, an address not ours
+    except Exception as e:
         _fail(f"cannot host a store at {args.bind}: {e}")
     print(f"{host}:{server.port}", flush=True)
     done = threading.Event()
@@ -277,7 +277,7 @@ def _cmd_store(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_nats_up(args: argparse.Namespace) -> int:
+def cmd_nats_up(args: argparse.Namespace) -> int:
     import signal
     import threading
 

@@ -36,7 +36,7 @@ def _module_exists(name: str) -> bool:
     return spec is not None
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace) -> int:
     from fastft.errors import FastFTError
     from fastft.launch import Agent
     from fastft.launch.flags import config_from_args
@@ -92,7 +92,7 @@ def _fail_unless_writable(directory: str) -> None:
         )
 
 
-def _cmd_report_run(args: argparse.Namespace) -> int:
+def cmd_report_run(args: argparse.Namespace) -> int:
     from fastft.report import render_report, summarize
 
     try:
@@ -118,7 +118,7 @@ def _cmd_report_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def cmd_demo(args: argparse.Namespace) -> int:
     from fastft.demo.main import run_demo
 
     if args.steps < 20 or args.nproc < 2:

@@ -246,6 +246,11 @@ class Interrupter:
                 t.start()
         return True
 
+    @property
+    def forced(self) -> BaseException | None:
+        """The exception :meth:`raise_in_main` was last told to raise, not raised yet."""
+        return self._forced
+
     def raise_in_main(self, exc: BaseException | None) -> None:
         """Raise ``exc`` in the main thread at its next Python instruction outside
         :meth:`atomic` and the shielded machinery, inside a step or not (any thread; a

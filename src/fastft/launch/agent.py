@@ -278,7 +278,7 @@ class Agent:
             lives = {s.rank: s.incarnation for s in self.slots.values() if s.incarnation}
             try:
                 self.store.set(self.keys.node_lives(cfg.node_rank), format_lives(lives))
-            except Exception as e:  # noqa: BLE001 - the lease tells a store that is gone
+            except Exception as e:
                 log.warning("could not record this node's workers in the store: %s", e)
         gpu = self.spares.gpu_of(self._local(slot))
         taken = self.spares.take(gpu) if slot.life > 0 else None
@@ -437,7 +437,7 @@ class Agent:
     def publish(self, msg: Message) -> None:
         try:
             self.bus.broadcast(msg)
-        except Exception:  # noqa: BLE001 - the bus must not take the agent down
+        except Exception:
             log.exception("agent: could not publish %s", type(msg).__name__)
 
 

@@ -150,20 +150,20 @@ class ExitTracer:
                 code, killed_by = decode_status(msg.value)
                 try:
                     report(code, killed_by, now)
-                except Exception:  # noqa: BLE001 - the thread must be let go and reaped
+                except Exception:
                     log.exception("agent: reporting worker %d's exit failed", pid)
                 finally:
                     _ptrace(PTRACE_CONT, tid, None, None)
                 try:
                     after(code, killed_by, now)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("agent: handling worker %d's exit failed", pid)
             elif event == PTRACE_EVENT_STOP:
                 if sig in _GROUP_STOPS:
                     _ptrace(PTRACE_LISTEN, tid, None, None)
                     try:
                         stopped(time.monotonic())
-                    except Exception:  # noqa: BLE001
+                    except Exception:
                         log.exception("agent: handling worker %d's stop failed", pid)
                 else:
                     _ptrace(PTRACE_CONT, tid, None, None)

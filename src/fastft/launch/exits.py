@@ -186,7 +186,7 @@ class Exits:
             return sum(not s.done for s in agent.slots.values() if s is not slot)
         try:
             gone = int(agent.store.add(agent.keys.slots_gone, 1))
-        except Exception:  # noqa: BLE001 - the workers then wait below the floor, and say so
+        except Exception:
             log.warning("could not count rank %d's slot as gone", slot.rank, exc_info=True)
             return None
         return agent.config.world_size - gone
@@ -233,7 +233,7 @@ class Exits:
             # Joiner keys are cleared, never deleted: a worker may be between its check
             # and its get of the key, and a get of a missing key blocks for the timeout.
             self.agent.store.compare_set(key, str(slot.incarnation), "")
-        except Exception:  # noqa: BLE001 - best effort
+        except Exception:
             log.debug("could not clear joiner key of rank %d", slot.rank, exc_info=True)
 
     def end_stopped(self) -> None:

@@ -249,7 +249,7 @@ class NodeLease:
         """This node fails the job: tell every other agent (the first failure wins)."""
         try:
             got = bytes(self.store.compare_set(self.keys.failed, "", why)).decode()
-        except Exception:  # noqa: BLE001 - the others then see this node lost instead
+        except Exception:
             log.warning("could not tell the other nodes that the job failed", exc_info=True)
             return
         self.failed = self.failed or got
@@ -283,7 +283,7 @@ class NodeLease:
                 }
                 mark = bytes(got[-2]).decode(errors="replace")  # (a forged value reads b"")
                 failed = bytes(got[-1]).decode(errors="replace")
-            except Exception as e:  # noqa: BLE001 - every store error counts as a miss
+            except Exception as e:
                 error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             if self._stop.is_set():
                 return
@@ -318,7 +318,7 @@ class NodeLease:
             if got != mark:
                 return  # another agent declared it (or the node is done)
             lives = parse_lives(self.store.get(self.keys.node_lives(node)))
-        except Exception:  # noqa: BLE001 - the next round tries again
+        except Exception:
             log.warning("node %d: could not declare it lost", node, exc_info=True)
             self.watch.lost.discard(node)
             return
@@ -330,5 +330,5 @@ class NodeLease:
         self.on_fenced(mark)
         try:
             self.store.compare_set(self.keys.node_lost(self.node), mark, "")
-        except Exception:  # noqa: BLE001 - the next round sees the mark again
+        except Exception:
             log.warning("could not clear this node's lost mark", exc_info=True)

@@ -122,7 +122,7 @@ class NodeWatch:
                 if not running or time.monotonic() > deadline:
                     break  # the others are done, lost (their leases ran out) or never started
                 time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - the job's end does not wait on a broken store
+        except Exception:
             log.warning("could not tell the other nodes this one is done", exc_info=True)
 
     def store_lost(self, reason: str) -> None:

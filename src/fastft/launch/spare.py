@@ -47,7 +47,7 @@ def _warm_up() -> None:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     import importlib
 
-    import torch.distributed  # noqa: F401
+    import torch.distributed
 
     from fastft.process import malloc
 

@@ -47,6 +47,10 @@ class _Blocked:
         self.hb.waiting(False)
 
 
+_FMT = "<ddd"
+"""The heartbeat file: last beat, longest recent gap, between-steps since (24 bytes)."""
+
+
 class Heartbeat:
     """Progress for the agent's hang detector, in a small shared file: CLOCK_MONOTONIC of
     the last sign of life, and the longest gap between beats seen lately (0 until the first
@@ -55,7 +59,7 @@ class Heartbeat:
     interruptible wait a helper thread beats for it. A main thread that holds the GIL or
     loops without returning stops the beats."""
 
-    _FMT = "<ddd"
+    _FMT = _FMT
     _DECAY = 0.999  # per beat: the longest gap fades over a few thousand beats
 
     def __init__(self, path: str | None) -> None:
@@ -153,6 +157,6 @@ def read_heartbeat(path: str) -> tuple[float, float, float] | None:
     try:
         with open(path, "rb") as f:
             data = f.read(24)
-        return struct.unpack(Heartbeat._FMT, data) if len(data) == 24 else None
+        return struct.unpack(_FMT, data) if len(data) == 24 else None
     except OSError:
         return None

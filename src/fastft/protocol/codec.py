@@ -143,5 +143,5 @@ def claimed_sender(data: bytes) -> str:
             return "unknown"
         name = Role(role).name.lower() if role in Role._value2member_map_ else f"role{role}"
         return f"rank {rank} incarnation {inc} {name}"
-    except Exception:  # noqa: BLE001 - any bytes at all
+    except Exception:
         return "unknown"

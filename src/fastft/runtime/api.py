@@ -201,7 +201,7 @@ class Runtime:
         for stop in (x.membership.collector.close, self.bus.close, self.heartbeat.close):
             try:
                 stop()
-            except Exception:  # noqa: BLE001 - never fail an exit
+            except Exception:
                 log.debug("stopping %s at exit failed", stop, exc_info=True)
         if x.durable is not None:
             x.durable.close(timeout_s=10.0)
@@ -342,7 +342,7 @@ class Runtime:
         ):
             try:  # a member ends after a committed step: joiners need not wait any more
                 self._store.set(self.keys.finished, str(x.state.step))
-            except Exception:  # noqa: BLE001 - the store may be gone at the very end
+            except Exception:
                 log.debug("could not mark the job finished", exc_info=True)
         x.feed(Shutdown("closed"))
         with x.lock:

@@ -127,7 +127,7 @@ class Restartable:
                     return self.fn(*args, **kwargs)
                 except WorkerExit:
                     raise  # the runtime is ending this worker
-                except Exception as e:  # noqa: BLE001 - what escaped the transactions
+                except Exception as e:
                     why = misuse(e)
                     if why is not None:  # a restart would fail the same way
                         log.critical("%s", why)
@@ -224,7 +224,7 @@ class _Watchdog:
                     self._soft_at = last
                     self._soft(idle, soft)
                 else:  # not raised yet (the main thread was in the runtime's machinery)
-                    rt.interrupter.raise_in_main(rt.interrupter._forced)
+                    rt.interrupter.raise_in_main(rt.interrupter.forced)
             else:
                 self._soft_at = None
 

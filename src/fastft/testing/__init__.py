@@ -25,7 +25,7 @@ def wait_for(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0.0
     return pred()
 
 
-def MemoryBus(  # noqa: N802 - a factory that reads like a class
+def MemoryBus(
     hub: MemoryHub, job: str = "test", rank: int = 0, incarnation: int = 1, **kw: object
 ) -> BusEndpoint:
     """An in-memory bus endpoint on ``hub`` (call ``.start()`` or use ``with``)."""

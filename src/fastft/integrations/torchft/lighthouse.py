@@ -270,7 +270,7 @@ class BusLighthouse:
             elif self._on_waiting is not None and not self._waiting_told:
                 self._waiting_told = True
                 self._on_waiting(rid, step, st.quorum_id)
-        except Exception:  # noqa: BLE001 - an announcement must never fail a quorum
+        except Exception:
             log.exception("could not announce %s waiting", rid)
 
     def _tick_loop(self) -> None:

@@ -288,7 +288,7 @@ class ManagerFFT(OnTheBus, Manager):
                     **fields,
                 )
             )
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("could not broadcast %s", getattr(kind, "__name__", kind))
 
     def _excepthook(self, *args: Any) -> None:

@@ -73,7 +73,7 @@ class Pending:
         return n
 
 
-class BusWork(dist._Work):
+class BusWork(dist._Work):  # noqa: SLF001 - torch has no public Work to subclass
     """A collective whose ``wait()`` a bus fault can end.
 
     Its future completes when the work is waited for or polled (``wait``,
@@ -223,7 +223,7 @@ class BusProcessGroup(ProcessGroupWrapper):
         return bool(getattr(self._inner, "supports_reconfigure", False))
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> Any:
-        return self._inner._create_pg(store, rank, world_size)
+        return self._inner._create_pg(store, rank, world_size)  # noqa: SLF001 - torchft's own hook for building its inner group
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._inner.set_timeout(timeout)

@@ -31,7 +31,7 @@ class QuorumTap:
         q = self._reuse()
         if q is not None:
             return q
-        q = self._client._quorum(*args, **kwargs)
+        q = self._client._quorum(*args, **kwargs)  # noqa: SLF001 - torchft's quorum client, which it exposes no other way
         self._on_quorum(q)
         return q
 

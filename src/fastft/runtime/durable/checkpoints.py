@@ -199,7 +199,7 @@ class Checkpoints:
     def _guarded(self, fn: Any) -> None:
         try:
             fn()
-        except Exception as e:  # noqa: BLE001 - the writes fall back to this process
+        except Exception as e:
             log.warning("checkpoint writer process did not start (%s): writing in-process", e)
             self._writer = None
 
@@ -220,7 +220,7 @@ class Checkpoints:
         try:
             path, size = write_checkpoint(self.root, step, epoch, state)
             answer = {"ok": True, "path": str(path), "size": size}
-        except Exception as e:  # noqa: BLE001 - never a training fault
+        except Exception as e:
             answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         answer["write_ms"] = round((time.monotonic() - t0) * 1e3, 3)
         self._done(step, answer)

@@ -233,7 +233,7 @@ class Membership:
                 if ckpt is None:
                     raise CheckpointError("this worker has no --checkpoint-dir")
                 step = x.registry.load_state(ckpt.load(ckpt.path_of(view.restore)))
-            except Exception as e:  # noqa: BLE001 - the closer read it: this node cannot
+            except Exception as e:
                 why = (
                     f"rank {x.me.rank} could not load the checkpoint of step {view.restore} "
                     f"that epoch {view.epoch} restores ({type(e).__name__}: {e}); is "

@@ -38,7 +38,7 @@ class SideClient:
                     return False
                 self.store.get(self.keys.finished)  # a forged mark raises ForgedValue
                 return True
-        except Exception:  # noqa: BLE001 - then a clean exit counts as a fault, as before
+        except Exception:
             log.debug("could not read the job's finished mark", exc_info=True)
             return False
 
@@ -73,5 +73,5 @@ class KeyCollector:
                 return
             try:
                 self._side.forget(*item)
-            except Exception:  # noqa: BLE001 - a leftover key costs a few bytes
+            except Exception:
                 log.debug("store gc: could not delete the keys of %s", item, exc_info=True)

@@ -234,11 +234,11 @@ class DataPlane:
                 store = dist.PrefixStore(prefix, client)
                 if backend == "nccl":  # pragma: no cover - checked on a GPU machine only
                     opts = dist.ProcessGroupNCCL.Options()
-                    opts._timeout = timeout
+                    opts._timeout = timeout  # noqa: SLF001 - torch's ProcessGroupNCCL.Options field
                     fut.set_result(dist.ProcessGroupNCCL(store, rank, size, opts))
                 else:
                     fut.set_result(dist.ProcessGroupGloo(store, rank, size, timeout))
-            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            except BaseException as e:
                 fut.set_exception(e)
 
         threading.Thread(target=run, name=name, daemon=True).start()

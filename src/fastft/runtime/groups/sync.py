@@ -25,6 +25,7 @@ import torch
 
 from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.runtime.state.outer import Outer, OuterOptimizer, default_outer_optimizer
+from fastft.runtime.state.wire import flatten, unflatten
 
 if TYPE_CHECKING:
     from fastft.runtime.ports import RuntimePorts
@@ -49,7 +50,7 @@ def reduce_gradients(rt: RuntimePorts) -> None:
     grads: list[torch.Tensor] = []
     if flat is None:  # mixed dtypes or devices, or FSDP's shards: flatten a copy
         grads = registry.gradients()
-        flat = torch._utils._flatten_dense_tensors(grads)
+        flat = flatten(grads)
     kept = x.kept
     if not rt.sharded:  # (FSDP averaged a shard group's gradients with equal weights)
         kept.weigh(flat, x.state.step)
@@ -58,15 +59,15 @@ def reduce_gradients(rt: RuntimePorts) -> None:
     if kept.share is None or rt.sharded:
         flat.div_(groups)
     if grads:
-        unflat = torch._utils._unflatten_dense_tensors(flat, grads)
+        unflat = unflatten(flat, grads)
         for g, r in zip(grads, unflat, strict=True):
             g.copy_(r)
     if every > 1:  # a sync step starts from the groups' average, applied at its commit
         held = registry.sync_tensors()
-        avg = torch._utils._flatten_dense_tensors(held)
+        avg = flatten(held)
         _allreduce(rt, avg)
         avg.div_(groups)
-        registry.hold_average(held, torch._utils._unflatten_dense_tensors(avg, held))
+        registry.hold_average(held, unflatten(avg, held))
 
 
 def outer_due(rt: RuntimePorts, step: int) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fastft.runtime.state.wire import _clone
+from fastft.runtime.state.wire import _clone, flatten, unflatten
 
 __all__ = ["Outer", "OuterOptimizer", "default_outer_optimizer"]
 
@@ -40,9 +40,7 @@ class Outer:
 
     def pseudo_gradient(self) -> torch.Tensor:
         """This group's move since the anchor, flat: anchor - parameters."""
-        return torch._utils._flatten_dense_tensors(
-            [a - p.detach() for a, p in zip(self.anchor, self.params, strict=True)]
-        )
+        return flatten([a - p.detach() for a, p in zip(self.anchor, self.params, strict=True)])
 
     @torch.no_grad()
     def step(self, average: torch.Tensor) -> None:
@@ -54,7 +52,7 @@ class Outer:
             [a.clone() for a in self.anchor],
             _clone(self.optimizer.state_dict()),
         )
-        grads = torch._utils._unflatten_dense_tensors(average, self.anchor)
+        grads = unflatten(average, self.anchor)
         for a, g in zip(self.anchor, grads, strict=True):
             a.grad = g
         self.optimizer.step()

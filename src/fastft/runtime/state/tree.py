@@ -133,7 +133,7 @@ def _dec(node: Any, tensors: Mapping[int, torch.Tensor], depth: int) -> Any:
             out: OrderedDict[Any, Any] = OrderedDict(pairs)
             meta = _dec(node["m"], tensors, d)
             if meta is not None:
-                out._metadata = meta  # type: ignore[attr-defined]
+                out._metadata = meta  # type: ignore[attr-defined]  # noqa: SLF001 - torch's state_dict metadata attribute
             return out
     if len(node) == 1 and isinstance(v, str):
         if tag == "b":

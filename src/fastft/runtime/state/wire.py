@@ -94,3 +94,13 @@ def _clone(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(_clone(v) for v in obj)
     return obj
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` in one contiguous buffer (what DDP's buckets use)."""
+    return torch._utils._flatten_dense_tensors(tensors)  # noqa: SLF001 - no public equivalent
+
+
+def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped as ``like`` (the inverse of :func:`flatten`)."""
+    return list(torch._utils._unflatten_dense_tensors(flat, like))  # noqa: SLF001 - (as above)
