@@ -16,6 +16,13 @@ from typing import Any
 
 from fastft.errors import ConfigError
 from fastft.launch.offenders import QuarantineRule
+from fastft.process.env import (
+    BETWEEN_STEPS_TIMEOUT_S,
+    DRAIN_GRACE_S,
+    HANG_TIMEOUT_S,
+    HEALTH_HOST_MB,
+    MAX_RECOVERIES,
+)
 from fastft.process.malloc import PREFAULT_MAX
 
 __all__ = ["LaunchConfig"]
@@ -54,12 +61,12 @@ class LaunchConfig:
     max_restarts: int = _flag(3, "restarts per worker")
     inject: str | None = _flag(None, "fault plan JSON (fastft plan check)")
     hang_timeout_s: float = _flag(
-        30.0,
+        HANG_TIMEOUT_S,
         "seconds without progress before a worker is killed (the most, with --adaptive-hang)",
         flag="--hang-timeout",
     )
     between_steps_timeout_s: float = _flag(
-        1800.0,
+        BETWEEN_STEPS_TIMEOUT_S,
         "seconds a worker may spend between steps (an evaluation, a checkpoint) while its "
         "Python runs before it is killed as hung; --hang-timeout judges steps",
         flag="--between-steps-timeout",
@@ -100,12 +107,12 @@ class LaunchConfig:
     flow_name: str = _flag("pipeline", "the pipeline's name in the flow store")
     max_ahead: int = _flag(1, "steps a stage's commits may run ahead of the next stage's")
     max_recoveries: int = _flag(
-        50,
+        MAX_RECOVERIES,
         "recoveries in a row without a committed step after which the job stops with exit "
         "1 (a fault storm) instead of restarting forever",
     )
     health_host_mb: int = _flag(
-        256,
+        HEALTH_HOST_MB,
         "health check before a worker joins or rejoins: MiB of host memory that must be "
         "available (0: no check); a worker that fails a health check is not admitted",
         flag="--health-host-mb",
@@ -116,7 +123,7 @@ class LaunchConfig:
         "next life is a warm spare, or the world shrinks (elastic), or the job stops; 'off'",
     )
     drain_grace_s: float = _flag(
-        30.0,
+        DRAIN_GRACE_S,
         "after a SIGTERM (or fastft drain --node), seconds the workers have to leave at "
         "their next commit before they are stopped",
         flag="--drain-grace",

@@ -25,6 +25,11 @@ from typing import Any
 from fastft.errors import ConfigError
 
 __all__ = [
+    "BETWEEN_STEPS_TIMEOUT_S",
+    "DRAIN_GRACE_S",
+    "HANG_TIMEOUT_S",
+    "HEALTH_HOST_MB",
+    "MAX_RECOVERIES",
     "CUDA_DEVICE",
     "INSECURE",
     "MALLOC_TUNE",
@@ -38,6 +43,19 @@ __all__ = [
     "insecure",
     "parse_bool",
 ]
+
+# Defaults the agent's flags and the worker's config share, written once (issue 34).
+# Timeouts order as STYLE 15 says: lease < rollback deadline < hang timeout < collective.
+HANG_TIMEOUT_S = 30.0
+"""Seconds a step may go without progress before its worker is killed as hung."""
+BETWEEN_STEPS_TIMEOUT_S = 1800.0
+"""The same between steps (an evaluation, a checkpoint), where long work is normal."""
+DRAIN_GRACE_S = 30.0
+"""After a SIGTERM: seconds the workers have to leave at their next commit."""
+MAX_RECOVERIES = 50
+"""Recoveries in a row without a commit before the job stops (a fault storm)."""
+HEALTH_HOST_MB = 256
+"""The health check's floor of available host memory (MiB)."""
 
 SPARE_RUN_AHEAD = "FASTFT_SPARE_COMMAND"
 CUDA_DEVICE = "FASTFT_SPARE_CUDA_DEVICE"

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastft.errors import ConfigError
-from fastft.process.env import WORKER_FIELD_TYPES, WorkerEnv
+from fastft.process.env import (
+    BETWEEN_STEPS_TIMEOUT_S,
+    DRAIN_GRACE_S,
+    HANG_TIMEOUT_S,
+    HEALTH_HOST_MB,
+    MAX_RECOVERIES,
+    WORKER_FIELD_TYPES,
+    WorkerEnv,
+)
 from fastft.protocol.exits import (
     EXIT_STATE_LOST,
 )
@@ -109,11 +117,11 @@ class RuntimeConfig:
     shard_size: int = 1
     group_gen: int = 0
     sync: str = "per-step"
-    drain_grace_s: float = 30.0
-    max_recoveries: int = 50
-    health_host_mb: int = 256
-    hang_timeout_s: float = 30.0
-    between_steps_timeout_s: float = 1800.0
+    drain_grace_s: float = DRAIN_GRACE_S
+    max_recoveries: int = MAX_RECOVERIES
+    health_host_mb: int = HEALTH_HOST_MB
+    hang_timeout_s: float = HANG_TIMEOUT_S
+    between_steps_timeout_s: float = BETWEEN_STEPS_TIMEOUT_S
     flow: str | None = None
     flow_name: str = "pipeline"
     stage: str | None = None
@@ -180,40 +188,12 @@ class RuntimeConfig:
         it (run the script under ``fastft run``, or set it)."""
         we = WorkerEnv.from_env(env, supplied=frozenset(overrides))
         known = {f.name for f in dataclasses.fields(WorkerEnv)}
+        # a variable the launcher set wins over the field's default; the defaults are the
+        # fields' own (written once, not copied here)
+        own = {f.name for f in dataclasses.fields(cls)}
         kw: dict[str, object] = {
-            "heartbeat_file": we.heartbeat_file,
-            "exit_trace_file": we.exit_trace_file,
-            "incarnation": we.incarnation,
-            "min_replicas": we.min_replicas,
+            name: v for name in sorted(known & own) if (v := getattr(we, name)) is not None
         }
-        for name in ("store", "job", "rank", "world_size", "run_dir", "inject", "secret_file"):
-            kw[name] = getattr(we, name)
-        for name, default in (
-            ("life", 0),
-            ("seed", 0),
-            ("check_every", 0),
-            ("keep_gradients", True),
-            ("backend", "auto"),
-            ("checkpoint_dir", None),
-            ("checkpoint_every", 0),
-            ("checkpoint_interval_s", 0.0),
-            ("checkpoint_keep", 2),
-            ("allow_fresh_start", False),
-            ("shard_size", 1),
-            ("group_gen", 0),
-            ("sync", "per-step"),
-            ("drain_grace_s", 30.0),
-            ("health_host_mb", 256),
-            ("hang_timeout_s", 30.0),
-            ("between_steps_timeout_s", 1800.0),
-            ("max_recoveries", 50),
-            ("flow", None),
-            ("flow_name", "pipeline"),
-            ("stage", None),
-            ("max_ahead", 1),
-        ):
-            v = getattr(we, name)
-            kw[name] = default if v is None else v
         for k, v in overrides.items():
             kind = WORKER_FIELD_TYPES.get(k, "") if k in known else ""
             if v is not None and kind.startswith("int"):
