@@ -102,6 +102,8 @@ class Runtime:
             saved = durable.latest() if durable is not None else None
             return Recovery(saved.step if saved else None, config.allow_fresh_start)
 
+        dead: set[Member] = set()  # the worker's one: the executor writes, the coordinator reads
+        self.flow = flow_of(config, secret)  # (pipeline stages: --stage, --flow)
         x = self.engine = Executor(
             config,
             self.me,
@@ -112,7 +114,7 @@ class Runtime:
                 self.incarnation,
                 config.world_size,
                 config.min_members,
-                dead=set(),
+                dead=dead,
                 decision_store=decisions,
                 recovery=recovery,
                 shard_size=config.shard_size,
@@ -138,8 +140,9 @@ class Runtime:
                 and config.sync == "per-step"
             ),
             durable,
+            dead,
+            after_commit=self.flow.committed if self.flow is not None else None,
         )
-        x.coord.dead = x.dead  # one set of the dead per process
         self.interrupter.shield(
             StepAttempts.enter,
             StepAttempts.exit,
@@ -147,9 +150,6 @@ class Runtime:
             Executor.run_main_action,
             Runtime.close,
         )
-        self.flow = flow_of(config, secret)  # (pipeline stages: --stage, --flow)
-        if self.flow is not None:
-            x.after_commit = self.flow.committed
         self._store = control
         self._raw_store = store
         self._mesh: Any = None

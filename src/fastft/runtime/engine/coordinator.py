@@ -134,9 +134,6 @@ class Coordinator:
         admitted as joiners."""
         self._joiner_keys_exist = False
         self.recovery = recovery
-        self.below_min: Callable[[int, int], None] = lambda have, need: None
-        """Told (members it has, members it needs) while a formation this worker closes
-        waits below ``min_members`` for restarted workers."""
         """What can replace a lost state (the durable tier's newest checkpoint): asked only
         when an epoch closes without a holder, or at a first start."""
 
@@ -297,6 +294,7 @@ class Coordinator:
         admit: bool = True,
         arrived: Callable[[], None] = lambda: None,
         suspect: bool = False,
+        below_min: Callable[[int, int], None] = lambda have, need: None,
     ) -> EpochView | None:
         """Take part in forming ``prev.epoch + 1``. Returns the closed view (which may not
         list this worker: it must then join), or None if ``cancelled()`` became true; raises
@@ -306,7 +304,9 @@ class Coordinator:
         those samples of ``step`` (the closer lists it in the view's ``kept``). ``admit``
         False: registered joiners are left out (listed as ``waiting``) when the survivors
         are at least ``min_replicas`` without them. ``arrived`` is called once this
-        worker's arrival is written. ``suspect``: this worker's state may be damaged
+        worker's arrival is written. ``below_min(have, need)`` is told while a formation
+        this worker closes waits below ``min_members`` for restarted workers.
+        ``suspect``: this worker's state may be damaged
         (:class:`~fastft.runtime.engine.formation.Arrival`)."""
         epoch = prev.epoch + 1
         me = self.me.rank
@@ -335,13 +335,18 @@ class Coordinator:
                 if Member(r, prev.incarnation(r)) not in self.dead and r // self.k not in broken
             ]
             if live and live[0] == me:
-                view = self._try_close(prev, live, deadline, admit)
+                view = self._try_close(prev, live, deadline, admit, below_min)
                 if view is not None:
                     return view
             self.sleep(_POLL_S)
 
     def _try_close(
-        self, prev: EpochView, expected: list[int], deadline: float, admit: bool = True
+        self,
+        prev: EpochView,
+        expected: list[int],
+        deadline: float,
+        admit: bool = True,
+        below_min: Callable[[int, int], None] = lambda have, need: None,
     ) -> EpochView | None:
         epoch = prev.epoch + 1
         arrived: dict[int, Arrival] = {}
@@ -373,7 +378,7 @@ class Coordinator:
         )
         if view is None:  # every expected survivor is in: fewer than min_members
             if self.min_members < self.world_size:  # (a fixed world waits by design)
-                self.below_min(len(arrived) + len(joiners), self.min_members)
+                below_min(len(arrived) + len(joiners), self.min_members)
             return None
         return self._close(view, {} if view.waiting else joiners)
 

@@ -111,11 +111,14 @@ class Executor:
         dataplane: DataPlane,
         kept: KeptGradients,
         durable: Checkpoints | None = None,
+        dead: set[Member] | None = None,
+        *,
+        after_commit: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
         self.durable = durable
         """The durable tier (``--checkpoint-dir``), None without one."""
-        self.after_commit: Callable[[int], None] | None = None
+        self.after_commit = after_commit
         """Called with the count of committed steps after each commit (pipeline stages)."""
         self.suspect_state = False
         """An in-process restart left this worker's state in doubt: its next formation
@@ -130,8 +133,9 @@ class Executor:
         self.events = events
         self.dp = dataplane
         self.kept = kept
-        self.dead: set[Member] = set()
-        """Lives known dead: the worker's one set (the coordinator reads it)."""
+        self.dead: set[Member] = dead if dead is not None else set()
+        """Lives known dead: the worker's one set, written here only (the coordinator
+        it was built with reads it)."""
         self.services: Services | None = None
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)

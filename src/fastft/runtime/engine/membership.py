@@ -31,7 +31,6 @@ class Membership:
         self.collector = KeyCollector(x.side)
         self._decision_wait_ms: float | None = None
         self._below: tuple[int, int, int] | None = None
-        x.coord.below_min = self._below_min
 
     def _below_min(self, have: int, need: int) -> None:
         """Said once per formation and count: an elastic world waits for restarted workers
@@ -157,6 +156,7 @@ class Membership:
                 # tests: a death after arriving for the epoch
                 arrived=lambda: x.sv.injector.fire_due(x.state.step, point="formation"),
                 suspect=x.suspect_state,
+                below_min=self._below_min,
             )
         except JobFinished as e:
             self._finished(e, f"the job finished at step {e.step} while this worker re-formed")
