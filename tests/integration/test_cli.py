@@ -368,3 +368,17 @@ def test_report_draws_the_timeline_and_writes_an_html_page(tmp_path):
     assert "data:image/png;base64," in text and "exception" in text
     r = fastft("report", str(run), "--plot", str(tmp_path / "t.unknown"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_python_m_fastft_lists_run_first_and_run_help_is_in_sections():
+    r = subprocess.run(
+        [sys.executable, "-m", "fastft", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    commands = r.stdout.split("positional arguments:")[1]
+    assert commands.index("    run ") < commands.index("    inject "), r.stdout
+    r = fastft("run", "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: fastft run [flags] SCRIPT"), r.stdout[:200]
+    for section in ("workers:", "faults and hangs:", "durable tier (checkpoints):", "torchft:"):
+        assert f"\n{section}\n" in r.stdout, section
