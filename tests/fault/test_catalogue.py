@@ -13,7 +13,7 @@ import pytest
 
 CHILD = """
 import sys, time, threading
-from fastft.inject import FaultSpec, execute, InjectedFault, StateLost
+from fastft.inject import FaultSpec, execute, InjectedFault, StateLostFault
 spec = FaultSpec(sys.argv[1], rank=0, arg=float(sys.argv[2]))
 if spec.kind.value == "gil_hang":
     beats = []
@@ -26,7 +26,7 @@ try:
     execute(spec)
 except InjectedFault:
     sys.exit(41)
-except StateLost:
+except StateLostFault:
     sys.exit(42)
 print("returned", flush=True)
 """

@@ -11,7 +11,7 @@ import pytest
 
 from fastft.integrations.torchft import BusLighthouse, LighthouseOptions
 from fastft.integrations.torchft.quorum import (
-    Member,
+    QuorumMember,
     QuorumState,
     compute_quorum,
     fastft_replica_id,
@@ -30,8 +30,8 @@ def _state(
     for r in beating:
         st.heartbeats[r] = now - 0.1
     for r in joined:
-        st.participants[r] = (now - 0.05, Member(r))
-    st.prev = tuple(Member(r) for r in prev) if prev is not None else None
+        st.participants[r] = (now - 0.05, QuorumMember(r))
+    st.prev = tuple(QuorumMember(r) for r in prev) if prev is not None else None
     return st
 
 
@@ -64,13 +64,13 @@ def test_dead_but_heartbeating_replica_stalls_torchft_rule_until_expiry() -> Non
 
 def test_new_quorum_id_after_a_failed_commit() -> None:
     # torchft's rule: same members, same id (no process-group rebuild) ...
-    a = (Member("a"), Member("b"))
+    a = (QuorumMember("a"), QuorumMember("b"))
     assert not quorum_changed(a, a)
-    assert quorum_changed((Member("a"),), a)
+    assert quorum_changed((QuorumMember("a"),), a)
     assert quorum_changed(a, None)
     # ... unless a member failed its last commit: its peers may hold an abandoned
     # collective on the old communicator, so every member must rebuild it
-    failed = (Member("a", commit_failures=1), Member("b"))
+    failed = (QuorumMember("a", commit_failures=1), QuorumMember("b"))
     assert quorum_changed(failed, a)
 
 
@@ -98,7 +98,7 @@ def test_the_first_quorum_waits_for_every_replica_started() -> None:
     members, why = compute_quorum(100.0, st, first3)
     assert members is None and why.startswith("first quorum: 2 of 3")
     st.heartbeats["c"] = 101.0
-    st.participants["c"] = (101.0, Member("c"))
+    st.participants["c"] = (101.0, QuorumMember("c"))
     members, _ = compute_quorum(101.0, st, first3)
     assert members is not None and [m.replica_id for m in members] == ["a", "b", "c"]
     # ... at most the join timeout

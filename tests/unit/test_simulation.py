@@ -28,7 +28,7 @@ from fastft.fsm import GradsReady, Phase
 from fastft.inject import FaultPlan, Injector
 from fastft.interrupt import Interrupter
 from fastft.process.events import EventLog
-from fastft.process.heartbeat import Heartbeat
+from fastft.process.heartbeat import HeartbeatWriter
 from fastft.process.services import Services
 from fastft.protocol import JobKeys, ProcessExited, Role
 from fastft.runtime.contract import EpochView, Member, RuntimeConfig
@@ -187,7 +187,9 @@ class Sim:
         coord.dead = x.dead
         self.bus = MemoryBus(w.hub, job=JOB, rank=self.rank, incarnation=self.inc)
         self.bus.subscribe(x.faults.on_message)
-        sv = Services(events, Heartbeat(None), self.bus, Injector(FaultPlan(()), self.rank, 0))
+        sv = Services(
+            events, HeartbeatWriter(None), self.bus, Injector(FaultPlan(()), self.rank, 0)
+        )
         x.attach(sv)
         x.healer = _FakeHealer(w, self)  # type: ignore[assignment]
         self.bus.start()

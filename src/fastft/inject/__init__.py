@@ -1,6 +1,6 @@
 """Fault catalogue, fault plans (JSON) and their execution in a target process."""
 
-from fastft.inject.execute import InjectedFault, Injector, StateLost, execute
+from fastft.inject.execute import InjectedFault, Injector, StateLostFault, execute
 from fastft.inject.plan import FAULT_SEVERITY, FaultKind, FaultPlan, FaultSpec
 
 __all__ = [
@@ -10,6 +10,6 @@ __all__ = [
     "FaultSpec",
     "InjectedFault",
     "Injector",
-    "StateLost",
+    "StateLostFault",
     "execute",
 ]

@@ -22,7 +22,7 @@ from fastft.errors import FastFTError
 from fastft.inject.plan import FaultKind, FaultPlan, FaultSpec
 from fastft.protocol.messages import NO_STEP, Inject, Message
 
-__all__ = ["InjectedFault", "StateLost", "Injector", "execute"]
+__all__ = ["InjectedFault", "StateLostFault", "Injector", "execute"]
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class InjectedFault(FastFTError, RuntimeError):
     """The ``exception`` fault: a transient error in the step (Fault2)."""
 
 
-class StateLost(FastFTError, RuntimeError):
+class StateLostFault(FastFTError, RuntimeError):
     """The ``state_lost`` fault: this worker's state must be healed from a peer (Fault1)."""
 
 
@@ -46,7 +46,7 @@ def execute(spec: FaultSpec) -> None:
     if k is FaultKind.EXCEPTION:
         raise InjectedFault(f"injected exception {when}")
     if k is FaultKind.STATE_LOST:
-        raise StateLost(f"injected state loss {when}")
+        raise StateLostFault(f"injected state loss {when}")
     if k is FaultKind.SIGKILL:
         os.kill(os.getpid(), signal.SIGKILL)
     elif k is FaultKind.SIGTERM:

@@ -1,6 +1,6 @@
 """The heartbeat file: a worker's progress, read by its agent's hang detector.
 
-The writer (:class:`Heartbeat`) lives in the worker (the native runtime or ``ManagerFFT``);
+The writer (:class:`HeartbeatWriter`) lives in the worker (the native runtime or ``ManagerFFT``);
 the reader (:func:`read_heartbeat`) in the agent. One small shared file per worker:
 CLOCK_MONOTONIC of the last sign of life, the longest recent gap between beats, and since
 when the worker is between steps (0 inside one).
@@ -16,7 +16,7 @@ import struct
 import threading
 import time
 
-__all__ = ["STACKS_SIGNAL", "Heartbeat", "dump_stacks_on_signal", "read_heartbeat"]
+__all__ = ["STACKS_SIGNAL", "HeartbeatWriter", "dump_stacks_on_signal", "read_heartbeat"]
 
 STACKS_SIGNAL = signal.SIGUSR2
 """What the agent sends a worker it found hung, just before it kills it: the worker's
@@ -37,7 +37,7 @@ class _Blocked:
     heartbeat thread keeps beating for it (the agent must not take a waiting worker for a
     hung one). One reusable object per heartbeat."""
 
-    def __init__(self, hb: Heartbeat) -> None:
+    def __init__(self, hb: HeartbeatWriter) -> None:
         self.hb = hb
 
     def __enter__(self) -> None:
@@ -51,7 +51,7 @@ _FMT = "<ddd"
 """The heartbeat file: last beat, longest recent gap, between-steps since (24 bytes)."""
 
 
-class Heartbeat:
+class HeartbeatWriter:
     """Progress for the agent's hang detector, in a small shared file: CLOCK_MONOTONIC of
     the last sign of life, and the longest gap between beats seen lately (0 until the first
     commit), which an agent with ``--adaptive-hang`` scales into its timeout. The main

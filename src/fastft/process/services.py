@@ -17,7 +17,7 @@ from fastft.bus import BusConfig, BusEndpoint, open_bus
 from fastft.inject import FaultPlan, FaultSpec, Injector
 from fastft.process.env import insecure
 from fastft.process.events import EventLog
-from fastft.process.heartbeat import Heartbeat, dump_stacks_on_signal
+from fastft.process.heartbeat import HeartbeatWriter, dump_stacks_on_signal
 from fastft.process.sentinel import start_exit_sentinel
 from fastft.protocol import Inject, Message
 from fastft.protocol.auth import JobSecret
@@ -28,7 +28,7 @@ __all__ = ["Services"]
 @dataclass
 class Services:
     events: EventLog
-    heartbeat: Heartbeat
+    heartbeat: HeartbeatWriter
     bus: BusEndpoint
     injector: Injector
 
@@ -58,7 +58,7 @@ class Services:
         ``events``: an event log the owner opened already."""
         secret = None if insecure() else JobSecret.for_worker(secret_file)
         events = events if events is not None else EventLog(run_dir, label)
-        heartbeat = Heartbeat(heartbeat_file)
+        heartbeat = HeartbeatWriter(heartbeat_file)
         start_exit_sentinel(exit_trace_file)
         dump_stacks_on_signal()
         plan = FaultPlan.load(inject) if inject else FaultPlan(faults=())

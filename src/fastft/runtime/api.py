@@ -30,7 +30,7 @@ from fastft.fsm import DrainRequested, Phase, Shutdown, StepState
 from fastft.interrupt import Interrupter
 from fastft.process.env import SPARE_RUN_AHEAD, insecure
 from fastft.process.events import EventLog
-from fastft.process.heartbeat import Heartbeat
+from fastft.process.heartbeat import HeartbeatWriter
 from fastft.process.order import await_order, ran_ahead, was_spare
 from fastft.process.services import Services
 from fastft.protocol import JobKeys
@@ -176,7 +176,7 @@ class Runtime:
         x.attach(sv)
         self.bus = sv.bus
         self.injector = sv.injector
-        self.heartbeat: Heartbeat = sv.heartbeat
+        self.heartbeat: HeartbeatWriter = sv.heartbeat
         self.events.emit(
             "worker_start",
             incarnation=self.incarnation,

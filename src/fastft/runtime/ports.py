@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from fastft.inject.execute import Injector
     from fastft.interrupt import Interrupter
     from fastft.process.events import EventLog
-    from fastft.process.heartbeat import Heartbeat
+    from fastft.process.heartbeat import HeartbeatWriter
     from fastft.runtime.contract import HealthCheck, RuntimeConfig
     from fastft.runtime.engine.executor import Executor
     from fastft.runtime.groups.flow import Flow
@@ -37,7 +37,7 @@ class RuntimePorts(Protocol):
     flow: Flow | None
     engine: Executor
     """The step engine: the state machine's state, the epoch's view, the data plane."""
-    heartbeat: Heartbeat
+    heartbeat: HeartbeatWriter
     registered: bool
     health_checks: list[tuple[str, HealthCheck]]
 

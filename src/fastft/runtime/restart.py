@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastft.errors import FastFTError
 from fastft.fsm import Phase
-from fastft.inject import StateLost
+from fastft.inject import StateLostFault
 from fastft.runtime.endings import ScriptError, WorkerExit, misuse
 from fastft.runtime.health import admit_or_leave, state_damage
 
@@ -169,7 +169,7 @@ class Restartable:
         # the committed one, which no member would hold if each declared it lost).
         with x.lock:
             x.suspect_state = suspect
-        x.faults.local(StateLost(f"in-process restart ({cause})") if lose else e)
+        x.faults.local(StateLostFault(f"in-process restart ({cause})") if lose else e)
         rt.drive(lambda s: s.phase is Phase.NORMAL)
         if self.before_restart is not None:
             self.before_restart()

@@ -25,7 +25,7 @@ from typing import Any
 
 from fastft.integrations.torchft.quorum import (
     LighthouseOptions,
-    Member,
+    QuorumMember,
     QuorumState,
     compute_quorum,
     parse_replica_id,
@@ -228,7 +228,7 @@ class BusLighthouse:
         rid = r.replica_id
         if not rid:
             ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing requester")
-        member = Member(
+        member = QuorumMember(
             rid, int(r.step), bool(r.shrink_only), r.SerializeToString(), int(r.commit_failures)
         )
         with self._cond:

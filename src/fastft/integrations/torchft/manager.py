@@ -44,7 +44,7 @@ from fastft.integrations.torchft.pg import Pending, wrap
 from fastft.integrations.torchft.replica import QuorumTap, under_fastft_kwargs
 from fastft.process.env import SPARE_RUN_AHEAD, WorkerEnv
 from fastft.process.events import EventLog
-from fastft.process.heartbeat import Heartbeat
+from fastft.process.heartbeat import HeartbeatWriter
 from fastft.process.services import Services
 from fastft.protocol.messages import (
     DrainNotice,
@@ -101,7 +101,7 @@ class ManagerFFT(OnTheBus, Manager):
         self._fft_store_server: Any = None
         self.bus: BusEndpoint | None = None
         self.events: EventLog | None = None
-        self._hb = Heartbeat(None)
+        self._hb = HeartbeatWriter(None)
         self._reported: list[tuple[tuple[int, int], str, Fault]] = []
         """Fault2 reports that arrived while a quorum was being formed: _on_quorum decides."""
         self._rolled_back: tuple[int, int] = (-1, -1)

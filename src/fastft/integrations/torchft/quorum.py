@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "LighthouseOptions",
-    "Member",
+    "QuorumMember",
     "QuorumState",
     "compute_quorum",
     "fastft_replica_id",
@@ -75,7 +75,7 @@ class LighthouseOptions:
 
 
 @dataclass(frozen=True)
-class Member:
+class QuorumMember:
     """One quorum request: the replica id, its step and whether it asked to shrink only.
     ``raw`` is the request's member record as received; it is sent back unchanged."""
 
@@ -91,9 +91,9 @@ class Member:
 class QuorumState:
     """What the lighthouse knows. Times are seconds on one monotonic clock."""
 
-    participants: dict[str, tuple[float, Member]] = field(default_factory=dict)
+    participants: dict[str, tuple[float, QuorumMember]] = field(default_factory=dict)
     heartbeats: dict[str, float] = field(default_factory=dict)
-    prev: tuple[Member, ...] | None = None
+    prev: tuple[QuorumMember, ...] | None = None
     quorum_id: int = 0
     dead: set[str] = field(default_factory=set)
     """Replicas the bus reported dead: never healthy again (a new life has a new id)."""
@@ -105,7 +105,7 @@ class QuorumState:
 
 def compute_quorum(
     now: float, state: QuorumState, opt: LighthouseOptions
-) -> tuple[tuple[Member, ...] | None, str]:
+) -> tuple[tuple[QuorumMember, ...] | None, str]:
     """The next quorum (participants sorted by replica id) or None, and why."""
     healthy = state.healthy(now, opt)
     joined = {r: v for r, v in state.participants.items() if r in healthy}
@@ -139,7 +139,7 @@ def compute_quorum(
     return tuple(candidates), f"quorum {meta}"
 
 
-def quorum_changed(a: tuple[Member, ...], b: tuple[Member, ...] | None) -> bool:
+def quorum_changed(a: tuple[QuorumMember, ...], b: tuple[QuorumMember, ...] | None) -> bool:
     """Whether quorum ``a`` after ``b`` needs a new id: other members (torchft's rule), or a
     member whose last commit failed (see the module docstring)."""
     return (

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastft.fsm import LocalFault
-from fastft.inject import FaultKind, FaultSpec, StateLost, execute
+from fastft.inject import FaultKind, FaultSpec, StateLostFault, execute
 from fastft.protocol import DrainAck, Fault, Message, Severity
 from fastft.protocol.faults import fault_of
 from fastft.runtime.engine.inbox import route
@@ -31,7 +31,7 @@ class Faults:
         failure is a consequence of that fault and starts nothing: a second rollback
         cycle there would wait for members that are already past it."""
         x = self.x
-        severity = Severity.FAULT1 if isinstance(exc, StateLost) else Severity.FAULT2
+        severity = Severity.FAULT1 if isinstance(exc, StateLostFault) else Severity.FAULT2
         cause = f"{type(exc).__name__}: {exc}"
         x.kept.fault()
         with x.lock:

@@ -18,7 +18,7 @@ from fastft.interrupt import Interrupter, start_broadcast, wait_work
 from fastft.interrupt import broadcast as interruptible_broadcast
 from fastft.interrupt import broadcast_bytes as interruptible_broadcast_bytes
 from fastft.process.events import EventLog
-from fastft.process.heartbeat import Heartbeat
+from fastft.process.heartbeat import HeartbeatWriter
 from fastft.runtime.contract import EpochView
 from fastft.runtime.groups.dataplane import DataPlane, HealTail
 from fastft.runtime.groups.hsdp import shard_source
@@ -46,7 +46,7 @@ class Healer:
         dataplane: DataPlane,
         registry: StateRegistry,
         interrupter: Interrupter,
-        heartbeat: Heartbeat,
+        heartbeat: HeartbeatWriter,
         events: EventLog,
     ) -> None:
         self.dp = dataplane
