@@ -137,3 +137,33 @@ def test_every_run_flag_is_in_one_help_section():
     flags = {f.name for f in dataclasses.fields(LaunchConfig) if f.metadata.get("help")}
     assert len(names) == len(set(names)), "a flag in two sections"
     assert set(names) == flags, (sorted(flags - set(names)), sorted(set(names) - flags))
+
+
+def test_the_worker_environment_is_derived_from_the_shared_fields(monkeypatch):
+    """Every flag the worker shares with its agent reaches it (derived from the field
+    lists, not copied one by one), and a variable left in the agent's own environment
+    cannot override a flag."""
+    from fastft.launch.workerenv import worker_environment
+    from fastft.process.env import WorkerEnv
+
+    monkeypatch.setenv("FASTFT_SEED", "5")  # (the user's shell, say)
+    cfg = LaunchConfig(command=("x.py",), nproc=2, seed=0, hang_timeout_s=7.0)
+    env = worker_environment(
+        cfg,
+        rank=1,
+        life=0,
+        incarnation=9,
+        local_rank=1,
+        store_addr="h:1",
+        run_dir="/r",
+        heartbeat_file="/r/hb",
+        exit_trace_file=None,
+        secret_file="/s",
+    )
+    var = {f.name: f.metadata["var"] for f in dataclasses.fields(WorkerEnv)}
+    flags = {f.name for f in dataclasses.fields(LaunchConfig)}
+    for name in set(var) & flags - {"flow_name", "max_ahead", "min_replicas", "inject"}:
+        if getattr(cfg, name) is not None:
+            assert var[name] in env, f"{name} does not reach the worker"
+    assert env["FASTFT_SEED"] == "0" and env["FASTFT_HANG_TIMEOUT"] == "7.0"
+    assert env["FASTFT_STORE"] == "h:1" and env["FASTFT_RUN_DIR"] == "/r"

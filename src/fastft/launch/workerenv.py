@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,33 @@ from fastft.launch.config import LaunchConfig
 from fastft.process.env import SPARE_RUN_AHEAD, WorkerEnv
 
 __all__ = ["cpu_warnings", "worker_environment", "workers_line"]
+
+
+_SHARED = tuple(
+    f.name
+    for f in dataclasses.fields(WorkerEnv)
+    if f.name in {g.name for g in dataclasses.fields(LaunchConfig)}
+)
+"""The fields a worker reads as its agent's flag of the same name."""
+
+
+def _contract(cfg: LaunchConfig, **life: Any) -> WorkerEnv:
+    """The :class:`WorkerEnv` of one worker life: every flag the worker shares with its
+    agent, derived from the field lists (not copied one by one; each is set, so a
+    variable left in the agent's own environment cannot override a flag), then what only
+    this life has (``life``). Paths are made absolute: a worker may change directory."""
+    shared: dict[str, Any] = {name: getattr(cfg, name) for name in _SHARED}
+    for name in ("inject", "checkpoint_dir"):
+        if shared.get(name):
+            shared[name] = str(Path(shared[name]).resolve())
+    if not cfg.stage:  # (a pipeline's name and bound mean nothing to a job that is no stage)
+        shared.pop("flow_name", None)
+        shared.pop("max_ahead", None)
+    shared["job"] = cfg.job
+    for name in life:  # (this life's own: the store's address, the run directory, ...)
+        shared.pop(name, None)
+    lighthouse = "bus" if cfg.torchft == "fastft" else None
+    return WorkerEnv(world_size=cfg.world_size, lighthouse=lighthouse, **shared, **life)
 
 
 def worker_environment(
@@ -33,41 +61,17 @@ def worker_environment(
         **os.environ,
         **cfg.env,
         "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
-        **WorkerEnv(
-            store=store_addr,
-            job=cfg.job,
+        **_contract(
+            cfg,
             rank=rank,
-            world_size=cfg.world_size,
-            min_replicas=cfg.min_replicas,
             life=life,
+            incarnation=incarnation,
+            store=store_addr,
             run_dir=run_dir,
-            inject=str(Path(cfg.inject).resolve()) if cfg.inject else None,
             heartbeat_file=heartbeat_file,
             exit_trace_file=exit_trace_file,
-            seed=cfg.seed,
-            incarnation=incarnation,
-            check_every=cfg.check_every,
-            drain_grace_s=cfg.drain_grace_s,
-            health_host_mb=cfg.health_host_mb,
-            hang_timeout_s=cfg.hang_timeout_s,
-            between_steps_timeout_s=cfg.between_steps_timeout_s,
-            max_recoveries=cfg.max_recoveries,
-            keep_gradients=cfg.keep_gradients,
-            backend=cfg.backend,
-            lighthouse="bus" if cfg.torchft == "fastft" else None,
-            checkpoint_dir=str(Path(cfg.checkpoint_dir).resolve()) if cfg.checkpoint_dir else None,
-            checkpoint_every=cfg.checkpoint_every,
-            checkpoint_interval_s=cfg.checkpoint_interval_s,
-            checkpoint_keep=cfg.checkpoint_keep,
-            allow_fresh_start=cfg.allow_fresh_start,
             secret_file=secret_file,
-            shard_size=cfg.shard_size if cfg.shard_size > 1 else None,
             group_gen=group_gen if cfg.shard_size > 1 else None,
-            sync=cfg.sync if cfg.sync != "per-step" else None,
-            flow=cfg.flow,
-            flow_name=cfg.flow_name if cfg.stage else None,
-            stage=cfg.stage,
-            max_ahead=cfg.max_ahead if cfg.stage else None,
         ).to_env(),
         # torchrun's names: scripts place their model on cuda:LOCAL_RANK
         "LOCAL_RANK": str(local_rank),
