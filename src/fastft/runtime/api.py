@@ -37,20 +37,15 @@ from fastft.protocol import JobKeys
 from fastft.protocol.auth import JobSecret, ValueAuth
 from fastft.runtime.attempt import StepAttempts
 from fastft.runtime.contract import Member, RuntimeConfig
-from fastft.runtime.durable.checkpoints import Checkpoints
 from fastft.runtime.endings import Drained, JobFinished, WorkerExit
-from fastft.runtime.engine.coordinator import Coordinator
+from fastft.runtime.engine.build import build_engine
 from fastft.runtime.engine.executor import Executor
-from fastft.runtime.engine.formation import Recovery
-from fastft.runtime.engine.sideclient import SideClient
-from fastft.runtime.groups.dataplane import DataPlane
 from fastft.runtime.groups.flow import flow_of
 from fastft.runtime.groups.hsdp import StepGate, meet_shard_group
 from fastft.runtime.groups.sync import reduce_gradients as sync_gradients
 from fastft.runtime.health import HealthCheck, admit_or_leave
 from fastft.runtime.restart import Restartable
 from fastft.runtime.state.data import Batches
-from fastft.runtime.state.kept import KeptGradients
 from fastft.runtime.state.outer import Outer, OuterOptimizer
 from fastft.runtime.state.registry import StateRegistry
 from fastft.runtime.transaction import Transaction
@@ -92,56 +87,18 @@ class Runtime:
             # agent stops the job; a worker's KeyboardInterrupt would only add tracebacks
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.interrupter.end_step()
-        durable = (
-            Checkpoints(config.checkpoint_dir, config.checkpoint_keep, self.events)
-            if config.checkpoint_dir
-            else None
-        )
-
-        def recovery() -> Recovery:
-            saved = durable.latest() if durable is not None else None
-            return Recovery(saved.step if saved else None, config.allow_fresh_start)
-
-        dead: set[Member] = set()  # the worker's one: the executor writes, the coordinator reads
         self.flow = flow_of(config, secret)  # (pipeline stages: --stage, --flow)
-        x = self.engine = Executor(
+        x = self.engine = build_engine(
             config,
             self.me,
-            Coordinator(
-                control,
-                self.keys,
-                self.rank,
-                self.incarnation,
-                config.world_size,
-                config.min_members,
-                dead=dead,
-                decision_store=decisions,
-                recovery=recovery,
-                shard_size=config.shard_size,
-            ),
-            SideClient(control.clone(), self.keys),
+            self.keys,
+            store,
+            control,
+            decisions,
             self.registry,
             self.interrupter,
             self.events,
-            DataPlane(
-                store,
-                backend=config.backend,
-                pg_timeout_s=config.pg_timeout_s,
-                model=lambda: self.registry.model,
-                events=self.events,
-                shard_size=config.shard_size,
-            ),
-            # (not with shard groups: FSDP averaged a group's parts already; not with local
-            # steps, which reduce no gradients)
-            KeptGradients(
-                config.keep_gradients
-                and config.elastic
-                and config.shard_size == 1
-                and config.sync == "per-step"
-            ),
-            durable,
-            dead,
-            after_commit=self.flow.committed if self.flow is not None else None,
+            self.flow,
         )
         self.interrupter.shield(
             StepAttempts.enter,
