@@ -119,6 +119,21 @@ def test_a_write_in_progress_is_skipped_not_waited_for(tmp_path):
     assert ev.names() == ["checkpoint_skipped", "checkpoint"]
 
 
+def test_a_checkpoint_due_while_the_writer_starts_is_written_not_skipped(tmp_path):
+    """The writer process imports torch (a second or two): a checkpoint due meanwhile is
+    staged at once and handed over when the writer is up. It was skipped, and so were the
+    next ones while it started, and every restore went back to the first (issue 36)."""
+    r, _ = _registry(0)
+    ev = Events()
+    c = Checkpoints(tmp_path, keep=2, events=ev)
+    c.prepare()  # (the job's start)
+    assert c.save_async(2, 1, r.state(2))  # due before the writer is up
+    c.close()
+    assert ev.names() == ["checkpoint"] and c.skipped == 0
+    saved = c.latest()
+    assert saved is not None and saved.step == 2
+
+
 WRITER = textwrap.dedent(
     """
     import sys, time, torch

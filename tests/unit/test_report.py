@@ -72,3 +72,15 @@ def test_two_runs_in_one_directory_are_apart_and_the_last_is_reported(tmp_path):
     assert (last["run"], last["runs"], last["steps_committed"]) == (2, 2, 5)
     assert summarize(tmp_path, run=0)["steps_committed"] == 3
     assert "run 2 of the 2 in this directory" in render_report(tmp_path, last)
+
+
+def test_checkpoints_written_skipped_and_failed_are_counted(tmp_path):
+    (r0,) = _logs(tmp_path, "rank 0")
+    r0.emit("commit", epoch=1, step=1)
+    r0.emit("checkpoint", step=2)
+    r0.emit("checkpoint_skipped", step=4, reason="previous write running")
+    r0.emit("checkpoint_failed", step=6, error="disk full")
+    _close(r0)
+    s = summarize(tmp_path)
+    assert s["checkpoints"] == {"written": 1, "skipped": 1, "failed": 1}
+    assert "checkpoints: 1 written, 1 skipped" in render_report(tmp_path, s)

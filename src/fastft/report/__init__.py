@@ -219,6 +219,14 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
         "median_step_ms": round(step_s * 1e3, 3),
         "goodput": None if goodput is None else round(goodput, 3),
         "faults": faults,
+        "checkpoints": {
+            kind: sum(e["event"] == name for e in ev)
+            for kind, name in (
+                ("written", "checkpoint"),
+                ("skipped", "checkpoint_skipped"),
+                ("failed", "checkpoint_failed"),
+            )
+        },
     }
 
 
@@ -387,6 +395,13 @@ def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
         for o in s["offenders"]:
             q = f"; quarantined: {o['quarantined']}" if o["quarantined"] else ""
             lines.append(f"  rank {o['rank']}: {o['faults']} faults ({', '.join(o['kinds'])}){q}")
+    ck = s.get("checkpoints") or {}
+    if any(ck.values()):
+        lines += [
+            "",
+            f"checkpoints: {ck['written']} written, {ck['skipped']} skipped (the previous "
+            f"write still running), {ck['failed']} failed",
+        ]
     lines.append("")
     lines.append(
         f"steps committed {s['steps_committed']}, rolled back {s['steps_rolled_back']}, "

@@ -201,6 +201,9 @@ class Runtime:
         admit_or_leave(self, check_state=True)  # (fastft.runtime.health: raises Unhealthy)
         self.registered = True
         self.drive(lambda s: s.phase is Phase.NORMAL)
+        x, durable = self.engine, self.engine.durable
+        if durable is not None and x.view is not None and x.view.members[0] == self.me:
+            durable.prepare()  # the writer's imports run with the first steps, not the first save
         self.heartbeat.between(True)  # (the user's code until its first step)
         return self
 

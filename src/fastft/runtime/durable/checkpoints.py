@@ -114,6 +114,10 @@ class Checkpoints:
         self._writer = WriterProcess() if process else None
         self._buf: SharedBuffer | None = None
         self._prepared = False
+        self._starting: threading.Thread | None = None
+        """The writer process's start (prepare), which a first write waits for."""
+        self.skipped = 0
+        """Checkpoints skipped because the previous write was still running."""
 
     # --- writing ---------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -123,13 +127,15 @@ class Checkpoints:
         if self._prepared or self._writer is None or self.busy:
             return
         self._prepared = True
-        self._thread = threading.Thread(
+        self._starting = threading.Thread(
             target=self._guarded, args=(self._writer.start,), name="fastft-ckpt", daemon=True
         )
-        self._thread.start()
+        self._starting.start()
 
     @property
     def busy(self) -> bool:
+        """A write is running (a writer still starting is not: a checkpoint due meanwhile
+        is staged now and handed over once it is up, not skipped)."""
         return self._thread is not None and self._thread.is_alive()
 
     def save_async(self, step: int, epoch: int, state: dict[str, Any]) -> bool:
@@ -140,13 +146,22 @@ class Checkpoints:
         self.last_step, self.last_time = step, time.monotonic()
         if self.busy:
             if not self.deferred:
-                self.events.emit("checkpoint_skipped", step=step, reason="previous write running")
+                self.skipped += 1
+                self.events.emit(
+                    "checkpoint_skipped",
+                    step=step,
+                    reason="previous write running",
+                    skipped=self.skipped,
+                )
             self.deferred = True
             return False
         self.deferred = False
         job = self._stage(step, epoch, state)
-        target = self._hand_over if job is not None else self._save
-        args = (step, job) if job is not None else (step, epoch, _clone(state))
+        if job is not None:
+            target: Any = self._after_start
+            args: tuple[Any, ...] = (step, job, self._starting)
+        else:
+            target, args = self._save, (step, epoch, _clone(state))
         self._thread = threading.Thread(target=target, args=args, name="fastft-ckpt", daemon=True)
         self._thread.start()
         join_at_exit(self._thread)  # a process that ends meanwhile finishes the write
@@ -193,6 +208,8 @@ class Checkpoints:
         """Wait for the write in progress (a clean end keeps its last checkpoint), then end
         the writer process."""
         self.wait(timeout_s)
+        if self._starting is not None:
+            self._starting.join(timeout_s)
         if self._writer is not None:
             self._writer.close(timeout_s)
 
@@ -202,6 +219,17 @@ class Checkpoints:
         except Exception as e:
             log.warning("checkpoint writer process did not start (%s): writing in-process", e)
             self._writer = None
+
+    def _after_start(
+        self, step: int, job: dict[str, Any], starting: threading.Thread | None
+    ) -> None:
+        """Hand ``job`` to the writer once its start (if one is running) is over."""
+        if starting is not None:
+            starting.join()
+        if self._writer is None:  # it could not start: the write falls to this process next
+            self._done(step, {"ok": False, "error": "the writer process did not start"})
+            return
+        self._hand_over(step, job)
 
     def _hand_over(self, step: int, job: dict[str, Any]) -> None:
         assert self._writer is not None and self._buf is not None
