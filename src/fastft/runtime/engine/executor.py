@@ -146,7 +146,6 @@ class Executor:
         self.action_gen = 0
         self._todo: collections.deque[tuple[int, int, Action]] = collections.deque()
         """Main-thread actions with the phase changes and the epoch they were queued at."""
-        """Main-thread actions, each with the count of phase changes when it was queued."""
         self.closing = False
         self.commits = 0
         self.rollbacks = 0
