@@ -185,7 +185,7 @@ def test_leases_are_on_by_default_only_where_joins_are_announced(monkeypatch, se
     )
     monkeypatch.setattr(
         "fastft.integrations.torchft.manager.Services.start",
-        lambda **kw: (_ for _ in ()).throw(_Stop()),
+        lambda *a, **kw: (_ for _ in ()).throw(_Stop()),
     )
     for announces, want in ((False, 1), (True, QUORUM_EVERY)):
         bus = connect("127.0.0.1:1", "j", replica=0, replicas=2, announces_joins=announces)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -22,7 +23,33 @@ from fastft.process.sentinel import start_exit_sentinel
 from fastft.protocol import Inject, Message
 from fastft.protocol.auth import JobSecret
 
-__all__ = ["Services"]
+__all__ = ["Services", "WorkerLife"]
+
+
+class WorkerLife(Protocol):
+    """What the services of one worker life read of its configuration (a
+    ``RuntimeConfig`` and the launcher's ``WorkerEnv`` both are one)."""
+
+    @property
+    def job(self) -> str: ...
+
+    @property
+    def life(self) -> int | None: ...
+
+    @property
+    def run_dir(self) -> str | None: ...
+
+    @property
+    def heartbeat_file(self) -> str | None: ...
+
+    @property
+    def exit_trace_file(self) -> str | None: ...
+
+    @property
+    def inject(self) -> str | None: ...
+
+    @property
+    def secret_file(self) -> str | None: ...
 
 
 @dataclass
@@ -35,35 +62,32 @@ class Services:
     @classmethod
     def start(
         cls,
-        *,
         store: dist.Store,
-        job: str,
+        of: WorkerLife,
+        *,
         rank: int,
         incarnation: int,
-        life: int,
         label: str,
-        run_dir: str | None,
-        heartbeat_file: str | None,
-        exit_trace_file: str | None,
-        inject: str | None,
         on_message: Callable[[Message], None],
         fire: Callable[[FaultSpec], None],
-        secret_file: str | None,
         events: EventLog | None = None,
     ) -> Services:
-        """``on_message``: the owner's callback for every bus message but a live fault
-        injection (``fastft inject``), which the injector takes;
-        ``fire``: how the owner executes a planned fault (it logs it first);
-        ``secret_file``: the job secret (required: ConfigError without);
-        ``events``: an event log the owner opened already."""
-        secret = None if insecure() else JobSecret.for_worker(secret_file)
-        events = events if events is not None else EventLog(run_dir, label)
-        heartbeat = HeartbeatWriter(heartbeat_file)
-        start_exit_sentinel(exit_trace_file)
+        """The services of the life ``of`` describes (a ``RuntimeConfig`` or the
+        launcher's ``WorkerEnv``: its job, life, run directory, heartbeat and exit-trace
+        files, fault plan and job secret, required: ConfigError without) as ``rank``'s
+        ``incarnation``. ``on_message``: the owner's callback for every bus message but a
+        live fault injection (``fastft inject``), which the injector takes; ``fire``: how
+        the owner executes a planned fault (it logs it first); ``events``: an event log
+        the owner opened already."""
+        secret = None if insecure() else JobSecret.for_worker(of.secret_file)
+        events = events if events is not None else EventLog(of.run_dir, label)
+        heartbeat = HeartbeatWriter(of.heartbeat_file)
+        start_exit_sentinel(of.exit_trace_file)
         dump_stacks_on_signal()
-        plan = FaultPlan.load(inject) if inject else FaultPlan(faults=())
-        injector = Injector(plan, rank, life, executor=fire)
-        bus = open_bus(store, BusConfig(job=job, rank=rank, incarnation=incarnation, secret=secret))
+        plan = FaultPlan.load(of.inject) if of.inject else FaultPlan(faults=())
+        injector = Injector(plan, rank, of.life or 0, executor=fire)
+        config = BusConfig(job=of.job, rank=rank, incarnation=incarnation, secret=secret)
+        bus = open_bus(store, config)
 
         def deliver(m: Message) -> None:
             if isinstance(m, Inject):  # (live `fastft inject`, for every owner alike)

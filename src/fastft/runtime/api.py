@@ -115,19 +115,13 @@ class Runtime:
         self.health_checks: list[tuple[str, HealthCheck]] = []
         """The user's health checks (:meth:`add_health_check`)."""
         sv = Services.start(
-            store=store,
-            job=config.job,
+            store,
+            config,
             rank=self.rank,
             incarnation=self.incarnation,
-            life=config.life,
             label=f"rank {self.rank}",
-            run_dir=config.run_dir,
-            heartbeat_file=config.heartbeat_file,
-            exit_trace_file=config.exit_trace_file,
-            inject=config.inject,
             on_message=x.faults.on_message,
             fire=x.faults.inject,
-            secret_file=config.secret_file,
             events=self.events,
         )
         x.attach(sv)

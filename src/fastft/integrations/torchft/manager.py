@@ -140,19 +140,13 @@ class ManagerFFT(OnTheBus, Manager):
         self._fft_store = connect_store(bus.store)
         label = f"replica {self.fft_rank}"
         sv = Services.start(
-            store=self._fft_store,
-            job=bus.job,
+            self._fft_store,
+            bus,
             rank=self.fft_rank,
             incarnation=self.fft_incarnation,
-            life=bus.life or 0,
             label=label,
-            run_dir=bus.run_dir,
-            heartbeat_file=bus.heartbeat_file,
-            exit_trace_file=bus.exit_trace_file,
-            inject=bus.inject,
             on_message=self._on_message,
             fire=self._inject,
-            secret_file=bus.secret_file,
             events=EventLog(bus.run_dir, label) if bus.run_dir else None,
         )
         self.events = sv.events if bus.run_dir else None
