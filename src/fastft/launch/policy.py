@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastft.protocol.exits import (
+    ENDS_THE_JOB,
     EXIT_CHECKPOINTS_FAIL,
     EXIT_DATA_DIVERGED,
     EXIT_DRAINED,
@@ -45,6 +46,23 @@ re-form through it, and they do not wait for the restart."""
 SPARE_REFILL_MAX_S = 2.0
 """A spare handed out is replaced once the worker it became has committed, or after this
 long: a new spare's imports (~1 s of CPU) would compete with the recovery it is part of."""
+
+
+_ENDS_THE_JOB = {
+    EXIT_FAULT_STORM: "too many recoveries in a row without a committed step (a fault "
+    "storm; the worker's message says which faults; --max-recoveries)",
+    EXIT_DATA_DIVERGED: "the members drew different batches from fastft.Batches (the "
+    "worker's message says at which step); training on would use the wrong data: make the "
+    "loader's order a function of its state",
+    EXIT_SCRIPT_ERROR: "the script uses fastft in a way that cannot work (the worker's "
+    "message says what to change); a restart would fail the same way",
+    EXIT_CHECKPOINTS_FAIL: "checkpoints keep failing to be written (the worker's message "
+    "says why); fix --checkpoint-dir and run again",
+    EXIT_STATE_LOST: "every holder of the committed state was lost and nothing could "
+    "restore it (the worker's message says what to change)",
+}
+"""Why the job fails, for each worker status in :data:`ENDS_THE_JOB`."""
+assert set(_ENDS_THE_JOB) == ENDS_THE_JOB
 
 
 @dataclass(frozen=True)
@@ -90,37 +108,8 @@ def after_exit(
     takes its place, or the world shrinks (elastic), or the job stops with the reason."""
     if code == 0 or stopping or already_done or draining:
         return AfterExit(done=True)
-    if code == EXIT_FAULT_STORM:
-        return AfterExit(
-            done=True,
-            failed=f"rank {rank}: too many recoveries in a row without a committed step "
-            "(a fault storm; the worker's message says which faults; --max-recoveries)",
-        )
-    if code == EXIT_DATA_DIVERGED:
-        return AfterExit(
-            done=True,
-            failed=f"rank {rank}: the members drew different batches from fastft.Batches "
-            "(the worker's message says at which step); training on would use the wrong "
-            "data: make the loader's order a function of its state",
-        )
-    if code == EXIT_SCRIPT_ERROR:
-        return AfterExit(
-            done=True,
-            failed=f"rank {rank}: the script uses fastft in a way that cannot work (the "
-            "worker's message says what to change); a restart would fail the same way",
-        )
-    if code == EXIT_CHECKPOINTS_FAIL:
-        return AfterExit(
-            done=True,
-            failed=f"rank {rank}: checkpoints keep failing to be written (the worker's "
-            "message says why); fix --checkpoint-dir and run again",
-        )
-    if code == EXIT_STATE_LOST:
-        return AfterExit(
-            done=True,
-            failed=f"rank {rank}: every holder of the committed state was lost and nothing "
-            "could restore it (the worker's message says what to change)",
-        )
+    if code in ENDS_THE_JOB:
+        return AfterExit(done=True, failed=f"rank {rank}: {_ENDS_THE_JOB[code]}")
     if code == EXIT_UNHEALTHY or quarantined:
         why = quarantined or f"rank {rank} failed its health check (its reason is above)"
         if peers_finished:

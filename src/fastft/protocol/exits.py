@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __all__ = [
     "CHECKPOINT_FAILURES",
+    "ENDS_THE_JOB",
     "EXIT_CHECKPOINTS_FAIL",
     "EXIT_DATA_DIVERGED",
     "EXIT_DRAINED",
@@ -61,6 +62,17 @@ says what to change, and the job fails at once, since a restart would fail the s
 
 CHECKPOINT_FAILURES = 3
 """Checkpoints that fail in a row before the job fails (``EXIT_CHECKPOINTS_FAIL``)."""
+
+ENDS_THE_JOB = frozenset(
+    {
+        EXIT_STATE_LOST,
+        EXIT_FAULT_STORM,
+        EXIT_DATA_DIVERGED,
+        EXIT_CHECKPOINTS_FAIL,
+        EXIT_SCRIPT_ERROR,
+    }
+)
+"""A worker's statuses that say the job cannot go on: no restart can help, it fails."""
 
 JOB_FAILED = 1
 """``fastft run``'s status when the job failed; its last line says why."""

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fastft.process.events import read_events
+from fastft.protocol.exits import ENDS_THE_JOB, EXIT_DRAINED
 from fastft.report.shards import shards_by_step, unlogged_commits, untiled_steps
 
 __all__ = [
@@ -32,7 +33,7 @@ _FAULT_EVENTS = (
     "local_fault",
     *_PROCESS_EVENTS,
 )
-_JOB_ENDING = (86, 88, 89, 91, 92, 93)
+_JOB_ENDING = (EXIT_DRAINED, *ENDS_THE_JOB)
 """Worker exit statuses that are no fault of their own: a drain, or the job that cannot go
 on (:mod:`fastft.protocol.exits`); the report shows those as the job's outcome."""
 _ENDS = ("stop", "job_failed")

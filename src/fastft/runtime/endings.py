@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointsFail",
     "DataDiverged",
     "Drained",
+    "Ending",
     "FaultStorm",
     "JobFinished",
     "ScriptError",
@@ -29,63 +30,54 @@ __all__ = [
 ]
 
 
-class StateLost(SystemExit):
+class Ending(SystemExit):
+    """A worker's end with its exit status (``status``) and why (``why``, printed after
+    ``prefix``)."""
+
+    status = 1
+    prefix = ""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(self.status)
+        self.why = why
+
+    def __str__(self) -> str:
+        return f"{self.prefix}{self.why}"
+
+
+class StateLost(Ending):
     """The job cannot go on (see :data:`EXIT_STATE_LOST`); its message says why and what
     to change. A SystemExit, so that a training loop's ``except Exception`` lets it end
     the worker, with its status."""
 
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_STATE_LOST)
-        self.why = why
-
-    def __str__(self) -> str:
-        return self.why
+    status = EXIT_STATE_LOST
 
 
-class Drained(SystemExit):
+class Drained(Ending):
     """This worker drained: it committed its last step, every member let it go, and it
     ends with :data:`~fastft.protocol.EXIT_DRAINED` (the agent restarts it in a fixed
     world, as a new life that heals; not in an elastic one)."""
 
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_DRAINED)
-        self.why = why
-
-    def __str__(self) -> str:
-        return f"drained: {self.why}"
+    status = EXIT_DRAINED
+    prefix = "drained: "
 
 
-class FaultStorm(SystemExit):
+class FaultStorm(Ending):
     """Too many recoveries without a commit (see :data:`EXIT_FAULT_STORM`)."""
 
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_FAULT_STORM)
-        self.why = why
-
-    def __str__(self) -> str:
-        return self.why
+    status = EXIT_FAULT_STORM
 
 
-class CheckpointsFail(SystemExit):
+class CheckpointsFail(Ending):
     """Checkpoints keep failing to be written (see :data:`EXIT_CHECKPOINTS_FAIL`)."""
 
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_CHECKPOINTS_FAIL)
-        self.why = why
-
-    def __str__(self) -> str:
-        return self.why
+    status = EXIT_CHECKPOINTS_FAIL
 
 
-class ScriptError(SystemExit):
+class ScriptError(Ending):
     """The script uses fastft in a way that cannot work (see :data:`EXIT_SCRIPT_ERROR`)."""
 
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_SCRIPT_ERROR)
-        self.why = why
-
-    def __str__(self) -> str:
-        return self.why
+    status = EXIT_SCRIPT_ERROR
 
 
 def misuse(e: BaseException) -> str | None:
@@ -102,26 +94,17 @@ def misuse(e: BaseException) -> str | None:
     return None
 
 
-class DataDiverged(SystemExit):
+class DataDiverged(Ending):
     """The members of a step drew different batches (see :data:`EXIT_DATA_DIVERGED`)."""
 
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_DATA_DIVERGED)
-        self.why = why
-
-    def __str__(self) -> str:
-        return self.why
+    status = EXIT_DATA_DIVERGED
 
 
-class Unhealthy(SystemExit):
+class Unhealthy(Ending):
     """This worker failed a health check (see :data:`EXIT_UNHEALTHY`)."""
 
-    def __init__(self, why: str) -> None:
-        super().__init__(EXIT_UNHEALTHY)
-        self.why = why
-
-    def __str__(self) -> str:
-        return f"health check failed: {self.why}"
+    status = EXIT_UNHEALTHY
+    prefix = "health check failed: "
 
 
 class WorkerExit(FastFTError, RuntimeError):
