@@ -13,7 +13,9 @@ from fastft.bus import host_store
 from fastft.protocol.keys import JobKeys
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.endings import JobFinished
-from fastft.runtime.engine.coordinator import ADMIT, COMMIT, ROLLBACK, Coordinator, parse_commit
+from fastft.runtime.engine import decisions
+from fastft.runtime.engine.coordinator import Coordinator
+from fastft.runtime.engine.decisions import ADMIT, COMMIT, ROLLBACK, parse_commit
 
 pytestmark = pytest.mark.timeout(60)
 JOB = "coord"
@@ -57,7 +59,7 @@ def test_a_rollback_proposed_first_beats_the_commit(server):
     cs = [coord(server, r, 10 + r) for r in range(3)]
     keys = JobKeys(JOB)
     cs[0].vote(1, 5, 3)
-    got = Coordinator.propose_rollback(cs[1].store, keys, 1, 5, "rank 2 died")
+    got = decisions.propose_rollback(cs[1].store, keys, 1, 5, "rank 2 died")
     assert got == ROLLBACK + "rank 2 died"
     cs[1].vote(1, 5, 3)
     # the completing vote finds the decision taken
@@ -66,13 +68,13 @@ def test_a_rollback_proposed_first_beats_the_commit(server):
     # and a rollback after the commit does not change it
     for c in cs:
         c.vote(1, 6, 3)
-    assert Coordinator.propose_rollback(cs[0].store, keys, 1, 6, "late") == COMMIT
+    assert decisions.propose_rollback(cs[0].store, keys, 1, 6, "late") == COMMIT
 
 
 def test_forget_removes_a_decided_steps_keys(server):
     c = coord(server, 0, 1, world=1)
     assert c.vote(1, 0, 1) == COMMIT
-    Coordinator.forget_keys(c.store, JobKeys(JOB), 1, 0)
+    decisions.forget(c.store, JobKeys(JOB), 1, 0)
     assert c.await_decision(1, 0) is None
 
 

@@ -25,6 +25,7 @@ from fastft.protocol.auth import (
     ReplayGuard,
     ValueAuth,
 )
+from fastft.runtime.engine import decisions
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.testing import MemoryBus, MemoryHub, MemoryStore, wait_for
 
@@ -279,7 +280,7 @@ def test_a_forged_rollback_proposal_is_replaced_too():
     keys = JobKeys(JOB)
     raw.set(keys.decision(1, 6), "C")
     s = SignedStore(raw, keys, ValueAuth(SECRET))
-    assert Coordinator.propose_rollback(s, keys, 1, 6, "a fault") == "Ra fault"
+    assert decisions.propose_rollback(s, keys, 1, 6, "a fault") == "Ra fault"
 
 
 def test_forged_epochs_and_joiners_are_ignored():

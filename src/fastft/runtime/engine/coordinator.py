@@ -2,9 +2,7 @@
 
 Decisions (S2). A member that finished a step votes by incrementing ``votes(e, s)``; the
 vote that completes the count writes ``C`` into ``decision(e, s)`` by compare-and-set. A
-member that knows of a fault writes ``R<reason>`` the same way. Whichever write lands
-first is the decision; every member reads it. A vote never infers success from a
-collective that merely returned.
+member that knows of a fault writes ``R<reason>`` the same way (:mod:`.decisions`).
 
 Epoch formation (barrier semantics). Epoch ``E`` is *closed* when its member list is
 written into ``epoch_members(E)`` by compare-and-set; every worker adopts the list it
@@ -27,72 +25,28 @@ from typing import Any
 import torch.distributed as dist
 
 from fastft.bus.signed import ForgedValue
-from fastft.errors import ControlPlaneError
 from fastft.protocol.keys import JobKeys
 from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, Member
 from fastft.runtime.endings import JobFinished
-from fastft.runtime.engine.formation import Arrival, Recovery, close_after, close_first, holds_state
+from fastft.runtime.engine import decisions as d
+from fastft.runtime.engine.formation import (
+    Arrival,
+    JoinerWait,
+    Recovery,
+    SurvivorWait,
+    close_after,
+    close_first,
+    holds_state,
+)
 from fastft.runtime.groups.hsdp import broken_groups, whole_groups
 
-__all__ = [
-    "ADMIT",
-    "COMMIT",
-    "LEAVE",
-    "ROLLBACK",
-    "Coordinator",
-    "parse_commit",
-]
+__all__ = ["Coordinator"]
 
 log = logging.getLogger(__name__)
 
-COMMIT = "C"
-ADMIT = "J"
-"""Suffix of a commit decision: re-form the epoch after it to admit waiting workers."""
-ROLLBACK = "R"
-JOIN_FLAG = 1 << 20
-"""Added to a vote by a member that saw a join request (epochs have fewer members)."""
-LEAVE = "L"
-"""In a commit decision: the ranks that leave after it (drained), ``L1,3``."""
-LEAVE_FLAG = 1 << 40
-"""Added to a vote by a member that leaves after the step (a drain)."""
 _POLL_S = 0.002
 _FINISHED_CHECK_AFTER_S = 0.2
 """A formation waiting longer than this also checks whether the job already finished."""
-_REPLACE_FORGED = 8
-"""Forged values one compare-and-set replaces before it gives up (ControlPlaneError)."""
-
-
-def parse_commit(decision: str) -> tuple[bool, frozenset[int]] | None:
-    """A commit decision's (admit, leaving ranks); None for a rollback (or garbage)."""
-    if decision[:1] != COMMIT:
-        return None
-    rest = decision[1:]
-    admit = rest.startswith(ADMIT)
-    rest = rest.removeprefix(ADMIT)
-    if not rest:
-        return admit, frozenset()
-    if not rest.startswith(LEAVE):
-        return None
-    parts = rest[1:].split(",") if rest[1:] else []
-    if not all(p.isdigit() for p in parts):
-        return None
-    return admit, frozenset(int(p) for p in parts)
-
-
-def _decide(store: Any, key: str, desired: str) -> str:
-    """Compare-and-set ``desired`` into an empty ``key``; the value that holds. A value
-    without the job secret's tag that got there first is no decision: it is replaced
-    (a signed store raises ForgedValue for it; docs/security.md)."""
-    try:
-        return bytes(store.compare_set(key, "", desired)).decode(errors="replace")
-    except ForgedValue as f:
-        forged = f.raw
-    for _ in range(_REPLACE_FORGED):
-        try:
-            return bytes(store.replace(key, forged, desired)).decode(errors="replace")
-        except ForgedValue as f:
-            forged = f.raw
-    raise ControlPlaneError(f"store key {key} is rewritten without the job secret, again and again")
 
 
 class Coordinator:
@@ -162,10 +116,10 @@ class Coordinator:
         them after the commit, with nothing to roll back."""
         if leaving:
             self.store.set(self.keys.leaving(epoch, step, self.me.rank), "1")
-        inc = 1 + (JOIN_FLAG if joining else 0) + (LEAVE_FLAG if leaving else 0)
+        inc = 1 + (d.JOIN_FLAG if joining else 0) + (d.LEAVE_FLAG if leaving else 0)
         got = int(self.store.add(self.keys.votes(epoch, step), inc))
-        joins = got % LEAVE_FLAG
-        if joins % JOIN_FLAG > n_members or joins >= JOIN_FLAG * (n_members + 1):
+        joins = got % d.LEAVE_FLAG
+        if joins % d.JOIN_FLAG > n_members or joins >= d.JOIN_FLAG * (n_members + 1):
             log.error(
                 "the vote counter of epoch %d step %d reads %d with %d members: something "
                 "that is not part of this job adds to it (docs/security.md)",
@@ -174,22 +128,15 @@ class Coordinator:
                 got,
                 n_members,
             )
-        if joins % JOIN_FLAG == n_members:
-            decision = COMMIT + (ADMIT if joins >= JOIN_FLAG else "")
-            if got >= LEAVE_FLAG:
+        if joins % d.JOIN_FLAG == n_members:
+            decision = d.COMMIT + (d.ADMIT if joins >= d.JOIN_FLAG else "")
+            if got >= d.LEAVE_FLAG:
                 leavers = [
                     r for r in ranks if self.store.check([self.keys.leaving(epoch, step, r)])
                 ]
-                decision += LEAVE + ",".join(map(str, leavers))
-            return _decide(self.store, self.keys.decision(epoch, step), decision)
+                decision += d.LEAVE + ",".join(map(str, leavers))
+            return d.decide_once(self.store, self.keys.decision(epoch, step), decision)
         return None
-
-    @staticmethod
-    def propose_rollback(
-        store: dist.Store, keys: JobKeys, epoch: int, step: int, reason: str
-    ) -> str:
-        """CAS ROLLBACK as the decision; returns the decision that holds."""
-        return _decide(store, keys.decision(epoch, step), ROLLBACK + reason[:200])
 
     def await_decision(self, epoch: int, step: int) -> str | None:
         """The decision of (epoch, step), or None if it was not made within the decision
@@ -202,12 +149,6 @@ class Coordinator:
             self.sleep(_POLL_S)
             return None
         return bytes(got).decode(errors="replace")
-
-    @staticmethod
-    def forget_keys(store: dist.Store, keys: JobKeys, epoch: int, step: int) -> None:
-        """Delete the keys of a decided step nobody reads any more."""
-        for key in (keys.votes(epoch, step), keys.decision(epoch, step)):
-            store.delete_key(key)
 
     # --- epochs ----------------------------------------------------------------------------
     def _value(self, key: str) -> bytes | None:
@@ -272,7 +213,7 @@ class Coordinator:
     def _close(self, view: EpochView, admitted: dict[int, int]) -> EpochView:
         """Close ``view.epoch`` with ``view`` unless another view closed it first; the
         closer clears the joiner keys of the joiners it ``admitted`` (rank -> incarnation)."""
-        got = _decide(self.store, self.keys.epoch_members(view.epoch), view.to_json())
+        got = d.decide_once(self.store, self.keys.epoch_members(view.epoch), view.to_json())
         agreed = EpochView.from_json(got)
         if agreed == view:
             self.store.set(self.keys.latest_epoch, str(view.epoch))
@@ -307,38 +248,76 @@ class Coordinator:
         worker's arrival is written. ``below_min(have, need)`` is told while a formation
         this worker closes waits below ``min_members`` for restarted workers.
         ``suspect``: this worker's state may be damaged
-        (:class:`~fastft.runtime.engine.formation.Arrival`)."""
-        epoch = prev.epoch + 1
-        me = self.me.rank
-        arrival = Arrival(self.me.incarnation, step, lost_state, kept, suspect)
-        self.store.set(self.keys.epoch_arrival(epoch, me), arrival.to_json())
+        (:class:`~fastft.runtime.engine.formation.Arrival`).
+
+        One loop of :meth:`arrive` and :meth:`survivor_round` (the deterministic simulator,
+        :mod:`fastft.sim`, runs the same rounds from its scheduler)."""
+        wait = self.arrive(
+            prev,
+            exclude,
+            step=step,
+            lost_state=lost_state,
+            timeout_s=timeout_s,
+            kept=kept,
+            admit=admit,
+            suspect=suspect,
+        )
         arrived()
-        expected = sorted(m.rank for m in prev.members if m.rank not in exclude)
-        started = self.clock()
-        deadline = started + timeout_s
         while True:
-            view = self.closed(epoch)
+            view = self.closed(wait.epoch)
             if view is not None:
                 return view
             if cancelled():
                 return None
-            if self.clock() - started > _FINISHED_CHECK_AFTER_S and not lost_state:
-                done = self.finished_at()
-                if done is not None and step >= done:
-                    raise JobFinished(done)
-            # the lowest expected survivor still alive closes (one that died meanwhile
-            # hands it on at once, not after the deadline)
-            broken = broken_groups(prev, self.dead, self.k)
-            live = [
-                r
-                for r in expected
-                if Member(r, prev.incarnation(r)) not in self.dead and r // self.k not in broken
-            ]
-            if live and live[0] == me:
-                view = self._try_close(prev, live, deadline, admit, below_min)
-                if view is not None:
-                    return view
+            view = self.survivor_round(wait, below_min)
+            if view is not None:
+                return view
             self.sleep(_POLL_S)
+
+    def arrive(
+        self,
+        prev: EpochView,
+        exclude: frozenset[int],
+        *,
+        step: int,
+        lost_state: bool,
+        timeout_s: float,
+        kept: tuple[int, int, int] | None = None,
+        admit: bool = True,
+        suspect: bool = False,
+    ) -> SurvivorWait:
+        """Write this survivor's arrival at ``prev.epoch + 1``; the wait's state for
+        :meth:`survivor_round`."""
+        epoch = prev.epoch + 1
+        arrival = Arrival(self.me.incarnation, step, lost_state, kept, suspect)
+        self.store.set(self.keys.epoch_arrival(epoch, self.me.rank), arrival.to_json())
+        expected = sorted(m.rank for m in prev.members if m.rank not in exclude)
+        started = self.clock()
+        return SurvivorWait(prev, expected, step, lost_state, admit, started, started + timeout_s)
+
+    def survivor_round(
+        self,
+        wait: SurvivorWait,
+        below_min: Callable[[int, int], None] = lambda have, need: None,
+    ) -> EpochView | None:
+        """One round of a survivor's wait for the epoch (after it found it not closed):
+        raises JobFinished when the job finished at a step it committed; the lowest expected
+        survivor still alive tries to close the epoch (one that died meanwhile hands it on
+        at once, not after the deadline). The view it closed, or None."""
+        prev = wait.prev
+        if self.clock() - wait.started > _FINISHED_CHECK_AFTER_S and not wait.lost_state:
+            done = self.finished_at()
+            if done is not None and wait.step >= done:
+                raise JobFinished(done)
+        broken = broken_groups(prev, self.dead, self.k)
+        live = [
+            r
+            for r in wait.expected
+            if Member(r, prev.incarnation(r)) not in self.dead and r // self.k not in broken
+        ]
+        if live and live[0] == self.me.rank:
+            return self._try_close(prev, live, wait.deadline, wait.admit, below_min)
+        return None
 
     def _try_close(
         self,
@@ -392,54 +371,68 @@ class Coordinator:
         announce_every_s: float = 0.2,
     ) -> EpochView | None:
         """Wait to be admitted to an epoch (registering as a joiner); returns the view or
-        None if ``cancelled()``; raises JobFinished if the members finished meanwhile."""
-        self.register_joiner()
-        started = self.clock()
-        next_announce = started
-        seen = self.latest_epoch()
+        None if ``cancelled()``; raises JobFinished if the members finished meanwhile.
+        One loop of :meth:`register` and :meth:`joiner_round`."""
+        wait = self.register(start_timeout_s, regroup_timeout_s)
+        next_announce = wait.started
         while True:
             if cancelled():
                 return None
-            done = self.finished_at()
-            if done is not None:
-                raise JobFinished(done)
             now = self.clock()
             if now >= next_announce:
                 announce()
                 next_announce = now + announce_every_s
-            latest = self.latest_epoch()
-            for e in range(max(seen, 1), latest + 1):
-                view = self.closed(e)
-                if view is not None and view.has(self.me.rank, self.me.incarnation):
-                    return view
-            seen = latest
-            joiners = self.joiners()
-            if self.k > 1:  # whole shard groups only
-                whole = whole_groups(joiners, self.k)
-                joiners = {r: i for r, i in joiners.items() if r in whole}
-            arguments = dict(
-                me=self.me.rank,
-                latest=latest,
-                world_size=self.world_size,
-                min_members=self.min_members,
-                waited_s=now - started,
-                start_timeout_s=start_timeout_s,
-                regroup_timeout_s=regroup_timeout_s,
-            )
-            view = close_first(joiners, **arguments)  # type: ignore[arg-type]
-            if view is not None:  # this joiner closes: with what can replace the state
-                view = close_first(
-                    joiners,
-                    **arguments,  # type: ignore[arg-type]
-                    last_step=self.committed_step(latest),
-                    recovery=self.recovery(),
-                )
-                assert view is not None
-                agreed = self._close(view, joiners)
-                if agreed.has(self.me.rank, self.me.incarnation):
-                    return agreed
+            view = self.joiner_round(wait)
+            if view is not None:
+                return view
             # A restarted worker is waited for (fixed world) or admitted at the next step:
             # poll as the survivors do. At the first start everyone is still importing.
             # (TCPStore.wait with a timeout would avoid polling, but each timed-out wait
             # reconnects, and torch 2.13 stalls one new connection in ~25 for 5 s here.)
-            self.sleep(0.01 if latest == 0 else _POLL_S)
+            self.sleep(0.01 if wait.seen == 0 else _POLL_S)
+
+    def register(self, start_timeout_s: float, regroup_timeout_s: float) -> JoinerWait:
+        """Register as a joiner; the wait's state for :meth:`joiner_round`."""
+        self.register_joiner()
+        return JoinerWait(self.clock(), self.latest_epoch(), start_timeout_s, regroup_timeout_s)
+
+    def joiner_round(self, wait: JoinerWait) -> EpochView | None:
+        """One round of a joiner's wait: the closed epoch that lists this life, or the one
+        it closes itself when every slot is a joiner (:func:`close_first`), or None.
+        Raises JobFinished if the members finished meanwhile."""
+        done = self.finished_at()
+        if done is not None:
+            raise JobFinished(done)
+        now = self.clock()
+        latest = self.latest_epoch()
+        for e in range(max(wait.seen, 1), latest + 1):
+            view = self.closed(e)
+            if view is not None and view.has(self.me.rank, self.me.incarnation):
+                return view
+        wait.seen = latest
+        joiners = self.joiners()
+        if self.k > 1:  # whole shard groups only
+            whole = whole_groups(joiners, self.k)
+            joiners = {r: i for r, i in joiners.items() if r in whole}
+        arguments = dict(
+            me=self.me.rank,
+            latest=latest,
+            world_size=self.world_size,
+            min_members=self.min_members,
+            waited_s=now - wait.started,
+            start_timeout_s=wait.start_timeout_s,
+            regroup_timeout_s=wait.regroup_timeout_s,
+        )
+        view = close_first(joiners, **arguments)  # type: ignore[arg-type]
+        if view is not None:  # this joiner closes: with what can replace the state
+            view = close_first(
+                joiners,
+                **arguments,  # type: ignore[arg-type]
+                last_step=self.committed_step(latest),
+                recovery=self.recovery(),
+            )
+            assert view is not None
+            agreed = self._close(view, joiners)
+            if agreed.has(self.me.rank, self.me.incarnation):
+                return agreed
+        return None

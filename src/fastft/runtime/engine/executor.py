@@ -69,6 +69,7 @@ from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.faults import Faults
 from fastft.runtime.engine.membership import Membership
 from fastft.runtime.engine.sideclient import SideClient
+from fastft.runtime.engine.todo import MAIN_ACTIONS, stale
 from fastft.runtime.groups.dataplane import DataPlane
 from fastft.runtime.state.heal import Healer
 from fastft.runtime.state.kept import KeptGradients
@@ -78,19 +79,6 @@ __all__ = ["Executor"]
 
 log = logging.getLogger(__name__)
 
-_MAIN_ACTIONS = (
-    CastVote,
-    ApplyCommit,
-    ZeroGrads,
-    ConfigureProcessGroup,
-    FormEpoch,
-    FetchState,
-    SendState,
-    ExitWorker,
-)
-_HEALING_ACTIONS = (FormEpoch, ConfigureProcessGroup, FetchState, SendState)
-_EPOCH_ACTIONS = (ZeroGrads, FormEpoch)
-"""Actions of one epoch's rollback: stale in any later epoch."""
 _STEP_CYCLE = (Phase.NORMAL, Phase.PREPARED, Phase.COMMIT)
 _WAIT_S = 0.05
 _JOIN = Action()
@@ -194,7 +182,7 @@ class Executor:
                     reason=new.reason or None,
                 )
         for a in actions:
-            if isinstance(a, _MAIN_ACTIONS):
+            if isinstance(a, MAIN_ACTIONS):
                 self._todo.append((self.phase_changes, new.epoch, a))
             else:
                 self._run_immediate(a)
@@ -263,19 +251,9 @@ class Executor:
         while True:
             with self.lock:
                 queued, epoch, action = self._todo.popleft() if self._todo else (0, 0, None)
-                if isinstance(action, _HEALING_ACTIONS) and queued != self.phase_changes:
-                    # queued by a healing that a later fault ended: the new one queued its own
-                    log.debug("dropping stale %s", action)
-                    continue
-                if isinstance(action, _EPOCH_ACTIONS) and epoch != self.state.epoch:
-                    # A rollback of the epoch this worker has left: a second notice of a
-                    # death that the formation in progress had already excluded (or one
-                    # that adopt() feeds again as a fault of the new epoch). Run, it left
-                    # the new epoch in silence while its peers built their process group
-                    # and waited for it until the group's 60 s timeout.
-                    log.debug(
-                        "dropping %s of epoch %d in epoch %d", action, epoch, self.state.epoch
-                    )
+                why = action and stale(action, queued, epoch, self.phase_changes, self.state.epoch)
+                if why:
+                    log.debug("dropping %s (stale: %s)", action, why)
                     continue
                 if action is None:
                     s = self.state

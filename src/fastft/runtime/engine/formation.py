@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, Member
 
-__all__ = ["Arrival", "Recovery", "close_after", "close_first", "holds_state"]
+__all__ = [
+    "Arrival",
+    "JoinerWait",
+    "Recovery",
+    "SurvivorWait",
+    "close_after",
+    "close_first",
+    "holds_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,33 @@ class Recovery:
 
     checkpoint: int | None = None
     fresh_start: bool = False
+
+
+@dataclass
+class SurvivorWait:
+    """A survivor's wait for ``prev.epoch + 1`` (:meth:`Coordinator.arrive`)."""
+
+    prev: EpochView
+    expected: list[int]
+    step: int
+    lost_state: bool
+    admit: bool
+    started: float
+    deadline: float
+
+    @property
+    def epoch(self) -> int:
+        return self.prev.epoch + 1
+
+
+@dataclass
+class JoinerWait:
+    """A joiner's wait (:meth:`Coordinator.register`); ``seen``: the last epoch it read."""
+
+    started: float
+    seen: int
+    start_timeout_s: float
+    regroup_timeout_s: float
 
 
 def holds_state(arrived: dict[int, Arrival]) -> bool:

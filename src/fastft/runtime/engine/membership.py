@@ -13,7 +13,7 @@ from fastft.protocol import JoinRequest, Severity
 from fastft.runtime.contract import EpochView
 from fastft.runtime.durable.checkpoints import CheckpointError
 from fastft.runtime.endings import JobFinished, StateLost, WorkerExit
-from fastft.runtime.engine.coordinator import parse_commit
+from fastft.runtime.engine.decisions import parse_commit
 from fastft.runtime.engine.sideclient import KeyCollector
 from fastft.runtime.groups.hsdp import heal_group, shard_source, whole_groups
 

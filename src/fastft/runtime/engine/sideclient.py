@@ -9,7 +9,7 @@ import threading
 from typing import Any
 
 from fastft.protocol.keys import JobKeys
-from fastft.runtime.engine.coordinator import Coordinator
+from fastft.runtime.engine import decisions
 
 __all__ = ["KeyCollector", "SideClient"]
 
@@ -28,7 +28,7 @@ class SideClient:
 
     def propose_rollback(self, epoch: int, step: int, reason: str) -> str:
         with self.lock:
-            return Coordinator.propose_rollback(self.store, self.keys, epoch, step, reason)
+            return decisions.propose_rollback(self.store, self.keys, epoch, step, reason)
 
     def job_finished(self) -> bool:
         """Whether a member marked the job finished (it closed after a committed step)."""
@@ -46,7 +46,7 @@ class SideClient:
         """Delete the keys of decided ``step``, and record that the state after it is
         committed (what a total loss reports as lost)."""
         with self.lock:
-            Coordinator.forget_keys(self.store, self.keys, epoch, step)
+            decisions.forget(self.store, self.keys, epoch, step)
             self.store.set(self.keys.committed, str(step + 1))
 
 

@@ -1,0 +1,55 @@
+"""Which of the state machine's actions the main thread runs, and which queued ones are
+stale by the time it gets to them. Pure: the executor and the deterministic simulator
+(:mod:`fastft.sim`) apply the same rules."""
+
+from __future__ import annotations
+
+from fastft.fsm import (
+    Action,
+    ApplyCommit,
+    CastVote,
+    ConfigureProcessGroup,
+    ExitWorker,
+    FetchState,
+    FormEpoch,
+    SendState,
+    ZeroGrads,
+)
+
+__all__ = ["MAIN_ACTIONS", "stale"]
+
+MAIN_ACTIONS = (
+    CastVote,
+    ApplyCommit,
+    ZeroGrads,
+    ConfigureProcessGroup,
+    FormEpoch,
+    FetchState,
+    SendState,
+    ExitWorker,
+)
+"""Queued for the main thread (every other action runs on the thread that fed the event)."""
+HEALING_ACTIONS = (FormEpoch, ConfigureProcessGroup, FetchState, SendState)
+EPOCH_ACTIONS = (ZeroGrads, FormEpoch)
+"""Actions of one epoch's rollback: stale in any later epoch."""
+
+
+def stale(
+    action: Action, queued_changes: int, queued_epoch: int, phase_changes: int, epoch: int
+) -> str | None:
+    """Why a main-thread ``action``, queued when the machine had made ``queued_changes``
+    phase changes and was in ``queued_epoch``, must not run now (``phase_changes``,
+    ``epoch``), or None to run it:
+
+    * ``"healing"``: queued by a healing that a later fault ended (the new one queued its
+      own);
+    * ``"epoch"``: a rollback of an epoch this worker has left (a second notice of a death
+      that the formation in progress had already excluded). Run, it left the new epoch in
+      silence while its peers built their process group and waited for it until the
+      group's 60 s timeout.
+    """
+    if isinstance(action, HEALING_ACTIONS) and queued_changes != phase_changes:
+        return "healing"
+    if isinstance(action, EPOCH_ACTIONS) and queued_epoch != epoch:
+        return "epoch"
+    return None
