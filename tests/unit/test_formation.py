@@ -191,6 +191,23 @@ def test_every_closed_view_is_consistent(arrivals, joiners):
         assert view.source == min(holders)
         assert view.step == max(a.step for r, a in arrived.items() if not a.lost)
         assert view.needs_state == (set(ranks) - holders)
-    else:  # nothing restores it: the job cannot go on, never a silent step 0
+    else:  # nothing restores it: the job cannot go on, never a silent step 0 (PREV.step > 0)
         assert view.fatal and view.lost == max([PREV.step, *(a.step for a in arrived.values())])
         assert view.source is None and not view.needs_state
+
+
+def test_before_the_first_commit_a_total_loss_starts_from_a_fresh_process():
+    """Nothing was committed: the state is the initial one, which a fresh process holds.
+    (The source of the first heal died during it: the job failed with "every holder of
+    the committed state (step 0) was lost"; found by the simulator.)"""
+    first = EpochView(1, (Member(0, 10), Member(1, 11), Member(2, 12)), 0, frozenset({1, 2}), 0)
+    arrived = {1: Arrival(11, 0, True), 2: Arrival(12, 0, True)}
+    view = close_after(
+        first, arrived, {0: 13}, expected=[1, 2], timed_out=False, admit=True, min_members=3
+    )
+    assert not view.fatal and view.step == 0 and view.lost == 0
+    assert view.source == 0 and view.needs_state == {1, 2}
+    # every worker lost before the first commit: the lowest joiner's state, not a failure
+    kw = dict(me=0, latest=1, world_size=3, min_members=3, waited_s=0.0, start_timeout_s=1.0)
+    view = close_first({0: 20, 1: 21, 2: 22}, **kw, last_step=0)
+    assert not view.fatal and view.step == 0 and view.source == 0

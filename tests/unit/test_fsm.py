@@ -215,12 +215,28 @@ def test_two_ranks_failing_in_the_same_step():
     assert s.phase is Phase.HEALING and s.dead == {1, 2}
 
 
-def test_fault_during_healing_restarts_the_rollback():
+def test_a_death_while_the_next_epoch_forms_is_left_to_the_formation():
+    """No second rollback of the epoch being left: its closer leaves the dead member out,
+    or the adoption of a view that admitted it feeds its death again, in the new epoch."""
     s, _ = run(normal(), PeerFault(2, F1, "x"), RollbackRequested(1), RollbackAcked(1))
-    assert s.phase is Phase.HEALING
+    assert s.phase is Phase.HEALING and s.forming
     s, acts = run(s, PeerFault(1, F1, "again"))
-    assert s.phase is Phase.HEALING  # alone: straight through both barriers
-    assert acts[-1] == FormEpoch(exclude=frozenset({1, 2}), lost_state=False, rollback=True)
+    assert s.phase is Phase.HEALING and s.forming and s.dead == {1, 2} and acts == []
+    # the view closed with rank 1 in it: entering it, then its death is a fault there
+    s, _ = run(s, QuorumReady(2, frozenset({0, 1}), step=5))
+    assert s.phase is Phase.NORMAL and s.epoch == 2 and not s.forming
+    s, acts = run(s, PeerFault(1, F1, "died during formation"))
+    assert s.phase is Phase.HEALING and s.epoch == 2  # alone: straight through both barriers
+    assert acts[-1] == FormEpoch(exclude=frozenset({1}), lost_state=False, rollback=True)
+
+
+def test_a_fault_during_a_heal_restarts_the_rollback():
+    s, _ = run(normal(), PeerFault(2, F1, "x"), RollbackRequested(1), RollbackAcked(1))
+    s, _ = run(s, QuorumReady(2, frozenset({0, 1, 2}), step=5, needs_state=frozenset({2})))
+    assert s.phase is Phase.HEALING and not s.forming  # sending rank 2 its state
+    s, acts = run(s, PeerFault(2, F1, "died while healing"))
+    assert s.phase is Phase.ROLLBACK_REQ and s.epoch == 2
+    assert BroadcastRollbackRequest(2, 5, "died while healing") in acts
 
 
 def test_deadline_declares_silent_members_dead():

@@ -20,6 +20,7 @@ LAYERS = [
     {"runtime", "report", "metrics", "plot", "testing"},
     {"integrations"},
     {"launch"},
+    {"sim"},  # the deterministic simulator: the runtime's and the agent's deciders
     {""},  # the package itself (its lazy ``fastft.init``)
     {"cli", "demo", "__main__"},  # the demo is a user of the public API
 ]

@@ -82,7 +82,8 @@ class StepState:
     ``pending_fault``: a fault arrived after the commit decision and is handled after the
     commit is applied; ``leaving``: members that announced a drain with their vote; ``joining``: a worker
     waits to be admitted (latched from its JoinRequest, sent with the next vote);
-    ``admit``: the decision of this step says to re-form the epoch after the commit.
+    ``admit``: the decision of this step says to re-form the epoch after the commit;
+    ``forming``: in HEALING, the next epoch is being formed (no QuorumReady yet).
     """
 
     phase: Phase
@@ -99,6 +100,7 @@ class StepState:
     pending_fault: bool = False
     joining: bool = False
     admit: bool = False
+    forming: bool = False
     reason: str = ""
 
     @property

@@ -237,7 +237,20 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
     )
     row([P.ROLLBACK_REQ], Deadline, _FROM_REQ, h.deadline, "silent members are declared dead")
     row([P.ROLLBACK_SYNC], Deadline, _FROM_SYNC, h.deadline, "silent members are declared dead")
-    row([p for p in running if p not in _COLLECTING], Deadline, [SAME], h.ignore, "stale timer")
+    row(
+        [P.DRAIN_WAIT],
+        Deadline,
+        [P.EXIT],
+        h.drain_deadline,
+        "acks missing past the timeout: leave (the decision named the leaver)",
+    )
+    row(
+        [p for p in running if p not in (*_COLLECTING, P.DRAIN_WAIT)],
+        Deadline,
+        [SAME],
+        h.ignore,
+        "stale timer",
+    )
     # drain
     row(running, DrainRequested, [SAME], h.want_drain, "want_drain (latched)")
     row(

@@ -262,7 +262,7 @@ class Executor:
                     if s.phase is Phase.EXIT:
                         raise WorkerExit(s.reason or "worker left the job")
                     if (
-                        s.phase in (Phase.ROLLBACK_REQ, Phase.ROLLBACK_SYNC)
+                        s.phase in (Phase.ROLLBACK_REQ, Phase.ROLLBACK_SYNC, Phase.DRAIN_WAIT)
                         and time.monotonic() - self._phase_since > self.config.rollback_timeout_s
                     ):
                         self._phase_since = time.monotonic()

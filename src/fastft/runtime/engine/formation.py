@@ -151,7 +151,9 @@ def close_after(
         if recovery.checkpoint is not None:
             c = recovery.checkpoint
             return EpochView(epoch, members_, c, frozenset(), None, restore=c, lost=lost)
-        if recovery.fresh_start and joiners:
+        if (recovery.fresh_start or lost == 0) and joiners:
+            # (lost == 0: nothing was committed yet, so a fresh process holds the whole
+            # state: the first heal's source died, found by the simulator)
             src = min(joiners)
             needs = frozenset(m.rank for m in members_) - {src}
             return EpochView(epoch, members_, 0, needs, src, lost=lost)
@@ -204,7 +206,7 @@ def close_first(
     if recovery.checkpoint is not None:  # resume, or restore after a total loss
         c = recovery.checkpoint
         return EpochView(epoch, members, c, frozenset(), None, restore=c, lost=lost)
-    if lost is not None and not recovery.fresh_start:
+    if lost and not recovery.fresh_start:  # (lost == 0: nothing committed, nothing lost)
         return EpochView(epoch, members, lost, frozenset(), None, lost=lost)
     source = members[0].rank
     return EpochView(

@@ -73,8 +73,13 @@ def route(
     if r is not None:
         if r.clean_exit and finished:
             # It finished the job after the last step, which this worker voted for too
-            # and is still applying: an end, not a fault.
-            return Routed(record=("peer_finished", {"rank": r.rank, "incarnation": r.incarnation}))
+            # and is still applying: an end, not a fault. (It acks nothing any more: a
+            # worker draining at that last commit waited for its ack, found by the
+            # simulator.)
+            return Routed(
+                events=(DrainAcked(r.rank),),
+                record=("peer_finished", {"rank": r.rank, "incarnation": r.incarnation}),
+            )
         in_view = view is not None and view.has(r.rank, r.incarnation)
         if r.drained and (r.rank in leaving or not in_view):
             # It left after a drain this worker knew of (its epoch re-forms without it,

@@ -266,6 +266,9 @@ class Membership:
         assert view.lost is not None
         if not view.fatal:  # a fresh start that --allow-fresh-start allowed
             x.events.emit("fresh_start", epoch=view.epoch, lost=view.lost)
+            if view.lost == 0:  # (nothing was committed: a fresh process holds it all)
+                log.warning("every holder of the initial state was lost: starting from a new one")
+                return
             log.error(
                 "every holder of the committed state (step %d) was lost and there is no "
                 "checkpoint: starting again from step 0 (--allow-fresh-start)",

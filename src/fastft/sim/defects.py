@@ -1,0 +1,117 @@
+"""Defects the protocol had, put back for a while: the simulator must find each.
+
+Each is the old version of a real decider, patched in for the duration of a ``with
+reintroduce(name):`` block (the production code has no switch for them). Tests and
+``fastft sim --defect NAME`` use them to show that the simulator can fail."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import fastft.runtime.engine.coordinator as coordinator
+import fastft.sim.life as life
+from fastft.fsm import Deadline, DrainAcked, Phase, StepState
+from fastft.fsm.contract import Event, PeerFault
+from fastft.fsm.handlers import Result
+from fastft.fsm.table import TABLE, Rule
+from fastft.runtime.contract import EpochView
+
+__all__ = ["DEFECTS", "reintroduce"]
+
+
+def _old_regroup(mp: contextlib.ExitStack) -> None:
+    """ffa6017: after every worker was lost, the restore waited for every slot."""
+    register = coordinator.Coordinator.register
+
+    def forever(self: Any, start_timeout_s: float, regroup_timeout_s: float) -> Any:
+        return register(self, start_timeout_s, float("inf"))
+
+    _patch(mp, coordinator.Coordinator, "register", forever)
+
+
+def _old_first_heal(mp: contextlib.ExitStack) -> None:
+    """Before the first commit, a total loss failed the job ("every holder of the committed
+    state (step 0) was lost") although a fresh process holds that state."""
+    close_after = coordinator.close_after
+
+    def fatal_at_zero(prev: EpochView, *a: Any, **kw: Any) -> EpochView | None:
+        view = close_after(prev, *a, **kw)
+        if view is not None and view.lost == 0 and view.restore is None:
+            fresh = kw.get("recovery")
+            if not (fresh is not None and fresh.fresh_start):
+                return dataclasses.replace(view, step=0, needs_state=frozenset(), source=None)
+        return view
+
+    _patch(mp, coordinator, "close_after", fatal_at_zero)
+
+
+def _old_healing_rollback(mp: contextlib.ExitStack) -> None:
+    """A death heard while the next epoch formed rolled back the epoch being left: peers
+    that had adopted the new epoch never met that rollback (each declared the other
+    dead at the deadline)."""
+    rule = TABLE[(Phase.HEALING, PeerFault)]
+
+    def roll_back(s: StepState, e: Event) -> Result:
+        return rule.handler(replace(s, forming=False), e)
+
+    _patch_rule(mp, (Phase.HEALING, PeerFault), Rule(rule.targets, roll_back, rule.doc))
+
+
+def _old_drain_wait(mp: contextlib.ExitStack) -> None:
+    """DRAIN_WAIT had no deadline, and a member's clean exit after the job finished acked
+    nothing: a leaver whose notice was lost on the way, or who drained at the last commit,
+    waited for an ack forever (and a fixed world for its restart)."""
+    rule = TABLE[(Phase.DRAIN_WAIT, Deadline)]
+    route = life.route
+
+    def no_ack(*a: Any, **kw: Any) -> Any:
+        out = route(*a, **kw)
+        if out.record and out.record[0] == "peer_finished":
+            return replace(
+                out, events=tuple(e for e in out.events if not isinstance(e, DrainAcked))
+            )
+        return out
+
+    _patch(mp, life, "route", no_ack)
+
+    def ignore(s: StepState, e: Event) -> Result:
+        return s, ()
+
+    _patch_rule(mp, (Phase.DRAIN_WAIT, Deadline), Rule((Phase.DRAIN_WAIT,), ignore, rule.doc))
+
+
+def _patch(mp: contextlib.ExitStack, owner: Any, name: str, value: Any) -> None:
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    mp.callback(setattr, owner, name, old)
+
+
+def _patch_rule(mp: contextlib.ExitStack, key: Any, rule: Rule) -> None:
+    old = TABLE[key]
+    TABLE[key] = rule
+    mp.callback(TABLE.__setitem__, key, old)
+
+
+DEFECTS: dict[str, tuple[Callable[[contextlib.ExitStack], None], dict[str, Any]]] = {
+    "regroup": (
+        _old_regroup,
+        {"elastic": True, "min_replicas": 2, "faults": 3, "kinds": ("drain", "kill", "hang")},
+    ),
+    "first-heal": (_old_first_heal, {}),
+    "healing-rollback": (_old_healing_rollback, {}),
+    "drain-wait": (_old_drain_wait, {"kinds": ("drain", "msg_lost")}),
+}
+"""Name -> (what puts it back, the simulator options under which to look for it)."""
+
+
+@contextlib.contextmanager
+def reintroduce(name: str) -> Iterator[None]:
+    """Put the defect ``name`` back for the block."""
+    patch, _ = DEFECTS[name]
+    with contextlib.ExitStack() as mp:
+        patch(mp)
+        yield

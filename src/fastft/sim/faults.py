@@ -1,0 +1,67 @@
+"""The faults a simulated run injects, drawn from its seed."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastft.sim.options import Options
+
+__all__ = ["KINDS", "Plan", "SimFault"]
+
+KINDS = (
+    "kill",  # SIGKILL: the agent sees the exit
+    "hang",  # SIGSTOP or a GIL hang: the agent's hang timeout kills it
+    "exception",  # an exception in the step (Fault2)
+    "state_lost",  # the state is gone but the process lives (Fault1)
+    "drain",  # a drain request (a preemption notice)
+    "msg_lost",  # the next message to the rank is lost
+    "msg_dup",  # ... delivered twice
+    "msg_delay",  # ... 200 ms late
+    "store_fail",  # the next store call fails (whoever makes it)
+    "partition",  # the rank's node is cut off (0.1 s: within its lease; 1 s: past it)
+    "kill_at_formation",  # killed right after arriving at a formation
+    "kill_at_heal",  # killed in the middle of a heal
+)
+
+
+@dataclass
+class SimFault:
+    kind: str
+    rank: int
+    t: float
+    duration: float = 0.0
+    used: bool = False
+
+    @property
+    def point(self) -> str | None:
+        """A fault at a point of the protocol instead of a time (after ``t``)."""
+        return {"kill_at_formation": "formation", "kill_at_heal": "heal"}.get(self.kind)
+
+
+@dataclass
+class Plan:
+    faults: list[SimFault] = field(default_factory=list)
+
+    @classmethod
+    def draw(cls, rng: random.Random, opts: Options) -> Plan:
+        kinds = opts.kinds or KINDS
+        out = []
+        for _ in range(rng.randint(0, opts.faults)):
+            kind = rng.choice(kinds)
+            rank = rng.randrange(opts.world_size)
+            t = rng.uniform(0.0, 0.05 + 0.02 * opts.steps)
+            duration = rng.choice((0.1, 1.0)) if kind == "partition" else 0.0
+            out.append(SimFault(kind, rank, t, duration))
+        return cls(out)
+
+    def describe(self) -> str:
+        if not self.faults:
+            return "no faults"
+        return ", ".join(
+            f"{f.kind} rank {f.rank} at {f.t * 1e3:.1f} ms"
+            + (f" for {f.duration:g} s" if f.duration else "")
+            for f in self.faults
+        )

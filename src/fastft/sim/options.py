@@ -1,0 +1,41 @@
+"""The options of one simulated job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastft.runtime.contract import REGROUP_TIMEOUT_S
+
+__all__ = ["Options"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """One simulated job: its world, the faults a seed may draw (at most ``faults`` of
+    ``kinds``, every kind if empty), the timeouts, and the liveness bound."""
+
+    world_size: int = 3
+    steps: int = 6
+    elastic: bool = False
+    min_replicas: int | None = None
+    per_node: int = 1
+    faults: int = 2
+    kinds: tuple[str, ...] = ()
+    checkpoint_every: int = 0
+    allow_fresh_start: bool = False
+    rollback_timeout_s: float = 1.0
+    regroup_timeout_s: float = REGROUP_TIMEOUT_S
+    start_timeout_s: float = 30.0
+    hang_timeout_s: float = 2.0
+    restart_s: tuple[float, float] = (0.3, 1.5)
+    lease_s: float = 0.3
+    max_recoveries: int = 50
+    liveness_s: float = 60.0
+    """Longer than every timeout that ends a wait by design (the first start's 30 s)."""
+    horizon_s: float = 900.0
+
+    @property
+    def min_members(self) -> int:
+        if self.elastic:
+            return self.min_replicas or self.world_size
+        return self.world_size

@@ -1,0 +1,397 @@
+"""The simulated job: one thread, simulated time, a seeded scheduler.
+
+The world holds the store (:class:`~fastft.sim.store.SimStore`), the bus (a queue of
+deliveries with delays), the members' lives (:class:`~fastft.sim.life.Life`), the node
+agents (exit notices, restarts, hang and node-loss verdicts, with the real
+:func:`fastft.launch.policy.after_exit`) and the faults. Every event comes off one heap in
+time order; ties and every delay are drawn from ``random.Random(seed)``, so a seed is a
+run, bit for bit. :class:`~fastft.sim.checks.Checks` holds the invariants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastft.launch import policy
+from fastft.protocol import (
+    DrainRequest,
+    Fault,
+    HangSuspected,
+    JobKeys,
+    Message,
+    ProcessExited,
+    Role,
+    Severity,
+)
+from fastft.runtime.contract import Member
+from fastft.runtime.engine.formation import Recovery
+from fastft.sim.checks import Checks
+from fastft.sim.faults import Plan, SimFault
+from fastft.sim.life import Ended, Life
+from fastft.sim.options import Options
+from fastft.sim.store import SimStore, StoreDown
+
+__all__ = ["Options", "World"]
+
+
+@dataclass
+class Slot:
+    """A node agent's view of one rank: its current life, how many it had, done."""
+
+    rank: int
+    life: Member | None = None
+    lives: int = 0
+    done: bool = False
+    finished: bool = False
+
+
+@dataclass(order=True)
+class _Ev:
+    t: float
+    seq: int
+    kind: str = field(compare=False)
+    args: tuple[Any, ...] = field(compare=False)
+
+
+class World:
+    def __init__(self, opts: Options, seed: int, *, plan: Plan | None = None, trace: bool = False):
+        self.opts = opts
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self._q: list[_Ev] = []
+        self._seq = 0
+        self.store = SimStore()
+        self.keys = JobKeys("sim")
+        self.chain = [hashlib.sha1(b"seed").hexdigest()[:12]]
+        for s in range(opts.steps):
+            self.chain.append(self.next_hash(self.chain[-1], s))
+        self.lives: dict[Member, Life] = {}
+        self.slots = {r: Slot(r) for r in range(opts.world_size)}
+        self.collectives: dict[tuple[int, int], set[Member]] = {}
+        self.pg_arrivals: dict[int, set[Member]] = {}
+        self.heal_arrivals: dict[int, set[Member]] = {}
+        self.built: dict[Member, int] = {}
+        self.checkpoints: dict[int, str] = {}
+        self.outcome: str | None = None
+        self.checks = Checks(self)
+        self.tracing = trace
+        self.lines: list[str] = []
+        self.events = 0
+        self.plan = plan if plan is not None else Plan.draw(self.rng, opts)
+        self._next_inc = 0
+        self.msg_faults: list[SimFault] = []
+        self.partitioned: set[int] = set()
+
+    # --- time and events ----------------------------------------------------------------
+    def at(self, delay: float, kind: str, *args: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._q, _Ev(self.now + max(delay, 0.0), self._seq, kind, args))
+
+    def jitter(self, s: float) -> float:
+        return s * self.rng.uniform(0.5, 1.5)
+
+    def compute_s(self) -> float:
+        return self.rng.uniform(0.005, 0.015)
+
+    def trace(self, who: Any, what: str) -> None:
+        if self.tracing:
+            self.lines.append(f"{self.now * 1e3:10.3f} ms  {who}: {what}")
+
+    def violation(self, what: str) -> None:
+        self.checks.fail(what)
+
+    @staticmethod
+    def next_hash(h: str, step: int) -> str:
+        """The state after ``step``: a function of the state before it and the step's batch."""
+        return hashlib.sha1(f"{h}|{step}|batch{step}".encode()).hexdigest()[:12]
+
+    def recovery(self) -> Recovery:
+        newest = max(self.checkpoints) if self.checkpoints else None
+        return Recovery(newest, self.opts.allow_fresh_start)
+
+    def run(self) -> World:
+        for r in range(self.opts.world_size):
+            self.at(self.rng.uniform(0, 0.05), "spawn", r)
+        for i, f in enumerate(self.plan.faults):
+            self.at(f.t, "fault", i)
+        while self._q and self.outcome is None and not self.checks.failed:
+            ev = heapq.heappop(self._q)
+            self.now = ev.t
+            self.events += 1
+            getattr(self, "_on_" + ev.kind)(*ev.args)
+            self.checks.progress()
+            if self.now > self.opts.horizon_s:
+                self.violation(f"the job neither finished nor failed in {self.opts.horizon_s} s")
+        if self.outcome is None and not self.checks.failed:
+            self.violation("nothing is left to happen and the job has not ended")
+        self.checks.at_end()
+        return self
+
+    # --- lives --------------------------------------------------------------------------
+    def wake(self, life: Life) -> None:
+        """An event was fed: a main thread waiting in drive looks now (the condition)."""
+        if life.pc[0] == "drive" and life.alive:
+            self.schedule_main(life, 0.00005)
+
+    def schedule_main(self, life: Life, delay: float) -> None:
+        life.main_token += 1
+        self.at(self.jitter(delay) if delay else 0.0, "main", life.me, life.main_token)
+
+    def _on_spawn(self, rank: int) -> None:
+        slot = self.slots[rank]
+        if slot.done or self.outcome is not None:
+            return
+        self._next_inc += 1
+        life = Life(self, rank, self._next_inc)
+        self.lives[life.me] = life
+        slot.life, slot.lives = life.me, slot.lives + 1
+        self.trace(life, "started")
+        self.schedule_main(life, 0.0)
+
+    def _on_main(self, who: Member, token: int) -> None:
+        life = self.lives[who]
+        if not life.alive or life.frozen or token != life.main_token:
+            return
+        try:
+            delay = life.slice()
+        except Ended as e:
+            self.end_life(life, e.code, None, e.why)
+            return
+        except StoreDown as e:  # an exception on the main thread: the script ends
+            self.end_life(life, 1, None, str(e))
+            return
+        if life.alive:
+            self.schedule_main(life, delay)
+
+    def end_life(self, life: Life, code: int | None, sig: int | None, why: str) -> None:
+        if not life.alive:
+            return
+        life.alive = False
+        self.trace(life, f"exits ({why}; code {code}, signal {sig})")
+        self.at(0.0005, "exit_seen", life.me, code, sig)
+
+    def finish(self, life: Life) -> None:
+        self.checks.finished(life)
+        self.store.set(self.keys.finished, str(life.state.step))
+
+    def after_commit(self, life: Life, step: int) -> None:
+        self.checks.committed(life, step)
+        every = self.opts.checkpoint_every
+        view = life.view
+        if every and (step + 1) % every == 0 and view is not None and view.members[0] == life.me:
+            self.checkpoints[step + 1] = life.h
+
+    def fire_due(self, life: Life, point: str) -> None:
+        """A planned fault at a point of the protocol: a death after arriving at a
+        formation, or while healing."""
+        for f in self.plan.faults:
+            if f.point == point and not f.used and f.rank == life.rank and self.now >= f.t:
+                f.used = True
+                self.trace(life, f"fault: killed at the {point}")
+                self.end_life(life, None, 9, f"killed at the {point}")
+                return
+
+    # --- the bus ------------------------------------------------------------------------
+    def broadcast(self, sender: Life | None, m: Message) -> None:
+        if sender is not None and (sender.frozen or not sender.alive):
+            return
+        self.trace(sender or "agent", f"sends {type(m).__name__}")
+        targets: list[Any] = [life for life in self.lives.values() if life.alive]
+        targets += [("agent", r) for r in sorted(self.slots)]
+        for t in targets:
+            if t is sender:
+                continue
+            delay = self.rng.uniform(0.0002, 0.002)
+            copies = 1
+            for f in self.msg_faults:
+                if f.used or not isinstance(t, Life) or t.rank != f.rank:
+                    continue
+                f.used = True
+                if f.kind == "msg_lost":
+                    copies = 0
+                elif f.kind == "msg_dup":
+                    copies = 2
+                else:
+                    delay += 0.2
+            for _ in range(copies):
+                who = t.me if isinstance(t, Life) else t
+                self.at(delay, "deliver", who, m)
+
+    def _on_deliver(self, who: Any, m: Message) -> None:
+        if isinstance(who, tuple):
+            self.agent_message(who[1], m)
+            return
+        life = self.lives[who]
+        if not life.alive:
+            return
+        try:
+            life.on_message(m)
+        except StoreDown as e:  # the bus endpoint logs and counts a callback that raises
+            self.trace(life, f"listener callback raised: {e}")
+
+    # --- the agents ---------------------------------------------------------------------
+    def agent_message(self, rank: int, m: Message) -> None:
+        """:class:`fastft.launch.verdicts.Verdicts`: a peer's verdict that a worker of this
+        slot is dead kills it (its restart heals)."""
+        slot = self.slots[rank]
+        if not (isinstance(m, Fault) and m.severity is Severity.FAULT1):
+            return
+        if m.rank == m.faulty_rank or m.faulty_rank != rank or slot.life is None:
+            return
+        life = self.lives[slot.life]
+        lives = (life.inc, 0) if m.role is Role.MONITOR else (m.faulty_incarnation,)
+        if m.faulty_incarnation in lives and life.alive and not slot.done:
+            self.end_life(life, None, 9, f"declared dead by rank {m.rank}")
+
+    def agent_header(self, rank: int) -> dict[str, Any]:
+        return dict(job=self.keys.job, epoch=0, rank=-1, incarnation=1 + rank, role=Role.AGENT)
+
+    def _on_exit_seen(self, who: Member, code: int | None, sig: int | None) -> None:
+        slot = self.slots[who.rank]
+        head = self.agent_header(who.rank)
+        self.broadcast(
+            None,
+            ProcessExited(
+                **head,
+                exited_rank=who.rank,
+                exited_incarnation=who.incarnation,
+                exit_code=code,
+                signal=sig,
+            ),
+        )
+        self.store.agent_compare_set(self.keys.joiner(who.rank), str(who.incarnation), "")
+        if slot.life != who:
+            return
+        got = policy.after_exit(
+            rank=who.rank,
+            code=code,
+            sig=sig,
+            life=slot.lives,
+            max_restarts=1000,
+            stopping=self.outcome is not None,
+            already_done=slot.done,
+            peers_finished=any(s.finished for s in self.slots.values()),
+            spares_left=False,
+            elastic=self.opts.elastic,
+        )
+        if code == 0:
+            slot.finished = True
+        if got.failed:
+            self.outcome = f"failed: {got.failed}"
+            self.checks.job_failed(got.failed)
+            return
+        if got.done:
+            slot.done = True
+            left = sum(not s.done for s in self.slots.values())
+            floor = (
+                None
+                if code == 0
+                else policy.floor_lost(
+                    left,
+                    self.opts.min_replicas if self.opts.elastic else None,
+                    self.opts.world_size,
+                )
+            )
+            if floor is not None:  # (the agent fails an elastic world drained below its floor)
+                self.outcome = f"failed: {floor}"
+                self.checks.job_failed(floor)
+                return
+            if all(s.done for s in self.slots.values()):
+                self.outcome = (
+                    "finished"
+                    if any(s.finished for s in self.slots.values())
+                    else ("failed: every slot is gone")
+                )
+            return
+        if got.restart:
+            lo, hi = self.opts.restart_s
+            self.at(max(got.delay_s, self.rng.uniform(lo, hi)), "spawn", who.rank)
+
+    def _on_hang_seen(self, who: Member) -> None:
+        life = self.lives[who]
+        if not life.alive or not life.frozen or who.rank // self.opts.per_node in self.partitioned:
+            return
+        head = self.agent_header(who.rank)
+        self.broadcast(
+            None,
+            HangSuspected(
+                **head,
+                hung_rank=who.rank,
+                hung_incarnation=who.incarnation,
+                silent_for_s=2.0,
+                stopped=False,
+            ),
+        )
+        self.end_life(life, None, 9, "hung: killed by its agent")
+
+    # --- faults -------------------------------------------------------------------------
+    def _on_fault(self, i: int) -> None:
+        f = self.plan.faults[i]
+        slot = self.slots[f.rank]
+        life = self.lives.get(slot.life) if slot.life is not None else None
+        self.checks.fault_at(self.now)
+        if f.point or life is None or not life.alive:
+            return
+        self.trace(life, f"fault: {f.kind}")
+        if f.kind == "kill":
+            self.end_life(life, None, 9, "SIGKILL")
+        elif f.kind == "hang":
+            life.frozen = True
+            self.at(self.opts.hang_timeout_s, "hang_seen", life.me)
+        elif f.kind in ("exception", "state_lost"):
+            life.fail_next = f.kind
+        elif f.kind == "drain":
+            self.broadcast(None, DrainRequest(**self.agent_header(f.rank), target_rank=f.rank))
+        elif f.kind in ("msg_lost", "msg_dup", "msg_delay"):
+            self.msg_faults.append(f)
+        elif f.kind == "store_fail":
+            self.store.fail_next += 1
+        elif f.kind == "partition":
+            self.partition(f.rank // self.opts.per_node, f.duration)
+
+    def node_lives(self, node: int) -> list[Life]:
+        per = self.opts.per_node
+        return [
+            self.lives[s.life]
+            for r, s in sorted(self.slots.items())
+            if r // per == node and s.life is not None and self.lives[s.life].alive
+        ]
+
+    def partition(self, node: int, duration: float) -> None:
+        """The node is cut off: its lives stop (their store calls and messages wait); past
+        the lease the others declare its lives dead; when it returns, a node declared lost
+        kills its stale lives (they restart and heal), else they go on."""
+        self.partitioned.add(node)
+        for life in self.node_lives(node):
+            life.frozen = True
+        if duration > self.opts.lease_s:
+            self.at(self.opts.lease_s, "node_lost", node)
+        self.at(duration, "node_back", node, duration > self.opts.lease_s)
+
+    def _on_node_lost(self, node: int) -> None:
+        for life in self.node_lives(node):
+            fault = Fault(
+                **self.agent_header((node + 1) * self.opts.per_node % self.opts.world_size),
+                severity=Severity.FAULT1,
+                cause=f"node {node} lost",
+                faulty_rank=life.rank,
+                faulty_incarnation=life.inc,
+            )
+            self.broadcast(None, fault)
+
+    def _on_node_back(self, node: int, lost: bool) -> None:
+        self.partitioned.discard(node)
+        for life in self.node_lives(node):
+            if lost:
+                self.end_life(life, None, 9, "fenced: its node was declared lost")
+                continue
+            life.frozen = False
+            for m in life.buffered:
+                self.at(0.0, "deliver", life.me, m)
+            life.buffered.clear()
+            self.schedule_main(life, 0.0)
