@@ -8,6 +8,7 @@
 * ``fastft bus tail``     print bus traffic as it happens
 * ``fastft plan check``   validate a fault plan file
 * ``fastft fsm-doc``      print the state machine's table as Markdown
+* ``fastft sim``          the deterministic simulator (a seed, many, or a small world in full)
 * ``fastft store``        host a job's store (ManagerFFT under another launcher)
 * ``fastft nats up``      a local NATS cluster with JetStream (``fastft run --control``)
 
@@ -23,7 +24,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 __all__ = ["main", "ENVIRONMENT"]
 
@@ -141,6 +142,7 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("path")
 
     sub.add_parser("fsm-doc", help="print the step state machine as Markdown")
+    _sim_parser(sub)
 
     sec = sub.add_parser("secret", help="job secrets")
     ssub = sec.add_subparsers(dest="secret_cmd", required=True, parser_class=_Parser)
@@ -217,6 +219,18 @@ def _fail(msg: str) -> NoReturn:
     os._exit(EXIT_USAGE)
 
 
+def _sim_parser(sub: Any) -> None:
+    from fastft.cli.sim import add_parser
+
+    add_parser(sub)
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from fastft.cli.sim import cmd_sim as run_sim
+
+    return run_sim(args)
+
+
 def cmd_fsm_doc(args: argparse.Namespace) -> int:
     from fastft.fsm.doc import render
 
@@ -245,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "drain": ops.cmd_drain,
         "report-error": ops.cmd_report,
         "fsm-doc": cmd_fsm_doc,
+        "sim": cmd_sim,
         "store": ops.cmd_store,
         "run": run.cmd_run,
         "report": run.cmd_report_run,

@@ -104,7 +104,8 @@ class Checks:
                 other = w.lives.get(m)
                 if other is None or not other.alive or other.state.lost_state:
                     continue
-                if other.held == view.lost and other.h == w.chain[view.lost]:
+                lost = view.lost
+                if lost is not None and other.held == lost and other.h == w.chain[lost]:
                     self.fail(
                         f"epoch {view.epoch} finds no holder of step {view.lost} while its "
                         f"member {other} holds it"

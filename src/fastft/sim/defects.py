@@ -33,6 +33,24 @@ def _old_regroup(mp: contextlib.ExitStack) -> None:
     _patch(mp, coordinator.Coordinator, "register", forever)
 
 
+def _old_finished_lost(mp: contextlib.ExitStack) -> None:
+    """A survivor that had lost its state never checked whether the job finished: after the
+    others finished, it waited in the formation for them (until the agent's between-steps
+    timeout, 30 min)."""
+    survivor_round = coordinator.Coordinator.survivor_round
+
+    def blind(self: Any, wait: Any, *a: Any) -> Any:
+        if not wait.lost_state:
+            return survivor_round(self, wait, *a)
+        self.finished_at = lambda: None
+        try:
+            return survivor_round(self, wait, *a)
+        finally:
+            del self.finished_at
+
+    _patch(mp, coordinator.Coordinator, "survivor_round", blind)
+
+
 def _old_first_heal(mp: contextlib.ExitStack) -> None:
     """Before the first commit, a total loss failed the job ("every holder of the committed
     state (step 0) was lost") although a fresh process holds that state."""
@@ -102,7 +120,11 @@ DEFECTS: dict[str, tuple[Callable[[contextlib.ExitStack], None], dict[str, Any]]
         {"elastic": True, "min_replicas": 2, "faults": 3, "kinds": ("drain", "kill", "hang")},
     ),
     "first-heal": (_old_first_heal, {}),
-    "healing-rollback": (_old_healing_rollback, {}),
+    "finished-lost": (_old_finished_lost, {"kinds": ("drain", "kill", "exception")}),
+    "healing-rollback": (
+        _old_healing_rollback,
+        {"kinds": ("kill_at_formation", "kill", "exception", "hang")},
+    ),
     "drain-wait": (_old_drain_wait, {"kinds": ("drain", "msg_lost")}),
 }
 """Name -> (what puts it back, the simulator options under which to look for it)."""

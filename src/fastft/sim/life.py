@@ -63,7 +63,7 @@ from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine import decisions
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.inbox import route
-from fastft.runtime.engine.todo import MAIN_ACTIONS, stale
+from fastft.runtime.engine.todo import MAIN_ACTIONS, moved, stale
 from fastft.sim.ports import Host
 from fastft.sim.waits import RTT_S, Ended, Waits
 
@@ -94,7 +94,7 @@ class Life(Waits):
             w.opts.world_size,
             w.opts.min_members,
             dead=self.dead,
-            clock=lambda: w.now,
+            clock=self.clock,
             sleep=_no_sleep,
             recovery=w.recovery,
         )
@@ -112,6 +112,9 @@ class Life(Waits):
         self.main_token = 0
         self.suspect = False
 
+    def clock(self) -> float:
+        return self.w.now
+
     def __repr__(self) -> str:
         return f"rank {self.rank}.{self.inc}"
 
@@ -124,7 +127,7 @@ class Life(Waits):
             self.w.violation(f"{self}: the state machine has no row for this: {e}")
             return
         self.state = new
-        if new.phase is not before.phase:
+        if moved(before, new, actions):
             self.phase_since = self.w.now
             self.phase_changes += 1
         self.w.trace(self, f"{type(event).__name__} {before.phase.name}->{new.phase.name}")

@@ -16,19 +16,16 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastft.launch import policy
 from fastft.protocol import (
     DrainRequest,
     Fault,
-    HangSuspected,
     JobKeys,
     Message,
-    ProcessExited,
-    Role,
     Severity,
 )
 from fastft.runtime.contract import Member
 from fastft.runtime.engine.formation import Recovery
+from fastft.sim.agents import Agents, Slot
 from fastft.sim.checks import Checks
 from fastft.sim.faults import Plan, SimFault
 from fastft.sim.life import Ended, Life
@@ -36,17 +33,6 @@ from fastft.sim.options import Options
 from fastft.sim.store import SimStore, StoreDown
 
 __all__ = ["Options", "World"]
-
-
-@dataclass
-class Slot:
-    """A node agent's view of one rank: its current life, how many it had, done."""
-
-    rank: int
-    life: Member | None = None
-    lives: int = 0
-    done: bool = False
-    finished: bool = False
 
 
 @dataclass(order=True)
@@ -57,13 +43,13 @@ class _Ev:
     args: tuple[Any, ...] = field(compare=False)
 
 
-class World:
+class World(Agents):
     def __init__(self, opts: Options, seed: int, *, plan: Plan | None = None, trace: bool = False):
         self.opts = opts
         self.seed = seed
         self.rng = random.Random(seed)
         self.now = 0.0
-        self._q: list[_Ev] = []
+        self.queue: list[_Ev] = []
         self._seq = 0
         self.store = SimStore()
         self.keys = JobKeys("sim")
@@ -86,17 +72,24 @@ class World:
         self._next_inc = 0
         self.msg_faults: list[SimFault] = []
         self.partitioned: set[int] = set()
+        self.fixed = False
+        """Every delay its nominal value (the exhaustive explorer's timing)."""
 
     # --- time and events ----------------------------------------------------------------
     def at(self, delay: float, kind: str, *args: Any) -> None:
         self._seq += 1
-        heapq.heappush(self._q, _Ev(self.now + max(delay, 0.0), self._seq, kind, args))
+        heapq.heappush(self.queue, _Ev(self.now + max(delay, 0.0), self._seq, kind, args))
+
+    def draw(self, lo: float, hi: float) -> float:
+        """A delay between ``lo`` and ``hi``: drawn from the seed, or their middle in the
+        exhaustive explorer's fixed timing."""
+        return (lo + hi) / 2 if self.fixed else self.rng.uniform(lo, hi)
 
     def jitter(self, s: float) -> float:
-        return s * self.rng.uniform(0.5, 1.5)
+        return s * self.draw(0.5, 1.5)
 
     def compute_s(self) -> float:
-        return self.rng.uniform(0.005, 0.015)
+        return self.draw(0.005, 0.015)
 
     def trace(self, who: Any, what: str) -> None:
         if self.tracing:
@@ -114,23 +107,80 @@ class World:
         newest = max(self.checkpoints) if self.checkpoints else None
         return Recovery(newest, self.opts.allow_fresh_start)
 
-    def run(self) -> World:
+    def begin(self) -> None:
         for r in range(self.opts.world_size):
-            self.at(self.rng.uniform(0, 0.05), "spawn", r)
+            self.at(self.draw(0, 0.05), "spawn", r)
         for i, f in enumerate(self.plan.faults):
             self.at(f.t, "fault", i)
-        while self._q and self.outcome is None and not self.checks.failed:
-            ev = heapq.heappop(self._q)
-            self.now = ev.t
-            self.events += 1
-            getattr(self, "_on_" + ev.kind)(*ev.args)
-            self.checks.progress()
-            if self.now > self.opts.horizon_s:
-                self.violation(f"the job neither finished nor failed in {self.opts.horizon_s} s")
-        if self.outcome is None and not self.checks.failed:
-            self.violation("nothing is left to happen and the job has not ended")
-        self.checks.at_end()
+
+    def run(self) -> World:
+        self.begin()
+        while not self.ended():
+            self.step(0)
         return self
+
+    def ended(self) -> bool:
+        """The run is over: the job ended, a check failed, or nothing is left to happen
+        (then a liveness failure)."""
+        if self.outcome is not None or self.checks.failed:
+            return True
+        if not self.queue:
+            self.violation("nothing is left to happen and the job has not ended")
+            return True
+        return False
+
+    def step(self, i: int) -> str:
+        """Run the event ``i`` of :meth:`due` (0: the earliest); what it was."""
+        ev = heapq.heappop(self.queue) if i == 0 else self._take(i)
+        self.now = max(self.now, ev.t)
+        self.events += 1
+        getattr(self, "_on_" + ev.kind)(*ev.args)
+        self.checks.progress()
+        if self.now > self.opts.horizon_s:
+            self.violation(f"the job neither finished nor failed in {self.opts.horizon_s} s")
+        if self.outcome is not None and not self.checks.failed:
+            self.checks.at_end()
+        return f"{ev.kind} {ev.args[0]}"
+
+    def due(self, window_s: float) -> list[int]:
+        """The events that may run next: each due within ``window_s`` of the earliest
+        (indices for :meth:`step`), the stale polls of a life left out."""
+        self.queue = [ev for ev in self.queue if not self.stale(ev)]  # (no-ops)
+        heapq.heapify(self.queue)
+        if not self.queue:
+            return []
+        evs = sorted(self.queue)
+        first = evs[0].t
+        out, heads = [], set()
+        for i, ev in enumerate(evs):
+            if ev.t > first + window_s:
+                break
+            if ev.kind == "deliver":  # one queue per subscriber (TCPStore's bus): in order
+                if ev.args[0] in heads:
+                    continue
+                heads.add(ev.args[0])
+            out.append(i)
+        return out
+
+    def stale(self, ev: _Ev) -> bool:
+        if ev.kind != "main":
+            return False
+        life = self.lives[ev.args[0]]
+        return ev.args[1] != life.main_token or not life.alive
+
+    def inject(self, i: int) -> None:
+        """The planned fault ``i``, now."""
+        self._on_fault(i)
+        self.checks.progress()
+
+    def alive_ranks(self) -> list[int]:
+        return [r for r, s in sorted(self.slots.items()) if s.life and self.lives[s.life].alive]
+
+    def _take(self, i: int) -> _Ev:
+        ev = sorted(self.queue)[i]
+        self.queue.remove(ev)
+        heapq.heapify(self.queue)
+        return ev
 
     # --- lives --------------------------------------------------------------------------
     def wake(self, life: Life) -> None:
@@ -202,11 +252,12 @@ class World:
             return
         self.trace(sender or "agent", f"sends {type(m).__name__}")
         targets: list[Any] = [life for life in self.lives.values() if life.alive]
-        targets += [("agent", r) for r in sorted(self.slots)]
+        if isinstance(m, Fault) and m.severity is Severity.FAULT1:  # (all agents act on)
+            targets += [("agent", r) for r in sorted(self.slots)]
         for t in targets:
             if t is sender:
                 continue
-            delay = self.rng.uniform(0.0002, 0.002)
+            delay = self.draw(0.0002, 0.002)
             copies = 1
             for f in self.msg_faults:
                 if f.used or not isinstance(t, Life) or t.rank != f.rank:
@@ -234,101 +285,6 @@ class World:
         except StoreDown as e:  # the bus endpoint logs and counts a callback that raises
             self.trace(life, f"listener callback raised: {e}")
 
-    # --- the agents ---------------------------------------------------------------------
-    def agent_message(self, rank: int, m: Message) -> None:
-        """:class:`fastft.launch.verdicts.Verdicts`: a peer's verdict that a worker of this
-        slot is dead kills it (its restart heals)."""
-        slot = self.slots[rank]
-        if not (isinstance(m, Fault) and m.severity is Severity.FAULT1):
-            return
-        if m.rank == m.faulty_rank or m.faulty_rank != rank or slot.life is None:
-            return
-        life = self.lives[slot.life]
-        lives = (life.inc, 0) if m.role is Role.MONITOR else (m.faulty_incarnation,)
-        if m.faulty_incarnation in lives and life.alive and not slot.done:
-            self.end_life(life, None, 9, f"declared dead by rank {m.rank}")
-
-    def agent_header(self, rank: int) -> dict[str, Any]:
-        return dict(job=self.keys.job, epoch=0, rank=-1, incarnation=1 + rank, role=Role.AGENT)
-
-    def _on_exit_seen(self, who: Member, code: int | None, sig: int | None) -> None:
-        slot = self.slots[who.rank]
-        head = self.agent_header(who.rank)
-        self.broadcast(
-            None,
-            ProcessExited(
-                **head,
-                exited_rank=who.rank,
-                exited_incarnation=who.incarnation,
-                exit_code=code,
-                signal=sig,
-            ),
-        )
-        self.store.agent_compare_set(self.keys.joiner(who.rank), str(who.incarnation), "")
-        if slot.life != who:
-            return
-        got = policy.after_exit(
-            rank=who.rank,
-            code=code,
-            sig=sig,
-            life=slot.lives,
-            max_restarts=1000,
-            stopping=self.outcome is not None,
-            already_done=slot.done,
-            peers_finished=any(s.finished for s in self.slots.values()),
-            spares_left=False,
-            elastic=self.opts.elastic,
-        )
-        if code == 0:
-            slot.finished = True
-        if got.failed:
-            self.outcome = f"failed: {got.failed}"
-            self.checks.job_failed(got.failed)
-            return
-        if got.done:
-            slot.done = True
-            left = sum(not s.done for s in self.slots.values())
-            floor = (
-                None
-                if code == 0
-                else policy.floor_lost(
-                    left,
-                    self.opts.min_replicas if self.opts.elastic else None,
-                    self.opts.world_size,
-                )
-            )
-            if floor is not None:  # (the agent fails an elastic world drained below its floor)
-                self.outcome = f"failed: {floor}"
-                self.checks.job_failed(floor)
-                return
-            if all(s.done for s in self.slots.values()):
-                self.outcome = (
-                    "finished"
-                    if any(s.finished for s in self.slots.values())
-                    else ("failed: every slot is gone")
-                )
-            return
-        if got.restart:
-            lo, hi = self.opts.restart_s
-            self.at(max(got.delay_s, self.rng.uniform(lo, hi)), "spawn", who.rank)
-
-    def _on_hang_seen(self, who: Member) -> None:
-        life = self.lives[who]
-        if not life.alive or not life.frozen or who.rank // self.opts.per_node in self.partitioned:
-            return
-        head = self.agent_header(who.rank)
-        self.broadcast(
-            None,
-            HangSuspected(
-                **head,
-                hung_rank=who.rank,
-                hung_incarnation=who.incarnation,
-                silent_for_s=2.0,
-                stopped=False,
-            ),
-        )
-        self.end_life(life, None, 9, "hung: killed by its agent")
-
     # --- faults -------------------------------------------------------------------------
     def _on_fault(self, i: int) -> None:
         f = self.plan.faults[i]
@@ -353,45 +309,3 @@ class World:
             self.store.fail_next += 1
         elif f.kind == "partition":
             self.partition(f.rank // self.opts.per_node, f.duration)
-
-    def node_lives(self, node: int) -> list[Life]:
-        per = self.opts.per_node
-        return [
-            self.lives[s.life]
-            for r, s in sorted(self.slots.items())
-            if r // per == node and s.life is not None and self.lives[s.life].alive
-        ]
-
-    def partition(self, node: int, duration: float) -> None:
-        """The node is cut off: its lives stop (their store calls and messages wait); past
-        the lease the others declare its lives dead; when it returns, a node declared lost
-        kills its stale lives (they restart and heal), else they go on."""
-        self.partitioned.add(node)
-        for life in self.node_lives(node):
-            life.frozen = True
-        if duration > self.opts.lease_s:
-            self.at(self.opts.lease_s, "node_lost", node)
-        self.at(duration, "node_back", node, duration > self.opts.lease_s)
-
-    def _on_node_lost(self, node: int) -> None:
-        for life in self.node_lives(node):
-            fault = Fault(
-                **self.agent_header((node + 1) * self.opts.per_node % self.opts.world_size),
-                severity=Severity.FAULT1,
-                cause=f"node {node} lost",
-                faulty_rank=life.rank,
-                faulty_incarnation=life.inc,
-            )
-            self.broadcast(None, fault)
-
-    def _on_node_back(self, node: int, lost: bool) -> None:
-        self.partitioned.discard(node)
-        for life in self.node_lives(node):
-            if lost:
-                self.end_life(life, None, 9, "fenced: its node was declared lost")
-                continue
-            life.frozen = False
-            for m in life.buffered:
-                self.at(0.0, "deliver", life.me, m)
-            life.buffered.clear()
-            self.schedule_main(life, 0.0)

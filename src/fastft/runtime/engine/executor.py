@@ -69,7 +69,7 @@ from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.faults import Faults
 from fastft.runtime.engine.membership import Membership
 from fastft.runtime.engine.sideclient import SideClient
-from fastft.runtime.engine.todo import MAIN_ACTIONS, stale
+from fastft.runtime.engine.todo import MAIN_ACTIONS, moved, stale
 from fastft.runtime.groups.dataplane import DataPlane
 from fastft.runtime.state.heal import Healer
 from fastft.runtime.state.kept import KeptGradients
@@ -167,7 +167,7 @@ class Executor:
             log.error("state machine: %s (ignored)", e)
             return
         self.state = new
-        if new.phase is not before.phase:
+        if moved(before, new, actions):
             self._phase_since = time.monotonic()
             self.phase_changes += 1
             if not (before.phase in _STEP_CYCLE and new.phase in _STEP_CYCLE):

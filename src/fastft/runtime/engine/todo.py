@@ -4,6 +4,8 @@ stale by the time it gets to them. Pure: the executor and the deterministic simu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fastft.fsm import (
     Action,
     ApplyCommit,
@@ -13,10 +15,11 @@ from fastft.fsm import (
     FetchState,
     FormEpoch,
     SendState,
+    StepState,
     ZeroGrads,
 )
 
-__all__ = ["MAIN_ACTIONS", "stale"]
+__all__ = ["MAIN_ACTIONS", "moved", "stale"]
 
 MAIN_ACTIONS = (
     CastVote,
@@ -53,3 +56,12 @@ def stale(
     if isinstance(action, EPOCH_ACTIONS) and queued_epoch != epoch:
         return "epoch"
     return None
+
+
+def moved(before: StepState, after: StepState, actions: Sequence[Action]) -> bool:
+    """Whether a transition ends what the main thread waits on (its waits end when the
+    count of such moves changes): the phase changed, or a whole rollback ran inside one
+    transition and queued a new formation (a member left alone goes HEALING -> HEALING
+    through both barriers: its process-group build for the dead peer waited 60 s; found
+    by the simulator)."""
+    return after.phase is not before.phase or any(isinstance(a, FormEpoch) for a in actions)

@@ -1,0 +1,194 @@
+"""The simulated node agents: what they do with their workers' exits (the real
+:func:`fastft.launch.policy.after_exit` and ``floor_lost``), a peer's verdict that a worker
+is dead, a hang past the timeout, and a node cut off (the lease, the fence)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastft.launch import policy
+from fastft.protocol import Fault, HangSuspected, JobKeys, Message, ProcessExited, Role, Severity
+from fastft.runtime.contract import Member
+from fastft.sim.checks import Checks
+from fastft.sim.life import Life
+from fastft.sim.options import Options
+from fastft.sim.store import SimStore
+
+__all__ = ["Agents", "Slot"]
+
+
+@dataclass
+class Slot:
+    """A node agent's view of one rank: its current life, how many it had, done."""
+
+    rank: int
+    life: Member | None = None
+    lives: int = 0
+    done: bool = False
+    finished: bool = False
+
+
+class Agents:
+    """The agents' part of :class:`~fastft.sim.world.World` (its base)."""
+
+    opts: Options
+    store: SimStore
+    keys: JobKeys
+    lives: dict[Member, Life]
+    slots: dict[int, Slot]
+    outcome: str | None
+    checks: Checks
+    partitioned: set[int]
+
+    def at(self, delay: float, kind: str, *args: Any) -> None:
+        raise NotImplementedError
+
+    def draw(self, lo: float, hi: float) -> float:
+        raise NotImplementedError
+
+    def broadcast(self, sender: Life | None, m: Message) -> None:
+        raise NotImplementedError
+
+    def end_life(self, life: Life, code: int | None, sig: int | None, why: str) -> None:
+        raise NotImplementedError
+
+    def schedule_main(self, life: Life, delay: float) -> None:
+        raise NotImplementedError
+
+    # --- the agents ---------------------------------------------------------------------
+    def agent_message(self, rank: int, m: Message) -> None:
+        """:class:`fastft.launch.verdicts.Verdicts`: a peer's verdict that a worker of this
+        slot is dead kills it (its restart heals)."""
+        slot = self.slots[rank]
+        if not (isinstance(m, Fault) and m.severity is Severity.FAULT1):
+            return
+        if m.rank == m.faulty_rank or m.faulty_rank != rank or slot.life is None:
+            return
+        life = self.lives[slot.life]
+        lives = (life.inc, 0) if m.role is Role.MONITOR else (m.faulty_incarnation,)
+        if m.faulty_incarnation in lives and life.alive and not slot.done:
+            self.end_life(life, None, 9, f"declared dead by rank {m.rank}")
+
+    def agent_header(self, rank: int) -> dict[str, Any]:
+        return dict(job=self.keys.job, epoch=0, rank=-1, incarnation=1 + rank, role=Role.AGENT)
+
+    def _on_exit_seen(self, who: Member, code: int | None, sig: int | None) -> None:
+        slot = self.slots[who.rank]
+        head = self.agent_header(who.rank)
+        self.broadcast(
+            None,
+            ProcessExited(
+                **head,
+                exited_rank=who.rank,
+                exited_incarnation=who.incarnation,
+                exit_code=code,
+                signal=sig,
+            ),
+        )
+        self.store.agent_compare_set(self.keys.joiner(who.rank), str(who.incarnation), "")
+        if slot.life != who:
+            return
+        got = policy.after_exit(
+            rank=who.rank,
+            code=code,
+            sig=sig,
+            life=slot.lives,
+            max_restarts=1000,
+            stopping=self.outcome is not None,
+            already_done=slot.done,
+            peers_finished=any(s.finished for s in self.slots.values()),
+            spares_left=False,
+            elastic=self.opts.elastic,
+        )
+        if code == 0:
+            slot.finished = True
+        if got.failed:
+            self.outcome = f"failed: {got.failed}"
+            self.checks.job_failed(got.failed)
+            return
+        if got.done:
+            slot.done = True
+            left = sum(not s.done for s in self.slots.values())
+            floor = (
+                None
+                if code == 0
+                else policy.floor_lost(
+                    left,
+                    self.opts.min_replicas if self.opts.elastic else None,
+                    self.opts.world_size,
+                )
+            )
+            if floor is not None:  # (the agent fails an elastic world drained below its floor)
+                self.outcome = f"failed: {floor}"
+                self.checks.job_failed(floor)
+                return
+            if all(s.done for s in self.slots.values()):
+                self.outcome = (
+                    "finished"
+                    if any(s.finished for s in self.slots.values())
+                    else ("failed: every slot is gone")
+                )
+            return
+        if got.restart:
+            lo, hi = self.opts.restart_s
+            self.at(max(got.delay_s, self.draw(lo, hi)), "spawn", who.rank)
+
+    def _on_hang_seen(self, who: Member) -> None:
+        life = self.lives[who]
+        if not life.alive or not life.frozen or who.rank // self.opts.per_node in self.partitioned:
+            return
+        head = self.agent_header(who.rank)
+        self.broadcast(
+            None,
+            HangSuspected(
+                **head,
+                hung_rank=who.rank,
+                hung_incarnation=who.incarnation,
+                silent_for_s=2.0,
+                stopped=False,
+            ),
+        )
+        self.end_life(life, None, 9, "hung: killed by its agent")
+
+    def node_lives(self, node: int) -> list[Life]:
+        per = self.opts.per_node
+        return [
+            self.lives[s.life]
+            for r, s in sorted(self.slots.items())
+            if r // per == node and s.life is not None and self.lives[s.life].alive
+        ]
+
+    def partition(self, node: int, duration: float) -> None:
+        """The node is cut off: its lives stop (their store calls and messages wait); past
+        the lease the others declare its lives dead; when it returns, a node declared lost
+        kills its stale lives (they restart and heal), else they go on."""
+        self.partitioned.add(node)
+        for life in self.node_lives(node):
+            life.frozen = True
+        if duration > self.opts.lease_s:
+            self.at(self.opts.lease_s, "node_lost", node)
+        self.at(duration, "node_back", node, duration > self.opts.lease_s)
+
+    def _on_node_lost(self, node: int) -> None:
+        for life in self.node_lives(node):
+            fault = Fault(
+                **self.agent_header((node + 1) * self.opts.per_node % self.opts.world_size),
+                severity=Severity.FAULT1,
+                cause=f"node {node} lost",
+                faulty_rank=life.rank,
+                faulty_incarnation=life.inc,
+            )
+            self.broadcast(None, fault)
+
+    def _on_node_back(self, node: int, lost: bool) -> None:
+        self.partitioned.discard(node)
+        for life in self.node_lives(node):
+            if lost:
+                self.end_life(life, None, 9, "fenced: its node was declared lost")
+                continue
+            life.frozen = False
+            for m in life.buffered:
+                self.at(0.0, "deliver", life.me, m)
+            life.buffered.clear()
+            self.schedule_main(life, 0.0)

@@ -1,0 +1,124 @@
+"""The deterministic simulator (fastft.sim): a seed is a run, many seeds pass every
+invariant, a small world passes exhaustively, and the simulator finds each defect of the
+past when it is put back (docs/simulation.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastft.sim import Options, World
+from fastft.sim.defects import DEFECTS, reintroduce
+from fastft.sim.explore import digest, exhaustive, seeds
+
+pytestmark = pytest.mark.timeout(900)
+
+REGRESSIONS = json.loads((Path(__file__).parent / "regressions.json").read_text())["cases"]
+
+
+def _options(defect: str | None) -> Options:
+    return Options(**DEFECTS[defect][1]) if defect else Options()
+
+
+def test_a_seed_is_a_run_bit_for_bit():
+    a = World(Options(), 7, trace=True).run()
+    b = World(Options(), 7, trace=True).run()
+    assert a.lines and digest(a.lines) == digest(b.lines)
+    assert a.plan.describe() == b.plan.describe() and a.events == b.events
+    # another process, another hash seed for strings: the same run
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run(
+        [sys.executable, "-m", "fastft", "sim", "--seed", "7", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=True,
+    )
+    assert json.loads(out.stdout)["trace"] == digest(a.lines)
+
+
+@pytest.mark.parametrize(
+    ("name", "opts", "count"),
+    [
+        ("fixed world, every fault kind", Options(), 1500),
+        ("elastic world", Options(elastic=True, min_replicas=2, faults=3), 500),
+        (
+            "durable tier, two ranks a node",
+            Options(world_size=4, per_node=2, checkpoint_every=2, steps=8, faults=3),
+            400,
+        ),
+    ],
+)
+def test_random_seeds_keep_every_invariant(name, opts, count):
+    rep = seeds(opts, range(count), budget_s=60)
+    assert rep.ran >= min(count, 200), f"{name}: only {rep.ran} seeds ran in the budget"
+    assert not rep.failed, (
+        f"{name}: {len(rep.failed)} of {rep.ran} seeds failed, e.g. "
+        + "; ".join(f"seed {s}: {why}" for s, why in list(rep.failed.items())[:3])
+        + " (replay: fastft sim --seed S, with the options of this case)"
+    )
+    assert rep.outcomes.get("finished", 0) > rep.ran * 0.9  # (most jobs do finish)
+
+
+@pytest.mark.parametrize("case", REGRESSIONS, ids=lambda c: f"{c['defect']}-{c['seed']}")
+def test_every_seed_that_failed_passes_and_still_finds_its_defect(case):
+    opts = _options(case["defect"])
+    w = World(opts, case["seed"]).run()
+    assert not w.checks.failures, w.checks.failures
+    with reintroduce(case["defect"]):
+        again = World(opts, case["seed"]).run()
+    assert again.checks.failures, (
+        f"seed {case['seed']} no longer finds {case['defect']!r}: the simulator changed; "
+        f"find a seed again with `fastft sim --defect {case['defect']}` (regressions.json)"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(DEFECTS))
+def test_the_simulator_finds_each_defect_of_the_past(name):
+    opts = _options(name)
+    with reintroduce(name):
+        rep = seeds(opts, range(1000), budget_s=60, until_failed=True)
+    assert rep.failed, f"{name}: not found in {rep.ran} seeds ({DEFECTS[name][0].__doc__})"
+
+
+@pytest.mark.parametrize(
+    ("members", "steps", "faults", "kinds"),
+    [
+        (3, 2, 0, ()),  # every order of the events due at the same instant
+        (2, 2, 1, ("kill", "exception", "state_lost", "drain")),  # and a fault at any of them
+        pytest.param(3, 2, 1, ("kill", "exception"), marks=pytest.mark.slow),  # ~5 min
+    ],
+)
+def test_a_small_world_passes_exhaustively(members, steps, faults, kinds):
+    rep = exhaustive(
+        Options(world_size=members, steps=steps),
+        faults=faults,
+        kinds=kinds or ("kill",),
+        budget_s=900,
+    )
+    assert rep.complete, f"not complete in the budget: {rep.states} states"
+    assert rep.failure is None, f"{rep.failure} after {rep.choices}"
+    assert rep.runs > 10 and rep.states > rep.runs
+
+
+def test_the_exhaustive_check_finds_a_defect():
+    with reintroduce("first-heal"):
+        rep = exhaustive(Options(world_size=2, steps=1), faults=1, kinds=("kill",), budget_s=120)
+    assert rep.failure is not None and "holder of step 0" in rep.failure, rep
+
+
+def test_bad_flags_fail_at_start_with_status_2():
+    for argv in (["--kinds", "bogus"], ["--defect", "nope"], ["--members", "0"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "fastft", "sim", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2 and "fastft: error:" in out.stderr, (argv, out.stderr)
