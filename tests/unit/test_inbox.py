@@ -200,3 +200,9 @@ def test_a_drained_exit_is_no_fault_when_expected_and_a_drain_request_is_latched
     )
     assert _route(DrainRequest(**op, target_rank=2)).events == ()  # not this worker
     assert _route(DrainRequest(**op, target_rank=0), view=None).events  # latched before an epoch
+
+
+def test_a_flood_of_ignored_joins_is_logged_at_1_10_100():
+    from fastft.runtime.engine.inbox import repeats_logged
+
+    assert [n for n in range(1, 1001) if repeats_logged(n)] == [1, 10, 100, 1000]

@@ -12,7 +12,7 @@ from fastft.fsm import LocalFault
 from fastft.inject import FaultKind, FaultSpec, StateLostFault, execute
 from fastft.protocol import DrainAck, Fault, Message, Severity
 from fastft.protocol.faults import fault_of
-from fastft.runtime.engine.inbox import route
+from fastft.runtime.engine.inbox import REPEATED, repeats_logged, route
 
 if TYPE_CHECKING:
     from fastft.runtime.engine.ports import Engine
@@ -23,6 +23,8 @@ __all__ = ["Faults"]
 class Faults:
     def __init__(self, x: Engine) -> None:
         self.x = x
+        self.repeats: dict[tuple[object, ...], int] = {}
+        """Occurrences of each repeated record (:data:`.inbox.REPEATED`)."""
 
     def local(self, exc: BaseException, gen: int | None = None) -> None:
         """Report this worker's own fault: event, bus, state machine. ``gen``: the count of
@@ -79,7 +81,14 @@ class Faults:
             if out.dead is not None:
                 x.dead.add(out.dead)
             if out.record is not None:
-                x.events.emit(out.record[0], **out.record[1])
+                name, fields = out.record
+                if name in REPEATED:  # (a flood of the same record: 1st, 10th, 100th...)
+                    key = (name, *sorted(fields.items()))
+                    n = self.repeats[key] = self.repeats.get(key, 0) + 1
+                    if repeats_logged(n):
+                        x.events.emit(name, **fields, count=n)
+                else:
+                    x.events.emit(name, **fields)
             for ev in out.events:
                 x.feed_locked(ev)
             header = x.header()

@@ -36,7 +36,7 @@ from fastft.protocol import (
 from fastft.protocol.faults import fault_of
 from fastft.runtime.contract import EpochView, Member
 
-__all__ = ["Routed", "route"]
+__all__ = ["Routed", "repeats_logged", "route"]
 
 
 @dataclass(frozen=True)
@@ -181,3 +181,15 @@ def route(
             return Routed(record=("join_ignored", {"rank": m.rank, "why": why}))
         ev = JoinRequested(m.rank)
     return Routed(events=(ev,)) if ev is not None else NOTHING
+
+
+REPEATED = frozenset({"join_ignored"})
+"""Records a flood can repeat (a foreign worker announcing itself every 200 ms): logged
+at their 1st, 10th, 100th, ... occurrence, with the count."""
+
+
+def repeats_logged(count: int) -> bool:
+    """Whether the ``count``-th occurrence of a repeated record is logged (1, 10, 100...)."""
+    while count % 10 == 0:
+        count //= 10
+    return count == 1
