@@ -33,6 +33,7 @@ from fastft.process.events import EventLog
 from fastft.process.heartbeat import HeartbeatWriter
 from fastft.process.order import await_order, ran_ahead, was_spare
 from fastft.process.services import Services
+from fastft.process.teardown import arm_fast_exit
 from fastft.protocol import JobKeys
 from fastft.protocol.auth import JobSecret, ValueAuth
 from fastft.runtime.attempt import StepAttempts
@@ -136,6 +137,7 @@ class Runtime:
             ran_ahead=ran_ahead(),
             spare=was_spare(),
         )
+        arm_fast_exit()  # (registered first: runs after _stop_threads)
         atexit.register(self._stop_threads)
 
     def _stop_threads(self) -> None:

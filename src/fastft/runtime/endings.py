@@ -5,6 +5,7 @@ end the worker. Named by what happened; each message says why and what to change
 from __future__ import annotations
 
 from fastft.errors import FastFTError
+from fastft.process.teardown import end_with
 from fastft.protocol.exits import (
     EXIT_CHECKPOINTS_FAIL,
     EXIT_DATA_DIVERGED,
@@ -40,6 +41,7 @@ class Ending(SystemExit):
     def __init__(self, why: str) -> None:
         super().__init__(self.status)
         self.why = why
+        end_with(self.status)  # (the process leaves without the interpreter's teardown)
 
     def __str__(self) -> str:
         return f"{self.prefix}{self.why}"
@@ -121,6 +123,7 @@ class JobFinished(SystemExit):
     def __init__(self, step: int) -> None:
         super().__init__(0)
         self.step = step
+        end_with(0)
 
     def __str__(self) -> str:
         return f"the job finished at step {self.step} while this worker was waiting for an epoch"
