@@ -132,3 +132,60 @@ def test_the_first_round_after_the_store_failed_blames_nobody():
     assert w.round(3.2, {1: 1}).expired == []
     w.round(3.28, {1: 1})
     assert w.round(3.35, {1: 1}).expired == [1]
+
+
+def test_each_node_is_watched_by_its_next_predecessors_and_past_lost_ones():
+    from fastft.launch.lease import WATCHERS, watched
+
+    assert watched(0, 3, {}) == [1, 2]  # (a small job: every other node)
+    assert watched(5, 8, {}) == [6, 7, 0]
+    assert watched(5, 8, {7: "12@6"}) == [6, 7, 0, 1]  # past a lost one (still read)
+    assert watched(5, 8, {6: "done", 7: "done", 0: "done", 1: "3@2"}) == [6, 7, 0, 1, 2, 3, 4]
+    # every node is watched by WATCHERS others: reads per round O(nodes), not O(nodes^2)
+    n = 64
+    watchers = {m: [a for a in range(n) if m in watched(a, n, {})] for m in range(n)}
+    assert all(len(w) == WATCHERS for w in watchers.values())
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_node_is_declared_by_its_watchers_in_a_larger_job():
+    """Eight nodes' lease threads over a real store: node 5 stops; one of its watchers
+    (2, 3, 4) declares it, once; no other node is blamed."""
+    store = host_store()
+    keys = JobKeys("lease8")
+    try:
+        got: list[tuple[int, int]] = []
+        done = threading.Event()
+
+        def never(*a: object) -> None:
+            raise AssertionError(a)
+
+        def lost_by(me: int):
+            def lost(node: int, lives: dict[int, int], counter: int) -> None:
+                got.append((me, node))
+                done.set()
+
+            return lost
+
+        for n in range(8):
+            store.set(keys.node_lives(n), format_lives({n: 100 + n}))
+        leases = [
+            NodeLease(
+                store, keys, n, 8, CFG, on_lost=lost_by(n), on_fenced=never, on_store_lost=never
+            )
+            for n in range(8)
+        ]
+        for lease in leases:
+            lease.start()
+        time.sleep(0.6)
+        assert got == []
+        leases[5].close()
+        assert done.wait(10)
+        time.sleep(0.5)
+        assert [node for _, node in got] == [5] and got[0][0] in (2, 3, 4)
+        assert sorted(leases[0].running()) == [1, 2, 3, 4, 6, 7]
+        for i, lease in enumerate(leases):
+            if i != 5:
+                lease.close()
+    finally:
+        del store

@@ -117,8 +117,7 @@ class NodeWatch:
             a.store.add(done_key, 1)
             deadline = time.monotonic() + timeout_s
             while hosts and int(a.store.add(done_key, 0)) < a.config.nnodes:
-                watch = lease.watch
-                running = [n for n in lease.others if n not in watch.lost and watch.counter(n)]
+                running = lease.running()  # (every node's keys, read at the end only)
                 if not running or time.monotonic() > deadline:
                     break  # the others are done, lost (their leases ran out) or never started
                 time.sleep(0.05)

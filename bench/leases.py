@@ -1,0 +1,194 @@
+"""Node leases at scale (issue 35): every agent reading every lease (before) against each
+agent reading the leases of the next ``WATCHERS`` nodes on the ring (after), side by side.
+
+K simulated agents (the real ``NodeLease`` threads, each with its own store client, spread
+over a few processes) renew and read against one real TCPStore hosted by a process of its
+own, for a few seconds per configuration. Reported per configuration: the keys read per
+round (all agents), the rounds each agent completed per second (the target is one per
+heartbeat: 10/s), the read round trip p50/p99, the store host's CPU (share of one core)
+and false losses (a node declared lost while it renewed: must be 0). What carries over
+from this 2-core machine: the keys read per round and the store's CPU per round.
+
+    python bench/leases.py [--sizes 16 64 256 1024] [--seconds 4] [--procs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import pct, table, write  # noqa: E402
+
+HOST = r"""
+import datetime, sys
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                  timeout=datetime.timedelta(seconds=60))
+print(s.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def agents(port: int, first: int, count: int, nnodes: int, watchers: int, seconds: float) -> None:
+    """A child: ``count`` lease threads (nodes first..), then one JSON line of results."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fastft.launch.lease import LeaseConfig, NodeLease
+    from fastft.protocol.keys import JobKeys
+
+    keys = JobKeys("leases")
+    cfg = LeaseConfig(heartbeat_ms=100, misses=3)
+    reads: list[float] = []
+    lost: list[int] = []
+    lock = threading.Lock()
+
+    class Timed(NodeLease):
+        def _read(self):  # type: ignore[no-untyped-def]
+            t0 = time.monotonic()
+            got = super()._read()
+            with lock:
+                reads.append(time.monotonic() - t0)
+            return got
+
+    def never(*a: object) -> None:
+        pass
+
+    def on_lost(node: int, lives: object, counter: int) -> None:
+        lost.append(node)
+
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30)
+    )
+    for n in range(first, first + count):
+        store.set(keys.node_lives(n), f"{n}:1")
+    leases = [
+        Timed(
+            store,
+            keys,
+            n,
+            nnodes,
+            cfg,
+            on_lost=on_lost,
+            on_fenced=never,
+            on_store_lost=never,
+            watchers=watchers,
+        )
+        for n in range(first, first + count)
+    ]
+    print("ready", flush=True)
+    sys.stdin.readline()  # go
+    for lease in leases:
+        lease.start()
+    time.sleep(seconds)
+    renewals = sum(lease.renewals for lease in leases)
+    for lease in leases:
+        lease._stop.set()  # noqa: SLF001 - the benchmark stops them all at once
+    for lease in leases:
+        lease.close()
+    print(json.dumps({"reads": reads, "lost": lost, "renewals": renewals}), flush=True)
+
+
+def run(nnodes: int, watchers: int, seconds: float, procs: int) -> dict[str, object]:
+    import psutil
+
+    host = subprocess.Popen(
+        [sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        port = int(host.stdout.readline())  # type: ignore[union-attr]
+        per = -(-nnodes // procs)
+        kids = []
+        for first in range(0, nnodes, per):
+            count = min(per, nnodes - first)
+            kids.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        str(port),
+                        str(first),
+                        str(count),
+                        str(nnodes),
+                        str(watchers),
+                        str(seconds),
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        for k in kids:
+            assert k.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+        cpu0 = psutil.Process(host.pid).cpu_times()
+        t0 = time.monotonic()
+        for k in kids:
+            k.stdin.write("go\n")  # type: ignore[union-attr]
+            k.stdin.flush()  # type: ignore[union-attr]
+        outs = [json.loads(k.communicate(timeout=seconds + 120)[0].splitlines()[-1]) for k in kids]
+        wall = time.monotonic() - t0
+        cpu1 = psutil.Process(host.pid).cpu_times()
+    finally:
+        host.stdin.close()  # type: ignore[union-attr]
+        host.wait(timeout=30)
+    reads = [r for o in outs for r in o["reads"]]
+    renewals = sum(o["renewals"] for o in outs)
+    width = min(watchers, nnodes - 1)
+    return {
+        "nodes": nnodes,
+        "mode": "every lease" if watchers >= nnodes - 1 else f"ring of {watchers}",
+        "keys_per_round": nnodes * (2 * width + 2),
+        "rounds_per_agent_s": round(renewals / nnodes / seconds, 2),
+        "read_p50_ms": round(statistics.median(reads) * 1e3, 3),
+        "read_p99_ms": round(pct(reads, 99) * 1e3, 3),
+        "store_cpu_core": round((cpu1.user + cpu1.system - cpu0.user - cpu0.system) / wall, 3),
+        "false_losses": sum(len(o["lost"]) for o in outs),
+    }
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        a = sys.argv[2:]
+        agents(int(a[0]), int(a[1]), int(a[2]), int(a[3]), int(a[4]), float(a[5]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256, 1024])
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--all-up-to", type=int, default=256, help="every-lease mode up to N nodes")
+    args = ap.parse_args()
+    from fastft.launch.lease import WATCHERS
+
+    rows = []
+    for n in args.sizes:
+        modes = [WATCHERS] + ([n - 1] if n <= args.all_up_to and n - 1 > WATCHERS else [])
+        for w in modes:
+            row = run(n, w, args.seconds, args.procs)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    cols = [
+        "nodes",
+        "mode",
+        "keys_per_round",
+        "rounds_per_agent_s",
+        "read_p50_ms",
+        "read_p99_ms",
+        "store_cpu_core",
+        "false_losses",
+    ]
+    print(table(rows, cols))
+    path = write("leases", rows, {"seconds": args.seconds, "procs": args.procs})
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
