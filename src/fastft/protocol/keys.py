@@ -108,6 +108,12 @@ class JobKeys:
         """A started or restarted worker waiting to be admitted (its incarnation)."""
         return f"{self.root}/join/{rank}"
 
+    @property
+    def joined(self) -> str:
+        """A counter: registrations as a joiner, ever (a hint that every slot may be there:
+        only then does the lowest joiner read every joiner key)."""
+        return f"{self.root}/join/count"
+
     def pg_prefix(self, epoch: int) -> str:
         """Store prefix of the data-plane process group of ``epoch``."""
         return f"{self.root}/pg/{epoch}/"

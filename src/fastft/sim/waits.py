@@ -171,7 +171,7 @@ class Waits:
             if self.state.want_drain:
                 raise Ended(EXIT_DRAINED, "drained (while waiting to join)")
             return self.back_to_drive()
-        if self.w.now >= self.next_announce:
+        if self.w.now >= self.next_announce and wait.seen > 0:
             msg = JoinRequest(job=self.w.keys.job, epoch=0, rank=self.rank, incarnation=self.inc)
             self.w.broadcast(self, msg)
             self.next_announce = self.w.now + 0.2

@@ -4,15 +4,13 @@ Decisions (S2). A member that finished a step votes by incrementing ``votes(e, s
 vote that completes the count writes ``C`` into ``decision(e, s)`` by compare-and-set. A
 member that knows of a fault writes ``R<reason>`` the same way (:mod:`.decisions`).
 
-Epoch formation (barrier semantics). Epoch ``E`` is *closed* when its member list is
-written into ``epoch_members(E)`` by compare-and-set; every worker adopts the list it
-reads. Survivors of ``E-1`` mark their arrival; the *coordinator* (the lowest rank a
-survivor still believes alive) waits until every survivor it expects arrived or the
-rollback timeout passed, admits the workers registered as joiners, and closes ``E`` when
-at least ``min_replicas`` take part (otherwise it waits for joiners). A survivor that
-finds ``E`` closed without itself becomes a joiner. Joiners only wait for a closed epoch
-that lists them, except when every slot of the job is a joiner (the first start, or
-every worker was lost), where the lowest joiner closes the epoch itself.
+Epoch formation. Epoch ``E`` is *closed* when its member list is written into
+``epoch_members(E)`` by compare-and-set; every worker adopts the list it reads. Survivors
+of ``E-1`` mark their arrival; the lowest survivor still believed alive waits for those it
+expects (or the rollback timeout), admits registered joiners and closes ``E`` with at
+least ``min_replicas`` (else it waits for joiners). A survivor left out becomes a joiner.
+Joiners wait for a view that lists them, except when every slot is a joiner (the first
+start, or every worker was lost): the lowest joiner then closes the epoch itself.
 """
 
 from __future__ import annotations
@@ -47,6 +45,8 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.002
 _FINISHED_CHECK_AFTER_S = 0.2
 """A formation waiting longer than this also checks whether the job already finished."""
+_SCAN_LATE_S = 0.25
+"""After its timeout, how often a joiner reads every joiner key (the lowest closes)."""
 
 
 class Coordinator:
@@ -84,8 +84,7 @@ class Coordinator:
         self.clock = clock
         self.sleep = sleep
         self.dead: Set[Member] = dead if dead is not None else set()
-        """Lives known dead, the worker's one set (read, never written here): never
-        admitted as joiners."""
+        """Lives known dead (the worker's one set, read here): never admitted as joiners."""
         self._joiner_keys_exist = False
         self.recovery = recovery
         """What can replace a lost state (the durable tier's newest checkpoint): asked only
@@ -186,13 +185,13 @@ class Coordinator:
 
     def register_joiner(self) -> None:
         self.store.set(self.keys.joiner(self.me.rank), str(self.me.incarnation))
+        self.store.add(self.keys.joined, 1)
 
     def joiners(self, exclude: frozenset[int] = frozenset()) -> dict[int, int]:
         """Registered joiners by rank -> incarnation (one round trip once the keys exist).
-
-        A joiner key holds an incarnation or "" once its worker was admitted or died; keys
-        are cleared by compare-and-set and never deleted, because a ``get`` of a key that
-        vanished after a ``check`` blocks for the store's whole timeout."""
+        A key holds an incarnation or "" once its worker was admitted or died: cleared by
+        compare-and-set, never deleted (a ``get`` of a key that vanished after a ``check``
+        blocks for the store's whole timeout)."""
         keys = [self.keys.joiner(r) for r in range(self.world_size)]
         if not self._joiner_keys_exist:
             for k in keys:
@@ -209,6 +208,19 @@ class Coordinator:
             if Member(r, inc) not in self.dead:
                 out[r] = inc
         return out
+
+    def _may_close(self, wait: JoinerWait, now: float, latest: int) -> bool:
+        """Whether this joiner reads every joiner key now, to close if it is the one
+        (:func:`close_first`): rank 0 once every slot may be a joiner (the registrations'
+        counter), each a few times a second after the timeout. (Every joiner read every key
+        every 10 ms: O(world^2); 1,024 did not form within 100 s: issue 35.)"""
+        timeout = wait.start_timeout_s if latest == 0 else wait.regroup_timeout_s
+        if now - wait.started > timeout:
+            if now - wait.scanned < _SCAN_LATE_S:
+                return False
+            wait.scanned = now
+            return True
+        return self.me.rank == 0 and int(self.store.add(self.keys.joined, 0)) >= self.world_size
 
     def _close(self, view: EpochView, admitted: dict[int, int]) -> EpochView:
         """Close ``view.epoch`` with ``view`` unless another view closed it first; the
@@ -237,21 +249,16 @@ class Coordinator:
         suspect: bool = False,
         below_min: Callable[[int, int], None] = lambda have, need: None,
     ) -> EpochView | None:
-        """Take part in forming ``prev.epoch + 1``. Returns the closed view (which may not
-        list this worker: it must then join), or None if ``cancelled()`` became true; raises
-        JobFinished if, while it waits, the job turns out finished at a step this worker has
-        committed too (a member that finished closed, and its clean exit looked like a fault).
-        ``kept``: ``(lo, hi, n)`` when this worker holds the weighted local gradient of
-        those samples of ``step`` (the closer lists it in the view's ``kept``). ``admit``
-        False: registered joiners are left out (listed as ``waiting``) when the survivors
-        are at least ``min_replicas`` without them. ``arrived`` is called once this
-        worker's arrival is written. ``below_min(have, need)`` is told while a formation
-        this worker closes waits below ``min_members`` for restarted workers.
-        ``suspect``: this worker's state may be damaged
-        (:class:`~fastft.runtime.engine.formation.Arrival`).
-
-        One loop of :meth:`arrive` and :meth:`survivor_round` (the deterministic simulator,
-        :mod:`fastft.sim`, runs the same rounds from its scheduler)."""
+        """Take part in forming ``prev.epoch + 1``: the closed view (which may not list this
+        worker: it must then join), or None if ``cancelled()``; JobFinished if the job
+        finished meanwhile (:meth:`survivor_round`). ``kept``: ``(lo, hi, n)``, the weighted
+        local gradient of those samples of ``step`` it holds (listed in the view's
+        ``kept``). ``admit`` False: registered joiners are left out (``waiting``) when the
+        survivors are at least ``min_replicas``. ``arrived()``: its arrival is written.
+        ``below_min(have, need)``: told while a formation it closes waits below
+        ``min_members``. ``suspect``: its state may be damaged (:class:`.formation.Arrival`).
+        One loop of :meth:`arrive` and :meth:`survivor_round` (:mod:`fastft.sim` runs the
+        same rounds from its scheduler)."""
         wait = self.arrive(
             prev,
             exclude,
@@ -382,7 +389,7 @@ class Coordinator:
             if cancelled():
                 return None
             now = self.clock()
-            if now >= next_announce:
+            if now >= next_announce and wait.seen > 0:  # (no epoch yet: nobody to tell)
                 announce()
                 next_announce = now + announce_every_s
             view = self.joiner_round(wait)
@@ -413,6 +420,8 @@ class Coordinator:
             if view is not None and view.has(self.me.rank, self.me.incarnation):
                 return view
         wait.seen = latest
+        if not self._may_close(wait, now, latest):
+            return None
         joiners = self.joiners()
         if self.k > 1:  # whole shard groups only
             whole = whole_groups(joiners, self.k)

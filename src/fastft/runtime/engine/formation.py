@@ -95,6 +95,8 @@ class JoinerWait:
     seen: int
     start_timeout_s: float
     regroup_timeout_s: float
+    scanned: float = float("-inf")
+    """When it last read every joiner key after its timeout (a few times a second)."""
 
 
 def holds_state(arrived: dict[int, Arrival]) -> bool:

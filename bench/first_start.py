@@ -1,0 +1,165 @@
+"""The first start at scale (issue 35): N workers registering as joiners and forming the
+first epoch, this code against an earlier commit's, side by side in one run.
+
+N simulated workers (the real ``Coordinator.form_as_joiner``, one thread and one store
+client each, spread over a few processes) start together against one TCPStore hosted by a
+process of its own. Reported: the time from the start until every worker holds the first
+epoch's view (or that it did not form within the cap), and the store host's CPU over it.
+The earlier commit runs from a git worktree of ``--before`` (default: the commit before
+the first start read one counter instead of every joiner key).
+
+    python bench/first_start.py [--sizes 64 256 1024] [--before REV] [--cap 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import table, write  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = r"""
+import datetime, sys
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                  timeout=datetime.timedelta(seconds=300))
+print(s.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def joiners(port: int, first: int, count: int, world: int, cap: float) -> None:
+    """A child: ``count`` joiner threads (ranks first..); one JSON line: when each formed."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fastft.protocol.keys import JobKeys
+    from fastft.runtime.engine.coordinator import Coordinator
+
+    keys = JobKeys("first")
+    clients = [
+        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300))
+        for _ in range(count)
+    ]
+    formed: dict[int, float] = {}
+    stop = threading.Event()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.monotonic()
+
+    def one(rank: int, store: object) -> None:
+        c = Coordinator(store, keys, rank, 1, world, world)
+        view = c.form_as_joiner(start_timeout_s=3600, cancelled=stop.is_set, announce=lambda: None)
+        if view is not None:
+            formed[rank] = time.monotonic() - t0
+
+    threads = [
+        threading.Thread(target=one, args=(first + i, s), daemon=True)
+        for i, s in enumerate(clients)
+    ]
+    for t in threads:
+        t.start()
+    deadline = t0 + cap
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stop.set()
+    for t in threads:
+        t.join(5)
+    print(json.dumps({"formed": formed}), flush=True)
+
+
+def run(src: Path, world: int, procs: int, cap: float) -> dict[str, object]:
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    host = subprocess.Popen(
+        [sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        port = int(host.stdout.readline())  # type: ignore[union-attr]
+        per = -(-world // procs)
+        kids = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    str(port),
+                    str(first),
+                    str(min(per, world - first)),
+                    str(world),
+                    str(cap),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for first in range(0, world, per)
+        ]
+        for k in kids:
+            assert k.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+        cpu0 = psutil.Process(host.pid).cpu_times()
+        for k in kids:
+            k.stdin.write("go\n")  # type: ignore[union-attr]
+            k.stdin.flush()  # type: ignore[union-attr]
+        outs = [json.loads(k.communicate(timeout=cap + 120)[0].splitlines()[-1]) for k in kids]
+        cpu1 = psutil.Process(host.pid).cpu_times()
+    finally:
+        host.stdin.close()  # type: ignore[union-attr]
+        host.wait(timeout=30)
+    formed = [t for o in outs for t in o["formed"].values()]
+    done = len(formed) == world
+    return {
+        "workers": world,
+        "formed": f"{max(formed):.2f} s"
+        if done
+        else f"not in {cap:g} s ({len(formed)} of {world})",
+        "formed_s": round(max(formed), 3) if done else None,
+        "store_cpu_s": round(cpu1.user + cpu1.system - cpu0.user - cpu0.system, 2),
+    }
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        a = sys.argv[2:]
+        joiners(int(a[0]), int(a[1]), int(a[2]), int(a[3]), float(a[4]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--before", default="HEAD~1", help="the earlier commit (a git revision)")
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--cap", type=float, default=60.0, help="give up on a start after SEC")
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "before"
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(old), args.before],
+            check=True,
+        )
+        try:
+            for n in args.sizes:
+                for label, src in (("before", old / "src"), ("this", ROOT / "src")):
+                    row = {"code": label, **run(src, n, args.procs, args.cap)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)])
+    print(table(rows, ["workers", "code", "formed", "store_cpu_s"]))
+    path = write("first_start", rows, {"before": args.before, "procs": args.procs})
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
