@@ -395,11 +395,11 @@ class Coordinator:
             view = self.joiner_round(wait)
             if view is not None:
                 return view
-            # A restarted worker is waited for (fixed world) or admitted at the next step:
-            # poll as the survivors do. At the first start everyone is still importing.
-            # (TCPStore.wait with a timeout would avoid polling, but each timed-out wait
-            # reconnects, and torch 2.13 stalls one new connection in ~25 for 5 s here.)
-            self.sleep(0.01 if wait.seen == 0 else _POLL_S)
+            # A restarted worker polls as the survivors do. At the first start every worker
+            # polls: 10 ms apart up to 64, further apart beyond (at most ~6,400 polls a
+            # second: 1,024 polling every 10 ms saturated the store). (TCPStore.wait would
+            # not poll, but each timed-out wait reconnects: torch 2.13 stalls 1 in ~25 5 s.)
+            self.sleep(0.01 * max(1.0, self.world_size / 64) if wait.seen == 0 else _POLL_S)
 
     def register(self, start_timeout_s: float, regroup_timeout_s: float) -> JoinerWait:
         """Register as a joiner; the wait's state for :meth:`joiner_round`."""
