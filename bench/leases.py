@@ -70,20 +70,26 @@ def agents(port: int, first: int, count: int, nnodes: int, watchers: int, second
     )
     for n in range(first, first + count):
         store.set(keys.node_lives(n), f"{n}:1")
-    leases = [
-        Timed(
-            store,
-            keys,
-            n,
-            nnodes,
-            cfg,
-            on_lost=on_lost,
-            on_fenced=never,
-            on_store_lost=never,
-            watchers=watchers,
-        )
-        for n in range(first, first + count)
-    ]
+
+    def make(n: int) -> NodeLease:
+        for _ in range(10):  # (hundreds of clients connecting at once: the store lags)
+            try:
+                return Timed(
+                    store,
+                    keys,
+                    n,
+                    nnodes,
+                    cfg,
+                    on_lost=on_lost,
+                    on_fenced=never,
+                    on_store_lost=never,
+                    watchers=watchers,
+                )
+            except dist.DistStoreError:
+                time.sleep(0.5)
+        raise RuntimeError(f"node {n}: the store did not answer at start")
+
+    leases = [make(n) for n in range(first, first + count)]
     print("ready", flush=True)
     sys.stdin.readline()  # go
     for lease in leases:
