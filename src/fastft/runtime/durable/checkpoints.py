@@ -187,6 +187,8 @@ class Checkpoints:
                 self._buf = b = SharedBuffer(max(nbytes, 1))
         except (OSError, RuntimeError) as e:
             log.warning("no shared memory for the checkpoint writer (%s): writing in-process", e)
+            if self._starting is not None:  # (prepare's start, not yet run, would leak one)
+                self._starting.join(5.0)
             self._writer.close(timeout_s=5.0)  # (started by prepare: idle, ends at once)
             self._writer = None
             return None
