@@ -205,4 +205,4 @@ def test_a_drained_exit_is_no_fault_when_expected_and_a_drain_request_is_latched
 def test_a_flood_of_ignored_joins_is_logged_at_1_10_100():
     from fastft.runtime.engine.inbox import repeats_logged
 
-    assert [n for n in range(1, 1001) if repeats_logged(n)] == [1, 10, 100, 1000]
+    assert [n for n in range(-1, 1001) if repeats_logged(n)] == [1, 10, 100, 1000]

@@ -190,6 +190,8 @@ at their 1st, 10th, 100th, ... occurrence, with the count."""
 
 def repeats_logged(count: int) -> bool:
     """Whether the ``count``-th occurrence of a repeated record is logged (1, 10, 100...)."""
+    if count < 1:
+        return False
     while count % 10 == 0:
         count //= 10
     return count == 1
