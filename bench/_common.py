@@ -110,3 +110,78 @@ class Progress:
 
 def _dur(s: float) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"
+
+
+_STORE_HOST = r"""
+import datetime, sys
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                  timeout=datetime.timedelta(seconds=300))
+print(s.port, flush=True)
+sys.stdin.read()
+"""
+
+
+class StoreHost:
+    """A TCPStore hosted by a process of its own (``with StoreHost() as host``), so that
+    its CPU can be measured apart from its clients': ``host.port``, ``host.cpu_s()``."""
+
+    def __enter__(self) -> StoreHost:
+        import subprocess
+        import sys
+
+        self._p = subprocess.Popen(
+            [sys.executable, "-c", _STORE_HOST],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._p.stdout is not None
+        self.port = int(self._p.stdout.readline())
+        return self
+
+    def cpu_s(self) -> float:
+        """The host's CPU time so far (user + system)."""
+        import psutil
+
+        t = psutil.Process(self._p.pid).cpu_times()
+        return float(t.user + t.system)
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._p.stdin is not None
+        self._p.stdin.close()
+        self._p.wait(timeout=30)
+
+
+def fan_out(
+    host: StoreHost,
+    script: str,
+    children: list[list[str]],
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+) -> tuple[list[dict[str, object]], float, float]:
+    """Start ``script --child ARGS`` for each argument list; once each has said "ready",
+    tell them all "go" and collect the JSON line each ends with. Returns their results,
+    the store host's CPU seconds and the wall seconds from "go" to the last result."""
+    import subprocess
+    import sys
+
+    kids = [
+        subprocess.Popen(
+            [sys.executable, script, "--child", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for args in children
+    ]
+    for k in kids:
+        assert k.stdout is not None and k.stdout.readline().strip() == "ready"
+    cpu0, t0 = host.cpu_s(), time.monotonic()
+    for k in kids:
+        assert k.stdin is not None
+        k.stdin.write("go\n")
+        k.stdin.flush()
+    outs = [json.loads(k.communicate(timeout=timeout_s)[0].splitlines()[-1]) for k in kids]
+    return outs, host.cpu_s() - cpu0, time.monotonic() - t0

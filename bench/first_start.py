@@ -24,17 +24,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import table, write  # noqa: E402
+from _common import StoreHost, fan_out, table, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-HOST = r"""
-import datetime, sys
-import torch.distributed as dist
-s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                  timeout=datetime.timedelta(seconds=300))
-print(s.port, flush=True)
-sys.stdin.read()
-"""
 
 
 def joiners(port: int, first: int, count: int, world: int, cap: float) -> None:
@@ -79,45 +71,19 @@ def joiners(port: int, first: int, count: int, world: int, cap: float) -> None:
 
 
 def run(src: Path, world: int, procs: int, cap: float) -> dict[str, object]:
-    import psutil
-
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    host = subprocess.Popen(
-        [sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        port = int(host.stdout.readline())  # type: ignore[union-attr]
-        per = -(-world // procs)
-        kids = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    __file__,
-                    "--child",
-                    str(port),
-                    str(first),
-                    str(min(per, world - first)),
-                    str(world),
-                    str(cap),
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            for first in range(0, world, per)
-        ]
-        for k in kids:
-            assert k.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
-        cpu0 = psutil.Process(host.pid).cpu_times()
-        for k in kids:
-            k.stdin.write("go\n")  # type: ignore[union-attr]
-            k.stdin.flush()  # type: ignore[union-attr]
-        outs = [json.loads(k.communicate(timeout=cap + 120)[0].splitlines()[-1]) for k in kids]
-        cpu1 = psutil.Process(host.pid).cpu_times()
-    finally:
-        host.stdin.close()  # type: ignore[union-attr]
-        host.wait(timeout=30)
+    per = -(-world // procs)
+    children = [
+        [str(first), str(min(per, world - first)), str(world), str(cap)]
+        for first in range(0, world, per)
+    ]
+    with StoreHost() as host:
+        outs, cpu, _ = fan_out(
+            host,
+            __file__,
+            [[str(host.port), *c] for c in children],
+            cap + 120,
+            env={**os.environ, "PYTHONPATH": str(src)},
+        )
     formed = [t for o in outs for t in o["formed"].values()]
     done = len(formed) == world
     return {
@@ -126,7 +92,7 @@ def run(src: Path, world: int, procs: int, cap: float) -> dict[str, object]:
         if done
         else f"not in {cap:g} s ({len(formed)} of {world})",
         "formed_s": round(max(formed), 3) if done else None,
-        "store_cpu_s": round(cpu1.user + cpu1.system - cpu0.user - cpu0.system, 2),
+        "store_cpu_s": round(cpu, 2),
     }
 
 

@@ -18,22 +18,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import pct, table, write  # noqa: E402
-
-HOST = r"""
-import datetime, sys
-import torch.distributed as dist
-s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                  timeout=datetime.timedelta(seconds=60))
-print(s.port, flush=True)
-sys.stdin.read()
-"""
+from _common import StoreHost, fan_out, pct, table, write  # noqa: E402
 
 
 def agents(port: int, first: int, count: int, nnodes: int, watchers: int, seconds: float) -> None:
@@ -95,7 +85,7 @@ def agents(port: int, first: int, count: int, nnodes: int, watchers: int, second
     for lease in leases:
         lease.start()
     time.sleep(seconds)
-    renewals = sum(lease.renewals for lease in leases)
+    renewals = sum(lease.renewals - 1 for lease in leases)  # (not the one at its start)
     for lease in leases:
         lease._stop.set()  # noqa: SLF001 - the benchmark stops them all at once
     for lease in leases:
@@ -104,48 +94,15 @@ def agents(port: int, first: int, count: int, nnodes: int, watchers: int, second
 
 
 def run(nnodes: int, watchers: int, seconds: float, procs: int) -> dict[str, object]:
-    import psutil
-
-    host = subprocess.Popen(
-        [sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        port = int(host.stdout.readline())  # type: ignore[union-attr]
-        per = -(-nnodes // procs)
-        kids = []
-        for first in range(0, nnodes, per):
-            count = min(per, nnodes - first)
-            kids.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--child",
-                        str(port),
-                        str(first),
-                        str(count),
-                        str(nnodes),
-                        str(watchers),
-                        str(seconds),
-                    ],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        for k in kids:
-            assert k.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
-        cpu0 = psutil.Process(host.pid).cpu_times()
-        t0 = time.monotonic()
-        for k in kids:
-            k.stdin.write("go\n")  # type: ignore[union-attr]
-            k.stdin.flush()  # type: ignore[union-attr]
-        outs = [json.loads(k.communicate(timeout=seconds + 120)[0].splitlines()[-1]) for k in kids]
-        wall = time.monotonic() - t0
-        cpu1 = psutil.Process(host.pid).cpu_times()
-    finally:
-        host.stdin.close()  # type: ignore[union-attr]
-        host.wait(timeout=30)
+    per = -(-nnodes // procs)
+    children = [
+        [str(first), str(min(per, nnodes - first)), str(nnodes), str(watchers), str(seconds)]
+        for first in range(0, nnodes, per)
+    ]
+    with StoreHost() as host:
+        outs, cpu, wall = fan_out(
+            host, __file__, [[str(host.port), *c] for c in children], seconds + 120
+        )
     reads = [r for o in outs for r in o["reads"]]
     renewals = sum(o["renewals"] for o in outs)
     width = min(watchers, nnodes - 1)
@@ -156,7 +113,7 @@ def run(nnodes: int, watchers: int, seconds: float, procs: int) -> dict[str, obj
         "rounds_per_agent_s": round(renewals / nnodes / seconds, 2),
         "read_p50_ms": round(statistics.median(reads) * 1e3, 3),
         "read_p99_ms": round(pct(reads, 99) * 1e3, 3),
-        "store_cpu_core": round((cpu1.user + cpu1.system - cpu0.user - cpu0.system) / wall, 3),
+        "store_cpu_core": round(cpu / wall, 3),
         "false_losses": sum(len(o["lost"]) for o in outs),
     }
 

@@ -63,7 +63,7 @@ from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine import decisions
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.inbox import route
-from fastft.runtime.engine.todo import MAIN_ACTIONS, moved, stale
+from fastft.runtime.engine.todo import MAIN_ACTIONS, moved, stale, superseded
 from fastft.sim.ports import Host
 from fastft.sim.waits import RTT_S, Ended, Waits
 
@@ -208,7 +208,7 @@ class Life(Waits):
     def local_fault(self, severity: Severity, cause: str, gen: int | None) -> None:
         """:meth:`fastft.runtime.engine.faults.Faults.local`: superseded when the machine
         moved since the failed work began; else on the bus and into the machine."""
-        if gen is not None and gen != self.phase_changes and severity is Severity.FAULT2:
+        if superseded(gen, self.phase_changes, severity):
             return
         fault = Fault(
             **self.header(),

@@ -13,6 +13,7 @@ from fastft.inject import FaultKind, FaultSpec, StateLostFault, execute
 from fastft.protocol import DrainAck, Fault, Message, Severity
 from fastft.protocol.faults import fault_of
 from fastft.runtime.engine.inbox import REPEATED, repeats_logged, route
+from fastft.runtime.engine.todo import superseded
 
 if TYPE_CHECKING:
     from fastft.runtime.engine.ports import Engine
@@ -38,7 +39,7 @@ class Faults:
         x.kept.fault()
         with x.lock:
             s = x.state
-            if gen is not None and gen != x.phase_changes and severity is Severity.FAULT2:
+            if superseded(gen, x.phase_changes, severity):
                 x.events.emit("local_fault_superseded", step=s.step, cause=cause[:300])
                 return
             x.events.emit(

@@ -18,8 +18,9 @@ from fastft.fsm import (
     StepState,
     ZeroGrads,
 )
+from fastft.protocol.messages import Severity
 
-__all__ = ["MAIN_ACTIONS", "moved", "stale"]
+__all__ = ["MAIN_ACTIONS", "moved", "stale", "superseded"]
 
 MAIN_ACTIONS = (
     CastVote,
@@ -65,3 +66,11 @@ def moved(before: StepState, after: StepState, actions: Sequence[Action]) -> boo
     through both barriers: its process-group build for the dead peer waited 60 s; found
     by the simulator)."""
     return after.phase is not before.phase or any(isinstance(a, FormEpoch) for a in actions)
+
+
+def superseded(gen: int | None, phase_changes: int, severity: Severity) -> bool:
+    """Whether a worker's own transient failure of work begun at ``gen`` phase changes is a
+    consequence of a fault already handled (the machine moved since: a peer's fault rolled
+    the step back): it then starts nothing, since a second rollback cycle would wait for
+    members already past it. A lost state (Fault1) is never superseded."""
+    return gen is not None and gen != phase_changes and severity is Severity.FAULT2
