@@ -40,6 +40,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--min-replicas", type=int, default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument(
+        "--decide",
+        choices=("collective", "store"),
+        default="collective",
+        help="how a fault-free step is decided (fastft run --decide)",
+    )
+    p.add_argument(
         "--defect", default=None, help="put this defect of the past back first (docs/simulation.md)"
     )
     p.add_argument("--json", action="store_true", help="the result as JSON")
@@ -66,6 +72,7 @@ def _options(args: argparse.Namespace, exhaustive_: bool) -> Options:
         elastic=args.elastic or opts.elastic,
         min_replicas=args.min_replicas or opts.min_replicas,
         checkpoint_every=args.checkpoint_every,
+        decide=args.decide,
     )
     if kinds:
         fields["kinds"] = kinds
@@ -122,6 +129,8 @@ def _flags(args: argparse.Namespace) -> str:
         out += " --elastic"
     if args.checkpoint_every:
         out += f" --checkpoint-every {args.checkpoint_every}"
+    if args.decide != "collective":
+        out += f" --decide {args.decide}"
     return out
 
 

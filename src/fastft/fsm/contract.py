@@ -137,7 +137,13 @@ class QuorumReady(Event):
 
 @dataclass(frozen=True)
 class GradsReady(Event):
-    """Forward, backward and the gradient sync of the current step finished locally."""
+    """Forward, backward and the gradient sync of the current step finished locally.
+
+    ``agreed``: the step's decision collective completed here with every member's flags
+    clean (each voted yes, none drains or saw a joiner): the step commits without the
+    store (DESIGN S2, as revised in docs/architecture.md "The fault-free decision")."""
+
+    agreed: bool = False
 
 
 @dataclass(frozen=True)
@@ -272,6 +278,9 @@ class CastVote(Action):
     want_drain: bool = False
     joining: bool = False
     """A worker waits to join: ask for the epoch to be re-formed after this step."""
+    agreed: bool = False
+    """Decided already, by the step's collective (:class:`GradsReady`): commit; no store
+    vote."""
 
 
 @dataclass(frozen=True)

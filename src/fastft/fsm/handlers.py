@@ -25,6 +25,7 @@ from fastft.fsm.contract import (
     ExitWorker,
     FetchState,
     FormEpoch,
+    GradsReady,
     HealDone,
     InterruptStep,
     InvalidTransition,
@@ -146,7 +147,8 @@ def grads_ready(s: StepState, e: Event) -> Result:
         # a pending heal (HealDone) not yet loaded: voting now would commit a step on a
         # state this worker does not hold (S4); the caller must feed StateLoaded first
         raise InvalidTransition(s.phase, e)
-    vote = CastVote(s.epoch, s.step, s.want_drain, joining=s.joining)
+    assert isinstance(e, GradsReady)
+    vote = CastVote(s.epoch, s.step, s.want_drain, joining=s.joining, agreed=e.agreed)
     return replace(s, phase=Phase.PREPARED), (vote,)
 
 

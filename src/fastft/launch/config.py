@@ -149,6 +149,13 @@ class LaunchConfig:
     )
     seed: int = _flag(0, "the job's seed")
     check_every: int = _flag(0, "log the state digest every N commits (S3 check; 0: never)")
+    decide: str = _flag(
+        "collective",
+        "how a fault-free step is decided: collective (every member's yes vote rides a "
+        "one-element allreduce after the gradients: no store request; the store decides only "
+        "when a fault, a drain or a join is in flight) or store (every member votes in the "
+        "store every step: 3 requests per member and step)",
+    )
     warm_spares: int = _flag(
         0,
         "processes kept ready with torch imported; a restarted worker becomes one instead of "
@@ -346,6 +353,7 @@ class LaunchConfig:
                 ) from e
         from fastft.runtime.contract import (  # (pure)
             check_checkpoints,
+            check_decide,
             check_shard_groups,
             check_stage,
             check_sync,
@@ -358,6 +366,7 @@ class LaunchConfig:
             )
         check_shard_groups(self.shard_size, world, self.min_replicas or world)
         check_sync(self.sync)
+        check_decide(self.decide)
         check_stage(
             self.stage,
             self.flow,

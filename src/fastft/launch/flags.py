@@ -39,7 +39,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "shard_size", "sync", "stage", "flow", "flow_name", "max_ahead",
     ),
     "output and metrics": (
-        "run_dir", "log_dir", "tee", "metrics_port", "metrics_addr", "check_every",
+        "run_dir", "log_dir", "tee", "metrics_port", "metrics_addr", "check_every", "decide",
     ),
     "torchft": ("torchft", "lighthouse_heartbeat_ms", "lighthouse_join_ms"),
 }  # fmt: skip

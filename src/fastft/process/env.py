@@ -121,6 +121,9 @@ class WorkerEnv:
     seed: int | None = _var("FASTFT_SEED", "the job's seed")
     incarnation: int | None = _var("FASTFT_INCARNATION", "this life's id, drawn by the agent")
     check_every: int | None = _var("FASTFT_CHECK_EVERY", "log the state digest every N commits")
+    decide: str | None = _var(
+        "FASTFT_DECIDE", "how a fault-free step is decided: collective (default) or store"
+    )
     max_recoveries: int | None = _var(
         "FASTFT_MAX_RECOVERIES",
         "recoveries in a row without a committed step before the job stops (a fault storm)",

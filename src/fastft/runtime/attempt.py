@@ -87,9 +87,10 @@ class StepAttempts:
                 x.finish_heal_tail()
             except (StepInterrupted, Exception) as e:  # as if the step's body had raised it
                 et, ev = type(e), e
-        if et is None and self.batches and tx.world > 1:
+        agreed = False
+        if et is None:
             try:
-                self._check_batches(tx)  # (raises DataDiverged: the job ends)
+                agreed = self._agree(tx)  # (raises DataDiverged: the job ends)
             except (StepInterrupted, Exception) as e:  # as if the step's body had raised it
                 et, ev = type(e), e
         self.rt.interrupter.end_step()
@@ -98,7 +99,7 @@ class StepAttempts:
         if et is None:
             with x.lock:
                 if x.state.phase is Phase.NORMAL and x.state.step == step:
-                    x.feed_locked(GradsReady())
+                    x.feed_locked(GradsReady(agreed=agreed))
             self.rt.drive(
                 lambda s: (
                     s.step != step
@@ -137,23 +138,38 @@ class StepAttempts:
             return True
         return False  # KeyboardInterrupt, SystemExit, ...
 
-    def _check_batches(self, tx: Transaction) -> None:
-        """Whether every member drew the same batches in this attempt: one allreduce (max)
-        of (digest, -digest) over the epoch, equal on every member, so that all of them
-        see a difference at once. No loader quirk may train silently on the wrong data
-        (:mod:`fastft.runtime.state.data`)."""
-        mine = batch_digest(tuple(-1 if b.digest is None else b.digest for b in self.batches))
-        both = torch.tensor(
-            [mine, -mine], dtype=torch.int64, device=self.rt.engine.dp.comm_device()
-        )
-        with self.rt.heartbeat.blocked:
+    def _agree(self, tx: Transaction) -> bool:
+        """The step's one collective after its gradients: an allreduce (max) of
+        ``(batch digest, -batch digest, drains, joins)`` over the epoch, equal on every
+        member that completes it. Whether the step is decided (``--decide collective``:
+        every member reached it, none drains or saw a joiner, so the step commits without
+        the store; docs/architecture.md "The fault-free decision"); and whether every
+        member drew the same batches: no loader quirk may train silently on the wrong data
+        (:mod:`fastft.runtime.state.data`; a difference raises DataDiverged)."""
+        rt = self.rt
+        x = rt.engine
+        collective = rt.config.decide == "collective"
+        if not (collective or (self.batches and tx.world > 1)):
+            return False
+        with x.lock:
+            flags = [int(x.state.want_drain), int(x.state.joining)]
+        if tx.world == 1:
+            return collective and not any(flags)
+        digests = tuple(-1 if b.digest is None else b.digest for b in self.batches)
+        mine = batch_digest(digests) if self.batches else 0
+        both = torch.tensor([mine, -mine, *flags], dtype=torch.int64, device=x.dp.comm_device())
+        with rt.heartbeat.blocked:
             interruptible_allreduce(
-                self.rt.require_pg(),
+                rt.require_pg(),
                 [both],
-                self.rt.interrupter,
+                rt.interrupter,
                 op=dist.ReduceOp.MAX,  # type: ignore[arg-type]
             )
-        top, low = int(both[0]), -int(both[1])
+        if self.batches:
+            self._compare_batches(tx, mine, int(both[0]), -int(both[1]))
+        return collective and not any(both[2:].tolist())
+
+    def _compare_batches(self, tx: Transaction, mine: int, top: int, low: int) -> None:
         if top == low:
             return
         why = (

@@ -7,7 +7,9 @@ from fastft.errors import ConfigError
 
 __all__ = [
     "CHECKPOINT_INTERVAL_S",
+    "DECIDE",
     "check_checkpoints",
+    "check_decide",
     "check_shard_groups",
     "check_stage",
     "check_sync",
@@ -22,6 +24,16 @@ def check_sync(sync: str) -> int:
     if kind not in ("every-k", "diloco") or not n.isdigit() or int(n) < 1:
         raise ConfigError(f"--sync {sync!r}: use per-step, every-k:N or diloco:N (N >= 1 steps)")
     return int(n)
+
+
+DECIDE = ("collective", "store")
+"""``--decide``: how a fault-free step is decided (docs/architecture.md)."""
+
+
+def check_decide(decide: str) -> str:
+    if decide not in DECIDE:
+        raise ConfigError(f"--decide {decide!r}: use collective or store")
+    return decide
 
 
 def check_stage(

@@ -29,6 +29,7 @@ from fastft.protocol.exits import (
 from fastft.runtime.checks import (
     CHECKPOINT_INTERVAL_S,
     check_checkpoints,
+    check_decide,
     check_shard_groups,
     check_stage,
     check_sync,
@@ -72,6 +73,9 @@ class RuntimeConfig:
     ``backend``: ``gloo`` or ``nccl`` (``auto``: nccl when CUDA is available);
     ``incarnation``: chosen by the agent (so it can name the process when it dies),
     random when None; ``check_every``: log the state digest (S3) every N commits (0: never);
+    ``decide``: how a fault-free step is decided, ``collective`` (a one-element allreduce
+    after the gradients; the store only when a fault, drain or join is in flight) or
+    ``store`` (every member votes in the store; docs/architecture.md);
     ``keep_gradients``: in an elastic world, keep a copy of the weighted local gradient
     before each step's allreduce (one more gradient-sized buffer), so that a retry after
     the world shrank computes only the lost members' samples (:mod:`fastft.runtime.state.shards`);
@@ -107,6 +111,7 @@ class RuntimeConfig:
     backend: str = "auto"
     incarnation: int | None = None
     check_every: int = 0
+    decide: str = "collective"
     keep_gradients: bool = True
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -146,6 +151,7 @@ class RuntimeConfig:
             raise ConfigError("max_step_retries must be >= 0")
         check_shard_groups(self.shard_size, self.world_size, self.min_members)
         check_sync(self.sync)
+        check_decide(self.decide)
         check_stage(self.stage, self.flow, self.max_ahead, self.elastic, self.shard_size)
         if self.shard_size > 1 and self.checkpoint_dir:
             raise ConfigError(

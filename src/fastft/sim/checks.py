@@ -76,6 +76,12 @@ class Checks:
             self.fail(f"S1: {life} applies step {step} twice")
         done.add(step)
 
+    def restored(self, life: Life, step: int) -> None:
+        """The life loaded the checkpoint of ``step``: the steps after it are undone (a
+        total loss: they are applied again, once)."""
+        done = self.applied.get((life.rank, life.inc), set())
+        done -= {s for s in done if s >= step}
+
     def committed(self, life: Life, step: int) -> None:
         if life.h != self.w.chain[step + 1]:
             self.fail(f"S3: {life} committed step {step} with a state no other member holds")

@@ -102,6 +102,22 @@ def _old_drain_wait(mp: contextlib.ExitStack) -> None:
     _patch_rule(mp, (Phase.DRAIN_WAIT, Deadline), Rule((Phase.DRAIN_WAIT,), ignore, rule.doc))
 
 
+def _old_same_step(mp: contextlib.ExitStack) -> None:
+    """Before a step could be decided by its collective, every survivor held the same
+    step, and the formation took the lowest holder as the source. A survivor that a fault
+    interrupted before it completed the step's collective is one step behind those that
+    completed it: as the source, or left unhealed, it splits the state."""
+    close_after = coordinator.close_after
+
+    def same_step(prev: EpochView, arrived: dict[int, Any], *a: Any, **kw: Any) -> Any:
+        top = max((x.step for x in arrived.values() if not x.lost), default=None)
+        if top is not None:
+            arrived = {r: x if x.lost else replace(x, step=top) for r, x in arrived.items()}
+        return close_after(prev, arrived, *a, **kw)
+
+    _patch(mp, coordinator, "close_after", same_step)
+
+
 def _patch(mp: contextlib.ExitStack, owner: Any, name: str, value: Any) -> None:
     old = getattr(owner, name)
     setattr(owner, name, value)
@@ -126,6 +142,7 @@ DEFECTS: dict[str, tuple[Callable[[contextlib.ExitStack], None], dict[str, Any]]
         {"kinds": ("kill_at_formation", "kill", "exception", "hang")},
     ),
     "drain-wait": (_old_drain_wait, {"kinds": ("drain", "msg_lost")}),
+    "same-step": (_old_same_step, {"kinds": ("kill",)}),
 }
 """Name -> (what puts it back, the simulator options under which to look for it)."""
 

@@ -220,6 +220,8 @@ def fingerprint(w: World, left: int) -> bytes:
         [(r, s.life, s.done, s.finished) for r, s in sorted(w.slots.items())],
         events,
         sorted((k, tuple(sorted(v))) for k, v in w.collectives.items()),
+        sorted((k, tuple(sorted(v))) for k, v in w.completed.items()),
+        sorted(w.flagged),
         sorted((k, tuple(sorted(v))) for k, v in w.pg_arrivals.items()),
         sorted((k, tuple(sorted(v))) for k, v in w.heal_arrivals.items()),
         sorted(w.built.items()),

@@ -317,20 +317,31 @@ class Life(Waits):
             else:
                 self.local_fault(Severity.FAULT2, "RuntimeError: injected", gen)
             return self.back_to_drive()
+        key = (epoch, step)
         if not arrived:
-            w.collectives.setdefault((epoch, step), set()).add(self.me)
+            w.collectives.setdefault(key, set()).add(self.me)
+            if self.state.want_drain or self.state.joining:
+                w.flagged.add(key)
         view = self.view
         assert view is not None
-        there = w.collectives[(epoch, step)]
-        missing = [m for m in view.members if m not in there]
-        if missing:
-            if any(not w.lives[m].alive for m in missing if m in w.lives):
-                # Gloo: a peer's socket closed: the collective raises
-                self.local_fault(Severity.FAULT2, "RuntimeError: peer closed", gen)
-                return self.back_to_drive()
+        there = w.collectives[key]
+        done = w.completed.setdefault(key, set())
+        # Every member must reach the step's collective (the gradients' and the decision's,
+        # one here), and a member that contributed may still die before it passed on what
+        # a peer needs: a peer that had not completed it then fails it while those that
+        # had completed commit (a decision by the collective: docs/architecture.md).
+        waiting = [m for m in view.members if m not in there or m not in done]
+        if any(not w.lives[m].alive for m in waiting if m in w.lives and m != self.me):
+            # Gloo: a peer's socket closed: the collective raises
+            self.local_fault(Severity.FAULT2, "RuntimeError: peer closed", gen)
+            return self.back_to_drive()
+        stopped = any(w.lives[m].frozen for m in waiting if m in w.lives and m != self.me)
+        if stopped or any(m not in there for m in view.members):  # (a frozen peer blocks it)
             return self.wait(("compute", epoch, step, gen, True), RTT_S)
+        done.add(self.me)
         if s_ok(self.state, epoch, step):
-            self.feed(GradsReady())
+            agreed = w.opts.decide == "collective" and key not in w.flagged
+            self.feed(GradsReady(agreed=agreed))
         self.user = ("decided", step)
         return self.back_to_drive()
 

@@ -33,6 +33,8 @@ class Options:
     liveness_s: float = 60.0
     """Longer than every timeout that ends a wait by design (the first start's 30 s)."""
     horizon_s: float = 900.0
+    decide: str = "collective"
+    """How a fault-free step is decided (``--decide``): ``collective`` or ``store``."""
 
     @property
     def min_members(self) -> int:

@@ -25,6 +25,7 @@ class Verifier(Protocol):
     def decision(self, life: Any, epoch: int, step: int, got: str) -> None: ...
     def apply(self, life: Any, step: int) -> None: ...
     def view(self, life: Any, view: EpochView) -> None: ...
+    def restored(self, life: Any, step: int) -> None: ...
 
 
 class Host(Protocol):
@@ -35,6 +36,8 @@ class Host(Protocol):
     chain: list[str]
     lives: dict[Member, Any]
     collectives: dict[tuple[int, int], set[Member]]
+    completed: dict[tuple[int, int], set[Member]]
+    flagged: set[tuple[int, int]]
     pg_arrivals: dict[int, set[Member]]
     heal_arrivals: dict[int, set[Member]]
     built: dict[Member, int]

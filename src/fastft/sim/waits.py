@@ -81,6 +81,13 @@ class Waits:
         view = self.view
         assert view is not None
         w.checks.vote(self, a.epoch, a.step)
+        if a.agreed:  # decided by the step's collective: no store request
+            if view.index(self.rank) == 0 and a.step > 0:
+                w.store.set(w.keys.committed, str(a.step))  # (the key collector's record)
+            w.checks.decision(self, a.epoch, a.step, "C")
+            self.pc = ("drive",)
+            self.feed(Decision(commit=True))
+            return 0.0
         got = self.coord.vote(
             a.epoch,
             a.step,
@@ -193,6 +200,7 @@ class Waits:
             if got is None:
                 raise Ended(EXIT_STATE_LOST, f"no checkpoint of step {view.restore} to load")
             self.h, self.held = got, view.restore
+            w.checks.restored(self, view.restore)
         elif view.lost is not None and view.fatal:
             if w.opts.allow_fresh_start:
                 raise Ended(1, f"state lost at step {view.lost}; restarting")

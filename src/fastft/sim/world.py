@@ -59,6 +59,10 @@ class World(Agents):
         self.lives: dict[Member, Life] = {}
         self.slots = {r: Slot(r) for r in range(opts.world_size)}
         self.collectives: dict[tuple[int, int], set[Member]] = {}
+        self.completed: dict[tuple[int, int], set[Member]] = {}
+        """Who completed each step's collective (the others may still fail it)."""
+        self.flagged: set[tuple[int, int]] = set()
+        """Steps whose collective carried a drain or a join flag (no agreed decision)."""
         self.pg_arrivals: dict[int, set[Member]] = {}
         self.heal_arrivals: dict[int, set[Member]] = {}
         self.built: dict[Member, int] = {}

@@ -308,16 +308,16 @@ class Coordinator:
         below_min: Callable[[int, int], None] = lambda have, need: None,
     ) -> EpochView | None:
         """One round of a survivor's wait for the epoch (after it found it not closed):
-        raises JobFinished when the job finished at a step it committed (or it lost its
-        state, and the others finished without it); the lowest expected
-        survivor still alive tries to close the epoch (one that died meanwhile hands it on
-        at once, not after the deadline). The view it closed, or None."""
+        raises JobFinished when the job finished (with or without its state's last
+        step); the lowest expected survivor still alive tries to close the epoch (one
+        that died meanwhile hands it on at once, not after the deadline). The view it
+        closed, or None."""
         prev = wait.prev
         if self.clock() - wait.started > _FINISHED_CHECK_AFTER_S:
             done = self.finished_at()
-            # (one that lost its state holds nothing a finished job needs: it leaves too;
-            # it waited here for members that had finished, found by the simulator)
-            if done is not None and (wait.step >= done or wait.lost_state):
+            # (also one that lost its state, or is behind the last step: it waited for
+            # members that had finished, found by the simulator)
+            if done is not None:
                 raise JobFinished(done)
         broken = broken_groups(prev, self.dead, self.k)
         live = [

@@ -132,20 +132,29 @@ def close_after(
         return None  # wait for restarted workers
     members = [Member(r, a.incarnation) for r, a in arrived.items()]
     members += [Member(r, inc) for r, inc in joiners.items()]
+    # A step decided by its collective may have committed on the members that completed
+    # it and not on one that a fault interrupted first: the epoch resumes from the newest
+    # step a survivor holds, and a survivor behind it heals (docs/architecture.md).
+    held = [a.step for a in arrived.values() if not a.lost]
+    top = max(held) if held else None
+    behind = frozenset(r for r, a in arrived.items() if not a.lost and a.step != top)
     clean = sorted(r for r, a in arrived.items() if not a.lost and not a.suspect)
     suspects = sorted(r for r, a in arrived.items() if not a.lost and a.suspect)
-    with_state = clean or suspects  # (a suspect state is the committed one, if untouched)
-    if suspects and not clean:
+    clean_top = [r for r in clean if r not in behind]
+    suspects_top = [r for r in suspects if r not in behind]
+    # (a suspect state is the committed one, if untouched)
+    with_state = clean_top or suspects_top
+    if suspects_top and not clean_top:
         log.warning(
             "every survivor's state is suspect (an exception escaped each one's step loop): "
             "rank %d's serves, the others heal from it",
-            suspects[0],
+            suspects_top[0],
         )
-    needs = frozenset(joiners) | frozenset(r for r, a in arrived.items() if a.lost)
+    needs = frozenset(joiners) | frozenset(r for r, a in arrived.items() if a.lost) | behind
     needs |= frozenset(suspects) - {with_state[0]} if with_state else frozenset()
     steps = {arrived[r].step for r in with_state}
-    if len(steps) > 1:
-        log.error("survivors disagree on the committed step: %s", steps)
+    if behind:
+        log.info("survivors %s are behind step %s: they heal", sorted(behind), top)
     epoch, members_ = prev.epoch + 1, tuple(sorted(members))
     if not with_state:
         # Every holder of the committed state is gone (at least prev.step was committed).

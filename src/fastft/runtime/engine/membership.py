@@ -57,6 +57,12 @@ class Membership:
         view = x.view
         assert view is not None
         t0 = time.monotonic()
+        if a.agreed:  # decided by the step's collective: no store request
+            if view.index(x.me.rank) == 0 and a.step > 0:
+                self.collector.record(a.step - 1)  # (off the step's path, as put below)
+            self._decision_wait_ms = 0.0
+            x.feed(Decision(commit=True))
+            return
         joining = a.joining
         if joining and x.dp.k > 1:  # admit a restarted shard group once all of it is there
             joining = bool(whole_groups(x.coord.joiners(), x.dp.k))

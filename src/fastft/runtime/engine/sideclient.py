@@ -49,6 +49,16 @@ class SideClient:
             decisions.forget(self.store, self.keys, epoch, step)
             self.store.set(self.keys.committed, str(step + 1))
 
+    def record(self, step: int) -> None:
+        """Record that the state after ``step`` is committed (what a total loss reports
+        as lost)."""
+        with self.lock:
+            self.store.set(self.keys.committed, str(step + 1))
+
+
+_RECORD = (-1, -1)
+"""In the collector's queue: write the latest recorded step."""
+
 
 class KeyCollector:
     """A thread that deletes the keys of decided steps off the training path."""
@@ -56,11 +66,23 @@ class KeyCollector:
     def __init__(self, side: SideClient) -> None:
         self._side = side
         self._queue: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._latest: int | None = None
         self._thread = threading.Thread(target=self._run, name="fastft-store-gc", daemon=True)
         self._thread.start()
 
     def put(self, epoch: int, step: int) -> None:
+        """Delete the keys of decided ``step`` of ``epoch``, and record it committed."""
         self._queue.put((epoch, step))
+
+    def record(self, step: int) -> None:
+        """Record that ``step`` is committed: a step decided by its collective left no
+        keys. At most one write in flight: a record not yet written is replaced."""
+        with self._lock:
+            first = self._latest is None
+            self._latest = step
+        if first:
+            self._queue.put(_RECORD)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -72,6 +94,12 @@ class KeyCollector:
             if item is None:
                 return
             try:
+                if item is _RECORD:
+                    with self._lock:
+                        step, self._latest = self._latest, None
+                    if step is not None:
+                        self._side.record(step)
+                    continue
                 self._side.forget(*item)
             except Exception:
                 log.debug("store gc: could not delete the keys of %s", item, exc_info=True)
