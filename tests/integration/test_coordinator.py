@@ -204,8 +204,11 @@ def test_a_survivor_waiting_for_a_peer_that_finished_the_job_ends_too(server):
     with pytest.raises(JobFinished) as e:
         form(60)
     assert e.value.step == 60 and e.value.code == 0
-    # a worker behind the finished step does not take that exit: it keeps waiting
-    assert form(59) is None
+    # so does a worker behind the finished step (a fault cut its last step's collective
+    # short while its peers committed it): nobody is left to heal it, nothing to train
+    with pytest.raises(JobFinished) as e:
+        form(59)
+    assert e.value.step == 60 and e.value.code == 0
 
 
 def test_survivors_offer_their_kept_gradients_in_the_view(server):

@@ -1,0 +1,78 @@
+"""A training script that counts its worker's control-store requests (issue 35): the
+coordinator's store clients (the main thread's, the decision waits', and the side
+client's clones) are wrapped in a counter before the runtime builds on them. After each
+commit it records the count so far; it writes ``counts-rank{R}.json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import fastft
+import fastft.runtime.api as api
+from fastft.demo.train import batch, build
+
+
+class Counting:
+    """Every call of a store client's method, counted (clones share the count)."""
+
+    def __init__(self, inner: Any, counts: dict[str, int], lock: threading.Lock) -> None:
+        self._inner, self._counts, self._lock = inner, counts, lock
+
+    def clone(self) -> Counting:
+        return Counting(self._inner.clone(), self._counts, self._lock)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a: Any, **kw: Any) -> Any:
+            with self._lock:
+                self._counts[name] = self._counts.get(name, 0) + 1
+            return attr(*a, **kw)
+
+        return call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    counts: dict[str, int] = {}
+    lock = threading.Lock()
+    real = api.build_engine
+
+    def counted(config, me, keys, store, control, decisions, *rest):  # type: ignore[no-untyped-def]
+        control, decisions = Counting(control, counts, lock), Counting(decisions, counts, lock)
+        return real(config, me, keys, store, control, decisions, *rest)
+
+    api.build_engine = counted
+    torch.set_num_threads(1)
+    model = build(64, 0, 2)
+    ft = fastft.init()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ft.register(model=model, optimizer=opt)
+    after: list[dict[str, int]] = []
+    while ft.step < a.steps:
+        with ft.transaction() as tx:
+            x, y = batch(tx.step, 0, 96)
+            part = tx.shard(96)
+            nn.functional.mse_loss(model(x[part]), y[part]).backward()
+            tx.allreduce_gradients()
+        if tx.committed:
+            with lock:
+                after.append(dict(counts))
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"counts-rank{ft.rank}.json").write_text(json.dumps(after))
+
+
+if __name__ == "__main__":
+    main()

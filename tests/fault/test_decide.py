@@ -1,0 +1,60 @@
+"""The fault-free step's control-plane cost (issue 35): with ``--decide collective`` a
+committed step makes no store request on any member but the lowest, which records the
+committed step off the step's path (one write, coalesced); with ``--decide store`` every
+member votes and reads the decision in the store every step. Counted on the worker's own
+store clients (tests/fault/_count_train.py), 3 Gloo workers under ``fastft run``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _runs import check_s1_s3, fastft_run, finals
+
+pytestmark = pytest.mark.timeout(200)
+
+SCRIPT = Path(__file__).parent / "_count_train.py"
+STEPS = 20
+FROM, TO = 5, 15  # steady steps: after the first epoch formed, before the job's end
+
+
+def _per_step(tmp: Path, decide: str) -> dict[int, float]:
+    run = tmp / decide
+    run.mkdir()
+    cmd = [
+        *(sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--run-dir", str(run)),
+        *("--job", f"count-{decide}", "--decide", decide, str(SCRIPT), "--"),
+        *("--steps", str(STEPS), "--out", str(run / "out")),
+    ]
+    with open(run / "launcher.log", "w") as log:
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=150)
+    assert p.returncode == 0, (run / "launcher.log").read_text()[-3000:]
+    out = {}
+    for f in (run / "out").glob("counts-rank*.json"):
+        after = json.loads(f.read_text())
+        assert len(after) == STEPS
+        total = [sum(c.values()) for c in after]
+        out[int(f.stem.split("rank")[1])] = (total[TO] - total[FROM]) / (TO - FROM)
+    assert sorted(out) == [0, 1, 2]
+    return out
+
+
+def test_a_step_decided_by_its_collective_makes_no_store_request(tmp_path):
+    store = _per_step(tmp_path, "store")
+    collective = _per_step(tmp_path, "collective")
+    # the store's vote: an add and the decision's read on every member, every step
+    assert all(n >= 2 for n in store.values()), store
+    assert collective[1] == 0 and collective[2] == 0, collective
+    assert collective[0] <= 1, collective  # the committed step's record, off the path
+
+
+def test_both_ways_of_deciding_train_the_same_model(tmp_path, clean):
+    """The default (collective) is the fault tier's clean run; the store's matches it."""
+    run = fastft_run(tmp_path, "store", "--decide", "store")
+    check_s1_s3(run)
+    assert {r: v["digest"] for r, v in finals(run).items()} == {
+        r: v["digest"] for r, v in clean.items()
+    }
