@@ -143,7 +143,9 @@ def gloo_member(port: int, rank: int, world: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60)
+    )
     pg = dist.ProcessGroupGloo(
         dist.PrefixStore("scale/", store), rank, world, datetime.timedelta(seconds=60)
     )
