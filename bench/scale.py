@@ -74,8 +74,9 @@ def members(port: int, first: int, count: int, world: int, steps: int, period: f
 
     def client(timeout_s: float = 300) -> object:
         raw = dist.TCPStore(
-            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300)
         )
+        raw.set_timeout(datetime.timedelta(seconds=timeout_s))  # (after the connect)
         return _Counting(raw, counts, lock)
 
     coords = [
