@@ -61,6 +61,9 @@ bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/chaos.py --min-replicas 2 --adaptive-hang --name chaos-elastic \
 		--kinds exception,sigkill,sigstop,gil_hang,segfault,exit,state_lost
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/chaos.py --ends 100
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/scale.py
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/first_start.py
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/leases.py
 
 # the recovery figures in one trial each, the small model only (8 min 22 s here)
 bench-quick: $(VENV)/.installed

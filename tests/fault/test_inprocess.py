@@ -77,11 +77,15 @@ def test_an_evaluation_that_raises_on_every_rank_restarts_each_in_process(tmp_pa
     check_s1_s3(run)
     f = finals(run)
     assert {r: v["digest"] for r, v in f.items()} == {r: clean[r]["digest"] for r in clean}
-    assert sorted(e["src"] for e in events(run, "restarted_in_process")) == [
-        "rank 0",
-        "rank 1",
-        "rank 2",
+    kinds = ("restarted_in_process", "local_fault", "local_fault_superseded", "rollback")
+    kinds += ("decision", "epoch", "heal", "interrupted", "commit")
+    story = [  # (said when it fails: once in CI only 'rank 1' restarted, unexplained)
+        (e["src"], e["event"], e.get("step"), e.get("cause", e.get("reason")))
+        for e in read_events(run)
+        if e["event"] in kinds and 7 <= (e.get("step") or 0) <= 12
     ]
+    restarted = sorted(e["src"] for e in events(run, "restarted_in_process"))
+    assert restarted == ["rank 0", "rank 1", "rank 2"], story
     assert not events(run, "state_lost") and not events(run, "restart")
     assert [e["exit_code"] for e in events(run, "worker_exit")] == [0, 0, 0]
 
