@@ -174,9 +174,11 @@ def steady(size: str, steps: int, repeats: int, tmp: Path) -> dict[str, object]:
         run = run_fastft(hidden, layers, steps, d, f"steady-{size}-{i}")
         fft = statistics.median(_step_times(run / "out", skip=10))
         sync = statistics.median(run_ddp(hidden, layers, steps, d, extra_sync=True))
+        old = run_fastft(hidden, layers, steps, d, f"store-{size}-{i}", flags=("--decide", "store"))
+        store = statistics.median(_step_times(old / "out", skip=10))
         cpu = (_cpu_ms(d / "ddp"), _cpu_ms(run / "out"))
-        pairs.append((fft / ddp, ddp, fft, sync, cpu))
-    ratio, ddp, fft, sync, _ = sorted(pairs, key=lambda p: p[0])[len(pairs) // 2]
+        pairs.append((fft / ddp, ddp, fft, sync, cpu, store))
+    ratio, ddp, fft, sync, _, store = sorted(pairs, key=lambda p: p[0])[len(pairs) // 2]
     ddp_cpu = [p[4][0] for p in pairs if p[4][0] is not None]
     fft_cpu = [p[4][1] for p in pairs if p[4][1] is not None]
     return {
@@ -188,6 +190,8 @@ def steady(size: str, steps: int, repeats: int, tmp: Path) -> dict[str, object]:
         "fastft_step_ms": round(fft * 1e3, 3),
         "ratio": round(ratio, 3),
         "extra_ms_per_step": round((fft - ddp) * 1e3, 3),
+        # fastft deciding each step in the store (--decide store), in the same round
+        "store_step_ms": round(store * 1e3, 3),
         "ddp_sync_step_ms": round(sync * 1e3, 3),
         "sync_extra_ms": round((sync - ddp) * 1e3, 3),
         # the workers' CPU per step (3 processes, every thread; not the store host),
@@ -377,6 +381,7 @@ def main() -> None:
                     "ratio",
                     "ratio_range",
                     "extra_ms_per_step",
+                    "store_step_ms",
                     "ddp_sync_step_ms",
                     "sync_extra_ms",
                     "ddp_cpu_ms",

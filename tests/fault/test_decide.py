@@ -1,4 +1,5 @@
-"""The fault-free step's control-plane cost (issue 35): with ``--decide collective`` a
+"""The fault-free step's control-plane cost (issue 35): with ``--decide collective`` (what
+``auto``, the default, picks on NCCL, on NATS and from 16 members) a
 committed step makes no store request on any member but the lowest, which records the
 committed step off the step's path (one write, coalesced); with ``--decide store`` every
 member votes and reads the decision in the store every step. Counted on the worker's own
@@ -48,13 +49,31 @@ def test_a_step_decided_by_its_collective_makes_no_store_request(tmp_path):
     # the store's vote: an add and the decision's read on every member, every step
     assert all(n >= 2 for n in store.values()), store
     assert collective[1] == 0 and collective[2] == 0, collective
-    assert collective[0] <= 1, collective  # the committed step's record, off the path
+    # the committed step's record, off the path: written asynchronously, so the window's
+    # ends may catch one more or one less
+    assert 0.8 <= collective[0] <= 1.2, collective
 
 
 def test_both_ways_of_deciding_train_the_same_model(tmp_path, clean):
-    """The default (collective) is the fault tier's clean run; the store's matches it."""
-    run = fastft_run(tmp_path, "store", "--decide", "store")
+    """The default (auto: the store's vote for 3 Gloo workers) is the fault tier's clean
+    run; the collective's matches it."""
+    run = fastft_run(tmp_path, "collective", "--decide", "collective")
     check_s1_s3(run)
     assert {r: v["digest"] for r, v in finals(run).items()} == {
         r: v["digest"] for r, v in clean.items()
     }
+
+
+def test_faults_under_the_collective_decision_end_bitwise_equal(tmp_path, clean):
+    """Deciding by the collective, the fault tier's three kinds and a death between the
+    decision and its commit: S1 and S3 hold at every commit, and every worker ends with
+    the clean run's state (a member the collective left behind, if any, healed)."""
+    plan = [
+        {"kind": "exception", "rank": 1, "at_step": 6},
+        {"kind": "sigkill", "rank": 2, "at_step": 12},
+        {"kind": "sigkill", "rank": 0, "at_step": 17, "point": "commit"},
+        {"kind": "sigstop", "rank": 1, "at_step": 22},
+    ]
+    run = fastft_run(tmp_path, "faulty", "--decide", "collective", plan=plan)
+    check_s1_s3(run)
+    assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}

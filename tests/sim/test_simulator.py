@@ -47,6 +47,7 @@ def test_a_seed_is_a_run_bit_for_bit():
     ("name", "opts", "count"),
     [
         ("fixed world, every fault kind", Options(), 1500),
+        ("fixed world, decided in the store", Options(decide="store"), 400),
         ("elastic world", Options(elastic=True, min_replicas=2, faults=3), 500),
         (
             "durable tier, two ranks a node",

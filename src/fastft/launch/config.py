@@ -150,11 +150,12 @@ class LaunchConfig:
     seed: int = _flag(0, "the job's seed")
     check_every: int = _flag(0, "log the state digest every N commits (S3 check; 0: never)")
     decide: str = _flag(
-        "collective",
-        "how a fault-free step is decided: collective (every member's yes vote rides a "
-        "one-element allreduce after the gradients: no store request; the store decides only "
-        "when a fault, a drain or a join is in flight) or store (every member votes in the "
-        "store every step: 3 requests per member and step)",
+        "auto",
+        "how a fault-free step is decided: collective (every member's yes vote rides an "
+        "allreduce of four int64 after the gradients: no store request; the store decides "
+        "only when a drain or a join is in flight), store (every member votes in the store "
+        "every step: 2-3 requests per member and step) or auto (collective on NCCL, on NATS "
+        "and from 16 members; store for a small Gloo job)",
     )
     warm_spares: int = _flag(
         0,

@@ -122,7 +122,7 @@ class WorkerEnv:
     incarnation: int | None = _var("FASTFT_INCARNATION", "this life's id, drawn by the agent")
     check_every: int | None = _var("FASTFT_CHECK_EVERY", "log the state digest every N commits")
     decide: str | None = _var(
-        "FASTFT_DECIDE", "how a fault-free step is decided: collective (default) or store"
+        "FASTFT_DECIDE", "how a fault-free step is decided: auto (default), collective or store"
     )
     max_recoveries: int | None = _var(
         "FASTFT_MAX_RECOVERIES",

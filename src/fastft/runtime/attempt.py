@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from fastft.bus.nats import is_nats
 from fastft.fsm import GradsReady, Phase
 from fastft.interrupt import StepInterrupted
 from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.protocol.exits import EXIT_GROUP_FAULT
+from fastft.runtime.checks import by_collective
 from fastft.runtime.endings import DataDiverged, ScriptError, misuse
 from fastft.runtime.groups.flow import POLL_S
 from fastft.runtime.groups.sync import outer_due, outer_step
@@ -148,7 +150,9 @@ class StepAttempts:
         (:mod:`fastft.runtime.state.data`; a difference raises DataDiverged)."""
         rt = self.rt
         x = rt.engine
-        collective = rt.config.decide == "collective"
+        collective = by_collective(
+            rt.config.decide, tx.world, x.dp.backend(), is_nats(rt.config.store)
+        )
         if not (collective or (self.batches and tx.world > 1)):
             return False
         with x.lock:

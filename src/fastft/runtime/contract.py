@@ -73,9 +73,10 @@ class RuntimeConfig:
     ``backend``: ``gloo`` or ``nccl`` (``auto``: nccl when CUDA is available);
     ``incarnation``: chosen by the agent (so it can name the process when it dies),
     random when None; ``check_every``: log the state digest (S3) every N commits (0: never);
-    ``decide``: how a fault-free step is decided, ``collective`` (a one-element allreduce
-    after the gradients; the store only when a fault, drain or join is in flight) or
-    ``store`` (every member votes in the store; docs/architecture.md);
+    ``decide``: how a fault-free step is decided, ``collective`` (an allreduce of four
+    int64 after the gradients; the store only when a drain or a join is in flight),
+    ``store`` (every member votes in the store) or ``auto``, the cheaper of the two
+    (:func:`fastft.runtime.checks.by_collective`; docs/architecture.md);
     ``keep_gradients``: in an elastic world, keep a copy of the weighted local gradient
     before each step's allreduce (one more gradient-sized buffer), so that a retry after
     the world shrank computes only the lost members' samples (:mod:`fastft.runtime.state.shards`);
@@ -111,7 +112,7 @@ class RuntimeConfig:
     backend: str = "auto"
     incarnation: int | None = None
     check_every: int = 0
-    decide: str = "collective"
+    decide: str = "auto"
     keep_gradients: bool = True
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
