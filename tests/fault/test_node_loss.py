@@ -188,13 +188,13 @@ def test_with_nats_losing_a_server_then_another_stalls_but_loses_nothing(tmp_pat
         try:
             job.start_all()
             job.wait_commit(4)
-            first = c.leader()
+            first = c.leader(wait_s=30)
             assert first is not None
             c.kill(first)
             job.wait_commit(10, timeout=60)
             c.start_server(first)
             c.wait_ready(30)
-            second = c.leader()
+            second = c.leader(wait_s=30)  # (its election may be under way: seen once)
             assert second is not None and second != first
             c.kill(second)
             codes = job.wait(150)

@@ -136,12 +136,14 @@ class LocalCluster:
             if pending:
                 time.sleep(0.1)
 
-    def leader(self, stream: str = "KV_fastft") -> int | None:
+    def leader(self, stream: str = "KV_fastft", wait_s: float = 0.0) -> int | None:
         """The index of the server that leads ``stream`` (the control plane's bucket), or
-        None if it has no leader now."""
+        None if it has no leader now (asked for ``wait_s`` more seconds: a stream whose
+        election is under way does not answer, or answers without a leader)."""
         import asyncio
 
         import nats
+        import nats.errors
 
         async def ask() -> str | None:
             live = [u for i, u in enumerate(self.urls) if self.procs[i] is not None]
@@ -149,11 +151,17 @@ class LocalCluster:
             try:
                 info = await nc.jetstream(timeout=2.0).stream_info(stream)
                 return info.cluster.leader if info.cluster else None
+            except nats.errors.TimeoutError:
+                return None
             finally:
                 await nc.close()
 
-        name = asyncio.run(ask())
-        return int(name[1:]) if name and name.startswith("n") else None
+        deadline = time.monotonic() + wait_s
+        while True:
+            name = asyncio.run(ask())
+            if (name and name.startswith("n")) or time.monotonic() >= deadline:
+                return int(name[1:]) if name and name.startswith("n") else None
+            time.sleep(0.2)
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
         p = self.procs[i]
