@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: test test-slow conformance unit lint bench bench-quick demo fsm-doc clean
+.PHONY: test test-slow test-collective conformance unit lint bench bench-quick demo fsm-doc clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -25,12 +25,18 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml constraints.txt
 	touch $@
 
 # make test: every tier but the slowest scenarios (under 10 minutes on 2 cores);
-# make test-slow: those (CI runs both, and the torchft conformance run).
+# make test-slow: those (CI runs both, test-collective, and the torchft conformance run).
 test: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow" tests
 
 test-slow: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m slow tests
+
+# the fault tier (not the slow part) with every step decided by its collective, the way
+# large jobs, NCCL and NATS decide under --decide auto (3 workers on Gloo vote in the
+# store: docs/architecture.md); about 5 minutes here, in CI
+test-collective: $(VENV)/.installed
+	FASTFT_DECIDE=collective TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow" tests/fault
 
 # torchft's own test files (shipped in its wheel) with torchft.Manager rebound to ManagerFFT
 conformance: $(VENV)/.installed
