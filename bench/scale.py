@@ -38,25 +38,6 @@ from _common import StoreHost, fan_out, pct, table, write  # noqa: E402
 EXTRAPOLATE = 16384
 
 
-class _Counting:
-    """A store client whose calls are counted (shared count across threads)."""
-
-    def __init__(self, inner: object, counts: list[int], lock: threading.Lock) -> None:
-        self._inner, self._counts, self._lock = inner, counts, lock
-
-    def __getattr__(self, name: str) -> object:
-        attr = getattr(self._inner, name)
-        if not callable(attr):
-            return attr
-
-        def call(*a: object, **kw: object) -> object:
-            with self._lock:
-                self._counts[0] += 1
-            return attr(*a, **kw)
-
-        return call
-
-
 def members(port: int, first: int, count: int, world: int, steps: int, period: float) -> None:
     """A child: ``count`` member threads (ranks first..) voting in the store for ``steps``
     steps; one JSON line: when each member read each step's decision, and the requests."""
@@ -67,9 +48,11 @@ def members(port: int, first: int, count: int, world: int, steps: int, period: f
     from fastft.protocol.keys import JobKeys
     from fastft.runtime.engine.coordinator import Coordinator
     from fastft.runtime.engine.sideclient import KeyCollector, SideClient
+    from fastft.testing import CountingStore
 
     keys = JobKeys("scale")
-    counts, lock = [0], threading.Lock()
+    counts: dict[str, int] = {}
+    lock = threading.Lock()
     ranks = tuple(range(world))
 
     def client(timeout_s: float = 300) -> object:
@@ -77,7 +60,7 @@ def members(port: int, first: int, count: int, world: int, steps: int, period: f
             "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300)
         )
         raw.set_timeout(datetime.timedelta(seconds=timeout_s))  # (after the connect)
-        return _Counting(raw, counts, lock)
+        return CountingStore(raw, counts, lock)
 
     coords = [
         Coordinator(client(), keys, first + i, 1, world, world, decision_store=client(2))
@@ -110,7 +93,8 @@ def members(port: int, first: int, count: int, world: int, steps: int, period: f
     if collector is not None:
         time.sleep(0.2)
         collector.close()
-    print(json.dumps({"read": read, "requests": counts[0], "t0": t0}), flush=True)
+    requests = sum(counts.values())
+    print(json.dumps({"read": read, "requests": requests, "t0": t0}), flush=True)
 
 
 def store_row(world: int, procs: int, steps: int) -> dict[str, object]:

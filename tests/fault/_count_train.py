@@ -9,7 +9,6 @@ import argparse
 import json
 import threading
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -17,28 +16,7 @@ from torch import nn
 import fastft
 import fastft.runtime.api as api
 from fastft.demo.train import batch, build
-
-
-class Counting:
-    """Every call of a store client's method, counted (clones share the count)."""
-
-    def __init__(self, inner: Any, counts: dict[str, int], lock: threading.Lock) -> None:
-        self._inner, self._counts, self._lock = inner, counts, lock
-
-    def clone(self) -> Counting:
-        return Counting(self._inner.clone(), self._counts, self._lock)
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if not callable(attr):
-            return attr
-
-        def call(*a: Any, **kw: Any) -> Any:
-            with self._lock:
-                self._counts[name] = self._counts.get(name, 0) + 1
-            return attr(*a, **kw)
-
-        return call
+from fastft.testing import CountingStore
 
 
 def main() -> None:
@@ -51,7 +29,8 @@ def main() -> None:
     real = api.build_engine
 
     def counted(config, me, keys, store, control, decisions, *rest):  # type: ignore[no-untyped-def]
-        control, decisions = Counting(control, counts, lock), Counting(decisions, counts, lock)
+        control = CountingStore(control, counts, lock)
+        decisions = CountingStore(decisions, counts, lock)
         return real(config, me, keys, store, control, decisions, *rest)
 
     api.build_engine = counted

@@ -1,4 +1,5 @@
-"""Fakes for users' own tests: the in-memory bus, an in-memory store, a fake clock."""
+"""Fakes for users' own tests: the in-memory bus, an in-memory store, a fake clock, and a
+store wrapper that counts requests."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from fastft.bus.contract import BusConfig
 from fastft.bus.endpoint import BusEndpoint
 from fastft.bus.memory import MemoryHub, memory_bus
 from fastft.protocol.messages import Role
-from fastft.testing.store import MemoryStore
+from fastft.testing.store import CountingStore, MemoryStore
 
-__all__ = ["FakeClock", "MemoryBus", "MemoryHub", "MemoryStore", "wait_for"]
+__all__ = ["CountingStore", "FakeClock", "MemoryBus", "MemoryHub", "MemoryStore", "wait_for"]
 
 
 def wait_for(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0.001) -> bool:

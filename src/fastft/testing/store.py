@@ -12,7 +12,7 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["MemoryStore"]
+__all__ = ["CountingStore", "MemoryStore"]
 
 
 def _b(v: str | bytes) -> bytes:
@@ -87,3 +87,42 @@ class MemoryStore:
         """Every key (for tests' checks; not in TCPStore's API)."""
         with self._d.cond:
             return list(self._d.kv)
+
+
+class CountingStore:
+    """Any store client, its method calls counted by name in ``counts`` (shared with its
+    clones and across threads): how many requests a piece of code makes."""
+
+    def __init__(
+        self,
+        inner: object,
+        counts: dict[str, int] | None = None,
+        lock: threading.Lock | None = None,
+    ) -> None:
+        self._inner = inner
+        self.counts: dict[str, int] = counts if counts is not None else {}
+        self._lock = lock if lock is not None else threading.Lock()
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.counts.values())
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+    def clone(self) -> CountingStore:
+        return CountingStore(self._inner.clone(), self.counts, self._lock)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a: object, **kw: object) -> object:
+            with self._lock:
+                self.counts[name] = self.counts.get(name, 0) + 1
+            return attr(*a, **kw)
+
+        return call

@@ -1,8 +1,9 @@
 """The store side of the runtime: one decision per (epoch, step), and epoch formation.
 
-Decisions (S2). A member that finished a step votes by incrementing ``votes(e, s)``; the
-vote that completes the count writes ``C`` into ``decision(e, s)`` by compare-and-set. A
-member that knows of a fault writes ``R<reason>`` the same way (:mod:`.decisions`).
+Decisions (S2; a step its collective decided never comes here: docs/architecture.md). A
+member that finished a step votes by incrementing ``votes(e, s)``; the vote that completes
+the count writes ``C`` into ``decision(e, s)`` by compare-and-set. A member that knows of
+a fault writes ``R<reason>`` the same way (:mod:`.decisions`).
 
 Epoch formation. Epoch ``E`` is *closed* when its member list is written into
 ``epoch_members(E)`` by compare-and-set; every worker adopts the list it reads. Survivors
@@ -315,8 +316,7 @@ class Coordinator:
         prev = wait.prev
         if self.clock() - wait.started > _FINISHED_CHECK_AFTER_S:
             done = self.finished_at()
-            # (also one that lost its state, or is behind the last step: it waited for
-            # members that had finished, found by the simulator)
+            # (also one lost or behind: it waited for finished members; the simulator)
             if done is not None:
                 raise JobFinished(done)
         broken = broken_groups(prev, self.dead, self.k)
