@@ -5,7 +5,7 @@ under ``ft.run`` with every hook, and faults between steps (issue 23).
 and raises outside any transaction, once per step number in this process;
 ``--raise-every N``: ... after every N-th commit instead, in lives ``--lives``;
 ``--rank -1``: every rank; ``--no-damage``: raise without corrupting the model (an
-evaluation that failed);
+evaluation that failed); ``--stagger S``: rank R raises R x S seconds later;
 ``--hang-at S``: rank ``--rank`` stops making progress after step S, in Python (a soft
 timeout interrupts it) or with the interrupter's signal blocked (``--uninterruptible``:
 only the hard timeout ends it); ``--unhealthy life:L|spare``: a health check fails in
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--hard", type=float, default=None)
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--no-damage", action="store_true")
+    ap.add_argument("--stagger", type=float, default=0.0)
     a = ap.parse_args()
     torch.set_num_threads(1)
     life = int(os.environ.get("FASTFT_LIFE", "0"))
@@ -81,6 +82,7 @@ def main() -> None:
             )
             if due:
                 raise_at.discard(s)
+                time.sleep(a.stagger * ft.rank)  # (the later ranks raise as the epoch re-forms)
                 if not a.no_damage:
                     with torch.no_grad():
                         next(model.parameters()).fill_(float("nan"))  # damaged: it must heal

@@ -68,25 +68,34 @@ def test_an_exception_between_steps_restarts_the_loop_in_process_and_heals(tmp_p
     assert [e["exit_code"] for e in events(run, "worker_exit")] == [0, 0, 0]
 
 
-def test_an_evaluation_that_raises_on_every_rank_restarts_each_in_process(tmp_path, clean):
+@pytest.mark.parametrize("stagger", ["0", "0.01"])
+def test_an_evaluation_that_raises_on_every_rank_restarts_each_in_process(tmp_path, clean, stagger):
     """Every rank raises after the same commit (an evaluation that fails everywhere): each
     state is suspect, none lost. They were each declared lost, so nobody held the state
     and the job failed ("every holder of the committed state was lost"); now the lowest
-    suspect serves, the others heal from it, and the job ends as the clean run."""
-    run, _, _ = run_job(tmp_path, "eval", train=("--rank", "-1", "--raise-at", "9", "--no-damage"))
+    suspect serves, the others heal from it, and the job ends as the clean run.
+
+    Staggered (rank R raises R x 10 ms later), a rank raises as the next epoch forms, or
+    in it. Such a fault rolled back the epoch being left, which nobody else did: it
+    declared its live peers dead after 5 s and the agent killed them (CI, unstaggered,
+    once in a few runs; docs/simulation.md, defect 6)."""
+    train = ("--rank", "-1", "--raise-at", "9", "--no-damage", "--stagger", stagger)
+    run, _, _ = run_job(tmp_path, "eval", train=train)
     check_s1_s3(run)
     f = finals(run)
     assert {r: v["digest"] for r, v in f.items()} == {r: clean[r]["digest"] for r in clean}
     kinds = ("restarted_in_process", "local_fault", "local_fault_superseded", "rollback")
-    kinds += ("decision", "epoch", "heal", "interrupted", "commit")
-    story = [  # (said when it fails: once in CI only 'rank 1' restarted, unexplained)
-        (e["src"], e["event"], e.get("step"), e.get("cause", e.get("reason")))
+    kinds += ("epoch", "heal", "fault_again", "declare_dead", "restart")
+    story = "\n".join(  # (said when it fails)
+        f"{e['src']} {e['event']} epoch {e.get('epoch')} step {e.get('step')} "
+        f"{e.get('cause', e.get('reason', ''))}"
         for e in read_events(run)
-        if e["event"] in kinds and 7 <= (e.get("step") or 0) <= 12
-    ]
+        if e["event"] in kinds and (e.get("step") or 10) >= 9
+    )
     restarted = sorted(e["src"] for e in events(run, "restarted_in_process"))
     assert restarted == ["rank 0", "rank 1", "rank 2"], story
-    assert not events(run, "state_lost") and not events(run, "restart")
+    assert not events(run, "declare_dead"), story
+    assert not events(run, "state_lost") and not events(run, "restart"), story
     assert [e["exit_code"] for e in events(run, "worker_exit")] == [0, 0, 0]
 
 

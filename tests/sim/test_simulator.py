@@ -48,6 +48,11 @@ def test_a_seed_is_a_run_bit_for_bit():
     [
         ("fixed world, every fault kind", Options(), 1500),
         ("fixed world, decided in the store", Options(decide="store"), 400),
+        (
+            "an evaluation that raises on every rank (ft.run restarts each)",
+            Options(kinds=("escape",), faults=3, decide="store"),
+            400,
+        ),
         ("elastic world", Options(elastic=True, min_replicas=2, faults=3), 500),
         (
             "durable tier, two ranks a node",

@@ -39,6 +39,7 @@ from fastft.fsm import (
     Phase,
     ProposeRollback,
     QuorumReady,
+    ReportFault,
     RollbackAcked,
     RollbackRequested,
     SendDrainAck,
@@ -237,6 +238,41 @@ def test_a_fault_during_a_heal_restarts_the_rollback():
     s, acts = run(s, PeerFault(2, F1, "died while healing"))
     assert s.phase is Phase.ROLLBACK_REQ and s.epoch == 2
     assert BroadcastRollbackRequest(2, 5, "died while healing") in acts
+
+
+def test_an_own_fault_while_the_next_epoch_forms_rolls_that_epoch_back_as_it_begins():
+    """ft.run restarting its loop after an evaluation raised (on every rank): the fault
+    came after the rollback of the epoch being left was over. Rolling that one back again
+    met nobody (its peers had formed the next): it waited for the deadline and declared
+    them dead (CI). It is noted, and the new epoch rolls back as it begins; the peers
+    hear of it again, as a fault of the new epoch."""
+    s, _ = run(normal(), PeerFault(2, F2, "x"), RollbackRequested(1), RollbackRequested(2))
+    s, _ = run(s, RollbackAcked(1), RollbackAcked(2))
+    assert s.phase is Phase.HEALING and s.forming
+    s, acts = run(s, LocalFault(F1, "RuntimeError: an evaluation failed"))
+    assert s.phase is Phase.HEALING and s.forming and s.refault and s.lost_state
+    assert acts == []
+    # its arrival may not have said the state was lost: the view heals nobody
+    s, acts = run(s, QuorumReady(2, ALL, step=5))
+    assert s.phase is Phase.ROLLBACK_REQ and s.epoch == 2 and s.lost_state and not s.refault
+    assert acts[0] == ReportFault(2, "RuntimeError: an evaluation failed")
+    assert ProposeRollback(2, 5, acts[1].reason) in acts and BroadcastRollbackRequest in kinds(acts)
+    # the peers roll back the new epoch with it; the next one heals it
+    s, acts = run(s, RollbackRequested(1), RollbackRequested(2), RollbackAcked(1))
+    s, acts = run(s, RollbackAcked(2))
+    assert acts[-1] == FormEpoch(exclude=frozenset(), lost_state=True, rollback=True)
+
+
+def test_a_rollback_request_while_healing_is_a_rollback_of_the_new_epoch():
+    """A request the inbox lets through while forming is a late one of the rollback just
+    finished; once the epoch is adopted (its heal running) it is a new rollback of it."""
+    s, _ = run(normal(), PeerFault(2, F1, "x"), RollbackRequested(1), RollbackAcked(1))
+    s, acts = run(s, RollbackRequested(1))
+    assert s.phase is Phase.HEALING and s.forming and acts == []
+    s, _ = run(s, QuorumReady(2, ALL, step=5, needs_state=frozenset({2})))
+    assert s.phase is Phase.HEALING and not s.forming
+    s, acts = run(s, RollbackRequested(2))
+    assert s.phase is Phase.ROLLBACK_REQ and s.epoch == 2 and s.heard == {0, 2}
 
 
 def test_deadline_declares_silent_members_dead():

@@ -206,3 +206,28 @@ def test_a_flood_of_ignored_joins_is_logged_at_1_10_100():
     from fastft.runtime.engine.inbox import repeats_logged
 
     assert [n for n in range(-1, 1001) if repeats_logged(n)] == [1, 10, 100, 1000]
+
+
+def test_a_rollback_of_an_epoch_not_adopted_yet_is_kept_for_it():
+    """A peer that adopted epoch 4 first rolls it back (its request, its ack, its own
+    fault report) while this worker still forms it: dropped, they left the peer waiting
+    for the deadline (found by the simulator). They are kept, and routed again once this
+    worker adopts a view; a monitor's report or an older epoch's is routed at once."""
+    later = dict(job="j", epoch=4, step=5, rank=1, incarnation=11)
+    kept = [
+        RollbackRequest(**later, reason="x"),
+        RollbackAck(**later),
+        Fault(
+            **later, severity=Severity.FAULT2, cause="raised", faulty_rank=1, faulty_incarnation=11
+        ),
+    ]
+    for m in kept:
+        assert _route(m).early and _route(m, view=None).early
+    monitor = dict(job="j", epoch=4, step=5, rank=-1, incarnation=0, role=Role.MONITOR)
+    report = Fault(**monitor, severity=Severity.FAULT1, cause="Xid 79", faulty_rank=1)
+    assert not _route(report).early and _route(report).events
+    same = RollbackRequest(**dict(later, epoch=3), reason="x")
+    assert not _route(same).early and _route(same).events == (RollbackRequested(1),)
+    # adopted: the same message is an event of this worker's epoch
+    out = route(kept[0], me=ME, view=VIEW, epoch=4, step=5, dead=frozenset())
+    assert not out.early and out.events == (RollbackRequested(1),)

@@ -50,6 +50,7 @@ __all__ = [
     "SendState",
     "BroadcastDrainNotice",
     "SendDrainAck",
+    "ReportFault",
     "DeclareDead",
     "ExitWorker",
     "InvalidTransition",
@@ -83,7 +84,9 @@ class StepState:
     commit is applied; ``leaving``: members that announced a drain with their vote; ``joining``: a worker
     waits to be admitted (latched from its JoinRequest, sent with the next vote);
     ``admit``: the decision of this step says to re-form the epoch after the commit;
-    ``forming``: in HEALING, the next epoch is being formed (no QuorumReady yet).
+    ``forming``: in HEALING, the next epoch is being formed (no QuorumReady yet);
+    ``refault``: this worker's own fault came while it formed the next epoch: it rolls
+    that epoch back as it begins, and tells its peers again (:class:`ReportFault`).
     """
 
     phase: Phase
@@ -101,6 +104,7 @@ class StepState:
     joining: bool = False
     admit: bool = False
     forming: bool = False
+    refault: bool = False
     reason: str = ""
 
     @property
@@ -372,6 +376,15 @@ class BroadcastDrainNotice(Action):
 @dataclass(frozen=True)
 class SendDrainAck(Action):
     rank: int
+
+
+@dataclass(frozen=True)
+class ReportFault(Action):
+    """Tell every peer of this worker's own transient fault again (a Fault2 on the bus),
+    as a fault of ``epoch``: it came while that epoch was formed (``StepState.refault``)."""
+
+    epoch: int
+    cause: str
 
 
 @dataclass(frozen=True)

@@ -103,10 +103,10 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
     row(
         [P.INIT, P.HEALING],
         QuorumReady,
-        [P.NORMAL, P.HEALING, P.INIT, P.EXIT],
+        [P.NORMAL, P.HEALING, P.INIT, P.EXIT, *_ROLLBACK],
         h.quorum_ready,
         "quorum ready: configure the PG; heal if anyone needs state (left out while it "
-        "heals itself: rejoin as a joiner)",
+        "heals itself: rejoin as a joiner; a fault while it formed: roll it back)",
     )
     row(
         [P.HEALING],
@@ -155,7 +155,7 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         LocalFault,
         _ROLLBACK,
         h.local_fault_healing,
-        "fault during healing: roll back again",
+        "fault during healing: roll back again (forming: the new epoch rolls back)",
     )
     # peer faults
     row([P.NORMAL], PeerFault, _ROLLBACK, h.peer_fault_normal, "remote error: propose rollback")
@@ -219,7 +219,14 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         "peer faulted after the decision: next step rolls back",
     )
     row(
-        [P.ROLLBACK_SYNC, P.HEALING, P.INIT, P.DRAIN_WAIT],
+        [P.HEALING],
+        RollbackRequested,
+        [SAME, *_ROLLBACK],
+        h.rollback_req_healing,
+        "forming: already past it; else a rollback of the new epoch",
+    )
+    row(
+        [P.ROLLBACK_SYNC, P.INIT, P.DRAIN_WAIT],
         RollbackRequested,
         [SAME],
         h.ignore,

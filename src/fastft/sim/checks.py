@@ -10,6 +10,8 @@
 * a total loss restores, starts again where ``--allow-fresh-start`` allows it, or fails
   the job with its reason, never silently, and only when no member holds the state;
   a finished job ends at the last step;
+* no false death: a member is declared dead for its silence only when it was dead,
+  stopped, or something silenced it (a partition, a lost, late or failed message);
 * liveness: once the faults stop, the job commits again (or ends) within ``liveness_s``;
   no life waits in a rendezvous (process group, heal, collective) longer than that:
   such a wait is one nothing cancels.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fastft.runtime.contract import EpochView
+from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine.decisions import parse_commit
 
 if TYPE_CHECKING:
@@ -27,6 +29,9 @@ if TYPE_CHECKING:
     from fastft.sim.ports import Host
 
 __all__ = ["Checks"]
+
+SILENCING = ("hang", "partition", "msg_lost", "msg_delay", "store_fail")
+"""The faults that may silence a live member (and so make its death a true verdict)."""
 
 _WAITS = ("pg", "heal", "compute", "vote", "form", "join")
 
@@ -119,6 +124,19 @@ class Checks:
         fresh = view.lost is not None and view.restore is None and not view.fatal
         if fresh and not w.opts.allow_fresh_start and view.lost:
             self.fail(f"epoch {view.epoch} starts again from step 0 without the flag")
+
+    def declared_dead(self, life: Life, who: Member) -> None:
+        """``life`` declares ``who`` dead: silent past the rollback's deadline."""
+        w = self.w
+        target = w.lives.get(who)
+        if target is None or not target.alive or target.frozen:
+            return
+        if any(f.kind in SILENCING for f in w.plan.faults):
+            return
+        self.fail(
+            f"{life} declared {target} dead for its silence ({target.state.phase.name}), "
+            "but it was alive and nothing silenced it"
+        )
 
     def finished(self, life: Life) -> None:
         steps = self.w.opts.steps

@@ -15,7 +15,7 @@ from typing import Any
 import fastft.runtime.engine.coordinator as coordinator
 import fastft.sim.life as life
 from fastft.fsm import Deadline, DrainAcked, Phase, StepState
-from fastft.fsm.contract import Event, PeerFault
+from fastft.fsm.contract import Event, LocalFault, PeerFault
 from fastft.fsm.handlers import Result
 from fastft.fsm.table import TABLE, Rule
 from fastft.runtime.contract import EpochView
@@ -77,6 +77,19 @@ def _old_healing_rollback(mp: contextlib.ExitStack) -> None:
         return rule.handler(replace(s, forming=False), e)
 
     _patch_rule(mp, (Phase.HEALING, PeerFault), Rule(rule.targets, roll_back, rule.doc))
+
+
+def _old_restart_forming(mp: contextlib.ExitStack) -> None:
+    """A worker's own fault while the next epoch formed (ft.run restarting its loop after
+    an evaluation raised on every rank) rolled back the epoch being left, which its peers
+    had finished: it waited for them until the deadline and declared them dead (CI, once
+    in a few runs of the in-process restart test)."""
+    rule = TABLE[(Phase.HEALING, LocalFault)]
+
+    def roll_back(s: StepState, e: Event) -> Result:
+        return rule.handler(replace(s, forming=False), e)
+
+    _patch_rule(mp, (Phase.HEALING, LocalFault), Rule(rule.targets, roll_back, rule.doc))
 
 
 def _old_drain_wait(mp: contextlib.ExitStack) -> None:
@@ -143,6 +156,7 @@ DEFECTS: dict[str, tuple[Callable[[contextlib.ExitStack], None], dict[str, Any]]
     ),
     "drain-wait": (_old_drain_wait, {"kinds": ("drain", "msg_lost")}),
     "same-step": (_old_same_step, {"kinds": ("kill",)}),
+    "restart-forming": (_old_restart_forming, {"kinds": ("escape",), "faults": 3}),
 }
 """Name -> (what puts it back, the simulator options under which to look for it)."""
 

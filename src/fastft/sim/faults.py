@@ -15,6 +15,7 @@ KINDS = (
     "kill",  # SIGKILL: the agent sees the exit
     "hang",  # SIGSTOP or a GIL hang: the agent's hang timeout kills it
     "exception",  # an exception in the step (Fault2)
+    "escape",  # an exception after a step (an evaluation): ft.run restarts in process
     "state_lost",  # the state is gone but the process lives (Fault1)
     "drain",  # a drain request (a preemption notice)
     "msg_lost",  # the next message to the rank is lost

@@ -41,6 +41,7 @@ from fastft.fsm import (
     LocalFault,
     Phase,
     ProposeRollback,
+    ReportFault,
     SendDrainAck,
     SendState,
     StepState,
@@ -103,6 +104,7 @@ class Life(Waits):
         self.alive = True
         self.frozen = False  # SIGSTOP, a GIL hang, or its node cut off
         self.buffered: list[Message] = []
+        self.early: list[Message] = []  # (fastft.runtime.engine.faults.Faults.early)
         self.interrupts = 0
         self.pc: tuple[Any, ...] = ("drive",)
         self.user: tuple[Any, ...] = ("top",)  # the user's loop: where drive() returns
@@ -161,10 +163,20 @@ class Life(Waits):
             w.broadcast(self, DrainNotice(**head, reason=a.reason[:2000]))
         elif isinstance(a, SendDrainAck):
             w.broadcast(self, DrainAck(**self.header(), drained_rank=a.rank))
+        elif isinstance(a, ReportFault):
+            fault = Fault(
+                **self.header(),
+                severity=Severity.FAULT2,
+                cause=a.cause,
+                faulty_rank=self.rank,
+                faulty_incarnation=self.inc,
+            )
+            w.broadcast(self, fault)
         elif isinstance(a, DeclareDead):
             view = self.view
             for r in sorted(a.ranks):
                 inc = view.incarnation(r) if view and r in view.ranks else 0
+                w.checks.declared_dead(self, Member(r, inc))
                 if inc:
                     self.dead.add(Member(r, inc))
                 fault = Fault(
@@ -198,6 +210,9 @@ class Life(Waits):
             world_size=self.w.opts.world_size,
             leaving=s.leaving,
         )
+        if out.early:
+            self.early.append(m)
+            return
         if out.dead is not None:
             self.dead.add(out.dead)
         for ev in out.events:
@@ -297,6 +312,9 @@ class Life(Waits):
         s = self.state
         if self.user[0] == "decided":
             self.user = ("top",)
+            if self.fail_next == "escape":  # (its traceback, on_fault, the health checks)
+                self.fail_next = None
+                return self.wait(("restart",), self.w.compute_s())
             return 0.0
         if s.step >= self.w.opts.steps:
             self.w.finish(self)
@@ -305,11 +323,21 @@ class Life(Waits):
         gen = self.phase_changes
         return self.wait(("compute", s.epoch, s.step, gen, False), self.w.compute_s())
 
+    def _restart(self) -> float:
+        """:meth:`fastft.runtime.restart.Restartable._restart`: an exception escaped the
+        user's loop after a step (an evaluation); the worker reports a fault of no step
+        (whatever its machine is doing: a peer's fault may be rolling back or re-forming
+        the epoch already) with its state suspect, and drives to NORMAL again."""
+        view = self.view
+        self.suspect = view is not None and len(view.members) > 1
+        self.local_fault(Severity.FAULT2, "RuntimeError: escaped the loop (restart)", None)
+        return self.back_to_drive()
+
     def _compute(self, epoch: int, step: int, gen: int, arrived: bool) -> float:
         w = self.w
         if self.interrupts != self.interrupts_at:
             return self.back_to_drive()  # StepInterrupted: the attempt ends, drive again
-        if self.fail_next is not None:
+        if self.fail_next in ("exception", "state_lost"):
             kind, self.fail_next = self.fail_next, None
             if kind == "state_lost":
                 self.h = f"lost@{w.now:.6f}"

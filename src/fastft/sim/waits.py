@@ -20,7 +20,7 @@ from fastft.fsm import (
     QuorumReady,
     StepState,
 )
-from fastft.protocol import JoinRequest, Severity
+from fastft.protocol import JoinRequest, Message, Severity
 from fastft.protocol.exits import EXIT_DRAINED, EXIT_STATE_LOST
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.endings import JobFinished
@@ -59,6 +59,7 @@ class Waits:
     held: int
     alive: bool
     suspect: bool
+    early: list[Message]
     recoveries: int
     phase_changes: int
     action_gen: int
@@ -74,6 +75,9 @@ class Waits:
         raise NotImplementedError
 
     def local_fault(self, severity: Severity, cause: str, gen: int | None) -> None:
+        raise NotImplementedError
+
+    def on_message(self, m: Message) -> None:
         raise NotImplementedError
 
     def vote_start(self, a: CastVote) -> float:
@@ -220,6 +224,9 @@ class Waits:
         for m in view.members:  # deaths heard of while the epoch was being formed
             if m in self.dead and m != self.me:
                 self.feed(PeerFault(m.rank, Severity.FAULT1, "died during formation"))
+        early, self.early = self.early, []
+        for msg in early:
+            self.on_message(msg)
 
     def _pg(self, epoch: int, gen: int) -> float:
         """The epoch's process group: a rendezvous of its members, which a fault (the

@@ -303,7 +303,7 @@ class World(Agents):
         elif f.kind == "hang":
             life.frozen = True
             self.at(self.opts.hang_timeout_s, "hang_seen", life.me)
-        elif f.kind in ("exception", "state_lost"):
+        elif f.kind in ("exception", "state_lost", "escape"):
             life.fail_next = f.kind
         elif f.kind == "drain":
             self.broadcast(None, DrainRequest(**self.agent_header(f.rank), target_rank=f.rank))

@@ -41,6 +41,7 @@ from fastft.fsm import (
     InvalidTransition,
     Phase,
     ProposeRollback,
+    ReportFault,
     SendDrainAck,
     SendState,
     StateLoaded,
@@ -198,6 +199,9 @@ class Executor:
             step=s.step,
         )
 
+    def replay_early(self) -> None:
+        self.faults.replay_early()
+
     def _run_immediate(self, a: Action) -> None:
         s = self.state
         bus = self.sv.bus
@@ -225,6 +229,17 @@ class Executor:
             bus.broadcast(DrainNotice(**head, reason=a.reason[:2000]))
         elif isinstance(a, SendDrainAck):
             bus.broadcast(DrainAck(**self.header(), drained_rank=a.rank))
+        elif isinstance(a, ReportFault):  # (its own fault, again: see StepState.refault)
+            self.events.emit("fault_again", epoch=a.epoch, step=s.step, cause=a.cause[:300])
+            bus.broadcast(
+                Fault(
+                    **self.header(),
+                    severity=Severity.FAULT2,
+                    cause=a.cause[:2000],
+                    faulty_rank=self.me.rank,
+                    faulty_incarnation=self.me.incarnation,
+                )
+            )
         elif isinstance(a, DeclareDead):
             view = self.view
             for r in sorted(a.ranks):

@@ -4,6 +4,7 @@ injector). Performed for the executor, under its lock."""
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,7 +13,7 @@ from fastft.fsm import LocalFault
 from fastft.inject import FaultKind, FaultSpec, StateLostFault, execute
 from fastft.protocol import DrainAck, Fault, Message, Severity
 from fastft.protocol.faults import fault_of
-from fastft.runtime.engine.inbox import REPEATED, repeats_logged, route
+from fastft.runtime.engine.inbox import EARLY_KEPT, REPEATED, repeats_logged, route
 from fastft.runtime.engine.todo import superseded
 
 if TYPE_CHECKING:
@@ -26,6 +27,8 @@ class Faults:
         self.x = x
         self.repeats: dict[tuple[object, ...], int] = {}
         """Occurrences of each repeated record (:data:`.inbox.REPEATED`)."""
+        self.early: collections.deque[Message] = collections.deque(maxlen=EARLY_KEPT)
+        """Rollback messages of an epoch not adopted yet (:attr:`.inbox.Routed.early`)."""
 
     def local(self, exc: BaseException, gen: int | None = None) -> None:
         """Report this worker's own fault: event, bus, state machine. ``gen``: the count of
@@ -79,6 +82,9 @@ class Faults:
                 world_size=x.config.world_size,
                 leaving=s.leaving,
             )
+            if out.early:
+                self.early.append(m)
+                return
             if out.dead is not None:
                 x.dead.add(out.dead)
             if out.record is not None:
@@ -95,6 +101,14 @@ class Faults:
             header = x.header()
         if out.ack_drain is not None:
             x.sv.bus.broadcast(DrainAck(**header, drained_rank=out.ack_drain))
+
+    def replay_early(self) -> None:
+        """After adopting a view: route the early messages again (those of a later epoch
+        still wait)."""
+        with self.x.lock:
+            kept, self.early = list(self.early), collections.deque(maxlen=EARLY_KEPT)
+            for m in kept:
+                self.on_message(m)
 
     def inject(self, spec: FaultSpec) -> None:
         x = self.x

@@ -36,19 +36,23 @@ from fastft.protocol import (
 from fastft.protocol.faults import fault_of
 from fastft.runtime.contract import EpochView, Member
 
-__all__ = ["Routed", "repeats_logged", "route"]
+__all__ = ["EARLY_KEPT", "Routed", "repeats_logged", "route"]
 
 
 @dataclass(frozen=True)
 class Routed:
     """``events``: feed them, in order; ``dead``: add this life to the dead set;
     ``record``: (event name, fields) for the event log; ``ack_drain``: send this leaver
-    its drain ack (outside the state machine: it is no member of this worker's epoch)."""
+    its drain ack (outside the state machine: it is no member of this worker's epoch);
+    ``early``: a rollback message of an epoch this worker has not adopted yet (a peer
+    adopted it first and rolls it back): keep it, and route it again once this worker
+    adopts a view (:data:`EARLY_KEPT` at most)."""
 
     events: tuple[Event, ...] = ()
     dead: Member | None = None
     record: tuple[str, dict[str, Any]] | None = None
     ack_drain: int | None = None
+    early: bool = False
 
 
 NOTHING = Routed()
@@ -69,6 +73,8 @@ def route(
     """What message ``m`` means to worker ``me`` in ``view`` (None before its first epoch)
     at ``epoch``/``step``, knowing the lives in ``dead``. ``finished``: a member marked
     the job finished (only asked for a clean exit: it then ends the job, not a fault)."""
+    if _early(m, me, epoch):
+        return Routed(early=True)
     r = fault_of(m)
     if r is not None:
         if r.clean_exit and finished:
@@ -182,6 +188,19 @@ def route(
         ev = JoinRequested(m.rank)
     return Routed(events=(ev,)) if ev is not None else NOTHING
 
+
+def _early(m: Message, me: Member, epoch: int) -> bool:
+    """A peer's message about an epoch after this worker's: a rollback request or ack, or
+    its own fault report (a peer that adopted the epoch first rolls it back)."""
+    if m.epoch <= epoch or m.rank == me.rank:
+        return False
+    if isinstance(m, RollbackRequest | RollbackAck):
+        return True
+    return isinstance(m, Fault) and m.sender == (m.faulty_rank, m.faulty_incarnation)
+
+
+EARLY_KEPT = 4096
+"""Early messages kept (a worker keeps the newest): two per member of a rollback."""
 
 REPEATED = frozenset({"join_ignored"})
 """Records a flood can repeat (a foreign worker announcing itself every 200 ms): logged

@@ -217,6 +217,7 @@ class Membership:
             for m in view.members:  # deaths we heard of while the epoch was being formed
                 if m in x.dead and m != x.me:
                     x.feed_locked(PeerFault(m.rank, Severity.FAULT1, "died during formation"))
+            x.replay_early()  # a peer that adopted it first may be rolling it back
 
     def _source(self, view: EpochView) -> int | None:
         """Who sends this member's state (its shard's, with shard groups). A member of an

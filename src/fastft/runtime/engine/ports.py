@@ -54,4 +54,7 @@ class Engine(Protocol):
 
     def header(self) -> dict[str, Any]: ...
 
+    def replay_early(self) -> None:
+        """Route again the bus messages kept for an epoch not adopted yet."""
+
     def cancelled(self, phase: Phase) -> Callable[[], bool]: ...
