@@ -27,6 +27,7 @@ from fastft.launch.children import Children, Slot, die_with_parent
 from fastft.launch.config import LaunchConfig
 from fastft.launch.control import ControlPlane
 from fastft.launch.exits import Exits, back_line
+from fastft.launch.forks import start_zygote
 from fastft.launch.lease import NodeLease, format_lives
 from fastft.launch.nodewatch import NodeWatch
 from fastft.launch.offenders import Offenders
@@ -163,8 +164,12 @@ class Agent:
         try:
             self.nodes.start()
             self._start_lighthouse()
-            for slot in self.slots.values():
+            out = self.children.output
+            self.children.zygote, why = start_zygote(cfg, out, self.events.emit, die_with_parent)
+            for slot in self.slots.values() if why is None else ():
                 self._spawn(slot)
+            if why is not None:
+                self.fail(why)
             for i in range(cfg.warm_spares):
                 self._start_spare(self.spares.gpu_of(i))
             self._watch()
@@ -294,10 +299,11 @@ class Agent:
         if spare is None and slot.spare_only:  # (the policy saw one a moment ago)
             self.events.emit("spare_missing", rank=slot.rank)
             log.warning("rank %d should start on a warm spare; none is left: cold", slot.rank)
+        how = "spare"
         if spare is not None:
             self.children.adopt(slot, spare)
         else:
-            self.children.popen(slot, list(cfg.command), env)
+            how = self.children.popen(slot, list(cfg.command), env)
         if slot.spare_only:
             self.offenders.replaced(slot.rank)
             slot.spare_only = False
@@ -312,6 +318,7 @@ class Agent:
             pid=slot.proc.pid,
             incarnation=slot.incarnation,
             warm=spare is not None,
+            how=how[:200],
             **({"spare_ready": ready} if spare is not None else {}),
         )
         if spare is not None:  # the next failure gets one too, once this one recovered
@@ -379,28 +386,13 @@ class Agent:
                 self.verdicts.check_hang(slot, now)
 
     def _start_lighthouse(self) -> None:
-        cfg = self.config
-        if cfg.torchft is None:
-            return
-        from fastft.integrations.torchft.launch import start_lighthouse
+        if self.config.torchft is not None:
+            from fastft.integrations.torchft.launch import start_for_agent
 
-        self.lighthouse, self.lighthouse_addr = start_lighthouse(
-            kind=cfg.torchft,
-            job=cfg.job,
-            node_rank=cfg.node_rank,
-            store=self.store.raw,
-            store_addr=self.store_addr,
-            min_replicas=cfg.min_replicas or 1,
-            world_size=cfg.world_size,
-            heartbeat_ms=cfg.lighthouse_heartbeat_ms,
-            join_ms=cfg.lighthouse_join_ms,
-            run_dir=str(self.run_dir),
-            secret_file=str(self.secret_file),
-            loopback=cfg.nnodes == 1,
-            wait_s=cfg.store_wait_s,
-            preexec=die_with_parent,
-        )
-        self.events.emit("lighthouse_ready", kind=cfg.torchft, address=self.lighthouse_addr)
+            start_for_agent(self, die_with_parent)
+            self.events.emit(
+                "lighthouse_ready", kind=self.config.torchft, address=self.lighthouse_addr
+            )
 
     @property
     def header(self) -> dict[str, Any]:

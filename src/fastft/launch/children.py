@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastft.launch.exit_trace import ExitTracer
+from fastft.launch.forks import Forked, Zygote
 from fastft.launch.output import Output
 
 __all__ = ["Children", "Slot", "await_signal_taken", "die_with_parent"]
@@ -31,7 +32,7 @@ class Slot:
     rank: int
     life: int = 0
     incarnation: int = 0
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | Forked | None = None
     started: float = 0.0
     heartbeat: str = ""
     done: bool = False
@@ -78,21 +79,31 @@ class Children:
         self._claim = claim
         self._after_exit = after_exit
         self._on_other = on_other
+        self.zygote: Zygote | None = None
+        """The node's zygote (``--start-method zygote``), set by the agent."""
 
-    def popen(self, slot: Slot, command: list[str], env: dict[str, str]) -> None:
-        """Start a worker cold and watch it."""
+    def popen(self, slot: Slot, command: list[str], env: dict[str, str]) -> str:
+        """Start a worker cold and watch it: a fork of the zygote if there is one that can
+        (:mod:`fastft.launch.forks`), else a new process. Returns how ("fork", or
+        "spawn" with the reason the zygote could not)."""
+        forked = self.zygote.fork(command, self.output.env(env)) if self.zygote else "spawn"
+        how = "fork" if isinstance(forked, Forked) else forked
         with self.lock:
-            slot.proc = subprocess.Popen(
-                command,
-                env=self.output.env(env),
-                preexec_fn=die_with_parent,
-                **self.output.popen_kwargs(),
-            )
+            if isinstance(forked, Forked):
+                slot.proc = forked
+            else:
+                slot.proc = subprocess.Popen(
+                    command,
+                    env=self.output.env(env),
+                    preexec_fn=die_with_parent,
+                    **self.output.popen_kwargs(),
+                )
             slot.started = time.monotonic()
             self.by_pid[slot.proc.pid] = slot
         self.output.label(slot.proc.pid, slot.rank, slot.life)
         self.output.watch(slot.proc)
         self.reap(slot.proc.pid)
+        return how
 
     def adopt(self, slot: Slot, proc: subprocess.Popen[bytes]) -> None:
         """A spare became ``slot``'s worker (its reaper and its output's relay run already)."""
@@ -178,6 +189,9 @@ class Children:
                 pass
 
     def kill_all(self, slots: list[Slot], sig: int, grace_s: float) -> None:
+        """Kill the workers of ``slots``, and end the zygote."""
+        if self.zygote is not None:
+            self.zygote.stop()
         for slot in slots:
             slot.done = True
             self.kill(slot, sig)

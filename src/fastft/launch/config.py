@@ -40,6 +40,10 @@ def _flag(default: Any, help: str, *, flag: str = "", choices: tuple[str, ...] =
     return field(default=default, metadata=meta)
 
 
+def _dotted(name: str) -> bool:
+    return all(part.isidentifier() for part in name.split("."))
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """``fastft run`` flags. ``command``: the worker command line."""
@@ -157,6 +161,19 @@ class LaunchConfig:
         "every step: 2-3 requests per member and step) or auto (collective on NCCL, on NATS "
         "and from 16 members; store for a small Gloo job)",
     )
+    start_method: str = _flag(
+        "zygote",
+        "how workers start: zygote (a fork of a process of this node that imported torch, "
+        "fastft and --preload once: milliseconds) or spawn (a new Python each time: "
+        "seconds); a command that is no script of this Python always spawns",
+        choices=("zygote", "spawn"),
+    )
+    preload: str = _flag(
+        "",
+        "modules the zygote imports before it forks, comma-separated (your heavy imports: "
+        "transformers, your model's code); one that fails to import, or starts a thread, "
+        "fails the job at start",
+    )
     warm_spares: int = _flag(
         0,
         "processes kept ready with torch imported; a restarted worker becomes one instead of "
@@ -244,6 +261,13 @@ class LaunchConfig:
             raise ConfigError(f"--nproc {self.nproc}: must be >= 1")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"--backend {self.backend!r}: use auto, gloo or nccl")
+        if self.start_method not in ("zygote", "spawn"):
+            raise ConfigError(f"--start-method {self.start_method!r}: use zygote or spawn")
+        bad = [n for n in self.preload.split(",") if n and not _dotted(n)]
+        if bad:
+            raise ConfigError(f"--preload {','.join(bad)}: module names, comma-separated")
+        if self.preload and self.start_method != "zygote":
+            raise ConfigError("--preload: only the zygote preloads (--start-method zygote)")
         if self.backend == "nccl":  # the workers' own rule, checked before they start
             import torch
 

@@ -19,7 +19,8 @@ __all__ = ["GROUPS", "add_run_flags", "config_from_args", "flag_variables"]
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "workers": (
-        "nproc", "min_replicas", "max_restarts", "warm_spares", "spare_cuda",
+        "nproc", "min_replicas", "max_restarts", "start_method", "preload", "warm_spares",
+        "spare_cuda",
         "spare_prefault_mb", "spare_run_ahead", "backend", "seed",
     ),
     "faults and hangs": (

@@ -95,7 +95,7 @@ class Output:
         self._lock = threading.Lock()
         self._labels: dict[int, tuple[str, Path | None]] = {}
         """pid -> (prefix, the file stem for --log-dir or None)."""
-        self._threads: list[tuple[subprocess.Popen[bytes], threading.Thread]] = []
+        self._threads: list[tuple[Any, threading.Thread]] = []
         self.tracebacks = Tracebacks()
 
     @staticmethod
@@ -106,8 +106,12 @@ class Output:
     def env(env: dict[str, str]) -> dict[str, str]:
         return {**env, "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1")}
 
-    def label(self, pid: int, rank: int | None, life: int = 0) -> None:
-        """Who ``pid`` is from now on (a spare adopted as a worker changes its label)."""
+    def label(self, pid: int, rank: int | None, life: int = 0, name: str = "") -> None:
+        """Who ``pid`` is from now on (a spare adopted as a worker changes its label);
+        ``name``: a helper process of the agent's (the zygote)."""
+        if name:
+            self._labels[pid] = (f"[{name}]: ", None)
+            return
         if rank is None:
             self._labels[pid] = (f"[spare {pid}]: ", None)
             return
@@ -118,8 +122,9 @@ class Output:
             stem = d / f"life{life}"
         self._labels[pid] = (f"[rank {rank}.{life}]: ", stem)
 
-    def watch(self, proc: subprocess.Popen[bytes]) -> None:
-        """Relay ``proc``'s pipes until they close (label it first)."""
+    def watch(self, proc: Any) -> None:
+        """Relay ``proc``'s pipes until they close (label it first): a ``Popen``, or
+        anything with its ``pid``, ``stdout``, ``stderr`` and ``returncode``."""
         for stream, name, console in (
             (proc.stdout, "stdout", sys.stdout),
             (proc.stderr, "stderr", sys.stderr),

@@ -32,7 +32,7 @@ from fastft.process.order import become, tell_ready
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["main", "order_line"]
+__all__ = ["main", "order_line", "warm_imports"]
 
 
 def order_line(env: dict[str, str], argv: list[str]) -> bytes:
@@ -40,18 +40,25 @@ def order_line(env: dict[str, str], argv: list[str]) -> bytes:
     return (json.dumps({"env": env, "argv": argv}) + "\n").encode()
 
 
-def _warm_up() -> None:
+def warm_imports() -> None:
+    """What every worker imports (a spare's and the zygote's warm-up, :mod:`.zygote`)."""
     import torch
 
     # the first optimizer constructed in a process imports torch._dynamo (~2 s here)
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     import importlib
 
-    import torch.distributed
+    import torch.distributed  # noqa: F401
+
+    importlib.import_module("fastft.runtime")  # what the worker it becomes imports
+
+
+def _warm_up() -> None:
+    import torch
 
     from fastft.process import malloc
 
-    importlib.import_module("fastft.runtime")  # what the worker it becomes imports
+    warm_imports()
 
     # the worker it becomes faults in its model, gradients and healed state on the
     # recovery path otherwise; the thresholds are the ones fastft.init() sets anyway

@@ -40,6 +40,8 @@ __all__ = [
     "WORKER_FIELD_TYPES",
     "WORKER_VARS",
     "WorkerEnv",
+    "ZYGOTE_FD",
+    "ZYGOTE_PRELOAD",
     "insecure",
     "parse_bool",
 ]
@@ -61,6 +63,8 @@ SPARE_RUN_AHEAD = "FASTFT_SPARE_COMMAND"
 CUDA_DEVICE = "FASTFT_SPARE_CUDA_DEVICE"
 READY_FD = "FASTFT_SPARE_READY_FD"
 PREFAULT_MB = "FASTFT_SPARE_PREFAULT_MB"
+ZYGOTE_FD = "FASTFT_ZYGOTE_FD"
+ZYGOTE_PRELOAD = "FASTFT_ZYGOTE_PRELOAD"
 MALLOC_TUNE = "FASTFT_MALLOC_TUNE"
 INSECURE = "FASTFT_INSECURE_NO_AUTH"
 
@@ -71,6 +75,8 @@ VARIABLES: dict[str, str] = {
     CUDA_DEVICE: "spare: the GPU whose CUDA context the spare creates ahead of time",
     READY_FD: "spare: a pipe the spare writes one byte to once it is warm",
     PREFAULT_MB: "spare: MiB of heap memory the spare touches ahead of time (0: none)",
+    ZYGOTE_FD: "zygote: its end of the agent's order socket",
+    ZYGOTE_PRELOAD: "zygote: the modules it imports before it forks (--preload)",
     # any process
     MALLOC_TUNE: "process: 0 leaves glibc's malloc thresholds alone (default: tuned)",
     INSECURE: "process: 1 turns the job secret's tags off, in every process of the job "

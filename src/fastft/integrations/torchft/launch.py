@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fastft.integrations.torchft.lighthouse import lighthouse_key
 
-__all__ = ["start_lighthouse", "stop_lighthouse"]
+__all__ = ["start_for_agent", "start_lighthouse", "stop_lighthouse"]
 
 
 def start_lighthouse(
@@ -87,6 +87,29 @@ def start_lighthouse(
             )
         time.sleep(0.01)
     return lighthouse, store.get(key).decode()
+
+
+def start_for_agent(agent: Any, preexec: Callable[[], None]) -> None:
+    """The lighthouse of ``fastft run --torchft`` (``agent``: its
+    :class:`~fastft.launch.agent.Agent`, whose ``lighthouse`` and ``lighthouse_addr`` it
+    sets)."""
+    cfg = agent.config
+    agent.lighthouse, agent.lighthouse_addr = start_lighthouse(
+        kind=cfg.torchft,
+        job=cfg.job,
+        node_rank=cfg.node_rank,
+        store=agent.store.raw,
+        store_addr=agent.store_addr,
+        min_replicas=cfg.min_replicas or 1,
+        world_size=cfg.world_size,
+        heartbeat_ms=cfg.lighthouse_heartbeat_ms,
+        join_ms=cfg.lighthouse_join_ms,
+        run_dir=str(agent.run_dir),
+        secret_file=str(agent.secret_file),
+        loopback=cfg.nnodes == 1,
+        wait_s=cfg.store_wait_s,
+        preexec=preexec,
+    )
 
 
 def stop_lighthouse(lighthouse: Any) -> None:

@@ -1,0 +1,247 @@
+"""The agent's end of the node's zygote (:mod:`fastft.launch.zygote`): it starts the
+zygote, waits until it is warm, orders forks, and replaces it when it dies.
+
+A worker forked by the zygote is the agent's child (the agent is a child subreaper): the
+agent's reaper, exit trace and kills treat it as a worker it spawned. Its stdout and stderr
+are pipes the agent makes and relays, as a spawned worker's. When the zygote cannot fork
+one (it is still warming up, it died, the command is not a script of this Python, or a
+fork would be unsafe), the worker is spawned instead, with the reason in the event log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from fastft.launch.output import Output
+from fastft.launch.zygote import MAX_ORDER
+from fastft.process.env import ZYGOTE_FD, ZYGOTE_PRELOAD
+
+__all__ = ["Forked", "Zygote", "forkable"]
+
+log = logging.getLogger(__name__)
+
+_PR_SET_CHILD_SUBREAPER = 36
+ORDER_TIMEOUT_S = 10.0
+"""The most a fork order may take (a fork is milliseconds; a zygote that does not answer
+is killed and replaced)."""
+
+
+@dataclass
+class Forked:
+    """A worker the zygote forked, as the agent sees it (what it uses of a ``Popen``)."""
+
+    pid: int
+    stdout: IO[bytes] | None = None
+    stderr: IO[bytes] | None = None
+    stdin: IO[bytes] | None = None
+    returncode: int | None = field(default=None)
+
+
+def forkable(argv: list[str], env: dict[str, str], python: str, base: dict[str, str]) -> str | None:
+    """Why the zygote (started as ``python`` with environment ``base``) cannot run
+    ``argv`` in ``env`` as a fork (None: it can): it runs a Python script or ``-m`` module
+    of its own interpreter, with the same ``PYTHONPATH`` (read at the interpreter's
+    start)."""
+    if len(argv) < 2 or os.path.realpath(argv[0]) != os.path.realpath(python):
+        return f"not a script of {python}: {argv[:1]}"
+    if argv[1].startswith("-") and not (argv[1] == "-m" and len(argv) >= 3):
+        return f"interpreter flags ({argv[1]}) take effect at start only"
+    for var in ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONNOUSERSITE"):
+        if env.get(var) != base.get(var):
+            return f"{var} differs from the zygote's (read at start only)"
+    return None
+
+
+class Zygote:
+    """One zygote of the node (see the module). ``emit(event, **fields)``: the agent's
+    event log; ``preexec``: run in the zygote before it starts (its death with the agent)."""
+
+    def __init__(
+        self,
+        *,
+        output: Output,
+        preload: tuple[str, ...],
+        env: dict[str, str],
+        emit: Callable[..., None],
+        preexec: Callable[[], None],
+        python: str = sys.executable,
+    ) -> None:
+        self.output = output
+        self.preexec = preexec
+        self.preload = preload
+        self.env = env
+        self.emit = emit
+        self.python = python
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._sock: socket.socket | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.error: str | None = None
+        """Why the current zygote is not usable (None while it warms up or once ready)."""
+        self._stopping = False
+        self.starts = 0
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start a zygote; it warms up in the background (:meth:`wait`)."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # its forks' middle processes exit
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**self.env, ZYGOTE_FD: str(theirs.fileno()), ZYGOTE_PRELOAD: ",".join(self.preload)}
+        try:
+            proc = subprocess.Popen(
+                [self.python, "-c", "from fastft.launch.zygote import main; main()"],
+                env=self.output.env(env),
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                preexec_fn=self.preexec,
+                **self.output.popen_kwargs(),
+            )
+        finally:
+            theirs.close()
+        self.output.label(proc.pid, None, name="zygote")
+        self.output.watch(proc)
+        with self._lock:
+            self._sock, self._proc, self.error = ours, proc, None
+            self._ready.clear()
+            self.starts += 1
+        self.emit("zygote_start", pid=proc.pid, preload=list(self.preload))
+        threading.Thread(
+            target=self._warm_up,
+            args=(proc, ours, time.monotonic()),
+            name="fastft-zygote",
+            daemon=True,
+        ).start()
+
+    def wait(self, timeout_s: float) -> str | None:
+        """Wait until the zygote is warm; why not (None: it is)."""
+        if not self._ready.wait(timeout_s):
+            return f"the zygote is not ready after {timeout_s:g} s"
+        return self.error
+
+    def stop(self) -> None:
+        """End the zygote (its forks live on: they are the agent's children)."""
+        with self._lock:
+            self._stopping = True
+            sock, proc = self._sock, self._proc
+            self._sock = None
+        if sock is not None:
+            sock.close()  # (it ends at EOF)
+        if proc is not None:
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+    def _warm_up(self, proc: subprocess.Popen[bytes], sock: socket.socket, t0: float) -> None:
+        """Thread: the zygote's first message (ready, or why not), then its exit."""
+        try:
+            got = json.loads(sock.recv(MAX_ORDER) or b"{}")
+        except (OSError, ValueError):
+            got = {}
+        if got.get("ready"):
+            self.emit(
+                "zygote_ready",
+                pid=proc.pid,
+                warm_up_ms=round((time.monotonic() - t0) * 1e3, 1),
+                native_threads=got.get("native_threads"),
+            )
+        else:
+            code = proc.wait()
+            self.error = got.get("error") or f"the zygote exited with code {code} as it started"
+        self._ready.set()
+        code = proc.wait()
+        with self._lock:
+            current = self._proc is proc and not self._stopping
+            if current:
+                self.error = self.error or f"the zygote exited (code {code})"
+        if current and got.get("ready"):  # a zygote that had worked: start another
+            self.emit("zygote_exit", pid=proc.pid, code=code)
+            log.warning("the zygote (pid %d) exited with %s: a new one starts", proc.pid, code)
+            print(
+                f"fastft: the zygote exited ({code}): restarts spawn until a new one is warm",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.start()
+
+    # --- forks -----------------------------------------------------------------------------
+    def fork(self, argv: list[str], env: dict[str, str]) -> Forked | str:
+        """A worker forked with ``argv`` and ``env``, or why not (spawn it instead)."""
+        why = forkable(argv, env, self.python, self.env)
+        if why is not None:
+            return why
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            got = self._order(
+                {"argv": argv, "env": env, "cwd": os.getcwd(), "fds": [1, 2]}, [out_w, err_w]
+            )
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        if isinstance(got, str):
+            os.close(out_r)
+            os.close(err_r)
+            return got
+        return Forked(got, stdout=os.fdopen(out_r, "rb"), stderr=os.fdopen(err_r, "rb"))
+
+    def _order(self, order: dict[str, Any], fds: list[int]) -> int | str:
+        with self._lock:
+            sock = self._sock
+            if sock is None or not self._ready.is_set() or self.error is not None:
+                return self.error or "the zygote is warming up"
+            try:
+                sock.settimeout(ORDER_TIMEOUT_S)
+                socket.send_fds(sock, [json.dumps(order).encode()], fds)
+                reply = json.loads(sock.recv(MAX_ORDER) or b"{}")
+            except (OSError, ValueError) as e:
+                reply = {"error": f"the zygote did not answer ({e})"}
+                if self._proc is not None:
+                    self._proc.kill()  # (its thread starts another)
+        if "pid" in reply:
+            return int(reply["pid"])
+        return str(reply.get("error") or "the zygote closed its socket")
+
+
+def start_zygote(
+    config: Any, output: Output, emit: Callable[..., None], preexec: Callable[[], None]
+) -> tuple[Zygote | None, str | None]:
+    """The node's zygote for ``fastft run`` (``config``: its LaunchConfig), warm, and why
+    the job cannot start (a ``--preload`` module that fails or starts a thread). None with
+    ``--start-method spawn``; a zygote that fails otherwise leaves the workers to spawn."""
+    if config.start_method != "zygote":
+        return None, None
+    env = {
+        **os.environ,
+        **config.env,
+        "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+    }
+    preload = tuple(n for n in config.preload.split(",") if n)
+    z = Zygote(output=output, preload=preload, env=env, emit=emit, preexec=preexec)
+    z.start()
+    why = z.wait(ZYGOTE_START_S)
+    if why is None:
+        return z, None
+    if why.startswith("--preload"):
+        z.stop()
+        return None, why
+    log.warning("the zygote is not usable (%s): workers start as new processes", why)
+    emit("zygote_unusable", why=why[:300])
+    return z, None
+
+
+ZYGOTE_START_S = 120.0
+"""The most the first start waits for the zygote to warm up (then it spawns)."""

@@ -1,0 +1,214 @@
+"""The node's zygote: a process that pays Python's start-up once (``import torch``, the
+``torch._dynamo`` import the first optimizer triggers, fastft's runtime, and the modules
+named by ``--preload``) and then only forks, on the agent's order. Every worker start and
+restart of ``fastft run --start-method zygote`` (the default) is such a fork: milliseconds
+instead of seconds (issue 37). The agent's end is :mod:`fastft.launch.forks`.
+
+An order is one message on a Unix socket (``SOCK_SEQPACKET``): a JSON object with the
+worker's ``argv``, ``env`` and ``cwd`` and the descriptors it gets (``fds``: the child's
+descriptor numbers, the descriptors themselves passed with ``SCM_RIGHTS``: its stdout and
+stderr pipes, which the agent relays as a spawned worker's). The zygote forks twice: the
+middle process forks the worker and exits at once, so the worker becomes a child of the
+agent (a child subreaper): the agent waits for it, traces it and kills it exactly as a
+worker it spawned. The reply is ``{"pid": N}``, sent once the worker is the agent's.
+
+What the zygote must never do, checked before each fork (the order is refused, and the
+agent spawns the worker instead, saying why):
+
+* hold a CUDA context (``torch.cuda.is_initialized()``): a forked context is unusable;
+  each worker creates its own;
+* run a Python thread besides its main one: a fork copies only the forking thread, and a
+  lock another thread held stays locked in the child forever. A ``--preload`` module that
+  starts one fails the job at start, naming the module;
+* hold a process group, a store client or a socket to anything but its agent (it never
+  creates one: it imports, and forks).
+
+In each worker, the random generators are reseeded (Python's, NumPy's when imported,
+torch's), SIGINT takes its default handler back, the environment is the worker's own,
+and ``torch.set_num_threads`` follows its ``OMP_NUM_THREADS``. The zygote registers no
+``atexit`` handler; those its imports registered (logging's flush) run in each worker as
+in a fresh process. Native thread pools that imports started (OpenBLAS) are fork-aware.
+
+    python -c 'from fastft.launch.zygote import main; main()'   # the agent, FASTFT_ZYGOTE_FD
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import json
+import os
+import random
+import runpy
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from fastft.process.env import ZYGOTE_FD, ZYGOTE_PRELOAD
+
+__all__ = ["MAX_ORDER", "main", "unsafe"]
+
+MAX_ORDER = 1 << 20
+"""The largest order, in bytes (an environment of a few hundred variables is ~10 KiB)."""
+_MAX_FDS = 8
+_PR_SET_PDEATHSIG = 1
+_REPARENT_S = 2.0
+
+
+def unsafe() -> str | None:
+    """Why a fork now would hand its child something broken (None: it is safe)."""
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    if others:
+        return "threads are running in the zygote: " + ", ".join(_describe(t) for t in others)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "the zygote holds a CUDA context (a forked one is unusable)"
+    return None
+
+
+def _describe(t: threading.Thread) -> str:
+    target = getattr(t, "_target", None)
+    where = getattr(target, "__module__", None) or type(t).__module__
+    return f"{t.name!r} (started by {where})"
+
+
+def _preload(names: list[str]) -> str | None:
+    """Import the ``--preload`` modules, one at a time; the first that fails, or that
+    leaves a thread running, ends the zygote with that reason."""
+    for name in names:
+        before = set(threading.enumerate())
+        try:
+            importlib.import_module(name)
+        except BaseException as e:  # (its error, once, for the job's failure)
+            tail = "".join(traceback.format_exception_only(type(e), e)).strip()
+            return f"--preload {name}: the import failed: {tail}"
+        new = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        if new:
+            return (
+                f"--preload {name} started a thread ({', '.join(_describe(t) for t in new)}): "
+                "a fork would copy its locks, not the thread; preload it in the script "
+                "instead, or use --start-method spawn"
+            )
+    return None
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the agent's group)
+    sock = socket.socket(fileno=int(os.environ.pop(ZYGOTE_FD)))
+    names = [n for n in os.environ.pop(ZYGOTE_PRELOAD, "").split(",") if n]
+    t0 = time.monotonic()
+    from fastft.launch.spare import warm_imports
+
+    warm_imports()
+    why = _preload(names) or unsafe()
+    if why is not None:
+        sock.send(json.dumps({"error": why}).encode())
+        sys.exit(2)
+    tasks = len(os.listdir("/proc/self/task"))
+    took = round((time.monotonic() - t0) * 1e3, 1)
+    sock.send(json.dumps({"ready": True, "warm_up_ms": took, "native_threads": tasks}).encode())
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, MAX_ORDER, _MAX_FDS)
+        except OSError:
+            return
+        if not msg:  # the agent closed its end: it is done, or gone
+            return
+        reply = _serve(sock, msg, fds)
+        for fd in fds:
+            os.close(fd)
+        sock.send(json.dumps(reply).encode())
+
+
+def _serve(sock: socket.socket, msg: bytes, fds: list[int]) -> dict[str, Any]:
+    try:
+        order = json.loads(msg)
+        targets = [int(n) for n in order["fds"]]
+        if len(targets) != len(fds):
+            return {"error": f"{len(fds)} descriptors for {len(targets)} targets"}
+    except (ValueError, KeyError, TypeError) as e:
+        return {"error": f"a malformed order: {e}"}
+    why = unsafe()
+    if why is not None:
+        return {"error": why}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    agent = os.getppid()
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # the middle process: fork the worker, say its pid, leave
+        try:
+            os.close(r)
+            pid = os.fork()
+        except BaseException:
+            os._exit(1)
+        if pid == 0:  # the worker (what it raises ends it, as in a fresh process)
+            os.close(w)
+            _become(order, sock, dict(zip(targets, fds, strict=True)), agent)
+        os.write(w, str(pid).encode())
+        os._exit(0)
+    os.close(w)
+    got = b""
+    while chunk := os.read(r, 64):
+        got += chunk
+    os.close(r)
+    os.waitpid(middle, 0)  # gone: the worker is the agent's child now
+    if not got:
+        return {"error": "the middle process failed to fork"}
+    return {"pid": int(got)}
+
+
+def _become(order: dict[str, Any], sock: socket.socket, fds: dict[int, int], agent: int) -> None:
+    """In the worker: wait to be the agent's child, take the order's descriptors,
+    environment and working directory, reseed, and run the script as ``python`` would.
+    Never returns: the script's end is the process's."""
+    deadline = time.monotonic() + _REPARENT_S
+    while os.getppid() != agent:  # (the middle process exits at once)
+        if time.monotonic() > deadline:
+            os._exit(1)
+        time.sleep(0.0002)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # no worker outlives its agent
+    if os.getppid() != agent:
+        os._exit(1)
+    sock.close()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    for target, fd in fds.items():
+        os.dup2(fd, target)
+    for fd in set(fds.values()) - set(fds):  # (received under another number)
+        os.close(fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(order["env"])
+    os.chdir(order["cwd"])
+    _reseed()
+    argv: list[str] = order["argv"]
+    if len(argv) >= 3 and argv[1] == "-m":
+        sys.argv = [argv[2], *argv[3:]]
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv[1:]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
+        runpy.run_path(argv[1], run_name="__main__")
+    sys.exit(0)
+
+
+def _reseed() -> None:
+    """Every fork starts with the zygote's generators: give each its own, as a fresh
+    process has (the runtime seeds each step from the job's seed anyway)."""
+    random.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+    import torch
+
+    torch.seed()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
