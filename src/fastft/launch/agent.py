@@ -335,6 +335,8 @@ class Agent:
         while True:
             self._wake.wait(period)
             self._wake.clear()
+            if self.children.zygote is not None:  # (from this thread: see restart_later)
+                self.children.zygote.tend()
             if self.draining is not None:
                 for slot in slots:  # (each worker's SIGTERM handler asks for its drain)
                     # once its runtime is up (its first heartbeat): before, the handler is

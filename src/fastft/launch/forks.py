@@ -90,6 +90,7 @@ class Zygote:
         self.error: str | None = None
         """Why the current zygote is not usable (None while it warms up or once ready)."""
         self._stopping = False
+        self._replace = False
         self.starts = 0
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -167,7 +168,7 @@ class Zygote:
             current = self._proc is proc and not self._stopping
             if current:
                 self.error = self.error or f"the zygote exited (code {code})"
-        if current and got.get("ready"):  # a zygote that had worked: start another
+        if current and got.get("ready"):  # a zygote that had worked: another one starts
             self.emit("zygote_exit", pid=proc.pid, code=code)
             log.warning("the zygote (pid %d) exited with %s: a new one starts", proc.pid, code)
             print(
@@ -175,6 +176,14 @@ class Zygote:
                 file=sys.stderr,
                 flush=True,
             )
+            self._replace = True
+
+    def tend(self) -> None:
+        """From the agent's main thread, each turn of its loop: start the replacement of a
+        zygote that died (a child's PR_SET_PDEATHSIG fires when the *thread* that started
+        it ends: not from the thread that saw the death)."""
+        if self._replace and not self._stopping:
+            self._replace = False
             self.start()
 
     # --- forks -----------------------------------------------------------------------------
