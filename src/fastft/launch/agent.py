@@ -166,6 +166,7 @@ class Agent:
             self._start_lighthouse()
             out = self.children.output
             self.children.zygote, why = start_zygote(cfg, out, self.events.emit, die_with_parent)
+            self.spares.zygote = self.children.zygote  # (spares are its forks too)
             for slot in self.slots.values() if why is None else ():
                 self._spawn(slot)
             if why is not None:

@@ -105,7 +105,7 @@ class Children:
         self.reap(slot.proc.pid)
         return how
 
-    def adopt(self, slot: Slot, proc: subprocess.Popen[bytes]) -> None:
+    def adopt(self, slot: Slot, proc: subprocess.Popen[bytes] | Forked) -> None:
         """A spare became ``slot``'s worker (its reaper and its output's relay run already)."""
         with self.lock:
             slot.proc = proc

@@ -187,25 +187,44 @@ class Zygote:
             self.start()
 
     # --- forks -----------------------------------------------------------------------------
-    def fork(self, argv: list[str], env: dict[str, str]) -> Forked | str:
-        """A worker forked with ``argv`` and ``env``, or why not (spawn it instead)."""
-        why = forkable(argv, env, self.python, self.env)
+    def fork(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        call: str = "",
+        keep: dict[int, int] | None = None,
+        stdin: bool = False,
+    ) -> Forked | str:
+        """A worker forked with ``argv`` and ``env``, or why not (spawn it instead).
+        ``call``: ``"module:function"`` to call instead of running ``argv`` (a warm
+        spare); ``keep``: descriptors of the agent's that the child gets, by the number it
+        sees them under; ``stdin``: a pipe to its stdin (``Forked.stdin``)."""
+        why = None if call else forkable(argv, env, self.python, self.env)
         if why is not None:
             return why
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        in_r, in_w = os.pipe() if stdin else (-1, -1)
+        fds = {1: out_w, 2: err_w, **({0: in_r} if stdin else {}), **(keep or {})}
+        order = {"argv": argv, "env": env, "cwd": os.getcwd(), "fds": list(fds), "call": call}
         try:
-            got = self._order(
-                {"argv": argv, "env": env, "cwd": os.getcwd(), "fds": [1, 2]}, [out_w, err_w]
-            )
+            got = self._order(order, list(fds.values()))
         finally:
-            os.close(out_w)
-            os.close(err_w)
+            for fd in (out_w, err_w, in_r):
+                if fd >= 0:
+                    os.close(fd)
         if isinstance(got, str):
-            os.close(out_r)
-            os.close(err_r)
+            for fd in (out_r, err_r, in_w):
+                if fd >= 0:
+                    os.close(fd)
             return got
-        return Forked(got, stdout=os.fdopen(out_r, "rb"), stderr=os.fdopen(err_r, "rb"))
+        return Forked(
+            got,
+            stdout=os.fdopen(out_r, "rb"),
+            stderr=os.fdopen(err_r, "rb"),
+            stdin=os.fdopen(in_w, "wb") if stdin else None,
+        )
 
     def _order(self, order: dict[str, Any], fds: list[int]) -> int | str:
         with self._lock:

@@ -16,6 +16,7 @@ from typing import Any
 
 import fastft.launch.policy as policy
 from fastft.launch.config import LaunchConfig
+from fastft.launch.forks import Forked, Zygote
 from fastft.launch.output import Output
 from fastft.process.env import CUDA_DEVICE, PREFAULT_MB, READY_FD, SPARE_RUN_AHEAD
 from fastft.process.events import EventLog
@@ -23,6 +24,9 @@ from fastft.process.events import EventLog
 __all__ = ["SparePool"]
 
 log = logging.getLogger(__name__)
+
+READY_TARGET = 10
+"""The descriptor number of a forked spare's ready pipe."""
 
 
 class SparePool:
@@ -45,7 +49,7 @@ class SparePool:
         self._preexec = preexec
         self.gpus = gpus
         self._lock = threading.Lock()
-        self._spares: list[subprocess.Popen[bytes]] = []
+        self._spares: list[subprocess.Popen[bytes] | Forked] = []
         self._gpu: dict[int, int] = {}
         """pid -> the GPU a spare warmed (only where there are GPUs and spare_cuda)."""
         self._dead: set[int] = set()
@@ -53,6 +57,8 @@ class SparePool:
         """pids of spares that said they are warm (:meth:`_await_ready`)."""
         self._owed: list[tuple[float, Any, int]] = []
         """(deadline, slot, incarnation) of each spare handed out and not yet replaced."""
+        self.zygote: Zygote | None = None
+        """The node's zygote (set by the agent): spares are its forks."""
 
     def gpu_of(self, local_rank: int) -> int | None:
         """The GPU a worker of this local rank trains on, by torchrun's convention (the
@@ -74,8 +80,22 @@ class SparePool:
         ready_r, ready_w = os.pipe()
         env[READY_FD] = str(ready_w)
         t0 = time.monotonic()
+        p: subprocess.Popen[bytes] | Forked | None = None
+        how = "spawn"
+        if self.zygote is not None:  # a fork: its warm-up is the zygote's, done already
+            env[READY_FD] = str(READY_TARGET)
+            got = self.zygote.fork(
+                list(self.config.command[:1]),
+                self.output.env(env),
+                call="fastft.launch.spare:main",
+                keep={READY_TARGET: ready_w},
+                stdin=True,
+            )
+            p, how = (got, "fork") if isinstance(got, Forked) else (None, got)
+            if p is None:
+                env[READY_FD] = str(ready_w)
         try:
-            p = subprocess.Popen(
+            p = p or subprocess.Popen(
                 # not `-m fastft.launch.spare`: the package imports that module first, and
                 # runpy warns that it runs a module already in sys.modules
                 [self.config.command[0], "-c", "from fastft.launch.spare import main; main()"],
@@ -100,7 +120,7 @@ class SparePool:
             name=f"fastft-spare-ready-{p.pid}",
             daemon=True,
         ).start()
-        self.events.emit("spare_start", pid=p.pid, gpu=gpu)
+        self.events.emit("spare_start", pid=p.pid, gpu=gpu, how=how[:200])
 
     def track(self, proc: Any, gpu: int | None) -> None:
         """Add a started spare (``proc``: a Popen or anything with ``pid`` and ``stdin``)."""
@@ -148,7 +168,7 @@ class SparePool:
         log.warning("warm spare %d ended before it was needed (%d)%s", info.si_pid, code, hint)
         self.events.emit("spare_exit", pid=info.si_pid, code=code)
 
-    def take(self, gpu: int | None = None) -> tuple[subprocess.Popen[bytes], bool] | None:
+    def take(self, gpu: int | None = None) -> tuple[subprocess.Popen[bytes] | Forked, bool] | None:
         """A live spare and whether it was ready (:func:`policy.pick_spare`)."""
         with self._lock:
             self._spares = [p for p in self._spares if p.pid not in self._dead]

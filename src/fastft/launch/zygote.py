@@ -7,7 +7,8 @@ instead of seconds (issue 37). The agent's end is :mod:`fastft.launch.forks`.
 An order is one message on a Unix socket (``SOCK_SEQPACKET``): a JSON object with the
 worker's ``argv``, ``env`` and ``cwd`` and the descriptors it gets (``fds``: the child's
 descriptor numbers, the descriptors themselves passed with ``SCM_RIGHTS``: its stdout and
-stderr pipes, which the agent relays as a spawned worker's). The zygote forks twice: the
+stderr pipes, which the agent relays as a spawned worker's; a warm spare's stdin and
+ready pipe too), or a function of fastft's to ``call`` instead (a warm spare's main). The zygote forks twice: the
 middle process forks the worker and exits at once, so the worker becomes a child of the
 agent (a child subreaper): the agent waits for it, traces it and kills it exactly as a
 worker it spawned. The reply is ``{"pid": N}``, sent once the worker is the agent's.
@@ -191,7 +192,11 @@ def _become(order: dict[str, Any], sock: socket.socket, fds: dict[int, int], age
     os.chdir(order["cwd"])
     _reseed()
     argv: list[str] = order["argv"]
-    if len(argv) >= 3 and argv[1] == "-m":
+    if order.get("call"):  # a function of fastft's (a warm spare: fastft.launch.spare:main)
+        module, _, name = order["call"].partition(":")
+        sys.argv = argv[:1]
+        getattr(importlib.import_module(module), name)()
+    elif len(argv) >= 3 and argv[1] == "-m":
         sys.argv = [argv[2], *argv[3:]]
         runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
     else:  # as `python script.py`: the script is sys.modules["__main__"] (for pickle)
