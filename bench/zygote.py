@@ -7,8 +7,10 @@ zygote) against ``--start-method spawn`` (a new Python that imports torch each t
   commit (``rejoin_ms``), and to the survivors' next commit. Target: zygote <= 0.3 s p50.
 * first start: from the agent's start to every replica's first commit (the zygote imports
   once and forks three; spawn imports three times on the same cores).
-* memory: the node's proportional set size (PSS: shared pages split among their users)
-  of the workers and the zygote, from ``/proc/PID/smaps_rollup`` once the job trains.
+* memory: the node's proportional set size (PSS: shared pages split among their users,
+  from ``/proc/PID/smaps_rollup``) of the workers and the zygote once the job trains; and
+  of 2 idle warm spares (``--warm-spares 2``) with the zygote against 2 spawned spares;
+  and how long a spare takes to warm up (a refill's cost).
 
     python bench/zygote.py [--trials 5] [--quick]
 
@@ -38,6 +40,7 @@ WORKER = str(HERE / "_train.py")
 NPROC = 3
 HIDDEN, LAYERS = 1024, 5  # 4,232,193 parameters (bench/recovery.py's "large")
 METHODS = ("zygote", "spawn")
+SPARES = 2
 
 
 def _env() -> dict[str, str]:
@@ -73,6 +76,50 @@ def _sample_memory(run: Path, out: dict[str, int], stop: threading.Event) -> Non
         return
 
 
+def _sample_spares(run: Path, out: dict[str, float], stop: threading.Event) -> None:
+    """Once both spares are warm, the PSS of the spares and the zygote."""
+    deadline = time.monotonic() + 180
+    while not stop.wait(0.2):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{run}: the spares were not warm after 180 s")
+        try:
+            ev = read_events(run)
+        except (OSError, ValueError):
+            continue
+        ready = [e for e in ev if e["event"] == "spare_ready"]
+        if len(ready) < SPARES:
+            continue
+        pids = [e["pid"] for e in ready] + [e["pid"] for e in ev if e["event"] == "zygote_start"]
+        out["pss_kib"] = sum(v for p in pids if (v := pss_kib(p)) is not None)
+        out["warm_up_ms"] = statistics.median(e["warm_up_ms"] for e in ready)
+        return
+
+
+def spare_trial(method: str, tmp: Path) -> dict[str, object]:
+    """Idle warm spares: their (and the zygote's) PSS, and their warm-up."""
+    name = f"spares-{method}"
+    run = tmp / name
+    run.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", str(NPROC), "--job", name]
+    cmd += ["--run-dir", str(run), "--start-method", method, "--warm-spares", str(SPARES)]
+    cmd += [WORKER, "--mode", "fastft", "--steps", "100000", "--hidden", str(HIDDEN)]
+    cmd += ["--layers", str(LAYERS), "--out", str(run / "out")]
+    got: dict[str, float] = {}
+    stop = threading.Event()
+    job = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _sample_spares(run, got, stop)  # (returns once both are warm)
+    finally:
+        job.terminate()  # a drain: the workers leave at their next commit
+        job.wait(timeout=120)
+    return {
+        "method": method,
+        "spares": SPARES,
+        "spares_pss_mib": round(got["pss_kib"] / 1024, 1),
+        "spare_warm_up_ms": got["warm_up_ms"],
+    }
+
+
 def trial(method: str, trial_no: int, steps: int, at: int, tmp: Path) -> dict[str, object]:
     from fastft.report import summarize
 
@@ -97,7 +144,7 @@ def trial(method: str, trial_no: int, steps: int, at: int, tmp: Path) -> dict[st
         raise RuntimeError(f"fastft run {name} failed: {p.stderr[-2000:]}")
     ev = read_events(run)
     start = next(e["mono"] for e in ev if e["event"] == "agent_start")
-    first = {}
+    first: dict[str, float] = {}
     for e in ev:
         if e["event"] == "commit":
             first.setdefault(e["src"], e["mono"])
@@ -133,6 +180,8 @@ def main() -> None:
             for method in METHODS:
                 progress.next(f"{method} trial {t}")
                 rows.append(trial(method, t, a.steps, a.at_step, Path(d)))
+    with tempfile.TemporaryDirectory(prefix="fastft-zygote-") as d:
+        spares = [spare_trial(m, Path(d)) for m in METHODS]
     summary = []
     for method in METHODS:
         mine = [r for r in rows if r["method"] == method]
@@ -152,10 +201,12 @@ def main() -> None:
                 "pss_p50_mib": med("pss_mib"),
             }
         )
+    for row, sp in zip(summary, spares, strict=True):
+        row.update({k: v for k, v in sp.items() if k != "method"})
     z, s = summary
     ratios = {
         key: round(float(s[key]) / float(z[key]), 1)  # type: ignore[arg-type]
-        for key in ("rejoin_p50_ms", "first_start_p50_ms")
+        for key in ("rejoin_p50_ms", "first_start_p50_ms", "spares_pss_mib", "spare_warm_up_ms")
         if z[key] and s[key]
     }
     path = write(

@@ -35,7 +35,6 @@ in a fresh process. Native thread pools that imports started (OpenBLAS) are fork
 
 from __future__ import annotations
 
-import builtins
 import ctypes
 import importlib
 import json
@@ -48,7 +47,6 @@ import sys
 import threading
 import time
 import traceback
-import types
 from typing import Any
 
 from fastft.process.env import ZYGOTE_FD, ZYGOTE_PRELOAD
@@ -199,17 +197,10 @@ def _become(order: dict[str, Any], sock: socket.socket, fds: dict[int, int], age
     elif len(argv) >= 3 and argv[1] == "-m":
         sys.argv = [argv[2], *argv[3:]]
         runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
-    else:  # as `python script.py`: the script is sys.modules["__main__"] (for pickle)
+    else:  # (runpy makes the script sys.modules["__main__"] while it runs: pickle finds it)
         sys.argv = argv[1:]
-        path = os.path.abspath(argv[1])
-        sys.path.insert(0, os.path.dirname(path))
-        main = types.ModuleType("__main__")
-        main.__file__ = path
-        main.__dict__["__builtins__"] = builtins
-        sys.modules["__main__"] = main
-        with open(path, "rb") as f:
-            code = compile(f.read(), path, "exec")
-        exec(code, main.__dict__)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
+        runpy.run_path(argv[1], run_name="__main__")
     sys.exit(0)
 
 
