@@ -63,6 +63,7 @@ bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/node_loss.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/hsdp.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/inprocess.py
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/zygote.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/chaos.py --planned
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/chaos.py --min-replicas 2 --adaptive-hang --name chaos-elastic \
 		--kinds exception,sigkill,sigstop,gil_hang,segfault,exit,state_lost
