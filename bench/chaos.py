@@ -27,6 +27,7 @@ against the reference and (with ``--planned``) against the same faults at planne
     python bench/chaos.py                       # the full soak: 600 s, 4 workers, 2 spares
     python bench/chaos.py --duration 60 --nproc 3 --spares 1 --out DIR   # the CI version
     python bench/chaos.py --ends 100            # 100 short soaks: does each end with 0?
+    python bench/chaos.py --start-method spawn  # restarts and spares as new Pythons
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def _cmd(
         *("--max-restarts", "1000", "--hang-timeout", str(a.hang_timeout)),
         # a storm of faults on healthy workers on purpose: no slot is a repeat offender
         *("--quarantine", "off"),
+        *("--start-method", a.start_method),
         *extra,
     ]
     if a.min_replicas:
@@ -549,6 +551,13 @@ def main() -> int:
         help="the chaos run's durable tier (default: OUT/ckpt; every holder can be lost)",
     )
     ap.add_argument("--no-checkpoint", action="store_true", help="no durable tier")
+    ap.add_argument(
+        "--start-method",
+        default="zygote",
+        choices=("zygote", "spawn"),
+        help="fastft run --start-method: restarts and spares as forks of the node's zygote, "
+        "or new Pythons (before issue 37)",
+    )
     ap.add_argument("--planned", action="store_true", help="also the same faults at steps")
     ap.add_argument("--out", type=Path, default=None, help="run directories (default: tmp)")
     ap.add_argument("--name", default="chaos", help="result file bench/results/NAME.json")
