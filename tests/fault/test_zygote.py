@@ -82,8 +82,12 @@ def _preload_job(tmp: Path, body: str) -> subprocess.CompletedProcess[str]:
             "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n",
             "--preload heavy_mod started a thread",
         ),
+        (
+            "import socket\n_client = socket.socket()\n",
+            "--preload heavy_mod: after its imports, the zygote holds 1 socket",
+        ),
     ],
-    ids=["fails", "starts-a-thread"],
+    ids=["fails", "starts-a-thread", "opens-a-socket"],
 )
 def test_a_preload_that_cannot_be_forked_fails_the_job_at_start(tmp_path, body, said):
     p = _preload_job(tmp_path, body)

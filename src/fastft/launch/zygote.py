@@ -21,8 +21,8 @@ agent spawns the worker instead, saying why):
 * run a Python thread besides its main one: a fork copies only the forking thread, and a
   lock another thread held stays locked in the child forever. A ``--preload`` module that
   starts one fails the job at start, naming the module;
-* hold a process group, a store client or a socket to anything but its agent (it never
-  creates one: it imports, and forks).
+* hold a process group, a store client or any socket but its agent's (checked: a
+  ``--preload`` module that opens one fails the job at start).
 
 In each worker, the random generators are reseeded (Python's, NumPy's when imported,
 torch's), SIGINT takes its default handler back, the environment is the worker's own,
@@ -60,15 +60,30 @@ _PR_SET_PDEATHSIG = 1
 _REPARENT_S = 2.0
 
 
-def unsafe() -> str | None:
-    """Why a fork now would hand its child something broken (None: it is safe)."""
+def unsafe(own: int = -1) -> str | None:
+    """Why a fork now would hand its child something broken (None: it is safe); ``own``:
+    the zygote's socket to its agent (the one socket it may hold)."""
     others = [t for t in threading.enumerate() if t is not threading.main_thread()]
     if others:
         return "threads are running in the zygote: " + ", ".join(_describe(t) for t in others)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "the zygote holds a CUDA context (a forked one is unusable)"
+    sockets = _sockets() - {own}
+    if sockets:  # (a store client, a process group, a connection a preload opened)
+        return f"the zygote holds {len(sockets)} socket(s) besides its agent's"
     return None
+
+
+def _sockets() -> set[int]:
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                out.add(int(name))
+        except OSError:
+            pass  # (the directory's own descriptor, closed by now)
+    return out
 
 
 def _describe(t: threading.Thread) -> str:
@@ -105,7 +120,9 @@ def main() -> None:
     from fastft.launch.spare import warm_imports
 
     warm_imports()
-    why = _preload(names) or unsafe()
+    why = unsafe(sock.fileno()) or _preload(names)
+    if why is None and (after := unsafe(sock.fileno())) is not None:
+        why = f"--preload {','.join(names)}: after its imports, {after}"
     if why is not None:
         sock.send(json.dumps({"error": why}).encode())
         sys.exit(2)
@@ -133,7 +150,7 @@ def _serve(sock: socket.socket, msg: bytes, fds: list[int]) -> dict[str, Any]:
             return {"error": f"{len(fds)} descriptors for {len(targets)} targets"}
     except (ValueError, KeyError, TypeError) as e:
         return {"error": f"a malformed order: {e}"}
-    why = unsafe()
+    why = unsafe(sock.fileno())
     if why is not None:
         return {"error": why}
     sys.stdout.flush()
