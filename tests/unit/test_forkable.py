@@ -1,0 +1,51 @@
+"""Which commands the zygote may fork (launch/forks.forkable, pure) and what it refuses
+to fork with (launch/zygote.unsafe)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+
+from fastft.launch.forks import forkable
+from fastft.launch.zygote import unsafe
+
+PY = sys.executable
+BASE = {"PYTHONPATH": "/src"}
+
+
+def test_a_script_or_module_of_the_same_python_forks():
+    assert forkable([PY, "train.py", "--steps", "3"], dict(BASE), PY, BASE) is None
+    assert forkable([PY, "-m", "pkg.train", "--", "x"], dict(BASE), PY, BASE) is None
+
+
+def test_anything_else_spawns_with_the_reason():
+    assert "not a script of" in (forkable(["/bin/bash", "run.sh"], BASE, PY, BASE) or "")
+    assert "not a script of" in (forkable([PY], BASE, PY, BASE) or "")
+    assert "interpreter flags (-X)" in (forkable([PY, "-X", "dev", "t.py"], BASE, PY, BASE) or "")
+    assert "interpreter flags (-m)" in (forkable([PY, "-m"], BASE, PY, BASE) or "")
+    other = {"PYTHONPATH": "/elsewhere"}
+    assert "PYTHONPATH differs" in (forkable([PY, "t.py"], other, PY, BASE) or "")
+    assert "PYTHONHASHSEED differs" in (
+        forkable([PY, "t.py"], {**BASE, "PYTHONHASHSEED": "0"}, PY, BASE) or ""
+    )
+
+
+def test_a_thread_or_a_socket_makes_a_fork_unsafe():
+    assert unsafe() is None
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, name="loader", daemon=True)
+    t.start()
+    try:
+        assert "'loader' (started by threading)" in (unsafe() or "")
+    finally:
+        stop.set()
+        t.join(timeout=5)
+    a, b = socket.socketpair()
+    try:
+        assert "2 socket(s)" in (unsafe() or "")
+        assert "1 socket(s)" in (unsafe(own=a.fileno()) or "")
+    finally:
+        a.close()
+        b.close()
+    assert unsafe() is None
