@@ -3,12 +3,11 @@ to fork with (launch/zygote.unsafe)."""
 
 from __future__ import annotations
 
-import socket
+import json
+import subprocess
 import sys
-import threading
 
 from fastft.launch.forks import forkable
-from fastft.launch.zygote import unsafe
 
 PY = sys.executable
 BASE = {"PYTHONPATH": "/src"}
@@ -31,21 +30,31 @@ def test_anything_else_spawns_with_the_reason():
     )
 
 
+_UNSAFE = """
+import json, socket, threading
+from fastft.launch.zygote import unsafe
+out = [unsafe()]
+stop = threading.Event()
+t = threading.Thread(target=stop.wait, name="loader", daemon=True)
+t.start()
+out.append(unsafe())
+stop.set()
+t.join(timeout=5)
+a, b = socket.socketpair()
+out += [unsafe(), unsafe(own=a.fileno())]
+a.close()
+b.close()
+out.append(unsafe())
+print(json.dumps(out))
+"""
+
+
 def test_a_thread_or_a_socket_makes_a_fork_unsafe():
-    assert unsafe() is None
-    stop = threading.Event()
-    t = threading.Thread(target=stop.wait, name="loader", daemon=True)
-    t.start()
-    try:
-        assert "'loader' (started by threading)" in (unsafe() or "")
-    finally:
-        stop.set()
-        t.join(timeout=5)
-    a, b = socket.socketpair()
-    try:
-        assert "2 socket(s)" in (unsafe() or "")
-        assert "1 socket(s)" in (unsafe(own=a.fileno()) or "")
-    finally:
-        a.close()
-        b.close()
-    assert unsafe() is None
+    """(In a fresh process: the test process holds the other tests' threads and sockets.)"""
+    p = subprocess.run(
+        [sys.executable, "-c", _UNSAFE], capture_output=True, text=True, timeout=60, check=True
+    )
+    clean, thread, two, one, after = json.loads(p.stdout)
+    assert clean is None and after is None
+    assert "'loader' (started by threading)" in thread
+    assert "2 socket(s)" in two and "1 socket(s)" in one
