@@ -361,7 +361,8 @@ def _holders_alive(ev: list[dict[str, Any]], losses: list[dict[str, Any]]) -> li
 
 
 def recovery_by_kind(s: dict[str, Any], sent: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The survivors' next commit after each injected fault, by kind (ms)."""
+    """The survivors' next commit after each injected fault, by kind (ms), and over every
+    kind (the last row, ``all``)."""
     by: dict[str, list[float]] = defaultdict(list)
     unrecovered: dict[str, int] = defaultdict(int)
     for f in s["faults"]:
@@ -385,6 +386,17 @@ def recovery_by_kind(s: dict[str, Any], sent: list[dict[str, Any]]) -> list[dict
                 "max_ms": round(max(v), 1) if v else None,
             }
         )
+    every = [x for v in by.values() for x in v]
+    rows.append(
+        {
+            "kind": "all",
+            "sent": len(sent),
+            "landed": len(every) + sum(unrecovered.values()),
+            "p50_ms": round(pct(every, 50), 1) if every else None,
+            "p99_ms": round(pct(every, 99), 1) if every else None,
+            "max_ms": round(max(every), 1) if every else None,
+        }
+    )
     return rows
 
 
