@@ -19,6 +19,7 @@ import fastft.launch.policy as policy
 from fastft.launch.children import Slot
 from fastft.process.heartbeat import read_heartbeat
 from fastft.protocol import EXIT_DRAINED, HangSuspected, ProcessExited
+from fastft.protocol.exits import ENDS_THE_JOB
 
 if TYPE_CHECKING:
     from fastft.launch.ports import AgentPorts
@@ -121,7 +122,8 @@ class Exits:
         if slot.life == 0 and slot.rank in first and first[slot.rank] is None:
             failed = own and slot.hung != slot.incarnation  # (hung: the hang timeout's)
             first[slot.rank] = failed and not self.agent.committed(slot)
-            if policy.startup_failed(first):
+            # (a status that names its own reason, a script error: the policy says it)
+            if policy.startup_failed(first) and code not in ENDS_THE_JOB:
                 slot.done = True
                 self.agent.fail(
                     f"every worker failed before its first commit (rank {slot.rank}: {how}); "
