@@ -86,17 +86,15 @@ class Children:
         """Start a worker cold and watch it: a fork of the zygote if there is one that can
         (:mod:`fastft.launch.forks`), else a new process. Returns how ("fork", or
         "spawn" with the reason the zygote could not)."""
-        forked = self.zygote.fork(command, self.output.env(env)) if self.zygote else "spawn"
+        env = self.output.env(env)
+        forked = self.zygote.fork(command, env) if self.zygote else "spawn"
         how = "fork" if isinstance(forked, Forked) else forked
         with self.lock:
             if isinstance(forked, Forked):
                 slot.proc = forked
             else:
                 slot.proc = subprocess.Popen(
-                    command,
-                    env=self.output.env(env),
-                    preexec_fn=die_with_parent,
-                    **self.output.popen_kwargs(),
+                    command, env=env, preexec_fn=die_with_parent, **self.output.popen_kwargs()
                 )
             slot.started = time.monotonic()
             self.by_pid[slot.proc.pid] = slot

@@ -152,23 +152,26 @@ class Zygote:
             got = json.loads(sock.recv(MAX_ORDER) or b"{}")
         except (OSError, ValueError):
             got = {}
-        if got.get("ready"):
+        ready = bool(got.get("ready"))
+        if ready:
             self.emit(
                 "zygote_ready",
                 pid=proc.pid,
                 warm_up_ms=round((time.monotonic() - t0) * 1e3, 1),
                 native_threads=got.get("native_threads"),
             )
-        else:
-            code = proc.wait()
-            self.error = got.get("error") or f"the zygote exited with code {code} as it started"
-        self._ready.set()
+            self._ready.set()
         code = proc.wait()
         with self._lock:
             current = self._proc is proc and not self._stopping
             if current:
-                self.error = self.error or f"the zygote exited (code {code})"
-        if current and got.get("ready"):  # a zygote that had worked: another one starts
+                self.error = got.get("error") or (
+                    f"the zygote exited (code {code})"
+                    if ready
+                    else f"the zygote exited with code {code} as it started"
+                )
+        self._ready.set()  # (not ready: wait() returns the error)
+        if current and ready:  # a zygote that had worked: another one starts
             self.emit("zygote_exit", pid=proc.pid, code=code)
             log.warning("the zygote (pid %d) exited with %s: a new one starts", proc.pid, code)
             print(
