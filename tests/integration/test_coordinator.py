@@ -16,6 +16,7 @@ from fastft.runtime.endings import JobFinished
 from fastft.runtime.engine import decisions
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.decisions import ADMIT, COMMIT, ROLLBACK, parse_commit
+from fastft.runtime.engine.survivors import Survivors
 
 pytestmark = pytest.mark.timeout(60)
 JOB = "coord"
@@ -191,7 +192,7 @@ def test_a_survivor_waiting_for_a_peer_that_finished_the_job_ends_too(server):
     t0 = c.clock()
 
     def form(step: int) -> EpochView | None:
-        return c.form_as_survivor(
+        return Survivors(c).form(
             first,
             frozenset({0, 2}),
             step=step,
@@ -236,7 +237,7 @@ def _survive(
     out: dict[int, EpochView | None] = {}
 
     def survive(c: Coordinator) -> None:
-        out[c.me.rank] = c.form_as_survivor(
+        out[c.me.rank] = Survivors(c).form(
             prev,
             frozenset({dead}),
             step=step,
@@ -269,7 +270,7 @@ def test_a_member_that_died_after_arriving_is_left_out_at_once(server):
     cs[0].dead = dead
     cs[0].min_members = 1
     t0 = time.monotonic()
-    v = cs[0].form_as_survivor(
+    v = Survivors(cs[0]).form(
         first,
         frozenset({1}),
         step=7,
@@ -289,7 +290,7 @@ def test_when_the_closer_dies_during_a_formation_the_next_survivor_closes(server
     cs[1].dead = {Member(2, 12), Member(0, 10)}
     cs[1].min_members = 1
     t0 = time.monotonic()
-    v = cs[1].form_as_survivor(
+    v = Survivors(cs[1]).form(
         first, frozenset({2}), step=7, lost_state=False, timeout_s=5, cancelled=lambda: False
     )
     assert v is not None and v.members == (Member(1, 11),)

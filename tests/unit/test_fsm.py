@@ -14,15 +14,12 @@ from fastft.fsm import (
     AbortProcessGroup,
     ApplyCommit,
     BroadcastDrainNotice,
-    BroadcastRollbackAck,
-    BroadcastRollbackRequest,
     CancelFutures,
     CastVote,
     CommitApplied,
     ConfigureProcessGroup,
     Deadline,
     Decision,
-    DeclareDead,
     DrainAcked,
     DrainNoticed,
     DrainRequested,
@@ -40,7 +37,6 @@ from fastft.fsm import (
     ProposeRollback,
     QuorumReady,
     ReportFault,
-    RollbackAcked,
     RollbackRequested,
     SendDrainAck,
     SendState,
@@ -88,26 +84,25 @@ def test_fault_free_step_commits_and_increments():
     assert acts == [CastVote(1, 0, False), ApplyCommit(0)]
 
 
-def test_vote_no_rolls_back_through_both_barriers_to_healing_and_normal():
+ROLLBACK = [InterruptStep, AbortProcessGroup, CancelFutures, ZeroGrads, FormEpoch]
+
+
+def test_vote_no_rolls_back_and_forms_the_next_epoch_at_once():
+    """No barrier on the bus (issue 35): the formation's arrivals are the barrier, so a
+    rollback sends nothing to the peers (they heard of the fault as this worker did)."""
     s, acts = run(normal(), GradsReady(), Decision(commit=False))
-    assert s.phase is Phase.ROLLBACK_REQ
-    assert BroadcastRollbackRequest(1, 0, "decision: rollback") in acts
-    s, acts = run(s, RollbackRequested(1), RollbackRequested(2))
-    assert s.phase is Phase.ROLLBACK_SYNC
-    assert kinds(acts) == [AbortProcessGroup, CancelFutures, ZeroGrads, BroadcastRollbackAck]
-    s, acts = run(s, RollbackAcked(1), RollbackAcked(2))
-    assert s.phase is Phase.HEALING
-    assert acts == [FormEpoch(exclude=frozenset(), lost_state=False, rollback=True)]
+    acts = acts[1:]  # (the vote)
+    assert s.phase is Phase.HEALING and s.forming and s.reason == "decision: rollback"
+    assert kinds(acts) == ROLLBACK
+    assert acts[-1] == FormEpoch(exclude=frozenset(), lost_state=False, rollback=True)
     s, acts = run(s, QuorumReady(2, ALL, 0))
     assert s.phase is Phase.NORMAL and s.step == 0 and s.epoch == 2  # same step again
 
 
 def test_fault2_of_a_peer_skips_state_transfer():
     s, acts = run(normal(), PeerFault(2, F2, "exception"))
-    assert s.phase is Phase.ROLLBACK_REQ
-    assert kinds(acts) == [InterruptStep, ProposeRollback, BroadcastRollbackRequest]
-    s, acts = run(s, RollbackRequested(1), RollbackAcked(1), RollbackAcked(2))
-    assert s.phase is Phase.HEALING
+    assert s.phase is Phase.HEALING and not s.dead
+    assert kinds(acts) == [InterruptStep, ProposeRollback, *ROLLBACK[1:]]
     s, acts = run(s, QuorumReady(2, ALL, 0))
     assert s.phase is Phase.NORMAL
     assert not any(isinstance(a, (FetchState, SendState)) for a in acts)
@@ -116,9 +111,6 @@ def test_fault2_of_a_peer_skips_state_transfer():
 def test_fault1_of_a_peer_excludes_it_and_heals_its_replacement():
     s, acts = run(normal(), PeerFault(2, F1, "sigkill"))
     assert 2 in s.dead
-    s, acts = run(s, RollbackRequested(1))
-    assert s.phase is Phase.ROLLBACK_SYNC
-    s, acts = run(s, RollbackAcked(1))
     assert s.phase is Phase.HEALING
     assert acts[-1] == FormEpoch(exclude=frozenset({2}), lost_state=False, rollback=True)
     # the restarted rank 2 joins the next epoch and needs state: survivors send it
@@ -145,7 +137,7 @@ def test_with_a_source_named_only_it_sends_and_the_bystanders_step_on() -> None:
     # the bystander's step is a normal one: a fault of the receiver rolls it back
     s, _ = run(initial_state(1), e)
     s, acts = run(s, PeerFault(2, F1, "died while healing"))
-    assert s.phase is Phase.ROLLBACK_REQ and any(isinstance(a, InterruptStep) for a in acts)
+    assert s.phase is Phase.HEALING and any(isinstance(a, InterruptStep) for a in acts)
 
 
 def test_restarted_worker_fetches_state_before_its_first_step():
@@ -169,7 +161,7 @@ def test_a_pending_heal_steps_but_votes_only_once_the_rest_is_loaded():
         decide(s, GradsReady())
     ok, acts = run(s, StateLoaded(), GradsReady())
     assert ok.phase is Phase.PREPARED and not ok.lost_state and acts == [CastVote(3, 17, False)]
-    s, acts = run(s, PeerFault(0, F1, "the source died"), RollbackRequested(1), RollbackAcked(1))
+    s, acts = run(s, PeerFault(0, F1, "the source died"))
     assert s.phase is Phase.HEALING
     assert acts[-1] == FormEpoch(exclude=frozenset({0}), lost_state=True, rollback=True)
     # a sender's HealDone is never pending for it: it holds the state
@@ -181,7 +173,6 @@ def test_a_pending_heal_steps_but_votes_only_once_the_rest_is_loaded():
 def test_local_fault1_marks_own_state_lost_and_asks_for_heal():
     s, acts = run(normal(), LocalFault(F1, "state lost"))
     assert s.lost_state
-    s, acts = run(s, RollbackRequested(1), RollbackRequested(2), RollbackAcked(1), RollbackAcked(2))
     assert acts[-1] == FormEpoch(exclude=frozenset(), lost_state=True, rollback=True)
 
 
@@ -193,7 +184,7 @@ def test_fault_after_our_vote_lets_the_store_decide():
     s, acts = run(s, Decision(commit=True))
     assert s.phase is Phase.COMMIT and acts == [ApplyCommit(0)]
     s, acts = run(s, CommitApplied())
-    assert s.phase is Phase.ROLLBACK_REQ and s.step == 1
+    assert s.phase is Phase.HEALING and s.step == 1
 
 
 def test_fault_between_decision_and_application_is_latched():
@@ -201,7 +192,7 @@ def test_fault_between_decision_and_application_is_latched():
     s, acts = run(s, PeerFault(2, F1, "sigkill"))
     assert s.phase is Phase.COMMIT and acts == []
     s, acts = run(s, CommitApplied())
-    assert s.phase is Phase.ROLLBACK_REQ and s.step == 1  # the commit stands (S1)
+    assert s.phase is Phase.HEALING and s.step == 1  # the commit stands (S1)
     assert ProposeRollback(1, 1, "fault after the commit decision") in acts
 
 
@@ -209,9 +200,7 @@ def test_two_ranks_failing_in_the_same_step():
     s, _ = run(
         normal(rank=0, members=frozenset({0, 1, 2, 3})),
         PeerFault(1, F1, "a"),
-        PeerFault(2, F1, "b"),
-        RollbackRequested(3),
-        RollbackAcked(3),
+        PeerFault(2, F1, "b"),  # (while it forms: noted; the closer leaves it out)
     )
     assert s.phase is Phase.HEALING and s.dead == {1, 2}
 
@@ -219,7 +208,7 @@ def test_two_ranks_failing_in_the_same_step():
 def test_a_death_while_the_next_epoch_forms_is_left_to_the_formation():
     """No second rollback of the epoch being left: its closer leaves the dead member out,
     or the adoption of a view that admitted it feeds its death again, in the new epoch."""
-    s, _ = run(normal(), PeerFault(2, F1, "x"), RollbackRequested(1), RollbackAcked(1))
+    s, _ = run(normal(), PeerFault(2, F1, "x"))
     assert s.phase is Phase.HEALING and s.forming
     s, acts = run(s, PeerFault(1, F1, "again"))
     assert s.phase is Phase.HEALING and s.forming and s.dead == {1, 2} and acts == []
@@ -227,61 +216,69 @@ def test_a_death_while_the_next_epoch_forms_is_left_to_the_formation():
     s, _ = run(s, QuorumReady(2, frozenset({0, 1}), step=5))
     assert s.phase is Phase.NORMAL and s.epoch == 2 and not s.forming
     s, acts = run(s, PeerFault(1, F1, "died during formation"))
-    assert s.phase is Phase.HEALING and s.epoch == 2  # alone: straight through both barriers
+    assert s.phase is Phase.HEALING and s.epoch == 2
     assert acts[-1] == FormEpoch(exclude=frozenset({1}), lost_state=False, rollback=True)
 
 
 def test_a_fault_during_a_heal_restarts_the_rollback():
-    s, _ = run(normal(), PeerFault(2, F1, "x"), RollbackRequested(1), RollbackAcked(1))
+    s, _ = run(normal(), PeerFault(2, F1, "x"))
     s, _ = run(s, QuorumReady(2, frozenset({0, 1, 2}), step=5, needs_state=frozenset({2})))
     assert s.phase is Phase.HEALING and not s.forming  # sending rank 2 its state
     s, acts = run(s, PeerFault(2, F1, "died while healing"))
-    assert s.phase is Phase.ROLLBACK_REQ and s.epoch == 2
-    assert BroadcastRollbackRequest(2, 5, "died while healing") in acts
+    assert s.phase is Phase.HEALING and s.forming and s.epoch == 2
+    assert kinds(acts) == ROLLBACK and acts[-1].exclude == {2}
 
 
 def test_an_own_fault_while_the_next_epoch_forms_rolls_that_epoch_back_as_it_begins():
     """ft.run restarting its loop after an evaluation raised (on every rank): the fault
-    came after the rollback of the epoch being left was over. Rolling that one back again
-    met nobody (its peers had formed the next): it waited for the deadline and declared
-    them dead (CI). It is noted, and the new epoch rolls back as it begins; the peers
-    hear of it again, as a fault of the new epoch."""
-    s, _ = run(normal(), PeerFault(2, F2, "x"), RollbackRequested(1), RollbackRequested(2))
-    s, _ = run(s, RollbackAcked(1), RollbackAcked(2))
+    came after the rollback of the epoch being left was over (with the bus barrier,
+    rolling that one back again met nobody: CI). It is noted, and the new epoch rolls
+    back as it begins; the peers hear of it again, as a fault of the new epoch."""
+    s, _ = run(normal(), PeerFault(2, F2, "x"))
     assert s.phase is Phase.HEALING and s.forming
     s, acts = run(s, LocalFault(F1, "RuntimeError: an evaluation failed"))
     assert s.phase is Phase.HEALING and s.forming and s.refault and s.lost_state
     assert acts == []
     # its arrival may not have said the state was lost: the view heals nobody
     s, acts = run(s, QuorumReady(2, ALL, step=5))
-    assert s.phase is Phase.ROLLBACK_REQ and s.epoch == 2 and s.lost_state and not s.refault
+    assert s.phase is Phase.HEALING and s.forming and s.epoch == 2
+    assert s.lost_state and not s.refault
     assert acts[0] == ReportFault(2, "RuntimeError: an evaluation failed")
-    assert ProposeRollback(2, 5, acts[1].reason) in acts and BroadcastRollbackRequest in kinds(acts)
-    # the peers roll back the new epoch with it; the next one heals it
-    s, acts = run(s, RollbackRequested(1), RollbackRequested(2), RollbackAcked(1))
-    s, acts = run(s, RollbackAcked(2))
+    assert ProposeRollback(2, 5, acts[2].reason) in acts
+    # the peers roll the new epoch back on its report; the next one heals it
     assert acts[-1] == FormEpoch(exclude=frozenset(), lost_state=True, rollback=True)
 
 
 def test_a_rollback_request_while_healing_is_a_rollback_of_the_new_epoch():
     """A request the inbox lets through while forming is a late one of the rollback just
     finished; once the epoch is adopted (its heal running) it is a new rollback of it."""
-    s, _ = run(normal(), PeerFault(2, F1, "x"), RollbackRequested(1), RollbackAcked(1))
-    s, acts = run(s, RollbackRequested(1))
+    s, _ = run(normal(), PeerFault(2, F1, "x"))
+    s, acts = run(s, RollbackRequested(1))  # (the formation's reminder: it is in it)
     assert s.phase is Phase.HEALING and s.forming and acts == []
     s, _ = run(s, QuorumReady(2, ALL, step=5, needs_state=frozenset({2})))
     assert s.phase is Phase.HEALING and not s.forming
     s, acts = run(s, RollbackRequested(2))
-    assert s.phase is Phase.ROLLBACK_REQ and s.epoch == 2 and s.heard == {0, 2}
+    assert s.phase is Phase.HEALING and s.forming and s.epoch == 2 and kinds(acts) == ROLLBACK
 
 
-def test_deadline_declares_silent_members_dead():
+def test_a_formations_reminder_rolls_back_a_member_still_in_the_step():
+    """A member whose fault notice was lost waits in the step's collective; the first
+    member to arrive at the next epoch's formation reminds it (a rollback request)."""
+    s, acts = run(normal(rank=1), RollbackRequested(0))
+    assert s.phase is Phase.HEALING and s.forming
+    assert kinds(acts) == [InterruptStep, ProposeRollback, *ROLLBACK[1:]]
+    # voted already: the decision in the store says what it was
+    s, acts = run(normal(rank=1), GradsReady(), RollbackRequested(0))
+    assert s.phase is Phase.PREPARED and s.pending_fault
+    assert kinds(acts[1:]) == [InterruptStep, ProposeRollback]
+
+
+def test_deadline_is_a_drains_only():
+    """A rollback has no deadline of its own (the formation's closer declares members
+    that never arrived): a Deadline outside DRAIN_WAIT is a stale timer."""
     s, _ = run(normal(), PeerFault(2, F2, "x"))
-    s, acts = run(s, Deadline(now=10.0))
-    assert DeclareDead(frozenset({1})) == acts[0]  # rank 2 reported its own fault: heard
-    assert s.phase is Phase.ROLLBACK_SYNC  # rank 2 is alive: it must still ack
-    s, acts = run(s, RollbackAcked(2))
-    assert s.phase is Phase.HEALING and acts[-1].exclude == {1}
+    s2, acts = run(s, Deadline(now=10.0))
+    assert s2 == s and acts == []
 
 
 def test_drain_path_commit_notice_acks_exit():
@@ -339,7 +336,6 @@ def test_invalid_transition_names_phase_and_event():
 ASYNC_EVENTS = [
     PeerFault,
     RollbackRequested,
-    RollbackAcked,
     DrainNoticed,
     DrainAcked,
     DrainRequested,
@@ -379,7 +375,6 @@ events = st.one_of(
     st.builds(LocalFault, st.sampled_from(Severity), st.just("x")),
     st.builds(PeerFault, ranks, st.sampled_from(Severity), st.just("x")),
     st.builds(RollbackRequested, ranks),
-    st.builds(RollbackAcked, ranks),
     st.builds(Decision, st.booleans(), st.frozensets(ranks)),
     st.just(CommitApplied()),
     st.builds(HealDone, st.booleans()),
@@ -471,13 +466,11 @@ def test_a_member_left_out_while_it_heals_itself_rejoins_instead_of_exiting():
     restart): that member registers as a joiner again; one with its state is told to
     exit (CI once saw the in-process restart end its process: "not a member of epoch 3")."""
     s, _ = run(normal(rank=1), LocalFault(F1, "in-process restart"))
-    s, _ = run(s, RollbackRequested(0), RollbackRequested(2), RollbackAcked(0), RollbackAcked(2))
     assert s.phase is Phase.HEALING and s.lost_state
     s, acts = run(s, QuorumReady(2, frozenset({0, 2}), 0))
     assert s.phase is Phase.INIT and acts == [] and s.lost_state
     s, acts = run(s, QuorumReady(3, ALL, 1, frozenset({1})))
     assert s.phase is Phase.HEALING and FetchState(3, 1) in acts
     kept, _ = run(normal(rank=1), PeerFault(0, F2, "exception"))
-    kept, _ = run(kept, RollbackRequested(2), RollbackAcked(0), RollbackAcked(2))
     kept, acts = run(kept, QuorumReady(2, frozenset({0, 2}), 0))
     assert kept.phase is Phase.EXIT and "not a member of epoch 2" in acts[0].reason

@@ -9,7 +9,6 @@ from fastft.fsm import (
     JoinRequested,
     LocalFault,
     PeerFault,
-    RollbackAcked,
     RollbackRequested,
 )
 from fastft.protocol import (
@@ -22,7 +21,6 @@ from fastft.protocol import (
     JoinRequest,
     ProcessExited,
     Role,
-    RollbackAck,
     RollbackRequest,
     Severity,
 )
@@ -131,14 +129,34 @@ def test_a_peer_reporting_its_own_fault1_lost_its_state_but_lives():
     assert out.dead is None and out.events == (PeerFault(1, Severity.FAULT1, "state lost"),)
 
 
-def test_barrier_messages_count_only_from_members_of_this_epoch():
+def test_rollback_requests_count_only_from_members_of_this_epoch():
     req = RollbackRequest(**HDR, rank=1, incarnation=11, reason="r")
     assert _route(req).events == (RollbackRequested(1),)
     stale = RollbackRequest(**dict(HDR, epoch=2), rank=1, incarnation=11, reason="r")
     assert _route(stale).events == ()
-    stranger = RollbackAck(**HDR, rank=1, incarnation=99)
+    stranger = RollbackRequest(**HDR, rank=1, incarnation=99, reason="r")
     assert _route(stranger).events == ()
-    assert _route(RollbackAck(**HDR, rank=2, incarnation=12)).events == (RollbackAcked(2),)
+
+
+def test_a_peers_own_transient_fault_of_an_epoch_left_is_stale():
+    """The peer rolled that epoch back itself and arrived at the formation of this one:
+    acted on, this worker alone would roll back an epoch its peers go on in (found by the
+    simulator: "lone-rollback"). A death of an older epoch still counts (it is for
+    good), and so does a monitor's report."""
+    old = dict(HDR, epoch=HDR["epoch"] - 1, rank=1, incarnation=11)
+    raised = Fault(**old, severity=Severity.FAULT2, cause="x", faulty_rank=1, faulty_incarnation=11)
+    out = _route(raised)
+    assert out.events == () and out.record[0] == "stale_fault"
+    now = Fault(
+        **dict(old, epoch=HDR["epoch"]),
+        severity=Severity.FAULT2,
+        cause="x",
+        faulty_rank=1,
+        faulty_incarnation=11,
+    )
+    assert _route(now).events == (PeerFault(1, Severity.FAULT2, "x"),)
+    lost = Fault(**old, severity=Severity.FAULT1, cause="x", faulty_rank=1, faulty_incarnation=11)
+    assert _route(lost).events == (PeerFault(1, Severity.FAULT1, "x"),)
 
 
 def test_drains_and_joins():
@@ -209,14 +227,13 @@ def test_a_flood_of_ignored_joins_is_logged_at_1_10_100():
 
 
 def test_a_rollback_of_an_epoch_not_adopted_yet_is_kept_for_it():
-    """A peer that adopted epoch 4 first rolls it back (its request, its ack, its own
-    fault report) while this worker still forms it: dropped, they left the peer waiting
+    """A peer that adopted epoch 4 first rolls it back (a reminder, its own fault report)
+    while this worker still forms it: dropped, they left the peer waiting
     for the deadline (found by the simulator). They are kept, and routed again once this
     worker adopts a view; a monitor's report or an older epoch's is routed at once."""
     later = dict(job="j", epoch=4, step=5, rank=1, incarnation=11)
     kept = [
         RollbackRequest(**later, reason="x"),
-        RollbackAck(**later),
         Fault(
             **later, severity=Severity.FAULT2, cause="raised", faulty_rank=1, faulty_incarnation=11
         ),

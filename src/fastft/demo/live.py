@@ -17,8 +17,6 @@ __all__ = ["LiveState"]
 
 _COLORS = {
     "NORMAL": "green",
-    "ROLLBACK_REQ": "yellow",
-    "ROLLBACK_SYNC": "yellow",
     "HEALING": "cyan",
     "INIT": "blue",
     "EXIT": "dim",
@@ -103,8 +101,8 @@ class LiveState:
             w.starting = ""
         if name == "phase":
             w.phase, w.epoch = e["to"], e["epoch"]
-            if e.get("reason") and e["to"] == "ROLLBACK_REQ":
-                w.last = f"rollback: {e['reason'][:48]}"
+        elif name == "rollback" and e.get("reason"):
+            w.last = f"rollback: {e['reason'][:48]}"
         elif name == "commit":
             w.step, w.epoch = e["step"] + 1, e["epoch"]
             if w.phase not in ("NORMAL", "EXIT"):

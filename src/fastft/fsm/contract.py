@@ -23,7 +23,6 @@ __all__ = [
     "LocalFault",
     "PeerFault",
     "RollbackRequested",
-    "RollbackAcked",
     "Decision",
     "CommitApplied",
     "HealDone",
@@ -39,8 +38,6 @@ __all__ = [
     "CastVote",
     "ProposeRollback",
     "InterruptStep",
-    "BroadcastRollbackRequest",
-    "BroadcastRollbackAck",
     "AbortProcessGroup",
     "CancelFutures",
     "ZeroGrads",
@@ -64,8 +61,6 @@ class Phase(enum.Enum):
     NORMAL = "NORMAL"
     PREPARED = "PREPARED"
     COMMIT = "COMMIT"
-    ROLLBACK_REQ = "ROLLBACK_REQ"
-    ROLLBACK_SYNC = "ROLLBACK_SYNC"
     HEALING = "HEALING"
     DRAIN_COMMIT = "DRAIN_COMMIT"
     DRAIN_WAIT = "DRAIN_WAIT"
@@ -76,8 +71,7 @@ class Phase(enum.Enum):
 class StepState:
     """Everything the machine knows about one worker's view of the job.
 
-    ``heard``: members heard from in the current rollback round (a request or an ack);
-    ``acked``: members that finished ROLLBACK_SYNC; ``dead``: members known gone in this
+    ``acked``: members that acknowledged this worker's drain notice (DRAIN_WAIT); ``dead``: members known gone in this
     epoch (died, hung past the deadline, drained; the next epoch heals their
     replacements); ``lost_state``: this worker is Fault1 itself;
     ``pending_fault``: a fault arrived after the commit decision and is handled after the
@@ -94,7 +88,6 @@ class StepState:
     epoch: int = 0
     step: int = 0
     members: frozenset[int] = frozenset()
-    heard: frozenset[int] = frozenset()
     acked: frozenset[int] = frozenset()
     dead: frozenset[int] = frozenset()
     leaving: frozenset[int] = frozenset()
@@ -170,14 +163,8 @@ class PeerFault(Event):
 
 @dataclass(frozen=True)
 class RollbackRequested(Event):
-    """A member asked to roll back the current step."""
-
-    rank: int
-
-
-@dataclass(frozen=True)
-class RollbackAcked(Event):
-    """A member finished its rollback barrier (ROLLBACK_SYNC)."""
+    """A member asked to roll back the current step (a formation of the next epoch that
+    still misses members reminds them: :mod:`fastft.runtime.engine.coordinator`)."""
 
     rank: int
 
@@ -245,8 +232,9 @@ class JoinRequested(Event):
 
 @dataclass(frozen=True)
 class Deadline(Event):
-    """The timeout of the current barrier expired at ``now`` (seconds, monotonic): members
-    not heard from are declared dead."""
+    """The timeout of a drain's acknowledgements expired at ``now`` (seconds, monotonic):
+    the leaver leaves. (A rollback has no barrier of its own: the next epoch's formation
+    is it, and its closer declares the members that never arrived dead.)"""
 
     now: float
 
@@ -301,19 +289,6 @@ class InterruptStep(Action):
     """Interrupt the main thread's step (futures, collectives, signal)."""
 
     reason: str
-
-
-@dataclass(frozen=True)
-class BroadcastRollbackRequest(Action):
-    epoch: int
-    step: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class BroadcastRollbackAck(Action):
-    epoch: int
-    step: int
 
 
 @dataclass(frozen=True)
@@ -389,7 +364,8 @@ class ReportFault(Action):
 
 @dataclass(frozen=True)
 class DeclareDead(Action):
-    """Members silent past the deadline: report them (the agent kills and restarts them)."""
+    """Members that never arrived at a formation within its deadline: report them (the
+    agent kills and restarts them). Asked by the formation's closer, not the machine."""
 
     ranks: frozenset[int]
 

@@ -3,7 +3,7 @@ the new state and the actions of one (phase, event) row. Pure."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 
 from fastft.fsm.contract import (
@@ -11,13 +11,10 @@ from fastft.fsm.contract import (
     Action,
     ApplyCommit,
     BroadcastDrainNotice,
-    BroadcastRollbackAck,
-    BroadcastRollbackRequest,
     CancelFutures,
     CastVote,
     ConfigureProcessGroup,
     Decision,
-    DeclareDead,
     DrainAcked,
     DrainNoticed,
     DrainRequested,
@@ -36,7 +33,6 @@ from fastft.fsm.contract import (
     ProposeRollback,
     QuorumReady,
     ReportFault,
-    RollbackAcked,
     RollbackRequested,
     SendDrainAck,
     SendState,
@@ -54,46 +50,31 @@ Handler = Callable[[StepState, Event], Result]
 
 
 def _begin_rollback(s: StepState, reason: str, *, propose: bool) -> Result:
-    """Enter ROLLBACK_REQ: interrupt the step, make sure the decision is ROLLBACK, tell
-    everyone, and count ourselves as heard."""
+    """Roll the step back and form the next epoch: interrupt the step, make sure the
+    decision is ROLLBACK, abandon the epoch's process group, drop the gradients.
+
+    No barrier on the bus (issue 35: every member's request and acknowledgement to every
+    other was 2N(N-1) deliveries a fault, 10 s a round at 256 members): every rollback
+    begins with a message every member receives (a fault report, a death notice, a drain
+    notice) or a decision every member reads, and the formation's arrival keys are the
+    barrier. Its closer waits for every expected member or declares it dead at the
+    deadline, and one arrived member reminds those missing (docs/architecture.md)."""
     actions: list[Action] = [InterruptStep(reason)]
     if propose:
         actions.append(ProposeRollback(s.epoch, s.step, reason))
-    actions.append(BroadcastRollbackRequest(s.epoch, s.step, reason))
-    s = replace(s, phase=Phase.ROLLBACK_REQ, heard=s.heard | {s.rank}, reason=reason, forming=False)
-    return _maybe_sync(s, tuple(actions))
-
-
-def _maybe_sync(s: StepState, actions: Sequence[Action]) -> Result:
-    """ROLLBACK_REQ -> ROLLBACK_SYNC once every member was heard from or is dead."""
-    if s.phase is Phase.ROLLBACK_REQ and s.members <= s.heard | s.dead:
-        sync: tuple[Action, ...] = (
-            AbortProcessGroup(),
-            CancelFutures(),
-            ZeroGrads(),
-            BroadcastRollbackAck(s.epoch, s.step),
-        )
-        s = replace(s, phase=Phase.ROLLBACK_SYNC, acked=s.acked | {s.rank})
-        return _maybe_heal(s, (*actions, *sync))
-    return s, tuple(actions)
-
-
-def _maybe_heal(s: StepState, actions: Sequence[Action]) -> Result:
-    """ROLLBACK_SYNC -> HEALING once every member acked or is dead."""
-    if s.phase is Phase.ROLLBACK_SYNC and s.members <= s.acked | s.dead:
-        form = FormEpoch(
-            exclude=s.dead | s.leaving,
-            lost_state=s.lost_state,
-            rollback=True,
-        )
-        return replace(s, phase=Phase.HEALING, forming=True), (*actions, form)
-    return s, tuple(actions)
+    actions += [
+        AbortProcessGroup(),
+        CancelFutures(),
+        ZeroGrads(),
+        FormEpoch(exclude=s.dead | s.leaving, lost_state=s.lost_state, rollback=True),
+    ]
+    return replace(s, phase=Phase.HEALING, reason=reason, forming=True), tuple(actions)
 
 
 def _note_fault(s: StepState, rank: int, severity: Severity) -> StepState:
     if severity is Severity.FAULT1:
         return replace(s, dead=s.dead | {rank})
-    return replace(s, heard=s.heard | {rank})
+    return s
 
 
 def _enter_epoch(s: StepState, e: QuorumReady) -> Result:
@@ -194,8 +175,7 @@ def local_fault_healing(s: StepState, e: Event) -> Result:
         # The next epoch is being formed: a rollback of the epoch being left would meet
         # nobody (its peers are past it); the new one rolls back as it begins (refault).
         return replace(s, lost_state=lost, refault=True, reason=e.cause), ()
-    s = replace(s, lost_state=lost, heard=frozenset(), acked=frozenset())
-    return _begin_rollback(s, e.cause, propose=False)
+    return _begin_rollback(replace(s, lost_state=lost), e.cause, propose=False)
 
 
 def peer_fault_normal(s: StepState, e: Event) -> Result:
@@ -207,15 +187,6 @@ def peer_fault_prepared(s: StepState, e: Event) -> Result:
     assert isinstance(e, PeerFault)
     s = replace(_note_fault(s, e.rank, e.severity), pending_fault=True)
     return s, (InterruptStep(e.cause), ProposeRollback(s.epoch, s.step, e.cause))
-
-
-def peer_fault_collecting(s: StepState, e: Event) -> Result:
-    assert isinstance(e, PeerFault)
-    s = _note_fault(s, e.rank, e.severity)
-    if s.phase is Phase.ROLLBACK_SYNC:
-        s = replace(s, acked=s.acked | ({e.rank} if e.rank in s.dead else frozenset()))
-        return _maybe_heal(s, ())
-    return _maybe_sync(s, ())
 
 
 def peer_fault_latched(s: StepState, e: Event) -> Result:
@@ -238,13 +209,7 @@ def peer_fault_healing(s: StepState, e: Event) -> Result:
         # until the deadline declared it dead (found by the simulator). A faulty worker
         # that lives tells the new epoch again (StepState.refault).
         return _note_fault(s, e.rank, e.severity), ()
-    s = _note_fault(replace(s, heard=frozenset(), acked=frozenset()), e.rank, e.severity)
-    return _begin_rollback(s, e.cause, propose=False)
-
-
-def record_ack(s: StepState, e: Event) -> Result:
-    assert isinstance(e, RollbackAcked)
-    return replace(s, heard=s.heard | {e.rank}, acked=s.acked | {e.rank}), ()
+    return _begin_rollback(_note_fault(s, e.rank, e.severity), e.cause, propose=False)
 
 
 def peer_fault_drain_wait(s: StepState, e: Event) -> Result:
@@ -254,45 +219,28 @@ def peer_fault_drain_wait(s: StepState, e: Event) -> Result:
 
 def rollback_req_normal(s: StepState, e: Event) -> Result:
     assert isinstance(e, RollbackRequested)
-    return _begin_rollback(
-        replace(s, heard=s.heard | {e.rank}), f"rollback requested by rank {e.rank}", propose=True
-    )
+    return _begin_rollback(s, f"rollback requested by rank {e.rank}", propose=True)
 
 
 def rollback_req_prepared(s: StepState, e: Event) -> Result:
     assert isinstance(e, RollbackRequested)
-    s = replace(s, heard=s.heard | {e.rank}, pending_fault=True)
+    s = replace(s, pending_fault=True)
     reason = f"rollback requested by rank {e.rank}"
     return s, (InterruptStep(reason), ProposeRollback(s.epoch, s.step, reason))
 
 
 def rollback_req_healing(s: StepState, e: Event) -> Result:
     assert isinstance(e, RollbackRequested)
-    if s.forming:  # a late request of the rollback this worker finished
+    if s.forming:  # a late request (or reminder) of the rollback this worker finished
         return s, ()
     # A request of this epoch (the inbox keeps no other) while its heal runs: a rollback
     # of it, as a peer's fault would be (it is not past it: it only began)
-    s = replace(s, heard=frozenset({e.rank}), acked=frozenset())
     return _begin_rollback(s, f"rollback requested by rank {e.rank}", propose=False)
-
-
-def rollback_req_collect(s: StepState, e: Event) -> Result:
-    assert isinstance(e, RollbackRequested)
-    return _maybe_sync(replace(s, heard=s.heard | {e.rank}), ())
 
 
 def rollback_req_latched(s: StepState, e: Event) -> Result:
     assert isinstance(e, RollbackRequested)
-    return replace(s, heard=s.heard | {e.rank}, pending_fault=True), ()
-
-
-def rollback_ack(s: StepState, e: Event) -> Result:
-    assert isinstance(e, RollbackAcked)
-    # An ack implies the sender also requested: it counts for both barriers.
-    s = replace(s, heard=s.heard | {e.rank}, acked=s.acked | {e.rank})
-    if s.phase is Phase.ROLLBACK_REQ:
-        return _maybe_sync(s, ())
-    return _maybe_heal(s, ())
+    return replace(s, pending_fault=True), ()
 
 
 def decision_prepared(s: StepState, e: Event) -> Result:
@@ -316,7 +264,7 @@ def decision_rollback_only(s: StepState, e: Event) -> Result:
 
 
 def commit_applied(s: StepState, e: Event) -> Result:
-    s = replace(s, step=s.step + 1, heard=frozenset(), acked=frozenset(), reason="")
+    s = replace(s, step=s.step + 1, acked=frozenset(), reason="")
     if s.pending_fault or s.dead:
         s = replace(s, pending_fault=False)
         return _begin_rollback(s, "fault after the commit decision", propose=True)
@@ -391,24 +339,6 @@ def drain_noticed(s: StepState, e: Event) -> Result:
 def drain_noticed_ack_only(s: StepState, e: Event) -> Result:
     assert isinstance(e, DrainNoticed)
     return s, (SendDrainAck(e.rank),)
-
-
-def drain_noticed_collect(s: StepState, e: Event) -> Result:
-    assert isinstance(e, DrainNoticed)
-    s = replace(s, dead=s.dead | {e.rank}, leaving=s.leaving | {e.rank})
-    if s.phase is Phase.ROLLBACK_SYNC:
-        return _maybe_heal(s, (SendDrainAck(e.rank),))
-    nxt, actions = _maybe_sync(s, ())
-    return nxt, (SendDrainAck(e.rank), *actions)
-
-
-def deadline(s: StepState, e: Event) -> Result:
-    silent = s.members - (s.heard if s.phase is Phase.ROLLBACK_REQ else s.acked) - s.dead
-    if not silent:
-        return s, ()
-    s = replace(s, dead=s.dead | silent)
-    nxt, actions = (_maybe_sync if s.phase is Phase.ROLLBACK_REQ else _maybe_heal)(s, ())
-    return nxt, (DeclareDead(silent), *actions)
 
 
 def join_requested(s: StepState, e: Event) -> Result:

@@ -9,10 +9,10 @@ Protocol summary (DESIGN "The state machine"): a step runs NORMAL -> PREPARED (g
 vote yes) -> COMMIT (decision) -> NORMAL(step + 1). Any fault before the decision makes a
 member propose ROLLBACK with a compare-and-set in the store; the store keeps exactly one
 decision per (epoch, step). A member that knows of a fault and is not waiting for a decision
-goes to ROLLBACK_REQ, where it collects a rollback request (or death) from every member;
-then ROLLBACK_SYNC, the barrier in which process groups are aborted, futures cancelled and
-gradients dropped; then HEALING, where the next epoch is formed without the dead and state
-is sent to Fault1 members only; then NORMAL at the same step.
+rolls back at once (the process group abandoned, futures cancelled, gradients dropped) and
+goes to HEALING, where the next epoch is formed without the dead (the formation's arrivals
+are the rollback's barrier: DESIGN's ROLLBACK_REQ and ROLLBACK_SYNC, docs/architecture.md)
+and state is sent to Fault1 members only; then NORMAL at the same step.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from fastft.fsm.contract import (
     PeerFault,
     Phase,
     QuorumReady,
-    RollbackAcked,
     RollbackRequested,
     Shutdown,
     StateLoaded,
@@ -75,12 +74,10 @@ def decide(state: StepState, event: Event) -> Result:
 # --- the table ---------------------------------------------------------------------------
 
 P = Phase
-_COLLECTING = (P.ROLLBACK_REQ, P.ROLLBACK_SYNC)
 SAME = None
 """In a row's targets: the source phase itself (an event that is ignored or latched)."""
-_ROLLBACK = (P.ROLLBACK_REQ, P.ROLLBACK_SYNC, P.HEALING)
-_FROM_REQ = _ROLLBACK
-_FROM_SYNC = (P.ROLLBACK_SYNC, P.HEALING)
+_ROLLBACK = (P.HEALING,)
+"""Where a rollback leads: the next epoch's formation."""
 
 
 def _build() -> dict[tuple[Phase, type[Event]], Rule]:
@@ -144,7 +141,7 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         "local error after our vote: propose rollback, the store decides",
     )
     row(
-        [P.INIT, *_COLLECTING, P.COMMIT, P.DRAIN_COMMIT, P.DRAIN_WAIT],
+        [P.INIT, P.COMMIT, P.DRAIN_COMMIT, P.DRAIN_WAIT],
         LocalFault,
         [SAME],
         h.local_fault_latched,
@@ -167,20 +164,6 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         "remote error after our vote: propose rollback, the store decides",
     )
     row(
-        [P.ROLLBACK_REQ],
-        PeerFault,
-        _FROM_REQ,
-        h.peer_fault_collecting,
-        "a dead member counts as heard",
-    )
-    row(
-        [P.ROLLBACK_SYNC],
-        PeerFault,
-        _FROM_SYNC,
-        h.peer_fault_collecting,
-        "a dead member counts as heard",
-    )
-    row(
         [P.INIT, P.COMMIT, P.DRAIN_COMMIT],
         PeerFault,
         [SAME],
@@ -201,7 +184,7 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         h.peer_fault_drain_wait,
         "a dead member will not ack",
     )
-    # the rollback barriers
+    # rollback requests (a formation's reminder to the members it misses)
     row([P.NORMAL], RollbackRequested, _ROLLBACK, h.rollback_req_normal, "rollback_req from a peer")
     row(
         [P.PREPARED],
@@ -210,7 +193,6 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         h.rollback_req_prepared,
         "rollback_req after our vote: the store decides",
     )
-    row([P.ROLLBACK_REQ], RollbackRequested, _ROLLBACK, h.rollback_req_collect, "collect requests")
     row(
         [P.COMMIT, P.DRAIN_COMMIT],
         RollbackRequested,
@@ -226,24 +208,12 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         "forming: already past it; else a rollback of the new epoch",
     )
     row(
-        [P.ROLLBACK_SYNC, P.INIT, P.DRAIN_WAIT],
+        [P.INIT, P.DRAIN_WAIT],
         RollbackRequested,
         [SAME],
         h.ignore,
         "already past it",
     )
-    row([P.ROLLBACK_REQ], RollbackAcked, _FROM_REQ, h.rollback_ack, "collect acks")
-    row([P.ROLLBACK_SYNC], RollbackAcked, _FROM_SYNC, h.rollback_ack, "collect acks")
-    row([P.HEALING, P.NORMAL, P.INIT, P.DRAIN_WAIT], RollbackAcked, [SAME], h.ignore, "late ack")
-    row(
-        [P.PREPARED, P.COMMIT, P.DRAIN_COMMIT],
-        RollbackAcked,
-        [SAME],
-        h.record_ack,
-        "early ack: recorded",
-    )
-    row([P.ROLLBACK_REQ], Deadline, _FROM_REQ, h.deadline, "silent members are declared dead")
-    row([P.ROLLBACK_SYNC], Deadline, _FROM_SYNC, h.deadline, "silent members are declared dead")
     row(
         [P.DRAIN_WAIT],
         Deadline,
@@ -252,7 +222,7 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         "acks missing past the timeout: leave (the decision named the leaver)",
     )
     row(
-        [p for p in running if p not in (*_COLLECTING, P.DRAIN_WAIT)],
+        [p for p in running if p is not P.DRAIN_WAIT],
         Deadline,
         [SAME],
         h.ignore,
@@ -283,20 +253,6 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         "a member left: ack, drop it from the next epoch",
     )
     row(
-        [P.ROLLBACK_REQ],
-        DrainNoticed,
-        _FROM_REQ,
-        h.drain_noticed_collect,
-        "a drained member counts as dead",
-    )
-    row(
-        [P.ROLLBACK_SYNC],
-        DrainNoticed,
-        _FROM_SYNC,
-        h.drain_noticed_collect,
-        "a drained member counts as dead",
-    )
-    row(
         [P.INIT, P.DRAIN_COMMIT, P.DRAIN_WAIT],
         DrainNoticed,
         [SAME],
@@ -312,7 +268,7 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         "a worker waits to join: re-form after the next commit",
     )
     row(
-        [P.INIT, *_COLLECTING, P.HEALING, P.DRAIN_COMMIT, P.DRAIN_WAIT],
+        [P.INIT, P.HEALING, P.DRAIN_COMMIT, P.DRAIN_WAIT],
         JoinRequested,
         [SAME],
         h.ignore,
@@ -325,7 +281,6 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
         LocalFault,
         PeerFault,
         RollbackRequested,
-        RollbackAcked,
         Decision,
         DrainNoticed,
         DrainAcked,

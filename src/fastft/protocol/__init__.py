@@ -23,7 +23,6 @@ from fastft.protocol.messages import (
     Message,
     ProcessExited,
     Role,
-    RollbackAck,
     RollbackRequest,
     Severity,
 )
@@ -47,7 +46,6 @@ __all__ = [
     "ProcessExited",
     "ProtocolError",
     "Role",
-    "RollbackAck",
     "RollbackRequest",
     "Severity",
     "decode",

@@ -81,6 +81,11 @@ class JobKeys:
         """A member of the previous epoch arrived at the formation of ``epoch``."""
         return f"{self.root}/ep/{epoch}/arrived/{rank}"
 
+    def epoch_arrivals(self, epoch: int) -> str:
+        """How many arrivals the formation of ``epoch`` counted (a counter: its closer reads
+        the arrival keys once it says they may all be there)."""
+        return f"{self.root}/ep/{epoch}/arrivals"
+
     @property
     def committed(self) -> str:
         """A lower bound of the job's committed step (set off the training path)."""

@@ -31,7 +31,6 @@ __all__ = [
     "ProcessExited",
     "HangSuspected",
     "RollbackRequest",
-    "RollbackAck",
     "DrainNotice",
     "DrainAck",
     "Inject",
@@ -216,7 +215,9 @@ class HangSuspected(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class RollbackRequest(Message):
-    """The sender asks every member of ``epoch`` to roll back ``step``."""
+    """The sender asks every member of ``epoch`` to roll back ``step``: a formation of the
+    next epoch reminds the members it misses. (Kind 5, the rollback barrier's
+    acknowledgement, is gone with that barrier: issue 35.)"""
 
     KIND: ClassVar[int] = 4
 
@@ -224,14 +225,6 @@ class RollbackRequest(Message):
 
     def _validate_body(self) -> None:
         _check_text("reason", self.reason)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RollbackAck(Message):
-    """The sender has aborted its process group, cancelled its futures and dropped its
-    gradients for ``(epoch, step)``."""
-
-    KIND: ClassVar[int] = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -326,7 +319,6 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         ProcessExited,
         HangSuspected,
         RollbackRequest,
-        RollbackAck,
         DrainNotice,
         DrainAck,
         Inject,

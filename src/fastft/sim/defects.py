@@ -13,9 +13,10 @@ from dataclasses import replace
 from typing import Any
 
 import fastft.runtime.engine.coordinator as coordinator
+import fastft.runtime.engine.survivors as survivors
 import fastft.sim.life as life
 from fastft.fsm import Deadline, DrainAcked, Phase, StepState
-from fastft.fsm.contract import Event, LocalFault, PeerFault
+from fastft.fsm.contract import Event
 from fastft.fsm.handlers import Result
 from fastft.fsm.table import TABLE, Rule
 from fastft.runtime.contract import EpochView
@@ -37,24 +38,24 @@ def _old_finished_lost(mp: contextlib.ExitStack) -> None:
     """A survivor that had lost its state never checked whether the job finished: after the
     others finished, it waited in the formation for them (until the agent's between-steps
     timeout, 30 min)."""
-    survivor_round = coordinator.Coordinator.survivor_round
+    survivor_round = survivors.Survivors.round
 
-    def blind(self: Any, wait: Any, *a: Any) -> Any:
+    def blind(self: Any, wait: Any, *a: Any, **kw: Any) -> Any:
         if not wait.lost_state:
-            return survivor_round(self, wait, *a)
-        self.finished_at = lambda: None
+            return survivor_round(self, wait, *a, **kw)
+        self.c.finished_at = lambda: None
         try:
-            return survivor_round(self, wait, *a)
+            return survivor_round(self, wait, *a, **kw)
         finally:
-            del self.finished_at
+            del self.c.finished_at
 
-    _patch(mp, coordinator.Coordinator, "survivor_round", blind)
+    _patch(mp, survivors.Survivors, "round", blind)
 
 
 def _old_first_heal(mp: contextlib.ExitStack) -> None:
     """Before the first commit, a total loss failed the job ("every holder of the committed
     state (step 0) was lost") although a fresh process holds that state."""
-    close_after = coordinator.close_after
+    close_after = survivors.close_after
 
     def fatal_at_zero(prev: EpochView, *a: Any, **kw: Any) -> EpochView | None:
         view = close_after(prev, *a, **kw)
@@ -64,32 +65,40 @@ def _old_first_heal(mp: contextlib.ExitStack) -> None:
                 return dataclasses.replace(view, step=0, needs_state=frozenset(), source=None)
         return view
 
-    _patch(mp, coordinator, "close_after", fatal_at_zero)
+    _patch(mp, survivors, "close_after", fatal_at_zero)
 
 
-def _old_healing_rollback(mp: contextlib.ExitStack) -> None:
-    """A death heard while the next epoch formed rolled back the epoch being left: peers
-    that had adopted the new epoch never met that rollback (each declared the other
-    dead at the deadline)."""
-    rule = TABLE[(Phase.HEALING, PeerFault)]
+def _old_lone_rollback(mp: contextlib.ExitStack) -> None:
+    """The rollback without a bus barrier, in its first version: a peer's own transient
+    fault of an epoch this worker had left rolled the new epoch back here alone (its peers
+    went on in it), and nothing reminded them: the closer declared its live peers dead at
+    the deadline. (Each member's request to every other had covered it: N(N-1)
+    deliveries.)"""
+    route = life.route
 
-    def roll_back(s: StepState, e: Event) -> Result:
-        return rule.handler(replace(s, forming=False), e)
+    def stale_acted_on(m: Any, **kw: Any) -> Any:
+        out = route(m, **kw)
+        if out.record and out.record[0] == "stale_fault":
+            return route(m, **{**kw, "epoch": m.epoch})
+        return out
 
-    _patch_rule(mp, (Phase.HEALING, PeerFault), Rule(rule.targets, roll_back, rule.doc))
+    def silent(self: Any, *a: Any) -> None:
+        return None
+
+    _patch(mp, life, "route", stale_acted_on)
+    _patch(mp, survivors.Survivors, "_remind", silent)
 
 
-def _old_restart_forming(mp: contextlib.ExitStack) -> None:
-    """A worker's own fault while the next epoch formed (ft.run restarting its loop after
-    an evaluation raised on every rank) rolled back the epoch being left, which its peers
-    had finished: it waited for them until the deadline and declared them dead (CI, once
-    in a few runs of the in-process restart test)."""
-    rule = TABLE[(Phase.HEALING, LocalFault)]
+def _old_closer_pass(mp: contextlib.ExitStack) -> None:
+    """The rollback without a bus barrier, before a survivor passed over a closer that
+    never arrived: a member that missed the closer's death notice (its peers knew) waited
+    for that closer forever, the others for it (the bus barrier's deadline had declared the
+    silent closer dead)."""
 
-    def roll_back(s: StepState, e: Event) -> Result:
-        return rule.handler(replace(s, forming=False), e)
+    def wait_for_it(self: Any, *a: Any) -> None:
+        return None
 
-    _patch_rule(mp, (Phase.HEALING, LocalFault), Rule(rule.targets, roll_back, rule.doc))
+    _patch(mp, survivors.Survivors, "_pass_closer", wait_for_it)
 
 
 def _old_drain_wait(mp: contextlib.ExitStack) -> None:
@@ -120,7 +129,7 @@ def _old_same_step(mp: contextlib.ExitStack) -> None:
     step, and the formation took the lowest holder as the source. A survivor that a fault
     interrupted before it completed the step's collective is one step behind those that
     completed it: as the source, or left unhealed, it splits the state."""
-    close_after = coordinator.close_after
+    close_after = survivors.close_after
 
     def same_step(prev: EpochView, arrived: dict[int, Any], *a: Any, **kw: Any) -> Any:
         top = max((x.step for x in arrived.values() if not x.lost), default=None)
@@ -128,7 +137,7 @@ def _old_same_step(mp: contextlib.ExitStack) -> None:
             arrived = {r: x if x.lost else replace(x, step=top) for r, x in arrived.items()}
         return close_after(prev, arrived, *a, **kw)
 
-    _patch(mp, coordinator, "close_after", same_step)
+    _patch(mp, survivors, "close_after", same_step)
 
 
 def _patch(mp: contextlib.ExitStack, owner: Any, name: str, value: Any) -> None:
@@ -150,13 +159,13 @@ DEFECTS: dict[str, tuple[Callable[[contextlib.ExitStack], None], dict[str, Any]]
     ),
     "first-heal": (_old_first_heal, {}),
     "finished-lost": (_old_finished_lost, {"kinds": ("drain", "kill", "exception")}),
-    "healing-rollback": (
-        _old_healing_rollback,
-        {"kinds": ("kill_at_formation", "kill", "exception", "hang")},
+    "lone-rollback": (_old_lone_rollback, {"kinds": ("escape", "exception"), "faults": 3}),
+    "closer-pass": (
+        _old_closer_pass,
+        {"kinds": ("msg_lost", "kill", "store_fail", "exception"), "faults": 3},
     ),
     "drain-wait": (_old_drain_wait, {"kinds": ("drain", "msg_lost")}),
     "same-step": (_old_same_step, {"kinds": ("kill",)}),
-    "restart-forming": (_old_restart_forming, {"kinds": ("escape",), "faults": 3}),
 }
 """Name -> (what puts it back, the simulator options under which to look for it)."""
 

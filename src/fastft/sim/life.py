@@ -24,8 +24,6 @@ from fastft.fsm import (
     Action,
     ApplyCommit,
     BroadcastDrainNotice,
-    BroadcastRollbackAck,
-    BroadcastRollbackRequest,
     CancelFutures,
     CastVote,
     ConfigureProcessGroup,
@@ -54,7 +52,6 @@ from fastft.protocol import (
     DrainNotice,
     Fault,
     Message,
-    RollbackAck,
     RollbackRequest,
     Severity,
 )
@@ -64,8 +61,10 @@ from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine import decisions
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.inbox import route
+from fastft.runtime.engine.survivors import Survivors
 from fastft.runtime.engine.todo import MAIN_ACTIONS, moved, stale, superseded
 from fastft.sim.ports import Host
+from fastft.sim.store import StoreDown
 from fastft.sim.waits import RTT_S, Ended, Waits
 
 __all__ = ["Ended", "Life"]
@@ -99,6 +98,7 @@ class Life(Waits):
             sleep=_no_sleep,
             recovery=w.recovery,
         )
+        self.survivors = Survivors(self.coord)
         self.h = w.chain[0]  # a fresh process builds the model from the seed: step 0's
         self.held = 0
         self.alive = True
@@ -136,8 +136,11 @@ class Life(Waits):
         for a in actions:
             if isinstance(a, MAIN_ACTIONS):
                 self.todo.append((self.phase_changes, new.epoch, a))
-            else:
+                continue
+            try:
                 self.immediate(a)
+            except StoreDown as e:  # (logged; the transition's other actions still run)
+                self.w.trace(self, f"action {type(a).__name__} failed: {e}")
         self.w.wake(self)
 
     def header(self) -> dict[str, Any]:
@@ -152,10 +155,6 @@ class Life(Waits):
             self.interrupts += 1
         elif isinstance(a, ProposeRollback):
             decisions.propose_rollback(w.store, w.keys, a.epoch, a.step, a.reason)
-        elif isinstance(a, BroadcastRollbackRequest):
-            w.broadcast(self, RollbackRequest(**self.header(), reason=a.reason[:2000]))
-        elif isinstance(a, BroadcastRollbackAck):
-            w.broadcast(self, RollbackAck(**self.header()))
         elif isinstance(a, AbortProcessGroup | CancelFutures):
             self.interrupts += 1
         elif isinstance(a, BroadcastDrainNotice):
@@ -182,13 +181,22 @@ class Life(Waits):
                 fault = Fault(
                     **self.header(),
                     severity=Severity.FAULT1,
-                    cause="silent during rollback",
+                    cause="silent: never arrived at the next epoch's formation",
                     faulty_rank=r,
                     faulty_incarnation=inc,
                 )
                 w.broadcast(self, fault)
         else:  # pragma: no cover
             raise AssertionError(f"no executor for {a}")
+
+    def declare_silent(self, ranks: frozenset[int]) -> None:
+        """:meth:`fastft.runtime.engine.executor.Executor.declare_silent`."""
+        self.immediate(DeclareDead(ranks))
+
+    def remind(self) -> None:
+        """:meth:`fastft.runtime.engine.executor.Executor.remind`."""
+        why = f"epoch {self.state.epoch + 1} is forming without you"
+        self.w.broadcast(self, RollbackRequest(**self.header(), reason=why))
 
     def on_message(self, m: Message) -> None:
         """The listener: route the message, feed its events (a store call that fails ends
@@ -272,8 +280,10 @@ class Life(Waits):
             return self.user_next()
         if s.phase is Phase.EXIT:
             raise Ended(1, s.reason or "worker left the job")
-        timed = s.phase in (Phase.ROLLBACK_REQ, Phase.ROLLBACK_SYNC, Phase.DRAIN_WAIT)
-        if timed and self.w.now - self.phase_since > self.w.opts.rollback_timeout_s:
+        if (
+            s.phase is Phase.DRAIN_WAIT
+            and self.w.now - self.phase_since > self.w.opts.rollback_timeout_s
+        ):
             self.phase_since = self.w.now
             self.feed(Deadline(self.w.now))
             return 0.0

@@ -1,7 +1,7 @@
 """A simulated life's main-thread actions that wait: the vote and its decision, the
 formations (as a survivor and as a joiner), adopting a view, the process group's build and
 the heal. Each is a slice the scheduler runs again until the wait ends, through the real
-coordinator's rounds (:meth:`~fastft.runtime.engine.coordinator.Coordinator.survivor_round`,
+coordinator's rounds (:meth:`~fastft.runtime.engine.survivors.Survivors.round`,
 ``joiner_round``, ``vote``, ``await_decision``) over the simulated store."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fastft.runtime.endings import JobFinished
 from fastft.runtime.engine import decisions
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.formation import JoinerWait, SurvivorWait
+from fastft.runtime.engine.survivors import Survivors
 from fastft.sim.ports import Host
 
 __all__ = ["POLL_S", "RTT_S", "Ended", "Waits"]
@@ -55,6 +56,7 @@ class Waits:
     view: EpochView | None
     dead: set[Member]
     coord: Coordinator
+    survivors: Survivors
     h: str
     held: int
     alive: bool
@@ -78,6 +80,12 @@ class Waits:
         raise NotImplementedError
 
     def on_message(self, m: Message) -> None:
+        raise NotImplementedError
+
+    def declare_silent(self, ranks: frozenset[int]) -> None:
+        raise NotImplementedError
+
+    def remind(self) -> None:
         raise NotImplementedError
 
     def vote_start(self, a: CastVote) -> float:
@@ -137,7 +145,7 @@ class Waits:
         if self.state.want_drain:
             raise Ended(EXIT_DRAINED, "drained (from a formation)")
         exclude = a.exclude | frozenset(m.rank for m in prev.members if m in self.dead)
-        wait = self.coord.arrive(
+        wait = self.survivors.arrive(
             prev,
             exclude,
             step=self.state.step,
@@ -160,7 +168,7 @@ class Waits:
                     raise Ended(EXIT_DRAINED, "drained (from a formation)")
                 return self.back_to_drive()
             try:
-                view = self.coord.survivor_round(wait)
+                view = self.survivors.round(wait, silent=self.declare_silent, remind=self.remind)
             except JobFinished as e:
                 raise Ended(0, f"the job finished at step {e.step}") from e
             if view is None:

@@ -7,9 +7,7 @@ a fault writes ``R<reason>`` the same way (:mod:`.decisions`).
 
 Epoch formation. Epoch ``E`` is *closed* when its member list is written into
 ``epoch_members(E)`` by compare-and-set; every worker adopts the list it reads. Survivors
-of ``E-1`` mark their arrival; the lowest survivor still believed alive waits for those it
-expects (or the rollback timeout), admits registered joiners and closes ``E`` with at
-least ``min_replicas`` (else it waits for joiners). A survivor left out becomes a joiner.
+of ``E-1`` mark their arrival (:mod:`.survivors`). A survivor left out becomes a joiner.
 Joiners wait for a view that lists them, except when every slot is a joiner (the first
 start, or every worker was lost): the lowest joiner then closes the epoch itself.
 """
@@ -29,23 +27,17 @@ from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, Member
 from fastft.runtime.endings import JobFinished
 from fastft.runtime.engine import decisions as d
 from fastft.runtime.engine.formation import (
-    Arrival,
     JoinerWait,
     Recovery,
-    SurvivorWait,
-    close_after,
     close_first,
-    holds_state,
 )
-from fastft.runtime.groups.hsdp import broken_groups, whole_groups
+from fastft.runtime.groups.hsdp import whole_groups
 
 __all__ = ["Coordinator"]
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.002
-_FINISHED_CHECK_AFTER_S = 0.2
-"""A formation waiting longer than this also checks whether the job already finished."""
 _SCAN_LATE_S = 0.25
 """After its timeout, how often a joiner reads every joiner key (the lowest closes)."""
 
@@ -151,7 +143,7 @@ class Coordinator:
         return bytes(got).decode(errors="replace")
 
     # --- epochs ----------------------------------------------------------------------------
-    def _value(self, key: str) -> bytes | None:
+    def value(self, key: str) -> bytes | None:
         """The value of ``key``; None when it is absent or forged (the signed store logs a
         forged one)."""
         if not self.store.check([key]):
@@ -162,11 +154,11 @@ class Coordinator:
             return None
 
     def latest_epoch(self) -> int:
-        got = self._value(self.keys.latest_epoch)
+        got = self.value(self.keys.latest_epoch)
         return int(got) if got else 0
 
     def closed(self, epoch: int) -> EpochView | None:
-        got = self._value(self.keys.epoch_members(epoch))
+        got = self.value(self.keys.epoch_members(epoch))
         return EpochView.from_json(got) if got else None
 
     def committed_step(self, latest: int) -> int:
@@ -174,14 +166,14 @@ class Coordinator:
         key collector recorded since."""
         prev = self.closed(latest) if latest else None
         got = [prev.step] if prev is not None else [0]
-        committed = self._value(self.keys.committed)
+        committed = self.value(self.keys.committed)
         if committed:
             got.append(int(committed))
         return max(got)
 
     def finished_at(self) -> int | None:
         """The step at which a member closed after finishing the job, if one did."""
-        got = self._value(self.keys.finished)
+        got = self.value(self.keys.finished)
         return int(got) if got else None
 
     def register_joiner(self) -> None:
@@ -223,7 +215,7 @@ class Coordinator:
             return True
         return self.me.rank == 0 and int(self.store.add(self.keys.joined, 0)) >= self.world_size
 
-    def _close(self, view: EpochView, admitted: dict[int, int]) -> EpochView:
+    def close(self, view: EpochView, admitted: dict[int, int]) -> EpochView:
         """Close ``view.epoch`` with ``view`` unless another view closed it first; the
         closer clears the joiner keys of the joiners it ``admitted`` (rank -> incarnation)."""
         got = d.decide_once(self.store, self.keys.epoch_members(view.epoch), view.to_json())
@@ -234,142 +226,6 @@ class Coordinator:
                 self.store.compare_set(self.keys.joiner(r), str(inc), "")
             log.info("closed epoch %d: %s", view.epoch, view.to_json())
         return agreed
-
-    def form_as_survivor(
-        self,
-        prev: EpochView,
-        exclude: frozenset[int],
-        *,
-        step: int,
-        lost_state: bool,
-        timeout_s: float,
-        cancelled: Callable[[], bool],
-        kept: tuple[int, int, int] | None = None,
-        admit: bool = True,
-        arrived: Callable[[], None] = lambda: None,
-        suspect: bool = False,
-        below_min: Callable[[int, int], None] = lambda have, need: None,
-    ) -> EpochView | None:
-        """Take part in forming ``prev.epoch + 1``: the closed view (which may not list this
-        worker: it must then join), or None if ``cancelled()``; JobFinished if the job
-        finished meanwhile (:meth:`survivor_round`). ``kept``: ``(lo, hi, n)``, the weighted
-        local gradient of those samples of ``step`` it holds (listed in the view's
-        ``kept``). ``admit`` False: registered joiners are left out (``waiting``) when the
-        survivors are at least ``min_replicas``. ``arrived()``: its arrival is written.
-        ``below_min(have, need)``: told while a formation it closes waits below
-        ``min_members``. ``suspect``: its state may be damaged (:class:`.formation.Arrival`).
-        One loop of :meth:`arrive` and :meth:`survivor_round` (:mod:`fastft.sim` runs the
-        same rounds from its scheduler)."""
-        wait = self.arrive(
-            prev,
-            exclude,
-            step=step,
-            lost_state=lost_state,
-            timeout_s=timeout_s,
-            kept=kept,
-            admit=admit,
-            suspect=suspect,
-        )
-        arrived()
-        while True:
-            view = self.closed(wait.epoch)
-            if view is not None:
-                return view
-            if cancelled():
-                return None
-            view = self.survivor_round(wait, below_min)
-            if view is not None:
-                return view
-            self.sleep(_POLL_S)
-
-    def arrive(
-        self,
-        prev: EpochView,
-        exclude: frozenset[int],
-        *,
-        step: int,
-        lost_state: bool,
-        timeout_s: float,
-        kept: tuple[int, int, int] | None = None,
-        admit: bool = True,
-        suspect: bool = False,
-    ) -> SurvivorWait:
-        """Write this survivor's arrival at ``prev.epoch + 1``; the wait's state for
-        :meth:`survivor_round`."""
-        epoch = prev.epoch + 1
-        arrival = Arrival(self.me.incarnation, step, lost_state, kept, suspect)
-        self.store.set(self.keys.epoch_arrival(epoch, self.me.rank), arrival.to_json())
-        expected = sorted(m.rank for m in prev.members if m.rank not in exclude)
-        started = self.clock()
-        return SurvivorWait(prev, expected, step, lost_state, admit, started, started + timeout_s)
-
-    def survivor_round(
-        self,
-        wait: SurvivorWait,
-        below_min: Callable[[int, int], None] = lambda have, need: None,
-    ) -> EpochView | None:
-        """One round of a survivor's wait for the epoch (after it found it not closed):
-        raises JobFinished when the job finished (with or without its state's last
-        step); the lowest expected survivor still alive tries to close the epoch (one
-        that died meanwhile hands it on at once, not after the deadline). The view it
-        closed, or None."""
-        prev = wait.prev
-        if self.clock() - wait.started > _FINISHED_CHECK_AFTER_S:
-            done = self.finished_at()
-            # (also one lost or behind: it waited for finished members; the simulator)
-            if done is not None:
-                raise JobFinished(done)
-        broken = broken_groups(prev, self.dead, self.k)
-        live = [
-            r
-            for r in wait.expected
-            if Member(r, prev.incarnation(r)) not in self.dead and r // self.k not in broken
-        ]
-        if live and live[0] == self.me.rank:
-            return self._try_close(prev, live, wait.deadline, wait.admit, below_min)
-        return None
-
-    def _try_close(
-        self,
-        prev: EpochView,
-        expected: list[int],
-        deadline: float,
-        admit: bool = True,
-        below_min: Callable[[int, int], None] = lambda have, need: None,
-    ) -> EpochView | None:
-        epoch = prev.epoch + 1
-        arrived: dict[int, Arrival] = {}
-        for m in prev.members:
-            got = self._value(self.keys.epoch_arrival(epoch, m.rank))
-            if got:
-                a = Arrival.from_json(got)
-                if Member(m.rank, a.incarnation) not in self.dead:
-                    arrived[m.rank] = a  # (one that died after arriving is not waited for)
-        timed_out = self.clock() >= deadline
-        if not set(expected) <= set(arrived) and not timed_out:
-            return None  # (before reading the joiners: the common case while waiting)
-        joiners = self.joiners(exclude=frozenset(arrived))
-        if self.k > 1:  # whole shard groups only (the rest of a broken one is going down)
-            broken = broken_groups(prev, self.dead, self.k)
-            arrived = {r: a for r, a in arrived.items() if r // self.k not in broken}
-            whole = whole_groups([*arrived, *joiners], self.k)
-            arrived = {r: a for r, a in arrived.items() if r in whole}
-            joiners = {r: i for r, i in joiners.items() if r in whole}
-        view = close_after(
-            prev,
-            arrived,
-            joiners,
-            expected=expected,
-            timed_out=timed_out,
-            admit=admit,
-            min_members=self.min_members,
-            recovery=Recovery() if holds_state(arrived) else self.recovery(),
-        )
-        if view is None:  # every expected survivor is in: fewer than min_members
-            if self.min_members < self.world_size:  # (a fixed world waits by design)
-                below_min(len(arrived) + len(joiners), self.min_members)
-            return None
-        return self._close(view, {} if view.waiting else joiners)
 
     def form_as_joiner(
         self,
@@ -444,7 +300,7 @@ class Coordinator:
                 recovery=self.recovery(),
             )
             assert view is not None
-            agreed = self._close(view, joiners)
+            agreed = self.close(view, joiners)
             if agreed.has(self.me.rank, self.me.incarnation):
                 return agreed
         return None

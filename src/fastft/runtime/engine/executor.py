@@ -1,13 +1,12 @@
 """The executor: feeds the state machine and performs its actions.
 
-Events come from two threads: the bus listener (peers' faults, rollback requests and acks,
-joins; :mod:`fastft.runtime.engine.inbox` turns messages into events) and the main thread (the
-step finished, a local exception, a decision read from the store). Both feed
-:meth:`Executor.feed`, which runs :func:`fastft.fsm.decide` under one lock and performs the
-*immediate* actions on the spot (interrupt the step, propose ROLLBACK in the store,
-broadcast on the bus) and queues the rest (vote, apply the commit, drop gradients, form
-the next epoch, build its process group, send or fetch state) for the main thread, which
-runs them in :meth:`Executor.drive`.
+Events come from two threads: the bus listener (peers' faults, rollback requests, joins;
+:mod:`.inbox` turns messages into events) and the main thread (the step finished, a local
+exception, a decision read from the store). Both feed :meth:`Executor.feed`: it runs
+:func:`fastft.fsm.decide` under one lock, performs the *immediate* actions on the spot
+(interrupt the step, propose ROLLBACK, broadcast) and queues the rest (vote, apply the
+commit, drop gradients, form the next epoch, build its group, heal) for the main thread
+(:meth:`Executor.drive`).
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ from fastft.fsm import (
     Action,
     ApplyCommit,
     BroadcastDrainNotice,
-    BroadcastRollbackAck,
-    BroadcastRollbackRequest,
     CancelFutures,
     CastVote,
     CommitApplied,
@@ -58,7 +55,6 @@ from fastft.protocol import (
     DrainNotice,
     Fault,
     JobKeys,
-    RollbackAck,
     RollbackRequest,
     Severity,
 )
@@ -185,8 +181,14 @@ class Executor:
         for a in actions:
             if isinstance(a, MAIN_ACTIONS):
                 self._todo.append((self.phase_changes, new.epoch, a))
-            else:
+                continue
+            try:
                 self._run_immediate(a)
+            except Exception as e:  # noqa: BLE001 - the transition's other actions must run
+                # (a proposal's store call: without the formation after it this worker
+                # waited in HEALING forever; every peer proposes too: the simulator)
+                log.error("action %s failed: %s: %s", type(a).__name__, type(e).__name__, e)
+                self.events.emit("action_failed", action=type(a).__name__, error=str(e)[:300])
         self.cond.notify_all()
 
     def header(self) -> dict[str, Any]:
@@ -202,6 +204,18 @@ class Executor:
     def replay_early(self) -> None:
         self.faults.replay_early()
 
+    def declare_silent(self, ranks: frozenset[int]) -> None:
+        """Members that never arrived at a formation (:mod:`.survivors`)."""
+        with self.lock:
+            self._run_immediate(DeclareDead(ranks))
+
+    def remind(self) -> None:
+        """A rollback request to the members a formation misses (:mod:`.survivors`)."""
+        s = self.state
+        self.events.emit("remind", epoch=s.epoch, step=s.step)
+        why = f"epoch {s.epoch + 1} is forming without you"
+        self.sv.bus.broadcast(RollbackRequest(**self.header(), reason=why))
+
     def _run_immediate(self, a: Action) -> None:
         s = self.state
         bus = self.sv.bus
@@ -213,12 +227,8 @@ class Executor:
             self.events.emit(
                 "propose_rollback", epoch=a.epoch, step=a.step, reason=a.reason, decision=got[:1]
             )
-        elif isinstance(a, BroadcastRollbackRequest):
-            self.sv.injector.fire_due(s.step, point="rollback")  # tests: death mid-rollback
-            bus.broadcast(RollbackRequest(**self.header(), reason=a.reason[:2000]))
-        elif isinstance(a, BroadcastRollbackAck):
-            bus.broadcast(RollbackAck(**self.header()))
         elif isinstance(a, AbortProcessGroup):
+            self.sv.injector.fire_due(s.step, point="rollback")  # tests: death mid-rollback
             self.dp.abort(s.epoch)
         elif isinstance(a, CancelFutures):
             pass  # the interrupt already failed every pending future of the step
@@ -251,7 +261,7 @@ class Executor:
                     Fault(
                         **self.header(),
                         severity=Severity.FAULT1,
-                        cause="silent during rollback",
+                        cause="silent: never arrived at the next epoch's formation",
                         faulty_rank=r,
                         faulty_incarnation=inc,
                     )
@@ -277,7 +287,7 @@ class Executor:
                     if s.phase is Phase.EXIT:
                         raise WorkerExit(s.reason or "worker left the job")
                     if (
-                        s.phase in (Phase.ROLLBACK_REQ, Phase.ROLLBACK_SYNC, Phase.DRAIN_WAIT)
+                        s.phase is Phase.DRAIN_WAIT
                         and time.monotonic() - self._phase_since > self.config.rollback_timeout_s
                     ):
                         self._phase_since = time.monotonic()

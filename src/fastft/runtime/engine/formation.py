@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, Member
 
@@ -81,6 +81,23 @@ class SurvivorWait:
     admit: bool
     started: float
     deadline: float
+    first: bool = False
+    """It arrived first: it reminds the members still missing and declares a closer that
+    never arrived dead (:meth:`Coordinator.survivor_round`)."""
+    closing: bool = False
+    """It was the closer at its last round (the others block on the closed view)."""
+    counted: tuple[int, tuple[int, ...]] = (-1, ())
+    """The closer's last read of the arrival keys: the counter and the live expected..."""
+    arrived: dict[int, Arrival] = field(default_factory=dict)
+    """... and what it read."""
+    checked: float = float("-inf")
+    """When it last asked whether the job finished."""
+    reminded: float = float("-inf")
+    reminders: int = 0
+    passed: frozenset[int] = frozenset()
+    """Members it gave up on for not arriving by the deadline (declared dead)."""
+    checked_closer: frozenset[int] = frozenset()
+    """Closers whose arrival it read past the deadline."""
 
     @property
     def epoch(self) -> int:

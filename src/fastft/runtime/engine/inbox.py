@@ -19,7 +19,6 @@ from fastft.fsm import (
     JoinRequested,
     LocalFault,
     PeerFault,
-    RollbackAcked,
     RollbackRequested,
 )
 from fastft.protocol import (
@@ -29,7 +28,6 @@ from fastft.protocol import (
     Fault,
     JoinRequest,
     Message,
-    RollbackAck,
     RollbackRequest,
     Severity,
 )
@@ -116,6 +114,12 @@ def route(
                     ),
                 )
             return NOTHING
+        if r.self_reported and r.severity is Severity.FAULT2 and m.epoch < epoch:
+            # A peer's own transient fault in an epoch this worker has left: the peer
+            # rolled that epoch back itself and arrived at the formation this epoch came
+            # from (a fault as it formed, it reports again, as one of the new epoch).
+            # Acted on, this worker alone would roll back an epoch its peers go on in.
+            return Routed(record=("stale_fault", {"rank": r.rank, "epoch": m.epoch}))
         newly_dead = None
         inc = r.incarnation
         if not inc and view is not None and r.rank in view.ranks:
@@ -165,8 +169,6 @@ def route(
     ev: Event | None = None
     if isinstance(m, RollbackRequest):
         ev = RollbackRequested(m.rank) if member and m.epoch == epoch else None
-    elif isinstance(m, RollbackAck):
-        ev = RollbackAcked(m.rank) if member and m.epoch == epoch else None
     elif isinstance(m, DrainNotice):
         if not member and m.epoch < epoch:
             # A leaver of an epoch this worker has already re-formed without it (it read
@@ -190,17 +192,18 @@ def route(
 
 
 def _early(m: Message, me: Member, epoch: int) -> bool:
-    """A peer's message about an epoch after this worker's: a rollback request or ack, or
-    its own fault report (a peer that adopted the epoch first rolls it back)."""
+    """A peer's message about an epoch after this worker's: a rollback request (a
+    formation's reminder), or its own fault report (a peer that adopted the epoch first rolls it back)."""
     if m.epoch <= epoch or m.rank == me.rank:
         return False
-    if isinstance(m, RollbackRequest | RollbackAck):
+    if isinstance(m, RollbackRequest):
         return True
     return isinstance(m, Fault) and m.sender == (m.faulty_rank, m.faulty_incarnation)
 
 
 EARLY_KEPT = 4096
-"""Early messages kept (a worker keeps the newest): two per member of a rollback."""
+"""Early messages kept (a worker keeps the newest): a fault report per member, and the
+formation's reminders."""
 
 REPEATED = frozenset({"join_ignored"})
 """Records a flood can repeat (a foreign worker announcing itself every 200 ms): logged

@@ -15,6 +15,7 @@ from fastft.runtime.durable.checkpoints import CheckpointError
 from fastft.runtime.endings import JobFinished, StateLost, WorkerExit
 from fastft.runtime.engine.decisions import parse_commit
 from fastft.runtime.engine.sideclient import KeyCollector
+from fastft.runtime.engine.survivors import Survivors
 from fastft.runtime.groups.hsdp import heal_group, shard_source, whole_groups
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 class Membership:
     def __init__(self, x: Engine) -> None:
         self.x = x
+        self.survivors = Survivors(x.coord)
         self.collector = KeyCollector(x.side)
         self._decision_wait_ms: float | None = None
         self._below: tuple[int, int, int] | None = None
@@ -148,7 +150,7 @@ class Membership:
 
         self._drain_from_formation()
         try:
-            view = x.coord.form_as_survivor(
+            view = self.survivors.form(
                 prev,
                 exclude,
                 step=x.state.step,
@@ -163,6 +165,8 @@ class Membership:
                 arrived=lambda: x.sv.injector.fire_due(x.state.step, point="formation"),
                 suspect=x.suspect_state,
                 below_min=self._below_min,
+                silent=x.declare_silent,
+                remind=x.remind,
             )
         except JobFinished as e:
             self._finished(e, f"the job finished at step {e.step} while this worker re-formed")

@@ -57,4 +57,10 @@ class Engine(Protocol):
     def replay_early(self) -> None:
         """Route again the bus messages kept for an epoch not adopted yet."""
 
+    def declare_silent(self, ranks: frozenset[int]) -> None:
+        """Declare dead members that never arrived at a formation (the agent kills them)."""
+
+    def remind(self) -> None:
+        """Ask the members a formation still misses to roll back (one broadcast)."""
+
     def cancelled(self, phase: Phase) -> Callable[[], bool]: ...

@@ -1,0 +1,284 @@
+"""A survivor's part in forming the next epoch: the rollback's barrier.
+
+Survivors of epoch ``E-1`` write their arrival (a key) and count it (one counter); the
+lowest survivor still believed alive, the closer, polls the counter, reads the arrival
+keys once it says every expected survivor may be in, waits for those it expects (or the
+rollback timeout, then declares the missing ones dead), admits registered joiners and
+closes ``E`` with at least ``min_replicas`` (else it waits for joiners). The others block
+on the closed view. The first to arrive reminds the members still missing (one rollback
+request on the bus), and past the deadline a closer that never came is passed over.
+
+This replaced a barrier on the bus in which every member sent a rollback request and an
+acknowledgement to every other: 2N(N-1) deliveries a fault, 10 s a round at 256 members
+(issue 35; docs/architecture.md "The rollback's barrier"). Its cost now: two requests per
+arrival, the closer's polls of one counter, one read of the arrival keys per change of
+the count, and a few broadcasts: O(N), and nothing between members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from fastft.bus.signed import ForgedValue
+from fastft.runtime.contract import EpochView, Member
+from fastft.runtime.endings import JobFinished
+from fastft.runtime.engine.coordinator import Coordinator
+from fastft.runtime.engine.formation import (
+    Arrival,
+    Recovery,
+    SurvivorWait,
+    close_after,
+    holds_state,
+)
+from fastft.runtime.groups.hsdp import broken_groups, whole_groups
+
+__all__ = ["CLOSER_GRACE_S", "REMIND_S", "Survivors"]
+
+_POLL_S = 0.002
+_FINISHED_CHECK_AFTER_S = 0.2
+"""A formation waiting longer than this also checks whether the job already finished..."""
+_POLL_FINISHED_S = 0.1
+"""... this often."""
+REMIND_S = 0.05
+"""When the first survivor to arrive first reminds the members still missing (one rollback
+request on the bus: a member whose fault notice was lost, or that took it for a fault of
+an epoch it had left, still waits in the step); each next reminder waits twice as long."""
+CLOSER_GRACE_S = 0.5
+"""Past the deadline, how long a survivor waits for its closer before it reads whether the
+closer arrived; one that never did is passed over (the first arrival declares it dead)."""
+
+
+class Survivors:
+    """One worker's survivor side of the formations, over its coordinator's store clients
+    (:class:`~fastft.runtime.engine.coordinator.Coordinator`)."""
+
+    def __init__(self, coord: Coordinator) -> None:
+        self.c = coord
+
+    def form(
+        self,
+        prev: EpochView,
+        exclude: frozenset[int],
+        *,
+        step: int,
+        lost_state: bool,
+        timeout_s: float,
+        cancelled: Callable[[], bool],
+        kept: tuple[int, int, int] | None = None,
+        admit: bool = True,
+        arrived: Callable[[], None] = lambda: None,
+        suspect: bool = False,
+        below_min: Callable[[int, int], None] = lambda have, need: None,
+        silent: Callable[[frozenset[int]], None] = lambda ranks: None,
+        remind: Callable[[], None] = lambda: None,
+    ) -> EpochView | None:
+        """Take part in forming ``prev.epoch + 1``: the closed view (which may not list this
+        worker: it must then join), or None if ``cancelled()``; JobFinished if the job
+        finished meanwhile (:meth:`round`). ``kept``: ``(lo, hi, n)``, the weighted
+        local gradient of those samples of ``step`` it holds (listed in the view's
+        ``kept``). ``admit`` False: registered joiners are left out (``waiting``) when the
+        survivors are at least ``min_replicas``. ``arrived()``: its arrival is written.
+        ``below_min(have, need)``: told while a formation it closes waits below
+        ``min_members``. ``suspect``: its state may be damaged (:class:`.formation.Arrival`).
+        ``silent(ranks)``: expected members that never arrived by the deadline, to declare
+        dead; ``remind()``: ask the members still missing to roll back (one broadcast).
+        One loop of :meth:`arrive` and :meth:`round` (:mod:`fastft.sim` runs the
+        same rounds from its scheduler). The closer polls the arrivals' counter; the others
+        block on the closed view (the decision store's short timeout) when there is one."""
+        wait = self.arrive(
+            prev,
+            exclude,
+            step=step,
+            lost_state=lost_state,
+            timeout_s=timeout_s,
+            kept=kept,
+            admit=admit,
+            suspect=suspect,
+        )
+        arrived()
+        while True:
+            view = self.c.closed(wait.epoch)
+            if view is not None:
+                return view
+            if cancelled():
+                return None
+            view = self.round(wait, below_min, silent, remind)
+            if view is not None:
+                return view
+            if wait.closing or self.c.decision_store is self.c.store:
+                self.c.sleep(_POLL_S)
+            else:
+                self.await_closed(wait.epoch)  # (the loop reads it again)
+
+    def arrive(
+        self,
+        prev: EpochView,
+        exclude: frozenset[int],
+        *,
+        step: int,
+        lost_state: bool,
+        timeout_s: float,
+        kept: tuple[int, int, int] | None = None,
+        admit: bool = True,
+        suspect: bool = False,
+    ) -> SurvivorWait:
+        """Write this survivor's arrival at ``prev.epoch + 1``; the wait's state for
+        :meth:`round`."""
+        epoch = prev.epoch + 1
+        arrival = Arrival(self.c.me.incarnation, step, lost_state, kept, suspect)
+        self.c.store.set(self.c.keys.epoch_arrival(epoch, self.c.me.rank), arrival.to_json())
+        first = int(self.c.store.add(self.c.keys.epoch_arrivals(epoch), 1)) == 1
+        expected = sorted(m.rank for m in prev.members if m.rank not in exclude)
+        started = self.c.clock()
+        return SurvivorWait(
+            prev, expected, step, lost_state, admit, started, started + timeout_s, first=first
+        )
+
+    def await_closed(self, epoch: int) -> EpochView | None:
+        """The view of ``epoch`` once closed, waiting for it up to the decision store's
+        timeout (one blocking ``get``: the server answers every waiter when it is set)."""
+        try:
+            got = self.c.decision_store.get(self.c.keys.epoch_members(epoch))
+        except (dist.DistStoreError, ForgedValue):
+            return None
+        return EpochView.from_json(bytes(got))
+
+    def round(
+        self,
+        wait: SurvivorWait,
+        below_min: Callable[[int, int], None] = lambda have, need: None,
+        silent: Callable[[frozenset[int]], None] = lambda ranks: None,
+        remind: Callable[[], None] = lambda: None,
+    ) -> EpochView | None:
+        """One round of a survivor's wait for the epoch (after it found it not closed):
+        raises JobFinished when the job finished (with or without its state's last
+        step); the lowest expected survivor still alive tries to close the epoch (one
+        that died meanwhile hands it on at once, not after the deadline). The first to
+        arrive reminds the members still missing, and past the deadline declares a closer
+        that never came. The view it closed, or None.
+
+        This is the rollback's barrier (issue 35): its cost is the arrivals (2 requests
+        each), the closer's polls of one counter, and one read of every arrival key per
+        change of the count once it says everyone may be in: O(N) requests, and no
+        message between members."""
+        prev = wait.prev
+        now = self.c.clock()
+        if now - wait.started > _FINISHED_CHECK_AFTER_S and now - wait.checked >= _POLL_FINISHED_S:
+            wait.checked = now
+            done = self.c.finished_at()
+            # (also one lost or behind: it waited for finished members; the simulator)
+            if done is not None:
+                raise JobFinished(done)
+        broken = broken_groups(prev, self.c.dead, self.c.k)
+        live = [
+            r
+            for r in wait.expected
+            if Member(r, prev.incarnation(r)) not in self.c.dead
+            and r // self.c.k not in broken
+            and r not in wait.passed
+        ]
+        wait.closing = bool(live) and live[0] == self.c.me.rank
+        if wait.first and live:
+            self._remind(wait, live, now, remind)
+        if wait.closing:
+            return self._try_close(wait, live, below_min, silent)
+        if live and now >= wait.deadline + CLOSER_GRACE_S:
+            self._pass_closer(wait, live, now, silent)
+        return None
+
+    def _pass_closer(
+        self,
+        wait: SurvivorWait,
+        live: list[int],
+        now: float,
+        silent: Callable[[frozenset[int]], None],
+    ) -> None:
+        """Past the deadline and a grace, the epoch not closed: its closer is dead or hung
+        and this worker missed the notice (the bus barrier's deadline once declared it).
+        One that never arrived is passed over at once (one read), and the first arrival
+        declares it dead (the agent kills it); past one grace more per place in the line,
+        this worker closes itself (the compare-and-set keeps one view if the closer was
+        only slow)."""
+        closer = live[0]
+        if closer not in wait.checked_closer:
+            wait.checked_closer |= {closer}
+            if self.c.value(self.c.keys.epoch_arrival(wait.epoch, closer)) is None:
+                wait.passed |= {closer}
+                if wait.first:
+                    silent(frozenset({closer}))
+                return
+        place = live.index(self.c.me.rank) if self.c.me.rank in live else 0
+        if place and now >= wait.deadline + (place + 1) * CLOSER_GRACE_S:
+            wait.passed |= frozenset(live[:place])
+
+    def _remind(
+        self, wait: SurvivorWait, live: list[int], now: float, remind: Callable[[], None]
+    ) -> None:
+        """The first arrival's duty while the epoch is not closed: a rollback request to
+        the members still missing, after :data:`REMIND_S` and then ever less often (a
+        member whose fault notice was lost, or that took it for a fault of an epoch it
+        had left, waits in the step's collective)."""
+        gap = REMIND_S * 2 ** min(wait.reminders, 4)  # (0.05 s, doubling up to 0.8 s)
+        if now - max(wait.reminded, wait.started) >= gap:
+            wait.reminded = now
+            if int(self.c.store.add(self.c.keys.epoch_arrivals(wait.epoch), 0)) < len(live):
+                wait.reminders += 1
+                remind()
+
+    def _try_close(
+        self,
+        wait: SurvivorWait,
+        expected: list[int],
+        below_min: Callable[[int, int], None],
+        silent: Callable[[frozenset[int]], None],
+    ) -> EpochView | None:
+        prev, epoch, admit = wait.prev, wait.epoch, wait.admit
+        timed_out = self.c.clock() >= wait.deadline
+        count = int(self.c.store.add(self.c.keys.epoch_arrivals(epoch), 0))
+        seen = (count, tuple(expected))
+        if seen != wait.counted and (count >= len(expected) or timed_out):
+            wait.counted = seen  # (the counter says every arrival may be there: read them)
+            wait.arrived = {}
+            for m in prev.members:
+                got = self.c.value(self.c.keys.epoch_arrival(epoch, m.rank))
+                if got:
+                    wait.arrived[m.rank] = Arrival.from_json(got)
+        elif not timed_out:
+            return None  # (someone is missing, or nothing changed since the last read)
+        arrived = {  # (one that died after arriving is not waited for)
+            r: a for r, a in wait.arrived.items() if Member(r, a.incarnation) not in self.c.dead
+        }
+        if not set(expected) <= set(arrived) and not timed_out:
+            return None  # (before reading the joiners: the common case while waiting)
+        missing = frozenset(expected) - set(arrived) - wait.passed
+        if missing:  # (timed out) silent: the agent kills them; they come back as joiners
+            wait.passed |= missing
+            silent(missing)
+        lives = self.c.joiners()
+        # (a newer life of a rank that arrived registered: the one that arrived is dead,
+        # and this worker missed the notice; its agent restarts a rank only once it ended)
+        arrived = {r: a for r, a in arrived.items() if lives.get(r, 0) <= a.incarnation}
+        joiners = {r: inc for r, inc in lives.items() if r not in arrived}
+        if self.c.k > 1:  # whole shard groups only (the rest of a broken one is going down)
+            broken = broken_groups(prev, self.c.dead, self.c.k)
+            arrived = {r: a for r, a in arrived.items() if r // self.c.k not in broken}
+            whole = whole_groups([*arrived, *joiners], self.c.k)
+            arrived = {r: a for r, a in arrived.items() if r in whole}
+            joiners = {r: i for r, i in joiners.items() if r in whole}
+        view = close_after(
+            prev,
+            arrived,
+            joiners,
+            expected=expected,
+            timed_out=timed_out,
+            admit=admit,
+            min_members=self.c.min_members,
+            recovery=Recovery() if holds_state(arrived) else self.c.recovery(),
+        )
+        if view is None:  # every expected survivor is in: fewer than min_members
+            if self.c.min_members < self.c.world_size:  # (a fixed world waits by design)
+                below_min(len(arrived) + len(joiners), self.c.min_members)
+            return None
+        return self.c.close(view, {} if view.waiting else joiners)
