@@ -56,6 +56,28 @@ def test_the_store_keeps_tcpstores_semantics(store, request):
     assert store.get(odd) == b"1" and not store.check([p + "fastft/job=2E1:x y/é"])
 
 
+def test_many_keys_read_at_once_with_none_for_the_missing(store, request):
+    """A formation reads every arrival in one round trip on NATS (its add is a
+    compare-and-set loop); a missing key is None at once, not waited for; through the
+    signed store a forged value is None too, and counted."""
+    from fastft.bus.signed import SignedStore
+    from fastft.protocol.auth import JobSecret, ValueAuth
+    from fastft.protocol.keys import JobKeys
+
+    p = request.node.name + "/"
+    store.set(p + "a", "x")
+    t0 = time.monotonic()
+    assert store.read_many([p + "a", p + "none", p + "a"]) == [b"x", None, b"x"]
+    assert time.monotonic() - t0 < 1.0  # (the store's timeout is 30 s)
+    keys = JobKeys(p.strip("/"))
+    signed = SignedStore(store, keys, ValueAuth(JobSecret.draw()))
+    arrival = keys.epoch_arrival(2, 0)
+    signed.set(arrival, "signed")
+    store.set(keys.epoch_arrival(2, 1), "forged")  # (no tag)
+    got = signed.read_many([arrival, keys.epoch_arrival(2, 1), keys.epoch_arrival(2, 2)])
+    assert got == [b"signed", None, None] and signed.forged.total == 1
+
+
 def test_a_missing_key_is_waited_for_until_the_timeout(store, request):
     key = request.node.name
     short = store.clone()

@@ -110,6 +110,17 @@ class SignedStore:
         """Compare-and-set over a forged value (one that pre-empted a decision is none)."""
         return self._in(key, self.raw.compare_set(key, forged, self._out(key, desired)))
 
+    def read_many(self, keys: list[str]) -> list[bytes | None]:
+        """Values or None (absent, or forged: counted) of ``keys``, where the store reads
+        many at once (NATS); AttributeError where it does not."""
+        out: list[bytes | None] = []
+        for k, raw in zip(keys, self.raw.read_many(keys), strict=True):
+            try:
+                out.append(None if raw is None else self._in(k, raw))
+            except ForgedValue:
+                out.append(None)
+        return out
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """Values of ``keys``; a forged one reads as ``b""`` (no value), and is counted."""
         out = []

@@ -81,6 +81,11 @@ class JobKeys:
         """A member of the previous epoch arrived at the formation of ``epoch``."""
         return f"{self.root}/ep/{epoch}/arrived/{rank}"
 
+    def epoch_first(self, epoch: int) -> str:
+        """The rank that arrived first at the formation of ``epoch`` (by compare-and-set,
+        where an add is a compare-and-set loop: NATS)."""
+        return f"{self.root}/ep/{epoch}/first"
+
     def epoch_arrivals(self, epoch: int) -> str:
         """How many arrivals the formation of ``epoch`` counted (a counter: its closer reads
         the arrival keys once it says they may all be there)."""

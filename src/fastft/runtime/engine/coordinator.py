@@ -79,6 +79,9 @@ class Coordinator:
         self.dead: Set[Member] = dead if dead is not None else set()
         """Lives known dead (the worker's one set, read here): never admitted as joiners."""
         self._joiner_keys_exist = False
+        self.reads_many = hasattr(getattr(store, "raw", store), "read_many")
+        """The store reads many keys in one round trip and its ``add`` is a compare-and-set
+        loop (NATS): formations read arrivals instead of counting them."""
         self.recovery = recovery
         """What can replace a lost state (the durable tier's newest checkpoint): asked only
         when an epoch closes without a holder, or at a first start."""
@@ -186,6 +189,10 @@ class Coordinator:
         compare-and-set, never deleted (a ``get`` of a key that vanished after a ``check``
         blocks for the store's whole timeout)."""
         keys = [self.keys.joiner(r) for r in range(self.world_size)]
+        if self.reads_many:  # (one round trip, no key made first)
+            got = self.store.read_many(keys)
+            lives = {r: int(v) for r, v in enumerate(got) if v and r not in exclude}
+            return {r: inc for r, inc in lives.items() if Member(r, inc) not in self.dead}
         if not self._joiner_keys_exist:
             for k in keys:
                 try:

@@ -89,7 +89,8 @@ class SurvivorWait:
     counted: tuple[int, tuple[int, ...]] = (-1, ())
     """The closer's last read of the arrival keys: the counter and the live expected..."""
     arrived: dict[int, Arrival] = field(default_factory=dict)
-    """... and what it read."""
+    """... and what it read (NATS: ``read_at``, when)."""
+    read_at: float = float("-inf")
     checked: float = float("-inf")
     """When it last asked whether the job finished."""
     reminded: float = float("-inf")

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from fastft.bus.signed import ForgedValue
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.endings import JobFinished
+from fastft.runtime.engine import decisions as d
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.formation import (
     Arrival,
@@ -129,7 +130,11 @@ class Survivors:
         epoch = prev.epoch + 1
         arrival = Arrival(self.c.me.incarnation, step, lost_state, kept, suspect)
         self.c.store.set(self.c.keys.epoch_arrival(epoch, self.c.me.rank), arrival.to_json())
-        first = int(self.c.store.add(self.c.keys.epoch_arrivals(epoch), 1)) == 1
+        if self.c.reads_many:  # (NATS: an add is a compare-and-set loop; one try here)
+            me = str(self.c.me.rank)
+            first = d.decide_once(self.c.store, self.c.keys.epoch_first(epoch), me) == me
+        else:
+            first = int(self.c.store.add(self.c.keys.epoch_arrivals(epoch), 1)) == 1
         expected = sorted(m.rank for m in prev.members if m.rank not in exclude)
         started = self.c.clock()
         return SurvivorWait(
@@ -223,9 +228,22 @@ class Survivors:
         gap = REMIND_S * 2 ** min(wait.reminders, 4)  # (0.05 s, doubling up to 0.8 s)
         if now - max(wait.reminded, wait.started) >= gap:
             wait.reminded = now
-            if int(self.c.store.add(self.c.keys.epoch_arrivals(wait.epoch), 0)) < len(live):
+            if self._count(wait) < len(live):
                 wait.reminders += 1
                 remind()
+
+    def _count(self, wait: SurvivorWait) -> int:
+        """How many arrivals the formation counted (NATS: the arrivals read at once)."""
+        if self.c.reads_many:
+            return len(self._read_arrivals(wait))
+        return int(self.c.store.add(self.c.keys.epoch_arrivals(wait.epoch), 0))
+
+    def _read_arrivals(self, wait: SurvivorWait) -> dict[int, Arrival]:
+        ranks = [m.rank for m in wait.prev.members]
+        keys = [self.c.keys.epoch_arrival(wait.epoch, r) for r in ranks]
+        many = self.c.reads_many
+        got = self.c.store.read_many(keys) if many else [self.c.value(k) for k in keys]
+        return {r: Arrival.from_json(v) for r, v in zip(ranks, got, strict=True) if v}
 
     def _try_close(
         self,
@@ -236,17 +254,20 @@ class Survivors:
     ) -> EpochView | None:
         prev, epoch, admit = wait.prev, wait.epoch, wait.admit
         timed_out = self.c.clock() >= wait.deadline
-        count = int(self.c.store.add(self.c.keys.epoch_arrivals(epoch), 0))
-        seen = (count, tuple(expected))
-        if seen != wait.counted and (count >= len(expected) or timed_out):
-            wait.counted = seen  # (the counter says every arrival may be there: read them)
-            wait.arrived = {}
-            for m in prev.members:
-                got = self.c.value(self.c.keys.epoch_arrival(epoch, m.rank))
-                if got:
-                    wait.arrived[m.rank] = Arrival.from_json(got)
-        elif not timed_out:
-            return None  # (someone is missing, or nothing changed since the last read)
+        now = self.c.clock()
+        if self.c.reads_many:  # (NATS: every arrival in one read, less often as N grows)
+            if now - wait.read_at < _POLL_S * max(1.0, len(expected) / 16) and not timed_out:
+                return None
+            wait.read_at = now
+            wait.arrived = self._read_arrivals(wait)
+        else:
+            count = int(self.c.store.add(self.c.keys.epoch_arrivals(epoch), 0))
+            seen = (count, tuple(expected))
+            if seen != wait.counted and (count >= len(expected) or timed_out):
+                wait.counted = seen  # (the counter says every arrival may be in: read them)
+                wait.arrived = self._read_arrivals(wait)
+            elif not timed_out:
+                return None  # (someone is missing, or nothing changed since the last read)
         arrived = {  # (one that died after arriving is not waited for)
             r: a for r, a in wait.arrived.items() if Member(r, a.incarnation) not in self.c.dead
         }
