@@ -27,10 +27,11 @@ def _check(run, clean, *, hung=()) -> list[dict]:
     return ev
 
 
-def test_a_death_while_the_others_collect_rollback_requests(tmp_path, clean):
-    """Rank 1 raises in step 6; rank 2 dies before its own rollback request, while ranks 0
-    and 1 wait in ROLLBACK_REQ for it: its death must end that wait (it waited for the 5 s
-    rollback deadline, then the healthy restart was killed)."""
+def test_a_death_in_the_middle_of_its_rollback(tmp_path, clean):
+    """Rank 1 raises in step 6; rank 2 dies as its own rollback begins, while ranks 0 and
+    1 wait for it in the next epoch's formation (the rollback's barrier): its death must
+    end that wait. (With the bus barrier they waited in ROLLBACK_REQ for its request, until
+    the 5 s deadline, and then the healthy restart was killed.)"""
     plan = [
         {"kind": "exception", "rank": 1, "at_step": 6},
         {"kind": "sigkill", "rank": 2, "at_step": 6, "point": "rollback"},
