@@ -163,7 +163,10 @@ def members(address: str, first: int, count: int, world: int) -> None:
             with lock:
                 done[self.rank] = time.time()
 
-    ones = [One(first + i) for i in range(count)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(16) as pool:  # (their connections, several at a time)
+        ones = list(pool.map(One, range(first, first + count)))
     threads = [threading.Thread(target=o.run, daemon=True) for o in ones]
     for t in threads:
         t.start()
