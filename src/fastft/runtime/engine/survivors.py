@@ -4,8 +4,8 @@ Survivors of epoch ``E-1`` write their arrival (a key) and count it (one counter
 lowest survivor still believed alive, the closer, polls the counter, reads the arrival
 keys once it says every expected survivor may be in, waits for those it expects (or the
 rollback timeout, then declares the missing ones dead), admits registered joiners and
-closes ``E`` with at least ``min_replicas`` (else it waits for joiners). The others poll
-the closed view, less often as the epoch grows (NATS: they watch it). The first to arrive reminds the members still missing (one rollback
+closes ``E`` with at least ``min_replicas`` (else it waits for joiners). The others block
+on the closed view. The first to arrive reminds the members still missing (one rollback
 request on the bus), and past the deadline a closer that never came is passed over.
 
 This replaced a barrier on the bus in which every member sent a rollback request and an
@@ -87,7 +87,7 @@ class Survivors:
         dead; ``remind()``: ask the members still missing to roll back (one broadcast).
         One loop of :meth:`arrive` and :meth:`round` (:mod:`fastft.sim` runs the
         same rounds from its scheduler). The closer polls the arrivals' counter; the others
-        poll the closed view, every ``N/16`` x 2 ms (NATS: a blocking get, a watch)."""
+        block on the closed view (the decision store's short timeout) when there is one."""
         wait = self.arrive(
             prev,
             exclude,
@@ -108,14 +108,10 @@ class Survivors:
             view = self.round(wait, below_min, silent, remind)
             if view is not None:
                 return view
-            if self.c.reads_many and not wait.closing:  # (NATS: a wait is a watch)
-                self.await_closed(wait.epoch)  # (the loop reads it again)
+            if wait.closing or self.c.decision_store is self.c.store:
+                self.c.sleep(_POLL_S)
             else:
-                # TCPStore: a blocking get that times out reconnects, and torch 2.13 stalls
-                # 5 s in about 1 of 25 reconnects (the joiners' note); the others poll, less
-                # often as the epoch grows (at most ~8,000 reads a second in all)
-                n = 1 if wait.closing else len(wait.expected)
-                self.c.sleep(_POLL_S * max(1.0, n / 16))
+                self.await_closed(wait.epoch)  # (the loop reads it again)
 
     def arrive(
         self,
