@@ -83,7 +83,7 @@ class SurvivorWait:
     deadline: float
     first: bool = False
     """It arrived first: it reminds the members still missing and declares a closer that
-    never arrived dead (:meth:`Coordinator.survivor_round`)."""
+    never arrived dead (:meth:`.survivors.Survivors.round`)."""
     closing: bool = False
     """It was the closer at its last round (the others block on the closed view)."""
     counted: tuple[int, tuple[int, ...]] = (-1, ())
