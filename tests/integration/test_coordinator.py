@@ -131,6 +131,24 @@ def test_survivors_exclude_the_dead_and_admit_its_restart(server):
     assert v.needs_state == frozenset({2}) and v.source == 0
 
 
+def test_a_restart_that_registers_after_the_survivors_arrived_is_admitted_at_once(server):
+    # The common order of a SIGKILL: the survivors arrive within milliseconds, the restarted
+    # worker registers a fork (or a Python start) later. A fixed world waits for it; the
+    # closer read the joiners only when the arrivals' count changed, so it found the
+    # restart at the 5 s deadline, and every restart cost 5 s (session 12's regression).
+    cs = [coord(server, r, 10 + r) for r in range(3)]
+    first = _join_all(cs)[0]
+    assert first is not None
+    restarted = coord(server, 2, 99)
+    timer = threading.Timer(0.3, restarted.register_joiner)
+    timer.start()
+    t0 = time.monotonic()
+    v = _survive(cs[:2], first, dead=2, step=7)
+    timer.join()
+    assert v is not None and v.members == (Member(0, 10), Member(1, 11), Member(2, 99))
+    assert time.monotonic() - t0 < 2.5, "found the restart at the deadline (5 s), not at once"
+
+
 def test_an_elastic_retry_leaves_a_restarted_worker_for_the_next_commit(server):
     cs = [coord(server, r, 10 + r) for r in range(3)]
     first = _join_all(cs)[0]

@@ -266,8 +266,11 @@ class Survivors:
             if seen != wait.counted and (count >= len(expected) or timed_out):
                 wait.counted = seen  # (the counter says every arrival may be in: read them)
                 wait.arrived = self._read_arrivals(wait)
-            elif not timed_out:
-                return None  # (someone is missing, or nothing changed since the last read)
+            elif not timed_out and not set(expected) <= set(wait.arrived):
+                return None  # (someone is missing, and nothing changed since the last read)
+            # (everyone is in and the view could not close yet: it waits for joiners, whose
+            # registrations change no count; read them every round. Kept to count changes,
+            # a restart was found at the deadline: every restart cost 5 s)
         arrived = {  # (one that died after arriving is not waited for)
             r: a for r, a in wait.arrived.items() if Member(r, a.incarnation) not in self.c.dead
         }
