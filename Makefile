@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: test test-slow test-collective conformance unit lint bench bench-quick demo fsm-doc clean
+.PHONY: test test-slow test-collective test-jax conformance unit lint bench bench-quick demo demo-jax fsm-doc clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -24,13 +24,24 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml constraints.txt
 	$(BIN)/python -m compileall -q src
 	touch $@
 
-# make test: every tier but the slowest scenarios (under 10 minutes on 2 cores);
-# make test-slow: those (CI runs both, test-collective, and the torchft conformance run).
+# JAX (the `jax` extra: ~100 MB) only for the targets that need it
+$(VENV)/.jax: $(VENV)/.installed
+	@echo "fastft: installing the jax extra (jax 0.10.2, optax)"
+	$(PIP) -e '.[jax]'
+	touch $@
+
+# make test: every tier but the slowest scenarios and JAX's (under 10 minutes on 2 cores);
+# make test-slow: those (CI runs both, test-collective, test-jax and the torchft
+# conformance run).
 test: $(VENV)/.installed
-	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow" tests
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow" tests --ignore=tests/jax
 
 test-slow: $(VENV)/.installed
-	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m slow tests
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m slow tests --ignore=tests/jax
+
+# fastft.jax: its parts in process, and the fault catalogue against the JAX demo (~2 min)
+test-jax: $(VENV)/.jax
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q tests/jax
 
 # the fault tier (not the slow part) with every step decided by its collective, the way
 # large jobs, NCCL and NATS decide under --decide auto (3 workers on Gloo vote in the
@@ -80,6 +91,10 @@ bench-quick: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/fastft demo
+
+# the same demo, the model in JAX (fastft.jax)
+demo-jax: $(VENV)/.jax
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/fastft demo --framework jax
 
 fsm-doc: $(VENV)/.installed
 	$(BIN)/fastft fsm-doc > docs/fsm.md

@@ -26,6 +26,7 @@ def fastft_run(
     train: tuple[str, ...] = (),
     expect_rc: int | None = 0,
     nproc: int = 3,
+    script: str = "fastft.demo.train",
 ) -> Path:
     run = tmp / name
     cmd = [
@@ -47,7 +48,7 @@ def fastft_run(
         run.mkdir(parents=True)
         (run / "plan.json").write_text(json.dumps({"faults": plan}))
         cmd += ["--inject", str(run / "plan.json")]
-    cmd += ["-m", "fastft.demo.train", "--", "--steps", str(steps), "--out", str(run / "out")]
+    cmd += ["-m", script, "--", "--steps", str(steps), "--out", str(run / "out")]
     cmd += train
     run.mkdir(parents=True, exist_ok=True)
     with open(run / "launcher.log", "w") as log:  # kept: hung workers' stack dumps land here

@@ -58,3 +58,24 @@ def test_a_thread_or_a_socket_makes_a_fork_unsafe():
     assert clean is None and after is None
     assert "'loader' (started by threading)" in thread
     assert "2 socket(s)" in two and "1 socket(s)" in one
+
+
+def test_the_zygote_preloads_jax_for_a_script_that_imports_it(tmp_path):
+    from fastft.launch.forks import script_imports
+
+    py = sys.executable
+    for src in (
+        "import jax\n",
+        "import fastft.jax\n",
+        "from jax import numpy\n",
+        "from fastft import jax as fj\n",
+        "  import jax.numpy as jnp\n",
+    ):
+        (tmp_path / "s.py").write_text("import os\n" + src)
+        assert script_imports((py, str(tmp_path / "s.py"))) == ("jax", "fastft.jax"), src
+    (tmp_path / "t.py").write_text("import jaxtyping\n# import jax\nx = 'import jax'\n")
+    assert script_imports((py, str(tmp_path / "t.py"))) == ()
+    assert script_imports((py, "-m", "fastft.demo.train_jax")) == ("jax", "fastft.jax")
+    assert script_imports((py, "-m", "fastft.demo.train")) == ()
+    assert script_imports((py, "-m", "no.such.module")) == ()
+    assert script_imports(("/bin/sh", "run.sh")) == ()

@@ -207,6 +207,12 @@ def _build() -> argparse.ArgumentParser:
         help="where the workers' models train (cuda: one GPU each where there are enough, "
         "NCCL then; else the GPUs are shared and the process groups are Gloo)",
     )
+    p.add_argument(
+        "--framework",
+        choices=["torch", "jax"],
+        default="torch",
+        help="jax: the same model in JAX + optax (fastft.jax; pip install 'fastft[jax]')",
+    )
     return parser
 
 

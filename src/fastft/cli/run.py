@@ -128,7 +128,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             _fail("demo --device cuda: no CUDA device is visible (use --device cpu)")
+    if args.framework == "jax":
+        import importlib.util
+
+        if args.device != "cpu":
+            _fail("demo --framework jax: the JAX demo trains on the CPU (--device cpu)")
+        missing = [m for m in ("jax", "optax") if importlib.util.find_spec(m) is None]
+        if missing:
+            _fail(
+                f"demo --framework jax: {' and '.join(missing)} not installed; install the "
+                "extra: pip install 'fastft[jax]' (make demo-jax does)"
+            )
     return run_demo(
+        framework=args.framework,
         steps=args.steps,
         nproc=args.nproc,
         run_dir=args.run_dir,

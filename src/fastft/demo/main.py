@@ -42,6 +42,7 @@ def _run(
     live: bool = False,
     flags: tuple[str, ...] = (),
     train: tuple[str, ...] = (),
+    script: str = "fastft.demo.train",
 ) -> int:
     cmd = [
         sys.executable,
@@ -62,7 +63,7 @@ def _run(
         run.mkdir(parents=True, exist_ok=True)
         (run / "plan.json").write_text(json.dumps({"faults": plan}))
         cmd += ["--inject", str(run / "plan.json")]
-    cmd += ["-m", "fastft.demo.train", "--", "--steps", str(steps), "--out", str(run / "out")]
+    cmd += ["-m", script, "--", "--steps", str(steps), "--out", str(run / "out")]
     cmd += train
     if not live:
         return subprocess.run(cmd, timeout=600).returncode
@@ -86,6 +87,13 @@ def _max_param_diff(a: Path, b: Path) -> float:
     import torch
 
     worst = 0.0
+    if any((a / "out").glob("final-rank*.npy")):  # (the JAX demo's: one flat array)
+        import numpy as np
+
+        base = np.load(next((a / "out").glob("final-rank*.npy")))
+        for f in (b / "out").glob("final-rank*.npy"):
+            worst = max(worst, float(np.abs(np.load(f) - base).max()))
+        return worst
     ref = torch.load(next((a / "out").glob("final-rank*.pt")), weights_only=True)
     for f in (b / "out").glob("final-rank*.pt"):
         got = torch.load(f, weights_only=True)
@@ -110,29 +118,34 @@ def run_demo(
     elastic: bool = False,
     device: str = "cpu",
     extra_flags: tuple[str, ...] = (),
+    framework: str = "torch",
 ) -> int:
-    """``extra_flags``: more ``fastft run`` flags for the run with faults (benchmarks)."""
+    """``extra_flags``: more ``fastft run`` flags for the run with faults (benchmarks).
+    ``framework``: ``jax`` trains the same model with JAX (``fastft.demo.train_jax``)."""
+    jax = framework == "jax"
+    script = "fastft.demo.train_jax" if jax else "fastft.demo.train"
     root = Path(run_dir) if run_dir else default_run_dir("demo")
     live = live and sys.stdout.isatty()  # a live display only on a terminal
     mode = f"elastic (--min-replicas {max(1, nproc // 2)})" if elastic else "fixed world"
     print(
-        f"fastft demo: {nproc} workers on {device}, {steps} steps, {mode}, runs in {root}",
+        f"fastft demo{' (JAX)' if jax else ''}: {nproc} workers on {device}, {steps} steps, "
+        f"{mode}, runs in {root}",
         flush=True,
     )
     # elastic: slower steps, so that restarted workers (~2 s of start-up) get back in
     train: tuple[str, ...] = ("--step-time", "0.03") if elastic else ()
-    train += ("--device", device)
+    train += () if jax else ("--device", device)
     # warm spares: a killed worker's place is taken by a process with torch imported
     flags: tuple[str, ...] = ("--warm-spares", str(min(3, nproc)), *extra_flags)
     if elastic:
         flags += ("--min-replicas", str(max(1, nproc // 2)))
     t0 = time.monotonic()
     print("1/2 fault-free run ...", flush=True)
-    if _run(root / "clean", nproc, steps, None, live, train=train) != 0:
+    if _run(root / "clean", nproc, steps, None, live, train=train, script=script) != 0:
         print("fault-free run failed", file=sys.stderr)
         return 1
     print(f"2/2 run with faults: {json.dumps(_plan(steps, nproc))}", flush=True)
-    code = _run(root / "faulty", nproc, steps, _plan(steps, nproc), live, flags, train)
+    code = _run(root / "faulty", nproc, steps, _plan(steps, nproc), live, flags, train, script)
     figures = summarize(root / "faulty")
     print()
     print(render_report(root / "faulty", figures))

@@ -94,12 +94,17 @@ def _describe(t: threading.Thread) -> str:
 
 def _preload(names: list[str]) -> str | None:
     """Import the ``--preload`` modules, one at a time; the first that fails, or that
-    leaves a thread running, ends the zygote with that reason."""
+    leaves a thread running, ends the zygote with that reason. A name that starts with
+    ``?`` was not asked for (the agent added it: the script imports JAX) and one that
+    fails to import is skipped: the workers import it themselves, and say why."""
     for name in names:
+        optional, name = name.startswith("?"), name.removeprefix("?")
         before = set(threading.enumerate())
         try:
             importlib.import_module(name)
         except BaseException as e:  # (its error, once, for the job's failure)
+            if optional:
+                continue
             tail = "".join(traceback.format_exception_only(type(e), e)).strip()
             return f"--preload {name}: the import failed: {tail}"
         new = [t for t in threading.enumerate() if t not in before and t.is_alive()]

@@ -129,6 +129,10 @@ def _state_tensors(registry: StateRegistry) -> Iterator[tuple[str, torch.Tensor]
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
                     yield f"optimizer state {k} of parameter {_short(key)}", v
+    if registry.by_reference is not None:  # (fastft.jax: leaves by name, in tree order)
+        for name, leaves in registry.by_reference.state_dict().items():
+            for i, t in enumerate(leaves):
+                yield f"{name} leaf {i}", t
 
 
 def _short(key: object) -> str:

@@ -126,4 +126,6 @@ class Faults:
             with torch.no_grad():
                 for t in x.registry.model.parameters() if x.registry.model else ():
                     t.fill_(float("nan"))
+            if x.registry.by_reference is not None:
+                x.registry.by_reference.lose()
         execute(spec)

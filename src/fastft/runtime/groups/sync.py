@@ -36,6 +36,7 @@ __all__ = [
     "default_outer_optimizer",
     "outer_due",
     "outer_step",
+    "reduce_flat",
     "reduce_gradients",
 ]
 
@@ -68,6 +69,25 @@ def reduce_gradients(rt: RuntimePorts) -> None:
         _allreduce(rt, avg)
         avg.div_(groups)
         registry.hold_average(held, unflatten(avg, held))
+
+
+def reduce_flat(rt: RuntimePorts, flat: torch.Tensor) -> None:
+    """A gradient that is not a registered model's (``fastft.jax``'s, in one flat buffer)
+    averaged in place over the epoch as :func:`reduce_gradients` averages a model's:
+    weighed by this member's share when the step used ``tx.shard`` (and, in an elastic
+    world, kept for a retry), summed (interruptible), divided by the members otherwise.
+    Per-step sync without shard groups only."""
+    cfg, x = rt.config, rt.engine
+    if cfg.sync_kind != "per-step" or cfg.shard_size > 1:
+        raise RuntimeError(
+            f"--sync {cfg.sync} / --shard-size {cfg.shard_size}: a gradient that is not a "
+            "registered torch model's is averaged at every step over every member "
+            "(--sync per-step, --shard-size 1)"
+        )
+    x.kept.weigh(flat, x.state.step)
+    _allreduce(rt, flat)
+    if x.kept.share is None:
+        flat.div_(rt.world)
 
 
 def outer_due(rt: RuntimePorts, step: int) -> bool:

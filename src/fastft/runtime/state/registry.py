@@ -40,13 +40,27 @@ from fastft.runtime.state.wire import (
 if TYPE_CHECKING:
     from fastft.runtime.state.outer import Outer
 
-__all__ = ["Stateful", "StateRegistry", "reseed"]
+__all__ = ["ByReference", "Stateful", "StateRegistry", "reseed"]
 
 
 class Stateful(Protocol):
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> Any: ...
+
+
+class ByReference(Stateful, Protocol):
+    """State a step replaces rather than changes (JAX's pytrees, :mod:`fastft.jax`): the
+    committed values are kept by reference, a step proposes new ones, a commit adopts
+    them and a rollback drops them (nothing to snapshot or undo). ``state_dict()`` gives
+    the committed values as tensors (a heal's, a checkpoint's, the digest's)."""
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
+    def lose(self) -> None:
+        """Fill the committed values with NaN (the injected ``state_lost`` fault)."""
 
 
 def reseed(seed: int, step: int, rank: int) -> None:
@@ -82,6 +96,8 @@ class StateRegistry:
         """A sync step's averaged parameters and optimizer state, applied at its commit."""
         self.outer: Outer | None = None
         """``--sync diloco``: the anchor and the outer optimizer (:mod:`fastft.runtime.groups.sync`)."""
+        self.by_reference: ByReference | None = None
+        """State kept by reference (:class:`ByReference`: ``fastft.jax``'s pytrees)."""
 
     def register(
         self,
@@ -140,6 +156,8 @@ class StateRegistry:
         self._step_snapshot = None
         if self.outer is not None:
             self.outer.committed()
+        if self.by_reference is not None:
+            self.by_reference.commit()
 
     def rollback(self) -> None:
         """Drop the step's gradients and restore what the step changed. The gradient
@@ -151,6 +169,8 @@ class StateRegistry:
         self._average = None  # (a sync step that did not commit)
         if self.outer is not None:
             self.outer.rollback()  # (an outer step whose step did not commit)
+        if self.by_reference is not None:
+            self.by_reference.rollback()  # (the step's proposal is dropped)
         old, self._bucket, self._bucket_ptrs = self._bucket, None, []
         if old is not None and self.model is not None:
             for p in self.model.parameters():
@@ -262,6 +282,8 @@ class StateRegistry:
         out["others"] = {name: obj.state_dict() for name, obj in self._others.items()}
         if self.outer is not None:
             out["outer"] = self.outer.state_dict()
+        if self.by_reference is not None:
+            out["by_reference"] = self.by_reference.state_dict()
         return out
 
     def load_state(self, st: dict[str, Any]) -> int:
@@ -381,6 +403,8 @@ class StateRegistry:
                 obj.load_state_dict(_clone(st["others"][name]))
         if self.outer is not None and "outer" in st:
             self.outer.load_state_dict(st["outer"])
+        if self.by_reference is not None and "by_reference" in st:
+            self.by_reference.load_state_dict(st["by_reference"])
         if "model" in st or "others" in st:
             # what a step began with is gone; a deferred optimizer state is loaded inside
             # a step, whose snapshot stays
@@ -400,6 +424,9 @@ class StateRegistry:
                 h.update(_bytes(t))
         if self.outer is not None:
             for t in self.outer.tensors():
+                h.update(_bytes(t))
+        if self.by_reference is not None:
+            for t in _tensors(self.by_reference.state_dict()):
                 h.update(_bytes(t))
         return h.hexdigest()[:16]
 

@@ -1,0 +1,80 @@
+"""JAX pytrees as the tensors fastft moves, and back (no pickle, no host copy on a GPU).
+
+- A committed leaf leaves as a torch tensor over the same buffer (DLPack: zero-copy on
+  the CPU and on a GPU), for a heal, a checkpoint or the digest; it comes back as a new
+  JAX array on the device of the leaf it replaces, into the receiver's own tree
+  structure, checked leaf by leaf against it.
+- A gradient is reduced in one flat buffer: the leaves are concatenated by one jitted
+  function (float32 at least: Gloo sums no bfloat16), the buffer is handed to torch
+  without a copy, the collective sums it in place, and one jitted function splits it back
+  into the leaves' shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+
+__all__ = ["Layout", "as_tensor", "from_tensor", "layout_of", "split", "to_flat"]
+
+Layout = tuple[tuple[tuple[int, ...], str], ...]
+"""Each leaf's (shape, dtype name), in tree order."""
+
+
+def layout_of(leaves: list[Any]) -> Layout:
+    return tuple((tuple(int(n) for n in leaf.shape), str(leaf.dtype)) for leaf in leaves)
+
+
+def as_tensor(leaf: jax.Array) -> torch.Tensor:
+    """The leaf as a torch tensor over its own buffer (read it, never write it: JAX
+    arrays are immutable, and the committed state is kept by reference)."""
+    leaf.block_until_ready()
+    return torch.from_dlpack(leaf)
+
+
+def from_tensor(t: torch.Tensor, like: jax.Array) -> jax.Array:
+    """A new JAX array with ``t``'s values, placed as ``like`` is (a copy: ``t`` is a view
+    of a receive buffer that is reused or freed)."""
+    x = jax.dlpack.from_dlpack(t.detach().contiguous())
+    return jax.device_put(jnp.array(x, copy=True), like.sharding)
+
+
+@jax.jit
+def _concat(leaves: list[jax.Array]) -> jax.Array:
+    dt = jnp.promote_types(jnp.result_type(*leaves), jnp.float32)
+    return jnp.concatenate([jnp.ravel(leaf).astype(dt) for leaf in leaves])
+
+
+def to_flat(leaves: list[jax.Array]) -> tuple[jax.Array, torch.Tensor]:
+    """The leaves in one new flat buffer, and that buffer as a torch tensor (the same
+    memory: a collective that writes the tensor writes the buffer)."""
+    if not leaves:
+        raise ValueError("allreduce_tree: the tree has no leaves")
+    bad = [str(leaf.dtype) for leaf in leaves if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    if bad:
+        raise TypeError(
+            f"allreduce_tree: leaves of dtype {', '.join(sorted(set(bad)))}: a gradient is "
+            "floating point (reduce integer counts with tx.allreduce([torch tensors]))"
+        )
+    flat = _concat(leaves)
+    return flat, as_tensor(flat)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _split(flat: jax.Array, layout: Layout) -> list[jax.Array]:
+    out, off = [], 0
+    for shape, dtype in layout:
+        n = math.prod(shape)
+        out.append(flat[off : off + n].reshape(shape).astype(dtype))
+        off += n
+    return out
+
+
+def split(flat: jax.Array, layout: Layout) -> list[jax.Array]:
+    """The leaves of ``layout`` read back from the flat buffer (new arrays)."""
+    return list(_split(flat, layout))

@@ -1,0 +1,122 @@
+"""fastft.jax's parts in one process: pytrees as tensors and back, the flat gradient
+buffer, and the committed state kept by reference (propose, commit, rollback, heal)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from fastft.jax.state import PyTrees, StateMisuse
+from fastft.jax.trees import as_tensor, from_tensor, layout_of, split, to_flat
+from fastft.runtime.state.registry import StateRegistry
+
+
+def _tree(scale: float = 1.0) -> dict:
+    return {
+        "w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3) * scale,
+        "b": [jnp.ones(3, jnp.bfloat16) * scale, jnp.array(7, jnp.int32)],
+    }
+
+
+def test_a_leaf_leaves_without_a_copy_and_comes_back_as_a_new_array():
+    x = jnp.arange(4, dtype=jnp.float32)
+    t = as_tensor(x)
+    assert t.data_ptr() == x.unsafe_buffer_pointer()  # DLPack: the same buffer
+    back = from_tensor(t * 2, x)
+    assert back.dtype == x.dtype and back.sharding == x.sharding
+    assert np.array_equal(np.asarray(back), [0, 2, 4, 6])
+
+
+def test_the_flat_buffer_is_the_tensor_the_collective_writes():
+    g = {"a": jnp.ones((2, 2), jnp.float32), "b": jnp.full(3, 2, jnp.bfloat16)}
+    leaves, treedef = jax.tree_util.tree_flatten(g)
+    flat, t = to_flat(leaves)
+    assert t.dtype == torch.float32 and t.numel() == 7  # bfloat16 reduced as float32
+    t.mul_(3)  # what an allreduce does in place
+    out = jax.tree_util.tree_unflatten(treedef, split(flat, layout_of(leaves)))
+    assert out["a"].dtype == jnp.float32 and np.array_equal(
+        np.asarray(out["a"]), np.full((2, 2), 3)
+    )
+    assert out["b"].dtype == jnp.bfloat16 and np.array_equal(
+        np.asarray(out["b"], np.float32), [6, 6, 6]
+    )
+    with pytest.raises(TypeError, match="floating point"):
+        to_flat([jnp.array([1, 2], jnp.int32)])
+
+
+def test_a_proposal_is_adopted_by_a_commit_and_dropped_by_a_rollback():
+    s = PyTrees()
+    s.add("params", _tree())
+    before = s.committed["params"]
+    s.propose({"params": _tree(2.0)})
+    assert s.committed["params"] is before  # nothing changes before the commit
+    s.rollback()
+    s.commit()
+    assert s.committed["params"] is before  # the rolled-back proposal is gone
+    s.propose({"params": _tree(3.0)})
+    s.commit()
+    assert float(s.committed["params"]["w"][0, 1]) == 3.0
+
+
+def test_a_proposal_must_keep_the_registered_structure_shapes_and_dtypes():
+    s = PyTrees()
+    s.add("params", _tree())
+    with pytest.raises(StateMisuse, match="no pytree 'opt'"):
+        s.propose({"opt": _tree()})
+    with pytest.raises(StateMisuse, match="tree structure"):
+        s.propose({"params": {"w": _tree()["w"]}})
+    bad = _tree()
+    bad["w"] = bad["w"].astype(jnp.float16)
+    with pytest.raises(StateMisuse, match="leaf .* float16"):
+        s.propose({"params": bad})
+
+
+def test_a_donated_committed_buffer_is_refused_with_the_reason():
+    s = PyTrees()
+    s.add("params", {"w": jnp.ones(4)})
+    step = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: x * 2, p), donate_argnums=0)
+    new = step(s.committed["params"])
+    with pytest.raises(StateMisuse, match="donate"):
+        s.propose({"params": new})
+
+
+def test_the_registry_heals_and_digests_the_pytrees_through_the_wire():
+    def registry(scale: float) -> tuple[StateRegistry, PyTrees]:
+        r, s = StateRegistry(), PyTrees()
+        s.add("params", _tree(scale))
+        r.by_reference = s
+        return r, s
+
+    sender, _ = registry(5.0)
+    receiver, got = registry(1.0)
+    assert sender.digest(3) != receiver.digest(3)
+    header, wires = sender.pack(3)
+    assert b"by_reference" in header and b"pickle" not in header
+    copies = [w.clone() for w in wires]  # (what arrives: the receiver's own buffers)
+    assert receiver.load_packed(header, copies) == 3
+    assert receiver.digest(3) == sender.digest(3)
+    assert float(got.committed["params"]["w"][1, 2]) == 25.0
+    assert got.committed["params"]["b"][0].dtype == jnp.bfloat16
+    # a checkpoint's round trip: the same state dict, as torch.save writes it
+    st = sender.state(3)
+    assert receiver.load_state(st) == 3 and receiver.digest(3) == sender.digest(3)
+
+
+def test_a_heal_into_another_layout_is_refused():
+    sender, receiver = PyTrees(), PyTrees()
+    sender.add("params", {"w": jnp.ones(4)})
+    receiver.add("params", {"w": jnp.ones(5)})
+    with pytest.raises(ValueError, match="every worker must register the same pytrees"):
+        receiver.load_state_dict(sender.state_dict())
+
+
+def test_a_lost_state_is_nan_until_healed():
+    s = PyTrees()
+    s.add("params", _tree())
+    s.lose()
+    leaves = jax.tree_util.tree_leaves(s.committed["params"])
+    assert bool(jnp.isnan(leaves[2]).all())  # (w: float32)
+    assert int(leaves[1]) == 7  # (an integer leaf has no NaN: kept)
