@@ -27,6 +27,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 import jax
+import torch
 
 from fastft.jax.state import PyTrees, StateMisuse
 from fastft.jax.trees import layout_of, split, to_flat
@@ -191,6 +192,8 @@ class JaxTransaction:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         flat, t = to_flat(leaves)
         reduce_flat(rt, t)
+        if t.is_cuda:  # (JAX reads the buffer on its own stream: the sum must be there)
+            torch.cuda.current_stream(t.device).synchronize()
         return jax.tree_util.tree_unflatten(treedef, split(flat, layout_of(leaves)))
 
     def allreduce(self, tensors: list[Any]) -> None:
