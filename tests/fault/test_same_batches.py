@@ -54,7 +54,10 @@ def _digests(run: Path) -> set[str]:
     return {json.loads(f.read_text())["digest"] for f in (run / "out").glob("final-rank*.json")}
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(
+    "workers",
+    [0, pytest.param(2, marks=pytest.mark.slow)],  # (loader workers: 20 s, the slow tier)
+)
 def test_members_draw_the_same_batch_and_a_kill_changes_nothing(tmp_path, workers):
     args = ("--loader-workers", str(workers))
     clean, rc = _run(tmp_path, "clean", *args)

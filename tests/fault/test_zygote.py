@@ -115,6 +115,7 @@ def _wait_for(run: Path, kind: str, count: int, timeout_s: float = 60) -> list[d
     raise AssertionError(f"no {count} {kind} events in {timeout_s} s")
 
 
+@pytest.mark.slow  # (30 s: make test keeps its 10 min bound)
 def test_a_zygote_killed_mid_job_is_replaced_and_restarts_spawn_meanwhile(tmp_path):
     """The zygote is itself a fault: killed, the next restart spawns (with the reason),
     a new zygote warms up, and the restart after that is a fork of it."""

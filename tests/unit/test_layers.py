@@ -18,7 +18,7 @@ LAYERS = [
     {"fsm", "bus", "interrupt", "inject"},
     {"process"},
     {"runtime", "report", "metrics", "plot", "testing"},
-    {"integrations"},
+    {"integrations", "jax"},  # faces over the runtime: torchft's Manager, JAX
     {"launch"},
     {"sim"},  # the deterministic simulator: the runtime's and the agent's deciders
     {""},  # the package itself (its lazy ``fastft.init``)
