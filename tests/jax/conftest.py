@@ -11,9 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "fault"))  # (the fault tier's runs)
 
+from _jaxruns import JAX_DEMO  # noqa: E402
 from _runs import check_s1_s3, fastft_run, finals  # noqa: E402
-
-JAX_DEMO = "fastft.demo.train_jax"
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,8 @@ import sys
 
 import numpy as np
 import pytest
+from _jaxruns import JAX_DEMO
 from _runs import STEPS, check_s1_s3, fastft_run, finals
-from conftest import JAX_DEMO
 
 from fastft.protocol.exits import EXIT_SCRIPT_ERROR
 from fastft.report import shards_by_step, untiled_steps

@@ -120,3 +120,19 @@ def test_a_lost_state_is_nan_until_healed():
     leaves = jax.tree_util.tree_leaves(s.committed["params"])
     assert bool(jnp.isnan(leaves[2]).all())  # (w: float32)
     assert int(leaves[1]) == 7  # (an integer leaf has no NaN: kept)
+
+
+def test_a_typed_prng_key_in_the_state_heals_as_a_key():
+    def holder(seed: int) -> StateRegistry:
+        r, s = StateRegistry(), PyTrees()
+        s.add("train", {"rng": jax.random.key(seed), "w": jnp.ones(3) * seed})
+        r.by_reference = s
+        return r
+
+    sender, receiver = holder(7), holder(1)
+    header, wires = sender.pack(2)
+    assert receiver.load_packed(header, [w.clone() for w in wires]) == 2
+    got = receiver.by_reference.committed["train"]["rng"]
+    assert jnp.issubdtype(got.dtype, jax.dtypes.prng_key)
+    assert np.array_equal(jax.random.key_data(got), jax.random.key_data(jax.random.key(7)))
+    assert receiver.digest(2) == sender.digest(2)

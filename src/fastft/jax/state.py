@@ -107,7 +107,7 @@ class PyTrees:
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         self.check_alive()
         return {
-            name: [as_tensor(leaf) for leaf in jax.tree_util.tree_leaves(tree)]
+            name: [as_tensor(_wire(leaf)) for leaf in jax.tree_util.tree_leaves(tree)]
             for name, tree in self.committed.items()
         }
 
@@ -119,15 +119,33 @@ class PyTrees:
         for name, tensors in state.items():
             if name not in self._defs:
                 raise ValueError(f"the received state has a pytree {name!r} not registered here")
-            want = self._layouts[name]
+            old = jax.tree_util.tree_leaves(self.committed[name])
+            want = layout_of([_wire(leaf) for leaf in old])
             got = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors)
             if got != want:
                 raise ValueError(
                     f"the received {name!r} has leaves {got}, registered here as {want}: "
                     "every worker must register the same pytrees"
                 )
-            old = jax.tree_util.tree_leaves(self.committed[name])
-            leaves = [from_tensor(t, like) for t, like in zip(tensors, old, strict=True)]
+            leaves = [
+                _unwire(from_tensor(t, _wire(like)), like)
+                for t, like in zip(tensors, old, strict=True)
+            ]
             loaded[name] = jax.tree_util.tree_unflatten(self._defs[name], leaves)
         self.committed.update(loaded)
         self._proposed.clear()
+
+
+def _is_key(leaf: jax.Array) -> bool:
+    return bool(jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key))
+
+
+def _wire(leaf: jax.Array) -> jax.Array:
+    """What a leaf travels as: a typed PRNG key as its key data (DLPack has no key type)."""
+    return jax.random.key_data(leaf) if _is_key(leaf) else leaf
+
+
+def _unwire(value: jax.Array, like: jax.Array) -> jax.Array:
+    if not _is_key(like):
+        return value
+    return jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
