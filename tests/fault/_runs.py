@@ -75,16 +75,29 @@ def check_s1_s3(run: Path, steps: int = STEPS, *, shard_size: int = 1, sync_ever
     by_step: dict[tuple[int, int], set[str]] = defaultdict(set)
     history: dict[tuple[str, int, int], list[int]] = defaultdict(list)
     life: dict[str, int] = defaultdict(int)
-    joins: dict[str, int] = defaultdict(int)  # (a worker left out while it healed itself
-    for e in ev:  # in place joins again, admitted at a later step: its history restarts)
+    # A worker's history restarts where it took a peer's state: when it joins again (left
+    # out while it healed itself in place, admitted at a later step), and when a survivor
+    # behind its peers fetches their state (under the step's collective decision, one whose
+    # decision a dying peer's notice cut short rolls the step back while the others commit
+    # it: it heals to their step). Its next commit is then the healed step's, never one
+    # before (a step applied twice) or after (one skipped).
+    segment: dict[str, int] = defaultdict(int)
+    healed_to: dict[tuple[str, int, int], int] = {}
+    for e in ev:
         if e["event"] == "worker_start":
             life[e["src"]] = e["incarnation"]
         if e["event"] == "join_wait":
-            joins[e["src"]] += 1
+            segment[e["src"]] += 1
+        if e["event"] == "heal" and e.get("role") == "fetch":
+            segment[e["src"]] += 1
+            healed_to[(e["src"], life[e["src"]], segment[e["src"]])] = e["step"]
         if e["event"] == "commit":
             index = int(e["src"].split()[1]) % shard_size
             by_step[(e["step"], index)].add(e["digest"])
-            history[(e["src"], life[e["src"]], joins[e["src"]])].append(e["step"])
+            history[(e["src"], life[e["src"]], segment[e["src"]])].append(e["step"])
+    for who, step in healed_to.items():
+        seq = history.get(who)
+        assert not seq or seq[0] == step, f"S1: {who} healed to step {step}, then applied {seq}"
     assert sorted({s for s, _ in by_step}) == list(range(steps)), "a step was never committed"
     for (step, index), digests in by_step.items():
         if (step + 1) % sync_every:
