@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: test test-slow test-collective test-jax conformance unit lint bench bench-jax bench-quick demo demo-jax fsm-doc clean
+.PHONY: test test-slow test-collective test-jax test-ray conformance unit lint bench bench-jax bench-quick demo demo-jax fsm-doc clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -34,14 +34,24 @@ $(VENV)/.jax: $(VENV)/.installed
 # make test-slow: those (CI runs both, test-collective, test-jax and the torchft
 # conformance run).
 test: $(VENV)/.installed
-	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow" tests --ignore=tests/jax
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow" tests --ignore=tests/jax --ignore=tests/ray
 
 test-slow: $(VENV)/.installed
-	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m slow tests --ignore=tests/jax
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m slow tests --ignore=tests/jax --ignore=tests/ray
 
 # fastft.jax: its parts in process, and the fault catalogue against the JAX demo (~2 min)
 test-jax: $(VENV)/.jax
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q tests/jax
+
+# Ray (the `ray` extra) only for the targets that need it
+$(VENV)/.ray: $(VENV)/.installed
+	@echo "fastft: installing the ray extra (ray 2.60.0)"
+	$(PIP) -e '.[ray]'
+	touch $@
+
+# fastft ray run on a local two-node Ray cluster the tests start and stop
+test-ray: $(VENV)/.ray
+	TORCH_CPP_LOG_LEVEL=ERROR RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest -q tests/ray
 
 # the fault tier (not the slow part) with every step decided by its collective, the way
 # large jobs, NCCL and NATS decide under --decide auto (3 workers on Gloo vote in the

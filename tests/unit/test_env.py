@@ -168,3 +168,21 @@ def test_the_worker_environment_is_derived_from_the_shared_fields(monkeypatch):
             assert var[name] in env, f"{name} does not reach the worker"
     assert env["FASTFT_SEED"] == "0" and env["FASTFT_HANG_TIMEOUT"] == "7.0"
     assert env["FASTFT_STORE"] == "h:1" and env["FASTFT_RUN_DIR"] == "/r"
+
+
+def test_the_flags_given_are_the_flags_each_ray_node_gets():
+    # fastft ray run hands every node's agent the flags the user gave (not their defaults,
+    # which each agent reads itself), less the node flags it sets per node
+    from fastft.launch.flags import run_argv
+
+    p = argparse.ArgumentParser()
+    add_run_flags(p, env={})
+    given = ["--nproc", "2", "--min-replicas", "1", "--no-exit-trace", "--adaptive-hang"]
+    args = p.parse_args([*given, "--run-dir", "/x", "--hang-timeout", "7.5"])
+    argv = run_argv(args, skip=frozenset({"run_dir"}))
+    assert "--run-dir" not in argv and argv[argv.index("--nproc") + 1] == "2"
+    assert sorted(argv) == sorted([*given, "--hang-timeout", "7.5"])
+    again = p.parse_args(argv)
+    assert config_from_args(again, ("x",)) == dataclasses.replace(
+        config_from_args(args, ("x",)), run_dir=None
+    )

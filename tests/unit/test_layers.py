@@ -20,6 +20,7 @@ LAYERS = [
     {"runtime", "report", "metrics", "plot", "testing"},
     {"integrations", "jax"},  # faces over the runtime: torchft's Manager, JAX
     {"launch"},
+    {"ray"},  # node agents as Ray actors: the launcher's user
     {"sim"},  # the deterministic simulator: the runtime's and the agent's deciders
     {""},  # the package itself (its lazy ``fastft.init``)
     {"cli", "demo", "__main__"},  # the demo is a user of the public API

@@ -11,6 +11,7 @@
 * ``fastft sim``          the deterministic simulator (a seed, many, or a small world in full)
 * ``fastft store``        host a job's store (ManagerFFT under another launcher)
 * ``fastft nats up``      a local NATS cluster with JetStream (``fastft run --control``)
+* ``fastft ray run``      a job on a Ray cluster: node agents as Ray actors
 
 Flags fall back to environment variables: ``FASTFT_STORE`` and ``FASTFT_JOB`` everywhere,
 and every ``fastft run`` flag to ``FASTFT_<FLAG>`` (:mod:`fastft.launch.config`; the whole
@@ -162,6 +163,36 @@ def _build() -> argparse.ArgumentParser:
     )
     p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT (port 0: any free one)")
 
+    ray = sub.add_parser("ray", help="a job on a Ray cluster")
+    rsub = ray.add_subparsers(dest="ray_cmd", required=True, parser_class=_Parser)
+    p = rsub.add_parser(
+        "run",
+        help="run a training script on a Ray cluster: one node agent actor per node",
+        usage="fastft ray run [--address ADDR] --nodes N [fastft run flags] SCRIPT [args ...]",
+        description="Place NODES node agents on the Ray cluster (a placement group of NODES "
+        "bundles, spread over its nodes), each running `fastft run --nnodes NODES "
+        "--node-rank i` for its node with every flag given here, node 0 hosting the store; "
+        "print their output; exit with the job's status. An agent actor that dies is a lost "
+        "node: Ray starts it again and its workers join and heal. Needs fastft[ray].",
+        formatter_class=argparse.HelpFormatter,
+    )
+    p.add_argument("--address", default=None, help="the Ray cluster (default: ray's own lookup)")
+    p.add_argument("--nodes", type=int, default=1, help="node agents (Ray actors)")
+    p.add_argument(
+        "--cpus-per-node", type=float, default=None, help="each bundle's CPUs (default nproc+1)"
+    )
+    p.add_argument("--gpus-per-node", type=float, default=0.0, help="each bundle's GPUs")
+    p.add_argument(
+        "--max-node-restarts",
+        type=int,
+        default=3,
+        help="how often Ray starts a node agent actor again (its max_restarts)",
+    )
+    p.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
+    p.add_argument("script", nargs="?", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    add_run_flags(p)
+
     nats = sub.add_parser("nats", help="a local NATS control plane")
     nsub = nats.add_subparsers(dest="nats_cmd", required=True, parser_class=_Parser)
     p = nsub.add_parser(
@@ -279,4 +310,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ops.cmd_secret_new(args)
     if args.cmd == "nats":
         return ops.cmd_nats_up(args)
+    if args.cmd == "ray":
+        return run.cmd_ray_run(args)
     return handlers[args.cmd](args)

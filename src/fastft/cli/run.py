@@ -36,11 +36,8 @@ def _module_exists(name: str) -> bool:
     return spec is not None
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from fastft.errors import FastFTError
-    from fastft.launch import Agent
-    from fastft.launch.flags import config_from_args
-
+def _command(args: argparse.Namespace) -> list[str]:
+    """The worker command ``fastft run``'s arguments name."""
     rest = list(args.args or [])
     if rest[:1] == ["--"]:
         rest = rest[1:]
@@ -58,6 +55,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         command = [sys.executable, args.script, *rest]
     else:
         _fail("no script: fastft run [flags] script.py [args] (or -m module)")
+    return command
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fastft.errors import FastFTError
+    from fastft.launch import Agent
+    from fastft.launch.flags import config_from_args
+
+    command = _command(args)
     try:
         cfg = config_from_args(args, tuple(command))
         if args.module and not _module_exists(args.module):  # (after the flags' checks)
@@ -148,3 +154,64 @@ def cmd_demo(args: argparse.Namespace) -> int:
         elastic=args.elastic,
         device=args.device,
     )
+
+
+_NODE_FLAGS = frozenset(
+    {"nnodes", "node_rank", "store", "job_secret_file", "run_dir", "job", "control"}
+)
+"""``fastft run`` flags that ``fastft ray run`` sets for each node itself."""
+
+
+def cmd_ray_run(args: argparse.Namespace) -> int:
+    import secrets
+
+    from fastft.errors import FastFTError
+    from fastft.launch.flags import config_from_args, run_argv
+    from fastft.process.rundir import default_run_dir
+
+    command = _command(args)
+    given = [
+        flag
+        for flag, value in (
+            ("--nnodes", args.nnodes != 1),
+            ("--node-rank", args.node_rank != 0),
+            ("--store", args.store),
+            ("--job-secret-file", args.job_secret_file),
+        )
+        if value
+    ]
+    if given:
+        _fail(
+            f"fastft ray run sets {', '.join(given)} itself (one agent per node, node 0 "
+            "hosting the store unless --control names a NATS cluster); leave them out"
+        )
+    if args.nodes < 1:
+        _fail(f"--nodes {args.nodes}: must be >= 1")
+    try:  # the flags' own checks, as one node's agent will make them
+        config_from_args(args, tuple(command))
+    except FastFTError as e:
+        _fail(str(e))
+    if args.module and not _module_exists(args.module):
+        _fail(f"module {args.module!r} not found (from {os.getcwd()}, on this Python's path)")
+    # (-m MODULE or the script's path, the same on every node; `--` before a module's
+    # arguments, as `fastft run -m` needs them)
+    script = [*command[1:3], "--", *command[3:]] if args.module else command[1:]
+    from fastft.ray import RayJobError, run
+
+    job = args.job or f"ray-{secrets.token_hex(3)}"
+    try:
+        return run(
+            [*run_argv(args, _NODE_FLAGS), *script],
+            nodes=args.nodes,
+            nproc=args.nproc,
+            address=args.address,
+            run_dir=args.run_dir or str(default_run_dir("ray")),
+            job=job,
+            cpus_per_node=args.cpus_per_node,
+            gpus_per_node=args.gpus_per_node,
+            max_node_restarts=args.max_node_restarts,
+            control=args.control,
+        )
+    except RayJobError as e:
+        print(f"fastft: error: {e}", file=sys.stderr)
+        return 2

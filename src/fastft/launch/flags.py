@@ -15,7 +15,7 @@ from fastft.errors import ConfigError
 from fastft.launch.config import LaunchConfig
 from fastft.process.env import parse_bool
 
-__all__ = ["GROUPS", "add_run_flags", "config_from_args", "flag_variables"]
+__all__ = ["GROUPS", "add_run_flags", "config_from_args", "flag_variables", "run_argv"]
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "workers": (
@@ -129,3 +129,18 @@ def add_run_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = No
 def config_from_args(args: argparse.Namespace, command: tuple[str, ...]) -> LaunchConfig:
     """The config the parsed flags describe; raises ConfigError for a bad combination."""
     return LaunchConfig(command=command, **{f.name: getattr(args, f.name) for f in _flags()})
+
+
+def run_argv(args: argparse.Namespace, skip: frozenset[str] = frozenset()) -> list[str]:
+    """The ``fastft run`` flags that reproduce ``args`` (those not at their default, and
+    not in ``skip``, by field name): what ``fastft ray run`` hands each node's agent."""
+    out: list[str] = []
+    for f in _flags():
+        value = getattr(args, f.name)
+        if f.name in skip or value == f.default:
+            continue
+        if str(f.type).startswith("bool"):
+            out.append(_flag_name(f) if value else "--no-" + _flag_name(f)[2:])
+        else:
+            out += [_flag_name(f), str(value)]
+    return out

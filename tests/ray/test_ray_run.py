@@ -1,0 +1,126 @@
+"""``fastft ray run`` on a local two-node Ray cluster: the demo's model on 2 nodes x 2
+workers; an exception, a worker SIGKILL and SIGSTOP, and a whole node agent actor killed
+(with its workers) each recover, and the run ends bitwise equal to the fault-free one
+(S5, a fixed world with the node's return); bad input ends at start with one line."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+import pytest
+from _rayruns import ray_run
+from _runs import check_s1_s3, finals
+
+from fastft.runtime import read_events
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def clean(cluster, tmp_path_factory):
+    run = tmp_path_factory.mktemp("r") / "clean"
+    p = ray_run(cluster, run)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    check_s1_s3(run, 40)
+    (digest,) = {v["digest"] for v in finals(run).values()}
+    assert len(finals(run)) == 4
+    return digest
+
+
+def test_each_worker_fault_recovers_on_the_cluster(cluster, clean, tmp_path):
+    plan = [
+        {"kind": "exception", "rank": 1, "at_step": 6},
+        {"kind": "sigkill", "rank": 2, "at_step": 14},
+        {"kind": "sigstop", "rank": 3, "at_step": 24},
+    ]
+    p = ray_run(cluster, tmp_path / "faults", plan=plan)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run = tmp_path / "faults"
+    check_s1_s3(run, 40)
+    assert {v["digest"] for v in finals(run).values()} == {clean}
+    out = p.stdout
+    assert "fastft: fault: rank 2.0 killed by SIGKILL; restarting it as life 1" in out, out
+    assert "[rank 1.0]" in out  # (the workers' output, with its prefixes, on the driver)
+
+
+def _actor_of(node: int) -> psutil.Process:
+    """The Ray actor process that runs node ``node``'s agent."""
+    for p in psutil.Process().children(recursive=True):
+        try:
+            line = p.cmdline()
+        except psutil.Error:
+            continue
+        if (
+            "fastft.cli" in line
+            and "--node-rank" in line
+            and line[line.index("--node-rank") + 1] == str(node)
+        ):
+            return p.parent()
+    raise AssertionError(f"no agent of node {node}")
+
+
+def test_a_node_agent_actor_killed_is_a_lost_node_that_comes_back(cluster, clean, tmp_path):
+    run = tmp_path / "node"
+    proc = ray_run(cluster, run, train=("--step-time", "0.05"), steps=40, wait=False)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if any(e["event"] == "commit" and e["step"] >= 8 for e in read_events(run)):
+                    break
+            except FileNotFoundError:
+                pass
+            time.sleep(0.1)
+        actor = _actor_of(1)
+        actor.send_signal(signal.SIGKILL)  # the actor, its agent and its workers
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    out = (tmp_path / "node.log").read_text()
+    assert proc.returncode == 0, out[-4000:]
+    assert "node 1's agent actor died; Ray started it again" in out, out[-4000:]
+    check_s1_s3(run, 40)
+    assert {v["digest"] for v in finals(run).values()} == {clean}
+    ev = read_events(run)
+    lost = [e for e in ev if e["event"] == "node_lost" and e["node"] == 1]
+    assert lost, "the survivors never declared node 1 lost"
+    for rank in ("rank 2", "rank 3"):  # node 1's workers: started again by its new agent
+        starts = [e for e in ev if e["event"] == "worker_start" and e["src"] == rank]
+        assert len({e["incarnation"] for e in starts}) == 2, starts
+        heals = [e for e in ev if e["event"] == "heal" and e["src"] == rank and e["step"] > 0]
+        assert heals and heals[-1]["role"] == "fetch"  # ... and healed from a survivor
+
+
+def test_no_cluster_at_the_address_fails_at_start_with_one_line(tmp_path):
+    from fastft.bus.natscluster import free_port
+
+    class Nowhere:
+        address = f"127.0.0.1:{free_port()}"
+
+    t0 = time.monotonic()
+    p = ray_run(Nowhere, tmp_path / "none")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "no Ray cluster at" in p.stderr and time.monotonic() - t0 < 120
+
+
+def test_too_few_resources_fail_at_start_and_leave_nothing(cluster, tmp_path):
+    p = ray_run(cluster, tmp_path / "big", "--cpus-per-node", "100")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "the cluster has" in p.stderr and "CPU" in p.stderr
+
+
+def test_a_script_that_fails_to_import_ends_the_job_with_its_error(cluster, tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import no_such_module_here\n")
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "fastft.cli", "ray", "run", "--address", cluster.address]
+    cmd += ["--nodes", "2", "--nproc", "1", "--run-dir", str(tmp_path / "run"), str(bad)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode not in (0, None), p.stdout[-2000:]
+    assert "no_such_module_here" in p.stdout, p.stdout[-3000:]
