@@ -144,3 +144,12 @@ def test_a_donated_committed_buffer_stops_the_job_with_the_reason(tmp_path):
     assert any(e["event"] == "script_error" for e in ev)
     codes = {e["exit_code"] for e in ev if e["event"] == "worker_exit"}
     assert EXIT_SCRIPT_ERROR in codes, json.dumps(codes, default=str)
+
+
+def test_a_sync_policy_of_the_torch_runtime_fails_a_jax_job_at_start(tmp_path):
+    run = fastft_run(
+        tmp_path, "sync", "--sync", "every-k:2", script=JAX_DEMO, expect_rc=None, steps=5
+    )
+    assert int((run / "rc").read_text()) != 0
+    log = (run / "launcher.log").read_text()
+    assert "a JAX job syncs its gradient at every step" in log, log[-2000:]

@@ -21,6 +21,7 @@ reference (:mod:`fastft.jax.state`)::
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -39,6 +40,8 @@ from fastft.runtime.transaction import Transaction
 
 __all__ = ["JaxRuntime", "JaxTransaction", "init"]
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
 
 
@@ -46,6 +49,18 @@ class JaxRuntime:
     """fastft on one JAX worker. Build it with :func:`init`."""
 
     def __init__(self, rt: Runtime) -> None:
+        cfg = rt.config
+        if cfg.sync_kind != "per-step" or cfg.shard_size > 1 or rt.flow is not None:
+            why = (
+                f"fastft.jax: --sync {cfg.sync}, --shard-size {cfg.shard_size}"
+                f"{', --stage' if rt.flow is not None else ''}: a JAX job syncs its gradient "
+                "at every step over every member (--sync per-step, --shard-size 1, no "
+                "pipeline stages); those policies are the torch runtime's"
+            )
+            rt.events.emit("script_error", step=rt.step, error=why)
+            log.critical("%s", why)
+            rt.close(finished=False)
+            raise ScriptError(why)
         self.rt = rt
         self.trees = PyTrees()
         rt.registry.by_reference = self.trees
@@ -212,6 +227,7 @@ class JaxTransaction:
     def _misuse(self, e: StateMisuse) -> None:
         why = str(e)
         self.ft.rt.events.emit("script_error", step=self.step, error=why)
+        log.critical("%s", why)
         raise ScriptError(why) from e
 
 
