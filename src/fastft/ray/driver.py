@@ -145,11 +145,9 @@ def run(
             where = f"{first['ip']}:{first['port']} (node 0)"
             plane = ["--store", f"{first['ip']}:{first['port']}"]
         secret_path = str(Path(run_dir) / "job.secret")
-        secret = JobSecret.draw()
-        tmp = Path(run_dir)
-        tmp.mkdir(parents=True, exist_ok=True)
-        secret.save(tmp / "job.secret")  # (the driver's copy: fastft inject, report)
-        blob = (tmp / "job.secret").read_bytes()
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        JobSecret.draw().save(secret_path)  # (the driver's copy: fastft inject, report)
+        blob = Path(secret_path).read_bytes()  # (each actor writes it on its node)
         cls = ray.remote(NodeAgent)
         for i in range(nodes):
             node_argv = [
