@@ -79,7 +79,8 @@ def check_s1_s3(run: Path, steps: int = STEPS, *, shard_size: int = 1, sync_ever
     # out while it healed itself in place, admitted at a later step), and when a survivor
     # behind its peers fetches their state (under the step's collective decision, one whose
     # decision a dying peer's notice cut short rolls the step back while the others commit
-    # it: it heals to their step). Its next commit is then the healed step's, never one
+    # it: it heals to their step), and when the job restores a checkpoint after a total
+    # loss (or starts again from step 0 where --allow-fresh-start allows). Its next commit is then the healed step's, never one
     # before (a step applied twice) or after (one skipped).
     segment: dict[str, int] = defaultdict(int)
     healed_to: dict[tuple[str, int, int], int] = {}
@@ -88,9 +89,12 @@ def check_s1_s3(run: Path, steps: int = STEPS, *, shard_size: int = 1, sync_ever
             life[e["src"]] = e["incarnation"]
         if e["event"] == "join_wait":
             segment[e["src"]] += 1
-        if e["event"] == "heal" and e.get("role") == "fetch":
+        if e["event"] == "heal" and e.get("role") == "fetch" or e["event"] == "restore":
             segment[e["src"]] += 1
             healed_to[(e["src"], life[e["src"]], segment[e["src"]])] = e["step"]
+        if e["event"] == "fresh_start":
+            segment[e["src"]] += 1
+            healed_to[(e["src"], life[e["src"]], segment[e["src"]])] = 0
         if e["event"] == "commit":
             index = int(e["src"].split()[1]) % shard_size
             by_step[(e["step"], index)].add(e["digest"])
