@@ -35,12 +35,14 @@ def test_each_worker_fault_recovers_on_the_cluster(cluster, clean, tmp_path):
         {"kind": "sigkill", "rank": 2, "at_step": 14},
         {"kind": "sigstop", "rank": 3, "at_step": 24},
     ]
-    p = ray_run(cluster, tmp_path / "faults", plan=plan)
+    # (on node 0's TCPStore, the option for small jobs; the other runs on the NATS servers)
+    p = ray_run(cluster, tmp_path / "faults", "--nats-servers", "0", plan=plan)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     run = tmp_path / "faults"
     check_s1_s3(run, 40)
     assert {v["digest"] for v in finals(run).values()} == {clean}
     out = p.stdout
+    assert "node 0's TCPStore" in out, out[:2000]
     assert "fastft: fault: rank 2.0 killed by SIGKILL; restarting it as life 1" in out, out
     assert "[rank 1.0]" in out  # (the workers' output, with its prefixes, on the driver)
 
@@ -61,18 +63,23 @@ def _actor_of(node: int) -> psutil.Process:
     raise AssertionError(f"no agent of node {node}")
 
 
+def _until_step(run, proc, step: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if any(e["event"] == "commit" and e["step"] >= step for e in read_events(run)):
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"the job never reached step {step}")
+
+
 def test_a_node_agent_actor_killed_is_a_lost_node_that_comes_back(cluster, clean, tmp_path):
     run = tmp_path / "node"
     proc = ray_run(cluster, run, train=("--step-time", "0.05"), steps=40, wait=False)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if any(e["event"] == "commit" and e["step"] >= 8 for e in read_events(run)):
-                    break
-            except FileNotFoundError:
-                pass
-            time.sleep(0.1)
+        _until_step(run, proc, 8)
         actor = _actor_of(1)
         actor.send_signal(signal.SIGKILL)  # the actor, its agent and its workers
         proc.wait(timeout=240)
@@ -93,6 +100,51 @@ def test_a_node_agent_actor_killed_is_a_lost_node_that_comes_back(cluster, clean
         assert len({e["incarnation"] for e in starts}) == 2, starts
         heals = [e for e in ev if e["event"] == "heal" and e["src"] == rank and e["step"] > 0]
         assert heals and heals[-1]["role"] == "fetch"  # ... and healed from a survivor
+
+
+def _nats_actor(index: int) -> psutil.Process:
+    """The Ray actor process that runs the job's NATS server ``index``."""
+    for p in psutil.Process().children(recursive=True):
+        try:
+            line = p.cmdline()
+        except psutil.Error:
+            continue
+        if line and line[0].endswith("nats-server") and f"/nats/n{index}/" in line[-1]:
+            return p.parent()
+    raise AssertionError(f"no NATS server n{index}")
+
+
+def test_a_nats_server_actor_killed_mid_training_the_job_goes_on(cluster, clean, tmp_path):
+    run = tmp_path / "plane"
+    proc = ray_run(cluster, run, train=("--step-time", "0.05"), steps=40, wait=False)
+    try:
+        _until_step(run, proc, 8)
+        _nats_actor(1).send_signal(signal.SIGKILL)  # the actor and its nats-server
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    out = (tmp_path / "plane.log").read_text()
+    assert proc.returncode == 0, out[-4000:]
+    url = out.split("store ")[1].split()[0].rstrip(",").split(",")[1]
+    said = f"NATS server n1's actor died; Ray started it again at {url}\n"
+    assert said in out, out[-4000:]  # (at the address the clients were given)
+    check_s1_s3(run, 40)
+    assert {v["digest"] for v in finals(run).values()} == {clean}
+    ev = read_events(run)
+    faults = [
+        e
+        for e in ev
+        if e["event"] == "node_lost" or e["event"] == "worker_exit" and e["exit_code"] != 0
+    ]
+    assert not faults, f"the server's loss was taken for a fault: {faults}"
+    assert max(e["step"] for e in ev if e["event"] == "commit") == 39
+
+
+def test_two_nats_servers_fail_at_start(tmp_path):
+    p = ray_run(type("C", (), {"address": "127.0.0.1:1"}), tmp_path / "two", "--nats-servers", "2")
+    assert p.returncode == 2 and "--nats-servers 2: use 3" in p.stderr, p.stderr
 
 
 def test_no_cluster_at_the_address_fails_at_start_with_one_line(tmp_path):

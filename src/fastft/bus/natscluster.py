@@ -12,11 +12,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fastft.errors import ConfigError, StoreUnreachable
 
-__all__ = ["LocalCluster", "free_port", "server_binary"]
+__all__ = ["LocalCluster", "free_port", "server_binary", "wait_jetstream", "write_config"]
 
 
 def server_binary() -> str:
@@ -35,6 +36,63 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def write_config(
+    directory: Path, name: str, host: str, port: int, route_port: int, routes: list[str]
+) -> Path:
+    """One server's configuration file in ``directory`` (its JetStream store beside it):
+    clients on ``host:port``, the cluster's routes on ``host:route_port`` to ``routes``
+    (HOST:PORT of the other servers' route ports; none: a server alone)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"server_name: {name}",
+        f"listen: {host}:{port}",
+        f'jetstream {{ store_dir: "{directory / "js"}" }}',
+    ]
+    if routes:
+        urls = ", ".join(f"nats-route://{r}" for r in routes)
+        lines.append(f"cluster {{ name: fastft, listen: {host}:{route_port}, routes: [{urls}] }}")
+    conf = directory / "nats.conf"
+    conf.write_text("\n".join(lines) + "\n")
+    return conf
+
+
+def wait_jetstream(
+    urls: list[str], timeout_s: float = 30.0, alive: Callable[[], None] | None = None
+) -> None:
+    """Until JetStream answers through each of ``urls`` (a meta leader was elected);
+    ``alive()`` is called between rounds to fail early (it raises when a server died)."""
+    import asyncio
+
+    import nats
+
+    async def quiet(e: Exception) -> None:
+        pass
+
+    async def ready(url: str) -> bool:
+        try:
+            nc = await nats.connect(url, connect_timeout=1, allow_reconnect=False, error_cb=quiet)
+        except Exception:
+            return False
+        try:
+            await nc.jetstream(timeout=1.0).account_info()
+            return True
+        except Exception:
+            return False
+        finally:
+            await nc.close()
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        pending = [u for u in pending if not asyncio.run(ready(u))]
+        if alive is not None:
+            alive()
+        if pending and time.monotonic() > deadline:
+            raise StoreUnreachable(f"NATS JetStream not ready within {timeout_s} s")
+        if pending:
+            time.sleep(0.1)
 
 
 class LocalCluster:
@@ -62,24 +120,10 @@ class LocalCluster:
         return ",".join(self.urls)
 
     def _config(self, i: int) -> Path:
-        d = self.dir / f"n{i}"
-        d.mkdir(parents=True, exist_ok=True)
-        lines = [
-            f"server_name: n{i}",
-            f"listen: 127.0.0.1:{self.ports[i]}",
-            f'jetstream {{ store_dir: "{d / "js"}" }}',
-        ]
-        if self.n > 1:
-            routes = ", ".join(
-                f"nats-route://127.0.0.1:{p}" for j, p in enumerate(self.routes) if j != i
-            )
-            lines.append(
-                f"cluster {{ name: fastft, listen: 127.0.0.1:{self.routes[i]}, "
-                f"routes: [{routes}] }}"
-            )
-        conf = d / "nats.conf"
-        conf.write_text("\n".join(lines) + "\n")
-        return conf
+        routes = [f"127.0.0.1:{p}" for j, p in enumerate(self.routes) if j != i]
+        return write_config(
+            self.dir / f"n{i}", f"n{i}", "127.0.0.1", self.ports[i], self.routes[i], routes
+        )
 
     def start_server(self, i: int) -> None:
         log = open(self.dir / f"n{i}.log", "ab")  # noqa: SIM115 - the child holds it
@@ -101,40 +145,15 @@ class LocalCluster:
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Until JetStream answers through every server (a meta leader was elected)."""
-        import asyncio
 
-        import nats
-
-        async def quiet(e: Exception) -> None:
-            pass
-
-        async def ready(url: str) -> bool:
-            try:
-                nc = await nats.connect(
-                    url, connect_timeout=1, allow_reconnect=False, error_cb=quiet
-                )
-            except Exception:
-                return False
-            try:
-                await nc.jetstream(timeout=1.0).account_info()
-                return True
-            except Exception:
-                return False
-            finally:
-                await nc.close()
-
-        deadline = time.monotonic() + timeout_s
-        pending = [u for i, u in enumerate(self.urls) if self.procs[i] is not None]
-        while pending:
-            pending = [u for u in pending if not asyncio.run(ready(u))]
+        def alive() -> None:
             for i, p in enumerate(self.procs):
                 if p is not None and p.poll() is not None:
                     log = (self.dir / f"n{i}.log").read_text(errors="replace")[-500:]
                     raise StoreUnreachable(f"nats-server n{i} exited ({p.returncode}): {log}")
-            if pending and time.monotonic() > deadline:
-                raise StoreUnreachable(f"NATS JetStream not ready within {timeout_s} s")
-            if pending:
-                time.sleep(0.1)
+
+        live = [u for i, u in enumerate(self.urls) if self.procs[i] is not None]
+        wait_jetstream(live, timeout_s, alive)
 
     def leader(self, stream: str = "KV_fastft", wait_s: float = 0.0) -> int | None:
         """The index of the server that leads ``stream`` (the control plane's bucket), or

@@ -188,6 +188,13 @@ def _build() -> argparse.ArgumentParser:
         default=3,
         help="how often Ray starts a node agent actor again (its max_restarts)",
     )
+    p.add_argument(
+        "--nats-servers",
+        type=int,
+        default=3,
+        help="the control plane: NATS servers as actors of the job, on as many nodes "
+        "(one for a single node); 0: node 0's TCPStore; --control URLS: your own NATS",
+    )
     p.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")

@@ -182,11 +182,16 @@ def cmd_ray_run(args: argparse.Namespace) -> int:
     ]
     if given:
         _fail(
-            f"fastft ray run sets {', '.join(given)} itself (one agent per node, node 0 "
-            "hosting the store unless --control names a NATS cluster); leave them out"
+            f"fastft ray run sets {', '.join(given)} itself (one agent per node, the "
+            "control plane's servers as actors of the job); leave them out"
         )
     if args.nodes < 1:
         _fail(f"--nodes {args.nodes}: must be >= 1")
+    if args.nats_servers < 0 or args.nats_servers == 2:
+        _fail(
+            f"--nats-servers {args.nats_servers}: use 3 (or more) to survive a server's "
+            "loss, 1 for one server, 0 for node 0's TCPStore"
+        )
     try:  # the flags' own checks, as one node's agent will make them
         config_from_args(args, tuple(command))
     except FastFTError as e:
@@ -211,6 +216,7 @@ def cmd_ray_run(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node,
             max_node_restarts=args.max_node_restarts,
             control=args.control,
+            nats_servers=args.nats_servers,
         )
     except RayJobError as e:
         print(f"fastft: error: {e}", file=sys.stderr)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,24 +23,10 @@ from typing import Any
 
 from fastft.launch.children import die_with_parent
 
-__all__ = ["NodeAgent", "probe"]
+__all__ = ["NodeAgent"]
 
 MAX_LINES = 2000
 """Output lines one poll returns at most."""
-
-
-def probe() -> dict[str, Any]:
-    """Where a bundle is: the node's address and a port free on it (node 0's store)."""
-    import ray
-
-    node_id = ray.get_runtime_context().get_node_id()
-    # (the address the node's raylet serves on, as the cluster knows it: 127.0.0.1 for a
-    # cluster on loopback, not the address of this machine's default route)
-    ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        port = int(s.getsockname()[1])
-    return {"ip": ip, "port": port, "node_id": node_id}
 
 
 class NodeAgent:

@@ -27,14 +27,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fastft.errors import StoreUnreachable
 from fastft.protocol.auth import JobSecret
-from fastft.ray.agent import NodeAgent, probe
+from fastft.ray.agent import NodeAgent
+from fastft.ray.servers import NatsServer, node_ports
 
 __all__ = ["RayJobError", "run"]
 
 PLACE_TIMEOUT_S = 60.0
 """How long the placement group may stay pending before the job fails at start."""
 POLL_S = 0.1
+NATS_READY_S = 60.0
+"""How long the NATS server actors may take to elect a JetStream leader."""
 GONE_AFTER_S = 120.0
 """An agent actor that has not answered for this long is counted as failed."""
 
@@ -79,12 +83,14 @@ def run(
     gpus_per_node: float = 0.0,
     max_node_restarts: int = 3,
     control: str | None = None,
+    nats_servers: int = 3,
     out: Any = None,
 ) -> int:
     """Run ``fastft run ARGV`` (its flags and the script, without the node flags) on
     ``nodes`` agents of the Ray cluster at ``address`` (None: ``RAY_ADDRESS``, else the
-    running cluster Ray finds on this machine); the job's exit status. ``control``: a NATS
-    cluster's URLs (``--control``) instead of node 0's TCPStore."""
+    running cluster Ray finds on this machine); the job's exit status. The control plane:
+    ``control`` (a NATS cluster's URLs of the user's own), else ``nats_servers`` NATS
+    servers as actors of the job (one on a single node), else (0) node 0's TCPStore."""
     out = out or sys.stdout
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
     if address.rpartition(":")[0] in ("127.0.0.1", "localhost"):
@@ -110,6 +116,7 @@ def run(
         raise RayJobError(f"no Ray cluster at {address}: {e}") from None
     pg = None
     actors: list[Any] = []
+    servers: list[Any] = []
     try:
         have = ray.cluster_resources()
         need = {"CPU": cpus * nodes, "GPU": gpus_per_node * nodes}
@@ -134,16 +141,27 @@ def run(
         def on(i: int) -> Any:
             return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
 
-        if control:
-            plane = ["--control", control]
-            where = control
+        if control:  # (a NATS cluster of the user's own)
+            plane, where = ["--control", control], control
+        elif nats_servers:
+            urls = _start_nats(
+                ray,
+                cls_on=on,
+                nodes=nodes,
+                servers=nats_servers,
+                run_dir=run_dir,
+                restarts=max_node_restarts,
+                into=servers,
+            )
+            plane = ["--control", ",".join(urls)]
+            where = f"NATS, {len(urls)} server actors on {min(nodes, len(urls))} nodes"
         else:  # (node 0's agent hosts the TCPStore: its address, from bundle 0)
             first = ray.get(
-                ray.remote(probe).options(num_cpus=0, scheduling_strategy=on(0)).remote(),
+                ray.remote(node_ports).options(num_cpus=0, scheduling_strategy=on(0)).remote(1),
                 timeout=60,
             )
-            where = f"{first['ip']}:{first['port']} (node 0)"
-            plane = ["--store", f"{first['ip']}:{first['port']}"]
+            address_ = f"{first['ip']}:{first['ports'][0]}"
+            plane, where = ["--store", address_], f"{address_} (node 0's TCPStore)"
         secret_path = str(Path(run_dir) / "job.secret")
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         JobSecret.draw().save(secret_path)  # (the driver's copy: fastft inject, report)
@@ -171,9 +189,9 @@ def run(
             file=out,
             flush=True,
         )
-        return _follow(ray, actors, out)
+        return _follow(ray, actors, servers, out)
     finally:
-        for a in actors:
+        for a in [*actors, *servers]:
             try:
                 ray.get(a.stop.remote(), timeout=60)
             except Exception:  # (dead, restarting, or out of restarts)
@@ -184,8 +202,10 @@ def run(
         ray.shutdown()
 
 
-def _follow(ray: Any, actors: list[Any], out: Any) -> int:
-    """Print the agents' output until every agent ended; the job's exit status."""
+def _follow(ray: Any, actors: list[Any], servers: list[Any], out: Any) -> int:
+    """Print the agents' output until every agent ended, and say when a NATS server
+    actor dies and comes back; the job's exit status."""
+    watch = _ServerWatch(ray, servers, out)
     offsets = [0] * len(actors)
     lives: list[int | None] = [None] * len(actors)
     status: list[int | None] = [None] * len(actors)
@@ -235,9 +255,122 @@ def _follow(ray: Any, actors: list[Any], out: Any) -> int:
                     print(line, file=out)
                 offsets[i] += len(got["lines"])
                 status[i] = got["rc"]
+            watch.round()
             out.flush()
             time.sleep(POLL_S)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
     return next((s for s in status if s), 0) or 0
+
+
+def _start_nats(
+    ray: Any,
+    *,
+    cls_on: Any,
+    nodes: int,
+    servers: int,
+    run_dir: str,
+    restarts: int,
+    into: list[Any],
+) -> list[str]:
+    """``servers`` NATS server actors (one for a single node), server j on bundle
+    ``j % nodes`` (a different node each where there are that many), routed to each other;
+    their client URLs once JetStream answers through each. The actors go into ``into`` as
+    they are made (the caller stops them)."""
+    from fastft.bus.natscluster import wait_jetstream
+
+    k = 1 if nodes == 1 else servers
+    where = []
+    for j in range(k):  # (ports free on each server's node, two per server)
+        got = ray.get(
+            ray.remote(node_ports)
+            .options(num_cpus=0, scheduling_strategy=cls_on(j % nodes))
+            .remote(2),
+            timeout=60,
+        )
+        where.append((got["ip"], *got["ports"]))
+    cls = ray.remote(NatsServer)
+    for j, (_ip, port, route) in enumerate(where):
+        peers = [f"{ip}:{r}" for i, (ip, _p, r) in enumerate(where) if i != j]
+        into.append(
+            cls.options(
+                num_cpus=0,
+                max_restarts=restarts,
+                max_task_retries=0,
+                scheduling_strategy=cls_on(j % nodes),
+            ).remote(j, port, route, peers, str(Path(run_dir) / "nats" / f"n{j}"))
+        )
+
+    def alive() -> None:
+        for j, a in enumerate(into):
+            try:
+                got = ray.get(a.poll.remote(), timeout=30)
+            except ray.exceptions.RayActorError as e:
+                log = Path(run_dir) / "nats" / f"n{j}" / "server.log"
+                raise RayJobError(
+                    f"NATS server n{j}'s actor failed to start (its log: {log} on its "
+                    f"node): {str(e)[:300]}"
+                ) from None
+            if got["rc"] is not None:
+                raise RayJobError(
+                    f"nats-server n{j} exited ({got['rc']}) at {got['url']}: {got['log']}"
+                )
+
+    alive()
+    urls = [ray.get(a.poll.remote(), timeout=30)["url"] for a in into]
+    try:
+        wait_jetstream(urls, NATS_READY_S, alive)
+    except StoreUnreachable as e:
+        raise RayJobError(f"the job's NATS servers at {','.join(urls)}: {e}") from None
+    return urls
+
+
+class _ServerWatch:
+    """The NATS server actors' lives, read without blocking the driver's loop: a server
+    that stops answering, or answers from a new actor process, is said once."""
+
+    def __init__(self, ray: Any, servers: list[Any], out: Any) -> None:
+        self.ray, self.servers, self.out = ray, servers, out
+        self.pending: dict[int, Any] = {}
+        self.lives: list[int | None] = [None] * len(servers)
+        self.down = [False] * len(servers)
+        self.next = 0.0
+
+    def round(self) -> None:
+        if not self.servers or time.monotonic() < self.next and not self.pending:
+            return
+        if not self.pending:
+            self.pending = {j: a.poll.remote() for j, a in enumerate(self.servers)}
+            self.next = time.monotonic() + 1.0
+        ready, _ = self.ray.wait(
+            list(self.pending.values()), num_returns=len(self.pending), timeout=0
+        )
+        for j, ref in list(self.pending.items()):
+            if ref not in ready:
+                continue
+            del self.pending[j]
+            try:
+                got = self.ray.get(ref)
+            except self.ray.exceptions.RayActorError:
+                if not self.down[j]:
+                    self.down[j] = True
+                    print(
+                        f"fastft ray: NATS server n{j}'s actor does not answer (dead, or "
+                        "restarting)",
+                        file=self.out,
+                    )
+                continue
+            if self.lives[j] is not None and got["pid"] != self.lives[j]:
+                print(
+                    f"fastft ray: NATS server n{j}'s actor died; Ray started it again at "
+                    f"{got['url']}",
+                    file=self.out,
+                )
+            elif got["rc"] is not None and not self.down[j]:
+                print(
+                    f"fastft ray: nats-server n{j} exited ({got['rc']}): {got['log']}",
+                    file=self.out,
+                )
+            self.down[j] = got["rc"] is not None
+            self.lives[j] = got["pid"]
