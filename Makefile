@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: test test-slow test-collective test-jax test-ray conformance unit lint bench bench-jax bench-quick demo demo-jax fsm-doc clean
+.PHONY: test test-slow test-collective test-jax test-ray conformance unit lint bench bench-jax bench-ray bench-quick demo demo-jax fsm-doc clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -93,10 +93,16 @@ bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/first_start.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/leases.py
 	$(MAKE) bench-jax
+	$(MAKE) bench-ray
 
 # JAX on fastft vs JAX's own multi-controller mode (installs the jax extra; ~12 min)
 bench-jax: $(VENV)/.jax
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/jaxft.py --trials 3
+
+# a node lost on a Ray cluster: fastft ray run vs the Ray guide's recovery (installs the
+# ray extra)
+bench-ray: $(VENV)/.ray
+	TORCH_CPP_LOG_LEVEL=ERROR RAY_USAGE_STATS_ENABLED=0 $(BIN)/python bench/ray_node_loss.py --trials 5
 
 # the recovery figures in one trial each, the small model only (8 min 22 s here)
 bench-quick: $(VENV)/.installed
