@@ -26,6 +26,7 @@ __all__ = [
     "StoreUnreachable",
     "StoreTimeout",
     "ControlPlaneError",
+    "RayJobError",
 ]
 
 
@@ -58,3 +59,8 @@ class StoreTimeout(FastFTError, TimeoutError):
 class ControlPlaneError(FastFTError, RuntimeError):
     """The control plane holds a value no member of the job wrote (it lacks the job
     secret's tag): something else writes to the job's store. The value is not applied."""
+
+
+class RayJobError(FastFTError, RuntimeError):
+    """``fastft ray run``: the job cannot start on this Ray cluster; the message says why
+    and what to change."""

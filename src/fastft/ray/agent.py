@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,18 +23,30 @@ from pathlib import Path
 from typing import Any
 
 from fastft.launch.children import die_with_parent
+from fastft.process.events import EVENTS_FILE
 
-__all__ = ["NodeAgent"]
+__all__ = ["NodeAgent", "file_identity"]
 
 MAX_LINES = 2000
 """Output lines one poll returns at most."""
+EVENTS_CHUNK = 8 << 20
+"""Bytes of a node's events file one call returns at most."""
+
+
+def file_identity(path: Path) -> tuple[str, int, int]:
+    """(host, device, inode) of ``path``: the same file whoever asks on that machine."""
+    st = path.stat()
+    return (socket.gethostname(), st.st_dev, st.st_ino)
 
 
 class NodeAgent:
     """``fastft run ARGV`` on this actor's node (see the module)."""
 
-    def __init__(self, node: int, argv: list[str], secret: bytes, secret_path: str) -> None:
+    def __init__(
+        self, node: int, argv: list[str], secret: bytes, secret_path: str, run_dir: str
+    ) -> None:
         self.node = node
+        self.run_dir = run_dir
         path = Path(secret_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_bytes() != secret:  # (every node reads one file)
@@ -74,6 +87,19 @@ class NodeAgent:
             "lines": lines,
             "rc": self.proc.returncode if done else None,
         }
+
+    def events(self, offset: int) -> dict[str, Any]:
+        """This node's events file from byte ``offset`` (at most ``EVENTS_CHUNK`` bytes),
+        with what names the file (host, device, inode) so the driver can tell its own."""
+        path = Path(self.run_dir) / EVENTS_FILE
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return {"where": None, "data": b"", "size": 0}
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(EVENTS_CHUNK)
+        return {"where": file_identity(path), "data": data, "size": st.st_size}
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         """End the agent as a SIGTERM ends ``fastft run`` (its workers drain), then kill it

@@ -27,24 +27,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastft.errors import StoreUnreachable
+from fastft.errors import RayJobError
+from fastft.process.events import EVENTS_FILE
 from fastft.protocol.auth import JobSecret
-from fastft.ray.agent import NodeAgent
-from fastft.ray.servers import NatsServer, node_ports
+from fastft.ray.agent import NodeAgent, file_identity
+from fastft.ray.servers import ServerWatch, node_ports, start_nats
 
-__all__ = ["RayJobError", "run"]
+__all__ = ["RayJobError", "gather_events", "run"]
 
 PLACE_TIMEOUT_S = 60.0
 """How long the placement group may stay pending before the job fails at start."""
 POLL_S = 0.1
-NATS_READY_S = 60.0
-"""How long the NATS server actors may take to elect a JetStream leader."""
 GONE_AFTER_S = 120.0
 """An agent actor that has not answered for this long is counted as failed."""
-
-
-class RayJobError(Exception):
-    """The job cannot start on this cluster; the message says why and what to change."""
 
 
 def _reachable(address: str) -> None:
@@ -144,7 +139,7 @@ def run(
         if control:  # (a NATS cluster of the user's own)
             plane, where = ["--control", control], control
         elif nats_servers:
-            urls = _start_nats(
+            urls = start_nats(
                 ray,
                 cls_on=on,
                 nodes=nodes,
@@ -181,7 +176,7 @@ def run(
                     max_task_retries=0,
                     scheduling_strategy=on(i),
                     name=f"fastft-{job}-node{i}",
-                ).remote(i, node_argv, blob, secret_path)
+                ).remote(i, node_argv, blob, secret_path, run_dir)
             )
         print(
             f"fastft ray: job {job!r}, {nodes} node agents x {nproc} workers on the Ray "
@@ -189,7 +184,9 @@ def run(
             file=out,
             flush=True,
         )
-        return _follow(ray, actors, servers, out)
+        status = _follow(ray, actors, servers, out)
+        gather_events(ray, actors, Path(run_dir), out)
+        return status
     finally:
         for a in [*actors, *servers]:
             try:
@@ -205,7 +202,7 @@ def run(
 def _follow(ray: Any, actors: list[Any], servers: list[Any], out: Any) -> int:
     """Print the agents' output until every agent ended, and say when a NATS server
     actor dies and comes back; the job's exit status."""
-    watch = _ServerWatch(ray, servers, out)
+    watch = ServerWatch(ray, servers, out)
     offsets = [0] * len(actors)
     lives: list[int | None] = [None] * len(actors)
     status: list[int | None] = [None] * len(actors)
@@ -264,113 +261,26 @@ def _follow(ray: Any, actors: list[Any], servers: list[Any], out: Any) -> int:
     return next((s for s in status if s), 0) or 0
 
 
-def _start_nats(
-    ray: Any,
-    *,
-    cls_on: Any,
-    nodes: int,
-    servers: int,
-    run_dir: str,
-    restarts: int,
-    into: list[Any],
-) -> list[str]:
-    """``servers`` NATS server actors (one for a single node), server j on bundle
-    ``j % nodes`` (a different node each where there are that many), routed to each other;
-    their client URLs once JetStream answers through each. The actors go into ``into`` as
-    they are made (the caller stops them)."""
-    from fastft.bus.natscluster import wait_jetstream
-
-    k = 1 if nodes == 1 else servers
-    where = []
-    for j in range(k):  # (ports free on each server's node, two per server)
-        got = ray.get(
-            ray.remote(node_ports)
-            .options(num_cpus=0, scheduling_strategy=cls_on(j % nodes))
-            .remote(2),
-            timeout=60,
-        )
-        where.append((got["ip"], *got["ports"]))
-    cls = ray.remote(NatsServer)
-    for j, (_ip, port, route) in enumerate(where):
-        peers = [f"{ip}:{r}" for i, (ip, _p, r) in enumerate(where) if i != j]
-        into.append(
-            cls.options(
-                num_cpus=0,
-                max_restarts=restarts,
-                max_task_retries=0,
-                scheduling_strategy=cls_on(j % nodes),
-            ).remote(j, port, route, peers, str(Path(run_dir) / "nats" / f"n{j}"))
-        )
-
-    def alive() -> None:
-        for j, a in enumerate(into):
-            try:
-                got = ray.get(a.poll.remote(), timeout=30)
-            except ray.exceptions.RayActorError as e:
-                log = Path(run_dir) / "nats" / f"n{j}" / "server.log"
-                raise RayJobError(
-                    f"NATS server n{j}'s actor failed to start (its log: {log} on its "
-                    f"node): {str(e)[:300]}"
-                ) from None
-            if got["rc"] is not None:
-                raise RayJobError(
-                    f"nats-server n{j} exited ({got['rc']}) at {got['url']}: {got['log']}"
-                )
-
-    alive()
-    urls = [ray.get(a.poll.remote(), timeout=30)["url"] for a in into]
-    try:
-        wait_jetstream(urls, NATS_READY_S, alive)
-    except StoreUnreachable as e:
-        raise RayJobError(f"the job's NATS servers at {','.join(urls)}: {e}") from None
-    return urls
-
-
-class _ServerWatch:
-    """The NATS server actors' lives, read without blocking the driver's loop: a server
-    that stops answering, or answers from a new actor process, is said once."""
-
-    def __init__(self, ray: Any, servers: list[Any], out: Any) -> None:
-        self.ray, self.servers, self.out = ray, servers, out
-        self.pending: dict[int, Any] = {}
-        self.lives: list[int | None] = [None] * len(servers)
-        self.down = [False] * len(servers)
-        self.next = 0.0
-
-    def round(self) -> None:
-        if not self.servers or time.monotonic() < self.next and not self.pending:
-            return
-        if not self.pending:
-            self.pending = {j: a.poll.remote() for j, a in enumerate(self.servers)}
-            self.next = time.monotonic() + 1.0
-        ready, _ = self.ray.wait(
-            list(self.pending.values()), num_returns=len(self.pending), timeout=0
-        )
-        for j, ref in list(self.pending.items()):
-            if ref not in ready:
-                continue
-            del self.pending[j]
-            try:
-                got = self.ray.get(ref)
-            except self.ray.exceptions.RayActorError:
-                if not self.down[j]:
-                    self.down[j] = True
-                    print(
-                        f"fastft ray: NATS server n{j}'s actor does not answer (dead, or "
-                        "restarting)",
-                        file=self.out,
-                    )
-                continue
-            if self.lives[j] is not None and got["pid"] != self.lives[j]:
-                print(
-                    f"fastft ray: NATS server n{j}'s actor died; Ray started it again at "
-                    f"{got['url']}",
-                    file=self.out,
-                )
-            elif got["rc"] is not None and not self.down[j]:
-                print(
-                    f"fastft ray: nats-server n{j} exited ({got['rc']}): {got['log']}",
-                    file=self.out,
-                )
-            self.down[j] = got["rc"] is not None
-            self.lives[j] = got["pid"]
+def gather_events(ray: Any, actors: list[Any], run_dir: Path, out: Any) -> None:
+    """Copy each node's events file that is not the driver's own (another machine's, not
+    on a shared filesystem) to ``RUN_DIR/node<i>/events.jsonl``: ``fastft report
+    RUN_DIR/node<i>`` reads it (each machine's monotonic clock orders its own file)."""
+    mine = run_dir / EVENTS_FILE
+    here = file_identity(mine) if mine.exists() else None
+    for i, a in enumerate(actors):
+        dest = run_dir / f"node{i}" / EVENTS_FILE
+        offset = 0
+        try:
+            while True:
+                got = ray.get(a.events.remote(offset), timeout=60)
+                if got["where"] is None or tuple(got["where"]) == here:
+                    break  # (no file, or the driver's own)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with open(dest, "wb" if offset == 0 else "ab") as f:
+                    f.write(got["data"])
+                offset += len(got["data"])
+                if not got["data"] or offset >= got["size"]:
+                    print(f"fastft ray: node {i}'s events: {dest}", file=out)
+                    break
+        except Exception as e:  # (an agent actor out of restarts: its events are lost)
+            print(f"fastft ray: node {i}'s events could not be read: {e}", file=out)

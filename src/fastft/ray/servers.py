@@ -18,13 +18,18 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from fastft.bus.natscluster import server_binary, write_config
+from fastft.bus.natscluster import server_binary, wait_jetstream, write_config
+from fastft.errors import RayJobError, StoreUnreachable
 from fastft.launch.children import die_with_parent
 
-__all__ = ["NatsServer", "node_ports"]
+__all__ = ["NatsServer", "ServerWatch", "node_ports", "start_nats"]
+
+NATS_READY_S = 60.0
+"""How long the NATS server actors may take to elect a JetStream leader."""
 
 
 def _node_ip() -> str:
@@ -122,3 +127,113 @@ class NatsServer:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         return self.proc.returncode
+
+
+def start_nats(
+    ray: Any,
+    *,
+    cls_on: Any,
+    nodes: int,
+    servers: int,
+    run_dir: str,
+    restarts: int,
+    into: list[Any],
+) -> list[str]:
+    """``servers`` NATS server actors (one for a single node), server j on bundle
+    ``j % nodes`` (a different node each where there are that many), routed to each other;
+    their client URLs once JetStream answers through each. The actors go into ``into`` as
+    they are made (the caller stops them)."""
+    k = 1 if nodes == 1 else servers
+    where = []
+    for j in range(k):  # (ports free on each server's node, two per server)
+        got = ray.get(
+            ray.remote(node_ports)
+            .options(num_cpus=0, scheduling_strategy=cls_on(j % nodes))
+            .remote(2),
+            timeout=60,
+        )
+        where.append((got["ip"], *got["ports"]))
+    cls = ray.remote(NatsServer)
+    for j, (_ip, port, route) in enumerate(where):
+        peers = [f"{ip}:{r}" for i, (ip, _p, r) in enumerate(where) if i != j]
+        into.append(
+            cls.options(
+                num_cpus=0,
+                max_restarts=restarts,
+                max_task_retries=0,
+                scheduling_strategy=cls_on(j % nodes),
+            ).remote(j, port, route, peers, str(Path(run_dir) / "nats" / f"n{j}"))
+        )
+
+    def alive() -> None:
+        for j, a in enumerate(into):
+            try:
+                got = ray.get(a.poll.remote(), timeout=30)
+            except ray.exceptions.RayActorError as e:
+                log = Path(run_dir) / "nats" / f"n{j}" / "server.log"
+                raise RayJobError(
+                    f"NATS server n{j}'s actor failed to start (its log: {log} on its "
+                    f"node): {str(e)[:300]}"
+                ) from None
+            if got["rc"] is not None:
+                raise RayJobError(
+                    f"nats-server n{j} exited ({got['rc']}) at {got['url']}: {got['log']}"
+                )
+
+    alive()
+    urls = [ray.get(a.poll.remote(), timeout=30)["url"] for a in into]
+    try:
+        wait_jetstream(urls, NATS_READY_S, alive)
+    except StoreUnreachable as e:
+        raise RayJobError(f"the job's NATS servers at {','.join(urls)}: {e}") from None
+    return urls
+
+
+class ServerWatch:
+    """The NATS server actors' lives, read without blocking the driver's loop: a server
+    that stops answering, or answers from a new actor process, is said once."""
+
+    def __init__(self, ray: Any, servers: list[Any], out: Any) -> None:
+        self.ray, self.servers, self.out = ray, servers, out
+        self.pending: dict[int, Any] = {}
+        self.lives: list[int | None] = [None] * len(servers)
+        self.down = [False] * len(servers)
+        self.next = 0.0
+
+    def round(self) -> None:
+        if not self.servers or time.monotonic() < self.next and not self.pending:
+            return
+        if not self.pending:
+            self.pending = {j: a.poll.remote() for j, a in enumerate(self.servers)}
+            self.next = time.monotonic() + 1.0
+        ready, _ = self.ray.wait(
+            list(self.pending.values()), num_returns=len(self.pending), timeout=0
+        )
+        for j, ref in list(self.pending.items()):
+            if ref not in ready:
+                continue
+            del self.pending[j]
+            try:
+                got = self.ray.get(ref)
+            except self.ray.exceptions.RayActorError:
+                if not self.down[j]:
+                    self.down[j] = True
+                    print(
+                        f"fastft ray: NATS server n{j}'s actor does not answer (dead, or "
+                        "restarting)",
+                        file=self.out,
+                    )
+                continue
+            if self.lives[j] is not None and got["pid"] != self.lives[j]:
+                print(
+                    f"fastft ray: NATS server n{j}'s actor died; Ray started it again at "
+                    f"{got['url']}",
+                    file=self.out,
+                )
+            elif got["rc"] is not None and not self.down[j]:
+                print(
+                    f"fastft ray: nats-server n{j} exited ({got['rc']}): {got['log']}",
+                    file=self.out,
+                )
+            self.down[j] = got["rc"] is not None
+            self.lives[j] = got["pid"]
