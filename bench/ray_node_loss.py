@@ -115,9 +115,12 @@ def fastft_trial(address: str, run: Path) -> dict[str, float]:
     ev = read_events(run)
     commits = [e for e in ev if e["event"] == "commit"]
     before = max(e["step"] for e in commits if e["mono"] < t_kill)
+    epoch = max(e["epoch"] for e in commits if e["mono"] < t_kill)
     declared = min(e["mono"] for e in ev if e["event"] == "node_lost" and e["node"] == 1)
-    survivors = [e for e in commits if e["mono"] > t_kill and e["src"] in ("rank 0", "rank 1")]
-    back = [e for e in commits if e["mono"] > t_kill and e["src"] in ("rank 2", "rank 3")]
+    # (a later epoch's commits: not a step the old lives finished as the kill landed)
+    after = [e for e in commits if e["epoch"] > epoch]
+    survivors = [e for e in after if e["src"] in ("rank 0", "rank 1")]
+    back = [e for e in after if e["src"] in ("rank 2", "rank 3")]
     return _row(t_kill, declared, survivors, back, before)
 
 
@@ -194,9 +197,10 @@ class GuideWorker:
         return steps
 
 
-def _logged(run: Path) -> list[tuple[int, int, float]]:
+def _logged(run: Path, attempt: int | None = None) -> list[tuple[int, int, float]]:
+    """(rank, step, time) of every step the workers finished (of one attempt)."""
     out = []
-    for f in run.glob("steps-*.log"):
+    for f in run.glob(f"steps-*-{'*' if attempt is None else attempt}.log"):
         for line in f.read_text().splitlines():
             r, s, t = line.split()
             out.append((int(r), int(s), float(t)))
@@ -242,7 +246,7 @@ def guide_trial(ray: Any, pg: Any, run: Path) -> dict[str, float]:
                 break
             if len(done) == len(futures):
                 break
-            if t_kill is None and any(s >= LOSS_STEP for _, s, _ in _logged(run)):
+            if t_kill is None and any(s >= LOSS_STEP for _, s, _ in _logged(run, 0)):
                 t_kill = time.monotonic()
                 for pid in pids[2:]:  # node 1's workers
                     os.kill(pid, signal.SIGKILL)
@@ -254,9 +258,9 @@ def guide_trial(ray: Any, pg: Any, run: Path) -> dict[str, float]:
         if attempt > 3:
             raise RuntimeError(f"{run}: the guide's job failed {attempt} times")
     assert t_kill is not None and seen is not None
-    steps = _logged(run)
-    before = max(s for _, s, t in steps if t < t_kill)
-    after = [{"mono": t, "step": s, "r": r} for r, s, t in steps if t > seen]
+    before = max(s for _, s, t in _logged(run, 0) if t < t_kill)
+    # (the new actors' steps: after every actor was killed and made again)
+    after = [{"mono": t, "step": s, "r": r} for r, s, t in _logged(run, 1)]
     survivors = [e for e in after if e["r"] in (0, 1)]
     back = [e for e in after if e["r"] in (2, 3)]
     return _row(t_kill, seen, survivors, back, before)

@@ -102,6 +102,41 @@ def test_a_node_agent_actor_killed_is_a_lost_node_that_comes_back(cluster, clean
         assert heals and heals[-1]["role"] == "fetch"  # ... and healed from a survivor
 
 
+def test_an_elastic_world_goes_on_without_the_lost_node_and_takes_it_back(cluster, tmp_path):
+    """Elastic (--min-replicas 2): node 1's agent actor is SIGKILLed at step 8; the
+    survivors go on as a world of 2, Ray starts the actor again and its workers join at a
+    later step. Every sample of every step is consumed once (S5 for an elastic world), and
+    every member ends equal to one process training on the whole batch."""
+    from test_runtime_faults import assert_equal_to_one_process
+
+    from fastft.report import shards_by_step, unlogged_commits, untiled_steps
+
+    run, steps = tmp_path / "elastic", 200
+    proc = ray_run(
+        cluster, run, "--min-replicas", "2", train=("--step-time", "0.05"), steps=steps,
+        wait=False,
+    )  # fmt: skip
+    try:
+        _until_step(run, proc, 8)
+        t_kill = time.monotonic()
+        _actor_of(1).send_signal(signal.SIGKILL)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    out = (tmp_path / "elastic.log").read_text()
+    assert proc.returncode == 0, out[-4000:]
+    ev = read_events(run)
+    check_s1_s3(run, steps)
+    shards = shards_by_step([*ev, *unlogged_commits(ev)])
+    assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []
+    assert any(len(shards[s]) == 2 for s in shards), "the survivors never went on alone"
+    back = [e for e in ev if e["event"] == "commit" and e["src"] == "rank 2" and e["mono"] > t_kill]
+    assert back and len(shards[steps - 1]) == 4, "node 1's workers never joined again"
+    assert_equal_to_one_process(run / "out", steps, 96, ranks=range(4))
+
+
 def _nats_actor(index: int) -> psutil.Process:
     """The Ray actor process that runs the job's NATS server ``index``."""
     for p in psutil.Process().children(recursive=True):
