@@ -211,3 +211,21 @@ def test_a_script_that_fails_to_import_ends_the_job_with_its_error(cluster, tmp_
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert p.returncode not in (0, None), p.stdout[-2000:]
     assert "no_such_module_here" in p.stdout, p.stdout[-3000:]
+
+
+def test_the_python_entry_point_runs_the_job(cluster, tmp_path):
+    import subprocess
+    import sys
+
+    run = tmp_path / "py"
+    code = (
+        "import sys, fastft.ray\n"
+        "argv = ['--check-every', '1', '-m', 'fastft.demo.train', '--', '--steps', '12',\n"
+        f"        '--out', {str(run / 'out')!r}]\n"
+        f"sys.exit(fastft.ray.run(argv, nodes=2, nproc=2, address={cluster.address!r},\n"
+        f"                        run_dir={str(run)!r}, nats_servers=0))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert sorted(finals(run)) == [0, 1, 2, 3]  # (2 nodes x the nproc given)
+    check_s1_s3(run, 12)

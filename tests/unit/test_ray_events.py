@@ -1,5 +1,6 @@
-"""``fastft ray run`` gathers each node's events file that is not the driver's own (another
-machine's) into ``RUN_DIR/node<i>/``, in chunks, and leaves the driver's own alone."""
+"""``fastft ray run``'s driver without a cluster: it gathers each node's events file that is
+not its own (another machine's) into ``RUN_DIR/node<i>/``, in chunks, leaving its own
+alone; ``fastft.ray.run`` puts ``--nproc`` in each node's flags."""
 
 from __future__ import annotations
 
@@ -60,3 +61,24 @@ def test_another_machines_events_are_copied_and_the_drivers_own_are_not(tmp_path
     said = out.getvalue()
     assert f"node 1's events: {run / 'node1' / 'events.jsonl'}" in said
     assert "node 3's events could not be read: The actor died" in said, said
+
+
+def test_the_python_entry_point_puts_nproc_in_each_nodes_flags():
+    import pytest
+
+    from fastft.errors import RayJobError
+    from fastft.ray.driver import _with_nproc
+
+    assert _with_nproc(["train.py", "--nproc", "9"], 4) == [
+        "--nproc",
+        "4",
+        "train.py",
+        "--nproc",
+        "9",
+    ]
+    assert _with_nproc(["--step-time", "0.1", "--nproc", "4", "-m", "m"], 4)[:4] == [
+        "--step-time", "0.1", "--nproc", "4",
+    ]  # fmt: skip
+    assert _with_nproc(["--nproc=4", "t.py"], 4) == ["--nproc=4", "t.py"]
+    with pytest.raises(RayJobError, match="--nproc 2 in argv, but nproc=4"):
+        _with_nproc(["--nproc", "2", "t.py"], 4)

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -40,6 +41,22 @@ PLACE_TIMEOUT_S = 60.0
 POLL_S = 0.1
 GONE_AFTER_S = 120.0
 """An agent actor that has not answered for this long is counted as failed."""
+
+
+def _with_nproc(argv: list[str], nproc: int) -> list[str]:
+    """ARGV with ``--nproc`` (the workers per node): given among the flags before the
+    script (``-m MODULE``, ``--``, or a ``.py`` path), it must be ``nproc``."""
+    for i, a in enumerate(argv):
+        if a in ("--", "-m") or a.endswith(".py"):
+            break  # (the script and its own arguments)
+        given = a.partition("=")[2] if a.startswith("--nproc=") else None
+        if a == "--nproc" and i + 1 < len(argv):
+            given = argv[i + 1]
+        if given is not None:
+            if given != str(nproc):
+                raise RayJobError(f"--nproc {given} in argv, but nproc={nproc}: give one")
+            return argv
+    return ["--nproc", str(nproc), *argv]
 
 
 def _reachable(address: str) -> None:
@@ -70,10 +87,10 @@ def run(
     argv: list[str],
     *,
     nodes: int,
-    nproc: int,
-    address: str | None,
-    run_dir: str,
-    job: str,
+    nproc: int = 1,
+    address: str | None = None,
+    run_dir: str | None = None,
+    job: str | None = None,
     cpus_per_node: float | None = None,
     gpus_per_node: float = 0.0,
     max_node_restarts: int = 3,
@@ -85,8 +102,17 @@ def run(
     ``nodes`` agents of the Ray cluster at ``address`` (None: ``RAY_ADDRESS``, else the
     running cluster Ray finds on this machine); the job's exit status. The control plane:
     ``control`` (a NATS cluster's URLs of the user's own), else ``nats_servers`` NATS
-    servers as actors of the job (one on a single node), else (0) node 0's TCPStore."""
+    servers as actors of the job (one on a single node), else (0) node 0's TCPStore.
+    From Python: ``run(["train.py", "--lr", "3e-4"], nodes=2, nproc=4)``; ``nproc`` is
+    each node's ``--nproc`` unless ARGV gives it (then they must agree); ``run_dir`` and
+    ``job`` default as ``fastft ray run``'s do."""
     out = out or sys.stdout
+    argv = _with_nproc(argv, nproc)
+    if run_dir is None:
+        from fastft.process.rundir import default_run_dir
+
+        run_dir = str(default_run_dir("ray"))
+    job = job or f"ray-{secrets.token_hex(3)}"
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
     if address.rpartition(":")[0] in ("127.0.0.1", "localhost"):
         # A cluster on loopback (this machine's): Ray would replace 127.0.0.1 with the
