@@ -187,11 +187,6 @@ def cmd_ray_run(args: argparse.Namespace) -> int:
         )
     if args.nodes < 1:
         _fail(f"--nodes {args.nodes}: must be >= 1")
-    if args.nats_servers < 0 or args.nats_servers == 2:
-        _fail(
-            f"--nats-servers {args.nats_servers}: use 3 (or more) to survive a server's "
-            "loss, 1 for one server, 0 for node 0's TCPStore"
-        )
     try:  # the flags' own checks, as one node's agent will make them
         config_from_args(args, tuple(command))
     except FastFTError as e:

@@ -5,16 +5,18 @@
   one line.
 - One :class:`~fastft.ray.agent.NodeAgent` actor per bundle, running ``fastft run
   --nnodes N --node-rank i`` for its node: deaths and hangs of workers are the agent's to
-  see, as on a node started by hand. Node 0's agent hosts the job's TCPStore (its address
-  is probed on bundle 0 first); every node reads one job secret, drawn here.
+  see, as on a node started by hand. The control plane: NATS server actors of the job
+  (:mod:`fastft.ray.servers`, by default), node 0's TCPStore (its address probed on bundle
+  0 first), or the user's NATS cluster; every node reads one job secret, drawn here.
 - Ray's own fault settings, on purpose: the actors restart (``max_restarts``, on another
   node if theirs is gone, which the placement group reschedules) and no task is retried
   (``max_task_retries=0``: the driver's polls are reads). An agent actor's death is a lost
   node: the survivors learn it from its lease, as they would without Ray, and the
   restarted actor's agent is that node started again: its workers join and heal.
 - The driver prints every agent's output (the usual ``[rank R.L]:`` prefixes), returns
-  the job's exit status (0 when every agent ended 0; else the first failure's), and
-  removes what it created: actors, placement group.
+  the job's exit status (0 when every agent ended 0; else the first failure's), copies
+  the events of nodes on other machines into the run directory, and removes what it
+  created: actors, placement group.
 """
 
 from __future__ import annotations
@@ -107,6 +109,11 @@ def run(
     each node's ``--nproc`` unless ARGV gives it (then they must agree); ``run_dir`` and
     ``job`` default as ``fastft ray run``'s do."""
     out = out or sys.stdout
+    if nats_servers < 0 or nats_servers == 2:
+        raise RayJobError(
+            f"--nats-servers {nats_servers}: use 3 (or more) to survive a server's loss, 1 "
+            "for one server, 0 for node 0's TCPStore"
+        )
     argv = _with_nproc(argv, nproc)
     if run_dir is None:
         from fastft.process.rundir import default_run_dir
