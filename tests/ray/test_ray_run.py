@@ -75,20 +75,27 @@ def _until_step(run, proc, step: int) -> None:
     raise AssertionError(f"the job never reached step {step}")
 
 
-def test_a_node_agent_actor_killed_is_a_lost_node_that_comes_back(cluster, clean, tmp_path):
-    run = tmp_path / "node"
-    proc = ray_run(cluster, run, train=("--step-time", "0.05"), steps=40, wait=False)
+def _kill_mid_run(run, proc, victim, step: int = 8) -> tuple[str, float]:
+    """Once the job committed ``step``, SIGKILL ``victim()``; wait for the job, which
+    must end 0. The driver's output and the moment of the kill."""
     try:
-        _until_step(run, proc, 8)
-        actor = _actor_of(1)
-        actor.send_signal(signal.SIGKILL)  # the actor, its agent and its workers
+        _until_step(run, proc, step)
+        t_kill = time.monotonic()
+        victim().send_signal(signal.SIGKILL)
         proc.wait(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
-    out = (tmp_path / "node.log").read_text()
+    out = (run.parent / f"{run.name}.log").read_text()
     assert proc.returncode == 0, out[-4000:]
+    return out, t_kill
+
+
+def test_a_node_agent_actor_killed_is_a_lost_node_that_comes_back(cluster, clean, tmp_path):
+    run = tmp_path / "node"
+    proc = ray_run(cluster, run, train=("--step-time", "0.05"), steps=40, wait=False)
+    out, _ = _kill_mid_run(run, proc, lambda: _actor_of(1))  # (its agent and workers too)
     assert "node 1's agent actor died; Ray started it again" in out, out[-4000:]
     check_s1_s3(run, 40)
     assert {v["digest"] for v in finals(run).values()} == {clean}
@@ -116,17 +123,7 @@ def test_an_elastic_world_goes_on_without_the_lost_node_and_takes_it_back(cluste
         cluster, run, "--min-replicas", "2", train=("--step-time", "0.05"), steps=steps,
         wait=False,
     )  # fmt: skip
-    try:
-        _until_step(run, proc, 8)
-        t_kill = time.monotonic()
-        _actor_of(1).send_signal(signal.SIGKILL)
-        proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-    out = (tmp_path / "elastic.log").read_text()
-    assert proc.returncode == 0, out[-4000:]
+    _, t_kill = _kill_mid_run(run, proc, lambda: _actor_of(1))
     ev = read_events(run)
     check_s1_s3(run, steps)
     shards = shards_by_step([*ev, *unlogged_commits(ev)])
@@ -152,16 +149,7 @@ def _nats_actor(index: int) -> psutil.Process:
 def test_a_nats_server_actor_killed_mid_training_the_job_goes_on(cluster, clean, tmp_path):
     run = tmp_path / "plane"
     proc = ray_run(cluster, run, train=("--step-time", "0.05"), steps=40, wait=False)
-    try:
-        _until_step(run, proc, 8)
-        _nats_actor(1).send_signal(signal.SIGKILL)  # the actor and its nats-server
-        proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-    out = (tmp_path / "plane.log").read_text()
-    assert proc.returncode == 0, out[-4000:]
+    out, _ = _kill_mid_run(run, proc, lambda: _nats_actor(1))  # (its nats-server too)
     url = out.split("store ")[1].split()[0].rstrip(",").split(",")[1]
     said = f"NATS server n1's actor died; Ray started it again at {url}\n"
     assert said in out, out[-4000:]  # (at the address the clients were given)
