@@ -107,7 +107,11 @@ def test_two_ranks_in_one_step_and_a_death_between_decision_and_apply(tmp_path, 
         # apply it (S2), the restarted rank 0 heals to step 15
         {"kind": "sigkill", "rank": 0, "at_step": 14, "point": "commit"},
     ]
-    run = fastft_run(tmp_path, "same-step", plan=plan)
+    # the store's decision: every survivor reads the one COMMIT. (Deciding by the step's
+    # collective, which `make test-collective` sets, a survivor whose allreduce the dying
+    # rank 0 cut short rolls step 14 back and heals it at the next formation instead: seen
+    # in CI; tests/fault/test_decide.py covers that case.)
+    run = fastft_run(tmp_path, "same-step", "--decide", "store", plan=plan)
     check_s1_s3(run)
     assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
     ev = read_events(run)
