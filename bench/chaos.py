@@ -28,6 +28,7 @@ against the reference and (with ``--planned``) against the same faults at planne
     python bench/chaos.py --duration 60 --nproc 3 --spares 1 --out DIR   # the CI version
     python bench/chaos.py --ends 100            # 100 short soaks: does each end with 0?
     python bench/chaos.py --start-method spawn  # restarts and spares as new Pythons
+    python bench/chaos.py --start-method both   # the same faults, forks against spawns
 """
 
 from __future__ import annotations
@@ -445,6 +446,51 @@ def stalls(s: dict[str, Any], hang_timeout_s: float) -> dict[str, Any]:
     }
 
 
+def spares_under_load(ev: list[dict[str, Any]]) -> dict[str, Any]:
+    """Warm spares under the soak's load (issue 37): each spare's warm-up (``spare_start``
+    to ``spare_ready``), each used spare's refill (handed out to its replacement ready:
+    the agent starts the replacement once the worker that took it has recovered, so this
+    is the pool's gap, not a start's cost) and how the restarts started. Hand-outs are
+    matched first-in first-out to the spares started after them."""
+    started: dict[int, float] = {}
+    ready: dict[int, float] = {}
+    handed: list[float] = []
+    waiting: list[float] = []  # hand-outs whose replacement has not started yet
+    replacing: dict[int, float] = {}  # a replacement's pid -> the hand-out it replaces
+    how: dict[str, int] = defaultdict(int)
+    for e in ev:
+        if e["event"] == "spare_start":
+            started[e["pid"]] = e["mono"]
+            if waiting:
+                replacing[e["pid"]] = waiting.pop(0)
+        elif e["event"] == "spare_ready":
+            ready[e["pid"]] = e["mono"]
+        elif e["event"] == "spawn" and e.get("life", 0) > 0:
+            kind = "spare" if e.get("warm") else ("fork" if e.get("how") == "fork" else "spawn")
+            how[kind] += 1
+            if e.get("warm"):
+                handed.append(e["mono"])
+                waiting.append(e["mono"])
+    warm = [1e3 * (ready[p] - t) for p, t in started.items() if p in ready]
+    refill = [1e3 * (ready[p] - t) for p, t in replacing.items() if p in ready]
+
+    def dist(v: list[float]) -> dict[str, Any]:
+        return {
+            "n": len(v),
+            "p50_ms": round(pct(v, 50), 1) if v else None,
+            "p99_ms": round(pct(v, 99), 1) if v else None,
+            "max_ms": round(max(v), 1) if v else None,
+        }
+
+    return {
+        "warm_up": dist(warm),
+        "refill": dist(refill),
+        "handed_out": len(handed),
+        "never_refilled": len(handed) - len(refill),
+        "restarts_by_start": dict(how),
+    }
+
+
 def _plan(out: Path, faults: list[dict[str, Any]], steps: int) -> Path:
     """The same faults at evenly spaced steps (a fault plan: each in the life its rank
     will be in by then)."""
@@ -566,9 +612,9 @@ def main() -> int:
     ap.add_argument(
         "--start-method",
         default="zygote",
-        choices=("zygote", "spawn"),
+        choices=("zygote", "spawn", "both"),
         help="fastft run --start-method: restarts and spares as forks of the node's zygote, "
-        "or new Pythons (before issue 37)",
+        "or new Pythons (before issue 37); both: the same faults under each, side by side",
     )
     ap.add_argument("--planned", action="store_true", help="also the same faults at steps")
     ap.add_argument("--out", type=Path, default=None, help="run directories (default: tmp)")
@@ -580,6 +626,9 @@ def main() -> int:
         ap.error("--nproc >= 2, --duration > 0 and --overlap in [0, 1]")
     if not 0 <= a.min_replicas <= a.nproc:
         ap.error(f"--min-replicas {a.min_replicas}: use 0 (fixed) to --nproc {a.nproc}")
+    if a.start_method == "both" and (a.ends or a.planned):
+        ap.error("--start-method both runs one long soak: not with --ends or --planned")
+    methods = ("zygote", "spawn") if a.start_method == "both" else (a.start_method,)
     out = a.out or Path(__import__("tempfile").mkdtemp(prefix="fastft-chaos-"))
     if a.ends > 0:
         return ends(a, out)
@@ -594,7 +643,9 @@ def main() -> int:
     print(f"chaos: {len(faults)} faults over {a.duration:.0f} s, {steps} steps, out {out}")
 
     t = time.monotonic()
-    ref = run_job(out / "reference", _cmd(out / "reference", a, steps), [], a.duration * 3)
+    # (the reference's start method changes nothing it is compared on)
+    first = argparse.Namespace(**{**vars(a), "start_method": methods[0]})
+    ref = run_job(out / "reference", _cmd(out / "reference", first, steps), [], a.duration * 3)
     ref_s = time.monotonic() - t
     reference = {
         e["step"]: e["digest"]
@@ -604,21 +655,63 @@ def main() -> int:
     if ref["rc"] != 0 or len(reference) != steps:
         print(f"the reference run failed (rc {ref['rc']}): see {out / 'reference'}")
         return 1
+    soaks = {}
+    for m in methods:
+        ns = argparse.Namespace(**{**vars(a), "start_method": m})
+        soaks[m] = soak(ns, out, faults, steps, both=len(methods) > 1)
+        soaks[m]["result"]["steps_per_s"]["reference"] = round(steps / ref_s, 2)
+        chaos_rate = soaks[m]["result"]["steps_per_s"]["chaos"]
+        soaks[m]["result"]["rate_vs_reference"] = round(chaos_rate * ref_s / steps, 3)
+    args = {k: str(v) for k, v in vars(a).items()}
+    if len(methods) == 1:
+        (one,) = soaks.values()
+        meta: dict[str, Any] = {"result": one["result"], "args": args}
+        rows = one["rows"]
+    else:
+        rows = side_by_side(soaks)
+        meta = {"soaks": soaks, "args": args}
+    if a.json is not None:
+        a.json.write_text(json.dumps({"rows": rows, **meta}, indent=1))
+        path = a.json
+    else:
+        path = write(a.name, rows, meta)
+    for m, one in soaks.items():
+        print(f"\n{m}:")
+        report(one)
+    if len(methods) > 1:
+        print("\nside by side (the same faults, the same reference):")
+        print(table(rows, ["figure", *methods]))
+    print(f"written {path}")
+    return 0 if all(one["result"]["ok"] for one in soaks.values()) else 1
+
+
+def soak(
+    a: argparse.Namespace, out: Path, faults: list[dict[str, Any]], steps: int, both: bool
+) -> dict[str, Any]:
+    """The job under chaos with ``a.start_method`` (run directory ``out/chaos``, or
+    ``out/chaos-METHOD`` when ``both`` run), checked against ``out/reference``."""
+    reference = {
+        e["step"]: e["digest"]
+        for e in read_events(out / "reference")
+        if e["event"] == "commit" and e.get("digest") is not None
+    }
+    run = out / ("chaos" if not both else f"chaos-{a.start_method}")
+    ckpt = a.checkpoint_dir / a.start_method if both and a.checkpoint_dir else a.checkpoint_dir
     spares = ("--warm-spares", str(a.spares))
     t = time.monotonic()
     job = run_job(
-        out / "chaos",
-        _cmd(out / "chaos", a, steps, spares, a.checkpoint_dir),
+        run,
+        _cmd(run, a, steps, spares, ckpt),
         faults,
         a.duration * 6,
         last_step=steps - 30,  # no fault in the job's last steps: its end must be clean
     )
     chaos_s = time.monotonic() - t
-    got = check(out / "chaos", reference, steps, elastic=bool(a.min_replicas))
+    got = check(run, reference, steps, elastic=bool(a.min_replicas))
     s = got.pop("summary")
     rows = recovery_by_kind(s, job["sent"])
     stall = stalls(s, a.hang_timeout)
-    rate = {"reference": steps / ref_s, "chaos": s["steps_committed"] / chaos_s}
+    rate = {"chaos": s["steps_committed"] / chaos_s}
     if a.planned:
         t = time.monotonic()
         planned = run_job(
@@ -640,6 +733,7 @@ def main() -> int:
         and not got["holders_alive_at_a_loss"]
         and all(x["outcome"] == "restored" for x in got["total_losses"])
         and got["steps_trained_again"] <= sum(x["redone"] or 0 for x in got["total_losses"]),
+        "start_method": a.start_method,
         "seed": a.seed,
         "faults_scheduled": len(faults),
         "faults_sent": len(job["sent"]),
@@ -649,20 +743,20 @@ def main() -> int:
         "store_port_open": job["port_open"],
         **got,
         "stalls": stall,
+        "spares": spares_under_load(read_events(run)),
         "restarts": s["restarts"],
         "epochs": s["epochs"],
         "steps_per_s": {k: round(v, 2) for k, v in rate.items()},
-        "rate_vs_reference": round(rate["chaos"] / rate["reference"], 3),
         "rate_vs_planned": round(rate["chaos"] / rate["planned"], 3) if a.planned else None,
-        "run_dir": str(out),
+        "run_dir": str(run),
     }
-    meta = {"result": result, "args": {k: str(v) for k, v in vars(a).items()}}
-    if a.json is not None:
-        a.json.write_text(json.dumps({"rows": rows, **meta}, indent=1))
-        path = a.json
-    else:
-        path = write(a.name, rows, meta)
-    print(table(rows, ["kind", "sent", "landed", "p50_ms", "p99_ms", "max_ms"]))
+    return {"rows": rows, "result": result}
+
+
+def report(one: dict[str, Any]) -> None:
+    result = one["result"]
+    print(table(one["rows"], ["kind", "sent", "landed", "p50_ms", "p99_ms", "max_ms"]))
+    stall = result["stalls"]
     iso = stall["isolated"]
     print(
         f"waits past their bound: {stall['past_bound']} ({stall['past_bound_overlapped']} "
@@ -671,8 +765,45 @@ def main() -> int:
         f"{iso['p99_ms']} ms, max {iso['max_ms']} ms"
     )
     print(json.dumps({k: v for k, v in result.items() if k != "total_losses"}, indent=1))
-    print(f"written {path}")
-    return 0 if result["ok"] else 1
+
+
+def side_by_side(soaks: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per figure, one column per start method."""
+
+    def ms(v: Any) -> str:
+        return "-" if v is None else f"{v / 1e3:.2f} s" if v >= 1000 else f"{v:.0f} ms"
+
+    def dist(d: dict[str, Any]) -> str:
+        return f"{ms(d['p50_ms'])} / {ms(d['p99_ms'])} / {ms(d['max_ms'])} (n {d.get('n', d.get('faults'))})"
+
+    figures: dict[str, Any] = {
+        "ok (every check held)": lambda r, rows: r["ok"],
+        "faults sent / landed": lambda r, rows: f"{r['faults_sent']} / {rows[-1]['landed']}",
+        "survivors' next commit, all kinds: p50 / p99 / max": lambda r, rows: dist(
+            {**rows[-1], "n": rows[-1]["landed"]}
+        ),
+        "faults nothing overlapped: p50 / p99 / max": lambda r, rows: dist(r["stalls"]["isolated"]),
+        "waits past their bound (overlapped, unexplained)": lambda r, rows: (
+            f"{r['stalls']['past_bound']} ({r['stalls']['past_bound_overlapped']}, "
+            f"{len(r['stalls']['unexplained'])})"
+        ),
+        "total losses (steps trained again)": lambda r, rows: (
+            f"{len(r['total_losses'])} ({r['steps_trained_again']})"
+        ),
+        "committed steps/s vs fault-free": lambda r, rows: r["rate_vs_reference"],
+        "restarts: on a spare / forked / spawned": lambda r, rows: " / ".join(
+            str(r["spares"]["restarts_by_start"].get(k, 0)) for k in ("spare", "fork", "spawn")
+        ),
+        "a spare's warm-up: p50 / p99 / max": lambda r, rows: dist(r["spares"]["warm_up"]),
+        "a used spare's refill: p50 / p99 / max": lambda r, rows: dist(r["spares"]["refill"]),
+        "spares handed out (never refilled)": lambda r, rows: (
+            f"{r['spares']['handed_out']} ({r['spares']['never_refilled']})"
+        ),
+    }
+    return [
+        {"figure": name, **{m: f(one["result"], one["rows"]) for m, one in soaks.items()}}
+        for name, f in figures.items()
+    ]
 
 
 if __name__ == "__main__":
