@@ -588,6 +588,13 @@ def main() -> int:
     )
     ap.add_argument("--overlap-delay", type=float, nargs=2, default=(0.02, 0.5))
     ap.add_argument("--step-time", type=float, default=0.03)
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="the job's steps (0: about --duration at half the fault-free rate; a run that "
+        "keeps more than half ends before the last faults are sent)",
+    )
     ap.add_argument("--hang-timeout", type=float, default=5.0)
     ap.add_argument(
         "--adaptive-hang",
@@ -639,7 +646,7 @@ def main() -> int:
         ap.error(f"--kinds {a.kinds!r}: use kinds of {', '.join(KINDS)}")
     faults = schedule(a.seed, a.duration, a.nproc, a.every, a.overlap, a.overlap_delay, kinds)
     # steps: about --duration of training at the reference rate with the faults' cost
-    steps = max(100, int(a.duration / (a.step_time + 0.006) * 0.5))
+    steps = a.steps or max(100, int(a.duration / (a.step_time + 0.006) * 0.5))
     print(f"chaos: {len(faults)} faults over {a.duration:.0f} s, {steps} steps, out {out}")
 
     t = time.monotonic()
