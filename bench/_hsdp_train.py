@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from fastft.demo.train import batch, build
-from fastft.runtime.state.shards import tile
+from fastft.protocol.shards import tile
 
 
 def shard(model: nn.Module, mesh: object) -> None:

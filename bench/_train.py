@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fastft.demo.train import batch, build
-from fastft.runtime.state.shards import tile
+from fastft.protocol.shards import tile
 
 WARMUP = 10
 

@@ -88,6 +88,52 @@ def test_a_member_that_voted_then_died_counts_only_where_that_is_what_happened()
     assert untiled_steps(shards_by_step([*ev, got])) == [2]  # not two steps after it
 
 
+def test_a_member_that_voted_then_died_after_a_retry_gets_the_shard_it_had():
+    """Found by the 600 s elastic soak (a false `untiled step 1010`): rank 2's last logged
+    commit was the retry of a shrunken step (its shard plus a kept part), it voted for the
+    next step and segfaulted before logging it. Its shard there is a plain tile of the
+    epoch, not the retry's: computed as the runtime computes it."""
+    from fastft.report import shards_by_step, unlogged_commits, untiled_steps
+    from fastft.report.shards import member_shard
+
+    def commit(src, step, lo, hi, kept=None):
+        c = {"event": "commit", "src": src, "epoch": 53, "step": step, "shard": [lo, hi, 96]}
+        return {**c, "kept": kept}
+
+    epoch = {
+        "event": "epoch",
+        "epoch": 53,
+        "members": [0, 2, 3],
+        "incarnations": [10, 12, 13],
+        "step": 1009,  # its first step retries 1009: rank 1's quarter is split three ways
+        "kept": [[0, 0, 24, 96], [2, 48, 72, 96], [3, 72, 96, 96]],
+    }
+    ev = [
+        epoch,
+        commit("rank 0", 1009, 24, 32, [0, 24, 96]),
+        commit("rank 3", 1009, 40, 48, [72, 96, 96]),
+        commit("rank 2", 1009, 32, 40, [48, 72, 96]),
+        commit("rank 3", 1010, 64, 96),
+        commit("rank 0", 1010, 0, 32),
+        {"event": "worker_exit", "incarnation": 12},
+    ]
+    assert untiled_steps(shards_by_step(ev)) == [1010]
+    (got,) = unlogged_commits(ev)
+    assert (got["src"], got["step"], got["shard"], got["kept"]) == (
+        "rank 2",
+        1010,
+        [32, 64, 96],
+        None,
+    )
+    assert untiled_steps(shards_by_step([*ev, got])) == []
+    # the epoch's first step: the plan of the retry, each kept part with its holder
+    assert member_shard(epoch, 1009, 96, 1) == {"shard": [32, 40, 96], "kept": [48, 72, 96]}
+    assert member_shard({**epoch, "kept": None}, 1009, 96, 1) == {
+        "shard": [32, 64, 96],
+        "kept": None,
+    }
+
+
 def test_the_demo_plan_gives_every_kind_on_fewer_workers_in_the_right_lives():
     from fastft.demo.main import _plan
 

@@ -1,4 +1,4 @@
-"""Who computes which samples of a step (fastft.runtime.state.shards): plain tiling, and the
+"""Who computes which samples of a step (fastft.protocol.shards): plain tiling, and the
 retry of a step the world shrank in, where survivors add the gradient they kept."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from fastft.runtime.state.shards import plan, tile
+from fastft.protocol.shards import plan, tile
 
 
 def covered(n: int, world: int, offered: dict[int, tuple[int, int, int]]) -> list[int]:

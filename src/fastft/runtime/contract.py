@@ -79,7 +79,7 @@ class RuntimeConfig:
     (:func:`fastft.runtime.checks.by_collective`; docs/architecture.md);
     ``keep_gradients``: in an elastic world, keep a copy of the weighted local gradient
     before each step's allreduce (one more gradient-sized buffer), so that a retry after
-    the world shrank computes only the lost members' samples (:mod:`fastft.runtime.state.shards`);
+    the world shrank computes only the lost members' samples (:mod:`fastft.protocol.shards`);
     ``checkpoint_dir``, ``checkpoint_every`` (steps), ``checkpoint_interval_s``,
     ``checkpoint_keep``: the durable tier (:mod:`fastft.runtime.durable.checkpoints`); with a directory
     and no schedule, every ``CHECKPOINT_INTERVAL_S``; ``allow_fresh_start``: when every
@@ -266,7 +266,7 @@ class EpochView:
     from, the members that must receive state, and the member that sends it (None when
     no member holds the state). ``kept``: ``(rank, lo, hi, n)``
     for each survivor holding the weighted local gradient of samples ``[lo, hi)`` of
-    ``step``'s batch of ``n`` (elastic worlds; see :mod:`fastft.runtime.state.shards`).
+    ``step``'s batch of ``n`` (elastic worlds; see :mod:`fastft.protocol.shards`).
     ``waiting``: workers registered to join that this epoch left out (an elastic world's
     re-formation after a rollback: the survivors retry without waiting for their heal);
     they are admitted after the next commit. ``restore``: every member loads the durable

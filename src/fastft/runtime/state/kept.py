@@ -1,14 +1,14 @@
 """Kept gradients (elastic worlds): each member keeps a copy of its weighted local
 gradient before the step's allreduce, so that when the world shrinks in that step the
-retry computes only the samples no survivor kept (:mod:`fastft.runtime.state.shards`)."""
+retry computes only the samples no survivor kept (:mod:`fastft.protocol.shards`)."""
 
 from __future__ import annotations
 
 import torch
 
+from fastft.protocol.shards import plan as plan_shards
+from fastft.protocol.shards import tile
 from fastft.runtime.contract import EpochView
-from fastft.runtime.state.shards import plan as plan_shards
-from fastft.runtime.state.shards import tile
 
 __all__ = ["KeptGradients"]
 
