@@ -25,6 +25,7 @@ __all__ = [
     "BusClosed",
     "StoreUnreachable",
     "StoreTimeout",
+    "RelayUnreachable",
     "ControlPlaneError",
     "RayJobError",
 ]
@@ -54,6 +55,11 @@ class StoreUnreachable(FastFTError, ConnectionError):
 class StoreTimeout(FastFTError, TimeoutError):
     """A wait on the store (a key that does not exist yet, an empty queue) ran out. Raised
     by the torch-free clients; torch's own raise ``DistStoreError`` ("timeout")."""
+
+
+class RelayUnreachable(FastFTError, ConnectionError):
+    """The node's bus relay (its agent, :mod:`fastft.bus.relay`) did not answer or refused
+    the connection."""
 
 
 class ControlPlaneError(FastFTError, RuntimeError):

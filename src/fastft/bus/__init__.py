@@ -9,8 +9,9 @@ from fastft.bus.contract import BusConfig, BusStats, Callback, ErrorBus, Transpo
 from fastft.bus.endpoint import BusEndpoint
 from fastft.bus.memory import MemoryHub, memory_bus
 from fastft.bus.nats import is_nats
+from fastft.bus.relay import RelayHub
+from fastft.bus.tcpstore import StoreTransport, host_store, tcpstore_bus
 from fastft.bus.tcpstore import connect_store as _connect_tcpstore
-from fastft.bus.tcpstore import host_store, tcpstore_bus
 
 __all__ = [
     "BusConfig",
@@ -19,6 +20,7 @@ __all__ = [
     "Callback",
     "ErrorBus",
     "MemoryHub",
+    "RelayHub",
     "Transport",
     "connect_store",
     "host_store",
@@ -47,10 +49,30 @@ def connect_store(
     return _connect_tcpstore(address, timeout_s=timeout_s, wait_s=wait_s, torch_free=torch_free)
 
 
-def open_bus(store: Any, config: BusConfig) -> BusEndpoint:
-    """An endpoint (not started) on the bus that goes with ``store``'s backend."""
-    from fastft.bus.nats import NatsKV, nats_bus
+def open_bus(
+    store: Any, config: BusConfig, *, relay: str | None = None, hub: RelayHub | None = None
+) -> BusEndpoint:
+    """An endpoint (not started) on the bus that goes with ``store``'s backend.
+
+    ``relay``: the address of this node's relay hub (a worker under ``fastft run``): the
+    endpoint receives from it instead of subscribing to the store itself. ``hub``: this
+    endpoint is its node's subscriber and relays every frame to the hub's clients (the
+    agent); the endpoint owns the hub from then on and closes it."""
+    transport = _transport(store, config)
+    if relay is not None:
+        from fastft.bus.relayed import RelayedTransport
+
+        return BusEndpoint(config, RelayedTransport(transport, relay, config.idle_pop_s))
+    if hub is not None:
+        from fastft.bus.relay import HubTransport
+
+        return BusEndpoint(config, HubTransport(transport, hub, config.idle_pop_s))
+    return BusEndpoint(config, transport)
+
+
+def _transport(store: Any, config: BusConfig) -> Transport:
+    from fastft.bus.nats import NatsKV, NatsTransport
 
     if isinstance(store, NatsKV):
-        return nats_bus(store, config)
-    return tcpstore_bus(store, config)
+        return NatsTransport(store, config)
+    return StoreTransport(store, config)

@@ -129,7 +129,8 @@ class Transport(Protocol):
     ``evictions`` counts subscribers this endpoint evicted.
     """
 
-    evictions: int
+    @property
+    def evictions(self) -> int: ...
 
     def join(self, label: str) -> str: ...
 

@@ -168,7 +168,13 @@ class BusEndpoint:
             if data is None:
                 if not self._closed.is_set() and not transport.is_member():
                     old = self.subscriber_id
-                    self.subscriber_id = transport.join(self._label())
+                    try:
+                        self.subscriber_id = transport.join(self._label())
+                    except Exception as e:
+                        self.stats.transport_errors += 1
+                        log.warning("bus listener: could not join again (%s); retrying", e)
+                        self._closed.wait(min(1.0, 0.05 * self.stats.transport_errors))
+                        continue
                     self.stats.self_evictions += 1
                     log.error(
                         "bus subscriber %s was evicted (stopped reading?); re-joined as %s, "

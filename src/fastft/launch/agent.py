@@ -71,6 +71,7 @@ class Agent:
         self._server, self.bound = plane.server, plane.bound
         self.store_addr, self.secret_file = plane.address, plane.secret_file
         self.store, self.bus = plane.store, plane.bus
+        self.relay = plane.relay
         first = config.node_rank * config.nproc
         self.slots = {r: Slot(r) for r in range(first, first + config.nproc)}
         self.exits = Exits(self)
@@ -275,6 +276,7 @@ class Agent:
             lighthouse_addr=self.lighthouse_addr,
             secret_file=str(self.secret_file),
             group_gen=self.group_gen.get(slot.rank // cfg.shard_size, 0),
+            relay_socket=self.relay,
         )
         try:
             os.unlink(slot.heartbeat)

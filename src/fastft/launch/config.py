@@ -61,6 +61,13 @@ class LaunchConfig:
         "for a NATS cluster with JetStream, which no host's loss ends (fastft nats up starts "
         "a local one); default: the TCPStore node 0's agent hosts (--store)",
     )
+    bus_relay: str = _flag(
+        "auto",
+        "how this node's workers hear the error bus: on (through this agent, the node's one "
+        "subscriber: a broadcast costs the store one push per node), off (each worker "
+        "subscribes to the store itself) or auto (on with 2 or more workers)",
+        choices=("auto", "on", "off"),
+    )
     job: str = _flag("job", "job id")
     max_restarts: int = _flag(3, "restarts per worker")
     inject: str | None = _flag(None, "fault plan JSON (fastft plan check)")
@@ -428,6 +435,11 @@ class LaunchConfig:
     def quarantine_rule(self) -> QuarantineRule | None:
         """``--quarantine N/S`` parsed (None: ``off``)."""
         return QuarantineRule.parse(self.quarantine)
+
+    @property
+    def relayed(self) -> bool:
+        """Whether this node's workers hear the bus through its agent (``--bus-relay``)."""
+        return self.bus_relay == "on" or (self.bus_relay == "auto" and self.nproc > 1)
 
     @property
     def world_size(self) -> int:

@@ -1,6 +1,7 @@
 """What one agent opens of the job's control plane before it starts any worker: the store
 (node 0 hosts a TCPStore, listening on the address given alone), the job secret, the signed
-store client and the agent's bus endpoint."""
+store client and the agent's bus endpoint (with the node's bus relay, which listens once
+the endpoint starts)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastft.bus import BusConfig, BusEndpoint, connect_store, host_store, open_bus
+from fastft.bus import BusConfig, BusEndpoint, RelayHub, connect_store, host_store, open_bus
 from fastft.bus.signed import SignedStore
 from fastft.bus.tcpstore import WILDCARDS, is_local_address
 from fastft.launch.config import LaunchConfig
@@ -32,6 +33,9 @@ class ControlPlane:
     store: SignedStore
     """The job's store; decisions, node marks and joiner keys signed (fastft.bus.signed)."""
     bus: BusEndpoint
+    relay: str | None
+    """The address of this node's bus relay (``--bus-relay``), which its workers receive
+    the bus from; None: each subscribes to the store itself."""
 
     @classmethod
     def open(cls, config: LaunchConfig, run_dir: Path, keys: JobKeys) -> ControlPlane:
@@ -46,7 +50,9 @@ class ControlPlane:
             role=Role.AGENT,
             secret=None if insecure() else secret,
         )
-        return cls(server, bound, address, secret_file, store, open_bus(raw, cfg))
+        hub = RelayHub(cfg.max_queue, cfg.stale_s) if config.relayed else None
+        bus = open_bus(raw, cfg, hub=hub)
+        return cls(server, bound, address, secret_file, store, bus, hub.address if hub else None)
 
 
 def _host_or_join(config: LaunchConfig) -> tuple[Any, str, str]:

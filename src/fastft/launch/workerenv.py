@@ -54,6 +54,7 @@ def worker_environment(
     lighthouse_addr: str = "",
     secret_file: str | None = None,
     group_gen: int = 0,
+    relay_socket: str | None = None,
 ) -> dict[str, str]:
     """The whole environment of one worker life: the agent's own, ``cfg.env``, the
     :class:`WorkerEnv` contract, torchrun's local names, and torchft's for ``--torchft``."""
@@ -71,6 +72,7 @@ def worker_environment(
             heartbeat_file=heartbeat_file,
             exit_trace_file=exit_trace_file,
             secret_file=secret_file,
+            relay_socket=relay_socket,
             group_gen=group_gen if cfg.shard_size > 1 else None,
         ).to_env(),
         # torchrun's names: scripts place their model on cuda:LOCAL_RANK

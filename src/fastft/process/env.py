@@ -124,6 +124,11 @@ class WorkerEnv:
     inject: str | None = _var("FASTFT_INJECT", "path of the fault plan (JSON)")
     heartbeat_file: str | None = _var("FASTFT_HEARTBEAT_FILE", "the worker's heartbeat file")
     exit_trace_file: str | None = _var("FASTFT_EXIT_TRACE_FILE", "the exit sentinel's file")
+    relay_socket: str | None = _var(
+        "FASTFT_RELAY_SOCKET",
+        "the node's bus relay (its agent's Unix socket, @name: abstract): the worker hears the "
+        "bus from it instead of subscribing to the store",
+    )
     seed: int | None = _var("FASTFT_SEED", "the job's seed")
     incarnation: int | None = _var("FASTFT_INCARNATION", "this life's id, drawn by the agent")
     check_every: int | None = _var("FASTFT_CHECK_EVERY", "log the state digest every N commits")

@@ -49,6 +49,9 @@ class WorkerLife(Protocol):
     def inject(self) -> str | None: ...
 
     @property
+    def relay_socket(self) -> str | None: ...
+
+    @property
     def secret_file(self) -> str | None: ...
 
 
@@ -74,7 +77,8 @@ class Services:
     ) -> Services:
         """The services of the life ``of`` describes (a ``RuntimeConfig`` or the
         launcher's ``WorkerEnv``: its job, life, run directory, heartbeat and exit-trace
-        files, fault plan and job secret, required: ConfigError without) as ``rank``'s
+        files, fault plan, job secret (required: ConfigError without) and the node's bus
+        relay) as ``rank``'s
         ``incarnation``. ``on_message``: the owner's callback for every bus message but a
         live fault injection (``fastft inject``), which the injector takes; ``fire``: how
         the owner executes a planned fault (it logs it first); ``events``: an event log
@@ -87,7 +91,7 @@ class Services:
         plan = FaultPlan.load(of.inject) if of.inject else FaultPlan(faults=())
         injector = Injector(plan, rank, of.life or 0, executor=fire)
         config = BusConfig(job=of.job, rank=rank, incarnation=incarnation, secret=secret)
-        bus = open_bus(store, config)
+        bus = open_bus(store, config, relay=of.relay_socket)
 
         def deliver(m: Message) -> None:
             if isinstance(m, Inject):  # (live `fastft inject`, for every owner alike)

@@ -103,6 +103,7 @@ class RuntimeConfig:
     inject: str | None = None
     heartbeat_file: str | None = None
     exit_trace_file: str | None = None
+    relay_socket: str | None = None
     seed: int = 0
     rollback_timeout_s: float = 5.0
     start_timeout_s: float = 300.0
