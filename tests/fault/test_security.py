@@ -116,6 +116,9 @@ def test_forged_faults_injections_and_decisions_change_nothing(forged_run, clean
     assert len(exits) == 3 and all(e.get("exit_code") == 0 for e in exits), exits
     (stop,) = [e for e in ev if e["event"] == "agent_stop"]
     assert stop["restarts"] == 0
+    # the workers heard the bus through their agent's relay (--bus-relay auto, 3 workers),
+    # which passed the forged frames on as they were: each worker checked them itself
+    assert stop["relay"]["accepted"] == 3 and stop["relay"]["frames"] > 0, stop
     check_s1_s3(run)
     f = finals(run)
     assert {v["digest"] for v in f.values()} == {v["digest"] for v in clean.values()}

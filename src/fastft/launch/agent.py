@@ -13,6 +13,7 @@ are forwarded so the job stops cleanly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -71,7 +72,7 @@ class Agent:
         self._server, self.bound = plane.server, plane.bound
         self.store_addr, self.secret_file = plane.address, plane.secret_file
         self.store, self.bus = plane.store, plane.bus
-        self.relay = plane.relay
+        self.hub = plane.hub
         first = config.node_rank * config.nproc
         self.slots = {r: Slot(r) for r in range(first, first + config.nproc)}
         self.exits = Exits(self)
@@ -190,7 +191,8 @@ class Agent:
             self.bus.close()
             if metrics is not None:
                 metrics.close()
-            self.events.emit("agent_stop", restarts=self.restarts, failed=self.failed)
+            relay = dataclasses.asdict(self.hub.stats) if self.hub else None
+            self.events.emit("agent_stop", restarts=self.restarts, failed=self.failed, relay=relay)
             self.events.close()
         return code
 
@@ -276,7 +278,7 @@ class Agent:
             lighthouse_addr=self.lighthouse_addr,
             secret_file=str(self.secret_file),
             group_gen=self.group_gen.get(slot.rank // cfg.shard_size, 0),
-            relay_socket=self.relay,
+            relay_socket=self.hub.address if self.hub else None,
         )
         try:
             os.unlink(slot.heartbeat)

@@ -33,9 +33,9 @@ class ControlPlane:
     store: SignedStore
     """The job's store; decisions, node marks and joiner keys signed (fastft.bus.signed)."""
     bus: BusEndpoint
-    relay: str | None
-    """The address of this node's bus relay (``--bus-relay``), which its workers receive
-    the bus from; None: each subscribes to the store itself."""
+    hub: RelayHub | None
+    """This node's bus relay (``--bus-relay``), which its workers hear the bus from; None:
+    each subscribes to the store itself. The bus endpoint owns it."""
 
     @classmethod
     def open(cls, config: LaunchConfig, run_dir: Path, keys: JobKeys) -> ControlPlane:
@@ -52,7 +52,7 @@ class ControlPlane:
         )
         hub = RelayHub(cfg.max_queue, cfg.stale_s) if config.relayed else None
         bus = open_bus(raw, cfg, hub=hub)
-        return cls(server, bound, address, secret_file, store, bus, hub.address if hub else None)
+        return cls(server, bound, address, secret_file, store, bus, hub)
 
 
 def _host_or_join(config: LaunchConfig) -> tuple[Any, str, str]:
