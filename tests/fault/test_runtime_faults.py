@@ -473,6 +473,7 @@ def test_two_agents_form_one_job(tmp_path, clean):
         (["--nproc", "1", "--job-secret-file", "/nonexistent/s"], "fastft secret new"),
         (["--nproc", "2", "--spare-run-ahead"], "--spare-run-ahead needs warm spares"),
         (["--nproc", "2", "--inject", "/nonexistent/plan.json"], "plan"),
+        (["--nproc", "2", "--bus-relay", "maybe"], "--bus-relay"),
     ],
 )
 def test_bad_launch_flags_fail_at_start(flags, needle):

@@ -60,7 +60,8 @@ def forged_run(tmp_path_factory) -> tuple[Path, set[tuple[str, int]]]:
     run.mkdir()
     cmd = [
         *(sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--run-dir", str(run)),
-        *("--check-every", "1", "--job", JOB, "-m", "fastft.demo.train", "--"),
+        *("--check-every", "1", "--job", JOB, "--bus-relay", "on"),
+        *("-m", "fastft.demo.train", "--"),
         *("--steps", str(STEPS), "--out", str(run / "out"), "--step-time", "0.05"),
     ]
     log_path = run / "launcher.log"
@@ -116,7 +117,7 @@ def test_forged_faults_injections_and_decisions_change_nothing(forged_run, clean
     assert len(exits) == 3 and all(e.get("exit_code") == 0 for e in exits), exits
     (stop,) = [e for e in ev if e["event"] == "agent_stop"]
     assert stop["restarts"] == 0
-    # the workers heard the bus through their agent's relay (--bus-relay auto, 3 workers),
+    # the workers heard the bus through their agent's relay (in every tier: --bus-relay on),
     # which passed the forged frames on as they were: each worker checked them itself
     assert stop["relay"]["accepted"] == 3 and stop["relay"]["frames"] > 0, stop
     check_s1_s3(run)
