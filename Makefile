@@ -74,6 +74,8 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/bus_latency.py
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/bus_latency.py --backends tcpstore --relay off on \
+		--subscribers 8 64 256 --name bus_relay
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/interrupt_latency.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/bus_soak.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/recovery.py --keep-pairs 3

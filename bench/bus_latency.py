@@ -14,7 +14,7 @@ message flows, measured first over as long) is what carries over from this 2-cor
 bench/results/bus_latency.json and a table.
 
     python bench/bus_latency.py [--messages 200] [--gap-ms MS] [--backends tcpstore nats]
-        [--subscribers 4 16 64] [--relay off] [--per-node 8]
+        [--subscribers 4 16 64] [--relay off] [--per-node 8] [--name bus_latency]
 """
 
 from __future__ import annotations
@@ -194,6 +194,7 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=["tcpstore", "nats"])
     ap.add_argument("--relay", nargs="+", choices=["off", "on"], default=["off"])
     ap.add_argument("--per-node", type=int, default=8, help="workers per node with --relay on")
+    ap.add_argument("--name", default="bus_latency", help="results: bench/results/NAME.json")
     a = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as d:
@@ -220,7 +221,7 @@ def main() -> None:
         for r in rows:
             if r["subscribers"] == n:
                 r["p50_vs_tcpstore"] = r["p50_ms"] / ref["p50_ms"] if ref else "-"
-    path = write("bus_latency", rows, {"messages": a.messages, "per_node": a.per_node})
+    path = write(a.name, rows, {"messages": a.messages, "per_node": a.per_node})
     print("Broadcast -> last of N subscribers (loopback; NATS: a local 3-server cluster)")
     cols = ["backend", "relay", "subscribers", "store_subscribers", "processes", "n", "p50_ms",
             "p99_ms", "max_ms", "store_cpu_ms_per_msg", "store_cpu_idle_pct"]  # fmt: skip
