@@ -71,6 +71,8 @@ class RuntimeConfig:
     ``max_step_retries``: consecutive local exceptions at one step before the exception
     is re-raised (a deterministic bug must not loop forever);
     ``backend``: ``gloo`` or ``nccl`` (``auto``: nccl when CUDA is available);
+    ``relay_socket``: the node's bus relay (``fastft run`` sets it, :mod:`fastft.bus.relay`):
+    the worker hears the bus from its agent instead of subscribing to the store;
     ``incarnation``: chosen by the agent (so it can name the process when it dies),
     random when None; ``check_every``: log the state digest (S3) every N commits (0: never);
     ``decide``: how a fault-free step is decided, ``collective`` (an allreduce of four
