@@ -29,7 +29,7 @@ def run_once(tree: Path, faults: str) -> dict[str, object]:
     env = {**os.environ, "PYTHONPATH": str(tree / "src"), "TORCH_CPP_LOG_LEVEL": "ERROR"}
     cmd = [sys.executable, str(tree / "bench/recovery.py"), "--quick", "--faults", faults]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, timeout=1800)
-    return json.loads((tree / "bench/results/recovery.json").read_text())
+    return json.loads((tree / "bench/results/recovery-quick.json").read_text())
 
 
 def main() -> int:
