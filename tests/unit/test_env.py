@@ -101,6 +101,26 @@ def test_flags_fall_back_to_their_variables_then_to_the_default():
     assert _parse(["--no-keep-gradients"], {}).keep_gradients is False
 
 
+@pytest.mark.parametrize(
+    "flags, relayed",
+    [
+        ([], False),  # 1 worker
+        (["--nproc", "8"], False),  # 8 workers: the store's work is small, the hop is not
+        (["--nproc", "8", "--nnodes", "8", "--store", "h:1"], True),  # 64 workers
+        (["--nproc", "1", "--nnodes", "64", "--store", "h:1"], False),  # nothing to relay to
+        (["--nproc", "2", "--bus-relay", "on"], True),
+        (["--nproc", "8", "--nnodes", "8", "--store", "h:1", "--bus-relay", "off"], False),
+    ],
+)
+def test_bus_relay_auto_relays_from_64_workers_with_2_or_more_a_node(flags, relayed, tmp_path):
+    from fastft.protocol.auth import JobSecret
+
+    if "--nnodes" in flags:  # (several nodes need the job secret's file)
+        JobSecret.draw().save(tmp_path / "s")
+        flags = [*flags, "--job-secret-file", str(tmp_path / "s")]
+    assert _parse(flags, {}).relayed is relayed
+
+
 def test_a_malformed_flag_variable_fails_at_start():
     with pytest.raises(ConfigError, match="FASTFT_NPROC='many'"):
         _parse([], {"FASTFT_NPROC": "many"})

@@ -33,6 +33,13 @@ DEFAULT_PREFAULT_MB = 0
 pays for large CPU-resident states (docs/measurements.md, "Spare prefault")."""
 
 
+RELAY_AUTO_WORKERS = 64
+"""``--bus-relay auto`` relays from this many workers in the job on. Below, the store's
+work per broadcast is small (~30 µs a subscriber: ~2 ms at 64) and the agent's hop costs
+more than it saves where the workers keep every core busy: a scheduling slice of the agent
+(+5-10 ms to a fault's survivors on 2 cores; docs/measurements.md, "The bus relay")."""
+
+
 def _flag(default: Any, help: str, *, flag: str = "", choices: tuple[str, ...] = ()) -> Any:
     meta = {"help": help, "flag": flag, "choices": choices}
     if isinstance(default, dict):
@@ -65,7 +72,8 @@ class LaunchConfig:
         "auto",
         "how this node's workers hear the error bus: on (through this agent, the node's one "
         "subscriber: a broadcast costs the store one push per node), off (each worker "
-        "subscribes to the store itself) or auto (on with 2 or more workers)",
+        f"subscribes to the store itself) or auto (on from {RELAY_AUTO_WORKERS} workers in the "
+        "job with 2 or more on this node)",
         choices=("auto", "on", "off"),
     )
     job: str = _flag("job", "job id")
@@ -439,7 +447,9 @@ class LaunchConfig:
     @property
     def relayed(self) -> bool:
         """Whether this node's workers hear the bus through its agent (``--bus-relay``)."""
-        return self.bus_relay == "on" or (self.bus_relay == "auto" and self.nproc > 1)
+        if self.bus_relay == "auto":
+            return self.nproc > 1 and self.world_size >= RELAY_AUTO_WORKERS
+        return self.bus_relay == "on"
 
     @property
     def world_size(self) -> int:
