@@ -78,11 +78,10 @@ class Services:
         """The services of the life ``of`` describes (a ``RuntimeConfig`` or the
         launcher's ``WorkerEnv``: its job, life, run directory, heartbeat and exit-trace
         files, fault plan, job secret (required: ConfigError without) and the node's bus
-        relay) as ``rank``'s
-        ``incarnation``. ``on_message``: the owner's callback for every bus message but a
-        live fault injection (``fastft inject``), which the injector takes; ``fire``: how
-        the owner executes a planned fault (it logs it first); ``events``: an event log
-        the owner opened already."""
+        relay) as ``rank``'s ``incarnation``. ``on_message``: the owner's callback for
+        every bus message but a live fault injection (``fastft inject``), which the
+        injector takes; ``fire``: how the owner executes a planned fault (it logs it
+        first); ``events``: an event log the owner opened already."""
         secret = None if insecure() else JobSecret.for_worker(of.secret_file)
         events = events if events is not None else EventLog(of.run_dir, label)
         heartbeat = HeartbeatWriter(of.heartbeat_file)
