@@ -3,9 +3,8 @@
 Each field carries its flag, its help and its default, in one place: the CLI builds its
 parser from them (:func:`fastft.launch.flags.add_run_flags`), and every flag falls back to
 a ``FASTFT_*`` variable named after it (``--hang-timeout`` -> ``FASTFT_HANG_TIMEOUT``;
-:func:`fastft.launch.flags.flag_variables` lists them). Precedence: the flag, then the variable, then the
-default.
-"""
+:func:`fastft.launch.flags.flag_variables` lists them): the flag, then the variable, then
+the default."""
 
 from __future__ import annotations
 
@@ -34,10 +33,7 @@ pays for large CPU-resident states (docs/measurements.md, "Spare prefault")."""
 
 
 RELAY_AUTO_WORKERS = 64
-"""``--bus-relay auto`` relays from this many workers in the job on. Below, the store's
-work per broadcast is small (~30 µs a subscriber: ~2 ms at 64) and the agent's hop costs
-more than it saves where the workers keep every core busy: a scheduling slice of the agent
-(+5-10 ms to a fault's survivors on 2 cores; docs/measurements.md, "The bus relay")."""
+"""``--bus-relay auto`` relays from this many workers on (docs/measurements.md, "The bus relay")."""
 
 
 def _flag(default: Any, help: str, *, flag: str = "", choices: tuple[str, ...] = ()) -> Any:
@@ -70,10 +66,9 @@ class LaunchConfig:
     )
     bus_relay: str = _flag(
         "auto",
-        "how this node's workers hear the error bus: on (through this agent, the node's one "
-        "subscriber: a broadcast costs the store one push per node), off (each worker "
-        f"subscribes to the store itself) or auto (on from {RELAY_AUTO_WORKERS} workers in the "
-        "job with 2 or more on this node)",
+        "on: this node's workers hear the error bus through this agent (a broadcast costs "
+        "the store one push per node); off: each subscribes to the store; auto: on from "
+        f"{RELAY_AUTO_WORKERS} workers in the job, with 2+ on this node",
         choices=("auto", "on", "off"),
     )
     job: str = _flag("job", "job id")
@@ -447,9 +442,8 @@ class LaunchConfig:
     @property
     def relayed(self) -> bool:
         """Whether this node's workers hear the bus through its agent (``--bus-relay``)."""
-        if self.bus_relay == "auto":
-            return self.nproc > 1 and self.world_size >= RELAY_AUTO_WORKERS
-        return self.bus_relay == "on"
+        auto = self.nproc > 1 and self.world_size >= RELAY_AUTO_WORKERS
+        return self.bus_relay == "on" or (self.bus_relay == "auto" and auto)
 
     @property
     def world_size(self) -> int:
