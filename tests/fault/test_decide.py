@@ -54,6 +54,7 @@ def test_a_step_decided_by_its_collective_makes_no_store_request(tmp_path):
     assert 0.8 <= collective[0] <= 1.2, collective
 
 
+@pytest.mark.slow  # (make test keeps its 10 min bound on a slower 2-core machine)
 def test_both_ways_of_deciding_train_the_same_model(tmp_path, clean):
     """The default (auto: the store's vote for 3 Gloo workers) is the fault tier's clean
     run; the collective's matches it."""

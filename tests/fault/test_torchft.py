@@ -190,6 +190,7 @@ def test_a_replica_that_starts_late_is_in_the_first_quorum(tmp_path: Path) -> No
     assert faults[0]["recovered"], faults
 
 
+@pytest.mark.slow  # (make test keeps its 10 min bound on a slower 2-core machine)
 def test_live_inject_reaches_a_managerfft_replica(tmp_path: Path) -> None:
     """``fastft inject`` on a running ``--torchft fastft`` job: the CLI said "injected" and
     nothing happened (the replicas' bus callback never handed it to their injector)."""

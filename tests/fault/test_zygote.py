@@ -54,6 +54,7 @@ def test_a_restart_is_a_fork_of_the_zygote_and_ends_as_the_clean_run(tmp_path, c
     assert not alive(z["pid"])  # no zygote left behind
 
 
+@pytest.mark.slow  # (make test keeps its 10 min bound on a slower 2-core machine)
 def test_spawn_keeps_a_new_python_per_start(tmp_path, clean):
     run = fastft_run(tmp_path, "spawn", "--start-method", "spawn", plan=KILL)
     check_s1_s3(run)

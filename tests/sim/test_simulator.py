@@ -46,7 +46,9 @@ def test_a_seed_is_a_run_bit_for_bit():
 @pytest.mark.parametrize(
     ("name", "opts", "count"),
     [
-        ("fixed world, every fault kind", Options(), 1500),
+        ("fixed world, every fault kind", Options(), 300),
+        # (more seeds, and the durable tier's, in the slow tier: make test's 10 minutes)
+        pytest.param("fixed world, every fault kind", Options(), 1500, marks=pytest.mark.slow),
         ("fixed world, decided in the store", Options(decide="store"), 400),
         (
             "an evaluation that raises on every rank (ft.run restarts each)",
@@ -54,10 +56,11 @@ def test_a_seed_is_a_run_bit_for_bit():
             400,
         ),
         ("elastic world", Options(elastic=True, min_replicas=2, faults=3), 500),
-        (
+        pytest.param(
             "durable tier, two ranks a node",
             Options(world_size=4, per_node=2, checkpoint_every=2, steps=8, faults=3),
             400,
+            marks=pytest.mark.slow,
         ),
     ],
 )
@@ -97,7 +100,9 @@ def test_the_simulator_finds_each_defect_of_the_past(name):
     ("members", "steps", "faults", "kinds"),
     [
         (3, 2, 0, ()),  # every order of the events due at the same instant
-        (2, 2, 1, ("kill", "exception", "state_lost", "drain")),  # and a fault at any of them
+        pytest.param(  # and a fault at any of them (~17 s: the slow tier)
+            2, 2, 1, ("kill", "exception", "state_lost", "drain"), marks=pytest.mark.slow
+        ),
         pytest.param(3, 2, 1, ("kill", "exception"), marks=pytest.mark.slow),  # ~5 min
     ],
 )
