@@ -15,7 +15,7 @@ from fastft.bus.endpoint import BusEndpoint
 from fastft.bus.memory import MemoryTransport
 from fastft.bus.relay import HELLO_MAX, HubTransport, sockaddr
 from fastft.bus.relayed import RelayedTransport
-from fastft.bus.tcpstore import parse_members
+from fastft.bus.tcpstore import StoreTransport, parse_members
 from fastft.errors import RelayUnreachable
 from fastft.protocol import Heartbeat, JobKeys, Role
 from fastft.protocol.auth import JobSecret
@@ -122,8 +122,8 @@ def test_the_store_has_one_subscriber_per_node_and_a_broadcast_one_push_per_node
         assert list(members.values()) == [
             f"-1.7.{int(Role.AGENT)}"
         ]  # the agent alone, not its 8 workers
-        pushed = workers[3]._transport._pub.push_all  # type: ignore[attr-defined]
-        assert pushed(b"x") == 1
+        # a worker's publisher pushes to the store's subscribers: the one agent
+        assert StoreTransport(n.store, workers[3].config).push_all(b"x") == 1
     finally:
         n.close()
 
