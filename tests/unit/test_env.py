@@ -63,6 +63,8 @@ def test_every_variable_is_documented_once():
             "FASTFT_RUN_DIR",
             "FASTFT_INJECT",
             "FASTFT_CHECK_EVERY",
+            "FASTFT_COMPARE_EVERY",
+            "FASTFT_BUFFERS",
             "FASTFT_DECIDE",
             "FASTFT_KEEP_GRADIENTS",
             "FASTFT_BACKEND",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastft.errors import ConfigError
+from fastft.launch.bounds import BUFFERS, check_bounds
 from fastft.launch.offenders import QuarantineRule
 from fastft.process.env import (
     BETWEEN_STEPS_TIMEOUT_S,
@@ -22,11 +23,9 @@ from fastft.process.env import (
     HEALTH_HOST_MB,
     MAX_RECOVERIES,
 )
-from fastft.process.malloc import PREFAULT_MAX
 
 __all__ = ["LaunchConfig"]
 
-PREFAULT_MAX_MB = PREFAULT_MAX >> 20
 DEFAULT_PREFAULT_MB = 0
 """Off by default: it makes a spare ready later (the touching is part of its warm-up); it
 pays for large CPU-resident states (docs/measurements.md, "Spare prefault")."""
@@ -163,6 +162,10 @@ class LaunchConfig:
     )
     seed: int = _flag(0, "the job's seed")
     check_every: int = _flag(0, "log the state digest every N commits (S3 check; 0: never)")
+    compare_every: int = _flag(10, "compare the replicas' state in-band every N steps (0: off)")
+    buffers: str = _flag(
+        "average", "BatchNorm statistics: average (over the members) or local", choices=BUFFERS
+    )
     decide: str = _flag(
         "auto",
         "how a fault-free step is decided: collective (every member's yes vote rides an "
@@ -323,41 +326,11 @@ class LaunchConfig:
             host, _, port = self.store.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"--store {self.store!r}: expected HOST:PORT")
-        if self.max_restarts < 0:
-            raise ConfigError("--max-restarts must be >= 0")
-        if self.max_recoveries < 1:
-            raise ConfigError(f"--max-recoveries {self.max_recoveries}: must be >= 1")
-        if self.hang_timeout_s <= 0:
-            raise ConfigError("--hang-timeout must be > 0 seconds")
-        if self.between_steps_timeout_s <= 0:
-            raise ConfigError("--between-steps-timeout must be > 0 seconds")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port {self.metrics_port}: use 0..65535")
-        if self.metrics_port is not None:
-            try:
-                import prometheus_client  # noqa: F401
-            except ImportError:
-                raise ConfigError(
-                    "--metrics-port needs the prometheus-client package: "
-                    "pip install 'fastft[metrics]'"
-                ) from None
-        if self.tee not in (0, 1, 2, 3):
-            raise ConfigError(f"--tee {self.tee}: use 0 (none), 1 (stdout), 2 (stderr) or 3")
-        if self.health_host_mb < 0:
-            raise ConfigError(f"--health-host-mb {self.health_host_mb}: must be >= 0")
+        check_bounds(self)  # (the numbers: counts, timeouts, ports)
         QuarantineRule.parse(self.quarantine)  # (a malformed --quarantine fails here)
-        if not 0 < self.drain_grace_s < 86400:
-            raise ConfigError(f"--drain-grace {self.drain_grace_s}: use 0 < seconds < 86400")
         world = self.nproc * self.nnodes
         if self.min_replicas is not None and not 1 <= self.min_replicas <= world:
             raise ConfigError(f"--min-replicas {self.min_replicas}: must be in 1..{world}")
-        if not 0 <= self.warm_spares <= self.nproc:
-            raise ConfigError(f"--warm-spares {self.warm_spares}: use 0..{self.nproc}")
-        if not 0 <= self.spare_prefault_mb <= PREFAULT_MAX_MB:
-            raise ConfigError(
-                f"--spare-prefault-mb {self.spare_prefault_mb}: use 0..{PREFAULT_MAX_MB} "
-                "(memory kept mapped above glibc's trim threshold would be returned)"
-            )
         if self.warm_spares and (
             len(self.command) < 2
             or os.path.basename(self.command[0]) != os.path.basename(sys.executable)

@@ -42,6 +42,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "output and metrics": (
         "run_dir", "log_dir", "tee", "metrics_port", "metrics_addr", "check_every", "decide",
+        "compare_every", "buffers",
     ),
     "torchft": ("torchft", "lighthouse_heartbeat_ms", "lighthouse_join_ms"),
 }  # fmt: skip

@@ -13,6 +13,7 @@ from fastft.protocol.exits import (
     EXIT_DATA_DIVERGED,
     EXIT_DRAINED,
     EXIT_FAULT_STORM,
+    EXIT_REPLICAS_DIVERGED,
     EXIT_SCRIPT_ERROR,
     EXIT_STATE_LOST,
     EXIT_UNHEALTHY,
@@ -54,6 +55,9 @@ _ENDS_THE_JOB = {
     EXIT_DATA_DIVERGED: "the members drew different batches from fastft.Batches (the "
     "worker's message says at which step); training on would use the wrong data: make the "
     "loader's order a function of its state",
+    EXIT_REPLICAS_DIVERGED: "the replicas hold different state (the in-band replica "
+    "check; the worker's message names what differs, on which members, and the likely "
+    "cause); training on would give a different model on every member",
     EXIT_SCRIPT_ERROR: "the script uses fastft in a way that cannot work (the worker's "
     "message says what to change); a restart would fail the same way",
     EXIT_CHECKPOINTS_FAIL: "checkpoints keep failing to be written (the worker's message "

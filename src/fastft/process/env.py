@@ -132,6 +132,10 @@ class WorkerEnv:
     seed: int | None = _var("FASTFT_SEED", "the job's seed")
     incarnation: int | None = _var("FASTFT_INCARNATION", "this life's id, drawn by the agent")
     check_every: int | None = _var("FASTFT_CHECK_EVERY", "log the state digest every N commits")
+    compare_every: int | None = _var(
+        "FASTFT_COMPARE_EVERY", "compare the replicas' state in-band every N steps (0: off)"
+    )
+    buffers: str | None = _var("FASTFT_BUFFERS", "module buffers: average (default) or local")
     decide: str | None = _var(
         "FASTFT_DECIDE", "how a fault-free step is decided: auto (default), collective or store"
     )

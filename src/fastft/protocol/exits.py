@@ -17,6 +17,7 @@ __all__ = [
     "EXIT_DRAINED",
     "EXIT_FAULT_STORM",
     "EXIT_GROUP_FAULT",
+    "EXIT_REPLICAS_DIVERGED",
     "EXIT_SCRIPT_ERROR",
     "EXIT_STATE_LOST",
     "EXIT_UNHEALTHY",
@@ -60,6 +61,12 @@ EXIT_SCRIPT_ERROR = 93
 collective on torch's default process group, which fastft does not create): its message
 says what to change, and the job fails at once, since a restart would fail the same way."""
 
+EXIT_REPLICAS_DIVERGED = 94
+"""A worker's exit status when the in-band replica check found members of an epoch holding
+different state at the start of a step (``--compare-every``): its message names the item
+(parameters, buffers, optimizer, a registered object), the members and the likely cause;
+the job fails rather than train on different replicas."""
+
 CHECKPOINT_FAILURES = 3
 """Checkpoints that fail in a row before the job fails (``EXIT_CHECKPOINTS_FAIL``)."""
 
@@ -70,6 +77,7 @@ ENDS_THE_JOB = frozenset(
         EXIT_DATA_DIVERGED,
         EXIT_CHECKPOINTS_FAIL,
         EXIT_SCRIPT_ERROR,
+        EXIT_REPLICAS_DIVERGED,
     }
 )
 """A worker's statuses that say the job cannot go on: no restart can help, it fails."""

@@ -322,6 +322,7 @@ class Runtime:
             with (
                 self.heartbeat.blocked
             ):  # alive while it waits (the agent must not kill it as hung)
+                x.settle()  # (the last commit's, after the script's post-commit code)
                 x.checkpoints.last(x.state.step, x.view, x.me)
                 x.durable.close()  # a checkpoint being written is finished: the last counts
         x.membership.collector.close()
@@ -337,9 +338,14 @@ class Runtime:
         self.close(finished=et is None)  # (an exception is no end of the job)
 
     # --- the step --------------------------------------------------------------------------
-    def drive(self, done: Callable[[StepState], bool]) -> None:
+    def drive(
+        self,
+        done: Callable[[StepState], bool],
+        *,
+        settled: Callable[[StepState], bool] | None = None,
+    ) -> None:
         try:
-            self.engine.drive(done)
+            self.engine.drive(done, settled=settled)
         except JobFinished:
             self.close()
             raise

@@ -19,9 +19,10 @@ from fastft.interrupt import StepInterrupted
 from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.protocol.exits import EXIT_GROUP_FAULT
 from fastft.runtime.checks import by_collective
-from fastft.runtime.endings import DataDiverged, ScriptError, misuse
+from fastft.runtime.endings import DataDiverged, ReplicasDiverged, ScriptError, misuse
 from fastft.runtime.groups.flow import POLL_S
 from fastft.runtime.groups.sync import outer_due, outer_step
+from fastft.runtime.state.compare import checksums, differs, row, vector, verdict
 from fastft.runtime.state.data import Batches, batch_digest
 from fastft.runtime.state.registry import reseed
 
@@ -47,10 +48,20 @@ class StepAttempts:
         """The engine's phase changes when the current attempt began."""
         self.gate_gen = 0
         """... when it crossed the shard group's gate."""
+        self.compare: list[tuple[str, int]] | None = None
+        """This attempt's replica checksums, by item, when the in-band check is due
+        (:mod:`fastft.runtime.state.compare`); compared in :meth:`_agree`."""
+        self._schedulers_checked = False
 
     def enter(self, tx: Transaction) -> Transaction:
         if not self.rt.registered:
             raise RuntimeError("call ft.register(model=..., optimizer=...) before a transaction")
+        if not self._schedulers_checked:  # (a scheduler built after ft.register)
+            self._schedulers_checked = True
+            try:
+                self.rt.registry.check_schedulers()
+            except TypeError as e:
+                self._script_error(self.rt.step, str(e), e)
         self.rt.heartbeat.between(False)
         x = self.rt.engine
         while not self._begin_attempt():
@@ -62,6 +73,7 @@ class StepAttempts:
         x.kept.begin_attempt()
         reseed(self.rt.config.seed, s.step, tx.rank)
         self.rt.registry.begin_step()
+        self.compare = self._replica_sums(s.step, tx.world)
         for batches in self.batches:
             batches.start_step()
         self.rt.heartbeat.beat()
@@ -91,6 +103,15 @@ class StepAttempts:
                 et, ev = type(e), e
         agreed = False
         if et is None:
+            changed = self.rt.registry.changed_parameters()
+            if changed is not None:
+                self._script_error(
+                    tx.step,
+                    f"parameter {changed!r} was changed in place inside step {tx.step}'s "
+                    "transaction: a rollback cannot undo that, and a retry would change it "
+                    "twice. Change parameters through the registered optimizer (the "
+                    "commit applies it), or under `if tx.committed:` after the step",
+                )
             try:
                 agreed = self._agree(tx)  # (raises DataDiverged: the job ends)
             except (StepInterrupted, Exception) as e:  # as if the step's body had raised it
@@ -106,7 +127,10 @@ class StepAttempts:
                 lambda s: (
                     s.step != step
                     or s.phase not in (Phase.PREPARED, Phase.COMMIT, Phase.DRAIN_COMMIT)
-                )
+                ),
+                # committed: the script's post-commit code runs before anything a fault
+                # queued meanwhile (a heal sends the state after it)
+                settled=lambda s: s.step != step,
             )
             tx.committed = x.state.step > step
             if tx.committed:
@@ -123,9 +147,7 @@ class StepAttempts:
             return True
         why = misuse(ev) if isinstance(ev, Exception) else None
         if why is not None:  # no retry or restart can help: the job fails at once
-            self.rt.events.emit("script_error", step=step, error=why)
-            log.critical("%s", why)
-            raise ScriptError(why) from ev
+            self._script_error(step, why, ev)
         if isinstance(ev, Exception) and self.rt.sharded:
             if x.phase_changes == self.step_gen:  # (else a consequence of a known fault)
                 self._group_fault(ev)
@@ -140,6 +162,25 @@ class StepAttempts:
             return True
         return False  # KeyboardInterrupt, SystemExit, ...
 
+    def _script_error(self, step: int, why: str, cause: BaseException | None = None) -> None:
+        self.rt.events.emit("script_error", step=step, error=why)
+        log.critical("%s", why)
+        raise ScriptError(why) from cause
+
+    def _replica_sums(self, step: int, world: int) -> list[tuple[str, int]] | None:
+        """The in-band replica check's checksums of the state this attempt begins with,
+        when one is due at ``step`` (every ``--compare-every`` steps, with 2 members or
+        more; not with shard groups, whose members hold different shards)."""
+        cfg = self.rt.config
+        every = cfg.compare_every
+        if not every or world < 2 or step % every or self.rt.sharded:
+            return None
+        # the parameters are common state after a sync (every step per-step; with
+        # every-k:N after each N-th; never with DiLoCo, whose anchor is)
+        kind = cfg.sync_kind
+        replicated = kind == "per-step" or (kind == "every-k" and step % cfg.sync_every == 0)
+        return checksums(self.rt.registry.replica_items(replicated=replicated))
+
     def _agree(self, tx: Transaction) -> bool:
         """The step's one collective after its gradients: an allreduce (max) of
         ``(batch digest, -batch digest, drains, joins)`` over the epoch, equal on every
@@ -153,7 +194,8 @@ class StepAttempts:
         collective = by_collective(
             rt.config.decide, tx.world, x.dp.backend(), is_nats(rt.config.store)
         )
-        if not (collective or (self.batches and tx.world > 1)):
+        compare = self.compare
+        if not (collective or (self.batches and tx.world > 1) or compare is not None):
             return False
         with x.lock:
             flags = [int(x.state.want_drain), int(x.state.joining)]
@@ -161,7 +203,10 @@ class StepAttempts:
             return collective and not any(flags)
         digests = tuple(-1 if b.digest is None else b.digest for b in self.batches)
         mine = batch_digest(digests) if self.batches else 0
-        both = torch.tensor([mine, -mine, *flags], dtype=torch.int64, device=x.dp.comm_device())
+        sums = vector(compare) if compare is not None else []
+        both = torch.tensor(
+            [mine, -mine, *flags, *sums], dtype=torch.int64, device=x.dp.comm_device()
+        )
         with rt.heartbeat.blocked:
             interruptible_allreduce(
                 rt.require_pg(),
@@ -171,7 +216,33 @@ class StepAttempts:
             )
         if self.batches:
             self._compare_batches(tx, mine, int(both[0]), -int(both[1]))
-        return collective and not any(both[2:].tolist())
+        if compare is not None and differs(both[4:].tolist()):
+            self._replicas_diverged(tx, compare)
+        return collective and not any(both[2:4].tolist())
+
+    def _replicas_diverged(self, tx: Transaction, compare: list[tuple[str, int]]) -> None:
+        """Some member holds other state: every member gathers every member's checksums
+        (a second allreduce, on this path only), names what differs and where, and ends."""
+        rt, x = self.rt, self.rt.engine
+        view = x.view
+        assert view is not None
+        mine = row(compare)
+        rows = torch.zeros(tx.world, len(mine), dtype=torch.int64, device=x.dp.comm_device())
+        rows[tx.rank] = torch.tensor(mine, dtype=torch.int64)
+        with rt.heartbeat.blocked:
+            interruptible_allreduce(rt.require_pg(), [rows], rt.interrupter)
+        got = {m.rank: r for m, r in zip(view.members, rows.tolist(), strict=True)}
+        v = verdict(tx.step, tx.epoch, [n for n, _ in compare], got)
+        rt.events.emit(
+            "replicas_diverged",
+            epoch=tx.epoch,
+            step=tx.step,
+            items=list(v.items),
+            minority=list(v.minority),
+            error=v.message,
+        )
+        log.critical("%s", v.message)
+        raise ReplicasDiverged(v.message)
 
     def _compare_batches(self, tx: Transaction, mine: int, top: int, low: int) -> None:
         if top == low:

@@ -75,6 +75,9 @@ class RuntimeConfig:
     the worker hears the bus from its agent instead of subscribing to the store;
     ``incarnation``: chosen by the agent (so it can name the process when it dies),
     random when None; ``check_every``: log the state digest (S3) every N commits (0: never);
+    ``compare_every``: the in-band replica check every N steps (0: off;
+    :mod:`fastft.runtime.state.compare`); ``buffers``: ``average`` the model's floating
+    buffers over the members with each step's gradients, or keep each member's ``local``;
     ``decide``: how a fault-free step is decided, ``collective`` (an allreduce of four
     int64 after the gradients; the store only when a drain or a join is in flight),
     ``store`` (every member votes in the store) or ``auto``, the cheaper of the two
@@ -115,6 +118,8 @@ class RuntimeConfig:
     backend: str = "auto"
     incarnation: int | None = None
     check_every: int = 0
+    compare_every: int = 10
+    buffers: str = "average"
     decide: str = "auto"
     keep_gradients: bool = True
     checkpoint_dir: str | None = None
@@ -157,6 +162,10 @@ class RuntimeConfig:
         check_sync(self.sync)
         check_decide(self.decide)
         check_stage(self.stage, self.flow, self.max_ahead, self.elastic, self.shard_size)
+        if self.compare_every < 0:
+            raise ConfigError(f"compare_every={self.compare_every}: use 0 (off) or N >= 1")
+        if self.buffers not in ("average", "local"):
+            raise ConfigError(f"buffers={self.buffers!r}: use average or local")
         if self.shard_size > 1 and self.checkpoint_dir:
             raise ConfigError(
                 "--shard-size with --checkpoint-dir: the durable tier does not save shard "

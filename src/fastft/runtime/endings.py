@@ -11,12 +11,14 @@ from fastft.protocol.exits import (
     EXIT_DATA_DIVERGED,
     EXIT_DRAINED,
     EXIT_FAULT_STORM,
+    EXIT_REPLICAS_DIVERGED,
     EXIT_SCRIPT_ERROR,
     EXIT_STATE_LOST,
     EXIT_UNHEALTHY,
 )
 
 __all__ = [
+    "ReplicasDiverged",
     "CheckpointsFail",
     "DataDiverged",
     "Drained",
@@ -100,6 +102,12 @@ class DataDiverged(Ending):
     """The members of a step drew different batches (see :data:`EXIT_DATA_DIVERGED`)."""
 
     status = EXIT_DATA_DIVERGED
+
+
+class ReplicasDiverged(Ending):
+    """The members of an epoch hold different state (see :data:`EXIT_REPLICAS_DIVERGED`)."""
+
+    status = EXIT_REPLICAS_DIVERGED
 
 
 class Unhealthy(Ending):

@@ -50,8 +50,14 @@ class RuntimePorts(Protocol):
     @property
     def sharded(self) -> bool: ...
 
-    def drive(self, done: Callable[[StepState], bool]) -> None:
-        """Run the engine's queued actions until ``done(state)`` (main thread)."""
+    def drive(
+        self,
+        done: Callable[[StepState], bool],
+        *,
+        settled: Callable[[StepState], bool] | None = None,
+    ) -> None:
+        """Run the engine's queued actions until ``done(state)``; ``settled``: return
+        when it holds, before the next queued action (main thread)."""
 
     def require_pg(self) -> Any:
         """The epoch's process group (raises if a fault came first)."""

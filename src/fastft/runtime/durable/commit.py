@@ -42,6 +42,21 @@ class CommitCheckpoints:
         self.config = config
         self.events = events
         self.state = state
+        self.unsettled: tuple[int, bool] | None = None
+        """A commit whose checkpoint waits for the script's post-commit code: (the
+        committed count, forced)."""
+
+    def committed(self, step: int, *, force: bool) -> None:
+        """``step`` steps are committed; the state to save is the one after the script's
+        post-commit code (a scheduler stepped under ``if tx.committed:``), so the
+        checkpoint waits for :meth:`settle` (the next step's start, or the close)."""
+        self.unsettled = (step, force)
+
+    def settle(self, view: EpochView | None, me: Member) -> None:
+        """Hand the last commit's state to the durable tier if a checkpoint is due."""
+        pending, self.unsettled = self.unsettled, None
+        if pending is not None:
+            self.after_commit(pending[0], view, me, force=pending[1])
 
     def last(self, step: int, view: EpochView | None, me: Member) -> None:
         """At a clean end: the last committed state, if a checkpoint of it was deferred."""

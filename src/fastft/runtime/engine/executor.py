@@ -69,7 +69,7 @@ from fastft.runtime.engine.sideclient import SideClient
 from fastft.runtime.engine.todo import MAIN_ACTIONS, moved, stale
 from fastft.runtime.groups.dataplane import DataPlane
 from fastft.runtime.state.heal import Healer
-from fastft.runtime.state.kept import KeptGradients
+from fastft.runtime.state.kept import KeptGradients, commit_fields
 from fastft.runtime.state.registry import StateRegistry
 
 __all__ = ["Executor"]
@@ -79,6 +79,7 @@ log = logging.getLogger(__name__)
 _STEP_CYCLE = (Phase.NORMAL, Phase.PREPARED, Phase.COMMIT)
 _WAIT_S = 0.05
 _JOIN = Action()
+Check = Callable[[StepState], bool]
 
 
 class Executor:
@@ -270,11 +271,18 @@ class Executor:
             raise AssertionError(f"no executor for {a}")
 
     # --- the main thread -------------------------------------------------------------------
-    def drive(self, done: Callable[[StepState], bool]) -> None:
-        """Main thread: run queued actions until ``done(state)``."""
+    def drive(self, done: Check, *, settled: Check | None = None) -> None:
+        """Main thread: run queued actions until ``done(state)``; return before the next
+        one once ``settled(state)``: a step's exit returns at its commit, so what a fault
+        queued meanwhile (a heal to send) runs after the script's post-commit code
+        (docs/architecture.md, *The consistency point*)."""
         hb = self.sv.heartbeat
+        if settled is None:  # (any other drive: the post-commit code has run)
+            self.settle()
         while True:
             with self.lock:
+                if settled is not None and settled(self.state):
+                    return
                 queued, epoch, action = self._todo.popleft() if self._todo else (0, 0, None)
                 why = action and stale(action, queued, epoch, self.phase_changes, self.state.epoch)
                 if why:
@@ -370,32 +378,23 @@ class Executor:
             # (the sender's side can finish before the receiver's): the group can go
             self.dp.release_heal(pending=False)
         self.sv.heartbeat.tracking = True
-        every = self.config.check_every
-        digest = self.registry.digest(a.step + 1) if every and (a.step + 1) % every == 0 else None
-        k = self.kept
-        share = list(k.share) if k.share is not None else None
-        extra: dict[str, Any] = {}
-        if k.adding is not None and share is not None:
-            extra["kept"] = [*k.adding, share[2]]
-        if digest is not None and self.registry.outer is not None:
-            extra["outer"] = self.registry.outer_digest()  # (--sync diloco: S3 of the anchor)
         self.events.emit(
             "commit",
             epoch=self.state.epoch,
             step=a.step,
-            digest=digest,
-            shard=share,
             wait_ms=self.membership.take_decision_wait(),
-            **extra,
+            **commit_fields(self.registry, self.kept, self.config.check_every, a.step),
         )
         if self.after_commit is not None:  # (after the commit event: see runtime.flow)
             self.after_commit(a.step + 1)
         s = self.state
         # a drain's commit is checkpointed: workers that leave may leave no holder
-        self.checkpoints.after_commit(
-            a.step + 1, self.view, self.me, force=s.want_drain or bool(s.leaving)
-        )
+        self.checkpoints.committed(a.step + 1, force=s.want_drain or bool(s.leaving))
         self.feed(CommitApplied())
+
+    def settle(self) -> None:
+        """The script's post-commit code has run: the last commit's checkpoint, if due."""
+        self.checkpoints.settle(self.view, self.me)
 
     def _configure(self, a: ConfigureProcessGroup) -> None:
         view = self.view

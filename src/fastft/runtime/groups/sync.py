@@ -45,18 +45,30 @@ def reduce_gradients(rt: RuntimePorts) -> None:
     """``tx.allreduce_gradients()`` under the job's sync policy (interruptible)."""
     cfg, x, registry = rt.config, rt.engine, rt.registry
     every = cfg.sync_every
-    flat = registry.grad_bucket()  # (built on first use: backward accumulates into it)
+    buffers = registry.float_buffers() if cfg.buffers == "average" and not rt.sharded else []
+    # the bucket's tail carries the buffers (and their weight) in the same collective
+    flat = registry.grad_bucket(buffers)  # (built on first use: backward accumulates into it)
     if cfg.sync_kind == "diloco" or (every > 1 and (x.state.step + 1) % every):
         return  # a local step (FSDP averaged the group's shards already)
     grads: list[torch.Tensor] = []
+    tail = registry.bucket_tail
     if flat is None:  # mixed dtypes or devices, or FSDP's shards: flatten a copy
         grads = registry.gradients()
         flat = flatten(grads)
+        tail = None
+    if buffers and tail is not None:
+        tail[:-1].copy_(flatten(buffers))
+        tail[-1] = 1.0
     kept = x.kept
     if not rt.sharded:  # (FSDP averaged a shard group's gradients with equal weights)
         kept.weigh(flat, x.state.step)
     groups = rt.world // cfg.shard_size
-    _allreduce(rt, flat)
+    if buffers and tail is None:
+        _allreduce_with_buffers(rt, flat, buffers)
+    else:
+        _allreduce(rt, flat)
+    if buffers and tail is not None:
+        _set_buffers(buffers, tail)
     if kept.share is None or rt.sharded:
         flat.div_(groups)
     if grads:
@@ -104,6 +116,33 @@ def outer_step(rt: RuntimePorts) -> None:
     _allreduce(rt, delta)
     delta.div_(rt.world // rt.config.shard_size)
     outer.step(delta)
+
+
+def _set_buffers(buffers: list[torch.Tensor], summed: torch.Tensor) -> None:
+    """``--buffers average``: the model's floating buffers (BatchNorm's running statistics)
+    ride the gradients' allreduce, in the bucket's tail, weighed as the gradients are (by
+    each member's share of the step's samples, kept parts included) with the weights'
+    sum last: their weighted mean is what one model that saw the whole global batch would
+    hold (exactly for a running mean; for a running variance, the members' mean), the
+    same on every member. It costs bytes in a collective the step makes anyway."""
+    values = unflatten(summed[:-1] / summed[-1:], buffers)
+    with torch.no_grad():
+        for b, v in zip(buffers, values, strict=True):
+            b.copy_(v)
+
+
+def _allreduce_with_buffers(
+    rt: RuntimePorts, flat: torch.Tensor, buffers: list[torch.Tensor]
+) -> None:
+    """:func:`_set_buffers` where the gradients have no bucket (mixed dtypes): a second
+    allreduce of the buffers, weighed by this member's share."""
+    share = rt.engine.kept.share
+    weight = (share[1] - share[0]) / share[2] if share is not None else 1.0
+    one = torch.ones(1, dtype=buffers[0].dtype, device=buffers[0].device)
+    carried = flatten([*buffers, one]).mul_(weight)
+    _allreduce(rt, flat)
+    _allreduce(rt, carried)
+    _set_buffers(buffers, carried)
 
 
 def _allreduce(rt: RuntimePorts, flat: torch.Tensor) -> None:

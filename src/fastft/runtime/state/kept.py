@@ -4,13 +4,18 @@ retry computes only the samples no survivor kept (:mod:`fastft.protocol.shards`)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from fastft.protocol.shards import plan as plan_shards
 from fastft.protocol.shards import tile
 from fastft.runtime.contract import EpochView
 
-__all__ = ["KeptGradients"]
+if TYPE_CHECKING:
+    from fastft.runtime.state.registry import StateRegistry
+
+__all__ = ["KeptGradients", "commit_fields"]
 
 
 class KeptGradients:
@@ -91,3 +96,20 @@ class KeptGradients:
                 self.grad = kg = torch.empty_like(flat)
             kg.copy_(flat)
             self.kept, self._taken_now = (step, lo, hi, n), True
+
+
+def commit_fields(
+    registry: StateRegistry, kept: KeptGradients, check_every: int, step: int
+) -> dict[str, Any]:
+    """A commit event's record of the state: the digest every ``check_every`` commits (S3,
+    offline), the share of the global batch this member trained on, the kept part it
+    added, and DiLoCo's anchor digest."""
+    due = check_every and (step + 1) % check_every == 0
+    digest = registry.digest(step + 1) if due else None
+    share = list(kept.share) if kept.share is not None else None
+    out: dict[str, Any] = {"digest": digest, "shard": share}
+    if kept.adding is not None and share is not None:
+        out["kept"] = [*kept.adding, share[2]]
+    if digest is not None and registry.outer is not None:
+        out["outer"] = registry.outer_digest()  # (--sync diloco: S3 of the anchor)
+    return out

@@ -16,25 +16,22 @@ needs no transfer.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
-import fastft.runtime.state.tree as tree
 from fastft.runtime.groups.hsdp import is_sharded, load_model_shards, local, optimizer_shards
+from fastft.runtime.state.refusals import unregistered_scheduler, unsendable
 from fastft.runtime.state.wire import (
-    _ALIGN,
-    _DEFERRED,
-    _DIRECT_BYTES,
     _bytes,
     _clone,
-    _entry,
-    _header,
     _tensors,
-    _view,
+    pack_state,
+    unpack_state,
+    wire_allocate,
+    wire_tail,
 )
 
 if TYPE_CHECKING:
@@ -98,6 +95,10 @@ class StateRegistry:
         """``--sync diloco``: the anchor and the outer optimizer (:mod:`fastft.runtime.groups.sync`)."""
         self.by_reference: ByReference | None = None
         """State kept by reference (:class:`ByReference`: ``fastft.jax``'s pytrees)."""
+        self._bucket_extra = 0
+        """The bucket's tail: elements past the gradients (:meth:`grad_bucket`'s carry)."""
+        self._versions: list[int] = []
+        """The parameters' version counters as the step began."""
 
     def register(
         self,
@@ -122,7 +123,14 @@ class StateRegistry:
                     f"{name}: {type(obj).__name__} has no state_dict()/load_state_dict(); "
                     "wrap it or register what it depends on"
                 )
+            unsendable(name, obj)  # refused now, not after a fault's retries
             self._others[name] = obj
+        self.check_schedulers()
+
+    def check_schedulers(self) -> None:
+        """Refuse a scheduler of the registered optimizer that is not registered
+        (:func:`fastft.runtime.state.refusals.unregistered_scheduler`)."""
+        unregistered_scheduler(self.optimizer, list(self._others.values()))
 
     # --- per step --------------------------------------------------------------------------
     @property
@@ -139,14 +147,64 @@ class StateRegistry:
             raise RuntimeError("register(model=...) first")
         return [local(p).detach() for p in self.model.parameters()]
 
+    def float_buffers(self) -> list[torch.Tensor]:
+        """The model's floating-point buffers (BatchNorm's running statistics; not its
+        counters), which ``--buffers average`` averages with each step's gradients."""
+        if self.model is None:
+            return []
+        return [b for b in self.model.buffers() if b.is_floating_point()]
+
     def begin_step(self) -> None:
-        """Snapshot what a rolled-back step must undo: buffers and other objects."""
+        """Snapshot what a rolled-back step must undo: buffers, the optimizer's settings
+        (``param_groups``: a learning rate set by hand in the step) and other objects;
+        and note the parameters' versions (:meth:`changed_parameters`)."""
         snap: dict[str, Any] = {}
         if self.model is not None:
             snap["buffers"] = [b.detach().clone() for b in self.model.buffers()]
+            if not self.sharded:
+                self._versions = [p._version for p in self.model.parameters()]  # noqa: SLF001
+        if self.optimizer is not None:
+            snap["param_groups"] = [
+                {k: _clone(v) for k, v in g.items() if k != "params"}
+                for g in self.optimizer.param_groups
+            ]
         for name, obj in self._others.items():
             snap[name] = _clone(obj.state_dict())
         self._step_snapshot = snap
+
+    def changed_parameters(self) -> str | None:
+        """The name of a parameter changed in place since the step began (its version
+        counter moved), or None. A step body changes gradients, never parameters: the
+        update is the commit's, and a rollback could not undo a change of its own."""
+        if self.model is None or self.sharded or not self._versions:
+            return None
+        for (name, p), v in zip(self.model.named_parameters(), self._versions, strict=False):
+            if p._version != v:  # noqa: SLF001 - autograd's in-place version counter
+                return name
+        return None
+
+    def replica_items(self, *, replicated: bool) -> list[tuple[str, Any]]:
+        """What the in-band replica check compares (:mod:`.compare`), by name, as the step
+        began: from the step's snapshot where it has one. ``replicated``: whether the
+        parameters, buffers and optimizer are the replica groups' common state at this
+        step (not with ``--sync every-k:N`` between syncs, nor ever with DiLoCo, whose
+        anchor is)."""
+        snap = self._step_snapshot or {}
+        out: list[tuple[str, Any]] = []
+        if self.model is not None and replicated:
+            out.append(("parameters", self.local_parameters()))
+            if "buffers" in snap:
+                out.append(("buffers", snap["buffers"]))
+        if self.optimizer is not None and replicated:
+            out.append(("optimizer", local(self.optimizer.state_dict())))
+        for name, obj in self._others.items():
+            out.append((name, snap[name] if name in snap else obj.state_dict()))
+        if self.outer is not None:
+            out.append(("outer", list(self.outer.tensors())))
+        if self.by_reference is not None:
+            for name, leaves in self.by_reference.state_dict().items():
+                out.append((f"pytree {name}", leaves))
+        return out
 
     def committed(self) -> None:
         """The step's update is applied: what it began with is no longer what a rollback
@@ -181,6 +239,11 @@ class StateRegistry:
         snap = self._step_snapshot
         if snap is None:
             return
+        if self.optimizer is not None and "param_groups" in snap:
+            for g, saved in zip(self.optimizer.param_groups, snap["param_groups"], strict=False):
+                for k in [k for k in g if k != "params" and k not in saved]:
+                    del g[k]
+                g.update(_clone(saved))
         if self.model is not None and "buffers" in snap:
             with torch.no_grad():
                 for b, saved in zip(self.model.buffers(), snap["buffers"], strict=True):
@@ -213,17 +276,25 @@ class StateRegistry:
                 for target, value in held:
                     target.copy_(value)
 
-    def grad_bucket(self) -> torch.Tensor | None:
+    def grad_bucket(self, carry: list[torch.Tensor] | None = None) -> torch.Tensor | None:
         """One flat tensor that every trainable parameter's ``.grad`` is a view of (as
         DDP's ``gradient_as_bucket_view``): backward accumulates straight into it and the
         allreduce runs on it in place, without a flatten and an unflatten copy per step.
         Built on first use (copying any gradients that exist), rebuilt if something
-        replaced a ``.grad``; None if the parameters do not share a dtype and device."""
+        replaced a ``.grad``; None if the parameters do not share a dtype and device.
+        ``carry``: tensors of the same dtype that ride the same allreduce, in a tail of
+        their total size plus one (:attr:`bucket_tail`; ``--buffers average``)."""
         if self.model is None:
             raise RuntimeError("register(model=...) before reducing gradients")
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params or len({(p.dtype, p.device) for p in params}) != 1 or self.sharded:
             return None  # (FSDP2 sets its own sharded gradients)
+        if carry is None:  # (a rollback's rebuild: the tail the step used)
+            extra = self._bucket_extra
+        else:
+            like = (params[0].dtype, params[0].device)
+            fits = carry and all((c.dtype, c.device) == like for c in carry)
+            extra = sum(c.numel() for c in carry) + 1 if fits else 0
         flat = self._bucket
         if (
             flat is not None
@@ -232,11 +303,13 @@ class StateRegistry:
                 for p, ptr in zip(params, self._bucket_ptrs, strict=False)
             )
             and len(params) == len(self._bucket_ptrs)
+            and self._bucket_extra == extra
         ):
             return flat
         flat = torch.zeros(
-            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+            sum(p.numel() for p in params) + extra, dtype=params[0].dtype, device=params[0].device
         )
+        self._bucket_extra = extra
         off = 0
         for p in params:
             view = flat[off : off + p.numel()].view_as(p)
@@ -247,6 +320,13 @@ class StateRegistry:
         self._bucket = flat
         self._bucket_ptrs = [p.grad.data_ptr() for p in params]  # type: ignore[union-attr]
         return flat
+
+    @property
+    def bucket_tail(self) -> torch.Tensor | None:
+        """The gradient bucket's tail (:meth:`grad_bucket`'s ``carry``), None without one."""
+        if self._bucket is None or not self._bucket_extra:
+            return None
+        return self._bucket[-self._bucket_extra :]
 
     def zero_grads(self) -> None:
         """Zero the gradients, in place in the bucket when there is one (keeping the
@@ -291,98 +371,19 @@ class StateRegistry:
         return self._apply(st)
 
     def pack(self, step: int, *, defer: bool = False) -> tuple[bytes, list[torch.Tensor]]:
-        """The state for a heal as a small header and a list of flat byte tensors ("wires")
-        that the collectives send as they are: no serialization of tensor data. A tensor
-        of at least ``_DIRECT_BYTES`` (contiguous, not 0-dim) is sent as a byte view of its
-        own storage, without a copy, so the sender holds no second copy of a large state;
-        the smaller ones are copied into one buffer per device (aligned for their dtype),
-        so a state of many small tensors still costs one collective. The header is JSON:
-        the state's structure with every tensor replaced by a reference
-        (:mod:`fastft.runtime.state.tree`; nothing in it can run code where it is read), and
-        where each tensor lies on the wires, which the receivers allocate from (:meth:`allocate`).
+        """The state of ``step`` for a heal: a small JSON header and flat byte tensors
+        (:func:`fastft.runtime.state.wire.pack_state`; ``defer``: the optimizer's large
+        tensors last, from wire :meth:`tail` on)."""
+        return pack_state(self.state(step), defer=defer)
 
-        ``defer``: the optimizer's large tensors go last, from wire :meth:`tail` on, so
-        that a heal can load the rest first (``part="head"``) and let them follow while
-        the step runs (``part="tail"``): a step needs the optimizer state only when it
-        commits. Its small tensors stay in the buffers in front."""
-        st = self.state(step)
-        sections: dict[str, str] = {}
-        entries: list[tuple[str, int, str, tuple[int, ...], int, int]] = []
-        small: dict[str, list[tuple[torch.Tensor, int, int]]] = {}  # dev -> (t, entry, off)
-        sizes: dict[str, int] = {}
-        direct: list[tuple[torch.Tensor, int]] = []  # (byte view, entry)
-        for name, obj in st.items():
-            tensors: list[torch.Tensor] = []
-            sections[name] = tree.dump(obj, tensors, name).decode()
-            for i, t in enumerate(tensors):
-                dtype = str(t.dtype).removeprefix("torch.")
-                entries.append((name, i, dtype, tuple(t.shape), -1, 0))
-                nbytes = t.numel() * t.element_size()
-                if nbytes >= _DIRECT_BYTES and t.dim() > 0 and t.is_contiguous():
-                    direct.append((t.detach().view(torch.uint8).view(-1), len(entries) - 1))
-                    continue
-                dev = t.device.type
-                off = -(-sizes.get(dev, 0) // _ALIGN) * _ALIGN
-                sizes[dev] = off + nbytes
-                small.setdefault(dev, []).append((t, len(entries) - 1, off))
-        wires: list[torch.Tensor] = []
-        buffers: list[tuple[str, int]] = []
-        for dev in sorted(sizes):
-            flat = torch.empty(sizes[dev], dtype=torch.uint8, device=small[dev][0][0].device)
-            for t, e, off in small[dev]:
-                _view(flat, off, t.dtype, t.shape).copy_(t.detach())
-                entries[e] = (*entries[e][:4], len(wires), off)
-            wires.append(flat)
-            buffers.append((dev, sizes[dev]))
-        later = {_DEFERRED} if defer else set()
-        tail = len(wires) + sum(entries[e][0] not in later for _, e in direct)
-        direct.sort(key=lambda d: entries[d[1]][0] in later)  # stable: the deferred last
-        for view, e in direct:
-            entries[e] = (*entries[e][:4], len(wires), 0)
-            wires.append(view)
-            buffers.append((view.device.type, view.numel()))
-        meta = {"sections": sections, "entries": entries, "buffers": buffers, "tail": tail}
-        return json.dumps(meta, separators=(",", ":")).encode(), wires
-
-    @staticmethod
-    def tail(header: bytes) -> int:
-        """The first wire that only the deferred optimizer state uses (:meth:`pack`); the
-        number of wires when nothing was deferred."""
-        meta = _header(header)
-        return int(meta["tail"])
-
-    @staticmethod
-    def allocate(header: bytes, cuda: torch.device | None = None) -> list[torch.Tensor]:
-        """Empty flat byte tensors to receive the wires :meth:`pack` sent with ``header``;
-        the sender's GPU tensors land on ``cuda`` (default: the current device)."""
-        out = []
-        for dev, size in _header(header)["buffers"]:
-            device = (
-                (cuda or torch.device("cuda", torch.cuda.current_device()))
-                if dev == "cuda"
-                else dev
-            )
-            out.append(torch.empty(size, dtype=torch.uint8, device=device))
-        return out
+    tail = staticmethod(wire_tail)
+    allocate = staticmethod(wire_allocate)
 
     def load_packed(self, header: bytes, wires: list[torch.Tensor], part: str = "all") -> int:
         """Load a state received as :meth:`pack` sent it; returns its step. ``part``:
         ``"head"`` loads all but the optimizer state (whose wires may be in transit),
         ``"tail"`` the optimizer state alone."""
-        if part not in ("all", "head", "tail"):
-            raise ValueError(f"part must be 'all', 'head' or 'tail', not {part!r}")
-        meta = _header(header)
-        if len(wires) != len(meta["buffers"]):
-            raise ValueError(f"heal: {len(wires)} wires for {len(meta['buffers'])} buffers")
-        tensors: dict[str, dict[int, torch.Tensor]] = {}
-        for name, i, dtype, shape, wire, off in meta["entries"]:
-            tensors.setdefault(name, {})[i] = _entry(wires, wire, off, dtype, shape)
-        st = {
-            name: tree.load(blob.encode(), tensors.get(name, {}))
-            for name, blob in meta["sections"].items()
-            if part == "all" or name == "step" or (name == _DEFERRED) == (part == "tail")
-        }
-        return self._apply(st)
+        return self._apply(unpack_state(header, wires, part))
 
     def _apply(self, st: dict[str, Any]) -> int:
         if self.model is not None and "model" in st:

@@ -1,0 +1,212 @@
+"""The in-band replica check (S3): the members of an epoch compare a checksum of their whole
+replicated state, item by item, in the allreduce the step makes before its vote.
+
+What is compared is the state a step *begins* with: the last commit's whole effect,
+the script's post-commit code included (a scheduler stepped under ``if tx.committed:``),
+which is also what a heal sends and a checkpoint keeps. Items, each named in a mismatch:
+the model's parameters, its buffers (BatchNorm statistics), the optimizer (its state and
+its ``param_groups``: a learning rate), every other registered object by its name (a
+scheduler, ``fastft.Batches``' position, an EMA copy, the script's own state), DiLoCo's
+outer state and each of ``fastft.jax``'s pytrees.
+
+The checksum of a tensor is the sum of its bits taken as 64-bit integers (wrapping), a
+pass over memory at its bandwidth (~1 ms for 4.2M parameters with Adam's two moments on
+one core: docs/measurements.md, *The replica check*); the structure around the tensors
+(shapes, dtypes, every number and string of a ``state_dict()``) is hashed whole. It is a
+check against divergence, not against an adversary: two changes that cancel in the sum
+(bits moved between two words, one word up by exactly what another is down) pass, where
+a diverged replica differs in almost every word.
+
+Pure but for the torch arithmetic: :func:`checksums` computes, :func:`vector` lays the
+checksums out for the allreduce, :func:`verdict` reads the gathered rows and says what
+differs, where and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import fastft.runtime.state.tree as tree
+
+__all__ = [
+    "SLOTS",
+    "Verdict",
+    "cause",
+    "checksum",
+    "checksums",
+    "row",
+    "vector",
+    "verdict",
+]
+
+SLOTS = 12
+"""Items compared by name; the rest share the last slot (a fixed-length vector: members
+whose registrations differ still run the same collective, and differ in the names slot)."""
+
+
+def _mix(h: Any, x: int) -> None:
+    h.update(int(x & (2**64 - 1)).to_bytes(8, "little"))
+
+
+def _tensor_sums(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The 64-bit wrapping sum of each tensor's bits (one device sync per device)."""
+    sums: list[torch.Tensor] = []
+    for t in tensors:
+        b = t.detach()
+        if b.dtype == torch.bool:
+            b = b.to(torch.uint8)
+        b = b.contiguous().reshape(-1).view(torch.uint8)
+        n8 = b.numel() // 8 * 8
+        try:
+            words = b[:n8].view(torch.int64)
+        except RuntimeError:  # (a storage offset that is not 8-byte aligned)
+            words = b[:n8].clone().view(torch.int64)
+        s = words.sum()
+        if n8 != b.numel():
+            s = s + b[n8:].to(torch.int64).sum() * 1_000_003
+        sums.append(s)
+    if not sums:
+        return []
+    by_device: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(sums):
+        by_device.setdefault(s.device, []).append(i)
+    out = [0] * len(sums)
+    for idx in by_device.values():
+        values = torch.stack([sums[i] for i in idx]).cpu().tolist()
+        for i, v in zip(idx, values, strict=True):
+            out[i] = int(v)
+    return out
+
+
+def checksum(state: Any, name: str = "state") -> int:
+    """A 62-bit checksum of ``state`` (a ``state_dict()`` result, a list of tensors): equal
+    on members that hold equal state (see the module for what it can miss)."""
+    tensors: list[torch.Tensor] = []
+    structure = tree.dump(state, tensors, name)
+    h = hashlib.blake2b(structure, digest_size=8)
+    for t, s in zip(tensors, _tensor_sums(tensors), strict=True):
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        _mix(h, s)
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
+def checksums(items: Iterable[tuple[str, Any]]) -> list[tuple[str, int]]:
+    """(name, :func:`checksum`) of each (name, state)."""
+    return [(name, checksum(state, name)) for name, state in items]
+
+
+def _names_digest(names: Sequence[str]) -> int:
+    h = hashlib.blake2b("\0".join(names).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
+def row(sums: Sequence[tuple[str, int]]) -> list[int]:
+    """One member's checksums in the fixed layout: the names' digest, then :data:`SLOTS`
+    items (the items past the last slot mixed into it)."""
+    names = [n for n, _ in sums]
+    out = [_names_digest(names)] + [0] * SLOTS
+    for i, (_, v) in enumerate(sums):
+        j = 1 + min(i, SLOTS - 1)
+        out[j] = v if i < SLOTS else ((out[j] * 1_000_003) ^ v) & (2**62 - 1)
+    return out
+
+
+def vector(sums: Sequence[tuple[str, int]]) -> list[int]:
+    """What a member adds to the step's MAX allreduce: each value of :func:`row` and its
+    negation (the maximum and minus the minimum over the members: equal when every member
+    holds the same)."""
+    r = row(sums)
+    return [v for x in r for v in (x, -x)]
+
+
+def differs(reduced: Sequence[int]) -> bool:
+    """Whether the reduced :func:`vector` says some member holds other state."""
+    return any(reduced[i] != -reduced[i + 1] for i in range(0, len(reduced), 2))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What differs: ``items`` (names; ``"registered names"`` if the members registered
+    different objects), ``minority`` (the members, by rank, that hold another value than
+    the most common one), and the message that says where to look."""
+
+    items: tuple[str, ...]
+    minority: tuple[int, ...]
+    message: str
+
+
+_CAUSES = {
+    "parameters": (
+        "the parameters differ: something changed them outside the step's commit (an "
+        "update of the script's own, not through the registered optimizer), or the model "
+        "was built differently on some members (a seed per rank)"
+    ),
+    "optimizer": (
+        "the optimizer differs (its state or a param_groups setting such as the learning "
+        "rate): a setting changed by hand outside the transaction, or a scheduler that "
+        "is not registered with ft.register"
+    ),
+    "buffers": (
+        "the model's buffers differ (BatchNorm running statistics): each member updates "
+        "them from its own part of the batch; leave --buffers at average (the default)"
+    ),
+}
+
+
+def cause(item: str) -> str:
+    """The likely cause of a mismatch in ``item``."""
+    if item in _CAUSES:
+        return _CAUSES[item]
+    if item.startswith("pytree "):
+        return (
+            f"the {item[7:]} pytree differs: in JAX, state kept in the script's own "
+            "variables (params = update(params, ...)) is not what a heal or a restore "
+            "gives back; read the state from ft.state and propose the new one every "
+            "step (tx.propose(...)), never train on a local copy"
+        )
+    if item == "registered names":
+        return "the members registered different objects: every member registers the same"
+    return (
+        f"the registered {item!r} differs: it changed outside the commit (a scheduler "
+        "stepped, a counter updated outside `if tx.committed:` or between a rollback and "
+        "its retry), or its state depends on the process (a seed per rank)"
+    )
+
+
+def verdict(step: int, epoch: int, names: Sequence[str], rows: dict[int, Sequence[int]]) -> Verdict:
+    """What the members' :func:`row` values (by rank) say about the state of ``step``."""
+    slots = ["registered names", *names[: SLOTS - 1]]
+    if len(names) > SLOTS - 1:
+        slots.append(" / ".join(names[SLOTS - 1 :]))
+    width = len(next(iter(rows.values())))
+    bad: list[str] = []
+    minority: set[int] = set()
+    detail: list[str] = []
+    for j in range(min(width, len(slots))):
+        values = Counter(r[j] for r in rows.values())
+        if len(values) == 1:
+            continue
+        common = values.most_common(1)[0][0]
+        odd = sorted(rank for rank, r in rows.items() if r[j] != common)
+        bad.append(slots[j])
+        minority.update(odd)
+        detail.append(
+            f"{slots[j]!r} differs on rank{'s' if len(odd) > 1 else ''} "
+            f"{', '.join(map(str, odd))} (from the {len(rows) - len(odd)} others)"
+        )
+        if j == 0:
+            break  # (another layout: the slots do not name the same items)
+    first = bad[0] if bad else "state"
+    message = (
+        f"the replicas diverged: at the start of step {step} (epoch {epoch}) "
+        f"{'; '.join(detail) or 'the state differs'}. Likely cause: {cause(first)}. "
+        "The job stops rather than train on different replicas "
+        "(the in-band replica check, --compare-every)"
+    )
+    return Verdict(tuple(bad), tuple(sorted(minority)), message)
