@@ -250,9 +250,11 @@ class StepAttempts:
         why = (
             f"the members of epoch {tx.epoch} drew different batches in step {tx.step} "
             f"(batch digests from {low:#x} to {top:#x}; this member's {mine:#x}): the "
-            "data loader's order is not a function of its state on every member (a loader "
-            "restored differently, a shuffle seeded per process); the step is not committed "
-            "and the job stops rather than train on the wrong data"
+            "data loader's order or its samples' content is not a function of its state on "
+            "every member (a loader restored differently, a shuffle seeded per process, "
+            "random augmentation that fastft.Batches cannot seed: an iterable dataset, "
+            "seed_samples=False, RNGs of the dataset's own); the step is not committed and "
+            "the job stops rather than train on the wrong data"
         )
         self.rt.events.emit("data_diverged", epoch=tx.epoch, step=tx.step, error=why)
         log.critical("%s", why)

@@ -32,8 +32,11 @@ different steps (a heal, a restore, the start) drew different global batches fro
 second pass on. ``Batches`` therefore seeds the loader's generators (the loader's and its
 sampler's) from their seed at construction and the pass number before every pass it
 starts; the seeds are part of its state, so a member whose state came from a peer's
-shuffles as that peer does. A loader of one's own with other randomness must make its order a function of
-its state; the batch check (:func:`batch_digest`, compared over the members every step)
+shuffles as that peer does. Each sample's random draws (augmentation in the dataset's ``__getitem__``, in the main
+process or in loader workers) are seeded from (seed, pass, index) too
+(:mod:`fastft.runtime.state.samples`), so a sample's content is the same on every member
+and after every restore. A loader of one's own with other randomness must make its order
+a function of its state; the batch check (:func:`batch_digest`, compared over the members every step)
 fails the job if members still draw different batches.
 """
 
@@ -47,6 +50,8 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import torch
+
+from fastft.runtime.state.samples import install
 
 __all__ = ["Batches", "batch_digest"]
 
@@ -127,7 +132,7 @@ class Batches:
     """An endless iterator over ``loader``'s batches (epoch after epoch) whose position is
     registered state: ``load_state_dict`` rewinds it, and the next batch comes from there."""
 
-    def __init__(self, loader: _Loader) -> None:
+    def __init__(self, loader: _Loader, *, seed_samples: bool = True) -> None:
         for name in ("state_dict", "load_state_dict", "__iter__"):
             if not callable(getattr(loader, name, None)):
                 raise TypeError(
@@ -138,6 +143,11 @@ class Batches:
         self.epoch = 0
         self._gens = _generators(loader)
         self._seeds = [g.initial_seed() for g in self._gens]
+        self._samples = (
+            install(loader, self._seeds[0] if self._seeds else 0) if seed_samples else None
+        )
+        """The loader's dataset, seeding each sample's random draws from (seed, pass,
+        index) (:mod:`.samples`); None: not a map-style dataset, or ``seed_samples=False``."""
         self._resume = False  # the loader's next iterator resumes a loaded pass: no reseed
         self._seed_pass()  # before any state is taken: a state of pass 0 names its order
         self.digest: int | None = None
@@ -181,6 +191,8 @@ class Batches:
                 if not self._resume:
                     self._seed_pass()
                 self._resume = False
+                if self._samples is not None:
+                    self._samples.epoch = self.epoch  # (before its workers start)
                 self._it = iter(self.loader)
             try:
                 return next(self._it)
