@@ -107,6 +107,12 @@ def main() -> None:
         action="store_true",
         help="leave the scheduler out of ft.register (fastft must refuse it)",
     )
+    ap.add_argument(
+        "--perturb",
+        default=None,
+        metavar="RANK:STEP",
+        help="a bug to catch: that rank nudges its EMA copy after that step's commit",
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
@@ -146,6 +152,9 @@ def main() -> None:
             stats.steps += 1
             stats.tokens += a.batch * CONTEXT
             stats.recent = [*stats.recent, round(float(total[0] / total[1]), 6)][-5:]
+            if a.perturb == f"{ft.rank}:{ft.step - 1}":
+                with torch.no_grad():
+                    next(ema.parameters()).add_(1e-3)
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         record = {

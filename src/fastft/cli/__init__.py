@@ -76,6 +76,7 @@ def _build() -> argparse.ArgumentParser:
         description="Start NPROC workers of SCRIPT on this node, host the job's store (node 0), "
         "restart workers that die or hang. Use `-m module` for a module.",
         formatter_class=argparse.HelpFormatter,
+        allow_abbrev=False,  # (a script's --d is its own, not a prefix of --decide)
     )
     p.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     p.add_argument("script", nargs="?", help="the training script")
@@ -175,6 +176,7 @@ def _build() -> argparse.ArgumentParser:
         "print their output; exit with the job's status. An agent actor that dies is a lost "
         "node: Ray starts it again and its workers join and heal. Needs fastft[ray].",
         formatter_class=argparse.HelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument("--address", default=None, help="the Ray cluster (default: ray's own lookup)")
     p.add_argument("--nodes", type=int, default=1, help="node agents (Ray actors)")

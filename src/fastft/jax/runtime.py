@@ -77,8 +77,11 @@ class JaxRuntime:
         for name, obj in named.items():
             if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
                 others[name] = obj
-            else:
+                continue
+            try:
                 self.trees.add(name, obj)
+            except StateMisuse as e:
+                self.rt.refuse(str(e), e)
         self.rt.register(**others)
         return self
 
@@ -153,6 +156,8 @@ class JaxTransaction:
     def __init__(self, ft: JaxRuntime, tx: Transaction) -> None:
         self.ft = ft
         self.tx = tx
+        self.proposed = False
+        """Whether this attempt proposed (once: a second :meth:`propose` is refused)."""
 
     def __enter__(self) -> JaxTransaction:
         try:
@@ -160,9 +165,21 @@ class JaxTransaction:
         except StateMisuse as e:
             self._misuse(e)
         self.tx.__enter__()
+        self.proposed = False
         return self
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
+        if et is None and not self.proposed and self.ft.trees.committed:
+            try:
+                raise StateMisuse(
+                    f"step {self.step} ended without tx.propose(...): its update would be "
+                    "lost, and a member that heals would train from state the others no "
+                    "longer hold. Propose the step's new pytrees from ft.state every step "
+                    "(params kept in the script's own variables are not what a heal gives "
+                    "back); a step that changes nothing says so with tx.propose()"
+                )
+            except StateMisuse as e:
+                self._misuse(e)
         return self.tx.__exit__(et, ev, tb)
 
     @property
@@ -220,9 +237,16 @@ class JaxTransaction:
         commits on every member, dropped when it rolls back. A name not proposed keeps
         its committed value."""
         try:
+            if self.proposed:
+                raise StateMisuse(
+                    f"tx.propose called twice in step {self.step}: a second call would merge "
+                    "silently into the first; propose every new pytree in one call, "
+                    "tx.propose(params=..., opt=...)"
+                )
             self.ft.trees.propose(trees)
         except StateMisuse as e:
             self._misuse(e)
+        self.proposed = True
 
     def _misuse(self, e: StateMisuse) -> None:
         why = str(e)

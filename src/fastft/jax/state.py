@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 import torch
 
 from fastft.jax.trees import Layout, as_tensor, from_tensor, layout_of
@@ -38,7 +39,17 @@ class PyTrees:
         self._layouts: dict[str, Layout] = {}
 
     def add(self, name: str, tree: Any) -> None:
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        for path, leaf in with_paths:
+            if not isinstance(leaf, jax.Array | np.ndarray):
+                where = f"{name}{jax.tree_util.keystr(path)}"
+                raise StateMisuse(
+                    f"ft.register({name}=...): the leaf {where} is a {type(leaf).__name__}, "
+                    "not an array: a step proposes arrays of the registered shapes and dtypes, "
+                    "and a heal sends arrays; register jnp.asarray(value) (a scalar as a "
+                    "0-d array), or keep a constant out of the registered state"
+                )
+        leaves = [leaf for _, leaf in with_paths]
         arrays = [
             leaf if isinstance(leaf, jax.Array) else jax.numpy.asarray(leaf) for leaf in leaves
         ]

@@ -208,6 +208,7 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
         "runs": len(every),
         "total_losses": total_losses(ev),
         "offenders": offenders(ev),
+        "stopped": stops(ev),
         "steps_committed": len(steps),
         "last_step": steps[-1] if steps else None,
         "steps_rolled_back": len(rolled),
@@ -229,6 +230,38 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
             )
         },
     }
+
+
+_STOPS = {
+    "replicas_diverged": "the replicas diverged",
+    "data_diverged": "the members drew different batches",
+    "script_error": "the script cannot work under fastft",
+}
+
+
+def stops(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Why the job stopped on purpose (the in-band replica check, the batch check, a
+    script's misuse): each reason once, with the ranks that reported it and, for the
+    replica check, what differed and on which members."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for e in ev:
+        if e["event"] not in _STOPS:
+            continue
+        key = (e["event"], e.get("error", ""))
+        got = out.setdefault(
+            key,
+            {
+                "what": _STOPS[e["event"]],
+                "step": e.get("step"),
+                "items": e.get("items"),
+                "minority": e.get("minority"),
+                "error": e.get("error", ""),
+                "ranks": [],
+            },
+        )
+        if (r := _rank_of(e["src"])) is not None:
+            got["ranks"].append(r)
+    return list(out.values())
 
 
 def _step_at(commits: list[dict[str, Any]], t: float) -> int | None:
@@ -396,6 +429,11 @@ def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
         for o in s["offenders"]:
             q = f"; quarantined: {o['quarantined']}" if o["quarantined"] else ""
             lines.append(f"  rank {o['rank']}: {o['faults']} faults ({', '.join(o['kinds'])}){q}")
+    for x in s.get("stopped", []):
+        lines += ["", f"the job stopped at step {x['step']}: {x['what']}"]
+        if x.get("items"):
+            lines.append(f"  differs: {', '.join(x['items'])} on ranks {x['minority']}")
+        lines.append(f"  {x['error']}")
     ck = s.get("checkpoints") or {}
     if any(ck.values()):
         lines += [

@@ -38,7 +38,7 @@ from fastft.protocol import JobKeys
 from fastft.protocol.auth import JobSecret, ValueAuth
 from fastft.runtime.attempt import StepAttempts
 from fastft.runtime.contract import Member, RuntimeConfig
-from fastft.runtime.endings import Drained, JobFinished, WorkerExit
+from fastft.runtime.endings import Drained, JobFinished, ScriptError, WorkerExit
 from fastft.runtime.engine.build import build_engine
 from fastft.runtime.engine.executor import Executor
 from fastft.runtime.groups.flow import flow_of
@@ -176,7 +176,10 @@ class Runtime:
                 "this worker is in a shard group (--shard-size): shard the model over "
                 "ft.shard_mesh() (fully_shard(model, mesh=ft.shard_mesh())) before ft.register"
             )
-        self.registry.register(model, optimizer, **others)
+        try:
+            self.registry.register(model, optimizer, **others)
+        except TypeError as e:  # (what a heal could not carry, a scheduler left out)
+            self.refuse(f"ft.register: {e}", e)
         if self.config.sync_kind == "diloco" and model is not None:
             self.registry.outer = Outer(self.registry.local_parameters(), outer_optimizer)
         elif outer_optimizer is not None:
@@ -202,6 +205,13 @@ class Runtime:
             durable.prepare()  # the writer's imports run with the first steps, not the first save
         self.heartbeat.between(True)  # (the user's code until its first step)
         return self
+
+    def refuse(self, why: str, cause: BaseException | None = None) -> None:
+        """End this worker with :class:`ScriptError`: the script registered or did what
+        cannot work, and a restart would do it again (the job fails at once, saying why)."""
+        self.events.emit("script_error", step=self.step, error=why)
+        log.critical("%s", why)
+        raise ScriptError(why) from cause
 
     def add_health_check(self, check: HealthCheck, name: str | None = None) -> None:
         """Add a check this worker runs before it joins (:meth:`register`, so add it

@@ -48,9 +48,11 @@ class StepAttempts:
         """The engine's phase changes when the current attempt began."""
         self.gate_gen = 0
         """... when it crossed the shard group's gate."""
-        self.compare: list[tuple[str, int]] | None = None
-        """This attempt's replica checksums, by item, when the in-band check is due
-        (:mod:`fastft.runtime.state.compare`); compared in :meth:`_agree`."""
+        self.compare = False
+        """Whether the in-band replica check is due in this attempt
+        (:mod:`fastft.runtime.state.compare`; :meth:`_agree` runs it)."""
+        self.compared: tuple[int, int] = (-1, 0)
+        """(epoch, step) of this member's first attempt in its current epoch."""
         self._schedulers_checked = False
 
     def enter(self, tx: Transaction) -> Transaction:
@@ -73,7 +75,7 @@ class StepAttempts:
         x.kept.begin_attempt()
         reseed(self.rt.config.seed, s.step, tx.rank)
         self.rt.registry.begin_step()
-        self.compare = self._replica_sums(s.step, tx.world)
+        self.compare = self._compare_due(s.epoch, s.step, tx.world)
         for batches in self.batches:
             batches.start_step()
         self.rt.heartbeat.beat()
@@ -167,14 +169,23 @@ class StepAttempts:
         log.critical("%s", why)
         raise ScriptError(why) from cause
 
-    def _replica_sums(self, step: int, world: int) -> list[tuple[str, int]] | None:
-        """The in-band replica check's checksums of the state this attempt begins with,
-        when one is due at ``step`` (every ``--compare-every`` steps, with 2 members or
-        more; not with shard groups, whose members hold different shards)."""
+    def _compare_due(self, epoch: int, step: int, world: int) -> bool:
+        """Whether the in-band replica check runs in this attempt: every ``--compare-every``
+        steps, and in the first two steps of every epoch (a fault's recovery: the first
+        sees a heal that missed something, the second state that lives outside the
+        registered objects, such as JAX parameters kept in the script's own variables);
+        with 2 members or more, not with shard groups (members hold different shards).
+        Every member of an epoch began it at the same step: all decide alike."""
+        if self.compared[0] != epoch:
+            self.compared = (epoch, step)
+        every = self.rt.config.compare_every
+        if not every or world < 2 or self.rt.sharded:
+            return False
+        return step % every == 0 or step - self.compared[1] < 2
+
+    def _replica_sums(self, step: int) -> list[tuple[str, int]]:
+        """The checksums, by item, of the state this attempt began with."""
         cfg = self.rt.config
-        every = cfg.compare_every
-        if not every or world < 2 or step % every or self.rt.sharded:
-            return None
         # the parameters are common state after a sync (every step per-step; with
         # every-k:N after each N-th; never with DiLoCo, whose anchor is)
         kind = cfg.sync_kind
@@ -194,7 +205,7 @@ class StepAttempts:
         collective = by_collective(
             rt.config.decide, tx.world, x.dp.backend(), is_nats(rt.config.store)
         )
-        compare = self.compare
+        compare = self._replica_sums(tx.step) if self.compare else None
         if not (collective or (self.batches and tx.world > 1) or compare is not None):
             return False
         with x.lock:

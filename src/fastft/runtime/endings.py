@@ -4,6 +4,8 @@ end the worker. Named by what happened; each message says why and what to change
 
 from __future__ import annotations
 
+import traceback
+
 from fastft.errors import FastFTError
 from fastft.process.teardown import end_with
 from fastft.protocol.exits import (
@@ -94,6 +96,15 @@ def misuse(e: BaseException) -> str | None:
             "members change with every fault. In a step use tx.allreduce_gradients() or "
             "tx.allreduce([tensors]); for a reduction between steps (an evaluation), run it "
             "in a transaction of its own"
+        )
+    if isinstance(e, TypeError | AttributeError | NameError) and not isinstance(e, FastFTError):
+        # a programming error: every retry and restart would raise it again
+        frames = traceback.extract_tb(e.__traceback__)
+        mine = [f for f in frames if "/fastft/" not in f.filename] or frames
+        where = f" at {mine[-1].filename}:{mine[-1].lineno} in {mine[-1].name}" if mine else ""
+        return (
+            f"the step raised {type(e).__name__}{where}: {e} (a programming error in the "
+            "script, not a fault: a retry would raise it again, so the job stops at once)"
         )
     return None
 

@@ -185,7 +185,10 @@ class StateRegistry:
 
     def replica_items(self, *, replicated: bool) -> list[tuple[str, Any]]:
         """What the in-band replica check compares (:mod:`.compare`), by name, as the step
-        began: from the step's snapshot where it has one. ``replicated``: whether the
+        began: from the step's snapshot where the step body may change it (buffers, the
+        optimizer's settings, other objects), else as it is (the parameters and the
+        optimizer's state change at the commit only; an optimizer state a heal sends
+        while the step runs has arrived by the vote). ``replicated``: whether the
         parameters, buffers and optimizer are the replica groups' common state at this
         step (not with ``--sync every-k:N`` between syncs, nor ever with DiLoCo, whose
         anchor is)."""
@@ -196,7 +199,9 @@ class StateRegistry:
             if "buffers" in snap:
                 out.append(("buffers", snap["buffers"]))
         if self.optimizer is not None and replicated:
-            out.append(("optimizer", local(self.optimizer.state_dict())))
+            opt = local(self.optimizer.state_dict())  # (its state changes at the commit only)
+            groups = snap.get("param_groups", opt["param_groups"])
+            out.append(("optimizer", {"state": opt["state"], "param_groups": groups}))
         for name, obj in self._others.items():
             out.append((name, snap[name] if name in snap else obj.state_dict()))
         if self.outer is not None:

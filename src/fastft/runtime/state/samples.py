@@ -30,7 +30,7 @@ def sample_seed(seed: int, epoch: int, index: Any) -> int:
     return int.from_bytes(h, "little") >> 1
 
 
-class SeededSamples(torch.utils.data.Dataset):  # type: ignore[type-arg]
+class SeededSamples(torch.utils.data.Dataset):
     """``dataset`` whose ``__getitem__`` runs with the global RNGs seeded from (``seed``,
     the pass :attr:`epoch`, the index); everything else is the wrapped dataset's."""
 

@@ -1,0 +1,86 @@
+"""JAX's own idiom (issue 47): a transformer trained with the parameters and the optimizer
+state in the script's local variables and an optax chain (tests/zoo/jax_lm.py). Read from
+``ft.state`` at the top of each step, the idiom is exact through faults; kept across steps,
+a healed member trains from its fresh locals, and the in-band replica check stops the job
+at the next step, saying what to change. The mistakes a JAX step can make fail at once,
+never after retries."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastft.runtime import read_events
+
+pytestmark = pytest.mark.timeout(300)
+
+SCRIPT = str(Path(__file__).parents[1] / "zoo" / "jax_lm.py")
+
+
+def run(tmp: Path, name: str, *args: str, plan: list[dict] | None = None, expect: int = 0) -> Path:
+    out = tmp / name
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--run-dir", str(out)]
+    cmd += ["--job", name]
+    if plan is not None:
+        (out / "plan.json").write_text(json.dumps({"faults": plan}))
+        cmd += ["--inject", str(out / "plan.json")]
+    cmd += [SCRIPT, *args, "--out", str(out / "out")]
+    with open(out / "launcher.log", "w") as log:
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=280)
+    assert p.returncode == expect, (out / "launcher.log").read_text()[-4000:]
+    return out
+
+
+def hashes(out: Path) -> dict[int, str]:
+    return {
+        int(f.stem.removeprefix("final-rank")): json.loads(f.read_text())["hash"]
+        for f in (out / "out").glob("final-rank*.json")
+    }
+
+
+PLAN = [
+    {"kind": "sigkill", "rank": 1, "at_step": 3, "life": 0},
+    {"kind": "exception", "rank": 2, "at_step": 6, "life": 0},
+    {"kind": "sigkill", "rank": 0, "at_step": 9, "life": 0, "point": "commit"},
+]
+
+
+def test_the_local_variable_idiom_read_from_ft_state_is_exact_through_faults(tmp_path):
+    clean = hashes(run(tmp_path, "clean"))
+    assert len(set(clean.values())) == 1 and len(clean) == 3
+    faulty = run(tmp_path, "faulty", plan=PLAN)
+    assert hashes(faulty) == clean
+    assert any(e["event"] == "heal" for e in read_events(faulty))
+
+
+def test_locals_kept_across_steps_are_caught_at_the_step_after_the_heal(tmp_path):
+    out = run(tmp_path, "locals", "--keep-locals", plan=PLAN[:1], expect=1)
+    got = [e for e in read_events(out) if e["event"] == "replicas_diverged"]
+    assert got, (out / "launcher.log").read_text()[-3000:]
+    assert got[0]["step"] == 4 and 1 in got[0]["minority"]  # healed at 3, diverged by 4
+    assert "pytree params" in got[0]["items"]
+    assert "ft.state" in got[0]["error"] and "tx.propose" in got[0]["error"]
+    assert not hashes(out)  # no rank finished as if all were well
+
+
+@pytest.mark.parametrize(
+    ("misuse", "says"),
+    [
+        ("propose-twice", "tx.propose called twice in step 0"),
+        ("no-propose", "step 0 ended without tx.propose"),
+        ("float-leaf", "the leaf scale is a float, not an array"),
+        ("type-error", "the step raised TypeError at"),
+    ],
+)
+def test_a_jax_mistake_fails_at_once_saying_what_to_change(tmp_path, misuse, says):
+    out = run(tmp_path, misuse, "--misuse", misuse, expect=1)
+    log = (out / "launcher.log").read_text()
+    assert says in log and "exited with code 93" in log, log[-3000:]
+    ev = read_events(out)
+    assert not any(e["event"] in ("commit", "restart") for e in ev)
+    assert not any(e["event"] == "rollback" for e in ev)  # (no retry of a mistake)

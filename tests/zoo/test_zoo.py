@@ -1,0 +1,212 @@
+"""The zoo (issue 47): scripts written the way users write them (tests/zoo/lm.py: a GPT
+with AdamW, a warmup-cosine scheduler, clipping, dropout, a global loss, an EMA copy and
+state of its own; tests/zoo/vision.py: a ResNet with BatchNorm, random augmentation in 2
+loader workers, warmup + cosine, accumulation, clipping, bf16 autocast) under fault plans,
+each checked bitwise against its own fault-free run and across ranks; and the in-band
+replica check stopping a run whose replicas differ, naming what and where."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fastft.runtime import read_events
+
+pytestmark = pytest.mark.timeout(600)
+
+ZOO = Path(__file__).parent
+EVERY_KIND = [  # one fault of each kind, and one between a commit's decision and its apply
+    {"kind": "sigkill", "rank": 1, "at_step": 3, "life": 0},
+    {"kind": "exception", "rank": 2, "at_step": 5, "life": 0},
+    {"kind": "sigkill", "rank": 0, "at_step": 7, "life": 0, "point": "commit"},
+    {"kind": "sigstop", "rank": 2, "at_step": 9, "life": 0},
+    {"kind": "state_lost", "rank": 1, "at_step": 11, "life": 1},
+]
+
+
+def command(run: Path, script: str, *flags: str, plan: list[dict] | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--run-dir", str(run)]
+    cmd += ["--job", run.name, *flags]
+    if plan is not None:
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "plan.json").write_text(json.dumps({"faults": plan}))
+        cmd += ["--inject", str(run / "plan.json")]
+    return cmd
+
+
+def zoo_run(
+    tmp: Path,
+    name: str,
+    script: str,
+    *flags: str,
+    args: tuple[str, ...] = (),
+    plan: list[dict] | None = None,
+    expect: int | None = 0,
+) -> Path:
+    run = tmp / name
+    run.mkdir(parents=True, exist_ok=True)
+    cmd = command(run, script, *flags, plan=plan)
+    cmd += [str(ZOO / script), *args, "--out", str(run / "out")]
+    with open(run / "launcher.log", "w") as log:
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=420)
+    text = (run / "launcher.log").read_text()
+    assert expect is None or p.returncode == expect, text[-4000:]
+    (run / "rc").write_text(str(p.returncode))
+    return run
+
+
+def finals(run: Path) -> dict[int, dict]:
+    return {
+        int(f.stem.removeprefix("final-rank")): json.loads(f.read_text())
+        for f in (run / "out").glob("final-rank*.json")
+    }
+
+
+def same_everywhere(run: Path, steps: int) -> dict:
+    """Every rank's final record, equal across ranks (but for its own counts)."""
+    got = finals(run)
+    assert sorted(got) == [0, 1, 2], got
+    strip = [
+        {k: v for k, v in r.items() if k not in ("commits", "rollbacks")} for r in got.values()
+    ]
+    assert all(r == strip[0] for r in strip), json.dumps(got, indent=1)
+    assert strip[0]["step"] == steps
+    return strip[0]
+
+
+def faults_happened(run: Path) -> None:
+    ev = read_events(run)
+    assert any(e["event"] == "rollback" for e in ev), "the plan rolled nothing back"
+    assert any(e["event"] == "heal" for e in ev), "the plan healed nothing"
+
+
+# --- make test: one script through every fault kind, and the replica check ---------------
+def test_the_gpt_through_every_fault_kind_ends_bitwise_equal_to_its_fault_free_run(tmp_path):
+    """The scheduler, the EMA, the counters and the loss history included: a heal at the
+    boundary after a death between a commit's decision and its apply once left the healed
+    rank's scheduler one step behind (its peers' post-commit code had not run)."""
+    args = ("--steps", "14")
+    clean = same_everywhere(zoo_run(tmp_path, "clean", "lm.py", args=args), 14)
+    run = zoo_run(tmp_path, "faults", "lm.py", args=args, plan=EVERY_KIND)
+    assert same_everywhere(run, 14) == clean
+    assert clean["last_epoch"] == 14 and clean["stats"]["steps"] == 14
+    faults_happened(run)
+
+
+def test_a_scheduler_left_out_of_register_fails_the_job_at_once_and_says_why(tmp_path):
+    run = zoo_run(
+        tmp_path, "forgot", "lm.py", args=("--steps", "4", "--forget-scheduler"), expect=1
+    )
+    log = (run / "launcher.log").read_text()
+    assert "LambdaLR steps the registered optimizer but is not registered" in log
+    assert not any(e["event"] == "commit" for e in read_events(run))
+
+
+def test_buffers_left_to_each_member_are_caught_by_the_replica_check(tmp_path):
+    """BatchNorm's running statistics, each member's own (--buffers local, as fastft did
+    before: DDP broadcasts rank 0's), differ after the first step: the check (in the
+    first two steps of every epoch, then every --compare-every) names them."""
+    flags = ("--buffers", "local")
+    run = zoo_run(tmp_path, "local", "vision.py", *flags, args=("--steps", "5"), expect=1)
+    log = (run / "launcher.log").read_text()
+    assert "'buffers' differs" in log and "--buffers at average" in log, log[-3000:]
+    (ev,) = {
+        (e["step"], tuple(e["items"]))
+        for e in read_events(run)
+        if e["event"] == "replicas_diverged"
+    }
+    assert ev == (1, ("buffers",))  # (the epoch's second step: the first after a commit)
+
+
+def test_state_changed_on_one_member_is_named_by_the_replica_check(tmp_path):
+    """A bug of the script's own (rank 2 nudges its EMA after step 4's commit): the next
+    check, at step 5, names the item and the member; the job fails, never exits 0."""
+    args = ("--steps", "8", "--perturb", "2:4")
+    run = zoo_run(tmp_path, "nudged", "lm.py", "--compare-every", "5", args=args, expect=1)
+    got = [e for e in read_events(run) if e["event"] == "replicas_diverged"]
+    assert got and all(e["items"] == ["ema"] and e["minority"] == [2] for e in got), got
+    assert {e["step"] for e in got} == {5}
+    assert "exited with code 94" in (run / "launcher.log").read_text()
+
+
+# --- the slow tier: every script, policy and way of leaving ---------------------------
+@pytest.mark.slow
+def test_the_resnet_through_every_fault_kind_ends_bitwise_equal_to_its_fault_free_run(tmp_path):
+    """BatchNorm averaged with the gradients, augmentation seeded per sample in 2 loader
+    workers: before, the buffers differed across ranks without a fault, and the first
+    SIGKILL ended the job at the batch check."""
+    args = ("--steps", "14")
+    clean = same_everywhere(zoo_run(tmp_path, "clean", "vision.py", args=args), 14)
+    run = zoo_run(tmp_path, "faults", "vision.py", args=args, plan=EVERY_KIND)
+    assert same_everywhere(run, 14) == clean
+    faults_happened(run)
+
+
+@pytest.mark.slow
+def test_a_preempted_job_resumes_with_its_scheduler_exact(tmp_path):
+    """SIGTERM to the agent with checkpoints on: every rank drains at a commit, the
+    checkpoint holds the state after the script's post-commit code, and the same command
+    resumes it to the fault-free result (the scheduler once came back a step behind)."""
+    args = ("--steps", "16")
+    clean = same_everywhere(zoo_run(tmp_path, "clean", "lm.py", args=args), 16)
+    ck = tmp_path / "ck"
+    flags = ("--checkpoint-dir", str(ck), "--checkpoint-every", "1000")
+    run = tmp_path / "preempted"
+    cmd = command(run, "lm.py", *flags) + [str(ZOO / "lm.py"), *args, "--out", str(run / "out")]
+    with open(tmp_path / "preempted.log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 240
+            while not any(e["event"] == "commit" and e["step"] >= 6 for e in read_events(run)):
+                assert p.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(timeout=120) == 143
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    resumed = zoo_run(tmp_path, "preempted", "lm.py", *flags, args=args)
+    assert any(e["event"] == "restore" for e in read_events(resumed))
+    assert same_everywhere(resumed, 16) == clean
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["every-k:4", "diloco:4"])
+def test_the_gpt_under_a_sync_policy_through_faults_equals_its_fault_free_run(tmp_path, sync):
+    """Each rank against the same rank of the fault-free run (DiLoCo's groups hold their
+    own parameters between outer steps); ranks equal at the end under every-k (16 steps:
+    the last is a sync step)."""
+    args = ("--steps", "16")
+    plan = EVERY_KIND[:3]
+    clean = finals(zoo_run(tmp_path, "clean", "lm.py", "--sync", sync, args=args))
+    run = zoo_run(tmp_path, "faults", "lm.py", "--sync", sync, args=args, plan=plan)
+    got = finals(run)
+    for rank in (0, 1, 2):
+        assert got[rank]["hash"] == clean[rank]["hash"], (rank, got, clean)
+        assert got[rank]["last_epoch"] == 16
+    if sync.startswith("every-k"):
+        same_everywhere(run, 16)
+    faults_happened(run)
+
+
+@pytest.mark.slow
+def test_the_gpt_in_an_elastic_world_keeps_its_replicas_equal(tmp_path):
+    """The world shrinks at a SIGKILL and grows back as the rank restarts and heals: the
+    ranks end equal (the result is the fault-free one up to summation order)."""
+    plan = [
+        {"kind": "sigkill", "rank": 1, "at_step": 4, "life": 0},
+        {"kind": "sigkill", "rank": 2, "at_step": 9, "life": 0, "point": "commit"},
+    ]
+    run = zoo_run(
+        tmp_path, "elastic", "lm.py", "--min-replicas", "2", args=("--steps", "14"), plan=plan
+    )
+    final = same_everywhere(run, 14)
+    assert final["last_epoch"] == 14 and final["stats"]["steps"] == 14
+    faults_happened(run)
