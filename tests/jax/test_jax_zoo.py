@@ -83,4 +83,8 @@ def test_a_jax_mistake_fails_at_once_saying_what_to_change(tmp_path, misuse, say
     assert says in log and "exited with code 93" in log, log[-3000:]
     ev = read_events(out)
     assert not any(e["event"] in ("commit", "restart") for e in ev)
-    assert not any(e["event"] == "rollback" for e in ev)  # (no retry of a mistake)
+    # a mistake is no fault: never reported as one, so never retried (a peer that rolls
+    # back as the first to stop dies is the job ending, not a retry)
+    assert not any(e["event"] == "local_fault" for e in ev)
+    errors = [e["src"] for e in ev if e["event"] == "script_error"]
+    assert errors and len(errors) == len(set(errors))
