@@ -37,6 +37,18 @@ def test_a_checksum_sees_one_changed_bit_in_any_dtype_and_the_structure():
     assert checksum([odd]) == checksum([torch.zeros(8)])
 
 
+def test_a_large_tensor_is_read_a_quarter_a_check_and_whole_in_four():
+    from fastft.runtime.state.compare import CHUNK, SAMPLE
+
+    a = torch.randn(SAMPLE * CHUNK * 2 * 3 + 5)  # (float32: two per 8-byte word)
+    for where in (0, 5 * CHUNK * 2 + 7, a.numel() - 1):  # chunk 0, chunk 5, the tail
+        b = a.clone()
+        b[where] += 1
+        seen = [checksum([a], "x", turn) != checksum([b], "x", turn) for turn in range(SAMPLE)]
+        assert any(seen), where
+        assert all(seen) == (where == a.numel() - 1)  # (the tail is read every time)
+
+
 def test_the_verdict_names_the_item_and_the_minority():
     names = ["parameters", "optimizer", "scheduler"]
     same = [("parameters", 1), ("optimizer", 2), ("scheduler", 3)]

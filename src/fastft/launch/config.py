@@ -162,7 +162,7 @@ class LaunchConfig:
     )
     seed: int = _flag(0, "the job's seed")
     check_every: int = _flag(0, "log the state digest every N commits (S3 check; 0: never)")
-    compare_every: int = _flag(10, "compare the replicas' state in-band every N steps (0: off)")
+    compare_every: int = _flag(20, "compare the replicas' state in-band every N steps (0: off)")
     buffers: str = _flag(
         "average", "BatchNorm statistics: average (over the members) or local", choices=BUFFERS
     )

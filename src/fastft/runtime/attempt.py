@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -190,7 +191,8 @@ class StepAttempts:
         # every-k:N after each N-th; never with DiLoCo, whose anchor is)
         kind = cfg.sync_kind
         replicated = kind == "per-step" or (kind == "every-k" and step % cfg.sync_every == 0)
-        return checksums(self.rt.registry.replica_items(replicated=replicated))
+        turn = step // max(cfg.compare_every, 1)  # (the next chunks of large tensors)
+        return checksums(self.rt.registry.replica_items(replicated=replicated), turn)
 
     def _agree(self, tx: Transaction) -> bool:
         """The step's one collective after its gradients: an allreduce (max) of
@@ -205,7 +207,9 @@ class StepAttempts:
         collective = by_collective(
             rt.config.decide, tx.world, x.dp.backend(), is_nats(rt.config.store)
         )
+        t0 = time.perf_counter()
         compare = self._replica_sums(tx.step) if self.compare else None
+        t1 = time.perf_counter()
         if not (collective or (self.batches and tx.world > 1) or compare is not None):
             return False
         with x.lock:
@@ -227,8 +231,15 @@ class StepAttempts:
             )
         if self.batches:
             self._compare_batches(tx, mine, int(both[0]), -int(both[1]))
-        if compare is not None and differs(both[4:].tolist()):
-            self._replicas_diverged(tx, compare)
+        if compare is not None:
+            if differs(both[4:].tolist()):
+                self._replicas_diverged(tx, compare)
+            rt.events.emit(  # (what each check costs: sums, then with the allreduce)
+                "replica_check",
+                step=tx.step,
+                sums_ms=round((t1 - t0) * 1e3, 3),
+                ms=round((time.perf_counter() - t0) * 1e3, 3),
+            )
         return collective and not any(both[2:4].tolist())
 
     def _replicas_diverged(self, tx: Transaction, compare: list[tuple[str, int]]) -> None:

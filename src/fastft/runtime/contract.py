@@ -118,7 +118,7 @@ class RuntimeConfig:
     backend: str = "auto"
     incarnation: int | None = None
     check_every: int = 0
-    compare_every: int = 10
+    compare_every: int = 20
     buffers: str = "average"
     decide: str = "auto"
     keep_gradients: bool = True
