@@ -95,6 +95,7 @@ bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/scale.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/first_start.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/leases.py
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/replica_check.py --steps 150
 	$(MAKE) bench-jax
 	$(MAKE) bench-ray
 
