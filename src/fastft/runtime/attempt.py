@@ -208,7 +208,10 @@ class StepAttempts:
             rt.config.decide, tx.world, x.dp.backend(), is_nats(rt.config.store)
         )
         t0 = time.perf_counter()
-        compare = self._replica_sums(tx.step) if self.compare else None
+        try:
+            compare = self._replica_sums(tx.step) if self.compare else None
+        except TypeError as e:  # (a registered state_dict() that changed its kind)
+            self._script_error(tx.step, f"the replica check: {e}", e)
         t1 = time.perf_counter()
         if not (collective or (self.batches and tx.world > 1) or compare is not None):
             return False

@@ -116,6 +116,7 @@ class StateRegistry:
                 raise TypeError(
                     f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}"
                 )
+            unsendable("optimizer", optimizer)  # (its settings: a custom one's own values)
             self.optimizer = optimizer
         for name, obj in others.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
