@@ -43,6 +43,7 @@ def _per_step(tmp: Path, decide: str) -> dict[int, float]:
     return out
 
 
+@pytest.mark.slow  # (the slow tier: make test under its 10 minutes (issue 47's zoo joined it))
 def test_a_step_decided_by_its_collective_makes_no_store_request(tmp_path):
     store = _per_step(tmp_path, "store")
     collective = _per_step(tmp_path, "collective")

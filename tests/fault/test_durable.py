@@ -36,6 +36,7 @@ def _events(run: Path, name: str) -> list[dict]:
     return [e for e in read_events(run) if e["event"] == name]
 
 
+@pytest.mark.slow  # (the slow tier: make test under its 10 minutes (issue 47's zoo joined it))
 def test_every_worker_killed_in_one_step_restores_the_checkpoint(tmp_path, clean):
     ckpt = tmp_path / "ckpt"
     flags = ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", *DECIDE_IN_STORE)

@@ -137,8 +137,11 @@ def test_losing_the_store_host_ends_the_job_with_one_clear_line(tmp_path):
 
 @pytest.mark.parametrize(
     "plane, node",
-    # (NATS: in the slow tier, to keep make test under its 10 minutes on 2 cores)
-    [("tcpstore", 2), pytest.param("nats", 1, marks=pytest.mark.slow)],
+    # (the slow tier, to keep make test under its 10 minutes on 2 cores)
+    [
+        pytest.param("tcpstore", 2, marks=pytest.mark.slow),
+        pytest.param("nats", 1, marks=pytest.mark.slow),
+    ],
 )
 def test_a_partitioned_node_is_fenced_and_heals(tmp_path, clean, nats_cluster, plane, node):
     """A node is stopped whole (a partition): declared lost after its lease, its worker is

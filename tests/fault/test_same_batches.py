@@ -56,7 +56,9 @@ def _digests(run: Path) -> set[str]:
 
 @pytest.mark.parametrize(
     "workers",
-    [0, pytest.param(2, marks=pytest.mark.slow)],  # (loader workers: 20 s, the slow tier)
+    # (the slow tier: make test under its 10 minutes; tests/zoo's ResNet draws through
+    # fastft.Batches with 2 loader workers there)
+    [pytest.param(0, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)],
 )
 def test_members_draw_the_same_batch_and_a_kill_changes_nothing(tmp_path, workers):
     args = ("--loader-workers", str(workers))

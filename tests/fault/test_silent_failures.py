@@ -21,6 +21,7 @@ def _events(run: Path) -> list[dict]:
     return read_events(run) if (run / "events.jsonl").exists() else []
 
 
+@pytest.mark.slow  # (the slow tier: make test under its 10 minutes (issue 47's zoo joined it))
 def test_checkpoints_that_keep_failing_fail_the_job_with_the_reason(tmp_path: Path):
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2", "--run-dir", str(run)]

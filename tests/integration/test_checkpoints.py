@@ -100,6 +100,7 @@ def test_a_truncated_or_altered_checkpoint_is_passed_over_with_an_error(tmp_path
         verify(tmp_path / "step-00000030")
 
 
+@pytest.mark.slow  # (the slow tier: make test under its 10 minutes (issue 47's zoo joined it))
 def test_only_the_newest_are_kept(tmp_path):
     r, _ = _registry(0)
     c = Checkpoints(tmp_path, keep=2, events=Events())
@@ -149,6 +150,7 @@ WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # (the slow tier: make test under its 10 minutes (issue 47's zoo joined it))
 def test_a_writer_killed_mid_write_leaves_nothing_a_restore_would_pick(tmp_path):
     r, _ = _registry(0)
     c = Checkpoints(tmp_path, keep=5, events=Events())

@@ -84,3 +84,18 @@ def test_checkpoints_written_skipped_and_failed_are_counted(tmp_path):
     s = summarize(tmp_path)
     assert s["checkpoints"] == {"written": 1, "skipped": 1, "failed": 1}
     assert "checkpoints: 1 written, 1 skipped" in render_report(tmp_path, s)
+
+
+def test_a_job_stopped_by_the_replica_check_says_what_differed_and_where(tmp_path):
+    r0, r1, r2 = _logs(tmp_path, "rank 0", "rank 1", "rank 2")
+    why = "the replicas diverged: at the start of step 5 (epoch 1) 'ema' differs on rank 2"
+    for r in (r0, r1, r2):
+        r.emit("commit", epoch=1, step=4)
+        r.emit("replicas_diverged", epoch=1, step=5, items=["ema"], minority=[2], error=why)
+    _close(r0, r1, r2)
+    s = summarize(tmp_path)
+    (x,) = s["stopped"]
+    assert (x["step"], x["items"], x["minority"], x["ranks"]) == (5, ["ema"], [2], [0, 1, 2])
+    text = render_report(tmp_path, s)
+    assert "the job stopped at step 5: the replicas diverged" in text
+    assert "differs: ema on ranks [2]" in text and why in text

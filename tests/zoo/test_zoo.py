@@ -108,6 +108,7 @@ def test_a_scheduler_left_out_of_register_fails_the_job_at_once_and_says_why(tmp
     assert not any(e["event"] == "commit" for e in read_events(run))
 
 
+@pytest.mark.slow
 def test_buffers_left_to_each_member_are_caught_by_the_replica_check(tmp_path):
     """BatchNorm's running statistics, each member's own (--buffers local, as fastft did
     before: DDP broadcasts rank 0's), differ after the first step: the check (in the
