@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import table, write  # noqa: E402
 
 from fastft.demo.train import build  # noqa: E402
-from fastft.runtime.state.compare import checksums  # noqa: E402
+from fastft.runtime.state.compare import checksums, replica_items  # noqa: E402
 from fastft.runtime.state.registry import StateRegistry  # noqa: E402
 from fastft.runtime.state.wire import _bytes  # noqa: E402
 
@@ -52,10 +52,10 @@ def per_check(repeats: int) -> list[dict[str, object]]:
     r.register(model=model, optimizer=opt)
     r.begin_step()
     params = sum(p.numel() for p in model.parameters())
-    items = r.replica_items(replicated=True)
+    items = replica_items(r, replicated=True)
     rows = []
     for name, fn in (
-        ("checksums (the replica check)", lambda: checksums(r.replica_items(replicated=True))),
+        ("checksums (the replica check)", lambda: checksums(replica_items(r, replicated=True))),
         ("sha256 (the --check-every digest)", lambda: _sha(items)),
     ):
         fn()

@@ -73,7 +73,6 @@ def test_locals_kept_across_steps_are_caught_at_the_step_after_the_heal(tmp_path
     [
         ("propose-twice", "tx.propose called twice in step 0"),
         ("no-propose", "step 0 ended without tx.propose"),
-        ("float-leaf", "the leaf scale is a float, not an array"),
         ("type-error", "the step raised TypeError at"),
     ],
 )
@@ -88,3 +87,18 @@ def test_a_jax_mistake_fails_at_once_saying_what_to_change(tmp_path, misuse, say
     assert not any(e["event"] == "local_fault" for e in ev)
     errors = [e["src"] for e in ev if e["event"] == "script_error"]
     assert errors and len(errors) == len(set(errors))
+
+
+def test_a_leaf_that_is_not_an_array_is_refused_at_register_by_its_path():
+    """In process (the other mistakes need a running job): a Python float among the
+    leaves was accepted, then every proposal failed with an internal AttributeError."""
+    import jax.numpy as jnp
+
+    from fastft.jax.state import PyTrees, StateMisuse
+
+    trees = PyTrees()
+    trees.add("params", {"w": jnp.zeros(3), "b": [jnp.zeros(1)]})
+    with pytest.raises(StateMisuse, match=r"the leaf params\['b'\]\[1\] is a float"):
+        trees.add("params", {"w": jnp.zeros(3), "b": [jnp.zeros(1), 0.5]})
+    with pytest.raises(StateMisuse, match="the leaf scale is a float, not an array"):
+        trees.add("scale", 1.0)

@@ -12,7 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from fastft.runtime.state.compare import SLOTS, checksum, differs, row, vector, verdict
+from fastft.runtime.state.compare import (
+    SLOTS,
+    checksum,
+    differs,
+    replica_items,
+    row,
+    vector,
+    verdict,
+)
 from fastft.runtime.state.registry import StateRegistry
 from fastft.runtime.state.samples import SeededSamples, install
 
@@ -186,12 +194,22 @@ def test_the_replica_items_are_named_and_taken_as_the_step_began():
     r = StateRegistry()
     r.register(model=m, optimizer=opt, scheduler=sched)
     r.begin_step()
-    names = [n for n, _ in r.replica_items(replicated=True)]
+    names = [n for n, _ in replica_items(r, replicated=True)]
     assert names == ["parameters", "buffers", "optimizer", "scheduler"]
-    assert [n for n, _ in r.replica_items(replicated=False)] == ["scheduler"]
-    before = dict(r.replica_items(replicated=True))
+    assert [n for n, _ in replica_items(r, replicated=False)] == ["scheduler"]
+    ema = _model()
+    r.register(ema=ema)  # (an EMA of a group's own parameters, under every-k or DiLoCo)
+    r.begin_step()
+    assert [n for n, _ in replica_items(r, replicated=True)][-1] == "ema"
+    assert [n for n, _ in replica_items(r, replicated=True, local_steps=True)] == [
+        "parameters",
+        "buffers",
+        "optimizer",
+        "scheduler",
+    ]
+    before = dict(replica_items(r, replicated=True))
     m(torch.randn(5, 4))  # the step's forward moves the buffers...
-    after = dict(r.replica_items(replicated=True))
+    after = dict(replica_items(r, replicated=True))
     assert checksum(after["buffers"]) == checksum(before["buffers"])  # ...the check does not
 
 

@@ -173,7 +173,9 @@ def test_a_preempted_job_resumes_with_its_scheduler_exact(tmp_path, script):
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 240
-            while not any(e["event"] == "commit" and e["step"] >= 6 for e in read_events(run)):
+            while not (run / "events.jsonl").exists() or not any(
+                e["event"] == "commit" and e["step"] >= 6 for e in read_events(run)
+            ):
                 assert p.poll() is None and time.monotonic() < deadline
                 time.sleep(0.05)
             p.send_signal(signal.SIGTERM)
@@ -187,6 +189,21 @@ def test_a_preempted_job_resumes_with_its_scheduler_exact(tmp_path, script):
     assert same_everywhere(resumed, 16) == clean
 
 
+SYNC_PLANS = {
+    # every-k: a SIGKILL right after a sync step (the groups hold the same state then, so
+    # the heal gives the restarted group its own; inside a window it takes a live group's
+    # local steps: docs/hsdp.md). DiLoCo: exceptions, at a window's start and inside one.
+    "every-k:4": [
+        {"kind": "exception", "rank": 2, "at_step": 5, "life": 0},
+        {"kind": "sigkill", "rank": 1, "at_step": 8, "life": 0},
+    ],
+    "diloco:4": [
+        {"kind": "exception", "rank": 2, "at_step": 4, "life": 0},
+        {"kind": "exception", "rank": 0, "at_step": 9, "life": 0, "point": "collective"},
+    ],
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["lm.py", "vision.py"])
 @pytest.mark.parametrize("sync", ["every-k:4", "diloco:4"])
@@ -195,18 +212,19 @@ def test_a_script_under_a_sync_policy_through_faults_equals_its_fault_free_run(
 ):
     """Each rank against the same rank of the fault-free run (DiLoCo's groups hold their
     own parameters between outer steps); ranks equal at the end under every-k (16 steps:
-    the last is a sync step)."""
+    the last is a sync step). The replica check compares what every group advances alike
+    (the parameters after a sync, the scheduler, the data position), not the EMA of a
+    group's own parameters."""
     args = ("--steps", "16")
-    plan = EVERY_KIND[:3]
     clean = finals(zoo_run(tmp_path, "clean", script, "--sync", sync, args=args))
-    run = zoo_run(tmp_path, "faults", script, "--sync", sync, args=args, plan=plan)
+    run = zoo_run(tmp_path, "faults", script, "--sync", sync, args=args, plan=SYNC_PLANS[sync])
     got = finals(run)
     for rank in (0, 1, 2):
         assert got[rank]["hash"] == clean[rank]["hash"], (rank, got, clean)
         assert got[rank]["last_epoch"] == 16
     if sync.startswith("every-k"):
         same_everywhere(run, 16)
-    faults_happened(run)
+    assert any(e["event"] == "rollback" for e in read_events(run))
 
 
 @pytest.mark.slow
@@ -220,6 +238,7 @@ def test_a_script_in_an_elastic_world_keeps_its_replicas_equal(tmp_path, script)
     ]
     flags = ("--min-replicas", "2")
     run = zoo_run(tmp_path, "elastic", script, *flags, args=("--steps", "14"), plan=plan)
-    final = same_everywhere(run, 14)
-    assert final["last_epoch"] == 14
+    got = finals(run)  # (a restarted rank that rejoins after the last step writes none)
+    assert len(got) >= 2 and len({json.dumps(r["hash"]) for r in got.values()}) == 1, got
+    assert {(r["step"], r["last_epoch"]) for r in got.values()} == {(14, 14)}
     faults_happened(run)

@@ -23,7 +23,14 @@ from fastft.runtime.checks import by_collective
 from fastft.runtime.endings import DataDiverged, ReplicasDiverged, ScriptError, misuse
 from fastft.runtime.groups.flow import POLL_S
 from fastft.runtime.groups.sync import outer_due, outer_step
-from fastft.runtime.state.compare import checksums, differs, row, vector, verdict
+from fastft.runtime.state.compare import (
+    checksums,
+    differs,
+    replica_items,
+    row,
+    vector,
+    verdict,
+)
 from fastft.runtime.state.data import Batches, batch_digest
 from fastft.runtime.state.registry import reseed
 
@@ -192,7 +199,10 @@ class StepAttempts:
         kind = cfg.sync_kind
         replicated = kind == "per-step" or (kind == "every-k" and step % cfg.sync_every == 0)
         turn = step // max(cfg.compare_every, 1)  # (the next chunks of large tensors)
-        return checksums(self.rt.registry.replica_items(replicated=replicated), turn)
+        items = replica_items(
+            self.rt.registry, replicated=replicated, local_steps=kind != "per-step"
+        )
+        return checksums(items, turn)
 
     def _agree(self, tx: Transaction) -> bool:
         """The step's one collective after its gradients: an allreduce (max) of

@@ -32,11 +32,15 @@ import hashlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import fastft.runtime.state.tree as tree
+from fastft.runtime.groups.hsdp import local
+
+if TYPE_CHECKING:
+    from fastft.runtime.state.registry import StateRegistry
 
 __all__ = [
     "SLOTS",
@@ -113,6 +117,51 @@ def checksum(state: Any, name: str = "state", turn: int = 0) -> int:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         _mix(h, s)
     return int.from_bytes(h.digest(), "little") >> 2
+
+
+def replica_items(
+    registry: StateRegistry, *, replicated: bool, local_steps: bool = False
+) -> list[tuple[str, Any]]:
+    """What the in-band replica check compares, by name, of ``registry`` as the step
+    began: from the step's snapshot where the step body may change it (buffers, the
+    optimizer's settings, other objects), else as it is (the parameters and the
+    optimizer's state change at the commit only; an optimizer state a heal sends
+    while the step runs has arrived by the vote). ``replicated``: whether the
+    parameters, buffers and optimizer are the replica groups' common state at this
+    step (not with ``--sync every-k:N`` between syncs, nor ever with DiLoCo, whose
+    anchor is). ``local_steps`` (those policies): of the other objects only those
+    every group advances alike whatever its parameters (a torch scheduler, the data
+    position); an EMA of a group's own parameters is the group's own."""
+    snap = registry.snapshot
+    out: list[tuple[str, Any]] = []
+    if registry.model is not None and replicated:
+        out.append(("parameters", registry.local_parameters()))
+        if "buffers" in snap:
+            out.append(("buffers", snap["buffers"]))
+    if registry.optimizer is not None and replicated:
+        opt = local(registry.optimizer.state_dict())  # (its state changes at the commit only)
+        groups = snap.get("param_groups", opt["param_groups"])
+        out.append(("optimizer", {"state": opt["state"], "param_groups": groups}))
+    for name, obj in registry.others.items():
+        if local_steps and not _alike_in_every_group(obj):
+            continue
+        out.append((name, snap[name] if name in snap else obj.state_dict()))
+    if registry.outer is not None:
+        out.append(("outer", list(registry.outer.tensors())))
+    if registry.by_reference is not None:
+        for name, leaves in registry.by_reference.state_dict().items():
+            out.append((f"pytree {name}", leaves))
+    return out
+
+
+def _alike_in_every_group(obj: Any) -> bool:
+    """Whether registered ``obj`` advances alike in replica groups that step on their own
+    parameters (``every-k``, ``diloco``): a torch scheduler, ``fastft.Batches``."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    from fastft.runtime.state.data import Batches
+
+    return isinstance(obj, LRScheduler | ReduceLROnPlateau | Batches)
 
 
 def checksums(items: Iterable[tuple[str, Any]], turn: int = 0) -> list[tuple[str, int]]:

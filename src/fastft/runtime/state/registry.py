@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -184,33 +186,15 @@ class StateRegistry:
                 return name
         return None
 
-    def replica_items(self, *, replicated: bool) -> list[tuple[str, Any]]:
-        """What the in-band replica check compares (:mod:`.compare`), by name, as the step
-        began: from the step's snapshot where the step body may change it (buffers, the
-        optimizer's settings, other objects), else as it is (the parameters and the
-        optimizer's state change at the commit only; an optimizer state a heal sends
-        while the step runs has arrived by the vote). ``replicated``: whether the
-        parameters, buffers and optimizer are the replica groups' common state at this
-        step (not with ``--sync every-k:N`` between syncs, nor ever with DiLoCo, whose
-        anchor is)."""
-        snap = self._step_snapshot or {}
-        out: list[tuple[str, Any]] = []
-        if self.model is not None and replicated:
-            out.append(("parameters", self.local_parameters()))
-            if "buffers" in snap:
-                out.append(("buffers", snap["buffers"]))
-        if self.optimizer is not None and replicated:
-            opt = local(self.optimizer.state_dict())  # (its state changes at the commit only)
-            groups = snap.get("param_groups", opt["param_groups"])
-            out.append(("optimizer", {"state": opt["state"], "param_groups": groups}))
-        for name, obj in self._others.items():
-            out.append((name, snap[name] if name in snap else obj.state_dict()))
-        if self.outer is not None:
-            out.append(("outer", list(self.outer.tensors())))
-        if self.by_reference is not None:
-            for name, leaves in self.by_reference.state_dict().items():
-                out.append((f"pytree {name}", leaves))
-        return out
+    @property
+    def others(self) -> Mapping[str, Stateful]:
+        """The registered objects but the model and the optimizer, by name (read-only)."""
+        return MappingProxyType(self._others)
+
+    @property
+    def snapshot(self) -> Mapping[str, Any]:
+        """What the current step began with (:meth:`begin_step`; empty after a commit)."""
+        return MappingProxyType(self._step_snapshot or {})
 
     def committed(self) -> None:
         """The step's update is applied: what it began with is no longer what a rollback
