@@ -21,10 +21,17 @@ pytestmark = pytest.mark.timeout(300)
 SCRIPT = str(Path(__file__).parents[1] / "zoo" / "jax_lm.py")
 
 
-def run(tmp: Path, name: str, *args: str, plan: list[dict] | None = None, expect: int = 0) -> Path:
+def run(
+    tmp: Path,
+    name: str,
+    *args: str,
+    plan: list[dict] | None = None,
+    expect: int = 0,
+    nproc: int = 3,
+) -> Path:
     out = tmp / name
     out.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--run-dir", str(out)]
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", str(nproc), "--run-dir", str(out)]
     cmd += ["--job", name]
     if plan is not None:
         (out / "plan.json").write_text(json.dumps({"faults": plan}))
@@ -77,7 +84,7 @@ def test_locals_kept_across_steps_are_caught_at_the_step_after_the_heal(tmp_path
     ],
 )
 def test_a_jax_mistake_fails_at_once_saying_what_to_change(tmp_path, misuse, says):
-    out = run(tmp_path, misuse, "--misuse", misuse, expect=1)
+    out = run(tmp_path, misuse, "--misuse", misuse, expect=1, nproc=2)
     log = (out / "launcher.log").read_text()
     assert says in log and "exited with code 93" in log, log[-3000:]
     ev = read_events(out)

@@ -158,7 +158,7 @@ def test_the_resnet_through_every_fault_kind_ends_bitwise_equal_to_its_fault_fre
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["lm.py", "vision.py"])
+@pytest.mark.parametrize("script", ["lm.py"])  # (a loader's restore: test_stateful_data.py)
 def test_a_preempted_job_resumes_with_its_scheduler_exact(tmp_path, script):
     """SIGTERM to the agent with checkpoints on: every rank drains at a commit, the
     checkpoint holds the state after the script's post-commit code, and the same command
@@ -205,8 +205,10 @@ SYNC_PLANS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["lm.py", "vision.py"])
-@pytest.mark.parametrize("sync", ["every-k:4", "diloco:4"])
+@pytest.mark.parametrize(
+    ("sync", "script"),
+    [("every-k:4", "vision.py"), ("every-k:4", "lm.py"), ("diloco:4", "lm.py")],
+)
 def test_a_script_under_a_sync_policy_through_faults_equals_its_fault_free_run(
     tmp_path, sync, script
 ):
@@ -216,13 +218,16 @@ def test_a_script_under_a_sync_policy_through_faults_equals_its_fault_free_run(
     (the parameters after a sync, the scheduler, the data position), not the EMA of a
     group's own parameters."""
     args = ("--steps", "16")
+    # the GPT's EMA follows its group's own parameters, so differs between groups, and a
+    # healed group takes its donor's: its plan has the exceptions alone
+    plan = SYNC_PLANS[sync] if script == "vision.py" else SYNC_PLANS["diloco:4"]
     clean = finals(zoo_run(tmp_path, "clean", script, "--sync", sync, args=args))
-    run = zoo_run(tmp_path, "faults", script, "--sync", sync, args=args, plan=SYNC_PLANS[sync])
+    run = zoo_run(tmp_path, "faults", script, "--sync", sync, args=args, plan=plan)
     got = finals(run)
     for rank in (0, 1, 2):
         assert got[rank]["hash"] == clean[rank]["hash"], (rank, got, clean)
         assert got[rank]["last_epoch"] == 16
-    if sync.startswith("every-k"):
+    if sync.startswith("every-k") and script == "vision.py":
         same_everywhere(run, 16)
     assert any(e["event"] == "rollback" for e in read_events(run))
 
