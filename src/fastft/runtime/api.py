@@ -302,7 +302,7 @@ class Runtime:
         view = x.view
         if (
             finished
-            and x.state.phase is Phase.NORMAL
+            and x.state.may_end_the_job
             and view is not None
             and view.has(self.rank, self.incarnation)
         ):

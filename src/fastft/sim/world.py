@@ -47,7 +47,7 @@ class World(Agents):
     def __init__(self, opts: Options, seed: int, *, plan: Plan | None = None, trace: bool = False):
         self.opts = opts
         self.seed = seed
-        self.rng = random.Random(seed)
+        self.rng: random.Random | None = random.Random(seed)
         self.now = 0.0
         self.queue: list[_Ev] = []
         self._seq = 0
@@ -87,7 +87,17 @@ class World(Agents):
     def draw(self, lo: float, hi: float) -> float:
         """A delay between ``lo`` and ``hi``: drawn from the seed, or their middle in the
         exhaustive explorer's fixed timing."""
-        return (lo + hi) / 2 if self.fixed else self.rng.uniform(lo, hi)
+        if self.fixed or self.rng is None:
+            return (lo + hi) / 2
+        return self.rng.uniform(lo, hi)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A fixed-timing run draws nothing: its copies leave the generator out (half of a
+        copy's bytes, the explorer's main cost)."""
+        state = self.__dict__.copy()
+        if self.fixed:
+            state["rng"] = None
+        return state
 
     def jitter(self, s: float) -> float:
         return s * self.draw(0.5, 1.5)
@@ -230,8 +240,11 @@ class World(Agents):
         self.at(0.0005, "exit_seen", life.me, code, sig)
 
     def finish(self, life: Life) -> None:
+        """:meth:`fastft.runtime.api.Runtime.close` of a script that ended."""
         self.checks.finished(life)
-        self.store.set(self.keys.finished, str(life.state.step))
+        view = life.view
+        if life.state.may_end_the_job and view is not None and view.has(life.me.rank, life.me.incarnation):
+            self.store.set(self.keys.finished, str(life.state.step))
 
     def after_commit(self, life: Life, step: int) -> None:
         self.checks.committed(life, step)
