@@ -170,7 +170,7 @@ def _freeze(w: World) -> bytes:
 
 
 def _thaw(frozen: bytes) -> World:
-    return pickle.loads(frozen)  # type: ignore[no-any-return]  # noqa: S301
+    return pickle.loads(frozen)  # noqa: S301
 
 
 def _rel(w: World, v: object) -> object:

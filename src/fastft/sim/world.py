@@ -243,7 +243,11 @@ class World(Agents):
         """:meth:`fastft.runtime.api.Runtime.close` of a script that ended."""
         self.checks.finished(life)
         view = life.view
-        if life.state.may_end_the_job and view is not None and view.has(life.me.rank, life.me.incarnation):
+        if (
+            life.state.may_end_the_job
+            and view is not None
+            and view.has(life.me.rank, life.me.incarnation)
+        ):
             self.store.set(self.keys.finished, str(life.state.step))
 
     def after_commit(self, life: Life, step: int) -> None:
