@@ -29,3 +29,24 @@ def test_a_death_at_the_last_commit_ends_the_job(tmp_path, clean, world):
         (e["life"], e["exit_code"]) for e in ev if e["event"] == "worker_exit" and e["rank"] == 2
     ]
     assert rank2 == [(0, None), (1, 0)], rank2  # (SIGKILLed; its restart ends as the job's)
+
+
+def test_a_scripts_own_exit_status_is_its_failure_not_fastfts(tmp_path, clean):
+    """A script that exits by itself with 93 (fastft's "script error") or 88 (fastft's
+    "drained") gave neither reason: each is an ordinary failure of that worker, restarted
+    and healed (before, the first failed the job with fastft's reason and the second passed
+    for a drain)."""
+    plan = [
+        {"kind": "exit", "rank": 1, "at_step": 5, "life": 0, "arg": 93},
+        {"kind": "exit", "rank": 2, "at_step": 12, "life": 0, "arg": 88},
+    ]
+    run = fastft_run(tmp_path, "own-status", plan=plan)
+    check_s1_s3(run)
+    assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
+    log = (run / "launcher.log").read_text()
+    for rank, code in ((1, 93), (2, 88)):
+        assert f"rank {rank}.0 exited with code {code} (the script's own status" in log, log
+    ev = read_events(run)
+    assert [e["rank"] for e in ev if e["event"] == "restart"] == [1, 2]
+    exits = [e for e in ev if e["event"] == "worker_exit" and e["exit_code"] in (88, 93)]
+    assert len(exits) == 2 and all(e["ending"] is None for e in exits), exits

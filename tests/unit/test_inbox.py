@@ -37,9 +37,9 @@ def _route(m, view=VIEW, dead=frozenset(), finished=False):
     return route(m, me=ME, view=view, epoch=3, step=5, dead=dead, finished=finished, world_size=4)
 
 
-def _exited(rank, inc, code=None, sig=9):
+def _exited(rank, inc, code=None, sig=9, ending=False):
     return ProcessExited(
-        **AGENT, exited_rank=rank, exited_incarnation=inc, exit_code=code, signal=sig
+        **AGENT, exited_rank=rank, exited_incarnation=inc, exit_code=code, signal=sig, ending=ending
     )
 
 
@@ -202,14 +202,18 @@ def test_before_the_first_epoch_only_deaths_are_noted():
 
 
 def test_a_drained_exit_is_no_fault_when_expected_and_a_drain_request_is_latched():
-    drained = _exited(1, 11, code=EXIT_DRAINED, sig=None)
+    drained = _exited(1, 11, code=EXIT_DRAINED, sig=None, ending=True)
     expected = route(
         drained, me=ME, view=VIEW, epoch=3, step=5, dead=frozenset(), world_size=4, leaving={1}
     )
     assert expected.events == (DrainAcked(1),) and expected.dead == Member(1, 11)
     assert expected.record is not None and expected.record[0] == "peer_drained"
-    outside = _route(_exited(1, 7, code=EXIT_DRAINED, sig=None))  # a life not in this epoch
+    outside = _route(_exited(1, 7, code=EXIT_DRAINED, sig=None, ending=True))  # (not a member)
     assert outside.events == (DrainAcked(1),) and outside.dead == Member(1, 7)
+    # the script's own sys.exit(88), without fastft's record: a fault, expected drain or not
+    own = _exited(1, 11, code=EXIT_DRAINED, sig=None)
+    got = route(own, me=ME, view=VIEW, epoch=3, step=5, dead=frozenset(), world_size=4, leaving={1})
+    assert got.events == (PeerFault(1, Severity.FAULT1, "rank 1 exited (code 88)"),)
     # a member this worker still counts on (it left from a formation): a fault like any exit
     assert _route(drained).events == (PeerFault(1, Severity.FAULT1, "rank 1 exited (code 88)"),)
     op = dict(HDR, rank=-1, incarnation=5, role=Role.OPERATOR)

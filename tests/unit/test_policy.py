@@ -56,6 +56,23 @@ def test_a_crash_is_restarted_until_the_restarts_run_out():
     assert out.done and out.failed and "--max-restarts 3" in out.failed and "signal 9" in out.failed
 
 
+@pytest.mark.parametrize("world", [{}, {"elastic": True}, {"spares_left": False}])
+def test_a_scripts_own_exit_status_is_that_workers_failure_whatever_its_value(world):
+    """Any status 1-255 a script exits with by itself (no record of fastft's beside it), and
+    any signal, is an ordinary failure of that worker: restarted while it has restarts,
+    never the job's end for a reason fastft did not give, never a drain or a health check."""
+    for code, sig in [*((c, None) for c in range(1, 256)), *((None, s) for s in range(1, 65))]:
+        do = after_exit(code=code, sig=sig, **dict(BASE, **world), ours=False)
+        assert do.restart and not do.done and not do.spare_only, (code, sig, do)
+        last = after_exit(code=code, sig=sig, **dict(BASE, **world, life=3), ours=False)
+        how = f"code {code}" if sig is None else f"signal {sig}"
+        assert last.failed == f"rank 1 failed ({how}) and has no restarts left (--max-restarts 3)"
+    assert after_exit(code=0, sig=None, **BASE, ours=False).done  # (0 needs no record)
+    # the same statuses with fastft's record: its meanings
+    assert after_exit(code=EXIT_DRAINED, sig=None, **dict(BASE, elastic=True)).done
+    assert "fault storm" in (after_exit(code=EXIT_FAULT_STORM, sig=None, **BASE).failed or "")
+
+
 def test_a_crash_after_the_job_finished_fails_it():
     do = after_exit(code=1, sig=None, **dict(BASE, peers_finished=True))
     assert do.done and not do.restart and "finished the job" in do.failed

@@ -47,6 +47,9 @@ class Slot:
     fault_at: float = 0.0
     """CLOCK_MONOTONIC of its last life's failure, until a later life commits (0: none
     pending): the agent's "back" line says how long the slot was out."""
+    ending: str | None = None
+    """Why its last life ended with a status of fastft's (the worker's record); None: it
+    ended otherwise (0, a signal, a status of the script's own)."""
     spare_only: bool = False
     """The next life must be a warm spare (the last one failed its health check, or the
     slot is quarantined: :mod:`fastft.launch.offenders`)."""

@@ -7,6 +7,7 @@ state (``slots``, ``children``, ``spares``, ``events``, ``store``, ``keys``)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -19,7 +20,7 @@ import fastft.launch.policy as policy
 from fastft.launch.children import Slot
 from fastft.process.heartbeat import read_heartbeat
 from fastft.protocol import EXIT_DRAINED, HangSuspected, ProcessExited
-from fastft.protocol.exits import ENDS_THE_JOB
+from fastft.protocol.exits import ENDS_THE_JOB, FASTFT_STATUSES, ending_path
 
 if TYPE_CHECKING:
     from fastft.launch.ports import AgentPorts
@@ -71,6 +72,7 @@ class Exits:
             return False
         assert slot.proc is not None and slot.proc.pid == pid
         slot.proc.returncode = code if code is not None else -(sig or 0)
+        slot.ending = self.ending(slot, code)
         self.agent.events.emit(
             "worker_exit",
             rank=slot.rank,
@@ -80,6 +82,7 @@ class Exits:
             life=slot.life,
             detected=t,
             via=via,
+            **({"ending": slot.ending} if code in FASTFT_STATUSES else {}),
         )
         self.agent.publish(
             ProcessExited(
@@ -88,16 +91,34 @@ class Exits:
                 exited_incarnation=slot.incarnation,
                 exit_code=code,
                 signal=sig,
+                ending=slot.ending is not None,
             )
         )
         return True
+
+    def ending(self, slot: Slot, code: int | None) -> str | None:
+        """Why the worker ended with ``code``, if it is a status of fastft's and the worker
+        recorded it so (else the status is the script's own: None). The record is read
+        once and removed."""
+        path = ending_path(str(self.agent.run_dir), slot.rank, slot.incarnation)
+        try:
+            with open(path) as f:
+                got = json.load(f)
+            os.unlink(path)
+        except (OSError, ValueError):
+            return None
+        if code not in FASTFT_STATUSES or not isinstance(got, dict) or got.get("status") != code:
+            return None
+        return str(got.get("why") or f"status {code}")
 
     def after_exit(self, slot: Slot, code: int | None, sig: int | None) -> None:
         self.forget_joiner(slot)
         cfg = self.agent.config
         first = self.agent.first_lives
+        ours = slot.ending is not None  # (a status of fastft's, recorded: not the script's)
         own = (  # a failure of the worker itself, not an exit the agent caused (a stop,
-            code not in (0, EXIT_DRAINED)  # a failed job, a drain, a group, a fence)
+            code != 0  # a failed job, a drain, a group, a fence)
+            and not (code == EXIT_DRAINED and ours)
             and not slot.done
             and self.agent.stopping is None
             and self.agent.failed is None
@@ -123,7 +144,7 @@ class Exits:
             failed = own and slot.hung != slot.incarnation  # (hung: the hang timeout's)
             first[slot.rank] = failed and not self.agent.committed(slot)
             # (a status that names its own reason, a script error: the policy says it)
-            if policy.startup_failed(first) and code not in ENDS_THE_JOB:
+            if policy.startup_failed(first) and not (ours and code in ENDS_THE_JOB):
                 slot.done = True
                 self.agent.fail(
                     f"every worker failed before its first commit (rank {slot.rank}: {how}); "
@@ -148,6 +169,7 @@ class Exits:
             elastic=cfg.min_replicas is not None and cfg.min_replicas < cfg.world_size,
             draining=self.agent.draining is not None,
             quarantined=self.agent.offenders.quarantined.get(slot.rank),
+            ours=ours,
         )
         ending = agent.stopping is not None or agent.draining is not None or agent.failed
         if do.done and not do.failed and code != 0 and not finished and not ending:
@@ -170,7 +192,7 @@ class Exits:
             slot.done = True
         if do.restart and cfg.shard_size > 1:
             self._restart_group(slot)
-        if do.restart and code == EXIT_DRAINED:
+        if do.restart and code == EXIT_DRAINED and ours:
             slot.drains += 1  # (a drain is no failure: it uses up no restart)
         if do.restart:
             slot.life += 1
@@ -262,6 +284,8 @@ def fault_line(slot: Slot, code: int | None, sig: int | None, do: policy.AfterEx
         how = f"killed by {name}"
     else:
         how = f"exited with code {code}"
+    if code in FASTFT_STATUSES and slot.ending is None:
+        how += " (the script's own status: fastft's would come with its record)"
     if slot.declared[0] == slot.incarnation:
         how = f"{slot.declared[1]} ({how} by the agent)"
     elif slot.hung == slot.incarnation:

@@ -17,6 +17,7 @@ from fastft.protocol.exits import (
     EXIT_SCRIPT_ERROR,
     EXIT_STATE_LOST,
     EXIT_UNHEALTHY,
+    FASTFT_STATUSES,
 )
 
 __all__ = [
@@ -98,6 +99,7 @@ def after_exit(
     elastic: bool,
     draining: bool = False,
     quarantined: str | None = None,
+    ours: bool = True,
 ) -> AfterExit:
     """A worker of slot ``rank`` in its ``life`` exited with ``code`` or signal ``sig``.
     ``peers_finished``: another slot's worker ended the job cleanly already;
@@ -109,12 +111,16 @@ def after_exit(
 
     A worker that failed its health check (:data:`EXIT_UNHEALTHY`), or a slot
     ``quarantined`` (a repeat offender: why), does not start again in place: a warm spare
-    takes its place, or the world shrinks (elastic), or the job stops with the reason."""
+    takes its place, or the world shrinks (elastic), or the job stops with the reason.
+
+    ``ours``: a status of :data:`FASTFT_STATUSES` is fastft's (the worker recorded it);
+    False, it is the script's own (``sys.exit(93)``): an ordinary failure of the worker."""
+    meant = code if ours or code not in FASTFT_STATUSES else None  # (fastft's meaning)
     if code == 0 or stopping or already_done or draining:
         return AfterExit(done=True)
-    if code in ENDS_THE_JOB:
-        return AfterExit(done=True, failed=f"rank {rank}: {_ENDS_THE_JOB[code]}")
-    if code == EXIT_UNHEALTHY or quarantined:
+    if meant in ENDS_THE_JOB:
+        return AfterExit(done=True, failed=f"rank {rank}: {_ENDS_THE_JOB[meant]}")
+    if meant == EXIT_UNHEALTHY or quarantined:
         why = quarantined or f"rank {rank} failed its health check (its reason is above)"
         if peers_finished:
             return AfterExit(done=True, shrink=why)  # (it was not needed any more)
@@ -131,7 +137,7 @@ def after_exit(
             failed=f"{why}, and no warm spare can take its place in this fixed world "
             "(--warm-spares N gives it one; --min-replicas lets the world shrink)",
         )
-    if code == EXIT_DRAINED:
+    if meant == EXIT_DRAINED:
         return AfterExit(done=True) if elastic or peers_finished else AfterExit(restart=True)
     how = f"code {code}" if sig is None else f"signal {sig}"
     if peers_finished:

@@ -7,6 +7,7 @@ import nothing of it."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ class AgentPorts(Protocol):
     """One node's agent as its parts see it."""
 
     config: LaunchConfig
+    run_dir: Path
     events: EventLog
     keys: JobKeys
     store: Any

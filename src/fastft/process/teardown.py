@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import os
 import sys
 import threading
@@ -15,9 +16,11 @@ __all__ = [
     "arm_fast_exit",
     "drop_later",
     "end_with",
+    "exit_now",
     "join_at_exit",
     "keep_at_exit",
     "keep_forever",
+    "write_ending",
 ]
 
 
@@ -27,34 +30,60 @@ _joined: list[threading.Thread] = []
 _joined_lock = threading.Lock()
 
 
-_ending: list[int] = []
+_ending: list[tuple[int, str]] = []
+_record: list[str] = []
 
 
-def end_with(status: int) -> None:
+def end_with(status: int, why: str = "") -> None:
     """The worker ends with ``status`` (a fastft ending: the job cannot go on, a drain, a
     fault storm, the job finished while it waited): see :func:`arm_fast_exit`."""
-    _ending.append(status)
+    _ending.append((status, why))
 
 
-def arm_fast_exit() -> None:
+def arm_fast_exit(record: str | None = None) -> None:
     """At the interpreter's exit, once the atexit handlers registered after this call have
     run (the worker's own: bus, heartbeat, the durable writer), a worker that ends with a
-    fastft ending (:func:`end_with`) leaves with ``os._exit(status)``, skipping the
-    interpreter's finalization: torch's teardown took 0.4-1 s here after ``import torch``
-    alone and 2.5 s in a worker on 2 busy cores, during which the agent waited for an exit
-    that was already decided (issue 36). Other ends keep the normal exit."""
+    fastft ending (:func:`end_with`) writes its status and why to ``record`` (its agent
+    trusts a fastft status only with it: :data:`fastft.protocol.exits.FASTFT_STATUSES`)
+    and leaves with ``os._exit(status)``, skipping the interpreter's finalization: torch's
+    teardown took 0.4-1 s here after ``import torch`` alone and 2.5 s in a worker on 2 busy
+    cores, during which the agent waited for an exit that was already decided (issue 36).
+    Other ends keep the normal exit."""
+    if record is not None:
+        _record[:] = [record]
     atexit.register(_fast_exit)
+
+
+def exit_now(status: int, why: str) -> None:
+    """End the process at once with a fastft status, its record written first."""
+    write_ending(status, why)
+    os._exit(status)
+
+
+def write_ending(status: int, why: str) -> None:
+    """The record beside a fastft status (see :func:`arm_fast_exit`); 0 needs none."""
+    if not _record or status == 0:
+        return
+    try:
+        tmp = f"{_record[0]}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"status": status, "why": why[:2000]}, f)
+        os.replace(tmp, _record[0])
+    except OSError as e:  # the agent then reads the status as the script's own
+        print(f"fastft: could not record this worker's ending ({e})", file=sys.stderr)
 
 
 def _fast_exit() -> None:
     if not _ending:
         return
+    status, why = _ending[-1]
+    write_ending(status, why)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # noqa: S110 - a closed stream: nothing left to flush
             pass
-    os._exit(_ending[-1])
+    os._exit(status)
 
 
 def join_at_exit(t: threading.Thread) -> None:

@@ -21,9 +21,11 @@ __all__ = [
     "EXIT_SCRIPT_ERROR",
     "EXIT_STATE_LOST",
     "EXIT_UNHEALTHY",
+    "FASTFT_STATUSES",
     "JOB_FAILED",
     "JOB_INTERRUPTED",
     "JOB_PREEMPTED",
+    "ending_path",
 ]
 
 EXIT_STATE_LOST = 86
@@ -92,3 +94,15 @@ tier's checkpoint, or from the start without one: the last line says which)."""
 
 JOB_INTERRUPTED = 130
 """``fastft run``'s status after Ctrl-C (128 + SIGINT)."""
+
+FASTFT_STATUSES = frozenset(range(EXIT_STATE_LOST, EXIT_REPLICAS_DIVERGED + 1))
+"""The worker statuses that tell the agent something (86-94). A script can exit with any of
+them for reasons of its own (``sys.exit(93)``), so each counts as fastft's only with the
+worker's ending record beside it (:func:`ending_path`); without one it is that script's
+own status: an ordinary failure of the worker."""
+
+
+def ending_path(run_dir: str, rank: int, incarnation: int) -> str:
+    """Where a worker life that ends with one of :data:`FASTFT_STATUSES` records the status
+    and why, before it exits (read by its agent)."""
+    return f"{run_dir}/.ending-{rank}-{incarnation}"

@@ -62,7 +62,7 @@ def fault_of(m: Message) -> FaultReport | None:
             f"rank {m.exited_rank} exited ({how})",
             dead=bool(m.exited_incarnation),
             clean_exit=m.exit_code == 0,
-            drained=m.exit_code == EXIT_DRAINED,
+            drained=m.exit_code == EXIT_DRAINED and m.ending,
         )
     if isinstance(m, HangSuspected):
         what = "stopped" if m.stopped else "hung"

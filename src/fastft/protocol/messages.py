@@ -162,7 +162,9 @@ class Fault(Message):
 @dataclass(frozen=True, kw_only=True)
 class ProcessExited(Message):
     """A node agent saw a worker process end. Exactly one of ``exit_code`` and ``signal``
-    is set (``signal`` when the process was killed by a signal)."""
+    is set (``signal`` when the process was killed by a signal). ``ending``: the status is
+    fastft's own (the worker recorded it: :data:`~fastft.protocol.exits.FASTFT_STATUSES`),
+    not one the script chose."""
 
     KIND: ClassVar[int] = 2
 
@@ -170,6 +172,7 @@ class ProcessExited(Message):
     exited_incarnation: int
     exit_code: int | None = None
     signal: int | None = None
+    ending: bool = False
 
     def _validate_body(self) -> None:
         _check_int("exited_rank", self.exited_rank, 0, _I32)
@@ -180,6 +183,8 @@ class ProcessExited(Message):
             _check_int("exit_code", self.exit_code, -_I32, _I32)
         if self.signal is not None:
             _check_int("signal", self.signal, 1, 255)
+        if not isinstance(self.ending, bool):
+            raise ProtocolError("ending must be a bool")
 
     @property
     def severity(self) -> Severity:

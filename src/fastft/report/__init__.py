@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fastft.process.events import read_events
-from fastft.protocol.exits import ENDS_THE_JOB, EXIT_DRAINED
+from fastft.report.outcome import no_fault
 from fastft.report.shards import shards_by_step, unlogged_commits, untiled_steps
 
 __all__ = [
@@ -33,9 +33,6 @@ _FAULT_EVENTS = (
     "local_fault",
     *_PROCESS_EVENTS,
 )
-_JOB_ENDING = (EXIT_DRAINED, *ENDS_THE_JOB)
-"""Worker exit statuses that are no fault of their own: a drain, or the job that cannot go
-on (:mod:`fastft.protocol.exits`); the report shows those as the job's outcome."""
 _ENDS = ("stop", "job_failed")
 """The agent stops the job (Ctrl-C, a second SIGTERM) or fails it: the exits it causes
 then are no faults."""
@@ -76,7 +73,7 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
         if name == "node_lost":
             _node_lost(faults, e, ev)
             continue
-        if name == "worker_exit" and e.get("exit_code") in (0, *_JOB_ENDING):
+        if name == "worker_exit" and no_fault(e):
             continue  # a clean end, a drain, the job ending
         if name in _PROCESS_EVENTS and (e["mono"] >= stop or e.get("signal") == 2):
             continue  # the job was stopped (Ctrl-C, a second SIGTERM): not a fault
@@ -337,7 +334,7 @@ def offenders(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if life[1] is not None and life in lives:
                 continue
             lives.add(life)
-        if name == "worker_exit" and e.get("exit_code") not in (0, *_JOB_ENDING):
+        if name == "worker_exit" and not no_fault(e):
             what = f"exit {e['exit_code']}" if e.get("signal") is None else f"signal {e['signal']}"
         elif name in ("worker_hung", "worker_stopped", "health_failed"):
             what = name.removeprefix("worker_")

@@ -36,6 +36,7 @@ from fastft.process.services import Services
 from fastft.process.teardown import arm_fast_exit
 from fastft.protocol import JobKeys
 from fastft.protocol.auth import JobSecret, ValueAuth
+from fastft.protocol.exits import ending_path
 from fastft.runtime.attempt import StepAttempts
 from fastft.runtime.contract import Member, RuntimeConfig
 from fastft.runtime.endings import Drained, JobFinished, ScriptError, WorkerExit
@@ -137,7 +138,9 @@ class Runtime:
             ran_ahead=ran_ahead(),
             spare=was_spare(),
         )
-        arm_fast_exit()  # (registered first: runs after _stop_threads)
+        arm_fast_exit(  # (registered first: runs after _stop_threads)
+            ending_path(config.run_dir, self.rank, self.incarnation) if config.run_dir else None
+        )
         atexit.register(self._stop_threads)
 
     def _stop_threads(self) -> None:

@@ -7,7 +7,6 @@ runtime through its ports (:class:`~fastft.runtime.ports.RuntimePorts`)."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +17,7 @@ from fastft.bus.nats import is_nats
 from fastft.fsm import GradsReady, Phase
 from fastft.interrupt import StepInterrupted
 from fastft.interrupt import allreduce as interruptible_allreduce
+from fastft.process.teardown import exit_now
 from fastft.protocol.exits import EXIT_GROUP_FAULT
 from fastft.runtime.checks import by_collective
 from fastft.runtime.endings import DataDiverged, ReplicasDiverged, ScriptError, misuse
@@ -351,7 +351,7 @@ class StepAttempts:
         )
         self.rt.events.emit("group_fault", step=self.rt.step, error=repr(e)[:300])
         self.rt.events.close()
-        os._exit(EXIT_GROUP_FAULT)
+        exit_now(EXIT_GROUP_FAULT, f"raised in step {self.rt.step}: {e!r}"[:300])
 
 
 def hold_stage(rt: RuntimePorts) -> bool:

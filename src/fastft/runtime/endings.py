@@ -45,7 +45,7 @@ class Ending(SystemExit):
     def __init__(self, why: str) -> None:
         super().__init__(self.status)
         self.why = why
-        end_with(self.status)  # (the process leaves without the interpreter's teardown)
+        end_with(self.status, str(self))  # (recorded; no interpreter teardown)
 
     def __str__(self) -> str:
         return f"{self.prefix}{self.why}"

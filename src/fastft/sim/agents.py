@@ -9,6 +9,7 @@ from typing import Any
 
 from fastft.launch import policy
 from fastft.protocol import Fault, HangSuspected, JobKeys, Message, ProcessExited, Role, Severity
+from fastft.protocol.exits import FASTFT_STATUSES
 from fastft.runtime.contract import Member
 from fastft.sim.checks import Checks
 from fastft.sim.life import Life
@@ -84,6 +85,7 @@ class Agents:
                 exited_incarnation=who.incarnation,
                 exit_code=code,
                 signal=sig,
+                ending=code in FASTFT_STATUSES,  # (a simulated worker's statuses are fastft's)
             ),
         )
         self.store.agent_compare_set(self.keys.joiner(who.rank), str(who.incarnation), "")
