@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from fastft.protocol.exits import CHECKPOINT_FAILURES
@@ -37,7 +38,11 @@ class CommitCheckpoints:
         config: RuntimeConfig,
         events: EventLog,
         state: Callable[[int], dict[str, Any]],
+        shield: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> None:
+        self.shield = shield
+        """Around a wait for the writer: the heartbeat goes on meanwhile (the agent must not
+        take the wait for a hang)."""
         self.durable = durable
         self.config = config
         self.events = events
@@ -62,8 +67,16 @@ class CommitCheckpoints:
         """At a clean end: the last committed state, if a checkpoint of it was deferred."""
         d = self.durable
         if d is not None and d.deferred:
-            d.wait()  # the write that deferred it
+            self._wait(d, step, "the last commit's checkpoint was deferred behind it")
             self.after_commit(step, view, me)
+
+    def _wait(self, d: Checkpoints, step: int, why: str) -> None:
+        """Wait for the write in progress (at most the writer's bound), alive meanwhile."""
+        t0 = time.monotonic()
+        with self.shield():
+            d.wait()
+        ms = round((time.monotonic() - t0) * 1e3, 3)
+        self.events.emit("checkpoint_wait", step=step, wait_ms=ms, why=why, done=not d.busy)
 
     def after_commit(
         self, step: int, view: EpochView | None, me: Member, force: bool = False
@@ -84,8 +97,8 @@ class CommitCheckpoints:
             log.critical("%s", why)
             raise CheckpointsFail(why)
         d.prepare()  # the writer process, started before the first checkpoint is due
-        if force and d.busy:
-            d.wait()  # (the job ends after this one: it must be written)
+        if force and d.busy:  # (members leave after this one: it must be written)
+            self._wait(d, step, "a drain's checkpoint must be written")
         if d.deferred and d.busy:
             return
         if (

@@ -146,6 +146,7 @@ class Executor:
         self.healer = Healer(
             self.dp, self.registry, self.interrupter, services.heartbeat, self.events
         )
+        self.checkpoints.shield = lambda: services.heartbeat.blocked
 
     @property
     def sv(self) -> Services:

@@ -1,0 +1,79 @@
+"""Leaving safely (issue 48), the parts that need no job: the drain's checkpoint wait."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+from fastft.runtime.contract import EpochView, Member, RuntimeConfig
+from fastft.runtime.durable.commit import CommitCheckpoints
+
+
+class _Writer:
+    """A checkpoint writer still busy with the last write for ``busy_s``."""
+
+    def __init__(self, busy_s: float) -> None:
+        self.until = time.monotonic() + busy_s
+        self.failing: list[str] = []
+        self.deferred = False
+        self.staged: list[int] = []
+        self.last_step, self.last_time = 0, 0.0
+
+    @property
+    def busy(self) -> bool:
+        return time.monotonic() < self.until
+
+    def prepare(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self.until - time.monotonic()))
+
+    def save_async(self, step: int, epoch: int, state: dict) -> bool:
+        self.staged.append(step)
+        return True
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.got: list[tuple[str, dict]] = []
+
+    def emit(self, name: str, **kw: object) -> None:
+        self.got.append((name, kw))
+
+
+def test_a_drains_checkpoint_waits_for_the_writer_alive_and_says_so():
+    """A drain forces a checkpoint of its commit; the epoch's first member waits for the
+    write still in progress. The wait ran unshielded on the step's thread, the agent took
+    it for a hang and killed a healthy rank 0 (issue 48, 2): it is shielded now (the
+    heartbeat goes on), and its length is an event."""
+    shielded = threading.Event()
+    inside: list[bool] = []
+
+    @contextlib.contextmanager
+    def shield():
+        shielded.set()
+        try:
+            yield
+        finally:
+            shielded.clear()
+
+    writer, events = _Writer(busy_s=0.2), _Events()
+    wait = writer.wait
+    writer.wait = lambda: (inside.append(shielded.is_set()), wait())[1]  # type: ignore[method-assign]
+    cc = CommitCheckpoints(
+        writer,
+        RuntimeConfig(store="127.0.0.1:1", job="j", rank=0, world_size=2),
+        events,
+        lambda s: {},
+        shield,
+    )
+    me = Member(0, 1)
+    view = EpochView(1, (me, Member(1, 2)), 4, needs_state=frozenset(), source=None)
+    cc.committed(5, force=True)
+    cc.settle(view, me)
+    assert inside == [True]  # waited, inside the shield
+    assert writer.staged == [5]  # and then wrote the drain's checkpoint
+    waits = [kw for name, kw in events.got if name == "checkpoint_wait"]
+    assert len(waits) == 1 and waits[0]["wait_ms"] >= 150 and waits[0]["done"], events.got
