@@ -10,7 +10,8 @@ from fastft.runtime import read_events
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.mark.parametrize("world", ["elastic", pytest.param("fixed", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["elastic", "fixed"])
 def test_a_death_at_the_last_commit_ends_the_job(tmp_path, clean, world):
     """The last step is decided COMMIT and rank 2 dies before applying it: the survivors
     apply it, end their scripts in HEALING (the fault came after the decision) and must
@@ -50,3 +51,22 @@ def test_a_scripts_own_exit_status_is_its_failure_not_fastfts(tmp_path, clean):
     assert [e["rank"] for e in ev if e["event"] == "restart"] == [1, 2]
     exits = [e for e in ev if e["event"] == "worker_exit" and e["exit_code"] in (88, 93)]
     assert len(exits) == 2 and all(e["ending"] is None for e in exits), exits
+
+
+def test_the_last_holder_of_the_state_drained_while_a_peer_heals_stays_until_it_has_it(tmp_path):
+    """Two workers: rank 1 dies at step 5; rank 0, re-forming the epoch for its restart,
+    gets a SIGTERM (a preemption notice) there. It holds the only copy of the state: it
+    heals rank 1 first and leaves at its next commit (then, the world being fixed, starts
+    again and heals from rank 1). Before, it left at once and took the state with it."""
+    plan = [
+        {"kind": "sigkill", "rank": 1, "at_step": 5, "life": 0},
+        {"kind": "sigterm", "rank": 0, "at_step": 5, "life": 0, "point": "formation"},
+    ]
+    run = fastft_run(tmp_path, "last-holder", "--decide", "store", plan=plan, nproc=2)
+    got = finals(run)
+    assert sorted(got) == [0, 1] and len({v["digest"] for v in got.values()}) == 1, got
+    ev = read_events(run)
+    assert not any(e["event"] == "epoch" and "lost" in e for e in ev)
+    healed = [e for e in ev if e["event"] == "epoch" and e["src"] == "rank 0" and e["step"] == 5]
+    assert healed and healed[-1]["source"] == 0 and healed[-1]["needs_state"] == [1], healed
+    assert [e["step"] for e in ev if e["event"] == "drained" and e["src"] == "rank 0"] == [6]

@@ -56,6 +56,8 @@ def test_a_seed_is_a_run_bit_for_bit():
             400,
         ),
         ("elastic world", Options(elastic=True, min_replicas=2, faults=3), 500),
+        # a drain while a restarted peer still heals from the drainer (issue 48, 3)
+        ("drains and deaths", Options(kinds=("drain", "kill"), faults=2, world_size=2), 300),
         pytest.param(
             "durable tier, two ranks a node",
             Options(world_size=4, per_node=2, checkpoint_every=2, steps=8, faults=3),

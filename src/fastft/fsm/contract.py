@@ -109,8 +109,8 @@ class StepState:
     def may_end_the_job(self) -> bool:
         """A member whose script ends now ends the job (joiners waiting to be admitted need
         not wait any more): its last step committed (NORMAL, or HEALING after a fault that
-        came once the commit was decided), and it is not leaving on its own (a drain)."""
-        return self.phase in (Phase.NORMAL, Phase.HEALING) and not self.want_drain
+        came once the commit was decided). (A drained worker's end is not its script's.)"""
+        return self.phase in (Phase.NORMAL, Phase.HEALING)
 
 
 # --- events ------------------------------------------------------------------------------

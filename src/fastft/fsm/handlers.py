@@ -214,7 +214,14 @@ def peer_fault_healing(s: StepState, e: Event) -> Result:
 
 def peer_fault_drain_wait(s: StepState, e: Event) -> Result:
     assert isinstance(e, PeerFault)
-    return drain_acked(replace(s, dead=s.dead | {e.rank}), DrainAcked(e.rank))
+    s = replace(s, dead=s.dead | {e.rank})
+    if not s.members - s.dead - s.leaving - {s.rank}:
+        # It holds the last copy of the committed state: it does not take it away. It
+        # re-forms the epoch with the restarts, heals them and leaves from a later
+        # formation, or at its next commit (found by the simulator: a drain's invariant).
+        s = replace(s, phase=Phase.HEALING, acked=frozenset(), forming=True)
+        return s, (FormEpoch(exclude=s.dead | s.leaving, lost_state=s.lost_state),)
+    return drain_acked(s, DrainAcked(e.rank))
 
 
 def rollback_req_normal(s: StepState, e: Event) -> Result:

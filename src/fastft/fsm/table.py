@@ -180,9 +180,9 @@ def _build() -> dict[tuple[Phase, type[Event]], Rule]:
     row(
         [P.DRAIN_WAIT],
         PeerFault,
-        [P.DRAIN_WAIT, P.EXIT],
+        [P.DRAIN_WAIT, P.EXIT, P.HEALING],
         h.peer_fault_drain_wait,
-        "a dead member will not ack",
+        "a dead member will not ack (the last holder of the state re-forms instead)",
     )
     # rollback requests (a formation's reminder to the members it misses)
     row([P.NORMAL], RollbackRequested, _ROLLBACK, h.rollback_req_normal, "rollback_req from a peer")

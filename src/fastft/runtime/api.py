@@ -366,7 +366,7 @@ class Runtime:
             if self.engine.state.want_drain:  # every member let it go: end as drained
                 why = self.engine.state.reason or str(e)
                 self.events.emit("drained", step=self.engine.state.step, reason=why)
-                self.close()
+                self.close(finished=False)  # (it leaves; the job goes on)
                 raise Drained(why) from None
             raise
 

@@ -10,6 +10,7 @@
 * a total loss restores, starts again where ``--allow-fresh-start`` allows it, or fails
   the job with its reason, never silently, and only when no member holds the state;
   a finished job ends at the last step;
+* a drain never takes away the last copy of the committed state;
 * no false death: a member is declared dead for its silence only when it was dead,
   stopped, or something silenced it (a partition, a lost, late or failed message);
 * liveness: once the faults stop, the job commits again (or ends) within ``liveness_s``;
@@ -137,6 +138,27 @@ class Checks:
             f"{life} declared {target} dead for its silence ({target.state.phase.name}), "
             "but it was alive and nothing silenced it"
         )
+
+    def drained(self, life: Life) -> None:
+        """A drain never takes away the last copy of the committed state: when ``life``
+        leaves drained holding the newest committed step, another member holds it too (one
+        that died as ``life`` left, unknown to it, counts), or the durable tier does."""
+        w = self.w
+        step = life.held
+        done = w.outcome is not None or w.store.value(w.keys.finished)
+        joiner = life.view is None or not life.view.has(life.me.rank, life.me.incarnation)
+        if done or joiner or life.state.lost_state or life.h != w.chain[step]:
+            return
+        newest = max((o.held for o in w.lives.values() if o.alive), default=0)
+        if newest > step or w.checkpoints.get(step) == life.h:
+            return
+
+        def holds(o: Life) -> bool:
+            known_dead = not o.alive and (o.me in life.dead or o.me.rank in life.state.dead)
+            return o.held == step and o.h == life.h and not o.state.lost_state and not known_dead
+
+        if not any(o is not life and holds(o) for o in w.lives.values()):
+            self.fail(f"{life} drains holding the only copy of step {step} it knows of")
 
     def finished(self, life: Life) -> None:
         steps = self.w.opts.steps

@@ -15,6 +15,7 @@ from typing import Any
 import fastft.runtime.engine.coordinator as coordinator
 import fastft.runtime.engine.survivors as survivors
 import fastft.sim.life as life
+import fastft.sim.waits as waits
 from fastft.fsm import Deadline, DrainAcked, Phase, StepState
 from fastft.fsm.contract import Event
 from fastft.fsm.handlers import Result
@@ -140,6 +141,13 @@ def _old_same_step(mp: contextlib.ExitStack) -> None:
     _patch(mp, survivors, "close_after", same_step)
 
 
+def _old_drain_last_holder(mp: contextlib.ExitStack) -> None:
+    """A worker asked to drain while its epoch re-formed left at once, taking the state
+    with it when it was the last holder (a restarted peer still to heal from it): a total
+    loss (issue 48, 3)."""
+    _patch(mp, waits, "others_hold_state", lambda *a, **kw: True)
+
+
 def _patch(mp: contextlib.ExitStack, owner: Any, name: str, value: Any) -> None:
     old = getattr(owner, name)
     setattr(owner, name, value)
@@ -166,6 +174,7 @@ DEFECTS: dict[str, tuple[Callable[[contextlib.ExitStack], None], dict[str, Any]]
     ),
     "drain-wait": (_old_drain_wait, {"kinds": ("drain", "msg_lost")}),
     "same-step": (_old_same_step, {"kinds": ("kill",)}),
+    "drain-last-holder": (_old_drain_last_holder, {"kinds": ("drain", "kill"), "faults": 2}),
 }
 """Name -> (what puts it back, the simulator options under which to look for it)."""
 

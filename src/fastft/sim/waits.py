@@ -26,7 +26,7 @@ from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.endings import JobFinished
 from fastft.runtime.engine import decisions
 from fastft.runtime.engine.coordinator import Coordinator
-from fastft.runtime.engine.formation import JoinerWait, SurvivorWait
+from fastft.runtime.engine.formation import JoinerWait, SurvivorWait, others_hold_state
 from fastft.runtime.engine.survivors import Survivors
 from fastft.sim.ports import Host
 
@@ -142,9 +142,9 @@ class Waits:
     def form_start(self, a: FormEpoch) -> float:
         prev = self.view
         assert prev is not None
-        if self.state.want_drain:
-            raise Ended(EXIT_DRAINED, "drained (from a formation)")
         exclude = a.exclude | frozenset(m.rank for m in prev.members if m in self.dead)
+        if self.may_drain(prev, exclude):
+            raise Ended(EXIT_DRAINED, "drained (from a formation)")
         wait = self.survivors.arrive(
             prev,
             exclude,
@@ -157,14 +157,24 @@ class Waits:
         self.w.fire_due(self, "formation")
         return self.wait(("form", wait, self.action_gen), 0.0)
 
+    def may_drain(self, prev: EpochView, gone: frozenset[int]) -> bool:
+        """:meth:`fastft.runtime.engine.membership.Membership._may_drain`."""
+        s = self.state
+        return s.want_drain and others_hold_state(
+            prev, self.me, self.dead, s.step, gone | s.leaving
+        )
+
     def cancelled(self, phase: Phase, gen: int) -> bool:
         return self.state.phase is not phase or self.phase_changes != gen
 
     def _form(self, wait: SurvivorWait, gen: int) -> float:
         view = self.coord.closed(wait.epoch)
         if view is None:
-            if self.cancelled(Phase.HEALING, gen) or self.state.want_drain:
-                if self.state.want_drain:
+            prev = self.view
+            gone = frozenset(m.rank for m in prev.members) - set(wait.expected) if prev else None
+            drain = prev is not None and gone is not None and self.may_drain(prev, gone)
+            if self.cancelled(Phase.HEALING, gen) or drain:
+                if drain:
                     raise Ended(EXIT_DRAINED, "drained (from a formation)")
                 return self.back_to_drive()
             try:

@@ -23,6 +23,7 @@ from fastft.protocol import (
     Message,
     Severity,
 )
+from fastft.protocol.exits import EXIT_DRAINED
 from fastft.runtime.contract import Member
 from fastft.runtime.engine.formation import Recovery
 from fastft.sim.agents import Agents, Slot
@@ -236,6 +237,8 @@ class World(Agents):
         if not life.alive:
             return
         life.alive = False
+        if code == EXIT_DRAINED:
+            self.checks.drained(life)
         self.trace(life, f"exits ({why}; code {code}, signal {sig})")
         self.at(0.0005, "exit_seen", life.me, code, sig)
 

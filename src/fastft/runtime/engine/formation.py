@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, Member
@@ -20,6 +21,7 @@ __all__ = [
     "close_after",
     "close_first",
     "holds_state",
+    "others_hold_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,31 @@ class JoinerWait:
 def holds_state(arrived: dict[int, Arrival]) -> bool:
     """Whether any survivor arrived with the committed state."""
     return any(not a.lost for a in arrived.values())
+
+
+def others_hold_state(
+    view: EpochView | None,
+    me: Member,
+    dead: Collection[Member],
+    step: int,
+    leaving: Collection[int] = (),
+) -> bool:
+    """Whether a live member of ``view`` besides ``me`` and the ranks ``leaving`` (drains
+    announced, members left out of the next epoch) holds the committed state of ``step``:
+    any of them once a step was committed in the epoch (``step > view.step``: every heal
+    of it was done), else those it did not heal. A worker asked to drain leaves from a
+    formation at once only then; otherwise it takes part, heals the others and leaves at
+    its next commit (the last holder of the state never takes it away)."""
+    if view is None:
+        return False
+    healed = step > view.step
+    return any(
+        m != me
+        and m not in dead
+        and m.rank not in leaving
+        and (healed or m.rank not in view.needs_state)
+        for m in view.members
+    )
 
 
 def close_after(

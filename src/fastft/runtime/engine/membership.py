@@ -14,6 +14,7 @@ from fastft.runtime.contract import EpochView
 from fastft.runtime.durable.checkpoints import CheckpointError
 from fastft.runtime.endings import JobFinished, StateLost, WorkerExit
 from fastft.runtime.engine.decisions import parse_commit
+from fastft.runtime.engine.formation import others_hold_state
 from fastft.runtime.engine.sideclient import KeyCollector
 from fastft.runtime.engine.survivors import Survivors
 from fastft.runtime.groups.hsdp import heal_group, shard_source, whole_groups
@@ -146,9 +147,9 @@ class Membership:
         base = x.cancelled(Phase.HEALING)
 
         def cancelled() -> bool:
-            return base() or x.state.want_drain
+            return base() or self._may_drain(prev, exclude)
 
-        self._drain_from_formation()
+        self._drain_from_formation(prev, exclude)
         try:
             view = self.survivors.form(
                 prev,
@@ -172,7 +173,7 @@ class Membership:
             self._finished(e, f"the job finished at step {e.step} while this worker re-formed")
             raise
         if view is None:
-            self._drain_from_formation()
+            self._drain_from_formation(prev, exclude)
             return
         x.suspect_state = False  # (healed in this epoch, or the source: every state equal)
         if not view.has(x.me.rank, x.me.incarnation):
@@ -181,13 +182,24 @@ class Membership:
             return
         self.adopt(view, waited_s=time.monotonic() - t0)
 
-    def _drain_from_formation(self) -> None:
-        """A worker asked to drain while its epoch re-forms leaves at once: it has no step
-        in flight, and its peers hold the committed state too (with the durable tier, the
-        commit of any drain was checkpointed). Peers that count on it see an exit."""
-        if self.x.state.want_drain:
-            self.x.events.emit("drain_from_formation", step=self.x.state.step)
+    def _may_drain(self, prev: EpochView, gone: frozenset[int]) -> bool:
+        """Asked to drain, and another live member, not ``gone`` (leaving the epoch), holds
+        the committed state."""
+        x = self.x
+        s = x.state
+        return s.want_drain and others_hold_state(prev, x.me, x.dead, s.step, gone | s.leaving)
+
+    def _drain_from_formation(self, prev: EpochView, gone: frozenset[int]) -> None:
+        """A worker asked to drain while its epoch re-forms leaves at once if another live
+        member holds the committed state (it has no step in flight; peers that count on it
+        see an exit). The last holder stays: it heals the others and leaves at its next
+        commit (:func:`~fastft.runtime.engine.formation.others_hold_state`)."""
+        x = self.x
+        if self._may_drain(prev, gone):
+            x.events.emit("drain_from_formation", step=x.state.step)
             raise WorkerExit("drained")
+        if x.state.want_drain:
+            x.events.emit("drain_held", step=x.state.step, reason="the last holder of the state")
 
     def adopt(self, view: EpochView, waited_s: float) -> None:
         x = self.x
