@@ -134,7 +134,7 @@ def _figure(run_dir: str | Path) -> Any:
     ax.grid(axis="x", alpha=0.3)
     gp = s["goodput"]
     top.set_title(
-        f"{Path(run_dir).name}: {s['steps_committed']} steps committed, "
+        f"{Path(run_dir).name}: {s['outcome']['ended']}, {s['steps_committed']} steps committed, "
         f"{s['steps_rolled_back']} rolled back, {len(s['faults'])} faults, "
         f"{s['restarts']} restarts" + (f", goodput {gp:.2f}" if gp is not None else ""),
         fontsize=10,

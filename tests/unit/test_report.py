@@ -99,3 +99,34 @@ def test_a_job_stopped_by_the_replica_check_says_what_differed_and_where(tmp_pat
     text = render_report(tmp_path, s)
     assert "the job stopped at step 5: the replicas diverged" in text
     assert "differs: ema on ranks [2]" in text and why in text
+
+
+def test_the_report_says_how_the_job_ended_and_why(tmp_path):
+    """Finished, failed (the agent's reason), preempted, interrupted, or not ended; and a
+    status of fastft's without its record is a fault of the script's own (issue 48)."""
+    cases = {
+        "finished": [("agent_stop", {"failed": None})],
+        "failed": [("job_failed", {"reason": "rank 1: the replicas hold different state"})],
+        "preempted": [("drain", {"why": "SIGTERM"}), ("agent_stop", {"failed": None})],
+        "interrupted": [("stop", {"signal": 2}), ("agent_stop", {"failed": None})],
+        "running": [],
+    }
+    for ended, agent_events in cases.items():
+        d = tmp_path / ended
+        agent, r0 = _logs(d, "agent 0", "rank 0")
+        for step in range(3):
+            r0.emit("commit", epoch=1, step=step)
+        # an 88 the script chose (no record: ending None) is its fault, not a drain
+        agent.emit(
+            "worker_exit", rank=0, incarnation=3, exit_code=88, signal=None, life=0, ending=None
+        )
+        for name, kw in agent_events:
+            agent.emit(name, **kw)
+        _close(agent, r0)
+        s = summarize(d)
+        assert s["outcome"]["ended"] == ended and s["outcome"]["steps"] == 3, s["outcome"]
+        text = render_report(d, s)
+        assert text.splitlines()[1].startswith("the job "), text
+        assert [f["kind"] for f in s["faults"]] == ["worker_exit"], s["faults"]
+    failed = summarize(tmp_path / "failed")["outcome"]
+    assert failed["why"] == "rank 1: the replicas hold different state"

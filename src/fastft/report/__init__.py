@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fastft.process.events import read_events
-from fastft.report.outcome import no_fault
+from fastft.report.outcome import no_fault, outcome, outcome_line
 from fastft.report.shards import shards_by_step, unlogged_commits, untiled_steps
 
 __all__ = [
@@ -206,6 +206,7 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
         "total_losses": total_losses(ev),
         "offenders": offenders(ev),
         "stopped": stops(ev),
+        "outcome": outcome(ev, steps[-1] + 1 if steps else 0),
         "steps_committed": len(steps),
         "last_step": steps[-1] if steps else None,
         "steps_rolled_back": len(rolled),
@@ -391,6 +392,8 @@ def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
             f"run {s['run']} of the {s['runs']} in this directory (--run-dir used again; "
             "fastft report --run N for another)"
         )
+    if s.get("outcome"):
+        lines.append(outcome_line(s["outcome"]))
     lines.append("")
     lines.append(
         "| # | rank | fault | step | detected (ms) | survivors' next commit (ms) "
