@@ -36,10 +36,13 @@ def test_a_scripts_own_exit_status_is_its_failure_not_fastfts(tmp_path, clean):
     """A script that exits by itself with 93 (fastft's "script error") or 88 (fastft's
     "drained") gave neither reason: each is an ordinary failure of that worker, restarted
     and healed (before, the first failed the job with fastft's reason and the second passed
-    for a drain)."""
+    for a drain). Every fault is one agent line, those a worker lives through included."""
     plan = [
         {"kind": "exit", "rank": 1, "at_step": 5, "life": 0, "arg": 93},
         {"kind": "exit", "rank": 2, "at_step": 12, "life": 0, "arg": 88},
+        # and the faults a worker lives through: one agent line each too
+        {"kind": "exception", "rank": 0, "at_step": 8, "life": 0},
+        {"kind": "state_lost", "rank": 0, "at_step": 16, "life": 0},
     ]
     run = fastft_run(tmp_path, "own-status", plan=plan)
     check_s1_s3(run)
@@ -47,6 +50,9 @@ def test_a_scripts_own_exit_status_is_its_failure_not_fastfts(tmp_path, clean):
     log = (run / "launcher.log").read_text()
     for rank, code in ((1, 93), (2, 88)):
         assert f"rank {rank}.0 exited with code {code} (the script's own status" in log, log
+    lines = [x for x in log.splitlines() if x.startswith("fastft: fault: rank 0.0")]
+    assert len(lines) == 2 and "raised in step 8" in lines[0], lines
+    assert "lost its state in step 16" in lines[1], lines
     ev = read_events(run)
     assert [e["rank"] for e in ev if e["event"] == "restart"] == [1, 2]
     exits = [e for e in ev if e["event"] == "worker_exit" and e["exit_code"] in (88, 93)]

@@ -225,7 +225,11 @@ class Exits:
         if why is None:
             return
         agent.events.emit("quarantined", rank=rank, reason=why)
-        log.warning("%s: quarantined (--quarantine %s)", why, agent.config.quarantine)
+        print(  # (one fastft: line, as every fault's)
+            f"fastft: quarantine: {why} (--quarantine {agent.config.quarantine})",
+            file=sys.stderr,
+            flush=True,
+        )
         slot = agent.slots[rank]
         if slot.proc is not None and slot.proc.returncode is None and not slot.done:
             agent.children.kill(slot, signal.SIGTERM, incarnation=slot.incarnation)

@@ -27,6 +27,28 @@ class Verdicts:
 
     def __init__(self, agent: AgentPorts) -> None:
         self.agent = agent
+        self._told: set[tuple[int, int, int, int]] = set()
+        """The in-process faults already given their line: (rank, incarnation, epoch, step)."""
+
+    def _fault_line(self, m: Fault) -> None:
+        """One ``fastft:`` line for a fault a worker of ours reports of itself and lives
+        through (an exception in a step, a state loss): a process fault gets its line
+        from the exit (:func:`fastft.launch.exits.fault_line`)."""
+        slot = self.agent.slots[m.rank]
+        key = (m.rank, m.incarnation, m.epoch, m.step)
+        if key in self._told:
+            return  # (a reminder of the same fault)
+        self._told.add(key)
+        if m.severity is Severity.FAULT1:
+            what, nxt = "lost its state", "it heals from a peer"
+        else:
+            what, nxt = "raised", "the step is rolled back and run again"
+        print(
+            f"fastft: fault: rank {m.rank}.{slot.life} {what} in step {m.step} "
+            f"({m.cause[:160]}); {nxt}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def check_hang(self, slot: Slot, now: float) -> None:
         a = self.agent
@@ -78,6 +100,13 @@ class Verdicts:
 
     def on_message(self, m: Message) -> None:
         a = self.agent
+        if (  # a fault a worker of ours reports of itself, living through it: its line
+            isinstance(m, Fault)
+            and m.sender == (m.faulty_rank, m.faulty_incarnation)
+            and m.rank in a.slots
+            and a.slots[m.rank].incarnation == m.incarnation
+        ):
+            self._fault_line(m)
         if isinstance(m, DrainRequest) and m.target_node == a.config.node_rank:
             if a.draining is None:
                 a.drain(m.reason or "fastft drain --node")
