@@ -55,7 +55,14 @@ def test_ctrl_c_stops_the_job_without_tracebacks_and_report_counts_no_fault(tmp_
         text=True,
         timeout=60,
     )
-    assert json.loads(rep.stdout)["faults"] == []
+    got = json.loads(rep.stdout)
+    assert got["faults"] == [] and got["outcome"]["ended"] == "interrupted", got["outcome"]
+    # the workers are stopped first, the zygote after them (its end took ~1 s, and the
+    # workers trained on meanwhile: issue 48, 4)
+    ev = read_events(run)
+    last_exit = max(e["mono"] for e in ev if e["event"] == "worker_exit")
+    assert [e for e in ev if e["event"] == "zygote_stop" and e["mono"] < last_exit] == []
+    assert any(e["event"] == "zygote_stop" for e in ev)
 
 
 WANT = (

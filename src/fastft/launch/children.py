@@ -190,12 +190,14 @@ class Children:
                 pass
 
     def kill_all(self, slots: list[Slot], sig: int, grace_s: float) -> None:
-        """Kill the workers of ``slots``, and end the zygote."""
-        if self.zygote is not None:
-            self.zygote.stop()
+        """Kill the workers of ``slots``, then end the zygote (its end is not on the
+        workers' path: it took ~1 s, a Python with torch finalizing, before they were
+        signalled at every job end, Ctrl-C included)."""
         for slot in slots:
             slot.done = True
             self.kill(slot, sig)
+        if self.zygote is not None:
+            self.zygote.stop()
         deadline = time.monotonic() + grace_s
         while self.by_pid and time.monotonic() < deadline:
             time.sleep(0.02)

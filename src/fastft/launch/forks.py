@@ -139,13 +139,14 @@ class Zygote:
             sock, proc = self._sock, self._proc
             self._sock = None
         if sock is not None:
-            sock.close()  # (it ends at EOF)
-        if proc is not None:
+            sock.close()  # (it would end at EOF, after its interpreter's teardown: ~1 s)
+        if proc is not None and proc.poll() is None:
+            self.emit("zygote_stop", pid=proc.pid)
+            proc.kill()  # (idle, holding nothing: no need to wait for its teardown)
             try:
-                proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
                 proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.warning("the zygote (pid %d) did not end after SIGKILL", proc.pid)
 
     def _warm_up(self, proc: subprocess.Popen[bytes], sock: socket.socket, t0: float) -> None:
         """Thread: the zygote's first message (ready, or why not), then its exit."""
