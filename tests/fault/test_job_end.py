@@ -32,6 +32,7 @@ def test_a_death_at_the_last_commit_ends_the_job(tmp_path, clean, world):
     assert rank2 == [(0, None), (1, 0)], rank2  # (SIGKILLed; its restart ends as the job's)
 
 
+@pytest.mark.slow  # (make test's 10 minutes: ~35 s)
 def test_a_scripts_own_exit_status_is_its_failure_not_fastfts(tmp_path, clean):
     """A script that exits by itself with 93 (fastft's "script error") or 88 (fastft's
     "drained") gave neither reason: each is an ordinary failure of that worker, restarted
@@ -59,6 +60,7 @@ def test_a_scripts_own_exit_status_is_its_failure_not_fastfts(tmp_path, clean):
     assert len(exits) == 2 and all(e["ending"] is None for e in exits), exits
 
 
+@pytest.mark.slow  # (~15 s)
 def test_the_last_holder_of_the_state_drained_while_a_peer_heals_stays_until_it_has_it(tmp_path):
     """Two workers: rank 1 dies at step 5; rank 0, re-forming the epoch for its restart,
     gets a SIGTERM (a preemption notice) there. It holds the only copy of the state: it

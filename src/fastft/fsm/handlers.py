@@ -255,7 +255,11 @@ def decision_prepared(s: StepState, e: Event) -> Result:
     if not e.commit:
         s = replace(s, pending_fault=False)
         return _begin_rollback(s, s.reason or "decision: rollback", propose=False)
-    phase = Phase.DRAIN_COMMIT if s.want_drain else Phase.COMMIT
+    # It leaves after this commit only if the decision names it (it voted with its drain):
+    # a drain asked after its vote waits for the next one (it left unannounced, and its
+    # peers rolled the step back: seen in CI's drain tests)
+    leaves = s.want_drain and s.rank in e.leaving
+    phase = Phase.DRAIN_COMMIT if leaves else Phase.COMMIT
     s = replace(s, phase=phase, leaving=s.leaving | (e.leaving - {s.rank}), admit=e.admit)
     return s, (ApplyCommit(s.step),)
 
