@@ -257,7 +257,7 @@ def decision_prepared(s: StepState, e: Event) -> Result:
         return _begin_rollback(s, s.reason or "decision: rollback", propose=False)
     # It leaves after this commit only if the decision names it (it voted with its drain):
     # a drain asked after its vote waits for the next one (it left unannounced, and its
-    # peers rolled the step back: seen in CI's drain tests)
+    # peers rolled the step back: seen in the slow tier's drain tests, under load)
     leaves = s.want_drain and s.rank in e.leaving
     phase = Phase.DRAIN_COMMIT if leaves else Phase.COMMIT
     s = replace(s, phase=phase, leaving=s.leaving | (e.leaving - {s.rank}), admit=e.admit)
