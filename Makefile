@@ -39,7 +39,7 @@ test: $(VENV)/.installed
 test-slow: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "slow and not exhaustive" tests --ignore=tests/jax --ignore=tests/ray
 
-# the simulator's 3-member world with a fault, every interleaving (15-18 min on 2 cores:
+# the simulator's 3-member world with a fault, every interleaving (17-18 min on 2 cores:
 # run by hand after a protocol change; CI's budget has no room for it)
 test-exhaustive: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m exhaustive tests/sim

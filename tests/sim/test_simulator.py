@@ -105,7 +105,7 @@ def test_the_simulator_finds_each_defect_of_the_past(name):
         pytest.param(  # and a fault at any of them (~17 s: the slow tier)
             2, 2, 1, ("kill", "exception", "state_lost", "drain"), marks=pytest.mark.slow
         ),
-        # 3 members with a fault: ~440,000 states, 15-18 min on 2 cores (it was ~5 min
+        # 3 members with a fault: ~440,000 states, 17-18 min on 2 cores (it was ~5 min
         # before the protocol grew): beyond CI's budget, `make test-exhaustive` runs it
         pytest.param(
             3, 2, 1, ("kill", "exception"), marks=[pytest.mark.slow, pytest.mark.exhaustive]

@@ -170,9 +170,10 @@ class Waits:
     def _form(self, wait: SurvivorWait, gen: int) -> float:
         view = self.coord.closed(wait.epoch)
         if view is None:
-            prev = self.view
-            gone = frozenset(m.rank for m in prev.members) - set(wait.expected) if prev else None
-            drain = prev is not None and gone is not None and self.may_drain(prev, gone)
+            prev = wait.prev  # (the epoch being left: who is not expected leaves it)
+            drain = self.may_drain(
+                prev, frozenset(m.rank for m in prev.members) - set(wait.expected)
+            )
             if self.cancelled(Phase.HEALING, gen) or drain:
                 if drain:
                     raise Ended(EXIT_DRAINED, "drained (from a formation)")
