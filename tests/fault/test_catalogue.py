@@ -90,7 +90,9 @@ def test_gil_hang_freezes_every_python_thread():
     try:
         lines = []
         deadline = time.monotonic() + 60
-        while "hang" not in lines:
+        # (print writes its text and its newline apart: the beat thread's "beat" can land
+        # on the same line as "hang", and nothing runs after it to print another line)
+        while not any("hang" in line for line in lines):
             assert time.monotonic() < deadline
             lines.append(p.stdout.readline().decode().strip())
         # after "hang", the heartbeat thread may print a line or two, then nothing at all
