@@ -52,7 +52,7 @@ def test_every_worker_killed_in_one_step_restores_the_checkpoint(tmp_path, clean
     # next commit, so it may be a step between; one handed over is finished and waited for)
     (restored,) = {e["step"] for e in restores}
     assert len(restores) == 3 and 5 <= restored <= 17  # (17: the state step 16 committed)
-    assert all(e["lost"] >= 15 for e in restores)
+    assert all(e["lost"] == 17 for e in restores)  # (steps 0..16 committed: exactly)
     assert not [e for e in read_events(run) if e["event"] == "worker_exit" and e["signal"] == 6]
     assert not _events(run, "checkpoint_failed")
     (loss,) = summarize(run)["total_losses"]  # what `fastft report` prints
@@ -74,6 +74,41 @@ def test_a_total_loss_without_a_checkpoint_fails_the_job_and_says_why(tmp_path):
     commits = [e["step"] for e in _events(run, "commit")]
     assert max(commits) < 17 and 0 in commits  # never silently trained on from step 0 again
     assert commits.count(0) == 3  # once per worker: the first start only
+
+
+@pytest.mark.slow  # (the slow tier keeps make test under its 10 minutes)
+def test_a_total_loss_says_exactly_which_step_was_lost(tmp_path):
+    """Every worker is killed at once in the middle of step 6 (steps 0..5 committed): the
+    failure line says step 6. It said 4-5: the first member recorded a step's commit at
+    the next step's vote, and the write could still be in flight (issue 48, 5)."""
+    run = tmp_path / "exact"
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--run-dir", str(run)]
+    cmd += ["-m", "fastft.demo.train", "--", "--steps", "40", "--step-time", "0.5"]
+    with open(tmp_path / "launcher.log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                assert p.poll() is None and time.monotonic() < deadline, "step 5 not committed"
+                ev = read_events(run) if (run / "events.jsonl").exists() else []
+                done = [e for e in ev if e["event"] == "commit" and e["step"] == 5]
+                if len(done) == 3:
+                    break
+                time.sleep(0.02)
+            # mid-way through step 6's 0.5 s (the clocks: CLOCK_MONOTONIC, the same here)
+            time.sleep(max(0.0, max(e["mono"] for e in done) + 0.2 - time.monotonic()))
+            pids = [e["pid"] for e in ev if e["event"] == "worker_start"]
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            assert p.wait(timeout=120) == 1
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert max(e["step"] for e in _events(run, "commit")) == 5
+    log = (tmp_path / "launcher.log").read_text()
+    assert "every holder of the committed state (step 6) was lost" in log, log[-3000:]
+    assert {e["lost"] for e in _events(run, "state_lost")} == {6}
 
 
 @pytest.mark.slow  # (the slow tier keeps make test under its 10 minutes)

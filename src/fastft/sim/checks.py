@@ -42,6 +42,8 @@ class Checks:
         self.w = w
         self.failures: list[str] = []
         self.decisions: dict[tuple[int, int], str] = {}
+        self.applied_top = 0
+        """The committed state's step: after the last step a member applied."""
         self.views: dict[int, EpochView] = {}
         self.applied: dict[tuple[int, int], set[int]] = {}
         self.commits = 0
@@ -81,6 +83,7 @@ class Checks:
         if step in done:
             self.fail(f"S1: {life} applies step {step} twice")
         done.add(step)
+        self.applied_top = step + 1
 
     def restored(self, life: Life, step: int) -> None:
         """The life loaded the checkpoint of ``step``: the steps after it are undone (a
@@ -122,6 +125,13 @@ class Checks:
                         f"epoch {view.epoch} finds no holder of step {view.lost} while its "
                         f"member {other} holds it"
                     )
+        # A total loss says which step was lost: exactly, unless the member that records
+        # the commits (the first) died before it applied the last one (one step behind).
+        top = self.applied_top
+        if view.lost is not None and not top - 1 <= view.lost <= top:
+            self.fail(
+                f"epoch {view.epoch} says step {view.lost} was lost; step {top} was committed"
+            )
         fresh = view.lost is not None and view.restore is None and not view.fatal
         if fresh and not w.opts.allow_fresh_start and view.lost:
             self.fail(f"epoch {view.epoch} starts again from step 0 without the flag")

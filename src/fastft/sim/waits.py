@@ -94,8 +94,6 @@ class Waits:
         assert view is not None
         w.checks.vote(self, a.epoch, a.step)
         if a.agreed:  # decided by the step's collective: no store request
-            if view.index(self.rank) == 0 and a.step > 0:
-                w.store.set(w.keys.committed, str(a.step))  # (the key collector's record)
             w.checks.decision(self, a.epoch, a.step, "C")
             self.pc = ("drive",)
             self.feed(Decision(commit=True))
@@ -124,7 +122,6 @@ class Waits:
         view = self.view
         if parsed is not None and view is not None and view.index(self.rank) == 0 and step > 0:
             decisions.forget(self.w.store, self.w.keys, epoch, step - 1)  # the key collector
-            self.w.store.set(self.w.keys.committed, str(step))
         self.w.checks.decision(self, epoch, step, got)
         self.pc = ("drive",)
         self.feed(Decision(commit=parsed is not None, admit=admit, leaving=leaving))
@@ -133,6 +130,8 @@ class Waits:
     def apply(self, step: int) -> None:
         w = self.w
         w.checks.apply(self, step)
+        if self.view is not None and self.view.index(self.rank) == 0:
+            w.store.set(w.keys.committed, str(step + 1))  # (the key collector's record)
         self.h = w.next_hash(self.h, step)
         self.held = step + 1
         self.recoveries = 0

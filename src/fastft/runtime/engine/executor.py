@@ -372,11 +372,11 @@ class Executor:
                 opt.step()
             self.registry.zero_grads()
             self.registry.committed()
+        self.membership.applied(a.step)
         self.commits += 1
         self.recoveries = 0
         if self.dp.heal_pg is not None:
-            # every member voted, so every heal of the epoch is over on both of its ends
-            # (the sender's side can finish before the receiver's): the group can go
+            # every member voted: every heal of the epoch is over on both ends, the group goes
             self.dp.release_heal(pending=False)
         self.sv.heartbeat.tracking = True
         self.events.emit(

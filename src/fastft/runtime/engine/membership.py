@@ -49,6 +49,14 @@ class Membership:
             need,
         )
 
+    def applied(self, step: int) -> None:
+        """``step`` is committed here: the first member records it, off the step's path
+        (a total loss says what was lost: the last step applied, exactly, unless that
+        member died within the write's round trip)."""
+        view = self.x.view
+        if view is not None and view.index(self.x.me.rank) == 0:
+            self.collector.record(step)
+
     def take_decision_wait(self) -> float | None:
         """The last fault-free commit's wait for its decision (logged with the commit)."""
         ms, self._decision_wait_ms = self._decision_wait_ms, None
@@ -61,8 +69,6 @@ class Membership:
         assert view is not None
         t0 = time.monotonic()
         if a.agreed:  # decided by the step's collective: no store request
-            if view.index(x.me.rank) == 0 and a.step > 0:
-                self.collector.record(a.step - 1)  # (off the step's path, as put below)
             self._decision_wait_ms = 0.0
             x.feed(Decision(commit=True))
             return

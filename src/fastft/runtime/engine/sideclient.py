@@ -43,11 +43,9 @@ class SideClient:
             return False
 
     def forget(self, epoch: int, step: int) -> None:
-        """Delete the keys of decided ``step``, and record that the state after it is
-        committed (what a total loss reports as lost)."""
+        """Delete the keys of decided ``step``."""
         with self.lock:
             decisions.forget(self.store, self.keys, epoch, step)
-            self.store.set(self.keys.committed, str(step + 1))
 
     def record(self, step: int) -> None:
         """Record that the state after ``step`` is committed (what a total loss reports
@@ -72,12 +70,12 @@ class KeyCollector:
         self._thread.start()
 
     def put(self, epoch: int, step: int) -> None:
-        """Delete the keys of decided ``step`` of ``epoch``, and record it committed."""
+        """Delete the keys of decided ``step`` of ``epoch``."""
         self._queue.put((epoch, step))
 
     def record(self, step: int) -> None:
-        """Record that ``step`` is committed: a step decided by its collective left no
-        keys. At most one write in flight: a record not yet written is replaced."""
+        """Record that ``step`` is committed (applied). At most one write in flight: a
+        record not yet written is replaced."""
         with self._lock:
             first = self._latest is None
             self._latest = step
