@@ -264,6 +264,8 @@ def start_zygote(
     }
     preload = tuple(n for n in config.preload.split(",") if n)
     preload += tuple(f"?{n}" for n in script_imports(config.command) if n not in preload)
+    if config.checkpoint_dir:  # what each worker's forked checkpoint writer imports
+        preload += ("?torch.distributed.checkpoint", "?fastft.runtime.durable.disk")
     z = Zygote(output=output, preload=preload, env=env, emit=emit, preexec=preexec)
     z.start()
     why = z.wait(ZYGOTE_START_S)

@@ -49,7 +49,7 @@ import time
 import traceback
 from typing import Any
 
-from fastft.process.env import ZYGOTE_FD, ZYGOTE_PRELOAD
+from fastft.process.env import CHECKPOINT_DIR, ZYGOTE_FD, ZYGOTE_PRELOAD
 
 __all__ = ["MAX_ORDER", "main", "unsafe"]
 
@@ -211,6 +211,10 @@ def _become(order: dict[str, Any], sock: socket.socket, fds: dict[int, int], age
     os.environ.update(order["env"])
     os.chdir(order["cwd"])
     _reseed()
+    if os.environ.get(CHECKPOINT_DIR) and not order.get("call"):
+        from fastft.runtime.durable.writer import fork_writer
+
+        fork_writer()  # (one thread still: its first checkpoint finds it ready)
     argv: list[str] = order["argv"]
     if order.get("call"):  # a function of fastft's (a warm spare: fastft.launch.spare:main)
         module, _, name = order["call"].partition(":")

@@ -67,6 +67,7 @@ ZYGOTE_FD = "FASTFT_ZYGOTE_FD"
 ZYGOTE_PRELOAD = "FASTFT_ZYGOTE_PRELOAD"
 MALLOC_TUNE = "FASTFT_MALLOC_TUNE"
 INSECURE = "FASTFT_INSECURE_NO_AUTH"
+CHECKPOINT_DIR = "FASTFT_CHECKPOINT_DIR"
 
 VARIABLES: dict[str, str] = {
     # spares (set by the agent)
@@ -163,7 +164,7 @@ class WorkerEnv:
     )
     backend: str | None = _var("FASTFT_BACKEND", "process groups: auto, gloo or nccl")
     checkpoint_dir: str | None = _var(
-        "FASTFT_CHECKPOINT_DIR", "durable checkpoints of the committed state go here"
+        CHECKPOINT_DIR, "durable checkpoints of the committed state go here"
     )
     checkpoint_every: int | None = _var("FASTFT_CHECKPOINT_EVERY", "checkpoint every N steps")
     checkpoint_interval_s: float | None = _var(

@@ -11,10 +11,15 @@ its own instead, as torch's ``async_save`` with a process checkpointer:
   with its tensors as references, and where each tensor lies in the buffer);
 * the writer maps the buffer, saves with :func:`fastft.runtime.durable.checkpoints.write_checkpoint`
   and answers with the result; one write at a time.
-* The writer is started as ``python -c`` :func:`main` (not with ``multiprocessing``: a
-  spawned child would import the user's script again) on the first checkpoint, and ends
-  when told or when its pipe closes, after the write in progress: a checkpoint staged
-  just before every worker died is still completed.
+* A worker forked from the node's zygote forks its writer at its start, before the
+  script runs (:func:`fork_writer`: the process has one thread then, and torch and the
+  checkpoint modules imported): ready at once. Otherwise the writer is started as
+  ``python -c`` :func:`main` (not with ``multiprocessing``: a spawned child would import
+  the user's script again) when the first member registers, and is up ~3 s later
+  (``import torch`` and DCP): checkpoints due meanwhile waited for it, and a total loss
+  in those seconds restored an older one (issue 48, 6).
+* The writer ends when told or when its pipe closes, after the write in progress: a
+  checkpoint staged just before every worker died is still completed.
 
 Messages are pickles, length-prefixed, on the child's stdin and stdout (a pipe between two
 processes of the same job: trusted like the checkpoint directory itself).
@@ -34,7 +39,7 @@ from typing import IO, Any
 
 import torch
 
-__all__ = ["SharedBuffer", "WriterProcess", "main", "process_alive"]
+__all__ = ["SharedBuffer", "WriterProcess", "fork_writer", "main", "process_alive"]
 
 _LEN = struct.Struct("<Q")
 WRITER_NICE = 19
@@ -147,12 +152,84 @@ def views(flat: torch.Tensor, entries: list[tuple[str, list[int], int]]) -> list
     return out
 
 
+class _Child:
+    """A writer :func:`fork_writer` forked, as :class:`WriterProcess` uses a ``Popen``."""
+
+    def __init__(self, pid: int, to_writer: int, from_writer: int) -> None:
+        self.pid = pid
+        self.stdin: IO[bytes] | None = os.fdopen(to_writer, "wb")
+        self.stdout: IO[bytes] | None = os.fdopen(from_writer, "rb")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -1  # (reaped elsewhere)
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"writer {self.pid}", timeout or 0.0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+_forked: _Child | None = None
+"""The writer :func:`fork_writer` forked at this worker's start, until a write takes it."""
+
+
+def fork_writer() -> None:
+    """Fork this worker's checkpoint writer now (its first checkpoint then finds it
+    ready). Only in a process with one thread and nothing held that a fork would break: a
+    zygote's fork before the script runs (:mod:`fastft.launch.zygote`). The writer
+    ignores SIGINT (it finishes the write in progress when its worker dies) and keeps
+    stderr (the worker's); everything else it inherited is closed."""
+    global _forked
+    to_r, to_w = os.pipe()
+    from_r, from_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the writer
+        code = 1
+        try:
+            import signal
+
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            os.dup2(to_r, 0)
+            os.dup2(from_w, 1)
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+            code = main()
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(to_r)
+    os.close(from_w)
+    _forked = _Child(pid, to_w, from_r)
+
+
 class WriterProcess:
     """The worker's end: starts the writer, sends it one write at a time, waits for the
     answer (on the caller's thread: the durable tier's waiter thread)."""
 
     def __init__(self) -> None:
-        self._p: subprocess.Popen[bytes] | None = None
+        self._p: subprocess.Popen[bytes] | _Child | None = None
         self._mapped: str | None = None
 
     def write(self, buf: SharedBuffer, job: dict[str, Any]) -> dict[str, Any]:
@@ -185,9 +262,14 @@ class WriterProcess:
         """Start the writer if it is not running (it then imports torch); its pid."""
         return self._start().pid
 
-    def _start(self) -> subprocess.Popen[bytes]:
+    def _start(self) -> subprocess.Popen[bytes] | _Child:
+        global _forked
         if self._p is None or self._p.poll() is not None:
             self._mapped = None
+            forked, _forked = _forked, None
+            if forked is not None and forked.poll() is None:
+                self._p = forked
+                return forked
             self._p = subprocess.Popen(
                 [sys.executable, "-c", _MAIN],
                 stdin=subprocess.PIPE,
