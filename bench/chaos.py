@@ -60,6 +60,8 @@ from fastft.runtime import read_events  # noqa: E402
 
 KINDS = ("exception", "sigkill", "sigterm", "sigstop", "gil_hang", "segfault", "exit", "state_lost")
 ARGS = {"exit": 3.0}
+"""A kind's argument when the schedule drew none (an ``exit`` fault's status: drawn from
+1-255, fastft's own 86-94 among them, since issue 48)."""
 
 
 def schedule(
@@ -70,16 +72,35 @@ def schedule(
     overlap: float,
     overlap_delay: tuple[float, float],
     kinds: tuple[str, ...] = KINDS,
+    sigterms: int | None = None,
 ) -> list[dict[str, Any]]:
-    """The faults: (seconds after the job's first commit, rank, kind), seeded."""
+    """The faults: (seconds after the job's first commit, rank, kind, and an ``exit``'s
+    status), seeded. ``sigterms``: at most that many SIGTERMs (an elastic world: each
+    drains its rank for good), on ranks not drained before."""
     rng = random.Random(seed)
-    out, t = [], rng.uniform(*every)
+    out: list[dict[str, Any]] = []
+    drained: set[int] = set()
+
+    def draw(t: float) -> None:
+        rank, kind = rng.randrange(nproc), rng.choice(kinds)
+        if sigterms is not None and kind == "sigterm":
+            if len(drained) >= sigterms or rank in drained:
+                kind = rng.choice([k for k in kinds if k != "sigterm"] or ["sigkill"])
+            else:
+                drained.add(rank)
+        if sigterms is not None and rank in drained and kind != "sigterm":
+            rank = rng.choice([r for r in range(nproc) if r not in drained])
+        f: dict[str, Any] = {"t": round(t, 3), "rank": rank, "kind": kind}
+        if kind == "exit":
+            f["arg"] = float(rng.randint(1, 255))
+        out.append(f)
+
+    t = rng.uniform(*every)
     while t < duration_s:
-        out.append({"t": round(t, 3), "rank": rng.randrange(nproc), "kind": rng.choice(kinds)})
+        draw(t)
         if rng.random() < overlap:
-            t2 = t + rng.uniform(*overlap_delay)
-            out.append({"t": round(t2, 3), "rank": rng.randrange(nproc), "kind": rng.choice(kinds)})
-            t = t2
+            t += rng.uniform(*overlap_delay)
+            draw(t)
         t += rng.uniform(*every)
     return out
 
@@ -243,7 +264,7 @@ def _inject(
                     target_rank=f["rank"],
                     fault_kind=f["kind"],
                     at_step=NO_STEP,
-                    arg=ARGS.get(f["kind"], 0.0),
+                    arg=f.get("arg", ARGS.get(f["kind"], 0.0)),
                 )
             )
             sent.append({**f, "mono": time.monotonic()})
@@ -504,7 +525,7 @@ def _plan(out: Path, faults: list[dict[str, Any]], steps: int) -> Path:
                 "rank": f["rank"],
                 "at_step": (i + 1) * per,
                 "life": lives[f["rank"]],
-                "arg": ARGS.get(f["kind"], 0.0),
+                "arg": f.get("arg", ARGS.get(f["kind"], 0.0)),
             }
         )
         if f["kind"] not in ("exception", "state_lost"):  # the others end the process
@@ -584,7 +605,7 @@ def main() -> int:
         "--kinds",
         default=",".join(KINDS),
         help="the catalogue's kinds to draw from (an elastic world: a SIGTERM drains its "
-        "rank for good, so leave sigterm out of a long soak)",
+        "rank for good, so at most --nproc minus --min-replicas are drawn)",
     )
     ap.add_argument("--overlap-delay", type=float, nargs=2, default=(0.02, 0.5))
     ap.add_argument("--step-time", type=float, default=0.03)
@@ -644,7 +665,16 @@ def main() -> int:
     kinds = tuple(k for k in a.kinds.split(",") if k)
     if not kinds or set(kinds) - set(KINDS):
         ap.error(f"--kinds {a.kinds!r}: use kinds of {', '.join(KINDS)}")
-    faults = schedule(a.seed, a.duration, a.nproc, a.every, a.overlap, a.overlap_delay, kinds)
+    faults = schedule(
+        a.seed,
+        a.duration,
+        a.nproc,
+        a.every,
+        a.overlap,
+        a.overlap_delay,
+        kinds,
+        sigterms=a.nproc - a.min_replicas if a.min_replicas else None,
+    )
     # steps: about --duration of training at the reference rate with the faults' cost
     steps = a.steps or max(100, int(a.duration / (a.step_time + 0.006) * 0.5))
     print(f"chaos: {len(faults)} faults over {a.duration:.0f} s, {steps} steps, out {out}")
