@@ -1,0 +1,35 @@
+"""The docs agree with the code where a newcomer acts on them: the exit statuses."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from fastft.protocol import exits
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_the_status_tables_are_protocol_exits():
+    text = (ROOT / "docs" / "operating.md").read_text()
+    rows = dict(re.findall(r"^\| (\d+) \| `(EXIT_\w+)` \|", text, re.MULTILINE))
+    assert {int(k): v for k, v in rows.items()} == {
+        getattr(exits, name): name
+        for name in exits.__all__
+        if name.startswith("EXIT_") and getattr(exits, name) in exits.FASTFT_STATUSES
+    }
+    job = dict(re.findall(r"^\| (\d+) \| (?!`)(.+?) \|$", text, re.MULTILINE))
+    assert "failed" in job[str(exits.JOB_FAILED)]
+    assert "Ctrl-C" in job[str(exits.JOB_INTERRUPTED)]
+    assert "SIGTERM" in job[str(exits.JOB_PREEMPTED)]
+
+
+def test_no_doc_says_a_sigterm_ends_the_job_with_0():
+    """`fastft run` exits 143 after a SIGTERM (the docs said 0 in two places)."""
+    wrong = [
+        f"{p.name}: {m.group(0)}"
+        for p in DOCS
+        for m in re.finditer(r"SIGTERM[^.|]*?\bexits? (?:with )?0\b", p.read_text())
+    ]
+    assert wrong == []
