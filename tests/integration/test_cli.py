@@ -82,6 +82,19 @@ def test_bad_flags_and_unreachable_stores_give_one_line_and_exit_2(args, secret)
     assert lines[0].startswith("fastft") and "error" in lines[0]
 
 
+@pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        (["run", "--nprocs", "2", "-m", "fastft.demo.train"], "did you mean --nproc"),
+        (["run", "--chekpoint-dir=/tmp/c", "-m", "m"], "did you mean --checkpoint-dir"),
+        (["report", "--jsn", "RUN"], "did you mean --json"),
+    ],
+)
+def test_a_flag_typo_gets_a_suggestion(args, hint):
+    r = fastft(*args, env={"FASTFT_STORE": ""})
+    assert r.returncode == 2 and hint in r.stderr, r
+
+
 @pytest.mark.parametrize("cmd", [["inject", "--rank", "0", "--kind", "sigkill"],
                                  ["report-error", "--rank", "0", "--cause", "x"],
                                  ["bus", "tail", "--count", "1"]])  # fmt: skip

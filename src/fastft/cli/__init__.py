@@ -45,7 +45,32 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            message += _did_you_mean(self, message.split(":", 1)[1].split())
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """ "; did you mean --nproc?" for a flag that is one typo away from one of the
+    parser's or its subcommands' flags."""
+    import difflib
+
+    known: set[str] = set()
+    todo = [parser]
+    while todo:
+        p = todo.pop()
+        for action in p._actions:  # noqa: SLF001 - argparse keeps its actions there
+            known.update(s for s in action.option_strings if s.startswith("--"))
+            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001 - (the same)
+                todo.extend(action.choices.values())
+    hints = []
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag, sorted(known), n=1, cutoff=0.75)
+            if close:
+                hints.append(f"did you mean {close[0]} (for {flag})?")
+    return "; " + "; ".join(hints) if hints else ""
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
