@@ -11,7 +11,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
+
+# torchdata's StatefulDataLoader calls torch.set_vital, which torch deprecated: a warning at
+# each loader's construction, in every worker life, that no script can act on (issue 53)
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 if TYPE_CHECKING:
     from fastft.runtime import Batches, Runtime, RuntimeConfig, Transaction, init

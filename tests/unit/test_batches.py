@@ -167,3 +167,19 @@ def test_a_step_digest_covers_every_batch_the_step_drew():
     assert b.digest not in (None, one)
     b.start_step()
     assert b.digest is None
+
+
+def test_a_stateful_loader_built_after_import_fastft_warns_nothing():
+    """torchdata's deprecated torch.set_vital call warned at every worker life (issue 53)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import fastft\n"
+        "from torchdata.stateful_dataloader import StatefulDataLoader\n"
+        "StatefulDataLoader(list(range(4)))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0 and "set_vital" not in r.stderr, r.stderr
