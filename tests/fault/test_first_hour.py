@@ -72,7 +72,12 @@ WANT = (
 def test_the_agent_serves_prometheus_metrics_while_the_job_runs(tmp_path: Path):
     run = tmp_path / "metrics"
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"faults": [{"kind": "exception", "rank": 1, "at_step": 5}]}))
+    # (and one the job never reaches: its end says so, issue 53)
+    faults = [
+        {"kind": "exception", "rank": 1, "at_step": 5},
+        {"kind": "sigkill", "rank": 0, "at_step": 99},
+    ]
+    plan.write_text(json.dumps({"faults": faults}))
     cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2", "--metrics-port", "0"]
     cmd += ["--inject", str(plan), "--run-dir", str(run), "-m", "fastft.demo.train", "--"]
     p = subprocess.Popen(
@@ -99,6 +104,10 @@ def test_the_agent_serves_prometheus_metrics_while_the_job_runs(tmp_path: Path):
         _, err = p.communicate(timeout=120)
     assert p.returncode == 0, err[-3000:]
     assert all(want in text for want in WANT), text
+    never = (
+        "fastft: warning: planned fault never fired: sigkill on rank 0 at step 99: the job ended"
+    )
+    assert never in err and "never fired: exception" not in err, err[-3000:]
     committed = next(
         float(x.split()[1]) for x in text.splitlines() if x.startswith("fastft_committed_steps ")
     )

@@ -130,3 +130,38 @@ def test_the_report_says_how_the_job_ended_and_why(tmp_path):
         assert [f["kind"] for f in s["faults"]] == ["worker_exit"], s["faults"]
     failed = summarize(tmp_path / "failed")["outcome"]
     assert failed["why"] == "rank 1: the replicas hold different state"
+
+
+def test_planned_faults_that_never_fired_are_listed_with_why(tmp_path):
+    """A fault without ``life`` on a rank restarted before its step never fires, and a
+    fault after the job's last step neither; both were silent (issue 53)."""
+    plan = [
+        {"kind": "sigkill", "rank": 1, "at_step": 2, "life": 0, "point": "step"},
+        {"kind": "exception", "rank": 1, "at_step": 4, "life": 0, "point": "step"},
+        {"kind": "exception", "rank": 0, "at_step": 50, "life": 0, "point": "step"},
+    ]
+    agent, r0, r1 = _logs(tmp_path, "agent 0", "rank 0", "rank 1")
+    agent.emit("agent_start", nproc=2, plan=plan)
+    r0.emit("worker_start", incarnation=10, life=0)
+    r1.emit("worker_start", incarnation=11, life=0)
+    for step in range(2):
+        r0.emit("commit", epoch=1, step=step)
+    r1.emit("injected", kind="sigkill", point="step", step=2, epoch=1, incarnation=11)
+    r1.emit("worker_start", incarnation=12, life=1)
+    for step in range(2, 6):
+        r0.emit("commit", epoch=2, step=step)
+    agent.emit("agent_stop", failed=None)
+    _close(agent, r0, r1)
+    s = summarize(tmp_path)
+    got = [(f["rank"], f["at_step"], f["why"]) for f in s["outcome"]["unfired"]]
+    assert got == [
+        (
+            1,
+            4,
+            "rank 1's life 0 ended before step 4: a fault fires in one life of its rank "
+            '(0 unless it says "life")',
+        ),
+        (0, 50, "the job ended before step 50"),
+    ]
+    text = render_report(tmp_path, s)
+    assert "planned fault never fired: exception on rank 1 at step 4" in text, text

@@ -132,6 +132,12 @@ class FaultSpec:
         return d
 
 
+def planned(path: str | Path | None) -> list[dict[str, Any]] | None:
+    """The faults of the plan at ``path`` as dicts (what the agent's ``agent_start`` event
+    records, for the faults that never fire), or None without one."""
+    return None if path is None else [f.to_dict() for f in FaultPlan.load(path).faults]
+
+
 @dataclass(frozen=True)
 class FaultPlan:
     faults: tuple[FaultSpec, ...] = field(default_factory=tuple)

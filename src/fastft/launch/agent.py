@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fastft.inject.plan import planned
 from fastft.launch.children import Children, Slot, die_with_parent
 from fastft.launch.config import LaunchConfig
 from fastft.launch.control import ControlPlane
@@ -35,7 +36,7 @@ from fastft.launch.offenders import Offenders
 from fastft.launch.output import Output
 from fastft.launch.spare import order_line
 from fastft.launch.spares import SparePool
-from fastft.launch.verdicts import Verdicts
+from fastft.launch.verdicts import Verdicts, warn_unfired
 from fastft.launch.workerenv import cpu_warnings, worker_environment, workers_line
 from fastft.process.env import insecure
 from fastft.process.events import EventLog
@@ -138,6 +139,7 @@ class Agent:
             node_rank=cfg.node_rank,
             world_size=cfg.world_size,
             pid=os.getpid(),
+            plan=planned(cfg.inject),
         )
         if insecure():
             print(
@@ -177,6 +179,7 @@ class Agent:
                 self._start_spare(self.spares.gpu_of(i))
             self._watch()
             code = self._finish()
+            warn_unfired(self.run_dir, set(self.slots))
         finally:
             if self.lease is not None:
                 self.lease.close()

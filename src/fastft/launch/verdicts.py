@@ -9,6 +9,7 @@ its own is dead: the kill that restarts it). The agent's part for them, as
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import fastft.launch.policy as policy
@@ -141,3 +142,15 @@ class Verdicts:
                 who = "a monitor" if m.role is Role.MONITOR else f"rank {m.rank}"
                 slot.declared = (slot.incarnation, f"declared dead by {who}: {m.cause[:120]}")
                 a.children.kill(slot)
+
+
+def warn_unfired(run_dir: Path, ranks: set[int]) -> None:
+    """At the job's end, a ``fastft:`` line for each fault of the ``--inject`` plan on
+    ``ranks`` that no worker fired (a fault without ``life`` on a rank restarted before its
+    step never fires, and nothing said so)."""
+    from fastft.process.events import read_events
+    from fastft.report.outcome import unfired, unfired_line
+
+    for f in unfired(read_events(run_dir)):
+        if f["rank"] in ranks:
+            print(f"fastft: warning: {unfired_line(f)}", file=sys.stderr, flush=True)

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastft.protocol.exits import ENDS_THE_JOB, EXIT_DRAINED
 
-__all__ = ["no_fault", "outcome", "outcome_line"]
+__all__ = ["no_fault", "outcome", "outcome_line", "unfired"]
 
 _JOB_ENDING = (EXIT_DRAINED, *ENDS_THE_JOB)
 """Worker exit statuses that are no fault of their own: a drain, or the job that cannot go
@@ -43,14 +43,67 @@ def outcome(ev: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         ended, why = "finished", None
     else:
         ended, why = "running", "no agent has stopped: still running, or its agent was killed"
-    return {"ended": ended, "why": why, "steps": steps}
+    return {"ended": ended, "why": why, "steps": steps, "unfired": unfired(ev)}
+
+
+def unfired(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The faults of the ``--inject`` plan (the agents' ``agent_start`` events carry it)
+    that no worker fired, each with ``why`` when the events tell: the rank's planned life
+    ended before the step (a fault fires in one life, 0 unless it says ``life``), or the
+    job ended before it."""
+    life_of = {
+        (e["src"], e.get("incarnation")): e.get("life", 0)
+        for e in ev
+        if e["event"] == "worker_start"
+    }
+    lives: dict[str, int] = {}
+    for (src, _), life in life_of.items():
+        lives[src] = max(lives.get(src, 0), life)
+    fired = {
+        (e["src"], life_of.get((e["src"], e.get("incarnation"))), e.get("kind"), e.get("step"))
+        for e in ev
+        if e["event"] == "injected"
+    }
+    top = max((e["step"] for e in ev if e["event"] == "commit"), default=-1)
+    out = []
+    for plan in (e.get("plan") or [] for e in ev if e["event"] == "agent_start"):
+        for f in plan:
+            src = f"rank {f['rank']}"
+            at = f.get("at_step")
+            if (
+                (src, f.get("life", 0), f["kind"], at) in fired
+                or at is None
+                and any(
+                    x[0] == src and x[1] == f.get("life", 0) and x[2] == f["kind"] for x in fired
+                )
+            ):
+                continue
+            why = None
+            if lives.get(src, 0) > f.get("life", 0):
+                why = (
+                    f"{src}'s life {f.get('life', 0)} ended before step {at}: a fault fires "
+                    'in one life of its rank (0 unless it says "life")'
+                )
+            elif at is not None and top < at:
+                why = f"the job ended before step {at}"
+            out.append({**f, "why": why})
+    return out
+
+
+def unfired_line(f: dict[str, Any]) -> str:
+    """One line for a planned fault that never fired."""
+    at = "at once" if f.get("at_step") is None else f"at step {f['at_step']}"
+    point = "" if f.get("point", "step") == "step" else f" ({f['point']})"
+    why = f": {f['why']}" if f.get("why") else ""
+    return f"planned fault never fired: {f['kind']} on rank {f['rank']} {at}{point}{why}"
 
 
 def outcome_line(o: dict[str, Any]) -> str:
     """The report's first line about how the job ended."""
     verb = _VERBS.get(o["ended"], o["ended"])
     why = f": {o['why']}" if o.get("why") else ""
-    return f"the job {verb} after {o['steps']} steps committed{why}"
+    lines = [f"the job {verb} after {o['steps']} steps committed{why}"]
+    return "\n".join([*lines, *(unfired_line(f) for f in o.get("unfired", []))])
 
 
 _VERBS = {
