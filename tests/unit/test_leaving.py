@@ -106,3 +106,30 @@ def test_a_job_end_signals_the_workers_before_it_ends_the_zygote():
     children.kill_all(slots, signal.SIGKILL, grace_s=0.0)
     assert order[:3] == ["rank 0", "rank 1", "zygote"]
     assert all(s.done for s in slots)
+
+
+def test_a_collective_after_a_peers_fault_tore_the_group_down_is_that_fault():
+    """tx.allreduce() in a step whose group a peer's death had torn down raised 'no process
+    group: collectives run inside ft.transaction()', a second fault that blamed the script
+    (issue 53): it is the step's interruption now; outside a fault the error stays."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from fastft.fsm import Phase
+    from fastft.interrupt import StepInterrupted
+    from fastft.runtime.api import Runtime
+
+    def rt(phase: Phase) -> SimpleNamespace:
+        state = SimpleNamespace(phase=phase, epoch=3, step=17)
+        dp = SimpleNamespace(pg=None)
+        return SimpleNamespace(
+            interrupter=SimpleNamespace(check=lambda: None),
+            engine=SimpleNamespace(dp=dp, state=state),
+        )
+
+    with pytest.raises(StepInterrupted) as e:
+        Runtime.require_pg(rt(Phase.HEALING))  # type: ignore[arg-type]
+    assert (e.value.epoch, e.value.step) == (3, 17)
+    with pytest.raises(RuntimeError, match="no process group"):
+        Runtime.require_pg(rt(Phase.NORMAL))  # type: ignore[arg-type]

@@ -165,3 +165,14 @@ def test_planned_faults_that_never_fired_are_listed_with_why(tmp_path):
     ]
     text = render_report(tmp_path, s)
     assert "planned fault never fired: exception on rank 1 at step 4" in text, text
+
+
+def test_a_long_cause_is_shortened_at_a_word(tmp_path):
+    """The report cut causes at 60 characters, mid-word ("... inside ft.tr"; issue 53)."""
+    agent, r0 = _logs(tmp_path, "agent 0", "rank 0")
+    cause = "RuntimeError: the loader's worker 3 died unexpectedly while prefetching batch 1234"
+    r0.emit("local_fault", step=4, epoch=1, severity="FAULT2", cause=cause, incarnation=1)
+    _close(agent, r0)
+    text = render_report(tmp_path, summarize(tmp_path))
+    want = "| local_fault: RuntimeError: the loader's worker 3 died unexpectedly while ... |"
+    assert want in text, text

@@ -8,6 +8,7 @@ next committed a step (recovery), and when a restarted worker committed again (r
 from __future__ import annotations
 
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,7 @@ _FAULT_EVENTS = (
     *_PROCESS_EVENTS,
 )
 _ENDS = ("stop", "job_failed")
-"""The agent stops the job (Ctrl-C, a second SIGTERM) or fails it: the exits it causes
-then are no faults."""
+"""The agent stops the job (Ctrl-C, a second SIGTERM) or fails it: its kills are no faults."""
 
 
 def runs(ev: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -84,7 +84,7 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
         t = e["mono"]
         recent = [f for f in faults if t - f["t"] < 1.0]
         # one fault: an injection, then the local exception / exit / stop / hang it caused
-        # (same life of the same worker; a hang is seen only after the hang timeout)
+        # (same life of the same worker; a hang is seen after the hang timeout only)
         same = None  # each injection is a fault of its own
         if name != "injected":
             same = next(
@@ -406,9 +406,9 @@ def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
             return "-" if v is None else f"{v:.1f}"
 
         recover = "- (no survivor)" if f.get("total_loss") else fmt(f["recover_ms"])
+        cause = textwrap.shorten(f.get("cause") or "", 72, placeholder=" ...")  # (whole words)
         lines.append(
-            f"| {i} | {f['rank']} | {f['kind']}"
-            + (f": {f['cause'][:60]}" if f.get("cause") else "")
+            f"| {i} | {f['rank']} | {f['kind']}{': ' + cause if cause else ''}"
             + (f" (+{f['secondary']} peer collectives failed)" if f["secondary"] else "")
             + f" | {f['step'] if f['step'] is not None else '-'} "
             f"| {fmt(f['detect_ms'])} | {recover} | {fmt(f['rejoin_ms'])} |"

@@ -27,7 +27,7 @@ import fastft.process.malloc as malloc
 from fastft.bus import connect_store
 from fastft.bus.signed import SignedStore
 from fastft.fsm import DrainRequested, Phase, Shutdown, StepState
-from fastft.interrupt import Interrupter
+from fastft.interrupt import Interrupter, StepInterrupted
 from fastft.process.env import SPARE_RUN_AHEAD, insecure
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import HeartbeatWriter
@@ -405,6 +405,11 @@ class Runtime:
         self.interrupter.check()
         pg = self.engine.dp.pg
         if pg is None:
+            s = self.engine.state
+            if s.phase is not Phase.NORMAL:  # a peer's fault tore the epoch's group down
+                # (before this step's interrupt: part of that fault, not one of this rank's)
+                why = f"the process group of epoch {s.epoch} is gone ({s.phase.name})"
+                raise StepInterrupted(why, epoch=s.epoch, step=s.step)
             raise RuntimeError("no process group: collectives run inside ft.transaction()")
         return pg
 
