@@ -29,6 +29,10 @@ def test_a_script_that_cannot_start_fails_the_job_after_one_round(tmp_path: Path
     # the traceback once; the other rank's (or life's) is one line pointing at it
     assert p.stderr.count("Traceback (most recent call last)") == 1, p.stderr[-3000:]
     assert "(the same traceback as rank " in p.stderr, p.stderr[-3000:]
+    # the script's frame first, as python prints it (the zygote's and runpy's came first)
+    lines = p.stderr.splitlines()
+    first = lines[next(i for i, x in enumerate(lines) if "Traceback (most recent" in x) + 1]
+    assert first.endswith(f'File "{script}", line 2, in <module>'), p.stderr[-3000:]
     spawns = [e for e in read_events(run) if e["event"] == "spawn"]
     # once both first lives failed (the first to fail may have started again meanwhile),
     # not after --max-restarts 3 rounds
