@@ -137,3 +137,20 @@ def test_the_agents_pure_modules_import_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", f"importing {pure} imports torch"
+
+
+def test_the_agents_flag_checks_import_no_torch():
+    """`fastft run`'s flag errors took 3-4 s: importing fastft.runtime.contract imported the
+    runtime's api, and torch with it (issues 49, 53)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from fastft.launch.config import LaunchConfig\n"
+        "LaunchConfig(command=('-m', 'fastft.demo.train'), nproc=2)\n"
+        "import fastft.runtime, fastft.runtime.contract, fastft.runtime.checks\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]

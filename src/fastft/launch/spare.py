@@ -50,7 +50,7 @@ def warm_imports() -> None:
 
     import torch.distributed  # noqa: F401
 
-    importlib.import_module("fastft.runtime")  # what the worker it becomes imports
+    importlib.import_module("fastft.runtime.api")  # what the worker it becomes imports
 
 
 def _warm_up() -> None:
