@@ -33,3 +33,13 @@ def test_no_doc_says_a_sigterm_ends_the_job_with_0():
         for m in re.finditer(r"SIGTERM[^.|]*?\bexits? (?:with )?0\b", p.read_text())
     ]
     assert wrong == []
+
+
+def test_the_readme_fits_a_first_read_and_its_links_resolve():
+    """At most 300 lines (issue 53: it was 377); every relative link names a file."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    links = re.findall(r"\]\(((?!https?:)[^)#]+)(?:#[^)]*)?\)", text)
+    assert links and [p for p in links if not (ROOT / p).exists()] == []
+    named = re.findall(r"\b(docs/\w+\.md)\b", text)
+    assert [p for p in named if not (ROOT / p).exists()] == []
