@@ -6,19 +6,24 @@ restarts a replica that dies (the restarted one heals from a live peer):
 
     fastft run --torchft fastft --nproc 3 examples/torchft_ddp.py --steps 200
 
-Under torchrun (or any launcher): one store for the job that every replica group reaches,
-torchft's lighthouse, and each replica group told where the bus is (``--bus``):
+Under torchrun (or any launcher): a job secret every replica reads, one store for the job
+that every replica group reaches, torchft's lighthouse, and each replica group told where
+the bus is (``--bus``); run from the repository's root:
 
+    fastft secret new /tmp/ddp.secret
     fastft store --bind 127.0.0.1:29600 &
-    torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000 &
-    REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=2 TORCHFT_LIGHTHOUSE=http://localhost:29510 \
-      torchrun --nproc-per-node 1 --master-port 29501 examples/torchft_ddp.py \
-      --bus 127.0.0.1:29600 --job demo
-    # ... and the same with REPLICA_GROUP_ID=1 and --master-port 29502
+    torchft_lighthouse --bind 127.0.0.1:29510 --min_replicas 2 --join_timeout_ms 10000 &
+    REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=2 TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 \
+      FASTFT_SECRET_FILE=/tmp/ddp.secret torchrun --nproc-per-node 1 --master-port 29501 \
+      examples/torchft_ddp.py --bus 127.0.0.1:29600 --job demo &
+    REPLICA_GROUP_ID=1 NUM_REPLICA_GROUPS=2 TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 \
+      FASTFT_SECRET_FILE=/tmp/ddp.secret torchrun --nproc-per-node 1 --master-port 29502 \
+      examples/torchft_ddp.py --bus 127.0.0.1:29600 --job demo
 
 A replica's exception then reaches its peers in milliseconds instead of a timeout (nobody
 watches for processes that die there: torchft's timeouts handle those). Each replica
 prints its final step and a digest of its parameters (all replicas print the same one).
+``tests/fault/test_torchft.py`` runs these lines as written, on ports of its own.
 """
 
 import argparse

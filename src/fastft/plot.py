@@ -181,7 +181,7 @@ def write_html(run_dir: str | Path, out: str | Path) -> Path:
     plt.close(fig)
     png = base64.b64encode(buf.getvalue()).decode()
     text = html.escape(render_report(run_dir, summarize(run_dir)))
-    title = html.escape(f"fastft run {Path(run_dir).name}")
+    title = html.escape(f"fastft: the run in {Path(run_dir).name}")
     Path(out).write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head>"
         f"<body><h1>{title}</h1><img alt='timeline' src='data:image/png;base64,{png}'>"

@@ -138,3 +138,29 @@ def test_forgetting_register_fails_the_job_once_with_the_reason_and_no_abort(tmp
     exits = [e for e in read_events(tmp_path / "run") if e["event"] == "worker_exit"]
     # no abort (a life started meanwhile is killed when the job fails: SIGKILL)
     assert all(e["signal"] in (None, signal.SIGKILL) for e in exits), exits
+
+
+@pytest.mark.timeout(300)
+def test_the_demo_explains_itself_and_ends_with_the_next_steps(tmp_path: Path):
+    """Its table's columns said nothing of what they measure from, it warned about its
+    own CPU use, the report's heading read as a command, and it ended without a next step
+    (issue 53)."""
+    cmd = [sys.executable, "-m", "fastft.cli", "demo", "--steps", "60", "--nproc", "3"]
+    p = subprocess.run(
+        [*cmd, "--run-dir", str(tmp_path), "--no-live"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "WARNING" not in out, out[-3000:]
+    assert f"Report of the run in {tmp_path / 'faulty'}" in p.stdout
+    assert "survivors' next commit, when they committed a step again" in p.stdout
+    tail = p.stdout.strip().splitlines()[-4:]
+    assert "S5 equivalence (the run with faults ends bitwise equal" in tail[0], tail
+    assert "HOLDS" in tail[0] and tail[1].startswith("Next: wrap your own training loop"), tail
+    assert (
+        tail[-1]
+        == f"and see this run's timeline: fastft report {tmp_path / 'faulty'} --plot timeline.png"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 import pytest
 from hypothesis import given
@@ -147,7 +148,10 @@ def test_the_agent_sets_omp_threads_as_torchrun_does_and_counts_threads():
     environ = {"OMP_NUM_THREADS": "4"}  # the user's own: kept, and its threads counted
     lines = cpu_warnings(cfg, environ, cores=2)
     assert environ["OMP_NUM_THREADS"] == "4"
-    assert len(lines) == 1 and "2 worker and spare processes x 4 thread(s)" in lines[0]
+    assert len(lines) == 1 and "2 workers x 4 threads" in lines[0]
+    environ = {}  # 7 workers on 2 cores, one thread each (the demo's 4 and 3 spares): no warning
+    many = LaunchConfig(command=(sys.executable, "train.py"), nproc=7, warm_spares=3)
+    assert [x for x in cpu_warnings(many, environ, cores=2) if "WARNING" in x] == []
     environ = {}  # one worker: torch's own default
     assert cpu_warnings(LaunchConfig(command=("x.py",), nproc=1), environ, cores=2) == []
     assert "OMP_NUM_THREADS" not in environ

@@ -149,6 +149,7 @@ def run_demo(
     figures = summarize(root / "faulty")
     print()
     print(render_report(root / "faulty", figures))
+    print(LEGEND)
     recovered = all(f["recovered"] for f in figures["faults"]) and len(figures["faults"]) >= 4
     print()
     if elastic:
@@ -162,7 +163,23 @@ def run_demo(
         equal = code == 0 and len(clean) == 1 and clean == faulty
         print(f"final state digest, fault-free: {sorted(clean)}  with faults: {sorted(faulty)}")
     print(
-        f"S5 equivalence: {'HOLDS' if equal else 'FAILED'}; every fault recovered: "
+        f"S5 equivalence (the run with faults ends "
+        f"{'as the fault-free one' if elastic else 'bitwise equal to the fault-free one'}): "
+        f"{'HOLDS' if equal else 'FAILED'}; every fault recovered: "
         f"{'yes' if recovered else 'NO'}; {time.monotonic() - t0:.0f} s"
     )
+    print(
+        "\nNext: wrap your own training loop (README, 'Wrapping a training loop'), then\n"
+        f"  fastft run --nproc 4 train.py\n"
+        f"and see this run's timeline: fastft report {root / 'faulty'} --plot timeline.png"
+    )
     return 0 if equal and recovered else 1
+
+
+LEGEND = """
+Each row is one fault, its times from the moment it happened: detected, when the first
+other worker was interrupted; survivors' next commit, when they committed a step again
+(training goes on); restarted worker committing, when the replaced worker committed
+again (a warm spare, or a restart that healed its state from a peer). Last line: epochs
+count the memberships (one more per recovery), heals the state transfers (the first
+start's included), goodput the committed steps x the median step over the run's time."""

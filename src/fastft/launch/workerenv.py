@@ -99,9 +99,11 @@ def cpu_warnings(cfg: LaunchConfig, environ: dict[str, str] | Any, cores: int) -
     one thread per core: ``nproc`` workers then compete for every core (a step 3.2x slower
     with 2 workers on 2 cores). The agent sets it in ``environ`` (its own environment,
     which workers and spares inherit) to the cores over the workers, at least 1, and says
-    so; then warns if the workers' and spares' threads still outnumber the cores."""
+    so; then warns if the workers' threads, more than one each, outnumber the cores. Warm
+    spares wait idle, and one thread per worker is the least there is: more workers than
+    cores is the command's own choice (torchrun says nothing either; the demo warned about
+    itself)."""
     out: list[str] = []
-    procs = cfg.nproc + cfg.warm_spares
     threads = cfg.env.get("OMP_NUM_THREADS") or environ.get("OMP_NUM_THREADS")
     if threads is None and cfg.nproc > 1:
         threads = str(max(1, cores // cfg.nproc))
@@ -111,11 +113,11 @@ def cpu_warnings(cfg: LaunchConfig, environ: dict[str, str] | Any, cores: int) -
             "cores); set it yourself to tune it"
         )
     per = int(threads) if threads and threads.isdigit() and int(threads) > 0 else 1
-    if procs * per > cores:
+    if per > 1 and cfg.nproc * per > cores:
         out.append(
-            f"WARNING: {procs} worker and spare processes x {per} thread(s) on {cores} CPU "
+            f"WARNING: {cfg.nproc} workers x {per} threads (OMP_NUM_THREADS) on {cores} CPU "
             "core(s): they will compete for the cores (steps slow down, timeouts fire "
-            "sooner); lower --nproc, --warm-spares or OMP_NUM_THREADS"
+            "sooner); lower OMP_NUM_THREADS or --nproc"
         )
     return out
 

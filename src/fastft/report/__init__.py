@@ -386,7 +386,7 @@ def total_losses(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
-    lines = [f"fastft run {run_dir}"]
+    lines = [f"Report of the run in {run_dir}"]
     if s.get("runs", 1) > 1:
         lines.append(
             f"run {s['run']} of the {s['runs']} in this directory (--run-dir used again; "
