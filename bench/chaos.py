@@ -60,8 +60,8 @@ from fastft.runtime import read_events  # noqa: E402
 
 KINDS = ("exception", "sigkill", "sigterm", "sigstop", "gil_hang", "segfault", "exit", "state_lost")
 ARGS = {"exit": 3.0}
-"""A kind's argument when the schedule drew none (an ``exit`` fault's status: drawn from
-1-255, fastft's own 86-94 among them, since issue 48)."""
+"""A kind's argument when the schedule drew none (an ``exit`` fault's status is drawn:
+one of fastft's own 86-94 a third of the time, else any of 1-255; issue 48)."""
 
 
 def schedule(
@@ -91,8 +91,8 @@ def schedule(
         if sigterms is not None and rank in drained and kind != "sigterm":
             rank = rng.choice([r for r in range(nproc) if r not in drained])
         f: dict[str, Any] = {"t": round(t, 3), "rank": rank, "kind": kind}
-        if kind == "exit":
-            f["arg"] = float(rng.randint(1, 255))
+        if kind == "exit":  # (a third of them one of fastft's own, 86-94)
+            f["arg"] = float(rng.randint(86, 94) if rng.random() < 0.3 else rng.randint(1, 255))
         out.append(f)
 
     t = rng.uniform(*every)

@@ -23,16 +23,18 @@ import os
 import runpy
 import signal
 import sys
-from typing import TYPE_CHECKING
+import threading
+from types import TracebackType
+from typing import TYPE_CHECKING, NoReturn
 
 from fastft.launch.config import DEFAULT_PREFAULT_MB
-from fastft.process.env import CUDA_DEVICE, PREFAULT_MB, SPARE_RUN_AHEAD
+from fastft.process.env import CHECKPOINT_DIR, CUDA_DEVICE, PREFAULT_MB, SPARE_RUN_AHEAD
 from fastft.process.order import become, tell_ready
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["main", "order_line", "warm_imports"]
+__all__ = ["main", "order_line", "run_script", "warm_imports"]
 
 
 def order_line(env: dict[str, str], argv: list[str]) -> bytes:
@@ -99,13 +101,45 @@ def main() -> None:
         if not line:  # the agent closed the pipe: this spare is not needed
             return
         argv = become(line)
-    if len(argv) >= 3 and argv[1] == "-m":
-        sys.argv = [argv[2], *argv[3:]]
-        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = argv[1:]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
-        runpy.run_path(argv[1], run_name="__main__")
+    run_script(argv)
+
+
+def run_script(argv: list[str]) -> NoReturn:
+    """Run the worker's script (``python SCRIPT args`` or ``python -m MODULE args``) in
+    this process, as ``python`` would, and exit with its status: a zygote's fork or a warm
+    spare. With ``--checkpoint-dir``, and while this process has one thread (always, but
+    for a spare that ran ahead), its checkpoint writer is forked first: ready when the
+    first checkpoint is due (a writer started as a new Python took ~3 s). An error the
+    script raises shows the script's frame first (runpy's and fastft's came first)."""
+    if os.environ.get(CHECKPOINT_DIR) and threading.active_count() == 1:
+        from fastft.runtime.durable.writer import fork_writer
+
+        fork_writer()
+    try:
+        if len(argv) >= 3 and argv[1] == "-m":
+            sys.argv = [argv[2], *argv[3:]]
+            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        else:  # (runpy makes the script sys.modules["__main__"] while it runs: pickle finds it)
+            sys.argv = argv[1:]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
+            runpy.run_path(argv[1], run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # what python prints, from the script's first frame
+        tb = _from_the_script(e.__traceback__)
+        sys.excepthook(type(e), e.with_traceback(tb), tb)
+        sys.exit(1)
+    sys.exit(0)
+
+
+def _from_the_script(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` from the frame after runpy's last: the script's."""
+    first, after = tb, None
+    while tb is not None:
+        if "runpy" in tb.tb_frame.f_code.co_filename:
+            after = tb.tb_next
+        tb = tb.tb_next
+    return after or first
 
 
 if __name__ == "__main__":

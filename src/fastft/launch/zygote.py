@@ -40,17 +40,15 @@ import importlib
 import json
 import os
 import random
-import runpy
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
-from types import TracebackType
 from typing import Any
 
-from fastft.process.env import CHECKPOINT_DIR, ZYGOTE_FD, ZYGOTE_PRELOAD
+from fastft.process.env import ZYGOTE_FD, ZYGOTE_PRELOAD
 
 __all__ = ["MAX_ORDER", "main", "unsafe"]
 
@@ -212,42 +210,15 @@ def _become(order: dict[str, Any], sock: socket.socket, fds: dict[int, int], age
     os.environ.update(order["env"])
     os.chdir(order["cwd"])
     _reseed()
-    if os.environ.get(CHECKPOINT_DIR) and not order.get("call"):
-        from fastft.runtime.durable.writer import fork_writer
-
-        fork_writer()  # (one thread still: its first checkpoint finds it ready)
     argv: list[str] = order["argv"]
     if order.get("call"):  # a function of fastft's (a warm spare: fastft.launch.spare:main)
         module, _, name = order["call"].partition(":")
         sys.argv = argv[:1]
         getattr(importlib.import_module(module), name)()
         sys.exit(0)
-    try:
-        if len(argv) >= 3 and argv[1] == "-m":
-            sys.argv = [argv[2], *argv[3:]]
-            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
-        else:  # (runpy makes the script sys.modules["__main__"] while it runs: pickle finds it)
-            sys.argv = argv[1:]
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
-            runpy.run_path(argv[1], run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
-        raise
-    except BaseException as e:  # what python prints, from the script's first frame
-        tb = _from_the_script(e.__traceback__)
-        sys.excepthook(type(e), e.with_traceback(tb), tb)
-        sys.exit(1)
-    sys.exit(0)
+    from fastft.launch.spare import run_script
 
-
-def _from_the_script(tb: TracebackType | None) -> TracebackType | None:
-    """``tb`` without its first frames, the zygote's and runpy's: a script's error shows
-    its own frame first, as in a fresh ``python`` (8 lines of fastft's came before it)."""
-    first, after = tb, None
-    while tb is not None:
-        if "runpy" in tb.tb_frame.f_code.co_filename:  # (the frames after runpy's are the script's)
-            after = tb.tb_next
-        tb = tb.tb_next
-    return after or first
+    run_script(argv)  # (its checkpoint writer forked first: one thread here)
 
 
 def _reseed() -> None:
