@@ -32,6 +32,7 @@ class _Writer:
 
     def save_async(self, step: int, epoch: int, state: dict) -> bool:
         self.staged.append(step)
+        self.last_step = step
         return True
 
 
@@ -133,3 +134,22 @@ def test_a_collective_after_a_peers_fault_tore_the_group_down_is_that_fault():
     assert (e.value.epoch, e.value.step) == (3, 17)
     with pytest.raises(RuntimeError, match="no process group"):
         Runtime.require_pg(rt(Phase.NORMAL))  # type: ignore[arg-type]
+
+
+def test_a_drainer_leaving_from_a_formation_writes_the_state_it_holds():
+    """It left with others holding the state; a holder it counted on died next, and a
+    total loss restored a checkpoint 27 steps back (the fixed chaos soak, issue 48). Now
+    it writes what it holds first (any member), once, and only settled state."""
+    writer, events = _Writer(busy_s=0.0), _Events()
+    cfg = RuntimeConfig(store="127.0.0.1:1", job="j", rank=2, world_size=4)
+    cc = CommitCheckpoints(writer, cfg, events, lambda s: {"step": s})
+    cc.leaving(127, 6)
+    assert writer.staged == [127]
+    why = [kw["why"] for name, kw in events.got if name == "checkpoint_wait"]
+    assert why == ["a drainer leaving from a formation writes the state it holds"]
+    cc.leaving(127, 6)  # written already
+    assert writer.staged == [127]
+    cc.committed(128, force=False)  # a commit whose post-commit code has not run yet
+    cc.leaving(128, 6)
+    assert writer.staged == [127]
+    assert CommitCheckpoints(None, cfg, events, lambda s: {}).leaving(128, 6) is None

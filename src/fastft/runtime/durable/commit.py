@@ -63,6 +63,23 @@ class CommitCheckpoints:
         if pending is not None:
             self.after_commit(pending[0], view, me, force=pending[1])
 
+    def leaving(self, step: int, epoch: int) -> None:
+        """A drainer leaves from a formation holding committed ``step`` while others hold
+        it too: a holder it counted on can still die after it left (a chaos soak lost 27
+        steps that way), so it writes what it holds first, whichever member it is, and
+        waits for the write. Not while the last commit's post-commit code has not run (the
+        registered state is not the one to save yet) or once ``step`` was written."""
+        d = self.durable
+        if d is None or self.unsettled is not None or d.last_step >= step:
+            return
+        if d.busy:
+            self._wait(d, step, "a leaver's checkpoint waits for the write in progress")
+        t0 = time.monotonic()
+        if d.save_async(step, epoch, self.state(step)):
+            ms = round((time.monotonic() - t0) * 1e3, 3)
+            self.events.emit("checkpoint_staged", step=step, stage_ms=ms)
+            self._wait(d, step, "a drainer leaving from a formation writes the state it holds")
+
     def last(self, step: int, view: EpochView | None, me: Member) -> None:
         """At a clean end: the last committed state, if a checkpoint of it was deferred."""
         d = self.durable

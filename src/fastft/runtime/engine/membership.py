@@ -155,7 +155,8 @@ class Membership:
         def cancelled() -> bool:
             return base() or self._may_drain(prev, exclude)
 
-        self._drain_from_formation(prev, exclude)
+        holds = not a.lost_state and not x.suspect_state
+        self._drain_from_formation(prev, exclude, holds)
         try:
             view = self.survivors.form(
                 prev,
@@ -179,7 +180,7 @@ class Membership:
             self._finished(e, f"the job finished at step {e.step} while this worker re-formed")
             raise
         if view is None:
-            self._drain_from_formation(prev, exclude)
+            self._drain_from_formation(prev, exclude, holds)
             return
         x.suspect_state = False  # (healed in this epoch, or the source: every state equal)
         if not view.has(x.me.rank, x.me.incarnation):
@@ -195,13 +196,16 @@ class Membership:
         s = x.state
         return s.want_drain and others_hold_state(prev, x.me, x.dead, s.step, gone | s.leaving)
 
-    def _drain_from_formation(self, prev: EpochView, gone: frozenset[int]) -> None:
+    def _drain_from_formation(self, prev: EpochView, gone: frozenset[int], holds: bool) -> None:
         """A worker asked to drain while its epoch re-forms leaves at once if another live
         member holds the committed state (it has no step in flight; peers that count on it
-        see an exit). The last holder stays: it heals the others and leaves at its next
-        commit (:func:`~fastft.runtime.engine.formation.others_hold_state`)."""
+        see an exit); with ``--checkpoint-dir``, one that ``holds`` it writes it first. The
+        last holder stays: it heals the others and leaves at its next commit
+        (:func:`~fastft.runtime.engine.formation.others_hold_state`)."""
         x = self.x
         if self._may_drain(prev, gone):
+            if holds:
+                x.checkpoints.leaving(x.state.step, x.state.epoch)
             x.events.emit("drain_from_formation", step=x.state.step)
             raise WorkerExit("drained")
         if x.state.want_drain:

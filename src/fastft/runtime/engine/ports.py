@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from fastft.process.services import Services
     from fastft.runtime.contract import EpochView, Member, RuntimeConfig
     from fastft.runtime.durable.checkpoints import Checkpoints
+    from fastft.runtime.durable.commit import CommitCheckpoints
     from fastft.runtime.engine.coordinator import Coordinator
     from fastft.runtime.engine.sideclient import SideClient
     from fastft.runtime.groups.dataplane import DataPlane
@@ -40,6 +41,7 @@ class Engine(Protocol):
     dp: DataPlane
     kept: KeptGradients
     durable: Checkpoints | None
+    checkpoints: CommitCheckpoints
     dead: set[Member]
     suspect_state: bool
     phase_changes: int
