@@ -154,3 +154,17 @@ def test_the_agents_flag_checks_import_no_torch():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_runtimes_groups_sit_below_its_state():
+    """``runtime/groups`` (process groups, shard layout) is below ``runtime/state`` (what
+    is registered, healed and synced): state imports groups, never the other way
+    (issue 49: the two imported each other; the sync policies moved to state/sync.py)."""
+    up = [
+        f"{a} imports {b}"
+        for a, deps in _graph(False).items()
+        if a.startswith("fastft.runtime.groups")
+        for b in deps
+        if b.startswith("fastft.runtime.state")
+    ]
+    assert up == []

@@ -44,12 +44,12 @@ from fastft.runtime.engine.build import build_engine
 from fastft.runtime.engine.executor import Executor
 from fastft.runtime.groups.flow import flow_of
 from fastft.runtime.groups.hsdp import StepGate, meet_shard_group
-from fastft.runtime.groups.sync import reduce_gradients as sync_gradients
 from fastft.runtime.health import HealthCheck, admit_or_leave
 from fastft.runtime.restart import Restartable
 from fastft.runtime.state.data import Batches
 from fastft.runtime.state.outer import Outer, OuterOptimizer
 from fastft.runtime.state.registry import StateRegistry
+from fastft.runtime.state.sync import reduce_gradients as sync_gradients
 from fastft.runtime.transaction import Transaction
 
 __all__ = ["Runtime", "Transaction", "init"]  # (Transaction: fastft.runtime.transaction)

@@ -22,7 +22,6 @@ from fastft.protocol.exits import EXIT_GROUP_FAULT
 from fastft.runtime.checks import by_collective
 from fastft.runtime.endings import DataDiverged, ReplicasDiverged, ScriptError, misuse
 from fastft.runtime.groups.flow import POLL_S
-from fastft.runtime.groups.sync import outer_due, outer_step
 from fastft.runtime.state.compare import (
     checksums,
     differs,
@@ -33,6 +32,7 @@ from fastft.runtime.state.compare import (
 )
 from fastft.runtime.state.data import Batches, batch_digest
 from fastft.runtime.state.registry import reseed
+from fastft.runtime.state.sync import outer_due, outer_step
 
 if TYPE_CHECKING:
     from fastft.runtime.ports import RuntimePorts
