@@ -145,7 +145,7 @@ def test_the_demo_explains_itself_and_ends_with_the_next_steps(tmp_path: Path):
     """Its table's columns said nothing of what they measure from, it warned about its
     own CPU use, the report's heading read as a command, and it ended without a next step
     (issue 53)."""
-    cmd = [sys.executable, "-m", "fastft.cli", "demo", "--steps", "60", "--nproc", "3"]
+    cmd = [sys.executable, "-m", "fastft.cli", "demo", "--steps", "40", "--nproc", "2"]
     p = subprocess.run(
         [*cmd, "--run-dir", str(tmp_path), "--no-live"],
         capture_output=True,

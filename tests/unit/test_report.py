@@ -176,3 +176,32 @@ def test_a_long_cause_is_shortened_at_a_word(tmp_path):
     text = render_report(tmp_path, summarize(tmp_path))
     want = "| local_fault: RuntimeError: the loader's worker 3 died unexpectedly while ... |"
     assert want in text, text
+
+
+def test_a_commit_voted_then_lost_in_an_epochs_first_step_still_tiles_it(tmp_path):
+    """A member healed into an epoch, voted its first step and hung before its commit event
+    (the elastic chaos soak, twice): the others' commits alone left the step untiled, a
+    false S5 failure. Its adoption of the epoch stands for the commit before."""
+    from fastft.report import shards_by_step, unlogged_commits, untiled_steps
+    from fastft.runtime import read_events
+
+    logs = _logs(tmp_path, "rank 0", "rank 1", "rank 2")
+    view = {
+        "epoch": 177,
+        "members": [0, 1, 2],
+        "incarnations": [10, 11, 12],
+        "step": 2917,
+        "needs_state": [0],
+        "kept": [[2, 64, 96, 96]],
+    }
+    for log in logs:
+        log.emit("epoch", **view)
+    logs[2].emit("commit", epoch=177, step=2917, shard=[43, 64, 96], kept=[64, 96, 96])
+    logs[1].emit("commit", epoch=177, step=2917, shard=[22, 43, 96])
+    logs[1].emit("peer_fault", rank=0, incarnation=10, severity="FAULT1", cause="rank 0 hung")
+    _close(*logs)
+    ev = read_events(tmp_path)
+    assert untiled_steps(shards_by_step(ev)) == [2917]
+    (got,) = unlogged_commits(ev)
+    assert (got["src"], got["step"], got["shard"]) == ("rank 0", 2917, [0, 22, 96])
+    assert untiled_steps(shards_by_step([*ev, got])) == []

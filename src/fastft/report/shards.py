@@ -40,10 +40,12 @@ def unlogged_commits(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if (e["event"] == "worker_exit" or fault1) and e.get("incarnation") is not None:
             died.add(e["incarnation"])
     epochs: dict[int, dict[str, Any]] = {}
+    adopted: dict[tuple[int, str], dict[str, Any]] = {}  # (epoch, src) -> its epoch event
     commits: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}  # (epoch, step) -> src
     for e in events:
         if e["event"] == "epoch" and e.get("incarnations"):
             epochs[e["epoch"]] = e
+            adopted[(e["epoch"], e["src"])] = e
         elif e["event"] == "commit":
             commits.setdefault((e["epoch"], e["step"]), {})[e["src"]] = e
     out = []
@@ -55,13 +57,18 @@ def unlogged_commits(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for rank, inc in zip(ranks, view["incarnations"], strict=False):
             src = f"rank {rank}"
             before = commits.get((epoch, step - 1), {}).get(src)
+            if before is None and step == view.get("step"):  # the epoch's first step: its
+                before = adopted.get((epoch, src))  # adoption stands for the commit before
             if src in by or inc not in died or before is None:
                 continue
             if any(s > step for (ep, s), b in commits.items() if ep == epoch and src in b):
                 continue  # (it logged a later commit: not a death after this one)
             n = next((c["shard"][2] for c in by.values() if c.get("shard")), None)
             parts = member_shard(view, step, n, ranks.index(rank)) if n else {}
-            out.append({**before, "step": step, "digest": None, "unlogged": True, **parts})
+            out.append(
+                {**before, "event": "commit", "step": step, "digest": None, "unlogged": True}
+                | {"epoch": epoch, **parts}
+            )
     return out
 
 
