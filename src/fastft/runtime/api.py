@@ -363,8 +363,12 @@ class Runtime:
             self.close()
             raise
         except WorkerExit as e:
-            if self.engine.state.want_drain:  # every member let it go: end as drained
-                why = self.engine.state.reason or str(e)
+            s = self.engine.state
+            if s.want_drain:  # every member let it go: end as drained
+                # (the state's reason is the drain's after its commit; in a formation or a
+                # join, the fault's the epoch re-forms for: "drained: rank 1 hung" misled)
+                leaving = s.phase in (Phase.HEALING, Phase.INIT)
+                why = (None if leaving else s.reason) or str(e)
                 self.events.emit("drained", step=self.engine.state.step, reason=why)
                 self.close(finished=False)  # (it leaves; the job goes on)
                 raise Drained(why) from None

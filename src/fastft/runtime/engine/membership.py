@@ -142,7 +142,7 @@ class Membership:
             # epoch, no committed state of its own), so it leaves now, not after the
             # agent's grace (30 s, found by the elastic chaos soak)
             x.events.emit("drain_from_join")
-            raise WorkerExit("drained")
+            raise WorkerExit("asked while it waited to join")
 
     def form(self, a: FormEpoch) -> None:
         x = self.x
@@ -207,7 +207,7 @@ class Membership:
             if holds:
                 x.checkpoints.leaving(x.state.step, x.state.epoch)
             x.events.emit("drain_from_formation", step=x.state.step)
-            raise WorkerExit("drained")
+            raise WorkerExit("left while its epoch re-formed, another member holding the state")
         if x.state.want_drain:
             x.events.emit("drain_held", step=x.state.step, reason="the last holder of the state")
 
