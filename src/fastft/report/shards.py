@@ -45,7 +45,7 @@ def unlogged_commits(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for e in events:
         if e["event"] == "epoch" and e.get("incarnations"):
             epochs[e["epoch"]] = e
-            adopted[(e["epoch"], e["src"])] = e
+            adopted[(e["epoch"], e.get("src", ""))] = e
         elif e["event"] == "commit":
             commits.setdefault((e["epoch"], e["step"]), {})[e["src"]] = e
     out = []
