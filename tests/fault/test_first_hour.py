@@ -157,9 +157,9 @@ def test_the_demo_explains_itself_and_ends_with_the_next_steps(tmp_path: Path):
     assert "WARNING" not in out, out[-3000:]
     assert f"Report of the run in {tmp_path / 'faulty'}" in p.stdout
     assert "survivors' next commit, when they committed a step again" in p.stdout
-    tail = p.stdout.strip().splitlines()[-4:]
+    tail = p.stdout.strip().splitlines()[-5:]
     assert "S5 equivalence (the run with faults ends bitwise equal" in tail[0], tail
-    assert "HOLDS" in tail[0] and tail[1].startswith("Next: wrap your own training loop"), tail
+    assert "HOLDS" in tail[0] and tail[2].startswith("Next: wrap your own training loop"), tail
     assert (
         tail[-1]
         == f"and see this run's timeline: fastft report {tmp_path / 'faulty'} --plot timeline.png"
