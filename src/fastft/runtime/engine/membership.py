@@ -155,7 +155,10 @@ class Membership:
         def cancelled() -> bool:
             return base() or self._may_drain(prev, exclude)
 
-        holds = not a.lost_state and not x.suspect_state
+        # what it holds is the committed state: not lost, not suspect, and healed if its
+        # epoch began by healing it (a member commits only once it holds the state)
+        healed = x.me.rank not in prev.needs_state or x.state.step > prev.step
+        holds = healed and not a.lost_state and not x.suspect_state
         self._drain_from_formation(prev, exclude, holds)
         try:
             view = self.survivors.form(
