@@ -179,7 +179,7 @@ class Agent:
                 self._start_spare(self.spares.gpu_of(i))
             self._watch()
             code = self._finish()
-            warn_unfired(self.run_dir, set(self.slots))
+            warn_unfired(self.run_dir, set(self.slots), cfg.inject)
         finally:
             if self.lease is not None:
                 self.lease.close()

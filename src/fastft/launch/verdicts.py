@@ -144,10 +144,13 @@ class Verdicts:
                 a.children.kill(slot)
 
 
-def warn_unfired(run_dir: Path, ranks: set[int]) -> None:
+def warn_unfired(run_dir: Path, ranks: set[int], plan: str | None) -> None:
     """At the job's end, a ``fastft:`` line for each fault of the ``--inject`` plan on
     ``ranks`` that no worker fired (a fault without ``life`` on a rank restarted before its
-    step never fires, and nothing said so)."""
+    step never fires, and nothing said so). Without a plan, nothing (the event log is not
+    read: a long job's is large)."""
+    if plan is None:
+        return
     from fastft.process.events import read_events
     from fastft.report.outcome import unfired, unfired_line
 

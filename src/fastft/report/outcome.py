@@ -59,24 +59,19 @@ def unfired(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
     lives: dict[str, int] = {}
     for (src, _), life in life_of.items():
         lives[src] = max(lives.get(src, 0), life)
-    fired = {
+    fired = [
         (e["src"], life_of.get((e["src"], e.get("incarnation"))), e.get("kind"), e.get("step"))
         for e in ev
         if e["event"] == "injected"
-    }
+    ]
     top = max((e["step"] for e in ev if e["event"] == "commit"), default=-1)
     out = []
     for plan in (e.get("plan") or [] for e in ev if e["event"] == "agent_start"):
         for f in plan:
-            src = f"rank {f['rank']}"
-            at = f.get("at_step")
-            if (
-                (src, f.get("life", 0), f["kind"], at) in fired
-                or at is None
-                and any(
-                    x[0] == src and x[1] == f.get("life", 0) and x[2] == f["kind"] for x in fired
-                )
-            ):
+            src, at = f"rank {f['rank']}", f.get("at_step")
+            want = (src, f.get("life", 0), f["kind"])
+            # (a fault without at_step fires at once, at whatever step that is)
+            if any(x[:3] == want and (at is None or x[3] == at) for x in fired):
                 continue
             why = None
             if lives.get(src, 0) > f.get("life", 0):
@@ -102,8 +97,8 @@ def outcome_line(o: dict[str, Any]) -> str:
     """The report's first line about how the job ended."""
     verb = _VERBS.get(o["ended"], o["ended"])
     why = f": {o['why']}" if o.get("why") else ""
-    lines = [f"the job {verb} after {o['steps']} steps committed{why}"]
-    return "\n".join([*lines, *(unfired_line(f) for f in o.get("unfired", []))])
+    first = f"the job {verb} after {o['steps']} steps committed{why}"
+    return "\n".join([first, *(unfired_line(f) for f in o.get("unfired", []))])
 
 
 _VERBS = {
