@@ -156,15 +156,66 @@ def test_the_agents_flag_checks_import_no_torch():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_the_runtimes_groups_sit_below_its_state():
-    """``runtime/groups`` (process groups, shard layout) is below ``runtime/state`` (what
-    is registered, healed and synced): state imports groups, never the other way
-    (issue 49: the two imported each other; the sync policies moved to state/sync.py)."""
-    up = [
+RUNTIME_WINGS = [
+    {"checks", "contract", "endings"},  # settings, views, typed endings: no torch
+    {"groups"},  # process groups, the data plane, shard layout
+    {"state"},  # what is registered, healed, compared
+    {"durable"},  # checkpoints
+    {"engine"},  # the step engine: its core, the executor and its parts
+    {"ports", "sync"},  # the runtime as its parts see it; the sync policies over it
+    {"health", "transaction", "restart"},
+    {"attempt"},
+    {"api"},
+]
+"""``runtime/``'s wings, lowest first (issue 49: ``state`` and ``groups`` imported each
+other; a lower wing never imports a higher one)."""
+
+
+def test_no_runtime_wing_imports_a_higher_one():
+    rank = {w: i for i, wing in enumerate(RUNTIME_WINGS) for w in wing}
+
+    def wing(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[1] == "runtime" else None
+
+    wings = {w for a in _graph(False) if (w := wing(a)) is not None}
+    assert wings <= set(rank), f"runtime wings without a place: {wings - set(rank)}"
+    up = sorted(
         f"{a} imports {b}"
         for a, deps in _graph(False).items()
-        if a.startswith("fastft.runtime.groups")
+        if (wa := wing(a)) is not None
         for b in deps
-        if b.startswith("fastft.runtime.state")
-    ]
+        if (wb := wing(b)) is not None and rank[wb] > rank[wa]
+    )
     assert up == []
+
+
+def test_one_table_from_action_to_effect():
+    """The state machine's actions are told apart in one place, the engine's core (issue
+    49: the simulator re-implemented the executor's dispatch, 15 action types against its
+    17, and the two drifted)."""
+    import fastft.fsm.contract as contract
+
+    actions = {
+        name
+        for name, obj in vars(contract).items()
+        if isinstance(obj, type) and issubclass(obj, contract.Action)
+    }
+    actions |= {"MAIN_ACTIONS", "HEALING_ACTIONS", "EPOCH_ACTIONS"}
+    allowed = {SRC / "runtime" / "engine" / "core.py"}
+    found = []
+    for path in SRC.rglob("*.py"):
+        if path in allowed or path.is_relative_to(SRC / "fsm"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "isinstance"
+                and len(node.args) == 2
+            ):
+                continue
+            names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+            if names & actions:
+                found.append(f"{_module(path)}:{node.lineno}")
+    assert found == [], f"actions told apart outside the core: {found}"

@@ -105,7 +105,7 @@ def test_sync_policies_are_parsed_or_refused_with_what_to_use():
 
 
 def test_an_outer_step_moves_the_anchor_and_the_parameters_and_a_rollback_undoes_it():
-    """DiLoCo's outer step (fastft.runtime.state.sync.Outer) on two parameters; against the
+    """DiLoCo's outer step (fastft.runtime.sync.Outer) on two parameters; against the
     formula for plain SGD (lr 0.5): anchor - 0.5 * averaged pseudo-gradient."""
     import copy
 

@@ -117,6 +117,11 @@ class Interrupter:
             self._armed = True
             self.defer_s = 0.0
 
+    def defer(self, seconds: float) -> None:
+        """This step's interrupts raise ``seconds`` after they come at the earliest
+        (:attr:`defer_s`; 0: at once); ``begin_step`` resets it."""
+        self.defer_s = seconds
+
     def end_step(self) -> None:
         """Disarm: the step's outcome is being decided; later interrupts are ignored (the
         runtime learns of the fault through its state machine instead)."""

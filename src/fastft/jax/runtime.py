@@ -35,7 +35,7 @@ from fastft.jax.trees import layout_of, split, to_flat
 from fastft.runtime.api import Runtime
 from fastft.runtime.api import init as init_runtime
 from fastft.runtime.endings import ScriptError
-from fastft.runtime.state.sync import reduce_flat
+from fastft.runtime.sync import reduce_flat
 from fastft.runtime.transaction import Transaction
 
 __all__ = ["JaxRuntime", "JaxTransaction", "init"]

@@ -30,7 +30,8 @@ from fastft.launch.config import LaunchConfig
 from fastft.launch.control import ControlPlane
 from fastft.launch.exits import Exits, back_line
 from fastft.launch.forks import start_zygote
-from fastft.launch.lease import NodeLease, format_lives
+from fastft.launch.lease import format_lives
+from fastft.launch.ledger import Ledger
 from fastft.launch.nodewatch import NodeWatch
 from fastft.launch.offenders import Offenders
 from fastft.launch.output import Output
@@ -112,19 +113,12 @@ class Agent:
         self._drain_sent: set[int] = set()
         """Lives told to drain."""
         self.failed: str | None = None
-        self.restarts = 0
-        self.first_lives: dict[int, bool | None] = {r: None for r in self.slots}
-        """Rank -> whether its first life failed before its first commit (None: running)."""
+        self.ledger = Ledger(self.slots)
+        """What this agent did to its node's lives (:mod:`.ledger`): its parts' one way to
+        change it."""
         self.committed = _committed
-        self.fenced: set[int] = set()
-        """Lives killed because this node was declared lost (not the script's failure)."""
-        self.group_gen: dict[int, int] = {}
-        """Shard group -> how many times the agent started it again (``--shard-size``)."""
-        self.taken_down: set[int] = set()
-        """Lives killed because their shard group restarts (their exits restart no group)."""
         self.lighthouse: Any = None
         self.lighthouse_addr = ""
-        self.lease: NodeLease | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     def run(self) -> int:
@@ -181,8 +175,8 @@ class Agent:
             code = self._finish()
             warn_unfired(self.run_dir, set(self.slots), cfg.inject)
         finally:
-            if self.lease is not None:
-                self.lease.close()
+            if self.nodes.lease is not None:
+                self.nodes.lease.close()
             self.spares.stop()
             self.children.kill_all(list(self.slots.values()), signal.SIGKILL, grace_s=0)
             if self.lighthouse is not None:
@@ -195,7 +189,9 @@ class Agent:
             if metrics is not None:
                 metrics.close()
             relay = dataclasses.asdict(self.hub.stats) if self.hub else None
-            self.events.emit("agent_stop", restarts=self.restarts, failed=self.failed, relay=relay)
+            self.events.emit(
+                "agent_stop", restarts=self.ledger.restarts, failed=self.failed, relay=relay
+            )
             self.events.close()
         return code
 
@@ -280,14 +276,14 @@ class Agent:
             exit_trace_file=trace_path if traced else None,
             lighthouse_addr=self.lighthouse_addr,
             secret_file=str(self.secret_file),
-            group_gen=self.group_gen.get(slot.rank // cfg.shard_size, 0),
+            group_gen=self.ledger.generation(slot.rank // cfg.shard_size),
             relay_socket=self.hub.address if self.hub else None,
         )
         try:
             os.unlink(slot.heartbeat)
         except FileNotFoundError:
             pass
-        if self.lease is not None:  # who a watcher declares dead if this node is lost
+        if self.nodes.lease is not None:  # who a watcher declares dead if this node is lost
             lives = {s.rank: s.incarnation for s in self.slots.values() if s.incarnation}
             try:
                 self.store.set(self.keys.node_lives(cfg.node_rank), format_lives(lives))

@@ -114,7 +114,6 @@ class Exits:
     def after_exit(self, slot: Slot, code: int | None, sig: int | None) -> None:
         self.forget_joiner(slot)
         cfg = self.agent.config
-        first = self.agent.first_lives
         ours = slot.ending is not None  # (a status of fastft's, recorded: not the script's)
         own = (  # a failure of the worker itself, not an exit the agent caused (a stop,
             code != 0  # a failed job, a drain, a group, a fence)
@@ -123,8 +122,8 @@ class Exits:
             and self.agent.stopping is None
             and self.agent.failed is None
             and self.agent.draining is None
-            and slot.incarnation not in self.agent.taken_down
-            and slot.incarnation not in self.agent.fenced
+            and not self.agent.ledger.taken_down(slot.incarnation)
+            and not self.agent.ledger.fenced(slot.incarnation)
         )
         how = f"code {code}" if sig is None else f"signal {sig}"
         if code == 0 and cfg.torchft != "plain" and not _joined(slot):
@@ -140,17 +139,19 @@ class Exits:
         if own:
             self.count_fault(slot.rank, "hung" if slot.hung == slot.incarnation else how)
             slot.fault_at = time.monotonic()
-        if slot.life == 0 and slot.rank in first and first[slot.rank] is None:
-            failed = own and slot.hung != slot.incarnation  # (hung: the hang timeout's)
-            first[slot.rank] = failed and not self.agent.committed(slot)
-            # (a status that names its own reason, a script error: the policy says it)
-            if policy.startup_failed(first) and not (ours and code in ENDS_THE_JOB):
-                slot.done = True
-                self.agent.fail(
-                    f"every worker failed before its first commit (rank {slot.rank}: {how}); "
-                    "the script cannot start: its error is above"
-                )
-                return
+        ledger = self.agent.ledger
+        failed = own and slot.hung != slot.incarnation  # (hung: the hang timeout's)
+        ended_first = slot.life == 0 and ledger.first_life_ended(
+            slot.rank, failed=failed and not self.agent.committed(slot)
+        )
+        # (a status that names its own reason, a script error: the policy says it)
+        if ended_first and ledger.startup_failed() and not (ours and code in ENDS_THE_JOB):
+            slot.done = True
+            self.agent.fail(
+                f"every worker failed before its first commit (rank {slot.rank}: {how}); "
+                "the script cannot start: its error is above"
+            )
+            return
 
         agent = self.agent
         finished = any(  # another slot's worker ended the job cleanly already
@@ -196,7 +197,7 @@ class Exits:
             slot.drains += 1  # (a drain is no failure: it uses up no restart)
         if do.restart:
             slot.life += 1
-            self.agent.restarts += 1
+            self.agent.ledger.restarted()
             self.agent.events.emit("restart", rank=slot.rank, life=slot.life)
             self.agent.restart_later(slot, do.delay_s)
         self.agent.wake()
@@ -239,16 +240,15 @@ class Exits:
         a whole, under its next generation (the prefix its members meet under)."""
         agent, k = self.agent, self.agent.config.shard_size
         lives = {r: s.incarnation for r, s in agent.slots.items() if s.incarnation and not s.done}
-        mates = policy.group_mates(slot.rank, slot.incarnation, k, lives, agent.taken_down)
+        mates = policy.group_mates(slot.rank, slot.incarnation, k, lives, agent.ledger.down)
         if mates is None:
             return
         group = slot.rank // k
-        agent.group_gen[group] = agent.group_gen.get(group, 0) + 1
-        agent.taken_down.update(lives[r] for r in mates)
+        gen = agent.ledger.take_down(group, (lives[r] for r in mates))
         agent.events.emit(
             "group_restart",
             group=group,
-            gen=agent.group_gen[group],
+            gen=gen,
             cause=slot.rank,
             ranks=[slot.rank, *mates],
         )

@@ -28,13 +28,15 @@ class NodeWatch:
     def __init__(self, agent: AgentPorts) -> None:
         self.agent = agent
         self.store_gone = False
+        self.lease: NodeLease | None = None
+        """This node's lease (several nodes only), its one owner."""
 
     def start(self) -> None:
         a = self.agent
         cfg = a.config
         if cfg.nnodes < 2:
             return  # nobody else to watch; the store is this node's own
-        a.lease = NodeLease(
+        self.lease = lease = NodeLease(
             a.store,
             a.keys,
             cfg.node_rank,
@@ -50,13 +52,13 @@ class NodeWatch:
             on_returned=lambda n: a.events.emit("node_returned", node=n),
             on_job_failed=self.job_failed,
         )
-        if a.lease.rejoined:
-            a.events.emit("node_rejoined", mark=a.lease.rejoined)
-        a.lease.start()
+        if lease.rejoined:
+            a.events.emit("node_rejoined", mark=lease.rejoined)
+        lease.start()
 
     def node_lost(self, node: int, lives: dict[int, int], counter: int) -> None:
         """This agent declared ``node`` lost: every worker of it is dead (Fault1)."""
-        lease = self.agent.lease
+        lease = self.lease
         assert lease is not None
         lease_ms = round(lease.config.lease_s * 1000)
         self.agent.events.emit(
@@ -86,7 +88,7 @@ class NodeWatch:
         log.warning("this node was declared lost: restarting its workers")
         for slot in self.agent.slots.values():
             if not slot.done:
-                self.agent.fenced.add(slot.incarnation)
+                self.agent.ledger.fence(slot.incarnation)
                 self.agent.children.kill(slot)
 
     def job_failed(self, why: str) -> None:
@@ -103,7 +105,7 @@ class NodeWatch:
         hosts the store wait (at most ``timeout_s``) until every other agent that started
         is done or lost, so that none loses the store before it has heard."""
         a = self.agent
-        lease = a.lease
+        lease = self.lease
         if lease is None or self.store_gone:
             return
         if failed and not lease.failed:

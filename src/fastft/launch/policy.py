@@ -4,7 +4,7 @@ replaced. The agent's loop (:mod:`fastft.launch.agent`) performs what they retur
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 from fastft.protocol.exits import (
@@ -180,7 +180,7 @@ def startup_failed(first_lives: dict[int, bool | None]) -> bool:
 
 
 def group_mates(
-    rank: int, incarnation: int, shard_size: int, lives: dict[int, int], taken_down: set[int]
+    rank: int, incarnation: int, shard_size: int, lives: dict[int, int], taken_down: Set[int]
 ) -> list[int] | None:
     """A worker of a shard group (``shard_size`` > 1) exited and restarts: the ranks of its
     group whose lives ``lives`` (rank -> incarnation, this node's) the agent takes down

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from fastft.launch.children import Children, Slot
     from fastft.launch.config import LaunchConfig
-    from fastft.launch.lease import NodeLease
+    from fastft.launch.ledger import Ledger
     from fastft.launch.offenders import Offenders
     from fastft.launch.spares import SparePool
     from fastft.process.events import EventLog
@@ -25,28 +25,51 @@ __all__ = ["AgentPorts"]
 class AgentPorts(Protocol):
     """One node's agent as its parts see it."""
 
-    config: LaunchConfig
-    run_dir: Path
-    events: EventLog
-    keys: JobKeys
-    store: Any
-    slots: dict[int, Slot]
-    children: Children
-    spares: SparePool
-    offenders: Offenders
-    lease: NodeLease | None
-    draining: float | None
-    """When the agent drains its workers: the deadline after which it stops them."""
-    failed: str | None
-    """Why the job failed (None: it has not); set through :meth:`fail`."""
-    stopping: int | None
-    """The signal that stops the job (Ctrl-C, a second SIGTERM), if any."""
-    restarts: int
-    first_lives: dict[int, bool | None]
-    fenced: set[int]
-    taken_down: set[int]
-    group_gen: dict[int, int]
-    committed: Callable[[Slot], bool]
+    @property
+    def config(self) -> LaunchConfig: ...
+
+    @property
+    def run_dir(self) -> Path: ...
+
+    @property
+    def events(self) -> EventLog: ...
+
+    @property
+    def keys(self) -> JobKeys: ...
+
+    @property
+    def store(self) -> Any: ...
+
+    @property
+    def slots(self) -> dict[int, Slot]: ...
+
+    @property
+    def children(self) -> Children: ...
+
+    @property
+    def spares(self) -> SparePool: ...
+
+    @property
+    def offenders(self) -> Offenders: ...
+
+    @property
+    def draining(self) -> float | None:
+        """When the agent drains its workers: the deadline after which it stops them."""
+
+    @property
+    def failed(self) -> str | None:
+        """Why the job failed (None: it has not); set through :meth:`fail`."""
+
+    @property
+    def stopping(self) -> int | None:
+        """The signal that stops the job (Ctrl-C, a second SIGTERM), if any."""
+
+    @property
+    def ledger(self) -> Ledger:
+        """What the agent did to its node's lives: changed through its methods only."""
+
+    @property
+    def committed(self) -> Callable[[Slot], bool]: ...
 
     @property
     def header(self) -> dict[str, Any]: ...

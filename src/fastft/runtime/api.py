@@ -41,6 +41,7 @@ from fastft.runtime.attempt import StepAttempts
 from fastft.runtime.contract import Member, RuntimeConfig
 from fastft.runtime.endings import Drained, JobFinished, ScriptError, WorkerExit
 from fastft.runtime.engine.build import build_engine
+from fastft.runtime.engine.core import Core
 from fastft.runtime.engine.executor import Executor
 from fastft.runtime.groups.flow import flow_of
 from fastft.runtime.groups.hsdp import StepGate, meet_shard_group
@@ -49,7 +50,7 @@ from fastft.runtime.restart import Restartable
 from fastft.runtime.state.data import Batches
 from fastft.runtime.state.outer import Outer, OuterOptimizer
 from fastft.runtime.state.registry import StateRegistry
-from fastft.runtime.state.sync import reduce_gradients as sync_gradients
+from fastft.runtime.sync import reduce_gradients as sync_gradients
 from fastft.runtime.transaction import Transaction
 
 __all__ = ["Runtime", "Transaction", "init"]  # (Transaction: fastft.runtime.transaction)
@@ -106,7 +107,7 @@ class Runtime:
             StepAttempts.enter,
             StepAttempts.exit,
             Executor.drive,
-            Executor.run_main_action,
+            Core.run,
             Runtime.close,
         )
         self._store = control

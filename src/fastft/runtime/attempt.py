@@ -32,7 +32,7 @@ from fastft.runtime.state.compare import (
 )
 from fastft.runtime.state.data import Batches, batch_digest
 from fastft.runtime.state.registry import reseed
-from fastft.runtime.state.sync import outer_due, outer_step
+from fastft.runtime.sync import outer_due, outer_step
 
 if TYPE_CHECKING:
     from fastft.runtime.ports import RuntimePorts
@@ -90,7 +90,7 @@ class StepAttempts:
         self.rt.interrupter.begin_step(s.epoch, s.step)
         self.step_gen = x.phase_changes
         if self.rt.sharded:  # FSDP's collectives inside the group finish; the reduce is interrupted
-            self.rt.interrupter.defer_s = self.rt.config.rollback_timeout_s / 2
+            self.rt.interrupter.defer(self.rt.config.rollback_timeout_s / 2)
             if self.gate_gen != self.step_gen:  # a fault came after the gate: the mates run
                 self.step_gen = self.gate_gen  # the body (FSDP pairs them); it then rolls back
                 self.rt.interrupter.interrupt(

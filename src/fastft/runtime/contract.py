@@ -95,7 +95,7 @@ class RuntimeConfig:
     group (HSDP, :mod:`fastft.runtime.groups.hsdp`): ranks ``r // shard_size`` shard one copy of
     the model and are the unit of fault; ``group_gen``: how many times the agent started
     this worker's group again (its members meet under it). ``sync``: how the replica groups
-    sync, ``per-step``, ``every-k:N`` or ``diloco:N`` (:mod:`fastft.runtime.state.sync`).
+    sync, ``per-step``, ``every-k:N`` or ``diloco:N`` (:mod:`fastft.runtime.sync`).
     """
 
     store: str

@@ -28,18 +28,39 @@ __all__ = ["RuntimePorts"]
 class RuntimePorts(Protocol):
     """One worker's runtime as its parts see it."""
 
-    config: RuntimeConfig
-    rank: int
-    registry: StateRegistry
-    interrupter: Interrupter
-    events: EventLog
-    injector: Injector
-    flow: Flow | None
-    engine: Executor
-    """The step engine: the state machine's state, the epoch's view, the data plane."""
-    heartbeat: HeartbeatWriter
-    registered: bool
-    health_checks: list[tuple[str, HealthCheck]]
+    @property
+    def config(self) -> RuntimeConfig: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def registry(self) -> StateRegistry: ...
+
+    @property
+    def interrupter(self) -> Interrupter: ...
+
+    @property
+    def events(self) -> EventLog: ...
+
+    @property
+    def injector(self) -> Injector: ...
+
+    @property
+    def flow(self) -> Flow | None: ...
+
+    @property
+    def engine(self) -> Executor:
+        """The step engine: the state machine's state, the epoch's view, the data plane."""
+
+    @property
+    def heartbeat(self) -> HeartbeatWriter: ...
+
+    @property
+    def registered(self) -> bool: ...
+
+    @property
+    def health_checks(self) -> list[tuple[str, HealthCheck]]: ...
 
     @property
     def step(self) -> int: ...

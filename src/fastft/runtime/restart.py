@@ -167,8 +167,7 @@ class Restartable:
         # suspect state heals from a peer whose state is not suspect, and is the source
         # when there is none (every rank raised in the same evaluation: their states are
         # the committed one, which no member would hold if each declared it lost).
-        with x.lock:
-            x.suspect_state = suspect
+        x.suspect(suspect)
         x.faults.local(StateLostFault(f"in-process restart ({cause})") if lose else e)
         rt.drive(lambda s: s.phase is Phase.NORMAL)
         if self.before_restart is not None:

@@ -70,7 +70,7 @@ class Transaction:
         # most half the rollback timeout, which is how long the closer of the next epoch
         # waits for a survivor before it leaves it out.
         half = rt.config.rollback_timeout_s / 2
-        rt.interrupter.defer_s = half if kept.worth_finishing() or rt.sharded else 0.0
+        rt.interrupter.defer(half if kept.worth_finishing() or rt.sharded else 0.0)
         if rt.sharded and n % self.world:
             raise ValueError(
                 f"tx.shard({n}) over {self.world} members of shard groups: FSDP averages a "

@@ -13,8 +13,8 @@ from dataclasses import replace
 from typing import Any
 
 import fastft.runtime.engine.coordinator as coordinator
+import fastft.runtime.engine.core as core
 import fastft.runtime.engine.survivors as survivors
-import fastft.sim.life as life
 import fastft.sim.waits as waits
 from fastft.fsm import Deadline, DrainAcked, Phase, StepState
 from fastft.fsm.contract import Event
@@ -75,7 +75,7 @@ def _old_lone_rollback(mp: contextlib.ExitStack) -> None:
     went on in it), and nothing reminded them: the closer declared its live peers dead at
     the deadline. (Each member's request to every other had covered it: N(N-1)
     deliveries.)"""
-    route = life.route
+    route = core.route
 
     def stale_acted_on(m: Any, **kw: Any) -> Any:
         out = route(m, **kw)
@@ -86,7 +86,7 @@ def _old_lone_rollback(mp: contextlib.ExitStack) -> None:
     def silent(self: Any, *a: Any) -> None:
         return None
 
-    _patch(mp, life, "route", stale_acted_on)
+    _patch(mp, core, "route", stale_acted_on)
     _patch(mp, survivors.Survivors, "_remind", silent)
 
 
@@ -107,7 +107,7 @@ def _old_drain_wait(mp: contextlib.ExitStack) -> None:
     nothing: a leaver whose notice was lost on the way, or who drained at the last commit,
     waited for an ack forever (and a fixed world for its restart)."""
     rule = TABLE[(Phase.DRAIN_WAIT, Deadline)]
-    route = life.route
+    route = core.route
 
     def no_ack(*a: Any, **kw: Any) -> Any:
         out = route(*a, **kw)
@@ -117,7 +117,7 @@ def _old_drain_wait(mp: contextlib.ExitStack) -> None:
             )
         return out
 
-    _patch(mp, life, "route", no_ack)
+    _patch(mp, core, "route", no_ack)
 
     def ignore(s: StepState, e: Event) -> Result:
         return s, ()

@@ -1,75 +1,54 @@
 """One simulated worker life: the executor's loop, its actions and its listener, run by the
 scheduler in slices instead of threads.
 
-Everything that decides is the real code: :func:`fastft.fsm.decide` for every event,
-:func:`fastft.runtime.engine.inbox.route` for every bus message,
-:func:`fastft.runtime.engine.todo.stale` for the main thread's queue, and the real
+Everything that decides is the real code: the engine's core
+(:class:`fastft.runtime.engine.core.Core`: the state machine fed, the immediate actions
+performed, the main thread's queue with its stale actions dropped, the inbox routing every
+bus message, the table from action to what performs it) and the real
 :class:`~fastft.runtime.engine.coordinator.Coordinator` (votes, decisions, arrivals, the
 closing compare-and-set, :func:`~fastft.runtime.engine.formation.close_after` and
-``close_first``) over the simulated store. What is modelled: the main thread's waits
-(a slice polls where the real thread blocks or sleeps), the collectives and process-group
-builds (a rendezvous of the epoch's members), the heal (the receivers copy the source's
-state), the user's step (a hash chain: the state after step ``s`` is a function of the
-state before it and the step's batch) and the interrupter (a wait sees the fault that ends
-it). A slice returns the simulated seconds until the life's next slice.
+``close_first``) over the simulated store. A life is the core's two ports: its
+:class:`~fastft.runtime.engine.core.Effects` and its
+:class:`~fastft.runtime.engine.core.MainThread`, whose actions return the simulated seconds
+until the life looks again. What is modelled: the main thread's waits (a slice polls where
+the real thread blocks or sleeps), the collectives and process-group builds (a rendezvous
+of the epoch's members), the heal (the receivers copy the source's state), the user's step
+(a hash chain: the state after step ``s`` is a function of the state before it and the
+step's batch) and the interrupter (a wait sees the fault that ends it).
 """
 
 from __future__ import annotations
 
-import collections
 from typing import Any
 
 from fastft.fsm import (
-    AbortProcessGroup,
     Action,
     ApplyCommit,
-    BroadcastDrainNotice,
-    CancelFutures,
-    CastVote,
     ConfigureProcessGroup,
-    Deadline,
     DeclareDead,
     Event,
     ExitWorker,
     FetchState,
-    FormEpoch,
     GradsReady,
-    InterruptStep,
     InvalidTransition,
-    LocalFault,
     Phase,
-    ProposeRollback,
-    ReportFault,
-    SendDrainAck,
     SendState,
     StepState,
     ZeroGrads,
-    decide,
-    initial_state,
 )
-from fastft.protocol import (
-    DrainAck,
-    DrainNotice,
-    Fault,
-    Message,
-    RollbackRequest,
-    Severity,
-)
+from fastft.protocol import Message, RollbackRequest, Severity
 from fastft.protocol.exits import EXIT_DRAINED, EXIT_FAULT_STORM
-from fastft.protocol.faults import fault_of
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine import decisions
 from fastft.runtime.engine.coordinator import Coordinator
-from fastft.runtime.engine.inbox import route
+from fastft.runtime.engine.core import Core, Wait, superseded
 from fastft.runtime.engine.survivors import Survivors
-from fastft.runtime.engine.todo import MAIN_ACTIONS, moved, stale, superseded
 from fastft.sim.ports import Host
 from fastft.sim.store import StoreDown
 from fastft.sim.waits import RTT_S, Ended, Waits
 
 __all__ = ["Ended", "Life"]
 
-_JOIN = Action()
 _DRIVE_S = 0.05  # the executor's condition wait (it also wakes on every event fed)
 _POLL_S = 0.002  # the coordinator's polls
 
@@ -79,13 +58,13 @@ class Life(Waits):
         self.w = w
         self.me = Member(rank, inc)
         self.rank, self.inc = rank, inc
-        self.state: StepState = initial_state(rank)
-        self.view: EpochView | None = None
-        self.dead: set[Member] = set()
-        self.todo: collections.deque[tuple[int, int, Action]] = collections.deque()
-        self.phase_changes = 0
-        self.action_gen = 0
-        self.phase_since = w.now
+        self.core = Core(
+            self.me,
+            w.keys.job,
+            rollback_timeout_s=w.opts.rollback_timeout_s,
+            world_size=w.opts.world_size,
+            clock=self.clock,
+        )
         self.coord = Coordinator(
             w.store,
             w.keys,
@@ -93,7 +72,7 @@ class Life(Waits):
             inc,
             w.opts.world_size,
             w.opts.min_members,
-            dead=self.dead,
+            dead=self.core.dead,
             clock=self.clock,
             sleep=_no_sleep,
             recovery=w.recovery,
@@ -104,7 +83,6 @@ class Life(Waits):
         self.alive = True
         self.frozen = False  # SIGSTOP, a GIL hang, or its node cut off
         self.buffered: list[Message] = []
-        self.early: list[Message] = []  # (fastft.runtime.engine.faults.Faults.early)
         self.interrupts = 0
         self.pc: tuple[Any, ...] = ("drive",)
         self.user: tuple[Any, ...] = ("top",)  # the user's loop: where drive() returns
@@ -120,128 +98,75 @@ class Life(Waits):
     def __repr__(self) -> str:
         return f"rank {self.rank}.{self.inc}"
 
-    # --- feeding (either "thread") ------------------------------------------------------
+    # --- the core's effects (either "thread") --------------------------------------------
     def feed(self, event: Event) -> None:
-        before = self.state
-        try:
-            new, actions = decide(before, event)
-        except InvalidTransition as e:
-            self.w.violation(f"{self}: the state machine has no row for this: {e}")
-            return
-        self.state = new
-        if moved(before, new, actions):
-            self.phase_since = self.w.now
-            self.phase_changes += 1
-        self.w.trace(self, f"{type(event).__name__} {before.phase.name}->{new.phase.name}")
-        for a in actions:
-            if isinstance(a, MAIN_ACTIONS):
-                self.todo.append((self.phase_changes, new.epoch, a))
-                continue
-            try:
-                self.immediate(a)
-            except StoreDown as e:  # (logged; the transition's other actions still run)
-                self.w.trace(self, f"action {type(a).__name__} failed: {e}")
+        self.core.feed(event, self)
+
+    def transition(self, before: StepState, after: StepState, event: Event, moved: bool) -> None:
+        self.w.trace(self, f"{type(event).__name__} {before.phase.name}->{after.phase.name}")
+
+    def invalid(self, e: InvalidTransition) -> None:
+        self.w.violation(f"{self}: the state machine has no row for this: {e}")
+
+    def failed(self, action: Action, e: Exception) -> None:
+        if not isinstance(e, StoreDown):  # (logged; the transition's other actions still run)
+            raise e
+        self.w.trace(self, f"action {type(action).__name__} failed: {e}")
+
+    def woken(self) -> None:
         self.w.wake(self)
 
-    def header(self) -> dict[str, Any]:
-        s = self.state
-        return dict(
-            job=self.w.keys.job, epoch=s.epoch, rank=self.rank, incarnation=self.inc, step=s.step
-        )
+    def broadcast(self, m: Message) -> None:
+        self.w.broadcast(self, m)
 
-    def immediate(self, a: Action) -> None:
-        w = self.w
-        if isinstance(a, InterruptStep):
-            self.interrupts += 1
-        elif isinstance(a, ProposeRollback):
-            decisions.propose_rollback(w.store, w.keys, a.epoch, a.step, a.reason)
-        elif isinstance(a, AbortProcessGroup | CancelFutures):
-            self.interrupts += 1
-        elif isinstance(a, BroadcastDrainNotice):
-            head = {**self.header(), "epoch": a.epoch, "step": a.step}
-            w.broadcast(self, DrainNotice(**head, reason=a.reason[:2000]))
-        elif isinstance(a, SendDrainAck):
-            w.broadcast(self, DrainAck(**self.header(), drained_rank=a.rank))
-        elif isinstance(a, ReportFault):
-            fault = Fault(
-                **self.header(),
-                severity=Severity.FAULT2,
-                cause=a.cause,
-                faulty_rank=self.rank,
-                faulty_incarnation=self.inc,
-            )
-            w.broadcast(self, fault)
-        elif isinstance(a, DeclareDead):
-            view = self.view
-            for r in sorted(a.ranks):
-                inc = view.incarnation(r) if view and r in view.ranks else 0
-                w.checks.declared_dead(self, Member(r, inc))
-                if inc:
-                    self.dead.add(Member(r, inc))
-                fault = Fault(
-                    **self.header(),
-                    severity=Severity.FAULT1,
-                    cause="silent: never arrived at the next epoch's formation",
-                    faulty_rank=r,
-                    faulty_incarnation=inc,
-                )
-                w.broadcast(self, fault)
-        else:  # pragma: no cover
-            raise AssertionError(f"no executor for {a}")
+    def interrupt(self, reason: str, epoch: int, step: int) -> None:
+        self.interrupts += 1
+
+    def propose_rollback(self, epoch: int, step: int, reason: str) -> None:
+        decisions.propose_rollback(self.w.store, self.w.keys, epoch, step, reason)
+
+    def abort_group(self, epoch: int, step: int) -> None:
+        self.interrupts += 1
+
+    def cancel(self) -> None:
+        self.interrupts += 1
+
+    def declared_dead(self, who: Member, epoch: int) -> None:
+        self.w.checks.declared_dead(self, who)
+
+    def record(self, name: str, fields: dict[str, Any]) -> None:
+        pass  # (the event log's records: the simulator traces transitions instead)
+
+    def job_finished(self) -> bool:
+        return bool(self.w.store.value(self.w.keys.finished))
 
     def declare_silent(self, ranks: frozenset[int]) -> None:
         """:meth:`fastft.runtime.engine.executor.Executor.declare_silent`."""
-        self.immediate(DeclareDead(ranks))
+        self.core.perform(DeclareDead(ranks), self)
 
     def remind(self) -> None:
         """:meth:`fastft.runtime.engine.executor.Executor.remind`."""
         why = f"epoch {self.state.epoch + 1} is forming without you"
-        self.w.broadcast(self, RollbackRequest(**self.header(), reason=why))
+        self.w.broadcast(self, RollbackRequest(**self.core.header(), reason=why))
+
+    def enter(self, view: EpochView) -> None:
+        self.core.adopt(view, view.source, self)
 
     def on_message(self, m: Message) -> None:
-        """The listener: route the message, feed its events (a store call that fails ends
-        the callback there, as the bus endpoint logs and counts it)."""
+        """The listener: the core routes the message and feeds its events (a store call
+        that fails ends the callback there, as the bus endpoint logs and counts it)."""
         if self.frozen:
             self.buffered.append(m)
             return
-        r = fault_of(m)
-        finished = r is not None and r.clean_exit and self.w.store.value(self.w.keys.finished)
-        s = self.state
-        out = route(
-            m,
-            me=self.me,
-            view=self.view,
-            epoch=s.epoch,
-            step=s.step,
-            dead=self.dead,
-            finished=bool(finished),
-            world_size=self.w.opts.world_size,
-            leaving=s.leaving,
-        )
-        if out.early:
-            self.early.append(m)
-            return
-        if out.dead is not None:
-            self.dead.add(out.dead)
-        for ev in out.events:
-            self.feed(ev)
-        if out.ack_drain is not None:
-            self.w.broadcast(self, DrainAck(**self.header(), drained_rank=out.ack_drain))
+        ack = self.core.receive(m, self)
+        if ack is not None:
+            self.w.broadcast(self, ack)
 
     def local_fault(self, severity: Severity, cause: str, gen: int | None) -> None:
         """:meth:`fastft.runtime.engine.faults.Faults.local`: superseded when the machine
         moved since the failed work began; else on the bus and into the machine."""
-        if superseded(gen, self.phase_changes, severity):
-            return
-        fault = Fault(
-            **self.header(),
-            severity=severity,
-            cause=cause,
-            faulty_rank=self.rank,
-            faulty_incarnation=self.inc,
-        )
-        self.w.broadcast(self, fault)
-        self.feed(LocalFault(severity, cause))
+        if not superseded(gen, self.phase_changes, severity):
+            self.core.report(severity, cause, self)
 
     # --- the main thread ------------------------------------------------------------------
     def slice(self) -> float:
@@ -268,54 +193,38 @@ class Life(Waits):
         return s.step != step or s.phase not in (Phase.PREPARED, Phase.COMMIT)
 
     def drive(self) -> float:
-        while self.todo:
-            queued, epoch, action = self.todo.popleft()
-            why = stale(action, queued, epoch, self.phase_changes, self.state.epoch)
-            if why:
-                continue
-            self.action_gen = queued
-            return self.run(action)
-        s = self.state
-        if self.done(s):
+        got = self.core.next(self.done, self)
+        if got is Wait.DONE:
             return self.user_next()
-        if s.phase is Phase.EXIT:
-            raise Ended(1, s.reason or "worker left the job")
-        if (
-            s.phase is Phase.DRAIN_WAIT
-            and self.w.now - self.phase_since > self.w.opts.rollback_timeout_s
-        ):
-            self.phase_since = self.w.now
-            self.feed(Deadline(self.w.now))
+        if got is Wait.LEFT:
+            raise Ended(1, self.state.reason or "worker left the job")
+        if got is Wait.AGAIN:
             return 0.0
-        if s.phase is Phase.INIT:
-            self.action_gen = self.phase_changes
-            return self.run(_JOIN)
-        return self.wait(("drive",), _DRIVE_S)
+        if got is Wait.IDLE:
+            return self.wait(("drive",), _DRIVE_S)
+        return Core.run(got, self)
 
-    def run(self, a: Action) -> float:
-        if a is _JOIN:
-            return self.join_start()
-        if isinstance(a, CastVote):
-            return self.vote_start(a)
-        if isinstance(a, ApplyCommit):
-            self.apply(a.step)
-            return 0.0
-        if isinstance(a, ZeroGrads):
-            self.recoveries += 1
-            if self.recoveries > self.w.opts.max_recoveries:
-                raise Ended(EXIT_FAULT_STORM, f"{self.recoveries} recoveries in a row")
-            return 0.0
-        if isinstance(a, FormEpoch):
-            return self.form_start(a)
-        if isinstance(a, ConfigureProcessGroup):
-            return self.wait(("pg", a.epoch, self.action_gen), RTT_S)
-        if isinstance(a, FetchState | SendState):
-            if self.w.built.get(self.me) != a.epoch:
-                return 0.0  # the process group was not built (cancelled): the fsm moved on
-            return self.wait(("heal", a.epoch, a.step, self.action_gen), RTT_S)
-        if isinstance(a, ExitWorker):
-            raise Ended(EXIT_DRAINED if a.reason == "drained" else 1, a.reason)
-        raise AssertionError(f"no executor for {a}")  # pragma: no cover
+    # (the core's MainThread; the waiting ones are in Waits)
+    def commit(self, a: ApplyCommit) -> float:
+        self.apply(a.step)
+        return 0.0
+
+    def zero_grads(self, a: ZeroGrads) -> float:
+        self.recoveries += 1
+        if self.recoveries > self.w.opts.max_recoveries:
+            raise Ended(EXIT_FAULT_STORM, f"{self.recoveries} recoveries in a row")
+        return 0.0
+
+    def configure(self, a: ConfigureProcessGroup) -> float:
+        return self.wait(("pg", a.epoch, self.action_gen), RTT_S)
+
+    def heal(self, a: FetchState | SendState, *, fetch: bool) -> float:
+        if self.w.built.get(self.me) != a.epoch:
+            return 0.0  # the process group was not built (cancelled): the fsm moved on
+        return self.wait(("heal", a.epoch, a.step, self.action_gen), RTT_S)
+
+    def exit(self, a: ExitWorker) -> float:
+        raise Ended(EXIT_DRAINED if a.reason == "drained" else 1, a.reason)
 
     # the user's loop: drive(NORMAL); the step; GradsReady; drive(decided)
     def user_next(self) -> float:

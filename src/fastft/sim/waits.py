@@ -15,17 +15,16 @@ from fastft.fsm import (
     Event,
     FormEpoch,
     HealDone,
-    PeerFault,
     Phase,
     QuorumReady,
-    StepState,
 )
-from fastft.protocol import JoinRequest, Message, Severity
+from fastft.protocol import JoinRequest, Severity
 from fastft.protocol.exits import EXIT_DRAINED, EXIT_STATE_LOST
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.endings import JobFinished
 from fastft.runtime.engine import decisions
 from fastft.runtime.engine.coordinator import Coordinator
+from fastft.runtime.engine.core import Core, OnCore
 from fastft.runtime.engine.formation import JoinerWait, SurvivorWait, others_hold_state
 from fastft.runtime.engine.survivors import Survivors
 from fastft.sim.ports import Host
@@ -45,26 +44,23 @@ class Ended(Exception):  # noqa: N818 - a life's end, not an error
         self.why = why
 
 
-class Waits:
-    """The waiting actions of :class:`~fastft.sim.life.Life` (its base)."""
+class Waits(OnCore):
+    """The waiting actions of :class:`~fastft.sim.life.Life` (its base): the vote, the
+    formations, the join, the process group and the heal of the core's
+    :class:`~fastft.runtime.engine.core.MainThread`, and their slices."""
 
     w: Host
     me: Member
     rank: int
     inc: int
-    state: StepState
-    view: EpochView | None
-    dead: set[Member]
+    core: Core
     coord: Coordinator
     survivors: Survivors
     h: str
     held: int
     alive: bool
     suspect: bool
-    early: list[Message]
     recoveries: int
-    phase_changes: int
-    action_gen: int
     next_announce: float
 
     def feed(self, event: Event) -> None:
@@ -79,16 +75,17 @@ class Waits:
     def local_fault(self, severity: Severity, cause: str, gen: int | None) -> None:
         raise NotImplementedError
 
-    def on_message(self, m: Message) -> None:
-        raise NotImplementedError
-
     def declare_silent(self, ranks: frozenset[int]) -> None:
         raise NotImplementedError
 
     def remind(self) -> None:
         raise NotImplementedError
 
-    def vote_start(self, a: CastVote) -> float:
+    def enter(self, view: EpochView) -> None:
+        """The core adopts ``view`` (its effects: the life)."""
+        raise NotImplementedError
+
+    def vote(self, a: CastVote) -> float:
         w = self.w
         view = self.view
         assert view is not None
@@ -138,7 +135,7 @@ class Waits:
         w.after_commit(self, step)
         self.feed(CommitApplied())
 
-    def form_start(self, a: FormEpoch) -> float:
+    def form(self, a: FormEpoch) -> float:
         prev = self.view
         assert prev is not None
         exclude = a.exclude | frozenset(m.rank for m in prev.members if m in self.dead)
@@ -190,7 +187,7 @@ class Waits:
         self.adopt(view)
         return 0.0
 
-    def join_start(self) -> float:
+    def join(self) -> float:
         wait = self.coord.register(self.w.opts.start_timeout_s, self.w.opts.regroup_timeout_s)
         self.next_announce = self.w.now
         return self.wait(("join", wait, self.action_gen), 0.0)
@@ -228,23 +225,7 @@ class Waits:
                 raise Ended(1, f"state lost at step {view.lost}; restarting")
             raise Ended(EXIT_STATE_LOST, f"every holder of step {view.lost} was lost")
         self.suspect = False
-        self.view = view
-        self.feed(
-            QuorumReady(
-                view.epoch,
-                view.ranks,
-                view.step,
-                view.needs_state,
-                waiting=bool(view.waiting),
-                source=view.source,
-            )
-        )
-        for m in view.members:  # deaths heard of while the epoch was being formed
-            if m in self.dead and m != self.me:
-                self.feed(PeerFault(m.rank, Severity.FAULT1, "died during formation"))
-        early, self.early = self.early, []
-        for msg in early:
-            self.on_message(msg)
+        self.enter(view)
 
     def _pg(self, epoch: int, gen: int) -> float:
         """The epoch's process group: a rendezvous of its members, which a fault (the

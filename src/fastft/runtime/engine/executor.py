@@ -11,7 +11,6 @@ commit, drop gradients, form the next epoch, build its group, heal) for the main
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -19,54 +18,38 @@ from collections.abc import Callable
 from typing import Any
 
 from fastft.fsm import (
-    AbortProcessGroup,
     Action,
     ApplyCommit,
-    BroadcastDrainNotice,
-    CancelFutures,
     CastVote,
     CommitApplied,
     ConfigureProcessGroup,
-    Deadline,
     DeclareDead,
     Event,
     ExitWorker,
     FetchState,
     FormEpoch,
     HealDone,
-    InterruptStep,
     InvalidTransition,
     Phase,
-    ProposeRollback,
-    ReportFault,
-    SendDrainAck,
     SendState,
     StateLoaded,
     StepState,
     ZeroGrads,
-    decide,
-    initial_state,
 )
 from fastft.interrupt import Interrupter, StepInterrupted
 from fastft.process.events import EventLog
 from fastft.process.services import Services
-from fastft.protocol import (
-    DrainAck,
-    DrainNotice,
-    Fault,
-    JobKeys,
-    RollbackRequest,
-    Severity,
-)
+from fastft.protocol import JobKeys, Message, RollbackRequest, Severity
 from fastft.runtime.contract import EpochView, Member, RuntimeConfig
 from fastft.runtime.durable.checkpoints import Checkpoints
 from fastft.runtime.durable.commit import CommitCheckpoints
 from fastft.runtime.endings import FaultStorm, WorkerExit
 from fastft.runtime.engine.coordinator import Coordinator
+from fastft.runtime.engine.core import Core, OnCore, Wait
 from fastft.runtime.engine.faults import Faults
+from fastft.runtime.engine.inbox import REPEATED, repeats_logged
 from fastft.runtime.engine.membership import Membership
 from fastft.runtime.engine.sideclient import SideClient
-from fastft.runtime.engine.todo import MAIN_ACTIONS, moved, stale
 from fastft.runtime.groups.dataplane import DataPlane
 from fastft.runtime.state.heal import Healer
 from fastft.runtime.state.kept import KeptGradients, commit_fields
@@ -78,11 +61,10 @@ log = logging.getLogger(__name__)
 
 _STEP_CYCLE = (Phase.NORMAL, Phase.PREPARED, Phase.COMMIT)
 _WAIT_S = 0.05
-_JOIN = Action()
 Check = Callable[[StepState], bool]
 
 
-class Executor:
+class Executor(OnCore):
     """One per worker. ``state`` is the state machine's; ``view`` the current epoch."""
 
     def __init__(
@@ -119,19 +101,21 @@ class Executor:
         self.events = events
         self.dp = dataplane
         self.kept = kept
-        self.dead: set[Member] = dead if dead is not None else set()
-        """Lives known dead: the worker's one set, written here only (the coordinator
-        it was built with reads it)."""
+        self.core = Core(
+            me,
+            config.job,
+            rollback_timeout_s=config.rollback_timeout_s,
+            world_size=config.world_size,
+            clock=time.monotonic,
+            dead=dead,
+        )
+        """The engine's state and rules (:mod:`.core`); the lives known dead are the
+        worker's one set (the coordinator it was built with reads it)."""
+        self._repeats: dict[tuple[object, ...], int] = {}
+        """Occurrences of each repeated record (:data:`.inbox.REPEATED`)."""
         self.services: Services | None = None
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
-        self.state: StepState = initial_state(me.rank)
-        self.view: EpochView | None = None
-        self.phase_changes = 0
-        self._phase_since = time.monotonic()
-        self.action_gen = 0
-        self._todo: collections.deque[tuple[int, int, Action]] = collections.deque()
-        """Main-thread actions with the phase changes and the epoch they were queued at."""
         self.closing = False
         self.commits = 0
         self.rollbacks = 0
@@ -140,6 +124,10 @@ class Executor:
         self.membership = Membership(self)
         self.faults = Faults(self)
         self.checkpoints = CommitCheckpoints(durable, config, events, registry.state)
+
+    def suspect(self, doubt: bool) -> None:
+        with self.lock:
+            self.suspect_state = doubt
 
     def attach(self, services: Services) -> None:
         self.services = services
@@ -159,57 +147,25 @@ class Executor:
             self.feed_locked(event)
 
     def feed_locked(self, event: Event) -> None:
-        before = self.state
-        try:
-            new, actions = decide(before, event)
-        except InvalidTransition as e:
-            log.error("state machine: %s (ignored)", e)
-            return
-        self.state = new
-        if moved(before, new, actions):
-            self._phase_since = time.monotonic()
-            self.phase_changes += 1
-            if not (before.phase in _STEP_CYCLE and new.phase in _STEP_CYCLE):
-                # the fault-free cycle NORMAL -> PREPARED -> COMMIT is logged as commits
-                self.events.emit(
-                    "phase",
-                    frm=before.phase.name,
-                    to=new.phase.name,
-                    epoch=new.epoch,
-                    step=new.step,
-                    on=type(event).__name__,
-                    reason=new.reason or None,
-                )
-        for a in actions:
-            if isinstance(a, MAIN_ACTIONS):
-                self._todo.append((self.phase_changes, new.epoch, a))
-                continue
-            try:
-                self._run_immediate(a)
-            except Exception as e:  # noqa: BLE001 - the transition's other actions must run
-                # (a proposal's store call: without the formation after it this worker
-                # waited in HEALING forever; every peer proposes too: the simulator)
-                log.error("action %s failed: %s: %s", type(a).__name__, type(e).__name__, e)
-                self.events.emit("action_failed", action=type(a).__name__, error=str(e)[:300])
-        self.cond.notify_all()
+        self.core.feed(event, self)
 
     def header(self) -> dict[str, Any]:
-        s = self.state
-        return dict(
-            job=self.config.job,
-            epoch=s.epoch,
-            rank=self.me.rank,
-            incarnation=self.me.incarnation,
-            step=s.step,
-        )
+        return self.core.header()
 
-    def replay_early(self) -> None:
-        self.faults.replay_early()
+    # (what the parts ask of the core, under the lock)
+    def adopt(self, view: EpochView, source: int | None) -> None:
+        self.core.adopt(view, source, self)
+
+    def report(self, severity: Severity, cause: str) -> None:
+        self.core.report(severity, cause, self)
+
+    def receive(self, m: Message) -> Message | None:
+        return self.core.receive(m, self)
 
     def declare_silent(self, ranks: frozenset[int]) -> None:
         """Members that never arrived at a formation (:mod:`.survivors`)."""
         with self.lock:
-            self._run_immediate(DeclareDead(ranks))
+            self.core.perform(DeclareDead(ranks), self)
 
     def remind(self) -> None:
         """A rollback request to the members a formation misses (:mod:`.survivors`)."""
@@ -218,58 +174,64 @@ class Executor:
         why = f"epoch {s.epoch + 1} is forming without you"
         self.sv.bus.broadcast(RollbackRequest(**self.header(), reason=why))
 
-    def _run_immediate(self, a: Action) -> None:
-        s = self.state
-        bus = self.sv.bus
-        if isinstance(a, InterruptStep):
-            if self.interrupter.interrupt(a.reason, epoch=s.epoch):
-                self.events.emit("interrupt", epoch=s.epoch, step=s.step, reason=a.reason)
-        elif isinstance(a, ProposeRollback):
-            got = self.side.propose_rollback(a.epoch, a.step, a.reason)
+    # --- effects (core.Effects): the immediate actions, on the thread that fed the event ---
+    def transition(self, before: StepState, after: StepState, event: Event, moved: bool) -> None:
+        if moved and not (before.phase in _STEP_CYCLE and after.phase in _STEP_CYCLE):
+            # the fault-free cycle NORMAL -> PREPARED -> COMMIT is logged as commits
             self.events.emit(
-                "propose_rollback", epoch=a.epoch, step=a.step, reason=a.reason, decision=got[:1]
+                "phase",
+                frm=before.phase.name,
+                to=after.phase.name,
+                epoch=after.epoch,
+                step=after.step,
+                on=type(event).__name__,
+                reason=after.reason or None,
             )
-        elif isinstance(a, AbortProcessGroup):
-            self.sv.injector.fire_due(s.step, point="rollback")  # tests: death mid-rollback
-            self.dp.abort(s.epoch)
-        elif isinstance(a, CancelFutures):
-            pass  # the interrupt already failed every pending future of the step
-        elif isinstance(a, BroadcastDrainNotice):
-            # (the step it committed, not its count: a member still PREPARED on it learns
-            # from the notice that the decision was a commit)
-            head = {**self.header(), "epoch": a.epoch, "step": a.step}
-            bus.broadcast(DrainNotice(**head, reason=a.reason[:2000]))
-        elif isinstance(a, SendDrainAck):
-            bus.broadcast(DrainAck(**self.header(), drained_rank=a.rank))
-        elif isinstance(a, ReportFault):  # (its own fault, again: see StepState.refault)
-            self.events.emit("fault_again", epoch=a.epoch, step=s.step, cause=a.cause[:300])
-            bus.broadcast(
-                Fault(
-                    **self.header(),
-                    severity=Severity.FAULT2,
-                    cause=a.cause[:2000],
-                    faulty_rank=self.me.rank,
-                    faulty_incarnation=self.me.incarnation,
-                )
-            )
-        elif isinstance(a, DeclareDead):
-            view = self.view
-            for r in sorted(a.ranks):
-                inc = view.incarnation(r) if view and r in view.ranks else 0
-                self.events.emit("declare_dead", rank=r, incarnation=inc, epoch=s.epoch)
-                if inc:  # its exit notice, when the agent has killed it, is no new fault
-                    self.dead.add(Member(r, inc))
-                bus.broadcast(
-                    Fault(
-                        **self.header(),
-                        severity=Severity.FAULT1,
-                        cause="silent: never arrived at the next epoch's formation",
-                        faulty_rank=r,
-                        faulty_incarnation=inc,
-                    )
-                )
-        else:  # pragma: no cover - a new action without an executor
-            raise AssertionError(f"no executor for {a}")
+
+    def woken(self) -> None:
+        self.cond.notify_all()  # (the main thread wakes once the lock is released)
+
+    def invalid(self, e: InvalidTransition) -> None:
+        log.error("state machine: %s (ignored)", e)
+
+    def failed(self, action: Action, e: Exception) -> None:
+        log.error("action %s failed: %s: %s", type(action).__name__, type(e).__name__, e)
+        self.events.emit("action_failed", action=type(action).__name__, error=str(e)[:300])
+
+    def broadcast(self, m: Message) -> None:
+        self.sv.bus.broadcast(m)
+
+    def interrupt(self, reason: str, epoch: int, step: int) -> None:
+        if self.interrupter.interrupt(reason, epoch=epoch):
+            self.events.emit("interrupt", epoch=epoch, step=step, reason=reason)
+
+    def propose_rollback(self, epoch: int, step: int, reason: str) -> None:
+        got = self.side.propose_rollback(epoch, step, reason)
+        self.events.emit(
+            "propose_rollback", epoch=epoch, step=step, reason=reason, decision=got[:1]
+        )
+
+    def abort_group(self, epoch: int, step: int) -> None:
+        self.sv.injector.fire_due(step, point="rollback")  # tests: death mid-rollback
+        self.dp.abort(epoch)
+
+    def cancel(self) -> None:
+        pass  # the interrupt already failed every pending future of the step
+
+    def declared_dead(self, who: Member, epoch: int) -> None:
+        self.events.emit("declare_dead", rank=who.rank, incarnation=who.incarnation, epoch=epoch)
+
+    def record(self, name: str, fields: dict[str, Any]) -> None:
+        if name in REPEATED:  # (a flood of the same record: 1st, 10th, 100th...)
+            key = (name, *sorted(fields.items()))
+            n = self._repeats[key] = self._repeats.get(key, 0) + 1
+            if repeats_logged(n):
+                self.events.emit(name, **fields, count=n)
+        else:
+            self.events.emit(name, **fields)
+
+    def job_finished(self) -> bool:
+        return self.side.job_finished()
 
     # --- the main thread -------------------------------------------------------------------
     def drive(self, done: Check, *, settled: Check | None = None) -> None:
@@ -284,71 +246,52 @@ class Executor:
             with self.lock:
                 if settled is not None and settled(self.state):
                     return
-                queued, epoch, action = self._todo.popleft() if self._todo else (0, 0, None)
-                why = action and stale(action, queued, epoch, self.phase_changes, self.state.epoch)
-                if why:
-                    log.debug("dropping %s (stale: %s)", action, why)
+                got = self.core.next(done, self)
+                if got is Wait.DONE:
+                    return
+                if got is Wait.LEFT:
+                    raise WorkerExit(self.state.reason or "worker left the job")
+                if got is Wait.AGAIN:
                     continue
-                if action is None:
-                    s = self.state
-                    if done(s):
-                        return
-                    if s.phase is Phase.EXIT:
-                        raise WorkerExit(s.reason or "worker left the job")
-                    if (
-                        s.phase is Phase.DRAIN_WAIT
-                        and time.monotonic() - self._phase_since > self.config.rollback_timeout_s
-                    ):
-                        self._phase_since = time.monotonic()
-                        self.feed_locked(Deadline(time.monotonic()))
-                        continue
-                    if s.phase is Phase.INIT:
-                        action = _JOIN
-                    else:
-                        hb.beat()
-                        self.cond.wait(_WAIT_S)
-                        continue
-                self.action_gen = queued if action is not _JOIN else self.phase_changes
+                if got is Wait.IDLE:
+                    hb.beat()
+                    self.cond.wait(_WAIT_S)
+                    continue
             hb.beat()
-            self.run_main_action(action)
+            Core.run(got, self)
 
-    def run_main_action(self, a: Action) -> None:
-        m = self.membership
-        if a is _JOIN:
-            m.join()
-        elif isinstance(a, CastVote):
-            m.vote(a)
-        elif isinstance(a, ApplyCommit):
-            self._apply_commit(a)
-        elif isinstance(a, ZeroGrads):
-            self.registry.rollback()
-            self.rollbacks += 1
-            self.recoveries += 1
-            s = self.state
-            if self.recoveries > self.config.max_recoveries:
-                why = (
-                    f"{self.recoveries} recoveries in a row without a committed step (the "
-                    f"last at step {s.step}: {s.reason}); a fault storm: stopping the job "
-                    "(--max-recoveries)"
-                )
-                self.events.emit("fault_storm", step=s.step, recoveries=self.recoveries)
-                log.error("%s", why)
-                raise FaultStorm(why)
-            if self.dp.gate is not None:  # (shard groups: the mates that entered it go back)
-                self.dp.gate.leave((s.epoch, s.step))
-            self.events.emit("rollback", epoch=s.epoch, step=s.step, reason=s.reason)
-        elif isinstance(a, FormEpoch):
-            m.form(a)
-        elif isinstance(a, ConfigureProcessGroup):
-            self._configure(a)
-        elif isinstance(a, FetchState | SendState):
-            self._heal(a)
-        elif isinstance(a, ExitWorker):
-            self.events.emit("exit", reason=a.reason)
-            if not self.closing:
-                raise WorkerExit(a.reason)
-        else:  # pragma: no cover
-            raise AssertionError(f"no executor for {a}")
+    # (core.MainThread: the main thread's actions)
+    def join(self) -> None:
+        self.membership.join()
+
+    def vote(self, a: CastVote) -> None:
+        self.membership.vote(a)
+
+    def form(self, a: FormEpoch) -> None:
+        self.membership.form(a)
+
+    def zero_grads(self, a: ZeroGrads) -> None:
+        self.registry.rollback()
+        self.rollbacks += 1
+        self.recoveries += 1
+        s = self.state
+        if self.recoveries > self.config.max_recoveries:
+            why = (
+                f"{self.recoveries} recoveries in a row without a committed step (the "
+                f"last at step {s.step}: {s.reason}); a fault storm: stopping the job "
+                "(--max-recoveries)"
+            )
+            self.events.emit("fault_storm", step=s.step, recoveries=self.recoveries)
+            log.error("%s", why)
+            raise FaultStorm(why)
+        if self.dp.gate is not None:  # (shard groups: the mates that entered it go back)
+            self.dp.gate.leave((s.epoch, s.step))
+        self.events.emit("rollback", epoch=s.epoch, step=s.step, reason=s.reason)
+
+    def exit(self, a: ExitWorker) -> None:
+        self.events.emit("exit", reason=a.reason)
+        if not self.closing:
+            raise WorkerExit(a.reason)
 
     def cancelled(self, phase: Phase) -> Callable[[], bool]:
         """A check for long main-thread waits: true once the job closes or the state
@@ -363,7 +306,7 @@ class Executor:
 
         return check
 
-    def _apply_commit(self, a: ApplyCommit) -> None:
+    def commit(self, a: ApplyCommit) -> None:
         self.sv.injector.fire_due(a.step, point="commit")  # tests: death after the decision
         opt = self.registry.optimizer
         with self.interrupter.atomic():
@@ -397,7 +340,7 @@ class Executor:
         """The script's post-commit code has run: the last commit's checkpoint, if due."""
         self.checkpoints.settle(self.view, self.me)
 
-    def _configure(self, a: ConfigureProcessGroup) -> None:
+    def configure(self, a: ConfigureProcessGroup) -> None:
         view = self.view
         assert view is not None and view.epoch == a.epoch
         base = self.cancelled(self.state.phase)
@@ -411,16 +354,14 @@ class Executor:
         except Exception as e:
             self.faults.local(e, gen=self.action_gen)
 
-    def _heal(self, a: FetchState | SendState) -> None:
+    def heal(self, a: FetchState | SendState, *, fetch: bool) -> None:
         view = self.view
         assert view is not None and view.source is not None
         if self.dp.pg is None or self.dp.pg_epoch != a.epoch:
             return  # the process group was not built (cancelled): the fsm moved on
         self.sv.injector.fire_due(a.step, point="heal")  # tests: death while healing
         try:
-            got = self.healer.transfer(
-                a.epoch, a.step, view, self.me.rank, fetch=isinstance(a, FetchState)
-            )
+            got = self.healer.transfer(a.epoch, a.step, view, self.me.rank, fetch=fetch)
         except StepInterrupted:
             return
         except Exception as e:

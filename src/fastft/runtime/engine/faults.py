@@ -4,17 +4,13 @@ injector). Performed for the executor, under its lock."""
 
 from __future__ import annotations
 
-import collections
 from typing import TYPE_CHECKING
 
 import torch
 
-from fastft.fsm import LocalFault
 from fastft.inject import FaultKind, FaultSpec, StateLostFault, execute
-from fastft.protocol import DrainAck, Fault, Message, Severity
-from fastft.protocol.faults import fault_of
-from fastft.runtime.engine.inbox import EARLY_KEPT, REPEATED, repeats_logged, route
-from fastft.runtime.engine.todo import superseded
+from fastft.protocol import Message, Severity
+from fastft.runtime.engine.core import superseded
 
 if TYPE_CHECKING:
     from fastft.runtime.engine.ports import Engine
@@ -25,10 +21,6 @@ __all__ = ["Faults"]
 class Faults:
     def __init__(self, x: Engine) -> None:
         self.x = x
-        self.repeats: dict[tuple[object, ...], int] = {}
-        """Occurrences of each repeated record (:data:`.inbox.REPEATED`)."""
-        self.early: collections.deque[Message] = collections.deque(maxlen=EARLY_KEPT)
-        """Rollback messages of an epoch not adopted yet (:attr:`.inbox.Routed.early`)."""
 
     def local(self, exc: BaseException, gen: int | None = None) -> None:
         """Report this worker's own fault: event, bus, state machine. ``gen``: the count of
@@ -53,62 +45,15 @@ class Faults:
                 cause=cause[:500],
                 incarnation=x.me.incarnation,
             )
-            x.sv.bus.broadcast(
-                Fault(
-                    **x.header(),
-                    severity=severity,
-                    cause=cause[:2000],
-                    faulty_rank=x.me.rank,
-                    faulty_incarnation=x.me.incarnation,
-                )
-            )
-            x.feed_locked(LocalFault(severity, cause[:200]))
+            x.report(severity, cause)
 
     def on_message(self, m: Message) -> None:
         """The bus listener's callback."""
         x = self.x
-        r = fault_of(m)
-        finished = r is not None and r.clean_exit and x.side.job_finished()
         with x.lock:
-            s = x.state
-            out = route(
-                m,
-                me=x.me,
-                view=x.view,
-                epoch=s.epoch,
-                step=s.step,
-                dead=x.dead,
-                finished=finished,
-                world_size=x.config.world_size,
-                leaving=s.leaving,
-            )
-            if out.early:
-                self.early.append(m)
-                return
-            if out.dead is not None:
-                x.dead.add(out.dead)
-            if out.record is not None:
-                name, fields = out.record
-                if name in REPEATED:  # (a flood of the same record: 1st, 10th, 100th...)
-                    key = (name, *sorted(fields.items()))
-                    n = self.repeats[key] = self.repeats.get(key, 0) + 1
-                    if repeats_logged(n):
-                        x.events.emit(name, **fields, count=n)
-                else:
-                    x.events.emit(name, **fields)
-            for ev in out.events:
-                x.feed_locked(ev)
-            header = x.header()
-        if out.ack_drain is not None:
-            x.sv.bus.broadcast(DrainAck(**header, drained_rank=out.ack_drain))
-
-    def replay_early(self) -> None:
-        """After adopting a view: route the early messages again (those of a later epoch
-        still wait)."""
-        with self.x.lock:
-            kept, self.early = list(self.early), collections.deque(maxlen=EARLY_KEPT)
-            for m in kept:
-                self.on_message(m)
+            ack = x.receive(m)
+        if ack is not None:
+            x.sv.bus.broadcast(ack)
 
     def inject(self, spec: FaultSpec) -> None:
         x = self.x

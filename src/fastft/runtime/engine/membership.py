@@ -8,8 +8,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from fastft.fsm import CastVote, Decision, FormEpoch, PeerFault, Phase, QuorumReady
-from fastft.protocol import JoinRequest, Severity
+from fastft.fsm import CastVote, Decision, FormEpoch, Phase, QuorumReady
+from fastft.protocol import JoinRequest
 from fastft.runtime.contract import EpochView
 from fastft.runtime.durable.checkpoints import CheckpointError
 from fastft.runtime.endings import JobFinished, StateLost, WorkerExit
@@ -185,7 +185,7 @@ class Membership:
         if view is None:
             self._drain_from_formation(prev, exclude, holds)
             return
-        x.suspect_state = False  # (healed in this epoch, or the source: every state equal)
+        x.suspect(False)  # (healed in this epoch, or the source: every state equal)
         if not view.has(x.me.rank, x.me.incarnation):
             x.events.emit("excluded", epoch=view.epoch)
             x.feed(QuorumReady(view.epoch, view.ranks, view.step, view.needs_state))
@@ -233,20 +233,7 @@ class Membership:
         if view.restore is not None or view.lost is not None:
             self._recover(view)
         with x.lock:
-            x.view = view
-            ready = QuorumReady(
-                view.epoch,
-                view.ranks,
-                view.step,
-                view.needs_state,
-                waiting=bool(view.waiting),
-                source=self._source(view) if x.dp.heal_apart() else None,
-            )
-            x.feed_locked(ready)
-            for m in view.members:  # deaths we heard of while the epoch was being formed
-                if m in x.dead and m != x.me:
-                    x.feed_locked(PeerFault(m.rank, Severity.FAULT1, "died during formation"))
-            x.replay_early()  # a peer that adopted it first may be rolling it back
+            x.adopt(view, self._source(view) if x.dp.heal_apart() else None)
 
     def _source(self, view: EpochView) -> int | None:
         """Who sends this member's state (its shard's, with shard groups). A member of an

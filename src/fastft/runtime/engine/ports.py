@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from fastft.fsm import Event, Phase, StepState
     from fastft.process.events import EventLog
     from fastft.process.services import Services
+    from fastft.protocol import Message, Severity
     from fastft.runtime.contract import EpochView, Member, RuntimeConfig
     from fastft.runtime.durable.checkpoints import Checkpoints
     from fastft.runtime.durable.commit import CommitCheckpoints
@@ -29,26 +30,63 @@ class Engine(Protocol):
     """One worker's step engine as its parts see it. ``lock`` guards ``state``, ``view``
     and ``dead``; ``feed_locked`` is called under it."""
 
-    config: RuntimeConfig
-    me: Member
-    view: EpochView | None
-    state: StepState
-    lock: threading.RLock
-    events: EventLog
-    registry: StateRegistry
-    coord: Coordinator
-    side: SideClient
-    dp: DataPlane
-    kept: KeptGradients
-    durable: Checkpoints | None
-    checkpoints: CommitCheckpoints
-    dead: set[Member]
-    suspect_state: bool
-    phase_changes: int
-    closing: bool
+    @property
+    def config(self) -> RuntimeConfig: ...
+
+    @property
+    def me(self) -> Member: ...
+
+    @property
+    def lock(self) -> threading.RLock: ...
+
+    @property
+    def events(self) -> EventLog: ...
+
+    @property
+    def registry(self) -> StateRegistry: ...
+
+    @property
+    def coord(self) -> Coordinator: ...
+
+    @property
+    def side(self) -> SideClient: ...
+
+    @property
+    def dp(self) -> DataPlane: ...
+
+    @property
+    def kept(self) -> KeptGradients: ...
+
+    @property
+    def durable(self) -> Checkpoints | None: ...
+
+    @property
+    def checkpoints(self) -> CommitCheckpoints: ...
+
+    @property
+    def closing(self) -> bool: ...
+
+    @property
+    def state(self) -> StepState: ...
+
+    @property
+    def view(self) -> EpochView | None: ...
+
+    @property
+    def dead(self) -> set[Member]: ...
+
+    @property
+    def phase_changes(self) -> int: ...
 
     @property
     def sv(self) -> Services: ...
+
+    @property
+    def suspect_state(self) -> bool:
+        """An in-process restart left this worker's state in doubt."""
+
+    def suspect(self, doubt: bool) -> None:
+        """Put this worker's state in doubt (True), or settle it (False)."""
 
     def feed(self, event: Event) -> None: ...
 
@@ -56,8 +94,14 @@ class Engine(Protocol):
 
     def header(self) -> dict[str, Any]: ...
 
-    def replay_early(self) -> None:
-        """Route again the bus messages kept for an epoch not adopted yet."""
+    def adopt(self, view: EpochView, source: int | None) -> None:
+        """Enter ``view`` (under the lock): the core's :meth:`~.core.Core.adopt`."""
+
+    def report(self, severity: Severity, cause: str) -> None:
+        """This worker's own fault, on the bus and into the machine (under the lock)."""
+
+    def receive(self, m: Message) -> Message | None:
+        """A bus message into the core (under the lock); a drain ack to send back."""
 
     def declare_silent(self, ranks: frozenset[int]) -> None:
         """Declare dead members that never arrived at a formation (the agent kills them)."""

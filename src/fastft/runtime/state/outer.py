@@ -1,4 +1,4 @@
-"""DiLoCo's outer state (``--sync diloco:N``, :mod:`fastft.runtime.state.sync`): the
+"""DiLoCo's outer state (``--sync diloco:N``, :mod:`fastft.runtime.sync`): the
 anchor and the outer optimizer, registered state that a rollback undoes, a heal sends and
 the durable tier saves."""
 

@@ -94,7 +94,7 @@ class StateRegistry:
         self._average: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """A sync step's averaged parameters and optimizer state, applied at its commit."""
         self.outer: Outer | None = None
-        """``--sync diloco``: the anchor and the outer optimizer (:mod:`fastft.runtime.state.sync`)."""
+        """``--sync diloco``: the anchor and the outer optimizer (:mod:`fastft.runtime.sync`)."""
         self.by_reference: ByReference | None = None
         """State kept by reference (:class:`ByReference`: ``fastft.jax``'s pytrees)."""
         self._bucket_extra = 0
