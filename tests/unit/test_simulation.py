@@ -34,13 +34,13 @@ from fastft.protocol import JobKeys, ProcessExited, Role
 from fastft.runtime.contract import EpochView, Member, RuntimeConfig
 from fastft.runtime.endings import JobFinished, WorkerExit
 from fastft.runtime.engine.coordinator import Coordinator
-from fastft.runtime.engine.executor import Executor
+from fastft.runtime.engine.executor import EngineParts, Executor
 from fastft.runtime.engine.sideclient import SideClient
-from fastft.runtime.groups.dataplane import HealTail
 from fastft.runtime.state.heal import HealResult
 from fastft.runtime.state.kept import KeptGradients
 from fastft.runtime.state.registry import StateRegistry
 from fastft.testing import FakeClock, MemoryBus, MemoryHub, MemoryStore
+from fastft.testing.engine import FakePlane
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,34 +70,6 @@ def canonical_digests(steps: int) -> list[str]:
         reg.zero_grads()
         out.append(reg.digest(s + 1))
     return out
-
-
-class _FakePlane:
-    """The data plane without process groups: building one always succeeds."""
-
-    def __init__(self) -> None:
-        self.k = 1  # (one worker per replica)
-        self.gate = None
-        self.pg: Any = None
-        self.pg_epoch = -1
-        self.heal_pg: tuple[int, Any] | None = None
-        self.heal_tail: HealTail | None = None
-
-    def backend(self) -> str:
-        return "gloo"
-
-    def heal_apart(self) -> bool:
-        return True
-
-    def abort(self, epoch: int) -> None:
-        self.pg = None
-
-    def release_heal(self, *, pending: bool) -> None:
-        self.heal_pg = self.heal_tail = None
-
-    def configure(self, view: EpochView, rank: int, prefix: str, cancelled: Any) -> bool:
-        self.pg, self.pg_epoch = object(), view.epoch
-        return True
 
 
 class _FakeHealer:
@@ -175,18 +147,18 @@ class Sim:
         self.model, self.opt = _model()
         self.registry.register(self.model, self.opt)
         events = EventLog(None, f"rank {self.rank}")
-        x = self.x = Executor(
-            cfg,
-            Member(self.rank, self.inc),
+        dead: set[Member] = set()
+        coord.dead = dead
+        parts = EngineParts(
             coord,
             SideClient(w.store.clone(), keys),
             self.registry,
             Interrupter(),  # not installed: no signals, the state machine still interrupts
             events,
-            _FakePlane(),  # type: ignore[arg-type]
+            FakePlane(),
             KeptGradients(False),
         )
-        coord.dead = x.dead
+        x = self.x = Executor(cfg, Member(self.rank, self.inc), parts, dead)
         self.bus = MemoryBus(w.hub, job=JOB, rank=self.rank, incarnation=self.inc)
         self.bus.subscribe(x.faults.on_message)
         sv = Services(

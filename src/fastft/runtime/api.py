@@ -255,7 +255,7 @@ class Runtime:
         if self._mesh is None:
             with self.heartbeat.blocked:  # (waits for the group's other members to start)
                 self._mesh = meet_shard_group(self.config, self._raw_store, device_type)
-            self.engine.dp.gate = StepGate(self.heartbeat.blocked)
+            self.engine.dp.set_gate(StepGate(self.heartbeat.blocked))
             cfg = self.config
             self.events.emit("shard_group", group=self.rank // cfg.shard_size, gen=cfg.group_gen)
         return self._mesh

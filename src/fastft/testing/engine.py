@@ -1,11 +1,15 @@
-"""A recording port for the engine's core (:mod:`fastft.runtime.engine.core`): both its
-:class:`~fastft.runtime.engine.core.Effects` and its
-:class:`~fastft.runtime.engine.core.MainThread`, each call kept in ``calls`` as
-``(name, *arguments)``, so a test steps the real core one action at a time."""
+"""Fakes of the step engine's seams. :class:`RecordingPort`: both ports of the engine's core
+(:mod:`fastft.runtime.engine.core`), :class:`~fastft.runtime.engine.coreports.Effects` and
+:class:`~fastft.runtime.engine.coreports.MainThread`, each call kept in ``calls`` as
+``(name, *arguments)``, so a test steps the real core one action at a time.
+:class:`FakePlane`: the data plane without process groups."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from fastft.fsm import (
     Action,
@@ -22,10 +26,13 @@ from fastft.fsm import (
     ZeroGrads,
 )
 from fastft.protocol import Message
-from fastft.runtime.contract import Member
-from fastft.runtime.engine.core import Effects, MainThread
+from fastft.runtime.contract import EpochView, Member
+from fastft.runtime.engine.coreports import Effects, MainThread
+from fastft.runtime.groups.dataplane import HealTail
+from fastft.runtime.groups.hsdp import StepGate
+from fastft.runtime.groups.plane import Plane
 
-__all__ = ["RecordingPort"]
+__all__ = ["FakePlane", "RecordingPort"]
 
 
 class RecordingPort:
@@ -121,3 +128,67 @@ class RecordingPort:
 
 def _conforms(port: RecordingPort) -> tuple[Effects, MainThread[str]]:  # (mypy checks it)
     return port, port
+
+
+class FakePlane:
+    """A data plane without process groups (:class:`fastft.runtime.groups.plane.Plane`):
+    building one always succeeds; its group is a token. For the engine over threads in one
+    process (tests of the protocol, not of the collectives)."""
+
+    def __init__(self, shard_size: int = 1) -> None:
+        self.k = shard_size
+        self.gate: StepGate | None = None
+        self.pg: Any = None
+        self.pg_epoch = -1
+        self.heal_pg: tuple[int, Any] | None = None
+        self.heal_tail: HealTail | None = None
+        self.built: list[int] = []
+        """The epochs whose group was built, in order."""
+
+    def backend(self) -> str:
+        return "gloo"
+
+    def gpu(self) -> torch.device | None:
+        return None
+
+    def comm_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def heal_apart(self) -> bool:
+        return True
+
+    def group_ranks(self, view: EpochView, rank: int) -> list[int]:
+        return sorted(view.ranks)
+
+    def abort(self, epoch: int) -> None:
+        self.release_heal(pending=True)
+        self.pg = None
+
+    def release_heal(self, *, pending: bool) -> None:
+        self.heal_pg = self.heal_tail = None
+
+    def configure(
+        self, view: EpochView, rank: int, prefix: str, cancelled: Callable[[], bool]
+    ) -> bool:
+        self.pg, self.pg_epoch = object(), view.epoch
+        self.built.append(view.epoch)
+        return True
+
+    def set_gate(self, gate: StepGate) -> None:
+        self.gate = gate
+
+    def hold_tail(self, tail: HealTail) -> bool:
+        if self.heal_pg is None or self.heal_pg[0] != tail.epoch:
+            return False
+        self.heal_tail = tail
+        return True
+
+    def drop_tail(self, tail: HealTail) -> bool:
+        if self.heal_tail is not tail:
+            return False
+        self.heal_tail = None
+        return True
+
+
+def _is_a_plane(plane: FakePlane) -> Plane:  # (mypy checks it)
+    return plane

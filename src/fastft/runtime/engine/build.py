@@ -13,7 +13,7 @@ from fastft.protocol import JobKeys
 from fastft.runtime.contract import Member, RuntimeConfig
 from fastft.runtime.durable.checkpoints import Checkpoints
 from fastft.runtime.engine.coordinator import Coordinator
-from fastft.runtime.engine.executor import Executor
+from fastft.runtime.engine.executor import EngineParts, Executor
 from fastft.runtime.engine.formation import Recovery
 from fastft.runtime.engine.sideclient import SideClient
 from fastft.runtime.groups.dataplane import DataPlane
@@ -79,9 +79,7 @@ def build_engine(
         and config.shard_size == 1
         and config.sync == "per-step"
     )
-    return Executor(
-        config,
-        me,
+    parts = EngineParts(
         coordinator,
         SideClient(control.clone(), keys),
         registry,
@@ -90,6 +88,6 @@ def build_engine(
         dataplane,
         kept,
         durable,
-        dead,
         after_commit=flow.committed if flow is not None else None,
     )
+    return Executor(config, me, parts, dead)

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastft.fsm import (
@@ -50,12 +51,12 @@ from fastft.runtime.engine.faults import Faults
 from fastft.runtime.engine.inbox import REPEATED, repeats_logged
 from fastft.runtime.engine.membership import Membership
 from fastft.runtime.engine.sideclient import SideClient
-from fastft.runtime.groups.dataplane import DataPlane
+from fastft.runtime.groups.plane import Plane
 from fastft.runtime.state.heal import Healer
 from fastft.runtime.state.kept import KeptGradients, commit_fields
 from fastft.runtime.state.registry import StateRegistry
 
-__all__ = ["Executor"]
+__all__ = ["EngineParts", "Executor"]
 
 log = logging.getLogger(__name__)
 
@@ -64,43 +65,47 @@ _WAIT_S = 0.05
 Check = Callable[[StepState], bool]
 
 
+@dataclass(frozen=True)
+class EngineParts:
+    """What an executor is built over, each part built with what it needs
+    (:func:`~fastft.runtime.engine.build.build_engine`)."""
+
+    coord: Coordinator
+    side: SideClient
+    """The listener thread's store client (rollback proposals, key collection)."""
+    registry: StateRegistry
+    interrupter: Interrupter
+    events: EventLog
+    plane: Plane
+    kept: KeptGradients
+    durable: Checkpoints | None = None
+    """The durable tier (``--checkpoint-dir``), None without one."""
+    after_commit: Callable[[int], None] | None = None
+    """Called with the count of committed steps after each commit (pipeline stages)."""
+
+
 class Executor(OnCore):
-    """One per worker. ``state`` is the state machine's; ``view`` the current epoch."""
+    """One per worker. ``state`` is the state machine's; ``view`` the current epoch.
+    ``dead``: the worker's one set of lives known dead (its coordinator reads it)."""
 
     def __init__(
-        self,
-        config: RuntimeConfig,
-        me: Member,
-        coord: Coordinator,
-        side: SideClient,
-        registry: StateRegistry,
-        interrupter: Interrupter,
-        events: EventLog,
-        dataplane: DataPlane,
-        kept: KeptGradients,
-        durable: Checkpoints | None = None,
-        dead: set[Member] | None = None,
-        *,
-        after_commit: Callable[[int], None] | None = None,
+        self, config: RuntimeConfig, me: Member, parts: EngineParts, dead: set[Member]
     ) -> None:
         self.config = config
-        self.durable = durable
-        """The durable tier (``--checkpoint-dir``), None without one."""
-        self.after_commit = after_commit
-        """Called with the count of committed steps after each commit (pipeline stages)."""
+        self.durable = parts.durable
+        self.after_commit = parts.after_commit
         self.suspect_state = False
         """An in-process restart left this worker's state in doubt: its next formation
         heals it from a member whose state is not (:class:`~.formation.Arrival`)."""
         self.me = me
-        self.keys: JobKeys = coord.keys
-        self.coord = coord
-        self.side = side
-        """The listener thread's store client (rollback proposals, key collection)."""
-        self.registry = registry
-        self.interrupter = interrupter
-        self.events = events
-        self.dp = dataplane
-        self.kept = kept
+        self.keys: JobKeys = parts.coord.keys
+        self.coord = parts.coord
+        self.side = parts.side
+        self.registry = parts.registry
+        self.interrupter = parts.interrupter
+        self.events = events = parts.events
+        self.dp = parts.plane
+        self.kept = parts.kept
         self.core = Core(
             me,
             config.job,
@@ -123,7 +128,7 @@ class Executor(OnCore):
         """Rollbacks since this worker's last commit (a fault storm past max_recoveries)."""
         self.membership = Membership(self)
         self.faults = Faults(self)
-        self.checkpoints = CommitCheckpoints(durable, config, events, registry.state)
+        self.checkpoints = CommitCheckpoints(self.durable, config, events, self.registry.state)
 
     def suspect(self, doubt: bool) -> None:
         with self.lock:
@@ -368,10 +373,8 @@ class Executor(OnCore):
             self.faults.local(e, gen=self.action_gen)
             return
         with self.lock:
-            if got.tail is not None:
-                if self.dp.heal_pg is None or self.dp.heal_pg[0] != a.epoch:
-                    return  # a fault released the group (and ended the epoch) meanwhile
-                self.dp.heal_tail = got.tail
+            if got.tail is not None and not self.dp.hold_tail(got.tail):
+                return  # a fault released the group (and ended the epoch) meanwhile
             self.feed_locked(HealDone(pending=got.tail is not None and got.receiving))
 
     def finish_heal_tail(self) -> None:
@@ -382,10 +385,9 @@ class Executor(OnCore):
             return
         self.healer.finish_tail(tail)
         with self.lock:
-            if self.dp.heal_tail is not tail:
+            if not self.dp.drop_tail(tail):
                 self.interrupter.check()  # released by a fault that ended the step
                 return
-            self.dp.heal_tail = None
             s = self.state
             if tail.receiving and s.phase is Phase.NORMAL and s.epoch == tail.epoch:
                 self.feed_locked(StateLoaded())

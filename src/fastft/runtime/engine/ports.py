@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from fastft.runtime.durable.commit import CommitCheckpoints
     from fastft.runtime.engine.coordinator import Coordinator
     from fastft.runtime.engine.sideclient import SideClient
-    from fastft.runtime.groups.dataplane import DataPlane
+    from fastft.runtime.groups.plane import Plane
     from fastft.runtime.state.kept import KeptGradients
     from fastft.runtime.state.registry import StateRegistry
 
@@ -52,7 +52,7 @@ class Engine(Protocol):
     def side(self) -> SideClient: ...
 
     @property
-    def dp(self) -> DataPlane: ...
+    def dp(self) -> Plane: ...
 
     @property
     def kept(self) -> KeptGradients: ...

@@ -131,6 +131,26 @@ class DataPlane:
         members of its shard index (:func:`replicate_ranks`)."""
         return replicate_ranks(view, rank, self.k)
 
+    # --- the step's gate and the heal's tail: set here only ------------------------------
+    def set_gate(self, gate: StepGate) -> None:
+        """Shard groups: the gate a group's members cross together into each step."""
+        self.gate = gate
+
+    def hold_tail(self, tail: HealTail) -> bool:
+        """Keep ``tail`` (finished before the vote), unless its epoch's heal group was
+        released meanwhile (a fault ended the epoch): then False."""
+        if self.heal_pg is None or self.heal_pg[0] != tail.epoch:
+            return False
+        self.heal_tail = tail
+        return True
+
+    def drop_tail(self, tail: HealTail) -> bool:
+        """``tail`` is finished: forget it; False if it was released meanwhile."""
+        if self.heal_tail is not tail:
+            return False
+        self.heal_tail = None
+        return True
+
     # --- groups ----------------------------------------------------------------------------
     def abort(self, epoch: int) -> None:
         """The epoch ends with an operation perhaps in flight: abandon its groups."""

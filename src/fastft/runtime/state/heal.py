@@ -20,8 +20,9 @@ from fastft.interrupt import broadcast_bytes as interruptible_broadcast_bytes
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import HeartbeatWriter
 from fastft.runtime.contract import EpochView
-from fastft.runtime.groups.dataplane import DataPlane, HealTail
+from fastft.runtime.groups.dataplane import HealTail
 from fastft.runtime.groups.hsdp import shard_source
+from fastft.runtime.groups.plane import Plane
 from fastft.runtime.state.registry import StateRegistry
 
 __all__ = ["HealResult", "Healer"]
@@ -43,7 +44,7 @@ def _ms(d: float) -> float:
 class Healer:
     def __init__(
         self,
-        dataplane: DataPlane,
+        dataplane: Plane,
         registry: StateRegistry,
         interrupter: Interrupter,
         heartbeat: HeartbeatWriter,
