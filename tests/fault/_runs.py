@@ -112,3 +112,34 @@ def check_s1_s3(run: Path, steps: int = STEPS, *, shard_size: int = 1, sync_ever
     for e in ev:  # nothing the job itself sent was dropped (a death notice once was)
         if e["event"] == "worker_stop":
             assert not e["rejected"]["replayed"], f"{e['src']} dropped valid frames: {e}"
+
+
+STATEFUL_EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "stateful_data.py")
+
+
+def stateful_run(
+    tmp: Path,
+    name: str,
+    *flags: str,
+    nproc: int,
+    data: tuple[int, int, int],
+    plan: list[dict] | None = None,
+    script: tuple[str, ...] = (),
+    timeout: float = 240,
+) -> tuple[Path, int]:
+    """`fastft run` of examples/stateful_data.py (``data``: steps, batch, samples), its
+    samples logged per rank under ``samples/``; the run's folder and exit status."""
+    steps, batch, samples = data
+    run = tmp / name
+    run.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", str(nproc)]
+    cmd += ["--run-dir", str(run), "--job", name, *flags]
+    if plan:
+        (run / "plan.json").write_text(json.dumps({"faults": plan}))
+        cmd += ["--inject", str(run / "plan.json")]
+    cmd += [STATEFUL_EXAMPLE, "--steps", str(steps), "--batch", str(batch)]
+    cmd += ["--samples", str(samples), "--out", str(run / "out")]
+    cmd += ["--samples-out", str(run / "samples"), *script]
+    with open(run / "launcher.log", "w") as log:
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+    return run, p.returncode

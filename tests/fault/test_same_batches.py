@@ -10,33 +10,21 @@ and the run ends bitwise equal to the fault-free one. And samples perturbed per 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from _runs import stateful_run
 
 pytest.importorskip("torchdata")
 pytestmark = pytest.mark.timeout(240)
 
-EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "stateful_data.py")
 STEPS, BATCH, SAMPLES = 24, 24, 120  # nearly five passes over the dataset
 
 
 def _run(tmp: Path, name: str, *args: str, plan: list[dict] | None = None) -> tuple[Path, int]:
-    run = tmp / name
-    run.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2", "--run-dir", str(run)]
-    cmd += ["--job", name]
-    if plan:
-        (run / "plan.json").write_text(json.dumps({"faults": plan}))
-        cmd += ["--inject", str(run / "plan.json")]
-    cmd += [EXAMPLE, "--steps", str(STEPS), "--batch", str(BATCH), "--samples", str(SAMPLES)]
-    cmd += ["--out", str(run / "out"), "--samples-out", str(run / "samples"), *args]
-    with open(run / "launcher.log", "w") as log:
-        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=200)
-    return run, p.returncode
+    data = (STEPS, BATCH, SAMPLES)
+    return stateful_run(tmp, name, nproc=2, data=data, plan=plan, script=args, timeout=200)
 
 
 def _batches(run: Path) -> dict[int, dict[int, list[int]]]:

@@ -7,36 +7,24 @@ step draws the same samples, and the final state is bitwise equal to a fault-fre
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from _runs import check_s1_s3
+from _runs import check_s1_s3, stateful_run
 
 from fastft.runtime import read_events
 
 pytest.importorskip("torchdata")
 pytestmark = pytest.mark.timeout(300)
 
-EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "stateful_data.py")
 STEPS, BATCH, SAMPLES = 40, 24, 480  # two epochs of the dataset
 
 
 def _run(tmp: Path, name: str, *flags: str, plan: list[dict] | None = None) -> Path:
-    run = tmp / name
-    run.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--run-dir", str(run)]
-    cmd += ["--job", name, "--check-every", "1", *flags]
-    if plan:
-        (run / "plan.json").write_text(json.dumps({"faults": plan}))
-        cmd += ["--inject", str(run / "plan.json")]
-    cmd += [EXAMPLE, "--steps", str(STEPS), "--batch", str(BATCH), "--samples", str(SAMPLES)]
-    cmd += ["--out", str(run / "out"), "--samples-out", str(run / "samples")]
-    with open(run / "launcher.log", "w") as log:
-        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=240)
-    assert p.returncode == 0, (run / "launcher.log").read_text()[-3000:]
+    data = (STEPS, BATCH, SAMPLES)
+    run, rc = stateful_run(tmp, name, "--check-every", "1", *flags, nproc=3, data=data, plan=plan)
+    assert rc == 0, (run / "launcher.log").read_text()[-3000:]
     return run
 
 

@@ -9,7 +9,6 @@ import time
 import pytest
 import torch.distributed as dist
 
-from fastft.bus import host_store
 from fastft.protocol.keys import JobKeys
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.endings import JobFinished
@@ -22,33 +21,26 @@ pytestmark = pytest.mark.timeout(60)
 JOB = "coord"
 
 
-@pytest.fixture
-def server():
-    s = host_store()
-    yield s
-    del s
-
-
-def client(server: dist.TCPStore, timeout_s: float = 2.0) -> dist.TCPStore:
+def client(store: dist.TCPStore, timeout_s: float = 2.0) -> dist.TCPStore:
     # a short store timeout: a get that blocks on a missing key fails the test at once;
     # set after connecting, since torch 2.13 stalls about one new connection in 25 for 5 s
     # here (a reverse DNS lookup), which a 200 ms connect timeout would fail
-    store = dist.TCPStore(
-        "127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30)
+    c = dist.TCPStore(
+        "127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30)
     )
-    store.set_timeout(datetime.timedelta(seconds=timeout_s))
-    return store
+    c.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return c
 
 
-def coord(server: dist.TCPStore, rank: int, inc: int, world: int = 3) -> Coordinator:
+def coord(store: dist.TCPStore, rank: int, inc: int, world: int = 3) -> Coordinator:
     # one connection (torch 2.13 stalls every 25th one for 5 s), with a short timeout
     # that both bounds a decision wait and fails a get that would block on a missing key
-    store = client(server, timeout_s=0.2)
-    return Coordinator(store, JobKeys(JOB), rank, inc, world, world, decision_store=store)
+    c = client(store, timeout_s=0.2)
+    return Coordinator(c, JobKeys(JOB), rank, inc, world, world, decision_store=c)
 
 
-def test_the_completing_vote_commits(server):
-    cs = [coord(server, r, 10 + r) for r in range(3)]
+def test_the_completing_vote_commits(store):
+    cs = [coord(store, r, 10 + r) for r in range(3)]
     for c in cs[:2]:
         assert c.vote(1, 0, 3) is None
     assert cs[0].await_decision(1, 0) is None  # not decided before the last vote
@@ -56,8 +48,8 @@ def test_the_completing_vote_commits(server):
     assert {c.await_decision(1, 0) for c in cs} == {COMMIT}
 
 
-def test_a_rollback_proposed_first_beats_the_commit(server):
-    cs = [coord(server, r, 10 + r) for r in range(3)]
+def test_a_rollback_proposed_first_beats_the_commit(store):
+    cs = [coord(store, r, 10 + r) for r in range(3)]
     keys = JobKeys(JOB)
     cs[0].vote(1, 5, 3)
     got = decisions.propose_rollback(cs[1].store, keys, 1, 5, "rank 2 died")
@@ -72,17 +64,17 @@ def test_a_rollback_proposed_first_beats_the_commit(server):
     assert decisions.propose_rollback(cs[0].store, keys, 1, 6, "late") == COMMIT
 
 
-def test_forget_removes_a_decided_steps_keys(server):
-    c = coord(server, 0, 1, world=1)
+def test_forget_removes_a_decided_steps_keys(store):
+    c = coord(store, 0, 1, world=1)
     assert c.vote(1, 0, 1) == COMMIT
     decisions.forget(c.store, JobKeys(JOB), 1, 0)
     assert c.await_decision(1, 0) is None
 
 
-def test_cleared_joiner_keys_never_block_a_reader(server):
+def test_cleared_joiner_keys_never_block_a_reader(store):
     """Regression: joiner keys were deleted once admitted; a reader between its check and
     its get of the key then blocked for the store's whole timeout (30 s in a job)."""
-    c0, c1 = coord(server, 0, 100), coord(server, 1, 101)
+    c0, c1 = coord(store, 0, 100), coord(store, 1, 101)
     c1.register_joiner()
     assert c0.joiners() == {1: 101}
     c0.store.compare_set(JobKeys(JOB).joiner(1), "101", "")  # what admission and the agent do
@@ -108,8 +100,8 @@ def _join_all(cs: list[Coordinator]) -> list[EpochView | None]:
     return out
 
 
-def test_first_start_forms_one_epoch_with_everyone(server):
-    cs = [coord(server, r, 10 + r) for r in range(3)]
+def test_first_start_forms_one_epoch_with_everyone(store):
+    cs = [coord(store, r, 10 + r) for r in range(3)]
     views = _join_all(cs)
     assert all(v is not None for v in views)
     assert len(set(views)) == 1
@@ -119,11 +111,11 @@ def test_first_start_forms_one_epoch_with_everyone(server):
     assert cs[0].joiners() == {}, "admitted joiners are cleared"
 
 
-def test_survivors_exclude_the_dead_and_admit_its_restart(server):
-    cs = [coord(server, r, 10 + r) for r in range(3)]
+def test_survivors_exclude_the_dead_and_admit_its_restart(store):
+    cs = [coord(store, r, 10 + r) for r in range(3)]
     first = _join_all(cs)[0]
     assert first is not None
-    restarted = coord(server, 2, 99)
+    restarted = coord(store, 2, 99)
     restarted.register_joiner()
     v = _survive(cs[:2], first, dead=2, step=7)
     assert v is not None and v.epoch == 2 and v.step == 7
@@ -131,15 +123,15 @@ def test_survivors_exclude_the_dead_and_admit_its_restart(server):
     assert v.needs_state == frozenset({2}) and v.source == 0
 
 
-def test_a_restart_that_registers_after_the_survivors_arrived_is_admitted_at_once(server):
+def test_a_restart_that_registers_after_the_survivors_arrived_is_admitted_at_once(store):
     # The common order of a SIGKILL: the survivors arrive within milliseconds, the restarted
     # worker registers a fork (or a Python start) later. A fixed world waits for it; the
     # closer read the joiners only when the arrivals' count changed, so it found the
     # restart at the 5 s deadline, and every restart cost 5 s (session 12's regression).
-    cs = [coord(server, r, 10 + r) for r in range(3)]
+    cs = [coord(store, r, 10 + r) for r in range(3)]
     first = _join_all(cs)[0]
     assert first is not None
-    restarted = coord(server, 2, 99)
+    restarted = coord(store, 2, 99)
     timer = threading.Timer(0.3, restarted.register_joiner)
     timer.start()
     t0 = time.monotonic()
@@ -149,13 +141,13 @@ def test_a_restart_that_registers_after_the_survivors_arrived_is_admitted_at_onc
     assert time.monotonic() - t0 < 2.5, "found the restart at the deadline (5 s), not at once"
 
 
-def test_an_elastic_retry_leaves_a_restarted_worker_for_the_next_commit(server):
-    cs = [coord(server, r, 10 + r) for r in range(3)]
+def test_an_elastic_retry_leaves_a_restarted_worker_for_the_next_commit(store):
+    cs = [coord(store, r, 10 + r) for r in range(3)]
     first = _join_all(cs)[0]
     assert first is not None
     for c in cs:
         c.min_members = 2
-    restarted = coord(server, 2, 99)
+    restarted = coord(store, 2, 99)
     restarted.register_joiner()
     v = _survive(cs[:2], first, dead=2, step=7, admit=False)
     assert v is not None and v.members == (Member(0, 10), Member(1, 11))
@@ -164,28 +156,28 @@ def test_an_elastic_retry_leaves_a_restarted_worker_for_the_next_commit(server):
     assert cs[0].joiners() == {2: 99}, "still registered: admitted after the next commit"
 
 
-def test_a_retry_below_min_replicas_still_admits_joiners(server):
-    cs = [coord(server, r, 10 + r) for r in range(3)]
+def test_a_retry_below_min_replicas_still_admits_joiners(store):
+    cs = [coord(store, r, 10 + r) for r in range(3)]
     first = _join_all(cs)[0]
     assert first is not None
     for c in cs:
         c.min_members = 3  # the survivors alone are too few
-    restarted = coord(server, 2, 99)
+    restarted = coord(store, 2, 99)
     restarted.register_joiner()
     v = _survive(cs[:2], first, dead=2, step=7, admit=False)
     assert v is not None and Member(2, 99) in v.members and v.waiting == ()
 
 
-def test_a_vote_with_a_join_request_makes_the_commit_admit_joiners(server):
-    cs = [coord(server, r, 10 + r) for r in range(3)]
+def test_a_vote_with_a_join_request_makes_the_commit_admit_joiners(store):
+    cs = [coord(store, r, 10 + r) for r in range(3)]
     assert cs[0].vote(1, 3, 3) is None
     assert cs[1].vote(1, 3, 3, joining=True) is None  # only one member saw the request
     assert cs[2].vote(1, 3, 3) == COMMIT + ADMIT  # the completing vote knows from the count
     assert {c.await_decision(1, 3) for c in cs} == {COMMIT + ADMIT}
 
 
-def test_a_vote_with_a_drain_names_the_leavers_in_the_commit(server):
-    cs = [coord(server, r, 10 + r) for r in range(3)]
+def test_a_vote_with_a_drain_names_the_leavers_in_the_commit(store):
+    cs = [coord(store, r, 10 + r) for r in range(3)]
     ranks = (0, 1, 2)
     assert cs[2].vote(1, 4, 3, leaving=True, ranks=ranks) is None
     assert cs[0].vote(1, 4, 3, leaving=True, joining=True, ranks=ranks) is None
@@ -197,11 +189,11 @@ def test_a_vote_with_a_drain_names_the_leavers_in_the_commit(server):
         assert parse_commit(bad) is None
 
 
-def test_a_survivor_waiting_for_a_peer_that_finished_the_job_ends_too(server):
+def test_a_survivor_waiting_for_a_peer_that_finished_the_job_ends_too(store):
     # Ranks 0 and 2 applied the last commit (step 60) and closed; rank 1 took rank 0's
     # clean exit for a fault and re-forms. With too few members to close an epoch it would
     # wait for restarts forever; the finished mark ends its wait.
-    cs = [coord(server, r, 10 + r) for r in range(3)]
+    cs = [coord(store, r, 10 + r) for r in range(3)]
     first = _join_all(cs)[0]
     assert first is not None
     c = cs[1]
@@ -230,8 +222,8 @@ def test_a_survivor_waiting_for_a_peer_that_finished_the_job_ends_too(server):
     assert e.value.step == 60 and e.value.code == 0
 
 
-def test_survivors_offer_their_kept_gradients_in_the_view(server):
-    cs = [coord(server, r, 10 + r) for r in range(3)]
+def test_survivors_offer_their_kept_gradients_in_the_view(store):
+    cs = [coord(store, r, 10 + r) for r in range(3)]
     first = _join_all(cs)[0]
     assert first is not None
     for c in cs:
@@ -276,10 +268,10 @@ def _survive(
     return views[0]
 
 
-def test_a_member_that_died_after_arriving_is_left_out_at_once(server):
+def test_a_member_that_died_after_arriving_is_left_out_at_once(store):
     # issue 25: rank 2 arrived for the next epoch, then died; its stale arrival counted,
     # the epoch closed with a dead member, and the restarted worker was killed 5 s later
-    cs = [coord(server, r, 10 + r) for r in range(3)]
+    cs = [coord(store, r, 10 + r) for r in range(3)]
     first = _join_all(cs)[0]
     assert first is not None
     keys = JobKeys(JOB)
@@ -300,8 +292,8 @@ def test_a_member_that_died_after_arriving_is_left_out_at_once(server):
     assert time.monotonic() - t0 < 2.5, "waited for a survivor known dead"
 
 
-def test_when_the_closer_dies_during_a_formation_the_next_survivor_closes(server):
-    cs = [coord(server, r, 10 + r) for r in range(3)]
+def test_when_the_closer_dies_during_a_formation_the_next_survivor_closes(store):
+    cs = [coord(store, r, 10 + r) for r in range(3)]
     first = _join_all(cs)[0]
     assert first is not None
     # rank 0 (the closer: the lowest survivor) dies once the formation without rank 2 began

@@ -1,4 +1,4 @@
-"""The torch-free TCPStore client against torch's own server and client: every operation
+"""The torch-free TCPStore client against torch's own store and client: every operation
 the bus uses, both ways, so that a change in torch's wire protocol fails here."""
 
 from __future__ import annotations
@@ -10,22 +10,17 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from fastft.bus import connect_store, host_store
+from fastft.bus import connect_store
 from fastft.bus.storeclient import QueueEmpty, StoreClient
 from fastft.errors import StoreTimeout, StoreUnreachable
 
 
 @pytest.fixture
-def server():
-    return host_store("127.0.0.1", 0)
-
-
-@pytest.fixture
-def pair(server):
-    """(ours, torch's client) on one server."""
-    ours = StoreClient("127.0.0.1", server.port, timeout_s=5.0)
+def pair(store):
+    """(ours, torch's client) on one store."""
+    ours = StoreClient("127.0.0.1", store.port, timeout_s=5.0)
     theirs = dist.TCPStore(
-        "127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=5)
+        "127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=5)
     )
     yield ours, theirs
     ours.close()
@@ -115,11 +110,11 @@ def test_clone_is_a_connection_of_its_own(pair):
     c.close()
 
 
-def test_connect_store_torch_free_gives_our_client(server):
-    s = connect_store(f"127.0.0.1:{server.port}", timeout_s=5.0, torch_free=True)
+def test_connect_store_torch_free_gives_our_client(store):
+    s = connect_store(f"127.0.0.1:{store.port}", timeout_s=5.0, torch_free=True)
     assert isinstance(s, StoreClient)
     s.set("z", "1")
-    assert bytes(server.get("z")) == b"1"
+    assert bytes(store.get("z")) == b"1"
 
 
 def test_nothing_listening_is_one_clear_error():
