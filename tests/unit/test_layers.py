@@ -219,3 +219,35 @@ def test_one_table_from_action_to_effect():
             if names & actions:
                 found.append(f"{_module(path)}:{node.lineno}")
     assert found == [], f"actions told apart outside the core: {found}"
+
+
+def test_every_default_the_agent_shares_with_its_workers_is_written_once():
+    """``LaunchConfig`` and ``RuntimeConfig`` share the flags passed on to the workers;
+    each such default is the worker's, read from ``RuntimeConfig`` (issue 49: 8 literal
+    defaults were written twice, free to drift)."""
+    import dataclasses
+
+    from fastft.launch.config import LaunchConfig
+    from fastft.runtime.contract import RuntimeConfig
+
+    shared = {f.name for f in dataclasses.fields(LaunchConfig)} & {
+        f.name for f in dataclasses.fields(RuntimeConfig)
+    }
+    shared -= {"job", "store"}  # (the agent's own defaults: the worker is always told)
+    tree = ast.parse((SRC / "launch" / "config.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LaunchConfig")
+    own = {
+        n.target.id
+        for n in cls.body
+        if isinstance(n, ast.AnnAssign)
+        and isinstance(n.target, ast.Name)
+        and n.target.id in shared
+        and not (
+            isinstance(n.value, ast.Call)
+            and isinstance(n.value.func, ast.Name)
+            and n.value.func.id == "_worker"
+            and isinstance(n.value.args[0], ast.Constant)
+            and n.value.args[0].value == n.target.id
+        )
+    }
+    assert len(shared) >= 20 and own == set(), f"defaults written twice: {sorted(own)}"

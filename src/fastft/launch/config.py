@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fastft.errors import ConfigError
 from fastft.launch.bounds import BUFFERS, check_bounds
 from fastft.launch.offenders import QuarantineRule
-from fastft.process.env import (
-    BETWEEN_STEPS_TIMEOUT_S,
-    DRAIN_GRACE_S,
-    HANG_TIMEOUT_S,
-    HEALTH_HOST_MB,
-    MAX_RECOVERIES,
-)
+from fastft.runtime.contract import RuntimeConfig
 
 __all__ = ["LaunchConfig"]
 
@@ -40,6 +34,15 @@ def _flag(default: Any, help: str, *, flag: str = "", choices: tuple[str, ...] =
     if isinstance(default, dict):
         return field(default_factory=dict, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def _worker(name: str, help: str, *, flag: str = "", choices: tuple[str, ...] = ()) -> Any:
+    """A flag passed on to the workers: its default is theirs
+    (:class:`~fastft.runtime.contract.RuntimeConfig`'s field ``name``), written once."""
+    return _flag(_WORKER[name].default, help, flag=flag, choices=choices)
+
+
+_WORKER = {f.name: f for f in fields(RuntimeConfig)}
 
 
 def _dotted(name: str) -> bool:
@@ -72,14 +75,14 @@ class LaunchConfig:
     )
     job: str = _flag("job", "job id")
     max_restarts: int = _flag(3, "restarts per worker")
-    inject: str | None = _flag(None, "fault plan JSON (fastft plan check)")
-    hang_timeout_s: float = _flag(
-        HANG_TIMEOUT_S,
+    inject: str | None = _worker("inject", "fault plan JSON (fastft plan check)")
+    hang_timeout_s: float = _worker(
+        "hang_timeout_s",
         "seconds without progress before a worker is killed (the most, with --adaptive-hang)",
         flag="--hang-timeout",
     )
-    between_steps_timeout_s: float = _flag(
-        BETWEEN_STEPS_TIMEOUT_S,
+    between_steps_timeout_s: float = _worker(
+        "between_steps_timeout_s",
         "seconds a worker may spend between steps (an evaluation, a checkpoint) while its "
         "Python runs before it is killed as hung; --hang-timeout judges steps",
         flag="--between-steps-timeout",
@@ -93,39 +96,41 @@ class LaunchConfig:
         120.0, "seconds a worker may take to write its first heartbeat", flag="--start-grace"
     )
     store_wait_s: float = _flag(60.0, "seconds to wait for node 0's store", flag="--store-wait")
-    min_replicas: int | None = _flag(
-        None,
+    min_replicas: int | None = _worker(
+        "min_replicas",
         "fewest workers an epoch may have; below the world size the survivors go on without a "
         "lost worker and it rejoins when restarted (default: all, fixed world)",
     )
-    shard_size: int = _flag(
-        1,
+    shard_size: int = _worker(
+        "shard_size",
         "workers per shard group (HSDP): ranks r // K shard one copy of the model (FSDP2) and "
         "are the unit of fault; must divide --nproc (default 1: one worker per replica)",
     )
-    sync: str = _flag(
-        "per-step",
+    sync: str = _worker(
+        "sync",
         "how replica groups sync: per-step (every step's gradients averaged) or every-k:N "
         "(LocalSGD: groups step on their own gradients, and every N-th step starts from "
         "their averaged parameters and optimizer state and applies the averaged gradient) "
         "or diloco:N (groups step on their own; every N steps an outer optimizer, Nesterov "
         "SGD by default, steps on the pseudo-gradient averaged over the groups)",
     )
-    stage: str | None = _flag(
-        None,
+    stage: str | None = _worker(
+        "stage",
         "I/S: this job is stage I of a pipeline of S stages, each its own job; they meet in "
         "the flow store (--flow) and stage I commits at most --max-ahead steps ahead of I+1",
     )
-    flow: str | None = _flag(None, "HOST:PORT of the flow store the pipeline's stages share")
-    flow_name: str = _flag("pipeline", "the pipeline's name in the flow store")
-    max_ahead: int = _flag(1, "steps a stage's commits may run ahead of the next stage's")
-    max_recoveries: int = _flag(
-        MAX_RECOVERIES,
+    flow: str | None = _worker("flow", "HOST:PORT of the flow store the pipeline's stages share")
+    flow_name: str = _worker("flow_name", "the pipeline's name in the flow store")
+    max_ahead: int = _worker(
+        "max_ahead", "steps a stage's commits may run ahead of the next stage's"
+    )
+    max_recoveries: int = _worker(
+        "max_recoveries",
         "recoveries in a row without a committed step after which the job stops with exit "
         "1 (a fault storm) instead of restarting forever",
     )
-    health_host_mb: int = _flag(
-        HEALTH_HOST_MB,
+    health_host_mb: int = _worker(
+        "health_host_mb",
         "health check before a worker joins or rejoins: MiB of host memory that must be "
         "available (0: no check); a worker that fails a health check is not admitted",
         flag="--health-host-mb",
@@ -135,14 +140,14 @@ class LaunchConfig:
         "N/S: a worker slot that faults N times within S seconds is a repeat offender: its "
         "next life is a warm spare, or the world shrinks (elastic), or the job stops; 'off'",
     )
-    drain_grace_s: float = _flag(
-        DRAIN_GRACE_S,
+    drain_grace_s: float = _worker(
+        "drain_grace_s",
         "after a SIGTERM (or fastft drain --node), seconds the workers have to leave at "
         "their next commit before they are stopped",
         flag="--drain-grace",
     )
-    run_dir: str | None = _flag(
-        None, "event log and heartbeats (default: a new ./runs/JOB-TIME-PID)"
+    run_dir: str | None = _worker(
+        "run_dir", "event log and heartbeats (default: a new ./runs/JOB-TIME-PID)"
     )
     metrics_port: int | None = _flag(
         None,
@@ -160,14 +165,18 @@ class LaunchConfig:
         "with --log-dir, which streams still reach the console: 0 none, 1 stdout, 2 stderr, "
         "3 both (torchrun's --tee)",
     )
-    seed: int = _flag(0, "the job's seed")
-    check_every: int = _flag(0, "log the state digest every N commits (S3 check; 0: never)")
-    compare_every: int = _flag(20, "compare the replicas' state in-band every N steps (0: off)")
-    buffers: str = _flag(
-        "average", "BatchNorm statistics: average (over the members) or local", choices=BUFFERS
+    seed: int = _worker("seed", "the job's seed")
+    check_every: int = _worker(
+        "check_every", "log the state digest every N commits (S3 check; 0: never)"
     )
-    decide: str = _flag(
-        "auto",
+    compare_every: int = _worker(
+        "compare_every", "compare the replicas' state in-band every N steps (0: off)"
+    )
+    buffers: str = _worker(
+        "buffers", "BatchNorm statistics: average (over the members) or local", choices=BUFFERS
+    )
+    decide: str = _worker(
+        "decide",
         "how a fault-free step is decided: collective (every member's yes vote rides an "
         "allreduce of four int64 after the gradients: no store request; the store decides "
         "only when a drain or a join is in flight), store (every member votes in the store "
@@ -207,8 +216,8 @@ class LaunchConfig:
         "before the kernel frees the worker's memory (15-50 ms sooner); off lets a debugger "
         "or py-spy attach",
     )
-    keep_gradients: bool = _flag(
-        True,
+    keep_gradients: bool = _worker(
+        "keep_gradients",
         "elastic world: keep a copy of each step's local gradient, so that a step that rolled "
         "back recomputes only the samples no member kept (one gradient-sized buffer)",
     )
@@ -229,26 +238,30 @@ class LaunchConfig:
         "the model and optimizer it builds before are off the recovery path; the script must "
         "not need its rank before fastft.init()",
     )
-    backend: str = _flag(
-        "auto",
+    backend: str = _worker(
+        "backend",
         "process groups: gloo, nccl (one GPU per worker) or auto (nccl for a model on CUDA "
         "when each worker of the node has a GPU of its own, else gloo)",
     )
-    checkpoint_dir: str | None = _flag(
-        None,
+    checkpoint_dir: str | None = _worker(
+        "checkpoint_dir",
         "durable checkpoints of the committed state (shared by every node): used when every "
         "holder of the state is lost, and to resume a job run again with the same directory",
     )
-    checkpoint_every: int = _flag(0, "checkpoint every N committed steps (0: not by steps)")
-    checkpoint_interval_s: float = _flag(
-        0.0,
+    checkpoint_every: int = _worker(
+        "checkpoint_every", "checkpoint every N committed steps (0: not by steps)"
+    )
+    checkpoint_interval_s: float = _worker(
+        "checkpoint_interval_s",
         "checkpoint every S seconds (0: not by time; with --checkpoint-dir and neither "
         "schedule: 600)",
         flag="--checkpoint-interval",
     )
-    checkpoint_keep: int = _flag(2, "complete checkpoints kept (older ones are removed)")
-    allow_fresh_start: bool = _flag(
-        False,
+    checkpoint_keep: int = _worker(
+        "checkpoint_keep", "complete checkpoints kept (older ones are removed)"
+    )
+    allow_fresh_start: bool = _worker(
+        "allow_fresh_start",
         "when every holder of the committed state is lost and there is no checkpoint, start "
         "again from step 0 (otherwise the job fails and says so)",
     )
