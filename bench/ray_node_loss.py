@@ -439,8 +439,7 @@ def main() -> None:
         },
     )  # fmt: skip
     print("Node 1 lost (every process of the job on it SIGKILLed) at step", LOSS_STEP)
-    cols = ["recovery", "n", "seen_p50_ms", "survivors_p50_ms", "node_back_p50_ms"]
-    print(table(rows, [*cols, "redone_steps_p50"]))
+    print(table(rows, ["recovery", "n", "seen_p50_ms", "survivors_p50_ms", "node_back_p50_ms", "redone_steps_p50"]))  # fmt: skip
     print(f"ratios (guide / fastft): {ratios}")
     print("\nDetection on the same cluster: Ray's own against fastft's agent")
     print(table(detection, ["fault", "ray_p50_ms", "fastft_agent_p50_ms"]))
