@@ -101,7 +101,7 @@ class StepAttempts:
         except Exception as e:  # an injected exception: a local fault of this step
             if self.rt.sharded:
                 self._group_fault(e)
-            x.faults.local(e)
+            x.local_fault(e)
         return tx
 
     def exit(self, tx: Transaction, et: Any, ev: Any) -> bool:
@@ -161,11 +161,11 @@ class StepAttempts:
         if isinstance(ev, Exception) and self.rt.sharded:
             if x.phase_changes == self.step_gen:  # (else a consequence of a known fault)
                 self._group_fault(ev)
-            x.faults.local(ev, gen=self.step_gen)
+            x.local_fault(ev, gen=self.step_gen)
             return True
         if isinstance(ev, Exception):
             self.retries += 1
-            x.faults.local(ev, gen=self.step_gen)
+            x.local_fault(ev, gen=self.step_gen)
             if self.retries > self.rt.config.max_step_retries:
                 log.error("step %d failed %d times in a row: giving up", step, self.retries)
                 return False
@@ -315,7 +315,7 @@ class StepAttempts:
             except Exception as e:  # (the peers learn of it; the step rolls back)
                 if self.rt.sharded:
                     self._group_fault(e)
-                x.faults.local(e, gen=self.step_gen)
+                x.local_fault(e, gen=self.step_gen)
                 ok = False
             finally:
                 self.rt.interrupter.end_step()

@@ -6,23 +6,63 @@ import cycle, and a test can hand them a fake)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from fastft.fsm import StepState
+    from fastft.fsm import Event, StepState
     from fastft.inject.execute import Injector
     from fastft.interrupt import Interrupter
     from fastft.process.events import EventLog
     from fastft.process.heartbeat import HeartbeatWriter
-    from fastft.runtime.contract import HealthCheck, RuntimeConfig
-    from fastft.runtime.engine.executor import Executor
+    from fastft.runtime.contract import EpochView, HealthCheck, RuntimeConfig
     from fastft.runtime.groups.flow import Flow
+    from fastft.runtime.groups.plane import Plane
+    from fastft.runtime.state.kept import KeptGradients
     from fastft.runtime.state.registry import StateRegistry
 
-__all__ = ["RuntimePorts"]
+__all__ = ["RuntimePorts", "StepEngine"]
+
+
+class StepEngine(Protocol):
+    """The step engine as the step's entry and exit, the transaction, the sync policies
+    and the in-process restart see it (:class:`~fastft.runtime.engine.executor.Executor`
+    is one). ``lock`` guards ``state`` and ``view``; ``feed_locked`` is called under it."""
+
+    @property
+    def state(self) -> StepState: ...
+
+    @property
+    def view(self) -> EpochView | None: ...
+
+    @property
+    def phase_changes(self) -> int: ...
+
+    @property
+    def lock(self) -> threading.RLock: ...
+
+    @property
+    def dp(self) -> Plane: ...
+
+    @property
+    def kept(self) -> KeptGradients: ...
+
+    @property
+    def closing(self) -> bool: ...
+
+    def feed_locked(self, event: Event) -> None: ...
+
+    def local_fault(self, exc: BaseException, gen: int | None = None) -> None:
+        """This worker's own fault: on the bus and into the machine, unless the machine
+        moved since ``gen`` (a consequence of a fault already handled)."""
+
+    def suspect(self, doubt: bool) -> None: ...
+
+    def finish_heal_tail(self) -> None:
+        """Before the vote: the optimizer state a heal sent while the step ran."""
 
 
 class RuntimePorts(Protocol):
@@ -50,7 +90,7 @@ class RuntimePorts(Protocol):
     def flow(self) -> Flow | None: ...
 
     @property
-    def engine(self) -> Executor:
+    def engine(self) -> StepEngine:
         """The step engine: the state machine's state, the epoch's view, the data plane."""
 
     @property

@@ -168,7 +168,7 @@ class Restartable:
         # when there is none (every rank raised in the same evaluation: their states are
         # the committed one, which no member would hold if each declared it lost).
         x.suspect(suspect)
-        x.faults.local(StateLostFault(f"in-process restart ({cause})") if lose else e)
+        x.local_fault(StateLostFault(f"in-process restart ({cause})") if lose else e)
         rt.drive(lambda s: s.phase is Phase.NORMAL)
         if self.before_restart is not None:
             self.before_restart()

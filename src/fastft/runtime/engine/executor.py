@@ -130,6 +130,9 @@ class Executor(OnCore):
         self.faults = Faults(self)
         self.checkpoints = CommitCheckpoints(self.durable, config, events, self.registry.state)
 
+    def local_fault(self, exc: BaseException, gen: int | None = None) -> None:
+        self.faults.local(exc, gen)
+
     def suspect(self, doubt: bool) -> None:
         with self.lock:
             self.suspect_state = doubt
