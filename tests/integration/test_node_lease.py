@@ -15,7 +15,9 @@ from fastft.launch.lease import (
     LeaseConfig,
     LeaseWatch,
     NodeLease,
+    declared_lives,
     format_lives,
+    lost_mark,
     parse_lives,
 )
 from fastft.protocol.keys import JobKeys
@@ -76,6 +78,12 @@ def test_lives_round_trip_and_junk_is_skipped():
     assert parse_lives(b"1:5,junk,x:1,2:") == {1: 5}
 
 
+def test_a_lost_mark_names_the_lives_it_declared_dead():
+    assert declared_lives(lost_mark(41, 0, {2: 9, 3: 4})) == {2: 9, 3: 4}
+    assert declared_lives(lost_mark(41, 0, {})) == {}  # (a node without workers)
+    assert declared_lives("41@0") is None  # an earlier version's: every worker
+
+
 @pytest.mark.parametrize("ms, misses", [(5, 3), (100, 1), (100_000, 3)])
 def test_bad_lease_settings_fail_at_start(ms, misses):
     with pytest.raises(ConfigError, match="--node-"):
@@ -111,7 +119,7 @@ def test_leases_over_a_real_store_declare_fence_and_clear():
         b.close()
         assert done.wait(5)
         assert got == [(1, {1: 11})]
-        assert bytes(store.get(keys.node_lost(1))).decode() != ""
+        assert declared_lives(bytes(store.get(keys.node_lost(1))).decode()) == {1: 11}
         b2 = NodeLease(store, keys, 1, 2, CFG, on_lost=never, on_fenced=never, on_store_lost=never)
         assert b2.rejoined and bytes(store.get(keys.node_lost(1))).decode() == ""
         a.close()

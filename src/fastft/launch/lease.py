@@ -48,7 +48,9 @@ __all__ = [
     "NodeLease",
     "Verdict",
     "WATCHERS",
+    "declared_lives",
     "format_lives",
+    "lost_mark",
     "parse_lives",
     "watched",
 ]
@@ -182,6 +184,19 @@ class LeaseWatch:
         """The counter last seen for ``node`` (0: never)."""
         seen = self._moved.get(node)
         return seen[0] if seen else 0
+
+
+def lost_mark(counter: int, by: int, lives: dict[int, int]) -> str:
+    """A node's lost mark: the lease value that stopped, the node that saw it stop, and the
+    worker lives it declared dead, which are the only ones the node's fence kills."""
+    return f"{counter}@{by}/{format_lives(lives)}"
+
+
+def declared_lives(mark: str) -> dict[int, int] | None:
+    """The lives a lost mark declared dead (rank -> incarnation); None if it names none
+    (a mark of an earlier version: every worker of the node)."""
+    _, sep, lives = mark.partition("/")
+    return parse_lives(lives) if sep else None
 
 
 def format_lives(lives: dict[int, int]) -> str:
@@ -372,16 +387,18 @@ class NodeLease:
 
     def _declare(self, node: int) -> None:
         counter = self.watch.counter(node)
-        mark = f"{counter}@{self.node}"  # the lease value that stopped, and who saw it
         key = self.keys.node_lost(node)
         try:
+            # (read first: the mark names the lives it declares dead, so that the node's
+            # fence, seen after its link returns, kills those and never a newer life)
+            lives = parse_lives(self.store.get(self.keys.node_lives(node)))
+            mark = lost_mark(counter, self.node, lives)
             try:
                 got = bytes(self.store.compare_set(key, "", mark)).decode()
             except ForgedValue as f:  # a mark without the job's secret is none
                 got = bytes(self.store.replace(key, f.raw, mark)).decode()
             if got != mark:
                 return  # another agent declared it (or the node is done)
-            lives = parse_lives(self.store.get(self.keys.node_lives(node)))
         except Exception:
             log.warning("node %d: could not declare it lost", node, exc_info=True)
             self.watch.lost.discard(node)

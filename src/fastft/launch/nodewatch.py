@@ -11,7 +11,13 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from fastft.launch.lease import DONE, NATS_STORE_GRACE_S, LeaseConfig, NodeLease
+from fastft.launch.lease import (
+    DONE,
+    NATS_STORE_GRACE_S,
+    LeaseConfig,
+    NodeLease,
+    declared_lives,
+)
 from fastft.protocol import Fault, Severity
 
 if TYPE_CHECKING:
@@ -82,14 +88,25 @@ class NodeWatch:
             )
 
     def fenced(self, mark: str) -> None:
-        """This node was declared lost while it could not renew (a partition, a stop): its
-        workers are dead to the job; kill them, and they restart as new incarnations."""
-        self.agent.events.emit("node_fenced", mark=mark)
-        log.warning("this node was declared lost: restarting its workers")
-        for slot in self.agent.slots.values():
-            if not slot.done:
-                self.agent.ledger.fence(slot.incarnation)
-                self.agent.children.kill(slot)
+        """This node was declared lost while it could not renew (a partition, a stop): the
+        workers it named are dead to the job; kill them, and they restart as new
+        incarnations. A worker restarted since (while the node was cut off, it lost the
+        store and exited) is a newer life than the verdict's: it lives (it joins as one)."""
+        a = self.agent
+        lives = declared_lives(mark)
+        a.events.emit("node_fenced", mark=mark)
+        log.warning("this node was declared lost: restarting the workers it named")
+        for slot in a.slots.values():
+            inc = slot.incarnation
+            if slot.done or not inc:
+                continue
+            if lives is not None and lives.get(slot.rank) != inc:
+                a.events.emit(
+                    "fence_spared", rank=slot.rank, incarnation=inc, declared=lives.get(slot.rank)
+                )
+                continue
+            a.ledger.fence(inc)
+            a.children.kill(slot, incarnation=inc)
 
     def job_failed(self, why: str) -> None:
         """Another node's agent failed the job: this node ends too (exit 1, its workers
