@@ -212,3 +212,34 @@ def test_the_flags_given_are_the_flags_each_ray_node_gets():
     assert config_from_args(again, ("x",)) == dataclasses.replace(
         config_from_args(args, ("x",)), run_dir=None
     )
+
+
+def test_the_job_clock_is_the_first_agents_and_reaches_every_worker(store):
+    """``ft.elapsed_s`` counts from the job's start: the first agent's, the same for a later
+    agent (another node, a restarted one) and in every worker life's environment."""
+    import time
+
+    from fastft.launch.control import job_start
+    from fastft.launch.workerenv import worker_environment
+    from fastft.protocol import JobKeys
+    from fastft.runtime.contract import RuntimeConfig
+
+    keys = JobKeys("clock")
+    first = job_start(store, keys)
+    time.sleep(0.01)
+    assert job_start(store, keys) == first and abs(first - time.time()) < 5
+    cfg = LaunchConfig(command=("x.py",), nproc=1)
+    env = worker_environment(
+        cfg,
+        rank=0,
+        life=2,
+        incarnation=9,
+        local_rank=0,
+        store_addr="h:1",
+        run_dir="/r",
+        heartbeat_file="/r/hb",
+        exit_trace_file=None,
+        secret_file="/s",
+        job_started=first,
+    )
+    assert RuntimeConfig.from_env(env).job_started == first

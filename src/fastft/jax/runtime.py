@@ -107,6 +107,11 @@ class JaxRuntime:
         return self.rt.epoch
 
     @property
+    def elapsed_s(self) -> float:
+        """:attr:`fastft.Runtime.elapsed_s`: seconds since the job began."""
+        return self.rt.elapsed_s
+
+    @property
     def world(self) -> int:
         return self.rt.world
 

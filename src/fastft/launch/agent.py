@@ -73,7 +73,7 @@ class Agent:
         plane = ControlPlane.open(config, self.run_dir, self.keys)
         self._server, self.bound = plane.server, plane.bound
         self.store_addr, self.secret_file = plane.address, plane.secret_file
-        self.store, self.bus = plane.store, plane.bus
+        self.store, self.bus, self.started = plane.store, plane.bus, plane.started
         self.hub = plane.hub
         first = config.node_rank * config.nproc
         self.slots = {r: Slot(r) for r in range(first, first + config.nproc)}
@@ -278,6 +278,7 @@ class Agent:
             secret_file=str(self.secret_file),
             group_gen=self.ledger.generation(slot.rank // cfg.shard_size),
             relay_socket=self.hub.address if self.hub else None,
+            job_started=self.started,
         )
         try:
             os.unlink(slot.heartbeat)

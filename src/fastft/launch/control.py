@@ -6,6 +6,7 @@ the endpoint starts)."""
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ class ControlPlane:
     hub: RelayHub | None
     """This node's bus relay (``--bus-relay``), which its workers hear the bus from; None:
     each subscribes to the store itself. The bus endpoint owns it."""
+    started: float
+    """When the job began (wall clock): its first agent's start, the same on every node."""
 
     @classmethod
     def open(cls, config: LaunchConfig, run_dir: Path, keys: JobKeys) -> ControlPlane:
@@ -52,7 +55,17 @@ class ControlPlane:
         )
         hub = RelayHub(cfg.max_queue, cfg.stale_s) if config.relayed else None
         bus = open_bus(raw, cfg, hub=hub)
-        return cls(server, bound, address, secret_file, store, bus, hub)
+        return cls(server, bound, address, secret_file, store, bus, hub, job_start(raw, keys))
+
+
+def job_start(store: Any, keys: JobKeys) -> float:
+    """The job's start: this agent's now if it is the first, else the first one's (a
+    restarted node's agent, a later node: the job's clock does not start again)."""
+    now = f"{time.time():.3f}"
+    try:
+        return float(bytes(store.compare_set(keys.started, "", now)).decode() or now)
+    except (ValueError, RuntimeError, OSError):
+        return float(now)  # (the job's clock is a convenience: never a failed start)
 
 
 def _host_or_join(config: LaunchConfig) -> tuple[Any, str, str]:

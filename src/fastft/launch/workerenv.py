@@ -55,6 +55,7 @@ def worker_environment(
     secret_file: str | None = None,
     group_gen: int = 0,
     relay_socket: str | None = None,
+    job_started: float | None = None,
 ) -> dict[str, str]:
     """The whole environment of one worker life: the agent's own, ``cfg.env``, the
     :class:`WorkerEnv` contract, torchrun's local names, and torchft's for ``--torchft``."""
@@ -74,6 +75,7 @@ def worker_environment(
             secret_file=secret_file,
             relay_socket=relay_socket,
             group_gen=group_gen if cfg.shard_size > 1 else None,
+            job_started=job_started,
         ).to_env(),
         # torchrun's names: scripts place their model on cuda:LOCAL_RANK
         "LOCAL_RANK": str(local_rank),

@@ -204,6 +204,11 @@ class WorkerEnv:
         "FASTFT_GROUP_GEN",
         "how many times this worker's shard group was started again (its members meet on it)",
     )
+    job_started: float | None = _var(
+        "FASTFT_JOB_STARTED",
+        "when the job began (wall clock, seconds): ft.elapsed_s counts from it, across "
+        "restarts and nodes",
+    )
     lighthouse: str | None = _var(
         "FASTFT_LIGHTHOUSE",
         "torchft replicas: 'bus' when their lighthouse announces joins on the bus "

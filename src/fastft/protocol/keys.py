@@ -103,6 +103,12 @@ class JobKeys:
         return f"{self.root}/finished"
 
     @property
+    def started(self) -> str:
+        """When the job began (wall clock, seconds), set once (compare-and-set from "") by
+        its first agent: every worker's ``ft.elapsed_s`` counts from it."""
+        return f"{self.root}/started"
+
+    @property
     def failed(self) -> str:
         """Set once (compare-and-set from "") by the first agent of a multi-node job that
         fails, to why: every other agent's lease round reads it and ends its node too."""

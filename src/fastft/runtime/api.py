@@ -16,6 +16,7 @@ import os
 import secrets
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -66,6 +67,7 @@ class Runtime:
 
     def __init__(self, config: RuntimeConfig, *, store: dist.Store | None = None) -> None:
         malloc.tune()  # steps that do not depend on what the process freed before
+        self._t0 = time.time()
         self.config = config
         self.rank = config.rank
         self.incarnation = config.incarnation or (secrets.randbits(62) | 1)
@@ -268,6 +270,13 @@ class Runtime:
     @property
     def epoch(self) -> int:
         return self.engine.state.epoch
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds since the job began (its first agent's start, the same on every node and
+        across restarts: a restarted worker's rate figures go on from the job's, not its
+        own); without ``fastft run``, since ``init()``."""
+        return time.time() - (self.config.job_started or self._t0)
 
     @property
     def world(self) -> int:

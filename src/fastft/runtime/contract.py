@@ -140,6 +140,7 @@ class RuntimeConfig:
     flow_name: str = "pipeline"
     stage: str | None = None
     max_ahead: int = 1
+    job_started: float | None = None
 
     def __post_init__(self) -> None:
         if ":" not in self.store:
