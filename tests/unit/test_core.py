@@ -16,7 +16,14 @@ from fastft.fsm import (
     Phase,
     ZeroGrads,
 )
-from fastft.protocol import DrainAck, DrainNotice, Fault, RollbackRequest, Severity
+from fastft.protocol import (
+    DrainAck,
+    DrainNotice,
+    Fault,
+    ProcessExited,
+    RollbackRequest,
+    Severity,
+)
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine.core import JOIN, Core, Wait
 from fastft.testing.engine import RecordingPort
@@ -172,3 +179,25 @@ def test_an_event_the_machine_has_no_row_for_is_reported_not_applied():
     before = core.state
     core.feed(HealDone(), port)  # (INIT: nothing to heal)
     assert port.names() == ["invalid"] and core.state == before
+
+
+def test_a_worker_re_forming_when_its_peers_finish_the_job_ends_instead_of_waiting():
+    """Found by the simulator (3 members, elastic, 1 step, 2 faults): a member lost its
+    state as its peers committed the last step; it re-formed with a restarted peer that
+    saw the job finished and left; it then waited for that peer's process group forever."""
+    port = RecordingPort(finished=True)
+    core = _running(port)
+    core.feed(PeerFault(PEER.rank, Severity.FAULT1, "dead"), port)
+    core.feed(Decision(commit=False), port)
+    assert core.state.phase is Phase.HEALING
+    done = ProcessExited(
+        job="job", epoch=1, rank=-1, incarnation=7, step=1, exited_rank=2, exited_incarnation=3,
+        exit_code=0,
+    )  # fmt: skip
+    core.receive(done, port)
+    assert core.next(NEVER, port) is Wait.FINISHED and not core.todo
+    # a member at the last step's commit is not ended by it: it finishes the job itself
+    port2 = RecordingPort(finished=True)
+    other = _running(port2)
+    other.receive(done, port2)
+    assert not other.finished and other.next(AT_NORMAL, port2) is Wait.DONE

@@ -38,7 +38,7 @@ def _old_regroup(mp: contextlib.ExitStack) -> None:
 def _old_finished_lost(mp: contextlib.ExitStack) -> None:
     """A survivor that had lost its state never checked whether the job finished: after the
     others finished, it waited in the formation for them (until the agent's between-steps
-    timeout, 30 min)."""
+    timeout, 30 min), or for a joiner's process group (the joiner saw the end and left)."""
     survivor_round = survivors.Survivors.round
 
     def blind(self: Any, wait: Any, *a: Any, **kw: Any) -> Any:
@@ -51,6 +51,8 @@ def _old_finished_lost(mp: contextlib.ExitStack) -> None:
             del self.c.finished_at
 
     _patch(mp, survivors.Survivors, "round", blind)
+    route = core.route  # (nor did a peer's end reach it: the core's check came later)
+    _patch(mp, core, "route", lambda m, **kw: replace(route(m, **kw), job_done=False))
 
 
 def _old_first_heal(mp: contextlib.ExitStack) -> None:

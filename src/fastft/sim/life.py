@@ -135,7 +135,8 @@ class Life(Waits):
         self.w.checks.declared_dead(self, who)
 
     def record(self, name: str, fields: dict[str, Any]) -> None:
-        pass  # (the event log's records: the simulator traces transitions instead)
+        """The event log's records, in the trace (a replayed seed shows what was routed)."""
+        self.w.trace(self, f"{name} {fields}")
 
     def job_finished(self) -> bool:
         return bool(self.w.store.value(self.w.keys.finished))
@@ -150,6 +151,9 @@ class Life(Waits):
         self.w.broadcast(self, RollbackRequest(**self.core.header(), reason=why))
 
     def enter(self, view: EpochView) -> None:
+        members = ", ".join(f"{m.rank}.{m.incarnation}" for m in view.members)
+        heal = f", heals {sorted(view.needs_state)} from {view.source}" if view.needs_state else ""
+        self.w.trace(self, f"adopts epoch {view.epoch} ({members}{heal})")
         self.core.adopt(view, view.source, self)
 
     def on_message(self, m: Message) -> None:
@@ -200,6 +204,8 @@ class Life(Waits):
             raise Ended(1, self.state.reason or "worker left the job")
         if got is Wait.AGAIN:
             return 0.0
+        if got is Wait.FINISHED:
+            raise Ended(0, "the job finished while this worker re-formed")
         if got is Wait.IDLE:
             return self.wait(("drive",), _DRIVE_S)
         return Core.run(got, self)

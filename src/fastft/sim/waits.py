@@ -161,7 +161,7 @@ class Waits(OnCore):
         )
 
     def cancelled(self, phase: Phase, gen: int) -> bool:
-        return self.state.phase is not phase or self.phase_changes != gen
+        return self.state.phase is not phase or self.phase_changes != gen or self.core.finished
 
     def _form(self, wait: SurvivorWait, gen: int) -> float:
         view = self.coord.closed(wait.epoch)

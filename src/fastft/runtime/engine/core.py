@@ -104,6 +104,9 @@ class Wait(enum.Enum):
     """The machine is in EXIT: the worker leaves (``state.reason`` says why)."""
     AGAIN = "again"
     """A drain's deadline was fed: look again."""
+    FINISHED = "finished"
+    """The other members finished the job while this one re-formed or joined: nothing is
+    left for it to train (it ends with status 0)."""
     IDLE = "idle"
     """Nothing to do: wait for an event."""
 
@@ -173,6 +176,10 @@ class Core:
         self.phase_since = clock()
         self.action_gen = 0
         """The phase changes when the main thread's current action was queued."""
+        self.finished = False
+        """A member finished the job while this one re-formed, healed or joined (found by
+        the simulator: a worker that lost its state as its peers committed the last step
+        waited for a joiner that had seen the end and left)."""
 
     def header(self) -> dict[str, Any]:
         s = self.state
@@ -279,6 +286,8 @@ class Core:
         if out.early:
             self.early.append(m)
             return None
+        if out.job_done and self.state.phase in (Phase.HEALING, Phase.INIT):
+            self.finished = True
         if out.dead is not None:
             self.dead.add(out.dead)
         if out.record is not None:
@@ -318,6 +327,9 @@ class Core:
     # --- the main thread -------------------------------------------------------------------
     def next(self, done: Check, fx: Effects) -> Action | Wait:
         """The main thread's next action (:data:`JOIN` in INIT), or why it has none."""
+        if self.finished and self.state.phase in (Phase.HEALING, Phase.INIT):
+            self.todo.clear()
+            return Wait.FINISHED
         while self.todo:
             queued, epoch, action = self.todo.popleft()
             why = stale(action, queued, epoch, self.phase_changes, self.state.epoch)

@@ -261,6 +261,8 @@ class Executor(OnCore):
                     raise WorkerExit(self.state.reason or "worker left the job")
                 if got is Wait.AGAIN:
                     continue
+                if got is Wait.FINISHED:
+                    self.membership.finished_meanwhile()
                 if got is Wait.IDLE:
                     hb.beat()
                     self.cond.wait(_WAIT_S)
@@ -310,7 +312,12 @@ class Executor(OnCore):
 
         def check() -> bool:
             hb.beat()
-            return self.closing or self.state.phase is not phase or self.phase_changes != changes
+            return (
+                self.closing
+                or self.state.phase is not phase
+                or self.phase_changes != changes
+                or self.core.finished
+            )
 
         return check
 

@@ -51,6 +51,8 @@ class Routed:
     record: tuple[str, dict[str, Any]] | None = None
     ack_drain: int | None = None
     early: bool = False
+    job_done: bool = False
+    """A member finished the job (it exited cleanly after the last step)."""
 
 
 NOTHING = Routed()
@@ -83,6 +85,7 @@ def route(
             return Routed(
                 events=(DrainAcked(r.rank),),
                 record=("peer_finished", {"rank": r.rank, "incarnation": r.incarnation}),
+                job_done=True,
             )
         in_view = view is not None and view.has(r.rank, r.incarnation)
         if r.drained and (r.rank in leaving or not in_view):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from fastft.fsm import CastVote, Decision, FormEpoch, Phase, QuorumReady
 from fastft.protocol import JoinRequest
@@ -115,6 +115,13 @@ class Membership:
         x.sv.bus.broadcast(
             JoinRequest(job=x.config.job, epoch=0, rank=x.me.rank, incarnation=x.me.incarnation)
         )
+
+    def finished_meanwhile(self) -> NoReturn:
+        """The other members finished the job while this one re-formed: it ends (0)."""
+        step = self.x.coord.finished_at()
+        e = JobFinished(step if step is not None else self.x.state.step)
+        self._finished(e, f"the job finished at step {e.step} while this worker re-formed")
+        raise e
 
     def _finished(self, e: JobFinished, what: str) -> None:
         self.x.events.emit("job_finished", step=e.step)
