@@ -129,8 +129,7 @@ def test_two_ranks_in_one_step_and_a_death_between_decision_and_apply(tmp_path, 
     assert ("rank 1", 6) in fetched and ("rank 0", 15) in fetched
 
 
-@pytest.mark.slow
-def test_deaths_while_healing(tmp_path, clean):
+def test_deaths_while_healing(tmp_path, clean):  # (~8 s: a newcomer's make test runs it)
     plan = [
         # rank 1 dies; its restart dies again while healing; the third life heals
         {"kind": "sigkill", "rank": 1, "at_step": 5},
