@@ -117,11 +117,15 @@ def route(
                     ),
                 )
             return NOTHING
-        if r.self_reported and r.severity is Severity.FAULT2 and m.epoch < epoch:
-            # A peer's own transient fault in an epoch this worker has left: the peer
-            # rolled that epoch back itself and arrived at the formation this epoch came
-            # from (a fault as it formed, it reports again, as one of the new epoch).
-            # Acted on, this worker alone would roll back an epoch its peers go on in.
+        healed = view is not None and r.rank in view.needs_state and view.has(r.rank, r.incarnation)
+        if r.self_reported and m.epoch < epoch and (r.severity is Severity.FAULT2 or healed):
+            # A peer's own fault in an epoch this worker has left: the peer rolled that
+            # epoch back itself and arrived at the formation this epoch came from (a
+            # transient fault as it formed, it reports again, as one of the new epoch; a
+            # lost state, its arrival said so and this epoch heals it). Acted on, this
+            # worker alone would roll back an epoch its peers go on in (the simulator:
+            # two losses 1 ms apart, then a formation of one that declared a live peer
+            # dead).
             return Routed(record=("stale_fault", {"rank": r.rank, "epoch": m.epoch}))
         newly_dead = None
         inc = r.incarnation
