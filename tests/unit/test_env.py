@@ -166,27 +166,24 @@ def test_every_run_flag_is_in_one_help_section():
     assert set(names) == flags, (sorted(flags - set(names)), sorted(set(names) - flags))
 
 
+def _life_env(cfg: LaunchConfig, **life: object) -> dict[str, str]:
+    """One worker life's environment, with placeholder paths."""
+    from fastft.launch.workerenv import worker_environment
+
+    base = dict(rank=0, life=0, incarnation=9, local_rank=0, store_addr="h:1", run_dir="/r")
+    paths = dict(heartbeat_file="/r/hb", exit_trace_file=None, secret_file="/s")
+    return worker_environment(cfg, **{**base, **paths, **life})  # type: ignore[arg-type]
+
+
 def test_the_worker_environment_is_derived_from_the_shared_fields(monkeypatch):
     """Every flag the worker shares with its agent reaches it (derived from the field
     lists, not copied one by one), and a variable left in the agent's own environment
     cannot override a flag."""
-    from fastft.launch.workerenv import worker_environment
     from fastft.process.env import WorkerEnv
 
     monkeypatch.setenv("FASTFT_SEED", "5")  # (the user's shell, say)
     cfg = LaunchConfig(command=("x.py",), nproc=2, seed=0, hang_timeout_s=7.0)
-    env = worker_environment(
-        cfg,
-        rank=1,
-        life=0,
-        incarnation=9,
-        local_rank=1,
-        store_addr="h:1",
-        run_dir="/r",
-        heartbeat_file="/r/hb",
-        exit_trace_file=None,
-        secret_file="/s",
-    )
+    env = _life_env(cfg, rank=1, local_rank=1)
     var = {f.name: f.metadata["var"] for f in dataclasses.fields(WorkerEnv)}
     flags = {f.name for f in dataclasses.fields(LaunchConfig)}
     for name in set(var) & flags - {"flow_name", "max_ahead", "min_replicas", "inject"}:
@@ -220,7 +217,6 @@ def test_the_job_clock_is_the_first_agents_and_reaches_every_worker(store):
     import time
 
     from fastft.launch.control import job_start
-    from fastft.launch.workerenv import worker_environment
     from fastft.protocol import JobKeys
     from fastft.runtime.contract import RuntimeConfig
 
@@ -229,17 +225,5 @@ def test_the_job_clock_is_the_first_agents_and_reaches_every_worker(store):
     time.sleep(0.01)
     assert job_start(store, keys) == first and abs(first - time.time()) < 5
     cfg = LaunchConfig(command=("x.py",), nproc=1)
-    env = worker_environment(
-        cfg,
-        rank=0,
-        life=2,
-        incarnation=9,
-        local_rank=0,
-        store_addr="h:1",
-        run_dir="/r",
-        heartbeat_file="/r/hb",
-        exit_trace_file=None,
-        secret_file="/s",
-        job_started=first,
-    )
+    env = _life_env(cfg, life=2, job_started=first)
     assert RuntimeConfig.from_env(env).job_started == first

@@ -266,11 +266,13 @@ class Core:
         fx.broadcast(self.fault(severity, cause))
         self.feed(LocalFault(severity, cause[:200]), fx)
 
-    def receive(self, m: Message, fx: Effects) -> Message | None:
+    def receive(self, m: Message, fx: Effects, finished: bool | None = None) -> Message | None:
         """A bus message: route it (:func:`.inbox.route`), keep it if early, feed its
-        events; a drain ack to send is returned (the owner sends it)."""
-        r = fault_of(m)
-        finished = r is not None and r.clean_exit and fx.job_finished()
+        events; a drain ack to send is returned (the owner sends it). ``finished``: whether
+        the job finished, if the owner asked the store already (outside its lock)."""
+        if finished is None:
+            r = fault_of(m)
+            finished = r is not None and r.clean_exit and fx.job_finished()
         s = self.state
         out = route(
             m,

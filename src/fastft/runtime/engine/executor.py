@@ -157,9 +157,6 @@ class Executor(OnCore):
     def feed_locked(self, event: Event) -> None:
         self.core.feed(event, self)
 
-    def header(self) -> dict[str, Any]:
-        return self.core.header()
-
     # (what the parts ask of the core, under the lock)
     def adopt(self, view: EpochView, source: int | None) -> None:
         self.core.adopt(view, source, self)
@@ -167,8 +164,8 @@ class Executor(OnCore):
     def report(self, severity: Severity, cause: str) -> None:
         self.core.report(severity, cause, self)
 
-    def receive(self, m: Message) -> Message | None:
-        return self.core.receive(m, self)
+    def receive(self, m: Message, finished: bool | None = None) -> Message | None:
+        return self.core.receive(m, self, finished)
 
     def declare_silent(self, ranks: frozenset[int]) -> None:
         """Members that never arrived at a formation (:mod:`.survivors`)."""
@@ -180,7 +177,7 @@ class Executor(OnCore):
         s = self.state
         self.events.emit("remind", epoch=s.epoch, step=s.step)
         why = f"epoch {s.epoch + 1} is forming without you"
-        self.sv.bus.broadcast(RollbackRequest(**self.header(), reason=why))
+        self.sv.bus.broadcast(RollbackRequest(**self.core.header(), reason=why))
 
     # --- effects (core.Effects): the immediate actions, on the thread that fed the event ---
     def transition(self, before: StepState, after: StepState, event: Event, moved: bool) -> None:

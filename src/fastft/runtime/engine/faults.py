@@ -10,6 +10,7 @@ import torch
 
 from fastft.inject import FaultKind, FaultSpec, StateLostFault, execute
 from fastft.protocol import Message, Severity
+from fastft.protocol.faults import fault_of
 from fastft.runtime.engine.core import superseded
 
 if TYPE_CHECKING:
@@ -50,8 +51,10 @@ class Faults:
     def on_message(self, m: Message) -> None:
         """The bus listener's callback."""
         x = self.x
+        r = fault_of(m)  # (the store read before the lock: a clean exit only)
+        finished = r is not None and r.clean_exit and x.side.job_finished()
         with x.lock:
-            ack = x.receive(m)
+            ack = x.receive(m, finished)
         if ack is not None:
             x.sv.bus.broadcast(ack)
 

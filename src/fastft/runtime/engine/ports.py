@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from fastft.fsm import Event, Phase, StepState
@@ -92,15 +92,13 @@ class Engine(Protocol):
 
     def feed_locked(self, event: Event) -> None: ...
 
-    def header(self) -> dict[str, Any]: ...
-
     def adopt(self, view: EpochView, source: int | None) -> None:
         """Enter ``view`` (under the lock): the core's :meth:`~.core.Core.adopt`."""
 
     def report(self, severity: Severity, cause: str) -> None:
         """This worker's own fault, on the bus and into the machine (under the lock)."""
 
-    def receive(self, m: Message) -> Message | None:
+    def receive(self, m: Message, finished: bool | None = None) -> Message | None:
         """A bus message into the core (under the lock); a drain ack to send back."""
 
     def declare_silent(self, ranks: frozenset[int]) -> None:
