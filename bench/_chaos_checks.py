@@ -272,6 +272,39 @@ def failed_line(run: Path) -> str | None:
     return found[-1][:300] if found else None
 
 
+HANGS = ("gil_hang", "sigstop")
+"""The kinds of fault a hang check should find (a stopped process makes no progress)."""
+
+
+def hang_kills(
+    events: list[dict[str, Any]], sent: list[dict[str, Any]], within_s: float
+) -> dict[str, Any]:
+    """The agents' hang kills, and those of a rank no hang was sent to in the
+    ``within_s`` before (false kills: a healthy worker taken for hung), with their
+    timeouts."""
+    hung = [e for e in events if e["event"] == "worker_hung"]
+    false = [
+        {k: e.get(k) for k in ("rank", "silent_s", "timeout_s", "between")}
+        for e in hung
+        if not any(
+            f["kind"] in HANGS
+            and f["rank"] == e["rank"]
+            and 0 <= e["detected"] - f["mono"] <= within_s
+            for f in sent
+        )
+    ]
+    timeouts = [e["timeout_s"] for e in hung if not e.get("between")]
+    return {
+        "kills": len(hung),
+        "false": false,
+        "timeout_s": {
+            "min": min(timeouts, default=None),
+            "p50": round(pct(timeouts, 50), 3) if timeouts else None,
+            "max": max(timeouts, default=None),
+        },
+    }
+
+
 def report(one: dict[str, Any]) -> None:
     result = one["result"]
     print(table(one["rows"], ["kind", "sent", "landed", "p50_ms", "p99_ms", "max_ms"]))
@@ -287,7 +320,7 @@ def report(one: dict[str, Any]) -> None:
 
 
 def side_by_side(soaks: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per figure, one column per start method."""
+    """One row per figure, one column per variant (start method or hang check)."""
 
     def ms(v: Any) -> str:
         return "-" if v is None else f"{v / 1e3:.2f} s" if v >= 1000 else f"{v:.0f} ms"
@@ -310,6 +343,9 @@ def side_by_side(soaks: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             f"{len(r['total_losses'])} ({r['steps_trained_again']})"
         ),
         "committed steps/s vs fault-free": lambda r, rows: r["rate_vs_reference"],
+        "hang kills (of a rank sent no hang); timeout p50": lambda r, rows: (
+            f"{r['hangs']['kills']} ({len(r['hangs']['false'])}); {r['hangs']['timeout_s']['p50']} s"
+        ),
         "restarts: on a spare / forked / spawned": lambda r, rows: " / ".join(
             str(r["spares"]["restarts_by_start"].get(k, 0)) for k in ("spare", "fork", "spawn")
         ),

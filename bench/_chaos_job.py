@@ -42,8 +42,8 @@ def job_command(
     ]
     if a.min_replicas:
         cmd += ["--min-replicas", str(a.min_replicas)]
-    if a.adaptive_hang:
-        cmd += ["--adaptive-hang"]
+    if a.hang == "fixed":
+        cmd += ["--no-hang-pace"]
     if checkpoint is not None:
         cmd += ["--checkpoint-dir", str(checkpoint), "--checkpoint-every", "50"]
     cmd += ["-m", "fastft.demo.train", "--", "--steps", str(steps), "--out", str(run / "out")]

@@ -29,6 +29,7 @@ against the reference and (with ``--planned``) against the same faults at planne
     python bench/chaos.py --ends 100            # 100 short soaks: does each end with 0?
     python bench/chaos.py --start-method spawn  # restarts and spares as new Pythons
     python bench/chaos.py --start-method both   # the same faults, forks against spawns
+    python bench/chaos.py --hang both           # hangs by pace against --hang-timeout alone
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _chaos_checks import (  # noqa: E402
     check,
     failed_line,
+    hang_kills,
     recovery_by_kind,
     report,
     side_by_side,
@@ -172,10 +174,12 @@ def main() -> int:
     )
     ap.add_argument("--hang-timeout", type=float, default=5.0)
     ap.add_argument(
-        "--adaptive-hang",
-        action="store_true",
-        help="the agent's --adaptive-hang: a GIL hang is known after 20x the heartbeat gap "
-        "(at least 2 s, at most --hang-timeout)",
+        "--hang",
+        default="pace",
+        choices=("pace", "fixed", "both"),
+        help="the agent's hang check in a step: by the worker's pace (the default: 10x its "
+        "steps' compute, at least 0.5 s), or --hang-timeout alone (fastft run "
+        "--no-hang-pace); both: the same faults under each, side by side",
     )
     ap.add_argument(
         "--min-replicas",
@@ -208,9 +212,13 @@ def main() -> int:
         ap.error("--nproc >= 2, --duration > 0 and --overlap in [0, 1]")
     if not 0 <= a.min_replicas <= a.nproc:
         ap.error(f"--min-replicas {a.min_replicas}: use 0 (fixed) to --nproc {a.nproc}")
-    if a.start_method == "both" and (a.ends or a.planned):
-        ap.error("--start-method both runs one long soak: not with --ends or --planned")
-    methods = ("zygote", "spawn") if a.start_method == "both" else (a.start_method,)
+    if "both" in (a.start_method, a.hang) and (a.ends or a.planned):
+        ap.error("both runs one long soak of each: not with --ends or --planned")
+    if a.start_method == a.hang == "both":
+        ap.error("--start-method both and --hang both: compare one at a time")
+    axis = "hang" if a.hang == "both" else "start_method"  # (the side-by-side's)
+    both = {"hang": ("pace", "fixed"), "start_method": ("zygote", "spawn")}[axis]
+    methods = both if getattr(a, axis) == "both" else (getattr(a, axis),)
     out = a.out or Path(__import__("tempfile").mkdtemp(prefix="fastft-chaos-"))
     if a.ends > 0:
         return ends(a, out)
@@ -235,7 +243,7 @@ def main() -> int:
 
     t = time.monotonic()
     # (the reference's start method changes nothing it is compared on)
-    first = argparse.Namespace(**{**vars(a), "start_method": methods[0]})
+    first = argparse.Namespace(**{**vars(a), axis: methods[0]})
     ref = run_job(
         out / "reference", job_command(out / "reference", first, steps), [], a.duration * 3
     )
@@ -250,8 +258,8 @@ def main() -> int:
         return 1
     soaks = {}
     for m in methods:
-        ns = argparse.Namespace(**{**vars(a), "start_method": m})
-        soaks[m] = soak(ns, out, faults, steps, both=len(methods) > 1)
+        ns = argparse.Namespace(**{**vars(a), axis: m})
+        soaks[m] = soak(ns, out, faults, steps, m if len(methods) > 1 else "")
         soaks[m]["result"]["steps_per_s"]["reference"] = round(steps / ref_s, 2)
         chaos_rate = soaks[m]["result"]["steps_per_s"]["chaos"]
         soaks[m]["result"]["rate_vs_reference"] = round(chaos_rate * ref_s / steps, 3)
@@ -279,17 +287,18 @@ def main() -> int:
 
 
 def soak(
-    a: argparse.Namespace, out: Path, faults: list[dict[str, Any]], steps: int, both: bool
+    a: argparse.Namespace, out: Path, faults: list[dict[str, Any]], steps: int, label: str
 ) -> dict[str, Any]:
-    """The job under chaos with ``a.start_method`` (run directory ``out/chaos``, or
-    ``out/chaos-METHOD`` when ``both`` run), checked against ``out/reference``."""
+    """The job under chaos with ``a.start_method`` and ``a.hang`` (run directory
+    ``out/chaos``, or ``out/chaos-LABEL`` when both run), checked against
+    ``out/reference``."""
     reference = {
         e["step"]: e["digest"]
         for e in read_events(out / "reference")
         if e["event"] == "commit" and e.get("digest") is not None
     }
-    run = out / ("chaos" if not both else f"chaos-{a.start_method}")
-    ckpt = a.checkpoint_dir / a.start_method if both and a.checkpoint_dir else a.checkpoint_dir
+    run = out / (f"chaos-{label}" if label else "chaos")
+    ckpt = a.checkpoint_dir / label if label and a.checkpoint_dir else a.checkpoint_dir
     spares = ("--warm-spares", str(a.spares))
     t = time.monotonic()
     job = run_job(
@@ -329,6 +338,7 @@ def soak(
         and all(x["outcome"] == "restored" for x in got["total_losses"])
         and got["steps_trained_again"] <= sum(x["redone"] or 0 for x in got["total_losses"]),
         "start_method": a.start_method,
+        "hang": a.hang,
         "seed": a.seed,
         "faults_scheduled": len(faults),
         "faults_sent": len(job["sent"]),
@@ -338,6 +348,7 @@ def soak(
         "store_port_open": job["port_open"],
         **got,
         "stalls": stall,
+        "hangs": hang_kills(read_events(run), job["sent"], a.hang_timeout + 5),
         "spares": spares_under_load(read_events(run)),
         "restarts": s["restarts"],
         "epochs": s["epochs"],

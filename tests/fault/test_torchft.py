@@ -4,7 +4,7 @@
 SIGKILLed, raises, is SIGSTOPped or hangs *inside* the gradient allreduce; the survivors go on
 in a quorum without it, the restarted replica heals from a live peer, and every replica
 ends at the same step with the same parameters. A replica hung while holding the GIL is
-found by the agent's adaptive hang timeout."""
+found by the agent's hang timeout (by the worker's pace)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def run_example(tmp: Path, kind: str) -> tuple[Path, str]:
     (run / "plan.json").write_text(json.dumps(plan))
     cmd = [
         sys.executable, "-m", "fastft.cli", "run", "--torchft", "fastft", "--nproc", "3",
-        "--warm-spares", "1", "--job", kind, "--run-dir", str(run), "--adaptive-hang",
+        "--warm-spares", "1", "--job", kind, "--run-dir", str(run),
         "--inject", str(run / "plan.json"), str(EXAMPLE), "--steps", str(STEPS),
     ]  # fmt: skip
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=130)
@@ -132,7 +132,7 @@ def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
     assert fault["rejoin_ms"] is not None, fault
     assert report["last_step"] == STEPS - 1 and report["heals"] >= 1, report
 
-    if kind == "gil_hang":  # a true hang: found by the agent's (adaptive) hang timeout,
+    if kind == "gil_hang":  # a true hang: found by the agent's hang timeout (by its pace),
         # not by Gloo's 60 s, and the survivors, blocked meanwhile, were not taken for hung
         hung = [e for e in ev if e["event"] == "worker_hung"]
         assert [e["rank"] for e in hung] == [1], hung

@@ -53,9 +53,7 @@ def test_a_gil_hang_and_a_drain(tmp_path, clean_jax):
         {"kind": "gil_hang", "rank": 2, "at_step": 8, "arg": 600},
         {"kind": "sigterm", "rank": 1, "at_step": 18},  # a preemption notice: a drain
     ]
-    run = fastft_run(
-        tmp_path, "gil", "--adaptive-hang", "--hang-timeout", "30", plan=plan, script=JAX_DEMO
-    )
+    run = fastft_run(tmp_path, "gil", "--hang-timeout", "30", plan=plan, script=JAX_DEMO)
     _equal(run, clean_jax)
     ev = read_events(run)
     assert [e["rank"] for e in ev if e["event"] == "worker_hung"] == [2]

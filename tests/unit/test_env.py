@@ -69,6 +69,7 @@ def test_every_variable_is_documented_once():
             "FASTFT_DECIDE",
             "FASTFT_KEEP_GRADIENTS",
             "FASTFT_BACKEND",
+            "FASTFT_HANG_PACE",
             "FASTFT_SPARE_PREFAULT_MB",
             "FASTFT_CHECKPOINT_DIR",
             "FASTFT_CHECKPOINT_EVERY",
@@ -97,8 +98,9 @@ def _parse(argv, env):
 
 def test_flags_fall_back_to_their_variables_then_to_the_default():
     assert _parse([], {}) == LaunchConfig(command=("python", "x.py"))
-    cfg = _parse([], {"FASTFT_NPROC": "3", "FASTFT_ADAPTIVE_HANG": "1", "FASTFT_EXIT_TRACE": "0"})
-    assert (cfg.nproc, cfg.adaptive_hang, cfg.exit_trace) == (3, True, False)
+    cfg = _parse([], {"FASTFT_NPROC": "3", "FASTFT_HANG_PACE": "0", "FASTFT_EXIT_TRACE": "0"})
+    assert (cfg.nproc, cfg.hang_pace, cfg.exit_trace) == (3, False, False)
+    assert _parse(["--adaptive-hang"], {"FASTFT_HANG_PACE": "0"}).hang_pace  # (the old flag)
     cfg = _parse(["--nproc", "2", "--hang-timeout", "7"], {"FASTFT_NPROC": "3"})
     assert (cfg.nproc, cfg.hang_timeout_s) == (2, 7.0)
     assert _parse(["--no-keep-gradients"], {}).keep_gradients is False
@@ -200,7 +202,7 @@ def test_the_flags_given_are_the_flags_each_ray_node_gets():
 
     p = argparse.ArgumentParser()
     add_run_flags(p, env={})
-    given = ["--nproc", "2", "--min-replicas", "1", "--no-exit-trace", "--adaptive-hang"]
+    given = ["--nproc", "2", "--min-replicas", "1", "--no-exit-trace", "--no-hang-pace"]
     args = p.parse_args([*given, "--run-dir", "/x", "--hang-timeout", "7.5"])
     argv = run_argv(args, skip=frozenset({"run_dir"}))
     assert "--run-dir" not in argv and argv[argv.index("--nproc") + 1] == "2"

@@ -13,7 +13,7 @@ from fastft.launch.policy import after_exit
 from fastft.protocol import EXIT_DRAINED
 from fastft.protocol.exits import EXIT_UNHEALTHY
 from fastft.runtime.health import builtin_checks, first_failure
-from fastft.runtime.restart import SOFT_FLOOR_S, timeouts
+from fastft.runtime.restart import timeouts
 from fastft.runtime.state.registry import StateRegistry
 
 BASE = dict(
@@ -104,9 +104,8 @@ def test_the_host_memory_floor():
     assert check[1]() is None
 
 
-def test_timeouts_derive_from_the_step_time_within_the_agents_hang_timeout():
-    assert timeouts(0.01, 30.0, None, None) == (SOFT_FLOOR_S, 20.0)  # fast steps: the floor
-    assert timeouts(1.0, 100.0, None, None) == (20.0, 40.0)  # 20 steps, then twice that
-    assert timeouts(5.0, 30.0, None, None) == (15.0, 27.0)  # the agent's kill comes last
-    assert timeouts(0.01, 30.0, 2.0, None) == (2.0, 4.0)
-    assert timeouts(0.01, 30.0, 5.0, 1.0) == (5.0, 5.0)  # never before the soft one
+def test_timeouts_come_before_the_agents_kill():
+    assert timeouts(30.0, None, None) == (15.0, 27.0)  # half, then 90 %: the agent's comes last
+    assert timeouts(0.5, None, None) == (0.25, 0.45)  # a worker's pace: the same shares
+    assert timeouts(30.0, 2.0, None) == (2.0, 27.0)
+    assert timeouts(30.0, 5.0, 1.0) == (5.0, 5.0)  # never before the soft one

@@ -6,7 +6,6 @@ import pytest
 
 from fastft.launch.policy import (
     COLD_RESTART_DELAY_S,
-    HANG_FLOOR_S,
     SpareInfo,
     after_exit,
     hang_reason,
@@ -15,6 +14,7 @@ from fastft.launch.policy import (
     spare_owed_done,
     startup_failed,
 )
+from fastft.process.heartbeat import HANG_FLOOR_S
 from fastft.protocol import EXIT_DRAINED
 from fastft.protocol.exits import (
     EXIT_CHECKPOINTS_FAIL,
@@ -78,20 +78,29 @@ def test_a_crash_after_the_job_finished_fails_it():
     assert do.done and not do.restart and "finished the job" in do.failed
 
 
-def test_hangs_are_judged_after_the_start_grace_and_by_the_adaptive_timeout():
-    kw = dict(started=0.0, hang_timeout_s=30.0, adaptive=False, start_grace_s=120.0)
-    assert hang_verdict(now=100.0, beat=None, gap=0.0, **kw) is None  # still starting
-    h = hang_verdict(now=121.0, beat=None, gap=0.0, **kw)
+def test_hangs_are_judged_after_the_start_grace_and_by_the_workers_pace():
+    kw = dict(started=0.0, hang_timeout_s=30.0, by_pace=False, start_grace_s=120.0)
+    assert hang_verdict(now=100.0, beat=None, pace=0.0, **kw) is None  # still starting
+    h = hang_verdict(now=121.0, beat=None, pace=0.0, **kw)
     assert h is not None and h.silent_s == 121.0
-    assert hang_verdict(now=40.0, beat=20.0, gap=0.0, **kw) is None
-    assert hang_verdict(now=51.0, beat=20.0, gap=0.0, **kw).timeout_s == 30.0
-    ad = dict(kw, adaptive=True)
-    assert hang_verdict(now=23.0, beat=20.0, gap=0.01, **ad).timeout_s == HANG_FLOOR_S
-    assert hang_verdict(now=23.5, beat=20.0, gap=0.2, **ad) is None  # 20 x 0.2 = 4 s
+    assert hang_verdict(now=40.0, beat=20.0, pace=0.05, **kw) is None  # --no-hang-pace
+    assert hang_verdict(now=51.0, beat=20.0, pace=0.05, **kw).timeout_s == 30.0
+    paced = dict(kw, by_pace=True)
+    # a 60 ms step (50 ms of compute): 10x its pace is under the floor
+    h = hang_verdict(now=20.0 + HANG_FLOOR_S + 0.01, beat=20.0, pace=0.05, **paced)
+    assert h is not None and h.timeout_s == HANG_FLOOR_S and h.paced
+    assert "10x its recent steps' compute" in hang_reason(1, 2, h)
+    assert hang_verdict(now=23.5, beat=20.0, pace=0.4, **paced) is None  # 10 x 0.4 = 4 s
+    assert hang_verdict(now=24.5, beat=20.0, pace=0.4, **paced).timeout_s == 4.0
+    # before its pace is known (its first steps), --hang-timeout alone; never above it
+    assert hang_verdict(now=40.0, beat=20.0, pace=0.0, **paced) is None
+    h = hang_verdict(now=51.0, beat=20.0, pace=10.0, **paced)
+    assert h is not None and h.timeout_s == 30.0 and not h.paced
+    assert "--hang-timeout 30" in hang_reason(1, 2, h)
 
 
 def test_between_steps_only_a_stopped_interpreter_or_the_longer_timeout_is_a_hang():
-    kw = dict(started=0.0, hang_timeout_s=5.0, adaptive=True, start_grace_s=120.0, gap=0.01)
+    kw = dict(started=0.0, hang_timeout_s=5.0, by_pace=True, start_grace_s=120.0, pace=0.01)
     kw |= dict(between_timeout_s=600.0, between_since=10.0)
     # an evaluation of 100 s: the heartbeat thread beats, the main thread makes no progress
     assert hang_verdict(now=110.0, beat=109.9, **kw) is None

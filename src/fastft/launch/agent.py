@@ -441,7 +441,7 @@ class Agent:
 
 
 def _committed(slot: Slot) -> bool:
-    """Whether the slot's worker committed since it started (its heartbeat tracks step gaps
-    from its first commit on)."""
+    """Whether the slot's worker committed since it started (its heartbeat counts its
+    commits)."""
     hb = read_heartbeat(slot.heartbeat)
-    return hb is not None and hb[0] >= slot.started and hb[1] > 0
+    return hb is not None and hb.last >= slot.started and hb.commits > 0

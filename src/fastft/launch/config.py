@@ -78,7 +78,7 @@ class LaunchConfig:
     inject: str | None = _worker("inject", "fault plan JSON (fastft plan check)")
     hang_timeout_s: float = _worker(
         "hang_timeout_s",
-        "seconds without progress before a worker is killed (the most, with --adaptive-hang)",
+        "seconds without progress before a worker is killed (the most, with its pace)",
         flag="--hang-timeout",
     )
     between_steps_timeout_s: float = _worker(
@@ -87,10 +87,10 @@ class LaunchConfig:
         "Python runs before it is killed as hung; --hang-timeout judges steps",
         flag="--between-steps-timeout",
     )
-    adaptive_hang: bool = _flag(
-        False,
-        "hang timeout = 20x the longest recent gap between a worker's heartbeats (at least "
-        "2 s, at most --hang-timeout); use ft.no_hang_check() around long work between steps",
+    hang_pace: bool = _worker(
+        "hang_pace",
+        "judge a hang in a step by the worker's own pace: silent for 10x its recent steps' "
+        "compute (their 99th percentile; at least 0.5 s, at most --hang-timeout)",
     )
     start_grace_s: float = _flag(
         120.0, "seconds a worker may take to write its first heartbeat", flag="--start-grace"

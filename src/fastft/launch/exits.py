@@ -277,7 +277,7 @@ class Exits:
 def _joined(slot: Slot) -> bool:
     """Whether the slot's worker started fastft (its runtime writes the heartbeat file)."""
     hb = read_heartbeat(slot.heartbeat)
-    return hb is not None and hb[0] >= slot.started
+    return hb is not None and hb.last >= slot.started
 
 
 def fault_line(slot: Slot, code: int | None, sig: int | None, do: policy.AfterExit) -> str:

@@ -24,7 +24,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "spare_prefault_mb", "spare_run_ahead", "backend", "seed",
     ),
     "faults and hangs": (
-        "hang_timeout_s", "between_steps_timeout_s", "adaptive_hang", "start_grace_s",
+        "hang_timeout_s", "between_steps_timeout_s", "hang_pace", "start_grace_s",
         "max_recoveries", "health_host_mb", "quarantine", "drain_grace_s", "exit_trace",
         "keep_gradients", "inject",
     ),
@@ -126,6 +126,13 @@ def add_run_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = No
             choices=f.metadata["choices"] or None,
             help=f"{f.metadata['help']} [default: {shown}; env {var}]",
         )
+    _aliases(p)
+
+
+def _aliases(p: argparse.ArgumentParser) -> None:
+    """Flags of earlier releases, still accepted: ``--adaptive-hang`` (now the default,
+    judged by the worker's pace)."""
+    p.add_argument("--adaptive-hang", dest="hang_pace", action="store_true", help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace, command: tuple[str, ...]) -> LaunchConfig:

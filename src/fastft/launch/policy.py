@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
+from fastft.process.heartbeat import HANG_PACES, hang_limit
 from fastft.protocol.exits import (
     ENDS_THE_JOB,
     EXIT_CHECKPOINTS_FAIL,
@@ -22,8 +23,6 @@ from fastft.protocol.exits import (
 
 __all__ = [
     "COLD_RESTART_DELAY_S",
-    "HANG_FLOOR_S",
-    "HANG_GAPS",
     "SPARE_REFILL_MAX_S",
     "AfterExit",
     "Hung",
@@ -37,10 +36,6 @@ __all__ = [
     "startup_failed",
 ]
 
-HANG_GAPS = 20.0
-"""--adaptive-hang: the timeout is this many times the longest recent heartbeat gap..."""
-HANG_FLOOR_S = 2.0
-"""...and at least this long (and at most --hang-timeout)."""
 COLD_RESTART_DELAY_S = 0.05
 """In an elastic world, how long a cold restart waits after the exit: a cold start forks
 the agent (tens of MB of page tables), which slows the store it hosts while the survivors
@@ -203,6 +198,8 @@ class Hung:
     silent_s: float
     timeout_s: float
     between: bool = False
+    paced: bool = False
+    """The timeout came from the worker's pace (else ``--hang-timeout``)."""
 
 
 def hang_verdict(
@@ -210,15 +207,16 @@ def hang_verdict(
     now: float,
     started: float,
     beat: float | None,
-    gap: float,
+    pace: float,
     hang_timeout_s: float,
-    adaptive: bool,
+    by_pace: bool,
     start_grace_s: float,
     between_since: float = 0.0,
     between_timeout_s: float = float("inf"),
 ) -> Hung | None:
     """Whether a worker started at ``started`` whose last heartbeat is ``beat`` (None: none
-    yet) and whose longest recent gap between beats is ``gap`` is hung at ``now``.
+    yet) and whose pace is ``pace`` (:class:`fastft.process.heartbeat.Beat`) is hung at
+    ``now``: in a step, after :func:`~fastft.process.heartbeat.hang_limit` of silence.
     ``between_since``: since when it is between steps (0: in one). Between steps its
     heartbeat thread beats while the interpreter runs: a long evaluation or checkpoint is
     not a hang until ``between_timeout_s``; only an interpreter that stops running (a
@@ -233,10 +231,8 @@ def hang_verdict(
             return Hung(silent, hang_timeout_s)
         idle = now - between_since
         return Hung(idle, between_timeout_s, between=True) if idle > between_timeout_s else None
-    timeout = hang_timeout_s
-    if adaptive and gap > 0:
-        timeout = min(timeout, max(HANG_FLOOR_S, HANG_GAPS * gap))
-    return Hung(silent, timeout) if silent > timeout else None
+    timeout = hang_limit(pace, hang_timeout_s, by_pace=by_pace)
+    return Hung(silent, timeout, paced=timeout < hang_timeout_s) if silent > timeout else None
 
 
 def hang_reason(rank: int, life: int, hung: Hung) -> str:
@@ -247,10 +243,16 @@ def hang_reason(rank: int, life: int, hung: Hung) -> str:
             f"rank {rank} (life {life}) hung: {t} between steps (--between-steps-timeout "
             f"{hung.timeout_s:g}); killing it, its stacks follow"
         )
+    why = (
+        f"{hung.timeout_s:.2g} s: {HANG_PACES:g}x its recent steps' compute; --no-hang-pace "
+        "turns that off"
+        if hung.paced
+        else f"--hang-timeout {hung.timeout_s:g}"
+    )
     return (
-        f"rank {rank} (life {life}) hung: no progress for {t} (--hang-timeout "
-        f"{hung.timeout_s:g}); killing it, its stacks follow. Long work between steps is "
-        "not a hang; inside a step or a wait of your own, wrap it in ft.no_hang_check()"
+        f"rank {rank} (life {life}) hung: no progress for {t} in a step ({why}); killing "
+        "it, its stacks follow. Long work between steps is not a hang; inside a step or a "
+        "wait of your own, wrap it in ft.no_hang_check()"
     )
 
 

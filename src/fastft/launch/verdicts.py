@@ -61,12 +61,12 @@ class Verdicts:
         hung = policy.hang_verdict(
             now=now,
             started=slot.started,
-            beat=hb[0] if hb is not None else None,
-            gap=hb[1] if hb is not None else 0.0,
+            beat=hb.last if hb is not None else None,
+            pace=hb.pace if hb is not None else 0.0,
             hang_timeout_s=a.config.hang_timeout_s,
-            adaptive=a.config.adaptive_hang,
+            by_pace=a.config.hang_pace,
             start_grace_s=a.config.start_grace_s,
-            between_since=hb[2] if hb is not None else 0.0,
+            between_since=hb.between if hb is not None else 0.0,
             between_timeout_s=a.config.between_steps_timeout_s,
         )
         if hung is None:

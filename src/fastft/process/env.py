@@ -151,6 +151,10 @@ class WorkerEnv:
     hang_timeout_s: float | None = _var(
         "FASTFT_HANG_TIMEOUT", "seconds without progress before the agent kills this worker"
     )
+    hang_pace: bool | None = _var(
+        "FASTFT_HANG_PACE",
+        "the agent judges a hang in a step by this worker's pace, not --hang-timeout alone",
+    )
     between_steps_timeout_s: float | None = _var(
         "FASTFT_BETWEEN_STEPS_TIMEOUT",
         "seconds between steps (Python running) before the agent kills this worker",

@@ -2,12 +2,13 @@
 
 The writer (:class:`HeartbeatWriter`) lives in the worker (the native runtime or ``ManagerFFT``);
 the reader (:func:`read_heartbeat`) in the agent. One small shared file per worker:
-CLOCK_MONOTONIC of the last sign of life, the longest recent gap between beats, and since
-when the worker is between steps (0 inside one).
+CLOCK_MONOTONIC of the last sign of life, the life's pace (how long its main thread is
+silent in a step), since when the worker is between steps (0 inside one), and its commits.
 """
 
 from __future__ import annotations
 
+import collections
 import faulthandler
 import mmap
 import os
@@ -15,8 +16,21 @@ import signal
 import struct
 import threading
 import time
+from collections.abc import Sequence
+from typing import NamedTuple
 
-__all__ = ["STACKS_SIGNAL", "HeartbeatWriter", "dump_stacks_on_signal", "read_heartbeat"]
+__all__ = [
+    "HANG_FLOOR_S",
+    "HANG_PACES",
+    "PACE_WINDOW",
+    "STACKS_SIGNAL",
+    "Beat",
+    "HeartbeatWriter",
+    "dump_stacks_on_signal",
+    "hang_limit",
+    "pace_of",
+    "read_heartbeat",
+]
 
 STACKS_SIGNAL = signal.SIGUSR2
 """What the agent sends a worker it found hung, just before it kills it: the worker's
@@ -47,38 +61,86 @@ class _Blocked:
         self.hb.waiting(False)
 
 
-_FMT = "<ddd"
-"""The heartbeat file: last beat, longest recent gap, between-steps since (24 bytes)."""
+_FMT = "<dddd"
+"""The heartbeat file: last beat, pace, between-steps since, commits (32 bytes)."""
+_SIZE = struct.calcsize(_FMT)
+
+PACE_WINDOW = 200
+"""The pace is the 99th percentile of this many recent clean steps' longest silences (the
+largest one of them is an outlier, not the pace)."""
+
+
+class Beat(NamedTuple):
+    """One read of a worker's heartbeat file."""
+
+    last: float
+    """CLOCK_MONOTONIC of the last sign of life."""
+    pace: float
+    """The life's pace: the 99th percentile of its recent clean steps' longest silence of
+    the main thread (seconds; 0 before its first clean commit)."""
+    between: float
+    """Since when the worker is between steps (0: inside one)."""
+    commits: float
+    """Steps this life committed."""
+
+
+HANG_PACES = 10.0
+"""A worker in a step is hung after this many times its pace..."""
+HANG_FLOOR_S = 0.5
+"""...and at least this long (and at most ``--hang-timeout``): a step's compute varies
+with the machine's load, a collector's pause or an evaluation inside the step."""
+
+
+def hang_limit(pace: float, hang_timeout_s: float, *, by_pace: bool = True) -> float:
+    """How long a worker in a step may stay silent before it is hung: ``HANG_PACES`` x its
+    ``pace``, at least ``HANG_FLOOR_S`` and at most ``hang_timeout_s``; ``hang_timeout_s``
+    alone before its pace is known (before its second clean commit) or without
+    ``by_pace`` (``fastft run --no-hang-pace``)."""
+    if not by_pace or pace <= 0:
+        return hang_timeout_s
+    return min(hang_timeout_s, max(HANG_FLOOR_S, HANG_PACES * pace))
+
+
+def pace_of(silences: Sequence[float]) -> float:
+    """The 99th percentile of ``silences`` (their largest, below 100 of them; the second largest of 200)."""
+    if not silences:
+        return 0.0
+    ordered = sorted(silences)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 class HeartbeatWriter:
     """Progress for the agent's hang detector, in a small shared file: CLOCK_MONOTONIC of
-    the last sign of life, and the longest gap between beats seen lately (0 until the first
-    commit), which an agent with ``--adaptive-hang`` scales into its timeout. The main
-    thread beats at every step boundary and wait loop; while it is blocked in an
-    interruptible wait a helper thread beats for it. A main thread that holds the GIL or
-    loops without returning stops the beats."""
+    the last sign of life, the life's *pace* and its commits. The main thread beats at every
+    step boundary and wait loop; while it is blocked in an interruptible wait a helper
+    thread beats for it. A main thread that holds the GIL or loops without returning stops
+    the beats.
+
+    The pace is what the agent scales into its hang timeout (:func:`fastft.launch.policy.
+    hang_verdict`): for each step the longest *silence* of the main thread (between two of
+    its beats, not counting its waits: the step's compute, forward and backward), over the
+    last :data:`PACE_WINDOW` steps that committed without a recovery (and not the life's
+    first: it warms caches up), at the 99th percentile. Recoveries, heals and the time between steps are not silences: a hang
+    verdict is relative to the job's own steps, not to its faults."""
 
     _FMT = _FMT
-    _DECAY = 0.999  # per beat: the longest gap fades over a few thousand beats
 
     def __init__(self, path: str | None) -> None:
         self._mm: mmap.mmap | None = None
         self._waiting = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._prev = 0.0
         self._last = time.monotonic()
-        self._gap = 0.0
+        self._silence = 0.0
+        self._silences: collections.deque[float] = collections.deque(maxlen=PACE_WINDOW)
+        self._pace = 0.0
+        self._commits = 0
         self._between = 0.0
-        self.tracking = False
-        """Set after the first commit: gaps before it (start-up, healing) are not steps."""
         self.blocked = _Blocked(self)
         if path:
-            size = struct.calcsize(self._FMT)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            os.ftruncate(fd, size)
-            self._mm = mmap.mmap(fd, size)
+            os.ftruncate(fd, _SIZE)
+            self._mm = mmap.mmap(fd, _SIZE)
             os.close(fd)
             self.beat()
             self._thread = threading.Thread(target=self._run, name="fastft-heartbeat", daemon=True)
@@ -90,9 +152,14 @@ class HeartbeatWriter:
         return time.monotonic() if self._waiting.is_set() else self._last
 
     @property
-    def gap(self) -> float:
-        """The longest recent gap between beats (0 before the first commit)."""
-        return self._gap
+    def tracking(self) -> bool:
+        """Whether this life committed a step (before, start-up and healing are not steps)."""
+        return self._commits > 0
+
+    @property
+    def pace(self) -> float:
+        """The life's pace (see the class; 0 before its first clean commit)."""
+        return self._pace
 
     @property
     def between_since(self) -> float:
@@ -102,20 +169,35 @@ class HeartbeatWriter:
     def beat(self) -> None:
         """The main thread's sign of progress."""
         now = time.monotonic()
+        if not self._between and not self._waiting.is_set():
+            self._silence = max(self._silence, now - self._last)
         self._last = now
         self._write(now)
 
+    def committed(self, *, clean: bool) -> None:
+        """The life committed a step; ``clean``: without a recovery since the last commit
+        (its silences are the job's pace; a recovery's are not)."""
+        self._commits += 1
+        if clean and self._commits > 1 and self._silence > 0:  # (a life's first step warms up)
+            self._silences.append(self._silence)
+            self._pace = pace_of(self._silences)
+        self._silence = 0.0
+        self.beat()
+
     def _write(self, now: float) -> None:
-        if self._mm is None:
-            return
-        if self.tracking and self._prev:
-            self._gap = max(now - self._prev, self._gap * self._DECAY)
-        self._prev = now
-        self._mm[0:24] = struct.pack(self._FMT, now, self._gap, self._between)
+        if self._mm is not None:
+            self._mm[0:_SIZE] = struct.pack(
+                self._FMT, now, self._pace, self._between, float(self._commits)
+            )
 
     def waiting(self, on: bool) -> None:
-        (self._waiting.set if on else self._waiting.clear)()
-        self.beat()
+        if on:
+            self.beat()
+            self._waiting.set()
+        else:  # (the wait is not a silence of the main thread)
+            self._waiting.clear()
+            self._last = time.monotonic()
+            self._write(self._last)
 
     def between(self, on: bool) -> None:
         """The main thread leaves a step for the user's code between steps (``on``), or
@@ -123,12 +205,15 @@ class HeartbeatWriter:
         an evaluation or a checkpoint is not a hang; the agent judges that time by
         ``--between-steps-timeout`` instead of ``--hang-timeout``."""
         self._between = time.monotonic() if on else 0.0
+        if not on:
+            self._silence = 0.0  # (a step's silences start with it)
+            self._last = time.monotonic()
         self.beat()
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
             if self._waiting.is_set():
-                self.beat()
+                self._write(time.monotonic())
             elif self._between:
                 self._write(time.monotonic())  # alive, but no progress of the main thread
 
@@ -141,22 +226,20 @@ class HeartbeatWriter:
         if self._thread is not None:
             self._thread.join(timeout=1)
         if self._mm is not None:
-            # A last beat in the future: the worker is leaving, not hung. The gap stays:
-            # it tells the agent this life committed (zeroed, a worker that raised after
-            # 100 commits was reported as failing "before its first commit").
+            # A last beat in the future: the worker is leaving, not hung. The commits stay:
+            # they tell the agent this life committed (a worker that raised after 100
+            # commits is not failing "before its first commit").
             left = time.monotonic() + self.EXIT_GRACE_S
-            self._mm[0:24] = struct.pack(self._FMT, left, self._gap, 0.0)
+            self._mm[0:_SIZE] = struct.pack(self._FMT, left, self._pace, 0.0, float(self._commits))
             self._mm.close()
             self._mm = None
 
 
-def read_heartbeat(path: str) -> tuple[float, float, float] | None:
-    """(last beat in CLOCK_MONOTONIC seconds, longest recent gap between beats (0 before
-    the first commit), since when the worker is between steps (0: inside one)) from
-    ``path``; None if unreadable."""
+def read_heartbeat(path: str) -> Beat | None:
+    """The worker's heartbeat file at ``path`` (see :class:`Beat`); None if unreadable."""
     try:
         with open(path, "rb") as f:
-            data = f.read(24)
-        return struct.unpack(_FMT, data) if len(data) == 24 else None
+            data = f.read(_SIZE)
+        return Beat(*struct.unpack(_FMT, data)) if len(data) == _SIZE else None
     except OSError:
         return None

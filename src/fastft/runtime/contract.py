@@ -135,6 +135,7 @@ class RuntimeConfig:
     max_recoveries: int = MAX_RECOVERIES
     health_host_mb: int = HEALTH_HOST_MB
     hang_timeout_s: float = HANG_TIMEOUT_S
+    hang_pace: bool = True
     between_steps_timeout_s: float = BETWEEN_STEPS_TIMEOUT_S
     flow: str | None = None
     flow_name: str = "pipeline"

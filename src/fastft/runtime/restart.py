@@ -31,11 +31,11 @@ and every wait of the runtime's). No progress for ``soft_timeout_s`` after the f
 commit: it prints every thread's stack and raises :class:`SoftTimeout` in the main thread
 (outside the runtime's own machinery), which restarts ``train`` in process. No progress
 for ``hard_timeout_s``: it kills the process (its agent restarts it). Defaults, from the
-step time (``gap``: the longest recent gap between the worker's heartbeats, about a
-step): soft = ``SOFT_GAPS`` (20) x gap, at least ``SOFT_FLOOR_S`` (10 s); hard = 2 x soft;
-each at most half and 90 % of the agent's ``--hang-timeout`` (its own kill comes last).
-Between steps (an evaluation, a checkpoint) the defaults are half and 90 % of the agent's
-``--between-steps-timeout`` (1800 s) instead: long work there is not a hang.
+agent's own limit for a step (:func:`fastft.process.heartbeat.hang_limit`: 10x the
+worker's pace, at least 0.5 s, at most ``--hang-timeout``): soft = half of it, hard = 90 %
+of it (the agent's kill comes last). Between steps (an evaluation, a checkpoint) the
+defaults are half and 90 % of the agent's ``--between-steps-timeout`` (1800 s) instead:
+long work there is not a hang.
 """
 
 from __future__ import annotations
@@ -55,20 +55,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastft.errors import FastFTError
 from fastft.fsm import Phase
 from fastft.inject import StateLostFault
+from fastft.process.heartbeat import hang_limit
 from fastft.runtime.endings import ScriptError, WorkerExit, misuse
 from fastft.runtime.health import admit_or_leave, state_damage
 
 if TYPE_CHECKING:
     from fastft.runtime.ports import RuntimePorts
 
-__all__ = ["SOFT_FLOOR_S", "SOFT_GAPS", "Restartable", "SoftTimeout", "timeouts"]
+__all__ = ["Restartable", "SoftTimeout", "timeouts"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-SOFT_GAPS = 20.0
-SOFT_FLOOR_S = 10.0
 WINDOW_S = 600.0
 
 
@@ -76,16 +75,11 @@ class SoftTimeout(FastFTError, RuntimeError):
     """Raised in the main thread when the worker made no progress for the soft timeout."""
 
 
-def timeouts(
-    gap_s: float, hang_timeout_s: float, soft_s: float | None, hard_s: float | None
-) -> tuple[float, float]:
-    """(soft, hard) in seconds: the given ones, else the defaults (see the module)."""
-    soft = (
-        soft_s
-        if soft_s is not None
-        else min(max(SOFT_FLOOR_S, SOFT_GAPS * gap_s), hang_timeout_s / 2)
-    )
-    hard = hard_s if hard_s is not None else min(2 * soft, 0.9 * hang_timeout_s)
+def timeouts(limit_s: float, soft_s: float | None, hard_s: float | None) -> tuple[float, float]:
+    """(soft, hard) in seconds: the given ones, else half and 90 % of the agent's
+    ``limit_s`` (see the module); the hard one never before the soft one."""
+    soft = soft_s if soft_s is not None else limit_s / 2
+    hard = hard_s if hard_s is not None else 0.9 * limit_s
     return soft, max(hard, soft)
 
 
@@ -208,11 +202,12 @@ class _Watchdog:
         while not self._stop.wait(0.2):
             if not hb.tracking or rt.engine.closing:
                 continue  # before the first commit: the agent's start-up grace applies
+            cfg = rt.config
             if hb.between_since:  # between steps: an evaluation, a checkpoint (see the module)
-                limit = rt.config.between_steps_timeout_s
-                soft, hard = self.soft_s or limit / 2, self.hard_s or 0.9 * limit
+                limit = cfg.between_steps_timeout_s
             else:
-                soft, hard = timeouts(hb.gap, rt.config.hang_timeout_s, self.soft_s, self.hard_s)
+                limit = hang_limit(hb.pace, cfg.hang_timeout_s, by_pace=cfg.hang_pace)
+            soft, hard = timeouts(limit, self.soft_s, self.hard_s)
             last = hb.last
             idle = time.monotonic() - last
             if idle > hard:

@@ -152,6 +152,7 @@ class ManagerFFT(OnTheBus, Manager):
         self.events = sv.events if bus.run_dir else None
         self._hb, self.bus, self.injector = sv.heartbeat, sv.bus, sv.injector
         self._pending.on_block = self._hb.waiting
+        self._clean = True  # (no rollback since the last commit: the heartbeat's pace)
         self._prev_hook = sys.excepthook
         sys.excepthook = self._excepthook
         self._emit("replica_start", replica_id=self._replica_id)
@@ -198,7 +199,9 @@ class ManagerFFT(OnTheBus, Manager):
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         with self._hb.blocked:
             ok = super().should_commit(timeout)
-        self._hb.tracking = self._hb.tracking or ok
+        if ok:
+            self._hb.committed(clean=self._clean)
+        self._clean = ok
         self._hb.beat()
         self._end_attempt(ok)
         self._emit(

@@ -329,11 +329,11 @@ class Executor(OnCore):
             self.registry.committed()
         self.membership.applied(a.step)
         self.commits += 1
+        self.sv.heartbeat.committed(clean=self.recoveries == 0)
         self.recoveries = 0
         if self.dp.heal_pg is not None:
             # every member voted: every heal of the epoch is over on both ends, the group goes
             self.dp.release_heal(pending=False)
-        self.sv.heartbeat.tracking = True
         self.events.emit(
             "commit",
             epoch=self.state.epoch,

@@ -1,0 +1,94 @@
+"""The heartbeat's pace: how long a worker's main thread is silent in a clean step, which
+the agent scales into its hang timeout (:func:`fastft.process.heartbeat.hang_limit`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fastft.process import heartbeat
+from fastft.process.heartbeat import (
+    HANG_FLOOR_S,
+    HANG_PACES,
+    PACE_WINDOW,
+    HeartbeatWriter,
+    hang_limit,
+    pace_of,
+    read_heartbeat,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(heartbeat.time, "monotonic", c)
+    return c
+
+
+def step(
+    hb: HeartbeatWriter,
+    clock: Clock,
+    compute: float,
+    *,
+    wait: float = 0.5,
+    clean: bool = True,
+    between: float = 0.0,
+) -> None:
+    """One step as the runtime beats it: enter, compute (silent), the collective's wait
+    (the helper beats), commit, then ``between`` seconds of the user's code."""
+    hb.between(False)
+    hb.beat()
+    clock.now += compute
+    with hb.blocked:
+        clock.now += wait
+    hb.beat()
+    hb.committed(clean=clean)
+    hb.between(True)
+    clock.now += between
+
+
+def test_the_pace_is_the_compute_not_the_waits_the_time_between_steps_or_recoveries(
+    tmp_path: Path, clock: Clock
+) -> None:
+    path = str(tmp_path / "hb")
+    hb = HeartbeatWriter(path)
+    try:
+        step(hb, clock, 3.0)  # the life's first step warms up: not its pace
+        b = read_heartbeat(path)
+        assert b is not None and b.pace == 0.0 and b.commits == 1 and hb.tracking
+        step(hb, clock, 0.05, wait=2.0, between=30.0)  # a slow peer, a long evaluation
+        assert hb.pace == pytest.approx(0.05)
+        step(hb, clock, 4.0, clean=False)  # a step that recovered: its silences are not steps
+        assert hb.pace == pytest.approx(0.05)
+        b = read_heartbeat(path)
+        assert b is not None and b.pace == pytest.approx(0.05) and b.commits == 3
+    finally:
+        hb.close()
+    b = read_heartbeat(path)  # closed: a last beat in the future, the commits kept
+    assert b is not None and b.last > clock.now and b.commits == 3
+
+
+def test_one_outlier_in_the_window_is_not_the_pace() -> None:
+    assert pace_of([]) == 0.0
+    assert pace_of([0.05, 0.2]) == 0.2  # few steps: the largest
+    window = [0.05] * (PACE_WINDOW - 1) + [1.0]  # a collector's pause
+    assert pace_of(window) == 0.05
+    window[:2] = [0.15, 0.15]  # an evaluation inside every 100th step: it is the pace
+    assert pace_of(window) == 0.15
+
+
+def test_the_limit_is_paces_within_the_floor_and_the_hang_timeout() -> None:
+    assert hang_limit(0.0, 30.0) == 30.0  # not known yet
+    assert hang_limit(0.01, 30.0) == HANG_FLOOR_S
+    assert hang_limit(0.2, 30.0) == pytest.approx(HANG_PACES * 0.2)
+    assert hang_limit(10.0, 30.0) == 30.0
+    assert hang_limit(0.2, 30.0, by_pace=False) == 30.0
