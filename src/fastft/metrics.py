@@ -73,6 +73,7 @@ class Fold:
     recovery_s: list[float] = field(default_factory=list)
     restarts: dict[str, int] = field(default_factory=dict)
     heal_bytes: int = 0
+    stragglers: int = 0
     heal_s: list[float] = field(default_factory=list)
     rejected: dict[str, int] = field(default_factory=dict)
     first_commit: float | None = None
@@ -98,6 +99,8 @@ class Fold:
                 if not p.detected and p.rank != r and t >= p.t:
                     p.detected = True
                     self.detection_s.append(t - p.t)
+        elif name == "straggler":
+            self.stragglers += 1
         elif name == "restart":
             self.restarts["process"] = self.restarts.get("process", 0) + 1
         elif name == "heal" and e.get("role") == "fetch":
@@ -131,7 +134,8 @@ class Fold:
     def _fault_kind(self, e: dict[str, Any]) -> str | None:
         name = e.get("event")
         if name == "injected":
-            return str(e.get("kind", "injected"))
+            kind = str(e.get("kind", "injected"))
+            return None if kind == "slow" else kind  # (a straggler: fastft_stragglers_total)
         if name == "local_fault" and "CollectiveFailed" not in str(e.get("cause", "")):
             return "exception"
         if name == "reported_fault":
@@ -234,6 +238,7 @@ class Exporter:
         for why, n in f.rejected.items():
             m["rejected"].labels(why=why).set(n)
         m["heal_bytes"].set(f.heal_bytes)
+        m["stragglers"].set(f.stragglers)
         for key, values, hist in (
             ("detection", f.detection_s, m["detection"]),
             ("recovery", f.recovery_s, m["recovery"]),
@@ -267,6 +272,7 @@ def _instruments(pc: Any, reg: Any) -> dict[str, Any]:
         "restarts": total("fastft_restarts_total", "restarts", ("how",)),
         "rejected": total("fastft_bus_rejected_total", "bus frames not acted on", ("why",)),
         "heal_bytes": total("fastft_heal_bytes_total", "bytes received by healing workers"),
+        "stragglers": total("fastft_stragglers_total", "workers named stragglers"),
         "detection": pc.Histogram(
             "fastft_detection_seconds",
             "fault -> first peer interrupted",

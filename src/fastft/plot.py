@@ -126,6 +126,17 @@ def _figure(run_dir: str | Path) -> Any:
             fontsize=8,
             color="#d62728",
         )
+    for x in s.get("stragglers", []):  # (a gray failure: no fault, every step waited)
+        t, y = x["t"] - t0, row.get(x["rank"], 0)
+        ax.plot([t], [y], marker="v", color="#8c564b", ms=12, zorder=5)
+        ax.annotate(
+            f"straggler {x['ratio']:.2f}x",
+            (t, y),
+            xytext=(6, -10),
+            textcoords="offset points",
+            fontsize=8,
+            color="#8c564b",
+        )
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylim(-0.8, len(ranks) - 0.2)
     ax.invert_yaxis()
@@ -145,6 +156,7 @@ def _figure(run_dir: str | Path) -> Any:
         ("rollback", dict(marker="x", color="#ff7f0e", ls="", mew=2)),
         ("heal (receiver)", dict(color="#2ca02c", lw=4)),
         ("fault", dict(marker="*", color="#d62728", ls="", ms=12)),
+        ("straggler", dict(marker="v", color="#8c564b", ls="", ms=9)),
         ("new epoch", dict(color="#9467bd", ls="--", lw=0.7)),
     ]
     handles = [ax.plot([], [], **kw)[0] for _, kw in legend]
@@ -152,7 +164,7 @@ def _figure(run_dir: str | Path) -> Any:
         handles,
         [n for n, _ in legend],
         loc="upper center",
-        ncol=6,
+        ncol=7,
         fontsize=8,
         bbox_to_anchor=(0.5, -0.25),
         frameon=False,

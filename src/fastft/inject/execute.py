@@ -35,7 +35,7 @@ class StateLostFault(FastFTError, RuntimeError):
     """The ``state_lost`` fault: this worker's state must be healed from a peer (Fault1)."""
 
 
-_IN_MAIN = (FaultKind.EXCEPTION, FaultKind.STATE_LOST)
+_IN_MAIN = (FaultKind.EXCEPTION, FaultKind.STATE_LOST, FaultKind.SLOW)
 
 
 def execute(spec: FaultSpec) -> None:
@@ -57,6 +57,7 @@ def execute(spec: FaultSpec) -> None:
         ctypes.string_at(0)
     elif k is FaultKind.EXIT:
         os._exit(int(spec.arg) or 1)
+    # (SLOW: the injector stretches the steps that follow: Injector.fire_due)
     elif k is FaultKind.GIL_HANG:
         # A PyDLL call keeps the GIL: no thread of this process runs Python meanwhile.
         seconds = int(spec.arg) if spec.arg > 0 else 10**6
@@ -82,6 +83,9 @@ class Injector:
         self._scheduled = list(plan.for_rank(rank, life))
         self._queued: list[FaultSpec] = []
         self.fired: list[tuple[FaultSpec, int]] = []
+        self._slow: tuple[float, int] | None = None
+        """An active ``slow`` fault: (factor, last step; -1: the life's end)."""
+        self._step_began: float | None = None
 
     def on_message(self, msg: Message) -> None:
         if not isinstance(msg, Inject) or msg.target_rank != self.rank:
@@ -121,7 +125,25 @@ class Injector:
             self.fired.append((spec, step))
             if spec.delay_s:
                 time.sleep(spec.delay_s)
+            if spec.kind is FaultKind.SLOW:  # (a gray failure: it lasts, from this step)
+                self._slow = (spec.arg, step + spec.steps - 1 if spec.steps else -1)
             self._executor(spec)
+        self._drag(step, point)
+
+    def _drag(self, step: int, point: str) -> None:
+        """A ``slow`` fault's effect: the step's compute so far (from its start to its
+        gradient collective) takes ``factor`` times as long."""
+        slow = self._slow
+        if slow is None:
+            return
+        factor, last = slow
+        if last != -1 and step > last:
+            self._slow = None
+        elif point == "step":
+            self._step_began = time.monotonic()
+        elif point == "collective" and self._step_began is not None:
+            time.sleep((factor - 1) * (time.monotonic() - self._step_began))
+            self._step_began = None
 
     @property
     def pending(self) -> tuple[FaultSpec, ...]:

@@ -8,8 +8,9 @@ A :class:`FaultPlan` is a list of :class:`FaultSpec` and serialises to JSON::
 ``at_step``: fire when the target starts that step (None: at once, for live injection).
 ``life``: fire only in that life of the rank (0 = first start, 1 = after one restart, ...);
 so a restarted worker that heals back to the same step does not fire the fault again.
-``arg``: the kind's parameter (``exit``: exit code; ``gil_hang``/``sigstop``: nothing;
-``hang``-like kinds never return on their own).
+``arg``: the kind's parameter (``exit``: exit code; ``gil_hang``: seconds; ``sigstop``:
+nothing; ``slow``: the factor its steps' compute is slowed by; ``hang``-like kinds never
+return on their own). ``steps``: ``slow``'s duration in steps (0: the rest of the life).
 ``point``: ``step`` (default), ``commit`` (between the COMMIT decision of ``at_step`` and
 its application), ``heal`` (while healing to step ``at_step``, before the transfer),
 ``collective`` (as the step's gradient collective starts: its peers are inside it),
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,17 @@ class FaultKind(str, enum.Enum):
     """``os._exit(arg)`` (Fault1)."""
     STATE_LOST = "state_lost"
     """The worker's state is declared lost without dying: it must heal (Fault1)."""
+    SLOW = "slow"
+    """A straggler: from ``at_step`` on, for ``steps`` steps (0: the rest of its life),
+    each step of the worker computes ``arg`` times as long (a factor > 1: it sleeps that
+    share of the step's own compute before the gradient collective). No fault of the
+    step: its peers wait for it (a throttled GPU, a noisy neighbour)."""
 
 
-FAULT_SEVERITY = {k: (2 if k is FaultKind.EXCEPTION else 1) for k in FaultKind}
-"""Severity (1 = Fault1, 2 = Fault2) of each kind."""
+FAULT_SEVERITY = {
+    k: (2 if k is FaultKind.EXCEPTION else 0 if k is FaultKind.SLOW else 1) for k in FaultKind
+}
+"""Severity (1 = Fault1, 2 = Fault2; 0: no fault of the step, a gray failure) of each kind."""
 
 
 POINTS = ("step", "commit", "heal", "collective", "rollback", "formation")
@@ -82,6 +90,7 @@ class FaultSpec:
     arg: float = 0.0
     point: str = "step"
     delay_s: float = 0.0
+    steps: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):
@@ -92,7 +101,7 @@ class FaultSpec:
                 raise ConfigError(
                     f"unknown fault kind {self.kind!r}; use one of: {kinds}"
                 ) from None
-        for name in ("rank", "life"):
+        for name in ("rank", "life", "steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"fault {name}={v!r}: use an integer >= 0")
@@ -109,12 +118,17 @@ class FaultSpec:
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 3600:
             raise ConfigError(f"fault delay_s={d!r}: use seconds in 0..3600")
         object.__setattr__(self, "delay_s", float(d))
+        if self.kind is FaultKind.SLOW and not 1 < self.arg <= 100:
+            raise ConfigError(
+                f"fault slow arg={self.arg!r}: use the factor its steps are slowed by, "
+                "above 1 (1.5: a step computes 50 % longer) and at most 100"
+            )
         if self.point not in POINTS:
             raise ConfigError(f"fault point={self.point!r}: use one of {', '.join(POINTS)}")
         if self.point != "step":
             if self.at_step is None:
                 raise ConfigError(f"fault point={self.point!r} needs an at_step")
-            if self.kind is FaultKind.STATE_LOST or (
+            if self.kind in (FaultKind.STATE_LOST, FaultKind.SLOW) or (
                 self.kind is FaultKind.EXCEPTION and self.point != "collective"
             ):
                 raise ConfigError(
@@ -159,7 +173,7 @@ class FaultPlan:
         if not isinstance(data, dict) or not isinstance(data.get("faults"), list):
             raise ConfigError(f'{source}: expected {{"faults": [...]}}')
         specs = []
-        allowed = {"kind", "rank", "at_step", "life", "arg", "point", "delay_s"}
+        allowed = {f.name for f in fields(FaultSpec)}
         for i, item in enumerate(data["faults"]):
             if not isinstance(item, dict):
                 raise ConfigError(f"{source}: faults[{i}] must be an object")

@@ -37,6 +37,7 @@ from fastft.launch.offenders import Offenders
 from fastft.launch.output import Output
 from fastft.launch.spare import order_line
 from fastft.launch.spares import SparePool
+from fastft.launch.stragglers import Stragglers
 from fastft.launch.verdicts import Verdicts, warn_unfired
 from fastft.launch.workerenv import cpu_warnings, worker_environment, workers_line
 from fastft.process.env import insecure
@@ -80,6 +81,7 @@ class Agent:
         self.exits = Exits(self)
         self.nodes = NodeWatch(self)
         self.verdicts = Verdicts(self)
+        self.stragglers = Stragglers(self)
         self.offenders = Offenders(config.quarantine_rule)
         self.children = Children(
             on_stopped=self.exits.on_stopped,
@@ -120,10 +122,10 @@ class Agent:
         self.lighthouse: Any = None
         self.lighthouse_addr = ""
 
-    # --- lifecycle -------------------------------------------------------------------------
     def run(self) -> int:
         prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        self.bus.subscribe(self.verdicts.on_message)
+        for part in (self.verdicts, self.stragglers):
+            self.bus.subscribe(part.on_message)
         self.bus.start()
         cfg = self.config
         self.events.emit(
@@ -391,6 +393,7 @@ class Agent:
             now = time.monotonic()
             for slot in slots:
                 self.verdicts.check_hang(slot, now)
+            self.stragglers.tick(now)
 
     def _start_lighthouse(self) -> None:
         if self.config.torchft is not None:

@@ -26,6 +26,11 @@ def check_bounds(cfg: Any) -> None:
         raise ConfigError("--hang-timeout must be > 0 seconds")
     if cfg.between_steps_timeout_s <= 0:
         raise ConfigError("--between-steps-timeout must be > 0 seconds")
+    if not 1 < cfg.straggler_factor <= 100:
+        raise ConfigError(
+            f"--straggler-factor {cfg.straggler_factor}: use a factor above 1 (1.3: 30 % "
+            "slower than the others) and at most 100"
+        )
     if cfg.metrics_port is not None and not 0 <= cfg.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port {cfg.metrics_port}: use 0..65535")
     if cfg.metrics_port is not None:

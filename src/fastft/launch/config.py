@@ -92,6 +92,16 @@ class LaunchConfig:
         "judge a hang in a step by the worker's own pace: silent for 10x its recent steps' "
         "compute (their 99th percentile; at least 0.5 s, at most --hang-timeout)",
     )
+    stragglers: str = _flag(
+        "report",
+        "a worker whose steps compute --straggler-factor times longer than the others' "
+        "makes every step wait for it: report names it (an event, a line, a metric); "
+        "replace also drains it and a spare or a restart takes its place; off",
+        choices=("off", "report", "replace"),
+    )
+    straggler_factor: float = _flag(
+        1.3, "how much slower than the median of the others a straggler computes"
+    )
     start_grace_s: float = _flag(
         120.0, "seconds a worker may take to write its first heartbeat", flag="--start-grace"
     )

@@ -171,6 +171,7 @@ class Exits:
             draining=self.agent.draining is not None,
             quarantined=self.agent.offenders.quarantined.get(slot.rank),
             ours=ours,
+            replaced=agent.ledger.replaced(slot.incarnation),
         )
         ending = agent.stopping is not None or agent.draining is not None or agent.failed
         if do.done and not do.failed and code != 0 and not finished and not ending:

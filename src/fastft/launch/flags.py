@@ -25,6 +25,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "faults and hangs": (
         "hang_timeout_s", "between_steps_timeout_s", "hang_pace", "start_grace_s",
+        "stragglers", "straggler_factor",
         "max_recoveries", "health_host_mb", "quarantine", "drain_grace_s", "exit_trace",
         "keep_gradients", "inject",
     ),

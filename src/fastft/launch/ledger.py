@@ -1,6 +1,6 @@
-"""The agent's ledger: what it has done to the lives of its node (restarts, lives fenced
-or taken down with their shard group, shard-group generations, whether each rank's first
-life failed before its first commit). One object with one owner: the agent holds it; its
+"""The agent's ledger: what it has done to the lives of its node (restarts, lives fenced,
+taken down with their shard group or replaced as stragglers, shard-group generations,
+whether each rank's first life failed before its first commit). One object with one owner: the agent holds it; its
 parts (:mod:`.exits`, :mod:`.nodewatch`) read it and change it only through its methods,
 each a named step of the agent's course. Pure: no torch, no I/O."""
 
@@ -20,6 +20,7 @@ class Ledger:
         self._fenced: set[int] = set()
         self._taken_down: set[int] = set()
         self._gen: dict[int, int] = {}
+        self._replaced: set[int] = set()
 
     @property
     def restarts(self) -> int:
@@ -72,3 +73,11 @@ class Ledger:
     def generation(self, group: int) -> int:
         """How many times the agent started shard group ``group`` again."""
         return self._gen.get(group, 0)
+
+    def replace(self, incarnation: int) -> None:
+        """A life asked to drain as a straggler (:mod:`.stragglers`): its exit starts the
+        slot again, in an elastic world too."""
+        self._replaced.add(incarnation)
+
+    def replaced(self, incarnation: int) -> bool:
+        return incarnation in self._replaced

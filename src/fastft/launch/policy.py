@@ -95,6 +95,7 @@ def after_exit(
     draining: bool = False,
     quarantined: str | None = None,
     ours: bool = True,
+    replaced: bool = False,
 ) -> AfterExit:
     """A worker of slot ``rank`` in its ``life`` exited with ``code`` or signal ``sig``.
     ``peers_finished``: another slot's worker ended the job cleanly already;
@@ -102,7 +103,8 @@ def after_exit(
 
     A drained worker (:data:`EXIT_DRAINED`) left on purpose: in a fixed world it starts
     again (a new life that heals; not counted against ``max_restarts``), in an elastic
-    world, or when its agent drains, the slot is done.
+    world, or when its agent drains, the slot is done; ``replaced`` (a straggler asked to
+    drain: :mod:`fastft.launch.stragglers`) starts again in either.
 
     A worker that failed its health check (:data:`EXIT_UNHEALTHY`), or a slot
     ``quarantined`` (a repeat offender: why), does not start again in place: a warm spare
@@ -133,7 +135,9 @@ def after_exit(
             "(--warm-spares N gives it one; --min-replicas lets the world shrink)",
         )
     if meant == EXIT_DRAINED:
-        return AfterExit(done=True) if elastic or peers_finished else AfterExit(restart=True)
+        if peers_finished or (elastic and not replaced):
+            return AfterExit(done=True)
+        return AfterExit(restart=True)
     how = f"code {code}" if sig is None else f"signal {sig}"
     if peers_finished:
         # there is nothing left to rejoin

@@ -13,6 +13,7 @@ import faulthandler
 import mmap
 import os
 import signal
+import statistics
 import struct
 import threading
 import time
@@ -23,9 +24,11 @@ __all__ = [
     "HANG_FLOOR_S",
     "HANG_PACES",
     "PACE_WINDOW",
+    "RECENT_STEPS",
     "STACKS_SIGNAL",
     "Beat",
     "HeartbeatWriter",
+    "compute_of",
     "dump_stacks_on_signal",
     "hang_limit",
     "pace_of",
@@ -61,10 +64,13 @@ class _Blocked:
         self.hb.waiting(False)
 
 
-_FMT = "<dddd"
-"""The heartbeat file: last beat, pace, between-steps since, commits (32 bytes)."""
+_FMT = "<ddddd"
+"""The heartbeat file: last beat, pace, between-steps since, commits, compute (40 bytes)."""
 _SIZE = struct.calcsize(_FMT)
 
+RECENT_STEPS = 10
+"""A worker's compute is the median of this many recent clean steps' (a straggler's is
+slower for most of them)."""
 PACE_WINDOW = 200
 """The pace is the 99th percentile of this many recent clean steps' longest silences (the
 largest one of them is an outlier, not the pace)."""
@@ -82,6 +88,9 @@ class Beat(NamedTuple):
     """Since when the worker is between steps (0: inside one)."""
     commits: float
     """Steps this life committed."""
+    compute: float
+    """The median of its last :data:`RECENT_STEPS` clean steps' longest silence: how long
+    its step computes (0 until it has that many)."""
 
 
 HANG_PACES = 10.0
@@ -99,6 +108,13 @@ def hang_limit(pace: float, hang_timeout_s: float, *, by_pace: bool = True) -> f
     if not by_pace or pace <= 0:
         return hang_timeout_s
     return min(hang_timeout_s, max(HANG_FLOOR_S, HANG_PACES * pace))
+
+
+def compute_of(silences: Sequence[float]) -> float:
+    """The median of the last :data:`RECENT_STEPS` of ``silences`` (0: fewer)."""
+    if len(silences) < RECENT_STEPS:
+        return 0.0
+    return statistics.median(list(silences)[-RECENT_STEPS:])
 
 
 def pace_of(silences: Sequence[float]) -> float:
@@ -134,6 +150,7 @@ class HeartbeatWriter:
         self._silence = 0.0
         self._silences: collections.deque[float] = collections.deque(maxlen=PACE_WINDOW)
         self._pace = 0.0
+        self._compute = 0.0
         self._commits = 0
         self._between = 0.0
         self.blocked = _Blocked(self)
@@ -162,6 +179,11 @@ class HeartbeatWriter:
         return self._pace
 
     @property
+    def compute(self) -> float:
+        """The life's recent compute per step (see :class:`Beat`)."""
+        return self._compute
+
+    @property
     def between_since(self) -> float:
         """Since when the main thread is between steps (0: inside one, or in the runtime)."""
         return self._between
@@ -181,13 +203,14 @@ class HeartbeatWriter:
         if clean and self._commits > 1 and self._silence > 0:  # (a life's first step warms up)
             self._silences.append(self._silence)
             self._pace = pace_of(self._silences)
+            self._compute = compute_of(self._silences)
         self._silence = 0.0
         self.beat()
 
     def _write(self, now: float) -> None:
         if self._mm is not None:
             self._mm[0:_SIZE] = struct.pack(
-                self._FMT, now, self._pace, self._between, float(self._commits)
+                self._FMT, now, self._pace, self._between, float(self._commits), self._compute
             )
 
     def waiting(self, on: bool) -> None:
@@ -230,7 +253,9 @@ class HeartbeatWriter:
             # they tell the agent this life committed (a worker that raised after 100
             # commits is not failing "before its first commit").
             left = time.monotonic() + self.EXIT_GRACE_S
-            self._mm[0:_SIZE] = struct.pack(self._FMT, left, self._pace, 0.0, float(self._commits))
+            self._mm[0:_SIZE] = struct.pack(
+                self._FMT, left, self._pace, 0.0, float(self._commits), self._compute
+            )
             self._mm.close()
             self._mm = None
 

@@ -139,6 +139,11 @@ class JobKeys:
         """A counter the node's agent increments every heartbeat."""
         return f"{self.root}/node/{node}/lease"
 
+    def node_computes(self, node: int) -> str:
+        """The node's workers' recent compute per step, for the straggler check
+        (:mod:`fastft.launch.stragglers`): ``{rank: [incarnation, seconds]}``."""
+        return f"{self.root}/node/{node}/computes"
+
     def node_lost(self, node: int) -> str:
         """Set by compare-and-set by the agent that declared ``node`` lost
         (``counter@declarer``, or ``done`` once its agent finished); the node's agent

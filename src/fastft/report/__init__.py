@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from fastft.process.events import read_events
-from fastft.report.outcome import no_fault, outcome, outcome_line
+from fastft.report.gray import gray_lines, stragglers
+from fastft.report.outcome import no_fault, outcome, outcome_line, total_losses
 from fastft.report.shards import shards_by_step, unlogged_commits, untiled_steps
 
 __all__ = [
@@ -77,8 +78,8 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
             continue  # a clean end, a drain, the job ending
         if name in _PROCESS_EVENTS and (e["mono"] >= stop or e.get("signal") == 2):
             continue  # the job was stopped (Ctrl-C, a second SIGTERM): not a fault
-        if name not in _FAULT_EVENTS:
-            continue
+        if name not in _FAULT_EVENTS or (name == "injected" and e.get("kind") == "slow"):
+            continue  # (a straggler is no fault of a step: its own section)
         rank = e.get("rank", _rank_of(e["src"]))
         inc = e.get("incarnation")
         t = e["mono"]
@@ -205,6 +206,7 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
         "runs": len(every),
         "total_losses": total_losses(ev),
         "offenders": offenders(ev),
+        "stragglers": stragglers(ev),
         "stopped": stops(ev),
         "outcome": outcome(ev, steps[-1] + 1 if steps else 0),
         "steps_committed": len(steps),
@@ -353,38 +355,6 @@ def offenders(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda o: (-o["faults"], o["rank"]))
 
 
-def total_losses(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each epoch that closed without a live holder of the committed state: the state the
-    job had committed (``committed``: the step it was at), and what became of it (restored
-    from the checkpoint of ``restored``, so steps ``restored..committed - 1`` were trained
-    again; started again from 0; or the job failed)."""
-    out = []
-    for epoch in sorted({e["epoch"] for e in ev if e["event"] == "epoch" and "lost" in e}):
-        first = min(
-            (e for e in ev if e["event"] == "epoch" and e["epoch"] == epoch),
-            key=lambda e: e["mono"],
-        )
-        before = [e["step"] for e in ev if e["event"] == "commit" and e["mono"] < first["mono"]]
-        committed = max([first["lost"], *(s + 1 for s in before)])
-        restored = first.get("restore")
-        if restored is not None:
-            outcome = "restored"
-        elif any(e["event"] == "fresh_start" and e["epoch"] == epoch for e in ev):
-            outcome, restored = "fresh start", 0
-        else:
-            outcome = "job failed"
-        out.append(
-            {
-                "epoch": epoch,
-                "committed": committed,
-                "restored": restored,
-                "outcome": outcome,
-                "redone": None if restored is None else committed - restored,
-            }
-        )
-    return out
-
-
 def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
     lines = [f"Report of the run in {run_dir}"]
     if s.get("runs", 1) > 1:
@@ -429,6 +399,7 @@ def render_report(run_dir: str | Path, s: dict[str, Any]) -> str:
         for o in s["offenders"]:
             q = f"; quarantined: {o['quarantined']}" if o["quarantined"] else ""
             lines.append(f"  rank {o['rank']}: {o['faults']} faults ({', '.join(o['kinds'])}){q}")
+    lines += gray_lines(s)
     for x in s.get("stopped", []):
         lines += ["", f"the job stopped at step {x['step']}: {x['what']}"]
         if x.get("items"):

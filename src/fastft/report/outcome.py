@@ -6,7 +6,7 @@ from typing import Any
 
 from fastft.protocol.exits import ENDS_THE_JOB, EXIT_DRAINED
 
-__all__ = ["no_fault", "outcome", "outcome_line", "unfired"]
+__all__ = ["no_fault", "outcome", "outcome_line", "total_losses", "unfired"]
 
 _JOB_ENDING = (EXIT_DRAINED, *ENDS_THE_JOB)
 """Worker exit statuses that are no fault of their own: a drain, or the job that cannot go
@@ -107,3 +107,35 @@ _VERBS = {
     "stopped": "was stopped",
     "running": "has not ended",
 }
+
+
+def total_losses(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each epoch that closed without a live holder of the committed state: the state the
+    job had committed (``committed``: the step it was at), and what became of it (restored
+    from the checkpoint of ``restored``, so steps ``restored..committed - 1`` were trained
+    again; started again from 0; or the job failed)."""
+    out = []
+    for epoch in sorted({e["epoch"] for e in ev if e["event"] == "epoch" and "lost" in e}):
+        first = min(
+            (e for e in ev if e["event"] == "epoch" and e["epoch"] == epoch),
+            key=lambda e: e["mono"],
+        )
+        before = [e["step"] for e in ev if e["event"] == "commit" and e["mono"] < first["mono"]]
+        committed = max([first["lost"], *(s + 1 for s in before)])
+        restored = first.get("restore")
+        if restored is not None:
+            outcome = "restored"
+        elif any(e["event"] == "fresh_start" and e["epoch"] == epoch for e in ev):
+            outcome, restored = "fresh start", 0
+        else:
+            outcome = "job failed"
+        out.append(
+            {
+                "epoch": epoch,
+                "committed": committed,
+                "restored": restored,
+                "outcome": outcome,
+                "redone": None if restored is None else committed - restored,
+            }
+        )
+    return out

@@ -1,0 +1,44 @@
+"""Gray failures (issue 50) on real workers: a straggler named and replaced."""
+
+from __future__ import annotations
+
+import pytest
+from _runs import check_s1_s3, fastft_run, finals
+
+from fastft.protocol import EXIT_DRAINED
+from fastft.report import render_report, summarize
+from fastft.runtime import read_events
+
+SLOW = [{"kind": "slow", "rank": 1, "at_step": 2, "arg": 4, "life": 0}]
+"""Rank 1's first life computes 4x as long from step 2 on (its next life does not)."""
+
+
+def test_a_straggler_is_named_drained_and_replaced_with_nothing_rolled_back(tmp_path, clean):
+    flags = ("--stragglers", "replace", "--warm-spares", "1")
+    run = fastft_run(tmp_path, "slow", *flags, plan=SLOW, train=("--step-time", "0.02"))
+    check_s1_s3(run)
+    assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
+    ev = read_events(run)
+    (named,) = [e for e in ev if e["event"] == "straggler"]
+    assert named["rank"] == 1 and named["action"] == "replace" and named["ratio"] > 2, named
+    exits = [(e["rank"], e["exit_code"]) for e in ev if e["event"] == "worker_exit"]
+    assert (1, EXIT_DRAINED) in exits, exits  # it left after a commit: nothing rolled back
+    assert not [e for e in ev if e["event"] == "rollback"]
+    later = [e for e in ev if e["event"] == "spawn" and e["rank"] == 1 and e["life"] > 0]
+    assert later and later[0]["warm"], later  # a warm spare took its place
+    log = (run / "launcher.log").read_text()
+    assert "fastft: straggler: rank 1 computes" in log and "asking it to drain" in log, log
+    report = render_report(run, summarize(run))
+    assert "stragglers (members every step waited for):" in report
+    assert "rank 1 at step" in report and "drained and replaced" in report, report
+
+
+@pytest.mark.slow
+def test_a_straggler_is_only_reported_by_default(tmp_path, clean):
+    run = fastft_run(tmp_path, "slow", plan=SLOW, train=("--step-time", "0.02"))
+    check_s1_s3(run)
+    assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
+    ev = read_events(run)
+    assert [(e["rank"], e["action"]) for e in ev if e["event"] == "straggler"] == [(1, "report")]
+    assert not [e for e in ev if e["event"] == "worker_exit" and e["exit_code"]]
+    assert "--stragglers replace would replace it" in (run / "launcher.log").read_text()
