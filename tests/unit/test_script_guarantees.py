@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 from fastft.runtime.state.compare import (
+    RECUR_STEPS,
     SLOTS,
     checksum,
     differs,
+    repair,
     replica_items,
     row,
     vector,
@@ -70,6 +72,28 @@ def test_the_verdict_names_the_item_and_the_minority():
     assert v.items == ("scheduler",) and v.minority == (1,)
     assert "step 12" in v.message and "'scheduler' differs on rank 1" in v.message
     assert "outside the commit" in v.message
+
+
+def test_a_minority_heals_once_no_majority_runs_again_then_restores_or_stops():
+    names = ["parameters"]
+    a, b, c = row([("parameters", 1)]), row([("parameters", 2)]), row([("parameters", 3)])
+    kw = dict(step=10, healed={}, retried=None, durable=False)
+    three = verdict(10, 1, names, {0: a, 1: b, 2: a})
+    assert three.majority and repair(three, **kw).action == "heal"
+    # the same items again soon after their heal: the script's, not a flipped bit
+    again = repair(three, **{**kw, "step": 12, "healed": {("parameters",): 10}})
+    assert again.action == "stop" and "healed from the majority at step 10" in again.why
+    later = {**kw, "step": 10 + RECUR_STEPS + 1, "healed": {("parameters",): 10}}
+    assert repair(three, **later).action == "heal"  # (a device that flips bits now and then)
+    # two members, or three values: which is right cannot be told
+    for v in (verdict(10, 1, names, {0: a, 1: b}), verdict(10, 1, names, {0: a, 1: b, 2: c})):
+        assert not v.majority
+        assert repair(v, **kw).action == "retry"
+        held = {**kw, "retried": (10, ("parameters",))}
+        assert repair(v, **{**held, "durable": True}).action == "restore"
+        stop = repair(v, **held)
+        assert stop.action == "stop" and "--checkpoint-dir" in stop.why
+        assert "The job stops rather than train on different replicas" in stop.why
 
 
 def test_many_items_share_the_last_slot_and_other_registrations_are_named():

@@ -35,7 +35,7 @@ class StateLostFault(FastFTError, RuntimeError):
     """The ``state_lost`` fault: this worker's state must be healed from a peer (Fault1)."""
 
 
-_IN_MAIN = (FaultKind.EXCEPTION, FaultKind.STATE_LOST, FaultKind.SLOW)
+_IN_MAIN = (FaultKind.EXCEPTION, FaultKind.STATE_LOST, FaultKind.SLOW, FaultKind.BITFLIP)
 
 
 def execute(spec: FaultSpec) -> None:
@@ -57,7 +57,8 @@ def execute(spec: FaultSpec) -> None:
         ctypes.string_at(0)
     elif k is FaultKind.EXIT:
         os._exit(int(spec.arg) or 1)
-    # (SLOW: the injector stretches the steps that follow: Injector.fire_due)
+    # (SLOW: the injector stretches the steps that follow: Injector.fire_due; BITFLIP:
+    # the runtime flips the bit in the state it holds: engine.faults)
     elif k is FaultKind.GIL_HANG:
         # A PyDLL call keeps the GIL: no thread of this process runs Python meanwhile.
         seconds = int(spec.arg) if spec.arg > 0 else 10**6

@@ -56,6 +56,10 @@ class FaultKind(str, enum.Enum):
     """``os._exit(arg)`` (Fault1)."""
     STATE_LOST = "state_lost"
     """The worker's state is declared lost without dying: it must heal (Fault1)."""
+    BITFLIP = "bitflip"
+    """Silent data corruption: bit ``arg`` (0-31, of the float32's bits) of the first
+    element of the registered model's first parameter flips at the start of ``at_step``,
+    with nothing raised. The in-band replica check (``--compare-every``) finds it."""
     SLOW = "slow"
     """A straggler: from ``at_step`` on, for ``steps`` steps (0: the rest of its life),
     each step of the worker computes ``arg`` times as long (a factor > 1: it sleeps that
@@ -63,9 +67,8 @@ class FaultKind(str, enum.Enum):
     step: its peers wait for it (a throttled GPU, a noisy neighbour)."""
 
 
-FAULT_SEVERITY = {
-    k: (2 if k is FaultKind.EXCEPTION else 0 if k is FaultKind.SLOW else 1) for k in FaultKind
-}
+_GRAY = (FaultKind.SLOW, FaultKind.BITFLIP)
+FAULT_SEVERITY = {k: (2 if k is FaultKind.EXCEPTION else 0 if k in _GRAY else 1) for k in FaultKind}
 """Severity (1 = Fault1, 2 = Fault2; 0: no fault of the step, a gray failure) of each kind."""
 
 
@@ -118,6 +121,8 @@ class FaultSpec:
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 3600:
             raise ConfigError(f"fault delay_s={d!r}: use seconds in 0..3600")
         object.__setattr__(self, "delay_s", float(d))
+        if self.kind is FaultKind.BITFLIP and self.arg not in range(32):
+            raise ConfigError(f"fault bitflip arg={self.arg!r}: use the bit to flip, 0..31")
         if self.kind is FaultKind.SLOW and not 1 < self.arg <= 100:
             raise ConfigError(
                 f"fault slow arg={self.arg!r}: use the factor its steps are slowed by, "
@@ -128,7 +133,7 @@ class FaultSpec:
         if self.point != "step":
             if self.at_step is None:
                 raise ConfigError(f"fault point={self.point!r} needs an at_step")
-            if self.kind in (FaultKind.STATE_LOST, FaultKind.SLOW) or (
+            if self.kind in (FaultKind.STATE_LOST, FaultKind.SLOW, FaultKind.BITFLIP) or (
                 self.kind is FaultKind.EXCEPTION and self.point != "collective"
             ):
                 raise ConfigError(

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fastft.process.events import read_events
-from fastft.report.gray import gray_lines, stragglers
+from fastft.report.gray import gray_lines, repairs, stragglers
 from fastft.report.outcome import no_fault, outcome, outcome_line, total_losses
 from fastft.report.shards import shards_by_step, unlogged_commits, untiled_steps
 
@@ -207,6 +207,7 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
         "total_losses": total_losses(ev),
         "offenders": offenders(ev),
         "stragglers": stragglers(ev),
+        "repairs": repairs(ev),
         "stopped": stops(ev),
         "outcome": outcome(ev, steps[-1] + 1 if steps else 0),
         "steps_committed": len(steps),
@@ -245,9 +246,9 @@ def stops(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
     replica check, what differed and on which members."""
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for e in ev:
-        if e["event"] not in _STOPS:
-            continue
-        key = (e["event"], e.get("error", ""))
+        if e["event"] not in _STOPS or e.get("action", "stop") != "stop":
+            continue  # (a replica repaired: report.gray)
+        key = (e["event"], e.get("repair") or e.get("error", ""))
         got = out.setdefault(
             key,
             {
@@ -255,7 +256,7 @@ def stops(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "step": e.get("step"),
                 "items": e.get("items"),
                 "minority": e.get("minority"),
-                "error": e.get("error", ""),
+                "error": e.get("repair") or e.get("error", ""),
                 "ranks": [],
             },
         )

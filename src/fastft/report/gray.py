@@ -1,11 +1,12 @@
 """Gray failures in a run's report: the members named stragglers
-(:mod:`fastft.launch.stragglers`) and what was done about them."""
+(:mod:`fastft.launch.stragglers`), the replicas found corrupted by the in-band replica
+check and repaired (:func:`fastft.runtime.state.compare.repair`), and what was done."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["gray_lines", "stragglers"]
+__all__ = ["gray_lines", "repairs", "stragglers"]
 
 
 def stragglers(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -31,11 +32,37 @@ def stragglers(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+_REPAIRED = {
+    "heal": "the minority healed from the majority",
+    "retry": "no majority: the step ran again",
+    "restore": "no majority, again: the durable tier restored the job",
+}
+
+
+def repairs(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each mismatch of the replicas the job repaired (not the one that stopped it), once
+    (every member reports it)."""
+    out: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for e in ev:
+        if e["event"] == "replicas_diverged" and e.get("action") in _REPAIRED:
+            key = (e.get("epoch"), e["step"], e["action"])
+            out.setdefault(key, {k: e.get(k) for k in ("step", "items", "minority", "action")})
+    return list(out.values())
+
+
 def gray_lines(s: dict[str, Any]) -> list[str]:
-    """The report's lines for the stragglers of summary ``s``."""
+    """The report's lines for the stragglers and the repaired replicas of summary ``s``."""
+    lines = []
+    if s.get("repairs"):
+        lines += ["", "replicas repaired (the in-band replica check found them different):"]
+        for x in s["repairs"]:
+            who = ", ".join(map(str, x["minority"] or [])) or "-"
+            where = f"on rank {who}" if x["action"] == "heal" else "between the members"
+            what = ", ".join(x["items"] or [])
+            lines.append(f"  step {x['step']}: {what} differed {where}; {_REPAIRED[x['action']]}")
     if not s.get("stragglers"):
-        return []
-    lines = ["", "stragglers (members every step waited for):"]
+        return lines
+    lines += ["", "stragglers (members every step waited for):"]
     for x in s["stragglers"]:
         done = "drained and replaced" if x["action"] == "replace" else "reported"
         lines.append(

@@ -20,11 +20,19 @@ from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.process.teardown import exit_now
 from fastft.protocol.exits import EXIT_GROUP_FAULT
 from fastft.runtime.checks import by_collective
-from fastft.runtime.endings import DataDiverged, ReplicasDiverged, ScriptError, misuse
+from fastft.inject import StateLostFault
+from fastft.runtime.endings import (
+    DataDiverged,
+    ReplicaMismatch,
+    ReplicasDiverged,
+    ScriptError,
+    misuse,
+)
 from fastft.runtime.groups.flow import POLL_S
 from fastft.runtime.state.compare import (
     checksums,
     differs,
+    repair,
     replica_items,
     row,
     vector,
@@ -59,6 +67,10 @@ class StepAttempts:
         self.compare = False
         """Whether the in-band replica check is due in this attempt
         (:mod:`fastft.runtime.state.compare`; :meth:`_agree` runs it)."""
+        self.healed: dict[tuple[str, ...], int] = {}
+        """Items of the replicas that differed, by the step their minority healed at."""
+        self.retried: tuple[int, tuple[str, ...]] | None = None
+        """The step (and items) the last mismatch without a majority ran again."""
         self.compared: tuple[int, int] = (-1, 0)
         """(epoch, step) of this member's first attempt in its current epoch."""
         self._schedulers_checked = False
@@ -245,8 +257,8 @@ class StepAttempts:
         if self.batches:
             self._compare_batches(tx, mine, int(both[0]), -int(both[1]))
         if compare is not None:
-            if differs(both[4:].tolist()):
-                self._replicas_diverged(tx, compare)
+            if differs(both[4:].tolist()) and not self._replicas_diverged(tx, compare):
+                return False  # (the minority's fault rolls the step back)
             rt.events.emit(  # (what each check costs: sums, then with the allreduce)
                 "replica_check",
                 step=tx.step,
@@ -255,9 +267,14 @@ class StepAttempts:
             )
         return collective and not any(both[2:4].tolist())
 
-    def _replicas_diverged(self, tx: Transaction, compare: list[tuple[str, int]]) -> None:
+    def _replicas_diverged(self, tx: Transaction, compare: list[tuple[str, int]]) -> bool:
         """Some member holds other state: every member gathers every member's checksums
-        (a second allreduce, on this path only), names what differs and where, and ends."""
+        (a second allreduce, on this path only), names what differs and where, and
+        repairs it (:func:`~fastft.runtime.state.compare.repair`): a member of the
+        minority raises its state's loss (it heals from the majority), the others roll
+        the step back with it; or every member retries the step, or declares its state
+        lost for the durable tier, or the job ends. False: this member goes on to vote
+        (not decided by the collective: the minority's fault rolls the step back)."""
         rt, x = self.rt, self.rt.engine
         view = x.view
         assert view is not None
@@ -268,16 +285,36 @@ class StepAttempts:
             interruptible_allreduce(rt.require_pg(), [rows], rt.interrupter)
         got = {m.rank: r for m, r in zip(view.members, rows.tolist(), strict=True)}
         v = verdict(tx.step, tx.epoch, [n for n, _ in compare], got)
+        do = repair(
+            v,
+            step=tx.step,
+            healed=self.healed,
+            retried=self.retried,
+            durable=bool(rt.config.checkpoint_dir),
+        )
         rt.events.emit(
             "replicas_diverged",
             epoch=tx.epoch,
             step=tx.step,
             items=list(v.items),
             minority=list(v.minority),
+            action=do.action,
             error=v.message,
+            repair=do.why,
         )
-        log.critical("%s", v.message)
-        raise ReplicasDiverged(v.message)
+        if do.action == "stop":
+            log.critical("%s", do.why)
+            raise ReplicasDiverged(do.why)
+        log.error("%s", do.why)
+        if do.action == "heal":
+            self.healed[v.items] = tx.step
+            if self.rt.rank in v.minority:
+                raise StateLostFault(do.why)
+            return False
+        if do.action == "retry":
+            self.retried = (tx.step, v.items)
+            raise ReplicaMismatch(do.why)
+        raise StateLostFault(do.why)  # restore: every member's state is suspect
 
     def _compare_batches(self, tx: Transaction, mine: int, top: int, low: int) -> None:
         if top == low:

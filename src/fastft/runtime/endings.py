@@ -20,6 +20,7 @@ from fastft.protocol.exits import (
 )
 
 __all__ = [
+    "ReplicaMismatch",
     "ReplicasDiverged",
     "CheckpointsFail",
     "DataDiverged",
@@ -119,6 +120,11 @@ class ReplicasDiverged(Ending):
     """The members of an epoch hold different state (see :data:`EXIT_REPLICAS_DIVERGED`)."""
 
     status = EXIT_REPLICAS_DIVERGED
+
+
+class ReplicaMismatch(FastFTError, RuntimeError):
+    """The replicas differed with no majority to tell which is right: the step rolls back
+    and runs again (a Fault2; :func:`fastft.runtime.state.compare.repair`)."""
 
 
 class Unhealthy(Ending):

@@ -4,6 +4,7 @@ injector). Performed for the executor, under its lock."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +17,9 @@ from fastft.runtime.engine.core import superseded
 if TYPE_CHECKING:
     from fastft.runtime.engine.ports import Engine
 
-__all__ = ["Faults"]
+__all__ = ["Faults", "flip_bit"]
+
+log = logging.getLogger(__name__)
 
 
 class Faults:
@@ -69,6 +72,8 @@ class Faults:
             epoch=s.epoch,
             incarnation=x.me.incarnation,
         )
+        if spec.kind is FaultKind.BITFLIP:  # silent: nothing raised, nothing told
+            flip_bit(x.registry.model, int(spec.arg))
         if spec.kind is FaultKind.STATE_LOST:
             # make the loss real: a worker that failed to heal ends with a wrong digest
             with torch.no_grad():
@@ -77,3 +82,16 @@ class Faults:
             if x.registry.by_reference is not None:
                 x.registry.by_reference.lose()
         execute(spec)
+
+
+def flip_bit(model: torch.nn.Module | None, bit: int) -> None:
+    """Flip ``bit`` of the first element of ``model``'s first float32 parameter, behind
+    autograd's back (``.data``: no version counter sees it), as a faulty device would."""
+    for p in model.parameters() if model is not None else ():
+        if p.dtype == torch.float32 and p.numel():
+            with torch.no_grad():
+                p.data.view(-1)[:1].view(torch.int32).bitwise_xor_(
+                    1 << bit if bit < 31 else -(1 << 31)
+                )
+            return
+    log.warning("bitflip: no float32 parameter registered: nothing flipped")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,11 +43,14 @@ if TYPE_CHECKING:
     from fastft.runtime.state.registry import StateRegistry
 
 __all__ = [
+    "RECUR_STEPS",
     "SLOTS",
+    "Repair",
     "Verdict",
     "cause",
     "checksum",
     "checksums",
+    "repair",
     "row",
     "vector",
     "verdict",
@@ -207,6 +210,9 @@ class Verdict:
     items: tuple[str, ...]
     minority: tuple[int, ...]
     message: str
+    majority: bool = True
+    """Whether more than half the members hold the most common value of every item that
+    differs (with 2 members, never: which one is right cannot be told)."""
 
 
 _CAUSES = {
@@ -254,6 +260,7 @@ def verdict(step: int, epoch: int, names: Sequence[str], rows: dict[int, Sequenc
         slots.append(" / ".join(names[SLOTS - 1 :]))
     width = len(next(iter(rows.values())))
     bad: list[str] = []
+    majority = True
     minority: set[int] = set()
     detail: list[str] = []
     for j in range(min(width, len(slots))):
@@ -262,6 +269,7 @@ def verdict(step: int, epoch: int, names: Sequence[str], rows: dict[int, Sequenc
             continue
         common = values.most_common(1)[0][0]
         odd = sorted(rank for rank, r in rows.items() if r[j] != common)
+        majority = majority and 2 * values[common] > len(rows)
         bad.append(slots[j])
         minority.update(odd)
         detail.append(
@@ -273,8 +281,78 @@ def verdict(step: int, epoch: int, names: Sequence[str], rows: dict[int, Sequenc
     first = bad[0] if bad else "state"
     message = (
         f"the replicas diverged: at the start of step {step} (epoch {epoch}) "
-        f"{'; '.join(detail) or 'the state differs'}. Likely cause: {cause(first)}. "
-        "The job stops rather than train on different replicas "
-        "(the in-band replica check, --compare-every)"
+        f"{'; '.join(detail) or 'the state differs'}. Likely cause: {cause(first)}"
     )
-    return Verdict(tuple(bad), tuple(sorted(minority)), message)
+    return Verdict(tuple(bad), tuple(sorted(minority)), message, majority)
+
+
+_STOP = (
+    "The job stops rather than train on different replicas (the in-band replica check, "
+    "--compare-every)"
+)
+RECUR_STEPS = 50
+"""The same items differing again within this many steps of their heal: the script's."""
+
+
+@dataclass(frozen=True)
+class Repair:
+    """What the members do about a :class:`Verdict` (:func:`repair`): ``heal`` (the
+    minority declares its state lost and heals from a peer of the majority; the step
+    rolls back), ``retry`` (every member rolls the step back and it runs, and is compared,
+    again), ``restore`` (every member declares its state lost: the durable tier restores
+    the job), or ``stop`` (the job ends, with ``why``)."""
+
+    action: str
+    why: str
+
+
+def repair(
+    v: Verdict,
+    *,
+    step: int,
+    healed: Mapping[tuple[str, ...], int],
+    retried: tuple[int, tuple[str, ...]] | None,
+    durable: bool,
+) -> Repair:
+    """Silent data corruption, repaired (issue 50): the replicas are bitwise equal after
+    every commit, so a member that differs holds corrupted state, or the script keeps
+    state fastft does not see. With a majority, the minority heals from it, once for the
+    same items: the same items differing again within :data:`RECUR_STEPS` of their heal
+    (``healed``: items -> the step they were healed at) is the script's doing, not a
+    flipped bit, and the job stops. Without one (2 members, or no value held by more than half), the step runs
+    again (``retried``: the step and items of the last retry): a mismatch of the
+    computation is gone then; one of the state is not, and the durable tier restores the
+    job (``durable``), or it stops."""
+    if v.majority and v.minority:
+        if v.items in healed and step - healed[v.items] <= RECUR_STEPS:
+            return Repair(
+                "stop",
+                f"{v.message}. The same items differed again after the minority healed "
+                f"from the majority at step {healed[v.items]}: not a corrupted replica "
+                f"but state the script changes outside the commit. {_STOP}",
+            )
+        return Repair(
+            "heal",
+            f"the replicas diverged at step {step}: {', '.join(v.items)} on rank"
+            f"{'s' if len(v.minority) > 1 else ''} {', '.join(map(str, v.minority))} "
+            "differs from the majority (silent data corruption?); the minority heals from "
+            "the majority and the step runs again",
+        )
+    if retried != (step, v.items):
+        return Repair(
+            "retry",
+            f"the replicas diverged at step {step} ({', '.join(v.items)}) with no majority "
+            "to tell which is right; the step runs again and is compared again",
+        )
+    if durable:
+        return Repair(
+            "restore",
+            f"the replicas still differ at step {step} ({', '.join(v.items)}) after it ran "
+            "again, with no majority: every member's state is suspect; the durable tier "
+            "restores the last checkpoint",
+        )
+    return Repair(
+        "stop",
+        f"{v.message}. With no majority (2 replicas, or no value on more than half) and "
+        f"no durable tier (--checkpoint-dir) to restore from, nothing can repair it: {_STOP}",
+    )
