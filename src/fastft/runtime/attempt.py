@@ -15,12 +15,12 @@ import torch.distributed as dist
 
 from fastft.bus.nats import is_nats
 from fastft.fsm import GradsReady, Phase
+from fastft.inject import StateLostFault
 from fastft.interrupt import StepInterrupted
 from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.process.teardown import exit_now
 from fastft.protocol.exits import EXIT_GROUP_FAULT
 from fastft.runtime.checks import by_collective
-from fastft.inject import StateLostFault
 from fastft.runtime.endings import (
     DataDiverged,
     ReplicaMismatch,
