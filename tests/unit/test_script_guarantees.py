@@ -85,11 +85,14 @@ def test_a_minority_heals_once_no_majority_runs_again_then_restores_or_stops():
     assert again.action == "stop" and "healed from the majority at step 10" in again.why
     later = {**kw, "step": 10 + RECUR_STEPS + 1, "healed": {("parameters",): 10}}
     assert repair(three, **later).action == "heal"  # (a device that flips bits now and then)
+    # right after an epoch's heals: a heal that missed something, or state kept in the
+    # script's own variables (which freshly healed members share: a wrong majority)
+    assert repair(three, **{**kw, "fresh": True}).action == "stop"
     # two members, or three values: which is right cannot be told
     for v in (verdict(10, 1, names, {0: a, 1: b}), verdict(10, 1, names, {0: a, 1: b, 2: c})):
         assert not v.majority
         assert repair(v, **kw).action == "retry"
-        held = {**kw, "retried": (10, ("parameters",))}
+        held = {**kw, "retried": (10, ("parameters",)), "fresh": True}  # (a new epoch)
         assert repair(v, **{**held, "durable": True}).action == "restore"
         stop = repair(v, **held)
         assert stop.action == "stop" and "--checkpoint-dir" in stop.why

@@ -313,16 +313,40 @@ def repair(
     healed: Mapping[tuple[str, ...], int],
     retried: tuple[int, tuple[str, ...]] | None,
     durable: bool,
+    fresh: bool = False,
 ) -> Repair:
     """Silent data corruption, repaired (issue 50): the replicas are bitwise equal after
     every commit, so a member that differs holds corrupted state, or the script keeps
-    state fastft does not see. With a majority, the minority heals from it, once for the
-    same items: the same items differing again within :data:`RECUR_STEPS` of their heal
-    (``healed``: items -> the step they were healed at) is the script's doing, not a
-    flipped bit, and the job stops. Without one (2 members, or no value held by more than half), the step runs
-    again (``retried``: the step and items of the last retry): a mismatch of the
-    computation is gone then; one of the state is not, and the durable tier restores the
-    job (``durable``), or it stops."""
+    state fastft does not see.
+
+    * A step ran again for this mismatch (``retried``: the step and items of the last
+      retry) and it held: the state itself differs, and nothing tells which is right:
+      the durable tier restores the job (``durable``), or it stops.
+    * ``fresh``: the check of an epoch's first two steps, right after its heals: a heal
+      that missed something, or state the script keeps in its own variables (JAX
+      parameters in locals), which a majority of freshly healed members may share: the
+      job stops, as it always did.
+    * A majority: the minority heals from it, once for the same items: the same items
+      differing again within :data:`RECUR_STEPS` of their heal (``healed``: items -> the
+      step they were healed at) is the script's doing, and the job stops.
+    * No majority (2 members, or no value held by more than half): the step runs again;
+      a mismatch of the computation is gone then."""
+    if retried == (step, v.items):
+        if durable:
+            return Repair(
+                "restore",
+                f"the replicas still differ at step {step} ({', '.join(v.items)}) after it "
+                "ran again, with no majority: every member's state is suspect; the durable "
+                "tier restores the last checkpoint",
+            )
+        return Repair(
+            "stop",
+            f"{v.message}. It held after the step ran again, with no majority (2 replicas, "
+            "or no value on more than half) and no durable tier (--checkpoint-dir) to "
+            f"restore from: nothing can repair it. {_STOP}",
+        )
+    if fresh:
+        return Repair("stop", f"{v.message}. {_STOP}")
     if v.majority and v.minority:
         if v.items in healed and step - healed[v.items] <= RECUR_STEPS:
             return Repair(
@@ -338,21 +362,8 @@ def repair(
             "differs from the majority (silent data corruption?); the minority heals from "
             "the majority and the step runs again",
         )
-    if retried != (step, v.items):
-        return Repair(
-            "retry",
-            f"the replicas diverged at step {step} ({', '.join(v.items)}) with no majority "
-            "to tell which is right; the step runs again and is compared again",
-        )
-    if durable:
-        return Repair(
-            "restore",
-            f"the replicas still differ at step {step} ({', '.join(v.items)}) after it ran "
-            "again, with no majority: every member's state is suspect; the durable tier "
-            "restores the last checkpoint",
-        )
     return Repair(
-        "stop",
-        f"{v.message}. With no majority (2 replicas, or no value on more than half) and "
-        f"no durable tier (--checkpoint-dir) to restore from, nothing can repair it: {_STOP}",
+        "retry",
+        f"the replicas diverged at step {step} ({', '.join(v.items)}) with no majority "
+        "to tell which is right; the step runs again and is compared again",
     )
