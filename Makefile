@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: test test-slow test-exhaustive test-collective test-jax test-ray conformance unit lint bench bench-jax bench-ray bench-quick demo demo-jax fsm-doc clean
+.PHONY: test test-slow test-net test-exhaustive test-collective test-jax test-ray conformance unit lint bench bench-jax bench-ray bench-quick demo demo-jax fsm-doc clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -34,10 +34,15 @@ $(VENV)/.jax: $(VENV)/.installed
 # make test-slow: those (CI runs both, test-collective, test-jax and the torchft
 # conformance run).
 test: $(VENV)/.installed
-	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow" tests --ignore=tests/jax --ignore=tests/ray
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow and not net" tests --ignore=tests/jax --ignore=tests/ray
 
 test-slow: $(VENV)/.installed
-	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "slow and not exhaustive" tests --ignore=tests/jax --ignore=tests/ray
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "slow and not exhaustive and not net" tests --ignore=tests/jax --ignore=tests/ray
+
+# real network faults: nodes in network namespaces whose links are cut, flapped,
+# throttled (root: ip netns, veth, tc; skipped, saying why, elsewhere)
+test-net: $(VENV)/.installed
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m net tests/net
 
 # the simulator's 3-member world with a fault, every interleaving (17-18 min on 2 cores:
 # run by hand after a protocol change; CI's budget has no room for it)
@@ -63,7 +68,7 @@ test-ray: $(VENV)/.ray
 # store: docs/architecture.md), and every node's workers hearing the bus through their
 # agent (--bus-relay on, what auto picks from 64 workers); about 5 minutes here, in CI
 test-collective: $(VENV)/.installed
-	FASTFT_DECIDE=collective FASTFT_BUS_RELAY=on TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow" tests/fault
+	FASTFT_DECIDE=collective FASTFT_BUS_RELAY=on TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow and not net" tests/fault
 
 # torchft's own test files (shipped in its wheel) with torchft.Manager rebound to ManagerFFT
 conformance: $(VENV)/.installed

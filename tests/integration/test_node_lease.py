@@ -12,14 +12,12 @@ from fastft.bus import host_store
 from fastft.errors import ConfigError
 from fastft.launch.config import LaunchConfig
 from fastft.launch.lease import (
+    GUARD_MIN_S,
     LeaseConfig,
     LeaseWatch,
     NodeLease,
-    declared_lives,
-    format_lives,
-    lost_mark,
-    parse_lives,
 )
+from fastft.launch.lives import declared_lives, format_lives, lost_mark, parse_lives
 from fastft.protocol.keys import JobKeys
 
 CFG = LeaseConfig(heartbeat_ms=100, misses=3)
@@ -124,6 +122,63 @@ def test_leases_over_a_real_store_declare_fence_and_clear():
         assert b2.rejoined and bytes(store.get(keys.node_lost(1))).decode() == ""
         a.close()
     finally:
+        del store
+
+
+class _Cut:
+    """A store whose calls, once ``cut`` is set, wait until ``back`` is: a host cut off
+    (its TCP connection up, no answer, no error)."""
+
+    def __init__(self, store: object, cut: threading.Event, back: threading.Event) -> None:
+        self._store, self._cut, self._back = store, cut, back
+
+    def clone(self) -> _Cut:
+        return _Cut(self._store.clone(), self._cut, self._back)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._store, name)
+        if not callable(attr) or name == "set_timeout":
+            return attr
+
+        def call(*a: object, **k: object) -> object:
+            if self._cut.is_set():
+                self._back.wait(30)
+            return attr(*a, **k)
+
+        return call
+
+
+def test_a_store_that_stops_answering_is_lost_though_no_call_returns():
+    """A round blocked in a call to a store cut off never ends: the guard, from the
+    time of the last answer, calls it lost (issue 50: the other nodes once said nothing
+    until Gloo's 60 s)."""
+    store = host_store()
+    cut, back, lost = threading.Event(), threading.Event(), threading.Event()
+    why: list[str] = []
+
+    def on_store_lost(reason: str) -> None:
+        why.append(reason)
+        lost.set()
+
+    try:
+        lease = NodeLease(
+            _Cut(store, cut, back), JobKeys("cut"), 0, 2, CFG, on_lost=lambda *a: None,
+            on_fenced=lambda *a: None, on_store_lost=on_store_lost,
+        )  # fmt: skip
+        lease.start()
+        time.sleep(0.5)
+        assert not lost.is_set()  # it answers
+        t = time.monotonic()
+        cut.set()
+        assert lost.wait(10)
+        took = time.monotonic() - t
+        assert GUARD_MIN_S <= took < GUARD_MIN_S + 1.5, took
+        assert len(why) == 1 and "did not answer" in why[0], why
+        back.set()
+        lease.close()
+        assert len(why) == 1  # once, though the round's own verdict may come later
+    finally:
+        back.set()
         del store
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastft.launch.lease import lost_mark
 from fastft.launch.ledger import Ledger
+from fastft.launch.lives import lost_mark
 from fastft.launch.nodewatch import NodeWatch
 
 

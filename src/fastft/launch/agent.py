@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from fastft.inject.plan import planned
+from fastft.launch import policy
 from fastft.launch.children import Children, Slot, die_with_parent
 from fastft.launch.config import LaunchConfig
 from fastft.launch.control import ControlPlane
 from fastft.launch.exits import Exits, back_line
 from fastft.launch.forks import start_zygote
-from fastft.launch.lease import format_lives
 from fastft.launch.ledger import Ledger
+from fastft.launch.lives import format_lives
 from fastft.launch.nodewatch import NodeWatch
 from fastft.launch.offenders import Offenders
 from fastft.launch.output import Output
@@ -182,12 +183,13 @@ class Agent:
             self.spares.stop()
             self.children.kill_all(list(self.slots.values()), signal.SIGKILL, grace_s=0)
             if self.lighthouse is not None:
-                from fastft.integrations.torchft.launch import stop_lighthouse
+                import fastft.integrations.torchft.launch as tf
 
-                stop_lighthouse(self.lighthouse)
+                tf.stop_lighthouse(self.lighthouse)
             for s, h in prev.items():
                 signal.signal(s, h)
-            self.bus.close()
+            if not self.nodes.store_gone:  # (cut off: a call to it never returns)
+                self.bus.close()
             if metrics is not None:
                 metrics.close()
             relay = dataclasses.asdict(self.hub.stats) if self.hub else None
@@ -195,6 +197,9 @@ class Agent:
                 "agent_stop", restarts=self.ledger.restarts, failed=self.failed, relay=relay
             )
             self.events.close()
+        if self.nodes.store_gone:  # threads wait in calls to a store cut off: leave now
+            sys.stderr.flush()
+            os._exit(code)
         return code
 
     def _finish(self) -> int:
@@ -203,13 +208,15 @@ class Agent:
         if self.stopping is not None:
             what = "Ctrl-C" if self.stopping == signal.SIGINT else f"signal {self.stopping}"
             print(
-                f"fastft: job stopped ({what}); {self._resume_hint()}", file=sys.stderr, flush=True
+                f"fastft: job stopped ({what}); {policy.resume_hint(self.config.checkpoint_dir)}",
+                file=sys.stderr,
+                flush=True,
             )
             return JOB_INTERRUPTED if self.stopping == signal.SIGINT else 128 + self.stopping
         if self._drain_why == "SIGTERM" and not finished and not self.failed:
             print(
                 "fastft: job preempted (SIGTERM): every worker drained after its last commit; "
-                f"{self._resume_hint()}",
+                f"{policy.resume_hint(self.config.checkpoint_dir)}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -222,18 +229,6 @@ class Agent:
         # Node 0 hosts the store: it waits until every other node's agent is done or lost.
         self.nodes.finish(None, timeout_s=DONE_WAIT_S)
         return 0
-
-    def _resume_hint(self) -> str:
-        ckpt = self.config.checkpoint_dir
-        if ckpt:
-            return (
-                "resumable: run the same command again and it restores the newest "
-                f"checkpoint in {ckpt}"
-            )
-        return (
-            "the trained state is not kept without --checkpoint-dir: the same command "
-            "starts again at step 0"
-        )
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if signum == signal.SIGTERM and self.draining is None and self.stopping is None:
@@ -387,6 +382,7 @@ class Agent:
                 self.spares.refill(
                     time.monotonic(), _committed, lambda s: self.spares.gpu_of(self._local(s))
                 )
+            self.nodes.tick(time.monotonic())
             if self.config.torchft == "plain":
                 self.exits.end_stopped()
                 continue  # no heartbeats: torchft's own timeouts handle hangs

@@ -99,13 +99,16 @@ class LaunchConfig:
         "replace also drains it and a spare or a restart takes its place; off",
         choices=("off", "report", "replace"),
     )
-    straggler_factor: float = _flag(
-        1.3, "how much slower than the median of the others a straggler computes"
-    )
+    straggler_factor: float = _flag(1.3, "how much slower than the others a straggler computes")
     start_grace_s: float = _flag(
         120.0, "seconds a worker may take to write its first heartbeat", flag="--start-grace"
     )
-    store_wait_s: float = _flag(60.0, "seconds to wait for node 0's store", flag="--store-wait")
+    store_wait_s: float = _flag(
+        60.0,
+        "seconds to wait for node 0's store: at the start, and when it stops answering (this "
+        "node cut off, or node 0 gone)",
+        flag="--store-wait",
+    )
     min_replicas: int | None = _worker(
         "min_replicas",
         "fewest workers an epoch may have; below the world size the survivors go on without a "

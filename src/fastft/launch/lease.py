@@ -36,6 +36,7 @@ from typing import Any
 
 from fastft.bus.signed import ForgedValue
 from fastft.errors import ConfigError
+from fastft.launch.lives import lost_mark, parse_lives
 from fastft.protocol.keys import JobKeys
 
 __all__ = [
@@ -48,10 +49,6 @@ __all__ = [
     "NodeLease",
     "Verdict",
     "WATCHERS",
-    "declared_lives",
-    "format_lives",
-    "lost_mark",
-    "parse_lives",
     "watched",
 ]
 
@@ -186,32 +183,10 @@ class LeaseWatch:
         return seen[0] if seen else 0
 
 
-def lost_mark(counter: int, by: int, lives: dict[int, int]) -> str:
-    """A node's lost mark: the lease value that stopped, the node that saw it stop, and the
-    worker lives it declared dead, which are the only ones the node's fence kills."""
-    return f"{counter}@{by}/{format_lives(lives)}"
-
-
-def declared_lives(mark: str) -> dict[int, int] | None:
-    """The lives a lost mark declared dead (rank -> incarnation); None if it names none
-    (a mark of an earlier version: every worker of the node)."""
-    _, sep, lives = mark.partition("/")
-    return parse_lives(lives) if sep else None
-
-
-def format_lives(lives: dict[int, int]) -> str:
-    return ",".join(f"{r}:{i}" for r, i in sorted(lives.items()))
-
-
-def parse_lives(raw: bytes | str) -> dict[int, int]:
-    """``rank:incarnation,...`` -> {rank: incarnation}; malformed parts are skipped."""
-    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-    out: dict[int, int] = {}
-    for part in text.split(","):
-        r, _, i = part.partition(":")
-        if r.strip().isdigit() and i.strip().isdigit():
-            out[int(r)] = int(i)
-    return out
+GUARD_LEASES = 3.0
+GUARD_MIN_S = 2.0
+"""The guard calls the store lost after this many of its graces without an answer, and
+no sooner than this: a loaded store's slow round is not a lost one (the job would fail)."""
 
 
 class NodeLease:
@@ -237,6 +212,7 @@ class NodeLease:
         on_fenced: Callable[[str], None],
         on_store_lost: Callable[[str], None],
         on_returned: Callable[[int], None] = lambda node: None,
+        on_store_back: Callable[[], None] = lambda: None,
         on_job_failed: Callable[[str], None] = lambda why: None,
         clock: Callable[[], float] = time.monotonic,
         watchers: int = WATCHERS,
@@ -251,6 +227,7 @@ class NodeLease:
         self.on_fenced = on_fenced
         self.on_store_lost = on_store_lost
         self.on_returned = on_returned
+        self.on_store_back = on_store_back
         self.on_job_failed = on_job_failed
         self.failed = ""
         """Why the job failed (another node's :meth:`fail`, or this one's), once read."""
@@ -259,6 +236,11 @@ class NodeLease:
         self.renewals = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._answered = clock()
+        """When the store last answered a round (the guard's clock: a call to a host cut
+        off never returns, its TCP connection alive, and no round ends to say so)."""
+        self._gone = threading.Lock()
+        self._store_lost = False
         self.nnodes = nnodes
         self.watchers = watchers
         """How many nodes this agent watches (nnodes - 1: every other, as before issue 35)."""
@@ -301,9 +283,40 @@ class NodeLease:
         self.failed = self.failed or got
 
     def start(self) -> NodeLease:
+        self._answered = self.clock()
         self._thread = threading.Thread(target=self._run, name="fastft-node-lease", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._guard, name="fastft-lease-guard", daemon=True).start()
         return self
+
+    def _lost_store(self, why: str) -> None:
+        """``on_store_lost``, once until the store answers again (the round and the guard
+        may both conclude it)."""
+        with self._gone:
+            if self._store_lost or self._stop.is_set():
+                return
+            self._store_lost = True
+        self.on_store_lost(why)
+
+    def _store_back(self) -> None:
+        with self._gone:
+            if not self._store_lost or self._stop.is_set():
+                return
+            self._store_lost = False
+        self.on_store_back()
+
+    def _guard(self) -> None:
+        """The store lost when no round got an answer for the store's grace: a round
+        blocked in a call to a host that vanished (its link cut: no reset, no error) says
+        nothing by itself (a TCPStore client's socket has no read timeout)."""
+        limit = max(GUARD_LEASES * self.config.grace_s, GUARD_MIN_S) + self.config.period_s
+        while not self._stop.wait(self.config.period_s):
+            silent = self.clock() - self._answered
+            if silent > limit:
+                self._lost_store(
+                    f"the store did not answer for {silent:.1f} s (this node cut off from "
+                    "its host, or the host gone)"
+                )
 
     def close(self) -> None:
         self._stop.set()
@@ -325,10 +338,12 @@ class NodeLease:
                 error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             if self._stop.is_set():
                 return
+            if not error:
+                self._answered = self.clock()
+                self._store_back()
             v = self.watch.round(self.clock(), counters, error)
             if v.store_lost is not None:
-                self.on_store_lost(v.store_lost)
-                return
+                self._lost_store(v.store_lost)
             if failed and not self.failed and not failed.startswith(f"node {self.node}:"):
                 self.failed = failed  # (this node's own mark: read before fail() returned)
                 self.on_job_failed(failed)

@@ -8,16 +8,12 @@ part for it, as :class:`~fastft.launch.exits.Exits` is for its workers' exits.""
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import TYPE_CHECKING
 
-from fastft.launch.lease import (
-    DONE,
-    NATS_STORE_GRACE_S,
-    LeaseConfig,
-    NodeLease,
-    declared_lives,
-)
+from fastft.launch.lease import DONE, NATS_STORE_GRACE_S, LeaseConfig, NodeLease
+from fastft.launch.lives import declared_lives
 from fastft.protocol import Fault, Severity
 
 if TYPE_CHECKING:
@@ -34,6 +30,9 @@ class NodeWatch:
     def __init__(self, agent: AgentPorts) -> None:
         self.agent = agent
         self.store_gone = False
+        self.store_wait_until = 0.0
+        """While the store does not answer (a TCPStore): when the job fails (0: it answers)."""
+        self.store_why = ""
         self.lease: NodeLease | None = None
         """This node's lease (several nodes only), its one owner."""
 
@@ -55,6 +54,7 @@ class NodeWatch:
             on_lost=self.node_lost,
             on_fenced=self.fenced,
             on_store_lost=self.store_lost,
+            on_store_back=self.store_back,
             on_returned=lambda n: a.events.emit("node_returned", node=n),
             on_job_failed=self.job_failed,
         )
@@ -144,15 +144,53 @@ class NodeWatch:
             log.warning("could not tell the other nodes this one is done", exc_info=True)
 
     def store_lost(self, reason: str) -> None:
+        """The store stopped answering. On NATS: the job fails (a majority of the
+        cluster is gone). On a TCPStore: this node is cut off from node 0, or node 0 is
+        gone, and nothing here tells which: its workers stop at once (they cannot commit
+        without the store, and the other nodes declare this node lost meanwhile), they
+        start again as new lives that wait for the store, and the agent waits up to
+        ``--store-wait`` for it to answer again (:meth:`tick`); then the job fails."""
+        a = self.agent
         self.store_gone = True
-        self.agent.events.emit("store_lost", reason=reason)
-        if self.agent.config.control:
-            self.agent.fail(
+        a.events.emit("store_lost", reason=reason)
+        if a.config.control:
+            a.fail(
                 f"the NATS control plane is unreachable: {reason}. A majority of its "
                 "servers must be up (--control)"
             )
-        else:
+            return
+        self.store_wait_until = time.monotonic() + a.config.store_wait_s
+        self.store_why = reason
+        print(
+            f"fastft: {reason}: this node's workers stop (they cannot commit without the "
+            f"store) and start again once it answers; waiting for it up to "
+            f"{a.config.store_wait_s:g} s (--store-wait)",
+            file=sys.stderr,
+            flush=True,
+        )
+        for slot in a.slots.values():
+            inc = slot.incarnation
+            if not slot.done and inc:
+                a.ledger.fence(inc)  # (not the script's failure: its exit restarts it)
+                a.children.kill(slot, incarnation=inc)
+
+    def store_back(self) -> None:
+        """The store answers again (a cut mended): the workers restarted meanwhile join
+        as new lives; the lease's own mark, if the others declared this node lost, fences
+        only the lives it named (:meth:`fenced`)."""
+        a = self.agent
+        waited = a.config.store_wait_s - (self.store_wait_until - time.monotonic())
+        self.store_gone = False
+        self.store_wait_until = 0.0
+        a.events.emit("store_back", waited_s=round(waited, 3))
+        print(f"fastft: the store answers again after {waited:.1f} s", file=sys.stderr, flush=True)
+
+    def tick(self, now: float) -> None:
+        """From the agent's loop: the job fails once the store has not answered for
+        ``--store-wait``."""
+        if self.store_wait_until and now > self.store_wait_until and not self.agent.failed:
             self.agent.fail(
-                f"the store host is gone: {reason}. Node 0 hosts the job's store: with it "
-                "the job cannot go on (--control nats://... survives it)"
+                f"the store host is gone: {self.store_why}, and still after "
+                f"{self.agent.config.store_wait_s:g} s (--store-wait). Node 0 hosts the job's "
+                "store: without it the job cannot go on (--control nats://... survives it)"
             )

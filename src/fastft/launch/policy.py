@@ -32,6 +32,7 @@ __all__ = [
     "hang_reason",
     "hang_verdict",
     "pick_spare",
+    "resume_hint",
     "spare_owed_done",
     "startup_failed",
 ]
@@ -284,3 +285,16 @@ def spare_owed_done(
     """Whether a spare handed out to a slot is replaced now: its worker committed, died
     again (``same_life`` False) or ended, or it waited until ``deadline``."""
     return now >= deadline or not same_life or slot_done or committed
+
+
+def resume_hint(checkpoint_dir: str | None) -> str:
+    """What the agent's line says of a job stopped or preempted: how it resumes."""
+    if checkpoint_dir:
+        return (
+            "resumable: run the same command again and it restores the newest "
+            f"checkpoint in {checkpoint_dir}"
+        )
+    return (
+        "the trained state is not kept without --checkpoint-dir: the same command "
+        "starts again at step 0"
+    )

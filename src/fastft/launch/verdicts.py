@@ -132,14 +132,16 @@ class Verdicts:
                 else (m.faulty_incarnation,)
             )
             if slot and m.faulty_incarnation in lives and slot.incarnation and not slot.done:
+                who = {Role.MONITOR: "a monitor", Role.AGENT: "another node's agent"}.get(
+                    m.role, f"rank {m.rank}"
+                )
                 a.events.emit(
                     "kill_declared_dead",
                     rank=slot.rank,
                     incarnation=slot.incarnation,
                     cause=m.cause,
-                    by="monitor" if m.role is Role.MONITOR else f"rank {m.rank}",
+                    by="monitor" if m.role is Role.MONITOR else who,
                 )
-                who = "a monitor" if m.role is Role.MONITOR else f"rank {m.rank}"
                 slot.declared = (slot.incarnation, f"declared dead by {who}: {m.cause[:120]}")
                 a.children.kill(slot)
 
