@@ -80,9 +80,9 @@ def test_the_pace_is_the_compute_not_the_waits_the_time_between_steps_or_recover
 def test_one_outlier_in_the_window_is_not_the_pace() -> None:
     assert pace_of([]) == 0.0
     assert pace_of([0.05, 0.2]) == 0.2  # few steps: the largest
-    window = [0.05] * (PACE_WINDOW - 1) + [1.0]  # a collector's pause
-    assert pace_of(window) == 0.05
-    window[:2] = [0.15, 0.15]  # an evaluation inside every 100th step: it is the pace
+    window = [0.05] * (PACE_WINDOW - 2) + [1.0, 0.3]  # a collector's pause, an evaluation
+    assert pace_of(window) == 0.05  # (one in a hundred is an outlier)
+    window[:3] = [0.15, 0.15, 0.15]  # a slower step every 66: it is the pace
     assert pace_of(window) == 0.15
 
 

@@ -57,6 +57,13 @@ def main(argv: list[str] | None = None) -> None:
         help="simulated compute: extra seconds per step for a part of batch/nproc samples, "
         "in proportion to the samples a member actually gets",
     )
+    ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="every N-th step computes 3x as long (an evaluation inside the step; with "
+        "--step-time): the hang check must not take it for a hang",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write final state here")
     ap.add_argument(
         "--device",
@@ -96,7 +103,9 @@ def main(argv: list[str] | None = None) -> None:
             loss = nn.functional.mse_loss(model(x[mine].to(dev)), y[mine].to(dev))
             loss.backward()
             if a.step_time:  # compute in proportion to the samples, as a real model's
-                time.sleep(a.step_time * (mine.stop - mine.start) * ft.config.world_size / a.batch)
+                share = a.step_time * (mine.stop - mine.start) * ft.config.world_size / a.batch
+                heavy = a.eval_every and tx.step % a.eval_every == 0  # (3x: an evaluation)
+                time.sleep(share * (3 if heavy else 1))
             tx.allreduce_gradients()
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)

@@ -73,7 +73,8 @@ RECENT_STEPS = 10
 slower for most of them)."""
 PACE_WINDOW = 200
 """The pace is the 99th percentile of this many recent clean steps' longest silences (the
-largest one of them is an outlier, not the pace)."""
+two largest of them are outliers, not the pace: a collector's pause, an evaluation every
+100 steps; 10x the pace leaves room for a step 3x as long)."""
 
 
 class Beat(NamedTuple):
@@ -118,11 +119,12 @@ def compute_of(silences: Sequence[float]) -> float:
 
 
 def pace_of(silences: Sequence[float]) -> float:
-    """The 99th percentile of ``silences`` (their largest, below 100 of them; the second largest of 200)."""
+    """The 99th percentile of ``silences``: one in a hundred is an outlier (the largest of
+    up to 99; of 200, the third largest)."""
     if not silences:
         return 0.0
     ordered = sorted(silences)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return ordered[len(ordered) - 1 - len(ordered) // 100]
 
 
 class HeartbeatWriter:
