@@ -52,15 +52,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _options(args: argparse.Namespace, exhaustive_: bool) -> Options:
-    from fastft.sim import KINDS, Options
+    from fastft.sim import ALL_KINDS, Options
     from fastft.sim.defects import DEFECTS
 
     if args.defect is not None and args.defect not in DEFECTS:
         raise SystemExit(_usage(f"unknown --defect {args.defect!r}; known: {sorted(DEFECTS)}"))
     kinds = tuple(k for k in (args.kinds or "").split(",") if k)
-    bad = [k for k in kinds if k not in KINDS]
+    bad = [k for k in kinds if k not in ALL_KINDS]
     if bad:
-        raise SystemExit(_usage(f"unknown fault kinds {bad}; the kinds are {', '.join(KINDS)}"))
+        raise SystemExit(_usage(f"unknown fault kinds {bad}; the kinds are {', '.join(ALL_KINDS)}"))
     if args.members < 1:
         raise SystemExit(_usage("--members must be at least 1"))
     base = DEFECTS[args.defect][1] if args.defect else {}

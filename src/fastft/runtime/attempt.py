@@ -291,7 +291,7 @@ class StepAttempts:
             healed=self.healed,
             retried=self.retried,
             durable=bool(rt.config.checkpoint_dir),
-            fresh=tx.step - self.compared[1] < 2,
+            fresh=tx.step - self.compared[1] < 2 and bool(view.needs_state),
         )
         rt.events.emit(
             "replicas_diverged",

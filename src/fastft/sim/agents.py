@@ -8,7 +8,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastft.launch import policy
-from fastft.protocol import Fault, HangSuspected, JobKeys, Message, ProcessExited, Role, Severity
+from fastft.launch.stragglers import StragglerWatch, slow_members
+from fastft.protocol import (
+    DrainRequest,
+    Fault,
+    HangSuspected,
+    JobKeys,
+    Message,
+    ProcessExited,
+    Role,
+    Severity,
+)
 from fastft.protocol.exits import FASTFT_STATUSES
 from fastft.runtime.contract import Member
 from fastft.sim.checks import Checks
@@ -16,7 +26,10 @@ from fastft.sim.life import Life
 from fastft.sim.options import Options
 from fastft.sim.store import SimStore
 
-__all__ = ["Agents", "Slot"]
+__all__ = ["STRAGGLER_CHECK_S", "Agents", "Slot"]
+
+STRAGGLER_CHECK_S = 0.5
+"""How often the agents compare the members' compute (``EXCHANGE_S``)."""
 
 
 @dataclass
@@ -41,6 +54,8 @@ class Agents:
     outcome: str | None
     checks: Checks
     partitioned: set[int]
+    stragglers: StragglerWatch
+    replacing: set[Member]
 
     def at(self, delay: float, kind: str, *args: Any) -> None:
         raise NotImplementedError
@@ -102,6 +117,7 @@ class Agents:
             peers_finished=any(s.finished for s in self.slots.values()),
             spares_left=False,
             elastic=self.opts.elastic,
+            replaced=who in self.replacing,
         )
         if code == 0:
             slot.finished = True
@@ -135,6 +151,24 @@ class Agents:
         if got.restart:
             lo, hi = self.opts.restart_s
             self.at(max(got.delay_s, self.draw(lo, hi)), "spawn", who.rank)
+
+    def _on_straggler_check(self) -> None:
+        """:class:`fastft.launch.stragglers.Stragglers` with ``--stragglers replace``:
+        every live member's compute (a straggler's 3x), the slow ones named once a life,
+        drained; their exit restarts the slot."""
+        live = [x for x in self.lives.values() if x.alive and not x.frozen]
+        computes = {x.rank: (x.inc, 0.010 * x.slow) for x in live}
+        for s in self.stragglers.newly(slow_members(computes, 1.3)):
+            life = self.lives[Member(s.rank, s.incarnation)]
+            self.replacing.add(life.me)
+            self.broadcast(
+                None,
+                DrainRequest(
+                    **self.agent_header(s.rank), target_rank=s.rank, reason="straggler: 3x"
+                ),
+            )
+        if any(x.slow > 1 for x in live):
+            self.at(STRAGGLER_CHECK_S, "straggler_check")
 
     def _on_hang_seen(self, who: Member) -> None:
         life = self.lives[who]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine.decisions import parse_commit
+from fastft.sim.faults import corruption
 
 if TYPE_CHECKING:
     from fastft.sim.life import Life
@@ -61,6 +62,8 @@ class Checks:
 
     def vote(self, life: Life, epoch: int, step: int) -> None:
         chain = self.w.chain
+        if self._corrupt(life, f"votes for step {step}"):
+            return
         if life.state.lost_state or life.held != step or life.h != chain[step]:
             self.fail(
                 f"S4: {life} votes for step {step} of epoch {epoch} holding "
@@ -92,7 +95,9 @@ class Checks:
         done -= {s for s in done if s >= step}
 
     def committed(self, life: Life, step: int) -> None:
-        if life.h != self.w.chain[step + 1]:
+        if self._corrupt(life, f"commits step {step}"):
+            pass
+        elif life.h != self.w.chain[step + 1]:
             self.fail(f"S3: {life} committed step {step} with a state no other member holds")
         self.commits += 1
         self.last_progress = self.w.now
@@ -172,9 +177,27 @@ class Checks:
 
     def finished(self, life: Life) -> None:
         steps = self.w.opts.steps
+        if self._corrupt(life, "finishes"):
+            return  # (a bit flipped after the last check: the job could not know)
         if life.held != steps or life.h != self.w.chain[steps]:
             self.fail(f"{life} finishes holding step {life.held}, not the last ({steps})")
         self.last_progress = self.w.now
+
+    def _corrupt(self, life: Life, what: str) -> bool:
+        """Whether ``life``'s state is corrupted (a ``bitflip``: the fault's own effect,
+        not the protocol's, until the replica check finds it); found and still acting on
+        it is a violation."""
+        flip = corruption(life.h)
+        if flip is None:
+            return False
+        if flip in self.w.known_corrupt:
+            self.fail(f"{life} {what} holding a state the replica check found corrupted")
+        return True
+
+    def heal_source(self, receiver: Life, source: Life) -> None:
+        """A member the replica check found corrupted never serves a heal."""
+        if corruption(source.h) in self.w.known_corrupt:
+            self.fail(f"{receiver} heals from {source}, found corrupted by the replica check")
 
     def job_failed(self, why: str) -> None:
         self.failed_why = why

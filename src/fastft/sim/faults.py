@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fastft.sim.options import Options
 
-__all__ = ["KINDS", "Plan", "SimFault"]
+__all__ = ["ALL_KINDS", "CORRUPT", "GRAY_KINDS", "KINDS", "Plan", "SimFault", "corruption"]
 
 KINDS = (
     "kill",  # SIGKILL: the agent sees the exit
@@ -26,6 +26,23 @@ KINDS = (
     "kill_at_formation",  # killed right after arriving at a formation
     "kill_at_heal",  # killed in the middle of a heal
 )
+
+GRAY_KINDS = (
+    "slow",  # a straggler: its steps compute 3x as long; the agents name it and replace it
+    "bitflip",  # its state is corrupted silently: the replica check (every step) repairs it
+)
+"""Drawn only when asked for (``kinds``): the default draws stay those of the regression
+seeds."""
+ALL_KINDS = KINDS + GRAY_KINDS
+CORRUPT = "~"
+"""The mark a ``bitflip`` leaves in a life's state hash, before the flip's own id: it
+stays through the life's commits, and no two flips corrupt alike."""
+
+
+def corruption(h: str) -> str | None:
+    """The id of the flip that corrupted state ``h`` (None: not corrupted)."""
+    _, sep, mark = h.partition(CORRUPT)
+    return mark if sep else None
 
 
 @dataclass

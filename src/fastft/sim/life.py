@@ -44,6 +44,7 @@ from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.core import Core, Wait, superseded
 from fastft.runtime.engine.survivors import Survivors
 from fastft.sim.ports import Host
+from fastft.sim.replicas import compare
 from fastft.sim.store import StoreDown
 from fastft.sim.waits import RTT_S, Ended, Waits
 
@@ -91,6 +92,9 @@ class Life(Waits):
         self.recoveries = 0
         self.main_token = 0
         self.suspect = False
+        self.slow = 1.0  # a straggler's factor (a slow fault)
+        self.healed: dict[tuple[str, ...], int] = {}  # (the replica check's memory)
+        self.retried: tuple[int, tuple[str, ...]] | None = None
 
     def clock(self) -> float:
         return self.w.now
@@ -246,7 +250,7 @@ class Life(Waits):
             raise Ended(0, "finished")
         self.interrupts_at = self.interrupts
         gen = self.phase_changes
-        return self.wait(("compute", s.epoch, s.step, gen, False), self.w.compute_s())
+        return self.wait(("compute", s.epoch, s.step, gen, False), self.w.compute_s() * self.slow)
 
     def _restart(self) -> float:
         """:meth:`fastft.runtime.restart.Restartable._restart`: an exception escaped the
@@ -273,6 +277,7 @@ class Life(Waits):
         key = (epoch, step)
         if not arrived:
             w.collectives.setdefault(key, set()).add(self.me)
+            w.snapshots.setdefault(key, {})[self.me] = self.h  # (what the check compares)
             if self.state.want_drain or self.state.joining:
                 w.flagged.add(key)
         view = self.view
@@ -294,7 +299,12 @@ class Life(Waits):
         done.add(self.me)
         if s_ok(self.state, epoch, step):
             agreed = w.opts.decide == "collective" and key not in w.flagged
-            self.feed(GradsReady(agreed=agreed))
+            # (only with flipped bits: the repair would hide the protocol's own defects,
+            # S4's among them, which the simulator is for)
+            repaired = compare(self, key, view, gen) if "bitflip" in w.opts.kinds else None
+            if repaired == "fault":
+                return self.back_to_drive()
+            self.feed(GradsReady(agreed=agreed and repaired is None))
         self.user = ("decided", step)
         return self.back_to_drive()
 

@@ -27,6 +27,7 @@ class Verifier(Protocol):
     def view(self, life: Any, view: EpochView) -> None: ...
     def restored(self, life: Any, step: int) -> None: ...
     def declared_dead(self, life: Any, who: Member) -> None: ...
+    def heal_source(self, receiver: Any, source: Any) -> None: ...
 
 
 class Host(Protocol):
@@ -39,6 +40,8 @@ class Host(Protocol):
     collectives: dict[tuple[int, int], set[Member]]
     completed: dict[tuple[int, int], set[Member]]
     flagged: set[tuple[int, int]]
+    snapshots: dict[tuple[int, int], dict[Member, str]]
+    known_corrupt: set[str]
     pg_arrivals: dict[int, set[Member]]
     heal_arrivals: dict[int, set[Member]]
     built: dict[Member, int]

@@ -27,6 +27,7 @@ from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.core import Core, OnCore
 from fastft.runtime.engine.formation import JoinerWait, SurvivorWait, others_hold_state
 from fastft.runtime.engine.survivors import Survivors
+from fastft.sim.faults import CORRUPT, corruption
 from fastft.sim.ports import Host
 
 __all__ = ["POLL_S", "RTT_S", "Ended", "Waits"]
@@ -129,7 +130,8 @@ class Waits(OnCore):
         w.checks.apply(self, step)
         if self.view is not None and self.view.index(self.rank) == 0:
             w.store.set(w.keys.committed, str(step + 1))  # (the key collector's record)
-        self.h = w.next_hash(self.h, step)
+        flip = corruption(self.h)  # (a corrupted state stays corrupted, the same flip's)
+        self.h = w.next_hash(self.h, step) + ("" if flip is None else CORRUPT + flip)
         self.held = step + 1
         self.recoveries = 0
         w.after_commit(self, step)
@@ -266,6 +268,7 @@ class Waits(OnCore):
             return self.wait(("heal", epoch, step, gen), RTT_S)
         if self.me != src:
             source = w.lives[src]
+            w.checks.heal_source(self, source)
             self.h, self.held = source.h, source.held
         self.pc = ("drive",)
         self.feed(HealDone())

@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastft.launch.stragglers import StragglerWatch
 from fastft.protocol import (
     DrainRequest,
     Fault,
@@ -26,9 +27,9 @@ from fastft.protocol import (
 from fastft.protocol.exits import EXIT_DRAINED
 from fastft.runtime.contract import Member
 from fastft.runtime.engine.formation import Recovery
-from fastft.sim.agents import Agents, Slot
+from fastft.sim.agents import STRAGGLER_CHECK_S, Agents, Slot
 from fastft.sim.checks import Checks
-from fastft.sim.faults import Plan, SimFault
+from fastft.sim.faults import CORRUPT, Plan, SimFault
 from fastft.sim.life import Ended, Life
 from fastft.sim.options import Options
 from fastft.sim.store import SimStore, StoreDown
@@ -64,6 +65,14 @@ class World(Agents):
         """Who completed each step's collective (the others may still fail it)."""
         self.flagged: set[tuple[int, int]] = set()
         """Steps whose collective carried a drain or a join flag (no agreed decision)."""
+        self.snapshots: dict[tuple[int, int], dict[Member, str]] = {}
+        """The state each member reached each step's collective with (the replica check)."""
+        self.known_corrupt: set[str] = set()
+        """The flips the replica check found (a state they corrupted never serves a heal
+        nor votes after)."""
+        self.stragglers = StragglerWatch()
+        self.replacing: set[Member] = set()
+        """Lives drained as stragglers (their exit restarts the slot, elastic too)."""
         self.pg_arrivals: dict[int, set[Member]] = {}
         self.heal_arrivals: dict[int, set[Member]] = {}
         self.built: dict[Member, int] = {}
@@ -155,7 +164,7 @@ class World(Agents):
             self.violation(f"the job neither finished nor failed in {self.opts.horizon_s} s")
         if self.outcome is not None and not self.checks.failed:
             self.checks.at_end()
-        return f"{ev.kind} {ev.args[0]}"
+        return f"{ev.kind} {ev.args[0] if ev.args else ''}"
 
     def due(self, window_s: float) -> list[int]:
         """The events that may run next: each due within ``window_s`` of the earliest
@@ -331,5 +340,10 @@ class World(Agents):
             self.msg_faults.append(f)
         elif f.kind == "store_fail":
             self.store.fail_next += 1
+        elif f.kind == "slow":  # (the agents compare the members' compute: agents.py)
+            life.slow = 3.0
+            self.at(STRAGGLER_CHECK_S, "straggler_check")
+        elif f.kind == "bitflip":  # silent: its next replica check finds it
+            life.h += f"{CORRUPT}{life.me}@{self.now:.6f}"
         elif f.kind == "partition":
             self.partition(f.rank // self.opts.per_node, f.duration)

@@ -117,12 +117,17 @@ def route(
                     ),
                 )
             return NOTHING
-        healed = view is not None and r.rank in view.needs_state and view.has(r.rank, r.incarnation)
+        healed = (  # (a restore replaces every member's state, as a heal does the healed's)
+            view is not None
+            and (r.rank in view.needs_state or view.restore is not None or view.lost is not None)
+            and view.has(r.rank, r.incarnation)
+        )
         if r.self_reported and m.epoch < epoch and (r.severity is Severity.FAULT2 or healed):
             # A peer's own fault in an epoch this worker has left: the peer rolled that
             # epoch back itself and arrived at the formation this epoch came from (a
             # transient fault as it formed, it reports again, as one of the new epoch; a
-            # lost state, its arrival said so and this epoch heals it). Acted on, this
+            # lost state, its arrival said so and this epoch heals it, or restores every
+            # member's from the durable tier after a total loss). Acted on, this
             # worker alone would roll back an epoch its peers go on in (the simulator:
             # two losses 1 ms apart, then a formation of one that declared a live peer
             # dead).

@@ -322,7 +322,7 @@ def repair(
     * A step ran again for this mismatch (``retried``: the step and items of the last
       retry) and it held: the state itself differs, and nothing tells which is right:
       the durable tier restores the job (``durable``), or it stops.
-    * ``fresh``: the check of an epoch's first two steps, right after its heals: a heal
+    * ``fresh``: the check of the first two steps of an epoch that healed members: a heal
       that missed something, or state the script keeps in its own variables (JAX
       parameters in locals), which a majority of freshly healed members may share: the
       job stops, as it always did.
