@@ -156,8 +156,9 @@ def test_a_store_that_stops_answering_is_lost_though_no_call_returns():
     cut, back, lost = threading.Event(), threading.Event(), threading.Event()
     why: list[str] = []
 
-    def on_store_lost(reason: str) -> None:
+    def on_store_lost(reason: str, silent: bool) -> None:
         why.append(reason)
+        assert silent  # (it stopped answering: no call failed)
         lost.set()
 
     try:

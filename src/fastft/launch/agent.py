@@ -370,9 +370,9 @@ class Agent:
                 if back and _committed(slot):  # (a later life's first commit)
                     print(back_line(slot, now), file=sys.stderr, flush=True)
                     slot.fault_at = 0.0
-            with self.children.lock:
-                due = [s for t, s in self._restarts_due if t <= now]
-                self._restarts_due = [(t, s) for t, s in self._restarts_due if t > now]
+            with self.children.lock:  # (none while the store does not answer: a cut)
+                due = [s for t, s in self._restarts_due if t <= now and not self.nodes.store_gone]
+                self._restarts_due = [(t, s) for t, s in self._restarts_due if s not in due]
             for slot in due:
                 if self.draining is not None:  # (no new lives once the node drains)
                     slot.done = True

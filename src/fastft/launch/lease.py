@@ -210,7 +210,7 @@ class NodeLease:
         *,
         on_lost: Callable[[int, dict[int, int], int], None],
         on_fenced: Callable[[str], None],
-        on_store_lost: Callable[[str], None],
+        on_store_lost: Callable[[str, bool], None],
         on_returned: Callable[[int], None] = lambda node: None,
         on_store_back: Callable[[], None] = lambda: None,
         on_job_failed: Callable[[str], None] = lambda why: None,
@@ -289,14 +289,15 @@ class NodeLease:
         threading.Thread(target=self._guard, name="fastft-lease-guard", daemon=True).start()
         return self
 
-    def _lost_store(self, why: str) -> None:
+    def _lost_store(self, why: str, *, silent: bool = False) -> None:
         """``on_store_lost``, once until the store answers again (the round and the guard
-        may both conclude it)."""
+        may both conclude it); ``silent``: it stopped answering (the guard), else its
+        calls failed (refused, reset: nothing listens there any more)."""
         with self._gone:
             if self._store_lost or self._stop.is_set():
                 return
             self._store_lost = True
-        self.on_store_lost(why)
+        self.on_store_lost(why, silent)
 
     def _store_back(self) -> None:
         with self._gone:
@@ -315,7 +316,8 @@ class NodeLease:
             if silent > limit:
                 self._lost_store(
                     f"the store did not answer for {silent:.1f} s (this node cut off from "
-                    "its host, or the host gone)"
+                    "its host, or the host gone)",
+                    silent=True,
                 )
 
     def close(self) -> None:

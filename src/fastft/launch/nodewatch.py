@@ -143,20 +143,28 @@ class NodeWatch:
         except Exception:
             log.warning("could not tell the other nodes this one is done", exc_info=True)
 
-    def store_lost(self, reason: str) -> None:
-        """The store stopped answering. On NATS: the job fails (a majority of the
-        cluster is gone). On a TCPStore: this node is cut off from node 0, or node 0 is
-        gone, and nothing here tells which: its workers stop at once (they cannot commit
-        without the store, and the other nodes declare this node lost meanwhile), they
-        start again as new lives that wait for the store, and the agent waits up to
-        ``--store-wait`` for it to answer again (:meth:`tick`); then the job fails."""
+    def store_lost(self, reason: str, silent: bool = False) -> None:
+        """The store is lost. On NATS: the job fails (a majority of the cluster is gone).
+        On a TCPStore whose calls fail (refused, reset: node 0's agent, which held the
+        store in its memory, is gone): the job fails. On a TCPStore that stopped
+        answering (``silent``): this node is cut off from node 0, or node 0 is gone, and
+        nothing here tells which: its workers stop at once (they cannot commit without
+        the store, and the other nodes declare this node lost meanwhile), and the agent
+        waits up to ``--store-wait`` for it to answer again (:meth:`tick`), then starts
+        them again as new lives, or fails the job."""
         a = self.agent
         self.store_gone = True
-        a.events.emit("store_lost", reason=reason)
+        a.events.emit("store_lost", reason=reason, silent=silent)
         if a.config.control:
             a.fail(
                 f"the NATS control plane is unreachable: {reason}. A majority of its "
                 "servers must be up (--control)"
+            )
+            return
+        if not silent:
+            a.fail(
+                f"the store host is gone: {reason}. Node 0 hosts the job's store: with it "
+                "the job cannot go on (--control nats://... survives it)"
             )
             return
         self.store_wait_until = time.monotonic() + a.config.store_wait_s

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from fastft.protocol import Severity
 from fastft.protocol.exits import EXIT_REPLICAS_DIVERGED
@@ -19,14 +19,12 @@ from fastft.runtime.state.compare import repair, verdict
 from fastft.sim.faults import corruption
 from fastft.sim.waits import Ended
 
-if TYPE_CHECKING:
-    from fastft.sim.life import Life
-
 __all__ = ["compare"]
 
 
-def compare(life: Life, key: tuple[int, int], view: EpochView, gen: int) -> str | None:
-    """The check of step ``key`` (epoch, step) for ``life``: None (the replicas agree),
+def compare(life: Any, key: tuple[int, int], view: EpochView, gen: int) -> str | None:
+    """The check of step ``key`` (epoch, step) for ``life`` (a :class:`~fastft.sim.life.
+    Life`, which imports this module): None (the replicas agree),
     ``"vote"`` (this member goes on, its step not decided by the collective: a minority's
     fault rolls it back) or ``"fault"`` (this member reported a fault: it drives again)."""
     w = life.w
