@@ -1,4 +1,5 @@
-"""Gray failures (issue 50) on real workers: a straggler named and replaced."""
+"""Gray failures (issue 50) on real workers: a straggler named and replaced, a flipped bit
+caught by the replica check and repaired."""
 
 from __future__ import annotations
 
