@@ -14,6 +14,7 @@ SLOW = [{"kind": "slow", "rank": 1, "at_step": 2, "arg": 4, "life": 0}]
 """Rank 1's first life computes 4x as long from step 2 on (its next life does not)."""
 
 
+@pytest.mark.slow  # (~15 s each: make test stays under its 10 minutes on 2 cores)
 def test_a_straggler_is_named_drained_and_replaced_with_nothing_rolled_back(tmp_path, clean):
     flags = ("--stragglers", "replace", "--warm-spares", "1")
     run = fastft_run(tmp_path, "slow", *flags, plan=SLOW, train=("--step-time", "0.02"))
@@ -45,6 +46,7 @@ def test_a_straggler_is_only_reported_by_default(tmp_path, clean):
     assert "--stragglers replace would replace it" in (run / "launcher.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_is_caught_and_the_corrupted_replica_heals_from_the_majority(tmp_path, clean):
     # the bit flips as step 10 begins, the step the replica check compares (every 5): the
     # corrupted parameter's gradient is rolled back with the step, so nothing of it is

@@ -59,11 +59,11 @@ def test_a_seed_is_a_run_bit_for_bit():
         # a drain while a restarted peer still heals from the drainer (issue 48, 3)
         ("drains and deaths", Options(kinds=("drain", "kill"), faults=2, world_size=2), 300),
         # gray failures (issue 50): a straggler replaced, a corrupted replica repaired
-        ("stragglers and flipped bits", Options(kinds=("slow", "bitflip", "kill")), 300),
+        ("stragglers and flipped bits", Options(kinds=("slow", "bitflip", "kill")), 200),
         (
             "flipped bits, two replicas, a durable tier",
             Options(world_size=2, kinds=("bitflip",), checkpoint_every=2),
-            300,
+            200,
         ),
         pytest.param(
             "durable tier, two ranks a node",
