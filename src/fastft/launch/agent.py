@@ -370,9 +370,10 @@ class Agent:
                 if back and _committed(slot):  # (a later life's first commit)
                     print(back_line(slot, now), file=sys.stderr, flush=True)
                     slot.fault_at = 0.0
-            with self.children.lock:  # (none while the store does not answer: a cut)
-                due = [s for t, s in self._restarts_due if t <= now and not self.nodes.store_gone]
-                self._restarts_due = [(t, s) for t, s in self._restarts_due if s not in due]
+            ready = not self.nodes.store_gone  # (no new life while the store is silent)
+            with self.children.lock:
+                due = [s for t, s in self._restarts_due if ready and t <= now]
+                self._restarts_due = [x for x in self._restarts_due if not (ready and x[0] <= now)]
             for slot in due:
                 if self.draining is not None:  # (no new lives once the node drains)
                     slot.done = True
