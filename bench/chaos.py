@@ -181,6 +181,9 @@ def main() -> int:
         "steps' compute, at least 0.5 s), or --hang-timeout alone (fastft run "
         "--no-hang-pace); both: the same faults under each, side by side",
     )
+    ap.add_argument(  # (earlier sessions' commands: the pace is the default now)
+        "--adaptive-hang", dest="hang", action="store_const", const="pace", help=argparse.SUPPRESS
+    )
     ap.add_argument(
         "--min-replicas",
         type=int,
