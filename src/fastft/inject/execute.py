@@ -76,10 +76,14 @@ class Injector:
         life: int = 0,
         *,
         executor: Callable[[FaultSpec], None] = execute,
+        pause: Callable[[float], None] = time.sleep,
     ) -> None:
         self.rank = rank
         self.life = life
         self._executor = executor
+        self._pause = pause
+        """A fault's ``delay_s`` at its point: the worker alive meanwhile (its heartbeat
+        beats: a delay is not a hang)."""
         self._lock = threading.Lock()
         self._scheduled = list(plan.for_rank(rank, life))
         self._queued: list[FaultSpec] = []
@@ -125,7 +129,7 @@ class Injector:
         for spec in due:
             self.fired.append((spec, step))
             if spec.delay_s:
-                time.sleep(spec.delay_s)
+                self._pause(spec.delay_s)
             if spec.kind is FaultKind.SLOW:  # (a gray failure: it lasts, from this step)
                 self._slow = (spec.arg, step + spec.steps - 1 if spec.steps else -1)
             self._executor(spec)

@@ -224,6 +224,11 @@ class HeartbeatWriter:
             self._last = time.monotonic()
             self._write(self._last)
 
+    def sleep(self, seconds: float) -> None:
+        """Sleep as a wait: the helper thread beats meanwhile (not a silence)."""
+        with self.blocked:
+            time.sleep(seconds)
+
     def between(self, on: bool) -> None:
         """The main thread leaves a step for the user's code between steps (``on``), or
         enters the next. Between steps the helper thread beats while the interpreter runs:

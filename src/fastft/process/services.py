@@ -88,7 +88,7 @@ class Services:
         start_exit_sentinel(of.exit_trace_file)
         dump_stacks_on_signal()
         plan = FaultPlan.load(of.inject) if of.inject else FaultPlan(faults=())
-        injector = Injector(plan, rank, of.life or 0, executor=fire)
+        injector = Injector(plan, rank, of.life or 0, executor=fire, pause=heartbeat.sleep)
         config = BusConfig(job=of.job, rank=rank, incarnation=incarnation, secret=secret)
         bus = open_bus(store, config, relay=of.relay_socket)
 
