@@ -143,9 +143,10 @@ class Stragglers:
             if cfg.node_rank != 0:
                 return None
             keys = [a.keys.node_computes(n) for n in range(cfg.nnodes) if n != cfg.node_rank]
-            have = [k for k in keys if a.store.check([k])]
             got = dict(mine)
-            for raw in a.store.multi_get(have) if have else []:
+            if not a.store.check(keys):  # (one round trip; a node not started yet: later)
+                return got
+            for raw in a.store.multi_get(keys):
                 for r, (inc, c) in json.loads(bytes(raw)).items():
                     got[int(r)] = (int(inc), float(c))
             return got
