@@ -77,6 +77,29 @@ def test_the_pace_is_the_compute_not_the_waits_the_time_between_steps_or_recover
     assert b is not None and b.last > clock.now and b.commits == 3
 
 
+def test_a_step_after_a_recovery_or_a_new_epoch_is_judged_by_the_hang_timeout(
+    tmp_path: Path, clock: Clock
+) -> None:
+    # JAX compiles its step again for an elastic world's new shapes: seconds in a step of
+    # 30 ms (test-jax's elastic run had such a worker killed as hung by its pace)
+    path = str(tmp_path / "hb")
+    hb = HeartbeatWriter(path)
+    try:
+        for _ in range(3):
+            step(hb, clock, 0.03)
+        assert hb.pace == pytest.approx(0.03)
+        hb.unsettle()  # a new epoch (or a rollback): the agent sees no pace
+        b = read_heartbeat(path)
+        assert b is not None and b.pace == 0.0 and hb.pace == 0.0
+        assert hang_limit(b.pace, 30.0) == 30.0
+        step(hb, clock, 4.0)  # the new world's first step compiles: a clean commit...
+        assert hb.pace == pytest.approx(0.03)  # ...settled again, its silence not the pace
+        b = read_heartbeat(path)
+        assert b is not None and b.pace == pytest.approx(0.03)
+    finally:
+        hb.close()
+
+
 def test_one_outlier_in_the_window_is_not_the_pace() -> None:
     assert pace_of([]) == 0.0
     assert pace_of([0.05, 0.2]) == 0.2  # few steps: the largest

@@ -84,7 +84,9 @@ class Beat(NamedTuple):
     """CLOCK_MONOTONIC of the last sign of life."""
     pace: float
     """The life's pace: the 99th percentile of its recent clean steps' longest silence of
-    the main thread (seconds; 0 before its first clean commit)."""
+    the main thread (seconds; 0 before its first clean commit, and 0 in a step after a
+    recovery or a new epoch: that step may compile for a new world, see
+    :meth:`HeartbeatWriter.unsettle`)."""
     between: float
     """Since when the worker is between steps (0: inside one)."""
     commits: float
@@ -152,6 +154,7 @@ class HeartbeatWriter:
         self._silence = 0.0
         self._silences: collections.deque[float] = collections.deque(maxlen=PACE_WINDOW)
         self._pace = 0.0
+        self._settled = True
         self._compute = 0.0
         self._commits = 0
         self._between = 0.0
@@ -177,8 +180,9 @@ class HeartbeatWriter:
 
     @property
     def pace(self) -> float:
-        """The life's pace (see the class; 0 before its first clean commit)."""
-        return self._pace
+        """The life's pace (see the class; 0 before its first clean commit and while
+        unsettled: :meth:`unsettle`)."""
+        return self._pace if self._settled else 0.0
 
     @property
     def compute(self) -> float:
@@ -200,19 +204,29 @@ class HeartbeatWriter:
 
     def committed(self, *, clean: bool) -> None:
         """The life committed a step; ``clean``: without a recovery since the last commit
-        (its silences are the job's pace; a recovery's are not)."""
+        (its silences are the job's pace; a recovery's are not, nor those of a step after
+        :meth:`unsettle`)."""
         self._commits += 1
-        if clean and self._commits > 1 and self._silence > 0:  # (a life's first step warms up)
-            self._silences.append(self._silence)
+        if clean and self._settled and self._commits > 1 and self._silence > 0:
+            self._silences.append(self._silence)  # (a life's first step warms up: not it)
             self._pace = pace_of(self._silences)
             self._compute = compute_of(self._silences)
+        self._settled = True
         self._silence = 0.0
         self.beat()
+
+    def unsettle(self) -> None:
+        """A recovery or a new epoch: until the next commit the step may be unlike the
+        job's pace (JAX compiles its step again for an elastic world's new shapes, a
+        collective builds new connections), so the agent judges it by ``--hang-timeout``
+        alone (the heartbeat shows pace 0), and its silences are not the pace."""
+        self._settled = False
+        self._write(time.monotonic())
 
     def _write(self, now: float) -> None:
         if self._mm is not None:
             self._mm[0:_SIZE] = struct.pack(
-                self._FMT, now, self._pace, self._between, float(self._commits), self._compute
+                self._FMT, now, self.pace, self._between, float(self._commits), self._compute
             )
 
     def waiting(self, on: bool) -> None:

@@ -201,6 +201,8 @@ class ManagerFFT(OnTheBus, Manager):
             ok = super().should_commit(timeout)
         if ok:
             self._hb.committed(clean=self._clean)
+        else:
+            self._hb.unsettle()  # (the next quorum may re-form: not the pace's step)
         self._clean = ok
         self._hb.beat()
         self._end_attempt(ok)

@@ -275,10 +275,12 @@ class Executor(OnCore):
         self.membership.vote(a)
 
     def form(self, a: FormEpoch) -> None:
+        self.sv.heartbeat.unsettle()  # (a new world: its first step may compile again)
         self.membership.form(a)
 
     def zero_grads(self, a: ZeroGrads) -> None:
         self.registry.rollback()
+        self.sv.heartbeat.unsettle()
         self.rollbacks += 1
         self.recoveries += 1
         s = self.state
