@@ -16,7 +16,8 @@
 
 The client runs on one asyncio loop per process, in a daemon thread; every call here
 blocks the calling thread until the loop answers or the store's timeout passes. The
-client reconnects to another server of the list within ~50 ms of losing its own, and a
+client reconnects to another server of the list within ~50 ms of losing its own (one cut
+off: as soon as a call's try meets a ping it does not answer, ``natsio.Conn.suspect``), and a
 store call retries through that. Keys are escaped into the characters JetStream allows.
 """
 
@@ -57,6 +58,11 @@ _RETRY_S = (0.001, 0.05)
 _RECHECK_S = 0.05
 """A blocking read of a missing key is woken by the key's write (every process watches the
 bucket's subjects on core NATS); it reads again at least this often all the same."""
+
+
+class _InProcess(Exception):
+    """JetStream still processes an earlier try of this write (same message id, sent
+    through a server since left): try again, it answers as a duplicate once done."""
 
 
 def is_nats(address: str | None) -> bool:
@@ -154,7 +160,10 @@ class NatsKV:
                 NoStreamResponseError,
                 ConnectionClosedError,
                 asyncio.TimeoutError,
+                _InProcess,
             ) as e:
+                if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+                    self._conn.suspect()  # (a server cut off answers nothing, ever)
                 if time.monotonic() + pause >= deadline:
                     raise self._Timeout(
                         f"NATS store: no answer within {limit:.1f} s ({type(e).__name__})"
@@ -179,6 +188,8 @@ class NatsKV:
             except APIError as e:
                 if e.err_code in (10071, 10164):  # wrong last sequence
                     raise KeyWrongLastSequenceError(description=e.description) from e
+                if e.err_code == 10158:  # duplicate message id is in process
+                    raise _InProcess(e.description) from e
                 raise
             return int(ack.seq)
 

@@ -1,7 +1,10 @@
 """The NATS client of one process: one asyncio loop in a daemon thread, and one
 connection per server list, shared by every store object and bus endpoint of the process
 (:mod:`fastft.bus.nats`). The client reconnects to another server of the list within
-~50 ms of losing its own. ``shutdown()`` (at exit, or in tests) closes them."""
+~50 ms of losing its own. A server cut off sends no reset: a call that gets no answer in
+time pings it (:meth:`Conn.suspect`), and one that does not answer the ping either is left
+for another server of the list; an idle connection finds it out by the client's own pings
+(``PING_S``). ``shutdown()`` (at exit, or in tests) closes them."""
 
 from __future__ import annotations
 
@@ -24,6 +27,19 @@ BUCKET = "fastft"
 """The JetStream key-value bucket of the control plane."""
 RECONNECT_WAIT_S = 0.05
 """How long the client waits before it tries the next server after losing one."""
+PING_S = 1.0
+"""The client pings its server this often, and leaves it after 2 pings unanswered (an idle
+connection to a server cut off; nats-py's default waits 2 minutes for each)."""
+PROBE_S = 0.2
+"""A call that got no answer in time pings the server: no answer within this long either,
+and the client leaves it for another server (:meth:`Conn.suspect`)..."""
+REPROBE_S = 1.0
+"""...at most once this often per connection (a slow JetStream leader answers pings: a
+stream of timeouts from it leads to one ping per second, not one per call)."""
+SHUN_S = 10.0
+"""A server left for not answering is not tried again for this long while another is there
+(nats-py alone shuffles the list: the server cut off came first again in 1 of 3 tries, and
+its connect timed out after 5 s)."""
 
 T = TypeVar("T")
 
@@ -77,6 +93,12 @@ class Conn:
         self._waiters: dict[str, list[threading.Event]] = {}
         self._wlock = threading.Lock()
         self._watching = False
+        self._probed = 0.0
+        self._shunned: dict[str, float] = {}
+        """Server (host:port) -> until when a reconnection passes it over."""
+        self._turn = 0
+        self.leaves = 0
+        """How often this connection left a server that did not answer a ping."""
 
         async def connect() -> tuple[Any, Any, Any]:
             async def quiet(e: Exception) -> None:  # reconnects are logged, not raised
@@ -89,6 +111,9 @@ class Conn:
                 reconnect_time_wait=RECONNECT_WAIT_S,
                 max_reconnect_attempts=-1,
                 allow_reconnect=True,
+                ping_interval=PING_S,
+                max_outstanding_pings=2,
+                reconnect_to_server_handler=self._next_server,
                 error_cb=quiet,
             )
             js = nc.jetstream(timeout=min(timeout_s, 5.0))
@@ -145,6 +170,50 @@ class Conn:
 
             run(watch(), 5.0)
         return ev
+
+    def _next_server(self, servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
+        """nats-py's choice of the server to reconnect to: the next one around the list
+        that was not left for silence within ``SHUN_S`` (any, if every one was)."""
+        now = time.monotonic()
+        fit = [s for s in servers if self._shunned.get(s.uri.netloc, 0.0) <= now] or servers
+        self._turn += 1
+        return fit[self._turn % len(fit)], RECONNECT_WAIT_S if self._turn > 1 else 0.0
+
+    def suspect(self) -> None:
+        """A call got no answer within its try: ping the server, and if it does not answer
+        within ``PROBE_S`` (its link cut, or the host gone without a reset) reconnect to
+        another server of the list now (at most once per ``REPROBE_S``)."""
+        with self._wlock:
+            now = time.monotonic()
+            if now - self._probed < REPROBE_S:
+                return
+            self._probed = now
+        nc = self.nc
+
+        async def probe() -> bool:
+            if not nc.is_connected:
+                return False  # (reconnecting already)
+            try:
+                await nc.flush(timeout=PROBE_S)
+                return False
+            except Exception:
+                self._shunned[url] = time.monotonic() + SHUN_S
+                await nc.force_reconnect()
+                return True
+
+        url = getattr(nc.connected_url, "netloc", "?")
+        try:
+            left = run(probe(), PROBE_S + 1.0)
+        except Exception:
+            return
+        if left:
+            self.leaves += 1
+            log.warning(
+                "nats: the server at %s did not answer a ping within %.0f ms: reconnecting "
+                "to another server of the list",
+                url,
+                PROBE_S * 1000,
+            )
 
     def forget(self, key: str, ev: threading.Event) -> None:
         with self._wlock:

@@ -24,7 +24,6 @@ DEFAULT_PREFAULT_MB = 0
 """Off by default: it makes a spare ready later (the touching is part of its warm-up); it
 pays for large CPU-resident states (docs/measurements.md, "Spare prefault")."""
 
-
 RELAY_AUTO_WORKERS = 64
 """``--bus-relay auto`` relays from this many workers on (docs/measurements.md, "The bus relay")."""
 
@@ -283,7 +282,9 @@ class LaunchConfig:
         "multi-node: each agent renews its node's lease this often (ms); a node whose lease "
         "is not renewed for --node-lease-misses heartbeats is declared lost, its workers dead",
     )
-    node_lease_misses: int = _flag(3, "multi-node: heartbeats a node may miss before it is lost")
+    node_lease_misses: int | None = _flag(
+        None, "multi-node: heartbeats a node may miss before it is lost (default 3; NATS: 30)"
+    )
     job_secret_file: str | None = _flag(
         None,
         "the job secret (a file of mode 0600, the same on every node; fastft secret new PATH "
@@ -427,9 +428,9 @@ class LaunchConfig:
             self.checkpoint_interval_s,
             self.checkpoint_keep,
         )
-        from fastft.launch.lease import LeaseConfig  # (pure)
+        from fastft.launch.lease import DEFAULT_MISSES, LeaseConfig  # (pure)
 
-        LeaseConfig(self.node_heartbeat_ms, self.node_lease_misses)
+        LeaseConfig(self.node_heartbeat_ms, self.node_lease_misses or DEFAULT_MISSES)
         if "/" in self.job or not self.job:
             raise ConfigError(f"--job {self.job!r}: non-empty, without '/'")
 

@@ -12,7 +12,14 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from fastft.launch.lease import DONE, NATS_STORE_GRACE_S, LeaseConfig, NodeLease
+from fastft.launch.lease import (
+    DEFAULT_MISSES,
+    DONE,
+    NATS_MISSES,
+    NATS_STORE_GRACE_S,
+    LeaseConfig,
+    NodeLease,
+)
 from fastft.launch.lives import declared_lives
 from fastft.protocol import Fault, Severity
 
@@ -48,7 +55,7 @@ class NodeWatch:
             cfg.nnodes,
             LeaseConfig(
                 cfg.node_heartbeat_ms,
-                cfg.node_lease_misses,
+                cfg.node_lease_misses or (NATS_MISSES if cfg.control else DEFAULT_MISSES),
                 store_grace_s=NATS_STORE_GRACE_S if cfg.control else None,
             ),
             on_lost=self.node_lost,

@@ -1,0 +1,118 @@
+"""Real network faults on the NATS control plane (issue 50): three nodes and three NATS
+servers, each in a network namespace of its own (:class:`~_netlab.NetLab`), held to
+S1-S5 as the fault tests hold theirs. A server cut off, or a node's link flapping for
+300 ms, must not cost the job an uncut node."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "fault"))
+from _netlab import NetLab, can_run  # noqa: E402
+from _runs import check_s1_s3, finals  # noqa: E402
+from test_network_faults import finish, wait_step  # noqa: E402
+
+from fastft.bus.natscluster import server_binary, write_config  # noqa: E402
+from fastft.protocol.auth import JobSecret  # noqa: E402
+from fastft.runtime import read_events  # noqa: E402
+
+pytestmark = [
+    pytest.mark.net,
+    pytest.mark.skipif(can_run() is not None, reason=str(can_run())),
+]
+
+NODES = 3
+SERVERS = (3, 4, 5)
+"""The namespaces of the NATS servers (0-2 are the nodes)."""
+CLIENT_PORT, ROUTE_PORT = 4222, 6222
+
+
+def start_servers(lab: NetLab, tmp: Path) -> str:
+    """The three servers, routed to each other, each in its namespace; their ``--control``."""
+    for i in SERVERS:
+        routes = [f"{lab.addr(j)}:{ROUTE_PORT}" for j in SERVERS if j != i]
+        conf = write_config(tmp / f"nats{i}", f"n{i}", lab.addr(i), CLIENT_PORT, ROUTE_PORT, routes)
+        log = open(tmp / f"nats{i}.log", "w")  # noqa: SIM115 - closed with the lab
+        lab.popen(i, [server_binary(), "-c", str(conf)], stdout=log, stderr=log)
+    urls = [f"nats://{lab.addr(i)}:{CLIENT_PORT}" for i in SERVERS]
+    ready = lab.popen(
+        0,
+        [sys.executable, "-c",
+         "import sys; from fastft.bus.natscluster import wait_jetstream; "
+         "wait_jetstream(sys.argv[1:], timeout_s=60)", *urls],
+    )  # fmt: skip
+    assert ready.wait(timeout=90) == 0, "the NATS servers' JetStream never answered"
+    return ",".join(urls)
+
+
+def start(lab: NetLab, tmp: Path, control: str, steps: int, *flags: str) -> tuple[Path, list]:
+    run = tmp / "run"
+    run.mkdir()
+    secret = JobSecret.draw().save(tmp / "job.secret")
+    procs = []
+    for node in range(NODES):
+        cmd = [
+            sys.executable, "-m", "fastft.cli", "run", "--nproc", "1",
+            "--nnodes", str(NODES), "--node-rank", str(node),
+            "--control", control, "--job-secret-file", str(secret),
+            "--job", "natsnet", "--run-dir", str(run), "--check-every", "1",
+            "--min-replicas", "2", *flags,
+            "-m", "fastft.demo.train", "--", "--steps", str(steps),
+            "--step-time", "0.05", "--out", str(run / "out"),
+        ]  # fmt: skip
+        log = open(tmp / f"node{node}.log", "w")  # noqa: SIM115 - closed with the lab
+        procs.append(lab.popen(node, cmd, stdout=log, stderr=log))
+    return run, procs
+
+
+def logs(tmp: Path) -> str:
+    names = [f"node{i}" for i in range(NODES)] + [f"nats{i}" for i in SERVERS]
+    return "\n".join(f"--- {n}\n" + (tmp / f"{n}.log").read_text()[-2500:] for n in names)
+
+
+def lost_nodes(run: Path) -> list[int]:
+    return [e.get("node") for e in read_events(run) if e["event"] == "node_lost"]
+
+
+@pytest.mark.timeout(300)
+def test_a_nats_server_cut_off_costs_the_job_no_node(tmp_path):
+    """One server of three cut off for 5 s, then back: its clients leave it within ~0.5 s
+    (a call unanswered, then a ping: ``natsio.Conn.suspect``; nats-py alone waited 2
+    minutes per ping), a new JetStream leader is elected if it led, and no node is lost
+    on the default lease (3 s on NATS); the job ends equal everywhere."""
+    with NetLab(NODES + len(SERVERS)) as lab:
+        control = start_servers(lab, tmp_path)
+        run, procs = start(lab, tmp_path, control, 160)
+        wait_step(run, 20)
+        lab.cut(SERVERS[1])
+        time.sleep(5.0)
+        lab.mend(SERVERS[1])
+        codes = finish(procs, tmp_path)
+        assert codes == [0, 0, 0], logs(tmp_path)
+    assert lost_nodes(run) == [], logs(tmp_path)
+    check_s1_s3(run, steps=160)
+    assert len({v["digest"] for v in finals(run).values()}) == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_nodes_300_ms_flap_on_nats_loses_no_other_node(tmp_path):
+    """Node 1's link down for 300 ms (its client and every server's route to it), with the
+    default lease on NATS (3 s: ``lease.NATS_MISSES``): nothing is lost. On a 300 ms
+    lease another node was (and, its server cut, every node in one run), its healthy
+    worker killed."""
+    with NetLab(NODES + len(SERVERS)) as lab:
+        control = start_servers(lab, tmp_path)
+        run, procs = start(lab, tmp_path, control, 120)
+        wait_step(run, 20)
+        lab.cut(1)
+        time.sleep(0.3)
+        lab.mend(1)
+        codes = finish(procs, tmp_path)
+        assert codes == [0, 0, 0], logs(tmp_path)
+    assert lost_nodes(run) == [], logs(tmp_path)
+    check_s1_s3(run, steps=120)
+    assert len({v["digest"] for v in finals(run).values()}) == 1
