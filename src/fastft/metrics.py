@@ -99,7 +99,7 @@ class Fold:
                 if not p.detected and p.rank != r and t >= p.t:
                     p.detected = True
                     self.detection_s.append(t - p.t)
-        elif name == "straggler":
+        elif name in ("straggler", "slow_link"):
             self.stragglers += 1
         elif name == "restart":
             self.restarts["process"] = self.restarts.get("process", 0) + 1
@@ -272,7 +272,7 @@ def _instruments(pc: Any, reg: Any) -> dict[str, Any]:
         "restarts": total("fastft_restarts_total", "restarts", ("how",)),
         "rejected": total("fastft_bus_rejected_total", "bus frames not acted on", ("why",)),
         "heal_bytes": total("fastft_heal_bytes_total", "bytes received by healing workers"),
-        "stragglers": total("fastft_stragglers_total", "workers named stragglers"),
+        "stragglers": total("fastft_stragglers_total", "workers or links named stragglers"),
         "detection": pc.Histogram(
             "fastft_detection_seconds",
             "fault -> first peer interrupted",

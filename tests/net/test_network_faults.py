@@ -151,3 +151,39 @@ def test_the_store_hosts_cut_ends_every_other_node_within_seconds_saying_why(tmp
         # node 0 (the store's host, alone below --min-replicas) says what it waits for
         log = (tmp_path / "node0.log").read_text()
         assert "waiting for restarted workers" in log, log[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_throttled_link_is_found_by_a_probe_and_named(tmp_path):
+    """Node 2's outgoing link shaped to 4 Mbit/s (``tc tbf``) mid-run: every member
+    computes as fast as before (the straggler check names no one), but the steps slow
+    down; node 0's agent asks for a probe round (``fastft.launch.links``), every node
+    times 256 KiB to its next nodes, and node 2's link is named. The probe at the start
+    named nothing."""
+    with NetLab(NODES) as lab:
+        run, procs = start(lab, tmp_path, 400)
+        wait_step(run, 60)
+        t_throttle = time.monotonic()
+        lab.throttle(2, "4mbit")
+        deadline = time.monotonic() + 90
+        named: list[dict] = []
+        while not named and time.monotonic() < deadline:
+            time.sleep(0.5)
+            named = [e for e in read_events(run) if e["event"] == "slow_link"]
+        codes = finish(procs, tmp_path, timeout=240)
+        assert codes == [0, 0, 0], logs(tmp_path)
+    ev = read_events(run)
+    rounds = [e for e in ev if e["event"] == "probe_round"]
+    assert rounds and rounds[0]["why"] == "the job's start", rounds
+    named = [e for e in ev if e["event"] == "slow_link"]
+    assert named, (rounds, logs(tmp_path))
+    # (its egress shaped: what it sends, and the TCP acks of what it receives)
+    assert named[0]["node"] == 2 and named[0]["direction"] in ("sends", "both ways"), named
+    assert named[0]["mono"] > t_throttle and "steps take" in named[0]["why"], named
+    assert not [e for e in ev if e["event"] == "straggler"]  # nobody computes slower
+    # the probe is gentle with a slow link: 512 KiB at once held node 2's lease renewals
+    # back past the lease (declared lost twice, its worker restarted)
+    assert not [e for e in ev if e["event"] in ("node_lost", "restart")], logs(tmp_path)
+    assert "fastft: straggler: node 2's link" in (tmp_path / "node0.log").read_text()
+    check_s1_s3(run, steps=400)
+    assert len({v["digest"] for v in finals(run).values()}) == 1

@@ -17,8 +17,7 @@
 The client runs on one asyncio loop per process, in a daemon thread; every call here
 blocks the calling thread until the loop answers or the store's timeout passes. The
 client reconnects to another server of the list within ~50 ms of losing its own (one cut
-off: as soon as a call's try meets a ping it does not answer, ``natsio.Conn.suspect``), and a
-store call retries through that. Keys are escaped into the characters JetStream allows.
+off: after a try and a ping unanswered, ``natsio.Conn.suspect``); store calls retry. Keys are escaped into the characters JetStream allows.
 """
 
 from __future__ import annotations
@@ -61,8 +60,7 @@ bucket's subjects on core NATS); it reads again at least this often all the same
 
 
 class _InProcess(Exception):
-    """JetStream still processes an earlier try of this write (same message id, sent
-    through a server since left): try again, it answers as a duplicate once done."""
+    """JetStream still processes an earlier try of this write (same message id): retry."""
 
 
 def is_nats(address: str | None) -> bool:

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fastft.launch.links import Links
 from fastft.process.heartbeat import RECENT_STEPS, read_heartbeat
 from fastft.protocol import DrainRequest, Message
 
@@ -105,6 +106,7 @@ class Stragglers:
     def __init__(self, agent: AgentPorts) -> None:
         self.agent = agent
         self.watch = StragglerWatch()
+        self.links = Links(agent)
         self._next = 0.0
         self._written = ""
 
@@ -115,40 +117,52 @@ class Stragglers:
             return
         self._next = now + EXCHANGE_S
         mine = self._mine()
-        computes = self._exchange(mine) if cfg.nnodes > 1 else mine
-        if computes is None:
+        ranks_of: dict[int, list[int]] = {cfg.node_rank: sorted(mine)}
+        members = self._exchange(mine, ranks_of) if cfg.nnodes > 1 else mine
+        self.links.tick(
+            now, None if members is None else {r: t for r, (_, _, t) in members.items()}, ranks_of
+        )
+        if members is None:
             return  # not node 0 (it compares), or the store did not answer
+        computes = {r: (inc, c) for r, (inc, c, _) in members.items()}
         for s in self.watch.newly(slow_members(computes, cfg.straggler_factor)):
             self._name(s)
 
-    def _mine(self) -> dict[int, tuple[int, float]]:
+    def _mine(self) -> dict[int, tuple[int, float, float]]:
+        """This node's live workers: rank -> (incarnation, compute, step time)."""
         out = {}
         for slot in self.agent.slots.values():
             if slot.done or slot.proc is None or slot.proc.returncode is not None:
                 continue
             hb = read_heartbeat(slot.heartbeat)
             if hb is not None and hb.last >= slot.started:
-                out[slot.rank] = (slot.incarnation, hb.compute)
+                out[slot.rank] = (slot.incarnation, hb.compute, hb.step)
         return out
 
-    def _exchange(self, mine: dict[int, tuple[int, float]]) -> dict[int, tuple[int, float]] | None:
-        """Write this node's computes; on node 0, read every node's (None elsewhere)."""
+    def _exchange(
+        self, mine: dict[int, tuple[int, float, float]], ranks_of: dict[int, list[int]]
+    ) -> dict[int, tuple[int, float, float]] | None:
+        """Write this node's workers' figures; on node 0, read every node's (None
+        elsewhere), and which node runs which ranks into ``ranks_of``."""
         a = self.agent
         cfg = a.config
-        text = json.dumps({str(r): [inc, round(c, 6)] for r, (inc, c) in mine.items()})
+        text = json.dumps({str(r): [i, round(c, 6), round(t, 6)] for r, (i, c, t) in mine.items()})
         try:
             if text != self._written:
                 a.store.set(a.keys.node_computes(cfg.node_rank), text)
                 self._written = text
             if cfg.node_rank != 0:
                 return None
-            keys = [a.keys.node_computes(n) for n in range(cfg.nnodes) if n != cfg.node_rank]
+            nodes = [n for n in range(cfg.nnodes) if n != cfg.node_rank]
+            keys = [a.keys.node_computes(n) for n in nodes]
             got = dict(mine)
             if not a.store.check(keys):  # (one round trip; a node not started yet: later)
                 return got
-            for raw in a.store.multi_get(keys):
-                for r, (inc, c) in json.loads(bytes(raw)).items():
-                    got[int(r)] = (int(inc), float(c))
+            for n, raw in zip(nodes, a.store.multi_get(keys), strict=True):
+                theirs = json.loads(bytes(raw))
+                ranks_of[n] = sorted(int(r) for r in theirs)
+                for r, (inc, c, t) in theirs.items():
+                    got[int(r)] = (int(inc), float(c), float(t))
             return got
         except Exception as e:  # (the store's loss is the node lease's to judge)
             log.warning("stragglers: could not exchange computes: %s", e)
@@ -198,6 +212,7 @@ class Stragglers:
     def on_message(self, m: Message) -> None:
         """A bus callback: a straggler's drain node 0's agent asked for (its reason says
         so), of a worker of this node."""
+        self.links.on_message(m)
         if not isinstance(m, DrainRequest) or not m.reason.startswith("straggler:"):
             return
         slot = self.agent.slots.get(m.target_rank)

@@ -64,8 +64,9 @@ class _Blocked:
         self.hb.waiting(False)
 
 
-_FMT = "<ddddd"
-"""The heartbeat file: last beat, pace, between-steps since, commits, compute (40 bytes)."""
+_FMT = "<dddddd"
+"""The heartbeat file: last beat, pace, between-steps since, commits, compute, step (48
+bytes)."""
 _SIZE = struct.calcsize(_FMT)
 
 RECENT_STEPS = 10
@@ -94,6 +95,9 @@ class Beat(NamedTuple):
     compute: float
     """The median of its last :data:`RECENT_STEPS` clean steps' longest silence: how long
     its step computes (0 until it has that many)."""
+    step: float = 0.0
+    """The median of its last :data:`RECENT_STEPS` clean steps' wall time, commit to
+    commit: the job's step time as this member sees it (0 until it has that many)."""
 
 
 HANG_PACES = 10.0
@@ -156,6 +160,9 @@ class HeartbeatWriter:
         self._pace = 0.0
         self._settled = True
         self._compute = 0.0
+        self._walls: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
+        self._committed_at = 0.0
+        self._step = 0.0
         self._commits = 0
         self._between = 0.0
         self.blocked = _Blocked(self)
@@ -190,6 +197,11 @@ class HeartbeatWriter:
         return self._compute
 
     @property
+    def step(self) -> float:
+        """The life's recent step time, commit to commit (see :class:`Beat`)."""
+        return self._step
+
+    @property
     def between_since(self) -> float:
         """Since when the main thread is between steps (0: inside one, or in the runtime)."""
         return self._between
@@ -207,10 +219,14 @@ class HeartbeatWriter:
         (its silences are the job's pace; a recovery's are not, nor those of a step after
         :meth:`unsettle`)."""
         self._commits += 1
+        now = time.monotonic()
         if clean and self._settled and self._commits > 1 and self._silence > 0:
             self._silences.append(self._silence)  # (a life's first step warms up: not it)
             self._pace = pace_of(self._silences)
             self._compute = compute_of(self._silences)
+            self._walls.append(now - self._committed_at)
+            self._step = compute_of(self._walls)
+        self._committed_at = now
         self._settled = True
         self._silence = 0.0
         self.beat()
@@ -226,7 +242,13 @@ class HeartbeatWriter:
     def _write(self, now: float) -> None:
         if self._mm is not None:
             self._mm[0:_SIZE] = struct.pack(
-                self._FMT, now, self.pace, self._between, float(self._commits), self._compute
+                self._FMT,
+                now,
+                self.pace,
+                self._between,
+                float(self._commits),
+                self._compute,
+                self._step,
             )
 
     def waiting(self, on: bool) -> None:
@@ -275,7 +297,7 @@ class HeartbeatWriter:
             # commits is not failing "before its first commit").
             left = time.monotonic() + self.EXIT_GRACE_S
             self._mm[0:_SIZE] = struct.pack(
-                self._FMT, left, self._pace, 0.0, float(self._commits), self._compute
+                self._FMT, left, self._pace, 0.0, float(self._commits), self._compute, self._step
             )
             self._mm.close()
             self._mm = None

@@ -144,6 +144,19 @@ class JobKeys:
         (:mod:`fastft.launch.stragglers`): ``{rank: [incarnation, seconds]}``."""
         return f"{self.root}/node/{node}/computes"
 
+    def node_probe(self, node: int) -> str:
+        """HOST:PORT of the node's probe server (:mod:`fastft.launch.links`)."""
+        return f"{self.root}/node/{node}/probe"
+
+    @property
+    def probe_round(self) -> str:
+        """The last probe round node 0's agent asked for (a number; "" before any)."""
+        return f"{self.root}/probe/round"
+
+    def probe_result(self, round_: int, node: int) -> str:
+        """``node``'s probe times in round ``round_``: ``{peer: seconds}``."""
+        return f"{self.root}/probe/{round_}/{node}"
+
     def node_lost(self, node: int) -> str:
         """Set by compare-and-set by the agent that declared ``node`` lost
         (``counter@declarer``, or ``done`` once its agent finished); the node's agent

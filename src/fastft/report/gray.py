@@ -1,5 +1,5 @@
 """Gray failures in a run's report: the members named stragglers
-(:mod:`fastft.launch.stragglers`), the replicas found corrupted by the in-band replica
+(:mod:`fastft.launch.stragglers`) and the nodes' links (:mod:`fastft.launch.links`), the replicas found corrupted by the in-band replica
 check and repaired (:func:`fastft.runtime.state.compare.repair`), and what was done."""
 
 from __future__ import annotations
@@ -15,9 +15,23 @@ def stragglers(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
     commits = sorted((e["mono"], e["step"]) for e in ev if e["event"] == "commit")
     out = []
     for e in ev:
-        if e["event"] != "straggler":
+        if e["event"] not in ("straggler", "slow_link"):
             continue
         step = max((s for t, s in commits if t <= e["mono"]), default=None)
+        if e["event"] == "slow_link":  # (a node's link, found by a probe: fastft.launch.links)
+            out.append(
+                {
+                    "node": e["node"],
+                    "direction": e["direction"],
+                    "ratio": e["ratio"],
+                    "probe_ms": e["probe_ms"],
+                    "others_ms": e["others_ms"],
+                    "step": step,
+                    "action": e["action"],
+                    "t": e["mono"],
+                }
+            )
+            continue
         out.append(
             {
                 "rank": e["rank"],
@@ -64,6 +78,15 @@ def gray_lines(s: dict[str, Any]) -> list[str]:
         return lines
     lines += ["", "stragglers (members every step waited for):"]
     for x in s["stragglers"]:
+        at = x["step"] if x["step"] is not None else "-"
+        if "node" in x:
+            done = "its workers drained, quarantined" if x["action"] == "replace" else "reported"
+            lines.append(
+                f"  node {x['node']}'s link at step {at}: {x['direction']} {x['ratio']:.1f}x "
+                f"slower than the others' (a {x['probe_ms']:.0f} ms probe against "
+                f"{x['others_ms']:.0f} ms); {done}"
+            )
+            continue
         done = "drained and replaced" if x["action"] == "replace" else "reported"
         lines.append(
             f"  rank {x['rank']} at step {x['step'] if x['step'] is not None else '-'}: "

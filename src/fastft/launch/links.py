@@ -1,0 +1,395 @@
+"""Slow links, found by probing (issue 50, active identification): a node whose network
+link is slow (a throttled port, a bad cable, a congested switch) makes every step wait in
+its collectives, yet every member computes as fast as before, so the straggler check
+(:mod:`fastft.launch.stragglers`, which compares computes) names no one. Nothing passive
+can: in a ring or tree every member waits for the same slowest link.
+
+**When.** Node 0's agent asks for a probe round (i) once at the start, when every member
+has :data:`~fastft.process.heartbeat.RECENT_STEPS` clean steps (a link slow from the
+start has no faster past to compare with), and (ii) when the job's steps (commit to
+commit, the median of the members') grow to ``--straggler-factor`` times the fastest the
+job ran in this world (:class:`Slowdown`); at most once per :data:`PROBE_EVERY_S`.
+
+**How.** Every agent of a multi-node job runs a probe server (a TCP port the OS picks on
+the address it reaches the store from; ``node_probe`` in the store). In round ``r``
+(``probe_round``) each agent sends :data:`PROBE_BYTES` to the next :data:`RING` nodes
+around the ring in acknowledged chunks, for at most :data:`PROBE_BUDGET_S` (a slow link's
+time is scaled up: the probe must not fill its queue), and writes the times
+(``probe_result``). Off the step's path: the agents' threads, at most 256 KiB per link.
+
+**Who is named** (:func:`slow_links`, pure): a node all of whose sends (or receipts) take
+``--straggler-factor`` times the median of the pairs without it, by at least
+:data:`MIN_EXTRA_S`: its link, in that direction. Two nodes cannot be told apart (every
+pair involves both). Named: an event (``slow_link``), a line of node 0's agent, the
+``fastft_stragglers_total`` metric, a row of ``fastft report``. With ``--stragglers
+replace`` the node's workers are asked to drain and their slots quarantined (the node
+leaves the job; an elastic world goes on without it, a fixed one waits for the operator):
+a replacement on the same link would be as slow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastft.protocol import DrainRequest, Message
+
+if TYPE_CHECKING:
+    from fastft.launch.ports import AgentPorts
+
+__all__ = [
+    "MIN_EXTRA_S",
+    "PROBE_BYTES",
+    "PROBE_EVERY_S",
+    "PROBE_TIMEOUT_S",
+    "RING",
+    "Links",
+    "SlowLink",
+    "Slowdown",
+    "probe_targets",
+    "slow_links",
+]
+
+log = logging.getLogger(__name__)
+
+PROBE_BYTES = 1 << 18
+"""What one probe sends (256 KiB: past a shaper's burst, ~2 ms on a healthy 1 Gbit/s link)."""
+PROBE_TIMEOUT_S = 3.0
+"""A probe unanswered this long counts as this long."""
+PROBE_BUDGET_S = 0.1
+"""A probe sends for at most this long (then its time is scaled to ``PROBE_BYTES``)."""
+CHUNK = 1 << 14
+"""A probe sends chunks of this size, each acknowledged before the next."""
+PROBE_WAIT_S = 2 * PROBE_TIMEOUT_S + 2.0
+"""Node 0 judges a round with the results in after this long (a node's missing: left out)."""
+PROBE_EVERY_S = 60.0
+"""At most one round a slowdown asks for per this long."""
+RING = 2
+"""Each node probes this many next nodes around the ring (every node sends and receives
+``RING`` probes: O(nodes) probes a round)."""
+MIN_EXTRA_S = 0.02
+"""A slow link's probe takes at least this much longer than the others' (noise)."""
+_ACK = b"k"
+_HEADER = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class SlowLink:
+    """A node whose link is slow in one direction: its probes against the others'."""
+
+    node: int
+    direction: str
+    """``sends``, ``receives`` or ``both ways``."""
+    seconds: float
+    others_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.others_s
+
+    def rate(self, seconds: float) -> float:
+        """MB/s of one probe taking ``seconds``."""
+        return PROBE_BYTES / max(seconds, 1e-6) / 1e6
+
+
+def probe_targets(node: int, nnodes: int, width: int = RING) -> list[int]:
+    """The nodes ``node`` probes: its next ``width`` around the ring (every other one if
+    fewer)."""
+    return [(node + k) % nnodes for k in range(1, min(width, nnodes - 1) + 1)]
+
+
+def slow_links(times: Mapping[tuple[int, int], float], factor: float) -> list[SlowLink]:
+    """The nodes whose every probe sent (or received) in ``times`` ((src, dst) ->
+    seconds) took ``factor`` x the median of the probes between other nodes, by
+    :data:`MIN_EXTRA_S` at least. None without probes that avoid a node (two nodes)."""
+    nodes = sorted({n for pair in times for n in pair})
+    out = []
+    for n in nodes:
+        rest = [t for (s, d), t in times.items() if n not in (s, d)]
+        if not rest:
+            continue
+        others = statistics.median(rest)
+        slow = {}
+        for direction, mine in (
+            ("sends", [t for (s, _), t in times.items() if s == n]),
+            ("receives", [t for (_, d), t in times.items() if d == n]),
+        ):
+            low = min(mine, default=0.0)
+            if mine and low >= factor * others and low - others >= MIN_EXTRA_S:
+                slow[direction] = statistics.median(mine)
+        if len(slow) == 2:  # (a shaper's queue holds its TCP acks back too)
+            out.append(SlowLink(n, "both ways", max(slow.values()), others))
+        elif slow:
+            ((direction, t),) = slow.items()
+            out.append(SlowLink(n, direction, t, others))
+    return out
+
+
+class Slowdown:
+    """Whether the job's steps grew past ``factor`` x the fastest this world ran (see the
+    module). Pure: :meth:`update` with the members' recent step times, 0 when unknown. The
+    members' computes cannot tell a slow link from slow arithmetic: a collective inside
+    the step counts as compute when it does not wait in the runtime. A probe costs a few
+    hundred KiB per link, so any slowdown asks for one; a member computing slower than
+    the others is the straggler check's to name."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self._world: frozenset[int] = frozenset()
+        self._best = 0.0
+        """The job's fastest step time in this world."""
+
+    def update(self, steps: Mapping[int, float]) -> str | None:
+        """Why to probe now (None: no reason)."""
+        if not steps or any(t <= 0 for t in steps.values()):
+            return None
+        step = statistics.median(steps.values())
+        world = frozenset(steps)
+        if world != self._world or not self._best or step < self._best:
+            self._world, self._best = world, step
+            return None
+        if step >= self.factor * self._best and step - self._best >= MIN_EXTRA_S:
+            return (
+                f"steps take {step / self._best:.1f}x as long as this world's fastest "
+                f"({step * 1e3:.0f} ms against {self._best * 1e3:.0f} ms)"
+            )
+        return None
+
+
+def _serve(sock: socket.socket) -> None:
+    """The probe server: read a length and that many bytes, acknowledge, close."""
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except OSError:
+            return
+        threading.Thread(target=_answer, args=(conn,), daemon=True).start()
+
+
+def _answer(conn: socket.socket) -> None:
+    with conn:
+        conn.settimeout(PROBE_TIMEOUT_S * 2)
+        try:
+            head = conn.recv(_HEADER.size, socket.MSG_WAITALL)
+            left = min(_HEADER.unpack(head)[0], PROBE_BYTES) if len(head) == _HEADER.size else 0
+            while left > 0:
+                chunk = conn.recv(min(left, CHUNK), socket.MSG_WAITALL)
+                if not chunk:
+                    return
+                left -= len(chunk)
+                conn.sendall(_ACK)
+        except (OSError, struct.error):
+            pass
+
+
+def probe(address: str, nbytes: int = PROBE_BYTES, timeout_s: float = PROBE_TIMEOUT_S) -> float:
+    """Seconds to send ``nbytes`` to the probe server at ``address`` (HOST:PORT), chunk by
+    acknowledged chunk; a slow link's probe stops after :data:`PROBE_BUDGET_S` and is
+    scaled up to ``nbytes`` (a probe must not fill a slow link's queue: on a 4 Mbit/s
+    link 512 KiB held the node's lease renewals back past the lease). ``timeout_s`` if no
+    chunk is acknowledged within it."""
+    host, _, port = address.rpartition(":")
+    start = time.monotonic()
+    sent = 0
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
+            s.settimeout(max(0.01, timeout_s - (time.monotonic() - start)))
+            s.sendall(_HEADER.pack(nbytes))
+            while sent < nbytes:
+                n = min(CHUNK, nbytes - sent)
+                s.sendall(bytes(n))
+                if s.recv(1) != _ACK:
+                    break
+                sent += n
+                if time.monotonic() - start >= PROBE_BUDGET_S:
+                    break
+    except (OSError, ValueError):
+        pass
+    took = time.monotonic() - start
+    if sent == 0:
+        return timeout_s
+    return min(took * nbytes / sent, timeout_s)
+
+
+def _local_address(toward: str) -> str:
+    """This host's address on the route to ``toward`` (HOST[:PORT]; no packet is sent)."""
+    host = toward.split("://")[-1].split(",")[0].rpartition(":")[0] or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host.strip("[]"), 9))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+class Links:
+    """The agent's part (see the module): :meth:`tick` from the straggler check's, every
+    agent's; node 0's with every member's step time and which node runs which ranks."""
+
+    def __init__(self, agent: AgentPorts) -> None:
+        self.agent = agent
+        cfg = agent.config
+        self.active = cfg.nnodes > 1 and cfg.stragglers != "off"
+        self.slowdown = Slowdown(cfg.straggler_factor)
+        self._sock: socket.socket | None = None
+        self._store: Any = None
+        self._answered = 0
+        """The last round this node probed in."""
+        self._pending: tuple[int, float, str] | None = None
+        """Node 0: the round in flight (round, judged by, why)."""
+        self._started = False
+        self._next = 0.0
+        self._named: set[tuple[int, str]] = set()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+
+    def tick(
+        self,
+        now: float,
+        members: Mapping[int, float] | None,
+        ranks_of: Mapping[int, list[int]],
+    ) -> None:
+        if not self.active:
+            return
+        a = self.agent
+        try:
+            if self._sock is None:
+                self._listen()
+            got = bytes(a.store.compare_set(a.keys.probe_round, "", "")) or b"0"
+            asked = int(got)
+            if asked > self._answered:
+                self._answered = asked
+                threading.Thread(
+                    target=self._probe, args=(asked,), name="fastft-probe", daemon=True
+                ).start()
+            if members is not None:
+                self._judge(now, members, ranks_of)
+        except Exception as e:  # (the store's loss is the node lease's to judge)
+            log.warning("links: %s", e)
+
+    def _listen(self) -> None:
+        a = self.agent
+        toward = a.config.store or a.config.control or "127.0.0.1:0"
+        sock = socket.create_server((_local_address(toward), 0))
+        threading.Thread(target=_serve, args=(sock,), name="fastft-probes", daemon=True).start()
+        host, port = sock.getsockname()[:2]
+        a.store.set(a.keys.node_probe(a.config.node_rank), f"{host}:{port}")
+        self._sock = sock
+        self._store = a.store.clone()
+
+    def _probe(self, round_: int) -> None:
+        """This node's probes of round ``round_`` (a thread of its own)."""
+        a, store = self.agent, self._store
+        me = a.config.node_rank
+        times = {}
+        for peer in probe_targets(me, a.config.nnodes):
+            key = a.keys.node_probe(peer)
+            try:
+                if store.check([key]):
+                    times[str(peer)] = round(probe(bytes(store.get(key)).decode()), 6)
+            except Exception as e:
+                log.warning("links: could not probe node %d: %s", peer, e)
+        try:
+            store.set(a.keys.probe_result(round_, me), json.dumps(times))
+        except Exception as e:
+            log.warning("links: could not write the probe times: %s", e)
+
+    def _judge(
+        self,
+        now: float,
+        members: Mapping[int, float],
+        ranks_of: Mapping[int, list[int]],
+    ) -> None:
+        a = self.agent
+        why = self.slowdown.update(members)
+        if self._pending is not None:
+            self._collect(now, ranks_of)
+            return
+        if not self._started and members and all(t > 0 for t in members.values()):
+            self._started, why = True, "the job's start"
+        elif why is None or now < self._next:
+            return
+        else:
+            self._next = now + PROBE_EVERY_S  # (the start's round spends none of it)
+        asked = self._answered + 1
+        a.store.set(a.keys.probe_round, str(asked))
+        self._pending = (asked, now + PROBE_WAIT_S, why)
+        a.events.emit("probe_round", round=asked, why=why)
+
+    def _collect(self, now: float, ranks_of: Mapping[int, list[int]]) -> None:
+        assert self._pending is not None
+        a, (asked, by, why) = self.agent, self._pending
+        keys = {n: a.keys.probe_result(asked, n) for n in range(a.config.nnodes)}
+        if not a.store.check(list(keys.values())):
+            if now < by:
+                return
+            keys = {n: k for n, k in keys.items() if a.store.check([k])}
+        self._pending = None
+        times = {}
+        for n, raw in zip(keys, a.store.multi_get(list(keys.values())), strict=True):
+            for peer, t in json.loads(bytes(raw) or b"{}").items():
+                times[(n, int(peer))] = float(t)
+        a.events.emit(
+            "probe_times", round=asked, times={f"{s}>{d}": t for (s, d), t in times.items()}
+        )
+        for link in slow_links(times, a.config.straggler_factor):
+            if (link.node, link.direction) not in self._named:
+                self._named.add((link.node, link.direction))
+                self._name(link, why, ranks_of.get(link.node, []))
+
+    def _name(self, link: SlowLink, why: str, ranks: list[int]) -> None:
+        a = self.agent
+        replace = a.config.stragglers == "replace"
+        a.events.emit(
+            "slow_link",
+            node=link.node,
+            direction=link.direction,
+            probe_ms=round(link.seconds * 1e3, 3),
+            others_ms=round(link.others_s * 1e3, 3),
+            ratio=round(link.ratio, 3),
+            ranks=ranks,
+            why=why,
+            action="replace" if replace else "report",
+        )
+        what = (
+            "its workers drain and their slots are quarantined (--stragglers replace)"
+            if replace
+            else "--stragglers replace would take it out of the job"
+        )
+        print(
+            f"fastft: straggler: node {link.node}'s link {link.direction}: "
+            f"{link.rate(link.seconds):.1f} MB/s, the others' {link.rate(link.others_s):.1f} "
+            f"MB/s ({link.ratio:.1f}x slower; a probe after {why}); every step waits for it; "
+            f"{what}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if not replace:
+            return
+        reason = f"slow link: node {link.node}'s {link.direction} {link.ratio:.1f}x slower"
+        for rank in ranks:
+            a.publish(DrainRequest(**a.header, target_rank=rank, reason=reason))
+            self.on_message(DrainRequest(**a.header, target_rank=rank, reason=reason))
+
+    def on_message(self, m: Message) -> None:
+        """A bus callback: node 0's agent takes a worker of this node out for its link:
+        its slot is quarantined (a replacement on the same link would be as slow)."""
+        if not isinstance(m, DrainRequest) or not m.reason.startswith("slow link:"):
+            return
+        a = self.agent
+        if m.target_rank not in a.slots or m.target_rank in a.offenders.quarantined:
+            return
+        a.offenders.quarantined[m.target_rank] = m.reason
+        a.events.emit("quarantined", rank=m.target_rank, reason=m.reason)
+        print(f"fastft: quarantine: rank {m.target_rank}: {m.reason}", file=sys.stderr, flush=True)
