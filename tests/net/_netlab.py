@@ -113,6 +113,15 @@ class NetLab:
     def mend(self, i: int) -> None:
         _ip("-n", self.hub, "link", "set", self._outer(i), "up")
 
+    def block(self, i: int, j: int) -> None:
+        """Node ``i`` can no longer reach node ``j`` (a blackhole route in ``i``'s
+        namespace: its packets to ``j`` vanish, silently); both still reach the others.
+        (No nftables, tc classifier or action here: routing is what this kernel has.)"""
+        _ip("-n", self.ns[i], "route", "add", "blackhole", f"{self.addr(j)}/32")
+
+    def unblock(self, i: int, j: int) -> None:
+        _ip("-n", self.ns[i], "route", "del", "blackhole", f"{self.addr(j)}/32")
+
     def throttle(self, i: int, rate: str) -> None:
         """Node ``i``'s outgoing traffic shaped to ``rate`` (``tc tbf``, e.g. ``"2mbit"``)."""
         subprocess.run(

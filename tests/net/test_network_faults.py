@@ -187,3 +187,29 @@ def test_a_throttled_link_is_found_by_a_probe_and_named(tmp_path):
     assert "fastft: straggler: node 2's link" in (tmp_path / "node0.log").read_text()
     check_s1_s3(run, steps=400)
     assert len({v["digest"] for v in finals(run).values()}) == 1
+
+
+@pytest.mark.timeout(300)
+def test_an_asymmetric_cut_is_found_by_a_probe_and_one_node_taken_out(tmp_path):
+    """Node 2 can no longer reach node 1 (a blackhole route; both reach node 0, the
+    store's host): the step's collective waits with every member alive. Before, Gloo
+    waited 60 s, then every re-formation failed on the pair until the fault storm's
+    limit failed the job. Now node 0's agent sees every member waiting, probes, finds the
+    pair broken, and takes node 2 out; the elastic world goes on with 0 and 1."""
+    with NetLab(NODES) as lab:
+        run, procs = start(lab, tmp_path, 300)
+        wait_step(run, 30)
+        t_block = time.monotonic()
+        lab.block(2, 1)
+        codes = finish(procs, tmp_path, timeout=200)
+        assert codes == [0, 0, 0], logs(tmp_path)
+    ev = read_events(run)
+    broken = [e for e in ev if e["event"] == "broken_link"]
+    assert broken and broken[0]["node"] == 2 and broken[0]["action"] == "exclude", logs(tmp_path)
+    assert sorted(map(tuple, broken[0]["pairs"])) == [(1, 2), (2, 1)]
+    assert broken[0]["mono"] - t_block < 20, broken  # (Gloo alone: 60 s, then a storm)
+    assert "fastft: broken link: node pairs 1 -> 2, 2 -> 1" in (tmp_path / "node0.log").read_text()
+    assert not [e for e in ev if e["event"] == "fault_storm"]
+    got = finals(run)
+    assert sorted(got) == [0, 1] and len({v["digest"] for v in got.values()}) == 1, got
+    check_s1_s3(run, steps=300)

@@ -88,3 +88,21 @@ def test_a_probe_is_timed_until_its_server_acknowledges() -> None:
         assert probe(f"127.0.0.1:{port}", timeout_s=0.5) == 0.5  # nothing listens: the limit
     finally:
         sock.close()
+
+
+def test_a_broken_pair_takes_out_one_of_its_nodes_never_a_whole_cut() -> None:
+    from fastft.launch.links import PROBE_TIMEOUT_S, Broken, _stuck, broken_pairs
+
+    dead = PROBE_TIMEOUT_S
+    times = ring_times(3, {(2, 1): dead, (1, 2): dead})  # a route 2 -> 1 blackholed
+    assert broken_pairs(times) == Broken(2, ((1, 2), (2, 1)))  # a tie: the higher node
+    times = ring_times(3, {(1, 0): dead, (0, 1): dead})
+    assert broken_pairs(times) == Broken(1, ((0, 1), (1, 0)))  # never node 0 if avoidable
+    assert broken_pairs(ring_times(3, {})) is None
+    cut = ring_times(3, {(2, 0): dead, (2, 1): dead, (0, 2): dead, (1, 2): dead})
+    assert broken_pairs(cut) is None  # node 2 cut off whole: the lease's business
+    # every member alive and waiting 20 step times (2 s at least): stuck
+    assert _stuck({0: (0.05, 2.5), 1: (0.05, 2.2)}) is not None
+    assert _stuck({0: (0.05, 2.5), 1: (0.05, 0.0)}) is None  # one computes
+    assert _stuck({0: (0.5, 5.0), 1: (0.5, 5.0)}) is None  # 10 steps of 0.5 s
+    assert _stuck({0: (0.05, 9.0)}) is None  # one member: nothing between members

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import socket
 import statistics
 import struct
@@ -52,8 +53,10 @@ __all__ = [
     "PROBE_EVERY_S",
     "PROBE_TIMEOUT_S",
     "RING",
+    "Broken",
     "Links",
     "SlowLink",
+    "broken_pairs",
     "Slowdown",
     "probe_targets",
     "slow_links",
@@ -76,6 +79,12 @@ PROBE_EVERY_S = 60.0
 RING = 2
 """Each node probes this many next nodes around the ring (every node sends and receives
 ``RING`` probes: O(nodes) probes a round)."""
+STUCK_FLOOR_S = 2.0
+STUCK_STEPS = 20
+"""Every member alive and waiting in the runtime for this many step times (at least
+``STUCK_FLOOR_S``) asks for a probe round: a collective stuck with no one hung is a
+network fault between members (a blackholed route: Gloo waited 60 s, then the pair
+failed every re-formation until the fault storm's limit)."""
 MIN_EXTRA_S = 0.02
 """A slow link's probe takes at least this much longer than the others' (noise)."""
 _ACK = b"k"
@@ -132,6 +141,36 @@ def slow_links(times: Mapping[tuple[int, int], float], factor: float) -> list[Sl
             ((direction, t),) = slow.items()
             out.append(SlowLink(n, direction, t, others))
     return out
+
+
+@dataclass(frozen=True)
+class Broken:
+    """Pairs of nodes whose probes failed while each reaches the others: ``node`` is the
+    one to take out (in the most of them; a tie: the higher number, never node 0 when
+    another will do, since it hosts the TCPStore)."""
+
+    node: int
+    pairs: tuple[tuple[int, int], ...]
+
+
+def broken_pairs(times: Mapping[tuple[int, int], float]) -> Broken | None:
+    """The broken pairs of ``times`` (a probe that failed or took
+    :data:`PROBE_TIMEOUT_S`) and whom to exclude; None if none, or if a node's every
+    probe failed (a node cut off whole is the node lease's, a slow one
+    :func:`slow_links`')."""
+    failed = tuple(sorted(p for p, t in times.items() if t >= PROBE_TIMEOUT_S))
+    if not failed:
+        return None
+    for n in {x for p in times for x in p}:
+        mine = [t for p, t in times.items() if n in p]
+        if all(t >= PROBE_TIMEOUT_S for t in mine):
+            return None
+    count: dict[int, int] = {}
+    for p in failed:
+        for n in p:
+            count[n] = count.get(n, 0) + 1
+    node = max(count, key=lambda n: (count[n], n != 0, n))
+    return Broken(node, failed)
 
 
 class Slowdown:
@@ -233,7 +272,8 @@ def _local_address(toward: str) -> str:
 
 class Links:
     """The agent's part (see the module): :meth:`tick` from the straggler check's, every
-    agent's; node 0's with every member's step time and which node runs which ranks."""
+    agent's; node 0's with every member's (step time, seconds waited in the runtime) and
+    which node runs which ranks."""
 
     def __init__(self, agent: AgentPorts) -> None:
         self.agent = agent
@@ -248,6 +288,7 @@ class Links:
         """Node 0: the round in flight (round, judged by, why)."""
         self._started = False
         self._next = 0.0
+        self._stuck_next = 0.0
         self._named: set[tuple[int, str]] = set()
 
     def close(self) -> None:
@@ -257,7 +298,7 @@ class Links:
     def tick(
         self,
         now: float,
-        members: Mapping[int, float] | None,
+        members: Mapping[int, tuple[float, float]] | None,
         ranks_of: Mapping[int, list[int]],
     ) -> None:
         if not self.active:
@@ -308,15 +349,19 @@ class Links:
     def _judge(
         self,
         now: float,
-        members: Mapping[int, float],
+        members: Mapping[int, tuple[float, float]],
         ranks_of: Mapping[int, list[int]],
     ) -> None:
         a = self.agent
-        why = self.slowdown.update(members)
+        steps = {r: t for r, (t, _) in members.items()}
+        why = self.slowdown.update(steps)
         if self._pending is not None:
             self._collect(now, ranks_of)
             return
-        if not self._started and members and all(t > 0 for t in members.values()):
+        stuck = _stuck(members)
+        if stuck is not None and now >= self._stuck_next:
+            why, self._stuck_next = stuck, now + PROBE_EVERY_S
+        elif not self._started and steps and all(t > 0 for t in steps.values()):
             self._started, why = True, "the job's start"
         elif why is None or now < self._next:
             return
@@ -337,9 +382,11 @@ class Links:
             keys = {n: k for n, k in keys.items() if a.store.check([k])}
         self._pending = None
         times = {}
+        live = {n for n, ranks in ranks_of.items() if ranks}  # (a node taken out: not judged)
         for n, raw in zip(keys, a.store.multi_get(list(keys.values())), strict=True):
             for peer, t in json.loads(bytes(raw) or b"{}").items():
-                times[(n, int(peer))] = float(t)
+                if n in live and int(peer) in live:
+                    times[(n, int(peer))] = float(t)
         a.events.emit(
             "probe_times", round=asked, times={f"{s}>{d}": t for (s, d), t in times.items()}
         )
@@ -347,6 +394,9 @@ class Links:
             if (link.node, link.direction) not in self._named:
                 self._named.add((link.node, link.direction))
                 self._name(link, why, ranks_of.get(link.node, []))
+        broken = broken_pairs(times)
+        if broken is not None:
+            self._exclude(broken, why, ranks_of.get(broken.node, []))
 
     def _name(self, link: SlowLink, why: str, ranks: list[int]) -> None:
         a = self.agent
@@ -382,14 +432,62 @@ class Links:
             a.publish(DrainRequest(**a.header, target_rank=rank, reason=reason))
             self.on_message(DrainRequest(**a.header, target_rank=rank, reason=reason))
 
+    def _exclude(self, broken: Broken, why: str, ranks: list[int]) -> None:
+        """Take ``broken.node`` out: an elastic world goes on without it (the pair cannot
+        meet in any process group); a fixed world cannot, and the job is told why."""
+        a = self.agent
+        pairs = ", ".join(f"{s} -> {d}" for s, d in broken.pairs)
+        elastic = a.config.min_replicas is not None
+        a.events.emit(
+            "broken_link",
+            pairs=[list(p) for p in broken.pairs],
+            node=broken.node,
+            ranks=ranks,
+            why=why,
+            action="exclude" if elastic else "report",
+        )
+        what = (
+            f"taking node {broken.node} out (its workers stopped, their slots quarantined)"
+            if elastic
+            else "a fixed world cannot go on without either: fix the route, or run elastic"
+        )
+        print(
+            f"fastft: broken link: node pairs {pairs} cannot reach each other while both "
+            f"reach the others (a probe after {why}); {what}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if not elastic:
+            return
+        reason = f"broken link: node pairs {pairs}; node {broken.node} taken out"
+        for rank in ranks:
+            a.publish(DrainRequest(**a.header, target_rank=rank, reason=reason))
+            self.on_message(DrainRequest(**a.header, target_rank=rank, reason=reason))
+
     def on_message(self, m: Message) -> None:
         """A bus callback: node 0's agent takes a worker of this node out for its link:
-        its slot is quarantined (a replacement on the same link would be as slow)."""
-        if not isinstance(m, DrainRequest) or not m.reason.startswith("slow link:"):
+        its slot is quarantined (a replacement on the same link would be as slow); one
+        taken out for a broken link is stopped now (it may be stuck in a collective)."""
+        if not isinstance(m, DrainRequest) or not m.reason.startswith(("slow link:", "broken")):
             return
         a = self.agent
-        if m.target_rank not in a.slots or m.target_rank in a.offenders.quarantined:
+        slot = a.slots.get(m.target_rank)
+        if slot is None or m.target_rank in a.offenders.quarantined:
             return
         a.offenders.quarantined[m.target_rank] = m.reason
         a.events.emit("quarantined", rank=m.target_rank, reason=m.reason)
         print(f"fastft: quarantine: rank {m.target_rank}: {m.reason}", file=sys.stderr, flush=True)
+        if m.reason.startswith("broken") and slot.proc is not None and not slot.done:
+            a.children.kill(slot, signal.SIGKILL, incarnation=slot.incarnation)
+
+
+def _stuck(members: Mapping[int, tuple[float, float]]) -> str | None:
+    """Why every member seems stuck in a collective (None: not all wait long)."""
+    if len(members) < 2:
+        return None
+    step = statistics.median(t for t, _ in members.values())
+    limit = max(STUCK_FLOOR_S, STUCK_STEPS * step)
+    least = min(w for _, w in members.values())
+    if least < limit:
+        return None
+    return f"every member alive and waiting in the runtime for {least:.1f} s"

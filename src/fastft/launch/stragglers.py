@@ -28,6 +28,7 @@ import json
 import logging
 import statistics
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -120,33 +121,37 @@ class Stragglers:
         ranks_of: dict[int, list[int]] = {cfg.node_rank: sorted(mine)}
         members = self._exchange(mine, ranks_of) if cfg.nnodes > 1 else mine
         self.links.tick(
-            now, None if members is None else {r: t for r, (_, _, t) in members.items()}, ranks_of
+            now, None if members is None else {r: v[2:] for r, v in members.items()}, ranks_of
         )
         if members is None:
             return  # not node 0 (it compares), or the store did not answer
-        computes = {r: (inc, c) for r, (inc, c, _) in members.items()}
+        computes = {r: (inc, c) for r, (inc, c, _, _) in members.items()}
         for s in self.watch.newly(slow_members(computes, cfg.straggler_factor)):
             self._name(s)
 
-    def _mine(self) -> dict[int, tuple[int, float, float]]:
-        """This node's live workers: rank -> (incarnation, compute, step time)."""
+    def _mine(self) -> dict[int, tuple[int, float, float, float]]:
+        """This node's live workers: rank -> (incarnation, compute, step time, seconds it
+        has waited in the runtime)."""
         out = {}
+        now = time.monotonic()
         for slot in self.agent.slots.values():
             if slot.done or slot.proc is None or slot.proc.returncode is not None:
                 continue
             hb = read_heartbeat(slot.heartbeat)
             if hb is not None and hb.last >= slot.started:
-                out[slot.rank] = (slot.incarnation, hb.compute, hb.step)
+                waited = now - hb.waiting if hb.waiting else 0.0
+                waited = waited if waited >= 1.0 else 0.0  # (a step's own waits: not news)
+                out[slot.rank] = (slot.incarnation, hb.compute, hb.step, waited)
         return out
 
     def _exchange(
-        self, mine: dict[int, tuple[int, float, float]], ranks_of: dict[int, list[int]]
-    ) -> dict[int, tuple[int, float, float]] | None:
+        self, mine: dict[int, tuple[int, float, float, float]], ranks_of: dict[int, list[int]]
+    ) -> dict[int, tuple[int, float, float, float]] | None:
         """Write this node's workers' figures; on node 0, read every node's (None
         elsewhere), and which node runs which ranks into ``ranks_of``."""
         a = self.agent
         cfg = a.config
-        text = json.dumps({str(r): [i, round(c, 6), round(t, 6)] for r, (i, c, t) in mine.items()})
+        text = json.dumps({str(r): [v[0], *(round(x, 6) for x in v[1:])] for r, v in mine.items()})
         try:
             if text != self._written:
                 a.store.set(a.keys.node_computes(cfg.node_rank), text)
@@ -161,8 +166,8 @@ class Stragglers:
             for n, raw in zip(nodes, a.store.multi_get(keys), strict=True):
                 theirs = json.loads(bytes(raw))
                 ranks_of[n] = sorted(int(r) for r in theirs)
-                for r, (inc, c, t) in theirs.items():
-                    got[int(r)] = (int(inc), float(c), float(t))
+                for r, (inc, c, t, w) in theirs.items():
+                    got[int(r)] = (int(inc), float(c), float(t), float(w))
             return got
         except Exception as e:  # (the store's loss is the node lease's to judge)
             log.warning("stragglers: could not exchange computes: %s", e)

@@ -64,9 +64,9 @@ class _Blocked:
         self.hb.waiting(False)
 
 
-_FMT = "<dddddd"
-"""The heartbeat file: last beat, pace, between-steps since, commits, compute, step (48
-bytes)."""
+_FMT = "<ddddddd"
+"""The heartbeat file: last beat, pace, between-steps since, commits, compute, step,
+waiting since (56 bytes)."""
 _SIZE = struct.calcsize(_FMT)
 
 RECENT_STEPS = 10
@@ -98,6 +98,10 @@ class Beat(NamedTuple):
     step: float = 0.0
     """The median of its last :data:`RECENT_STEPS` clean steps' wall time, commit to
     commit: the job's step time as this member sees it (0 until it has that many)."""
+    waiting: float = 0.0
+    """Since when the main thread waits in the runtime (a collective, a formation; 0: it
+    does not): every member alive and waiting long is a network fault between them
+    (:mod:`fastft.launch.links`)."""
 
 
 HANG_PACES = 10.0
@@ -163,6 +167,7 @@ class HeartbeatWriter:
         self._walls: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
         self._committed_at = 0.0
         self._step = 0.0
+        self._wait_since = 0.0
         self._commits = 0
         self._between = 0.0
         self.blocked = _Blocked(self)
@@ -249,14 +254,17 @@ class HeartbeatWriter:
                 float(self._commits),
                 self._compute,
                 self._step,
+                self._wait_since,
             )
 
     def waiting(self, on: bool) -> None:
         if on:
+            self._wait_since = time.monotonic()
             self.beat()
             self._waiting.set()
         else:  # (the wait is not a silence of the main thread)
             self._waiting.clear()
+            self._wait_since = 0.0
             self._last = time.monotonic()
             self._write(self._last)
 
@@ -297,7 +305,14 @@ class HeartbeatWriter:
             # commits is not failing "before its first commit").
             left = time.monotonic() + self.EXIT_GRACE_S
             self._mm[0:_SIZE] = struct.pack(
-                self._FMT, left, self._pace, 0.0, float(self._commits), self._compute, self._step
+                self._FMT,
+                left,
+                self._pace,
+                0.0,
+                float(self._commits),
+                self._compute,
+                self._step,
+                0.0,
             )
             self._mm.close()
             self._mm = None
