@@ -66,13 +66,15 @@ log = logging.getLogger(__name__)
 
 PROBE_BYTES = 1 << 18
 """What one probe sends (256 KiB: past a shaper's burst, ~2 ms on a healthy 1 Gbit/s link)."""
-PROBE_TIMEOUT_S = 3.0
-"""A probe unanswered this long counts as this long."""
+PROBE_TIMEOUT_S = 1.0
+"""A probe whose connection or first chunk is not answered within this long failed."""
+FAILED_S = 1000.0
+"""What a failed probe's time reads (a chunk acknowledged, however slowly, is a time)."""
 PROBE_BUDGET_S = 0.1
 """A probe sends for at most this long (then its time is scaled to ``PROBE_BYTES``)."""
 CHUNK = 1 << 14
 """A probe sends chunks of this size, each acknowledged before the next."""
-PROBE_WAIT_S = 2 * PROBE_TIMEOUT_S + 2.0
+PROBE_WAIT_S = 2 * (2 * PROBE_TIMEOUT_S + PROBE_BUDGET_S) + 2.0
 """Node 0 judges a round with the results in after this long (a node's missing: left out)."""
 PROBE_EVERY_S = 60.0
 """At most one round a slowdown asks for per this long."""
@@ -154,16 +156,15 @@ class Broken:
 
 
 def broken_pairs(times: Mapping[tuple[int, int], float]) -> Broken | None:
-    """The broken pairs of ``times`` (a probe that failed or took
-    :data:`PROBE_TIMEOUT_S`) and whom to exclude; None if none, or if a node's every
-    probe failed (a node cut off whole is the node lease's, a slow one
-    :func:`slow_links`')."""
-    failed = tuple(sorted(p for p, t in times.items() if t >= PROBE_TIMEOUT_S))
+    """The broken pairs of ``times`` (a probe that failed: :data:`FAILED_S`) and whom to
+    exclude; None if none, or if a node's every probe failed (a node cut off whole is
+    the node lease's business)."""
+    failed = tuple(sorted(p for p, t in times.items() if t >= FAILED_S))
     if not failed:
         return None
     for n in {x for p in times for x in p}:
         mine = [t for p, t in times.items() if n in p]
-        if all(t >= PROBE_TIMEOUT_S for t in mine):
+        if all(t >= FAILED_S for t in mine):
             return None
     count: dict[int, int] = {}
     for p in failed:
@@ -234,8 +235,8 @@ def probe(address: str, nbytes: int = PROBE_BYTES, timeout_s: float = PROBE_TIME
     """Seconds to send ``nbytes`` to the probe server at ``address`` (HOST:PORT), chunk by
     acknowledged chunk; a slow link's probe stops after :data:`PROBE_BUDGET_S` and is
     scaled up to ``nbytes`` (a probe must not fill a slow link's queue: on a 4 Mbit/s
-    link 512 KiB held the node's lease renewals back past the lease). ``timeout_s`` if no
-    chunk is acknowledged within it."""
+    link 512 KiB held the node's lease renewals back past the lease). :data:`FAILED_S`
+    if no chunk is acknowledged (each may take ``timeout_s``)."""
     host, _, port = address.rpartition(":")
     start = time.monotonic()
     sent = 0
@@ -255,8 +256,8 @@ def probe(address: str, nbytes: int = PROBE_BYTES, timeout_s: float = PROBE_TIME
         pass
     took = time.monotonic() - start
     if sent == 0:
-        return timeout_s
-    return min(took * nbytes / sent, timeout_s)
+        return FAILED_S
+    return min(took * nbytes / sent, FAILED_S / 10)
 
 
 def _local_address(toward: str) -> str:
