@@ -102,6 +102,9 @@ def test_a_broken_pair_takes_out_one_of_its_nodes_never_a_whole_cut() -> None:
     assert broken_pairs(ring_times(3, {})) is None
     cut = ring_times(3, {(2, 0): dead, (2, 1): dead, (0, 2): dead, (1, 2): dead})
     assert broken_pairs(cut) is None  # node 2 cut off whole: the lease's business
+    mid = ring_times(3, {(0, 2): dead, (1, 2): dead})  # cut after it sent its own probes
+    assert broken_pairs(mid) is None
+    assert slow_links(mid, 1.3) == []  # (a failed probe is no slowness)
     # every member alive and waiting 20 step times (2 s at least): stuck
     assert _stuck({0: (0.05, 2.5), 1: (0.05, 2.2)}) is not None
     assert _stuck({0: (0.05, 2.5), 1: (0.05, 0.0)}) is None  # one computes

@@ -74,7 +74,7 @@ PROBE_BUDGET_S = 0.1
 """A probe sends for at most this long (then its time is scaled to ``PROBE_BYTES``)."""
 CHUNK = 1 << 14
 """A probe sends chunks of this size, each acknowledged before the next."""
-PROBE_WAIT_S = 2 * (2 * PROBE_TIMEOUT_S + PROBE_BUDGET_S) + 2.0
+PROBE_WAIT_S = 2 * 2 * (2 * PROBE_TIMEOUT_S + PROBE_BUDGET_S) + 2.0
 """Node 0 judges a round with the results in after this long (a node's missing: left out)."""
 PROBE_EVERY_S = 60.0
 """At most one round a slowdown asks for per this long."""
@@ -122,6 +122,7 @@ def slow_links(times: Mapping[tuple[int, int], float], factor: float) -> list[Sl
     """The nodes whose every probe sent (or received) in ``times`` ((src, dst) ->
     seconds) took ``factor`` x the median of the probes between other nodes, by
     :data:`MIN_EXTRA_S` at least. None without probes that avoid a node (two nodes)."""
+    times = {p: t for p, t in times.items() if t < FAILED_S}  # (a failure is not slowness)
     nodes = sorted({n for pair in times for n in pair})
     out = []
     for n in nodes:
@@ -157,14 +158,16 @@ class Broken:
 
 def broken_pairs(times: Mapping[tuple[int, int], float]) -> Broken | None:
     """The broken pairs of ``times`` (a probe that failed: :data:`FAILED_S`) and whom to
-    exclude; None if none, or if a node's every probe failed (a node cut off whole is
-    the node lease's business)."""
+    exclude. None if none, and None if a node of a failed pair neither reached nor was
+    reached by any other in this round: a node cut off whole (or cut mid-round) is the
+    node lease's business, not a broken pair's."""
     failed = tuple(sorted(p for p, t in times.items() if t >= FAILED_S))
     if not failed:
         return None
-    for n in {x for p in times for x in p}:
-        mine = [t for p, t in times.items() if n in p]
-        if all(t >= FAILED_S for t in mine):
+    for n in {x for p in failed for x in p}:
+        sends = [t < FAILED_S for (s, _), t in times.items() if s == n]
+        receipts = [t < FAILED_S for (_, d), t in times.items() if d == n]
+        if not any(sends) or not any(receipts):
             return None
     count: dict[int, int] = {}
     for p in failed:
@@ -290,6 +293,9 @@ class Links:
         self._started = False
         self._next = 0.0
         self._stuck_next = 0.0
+        self._suspect: Broken | None = None
+        """A broken pair one round found: the next round, asked at once, must find it too."""
+        self._confirm = ""
         self._named: set[tuple[int, str]] = set()
 
     def close(self) -> None:
@@ -339,7 +345,11 @@ class Links:
             key = a.keys.node_probe(peer)
             try:
                 if store.check([key]):
-                    times[str(peer)] = round(probe(bytes(store.get(key)).decode()), 6)
+                    address = bytes(store.get(key)).decode()
+                    t = probe(address)
+                    if t >= FAILED_S:  # (once more: a loaded host's late accept is no cut)
+                        t = probe(address)
+                    times[str(peer)] = round(t, 6)
             except Exception as e:
                 log.warning("links: could not probe node %d: %s", peer, e)
         try:
@@ -360,7 +370,9 @@ class Links:
             self._collect(now, ranks_of)
             return
         stuck = _stuck(members)
-        if stuck is not None and now >= self._stuck_next:
+        if self._confirm:
+            why, self._confirm = f"{self._confirm} (confirming a broken pair)", ""
+        elif stuck is not None and now >= self._stuck_next:
             why, self._stuck_next = stuck, now + PROBE_EVERY_S
         elif not self._started and steps and all(t > 0 for t in steps.values()):
             self._started, why = True, "the job's start"
@@ -396,8 +408,12 @@ class Links:
                 self._named.add((link.node, link.direction))
                 self._name(link, why, ranks_of.get(link.node, []))
         broken = broken_pairs(times)
-        if broken is not None:
+        if broken is not None and broken == self._suspect:
             self._exclude(broken, why, ranks_of.get(broken.node, []))
+            broken = None
+        elif broken is not None:  # (a round that straddled a cut looks the same: again)
+            self._confirm = why
+        self._suspect = broken
 
     def _name(self, link: SlowLink, why: str, ranks: list[int]) -> None:
         a = self.agent

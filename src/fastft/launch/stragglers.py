@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -102,7 +104,10 @@ class StragglerWatch:
 
 
 class Stragglers:
-    """The agent's part for stragglers (see the module): :meth:`tick` from its main loop."""
+    """The agent's part for stragglers (see the module): :meth:`tick` from its main loop.
+    With several nodes the store's part runs on a thread of its own: a store call to a
+    host cut off never returns, and the agent's loop must go on (to judge the store lost,
+    wait ``--store-wait`` and leave); while a round is out, ticks skip."""
 
     def __init__(self, agent: AgentPorts) -> None:
         self.agent = agent
@@ -110,6 +115,10 @@ class Stragglers:
         self.links = Links(agent)
         self._next = 0.0
         self._written = ""
+        self._rounds: queue.Queue[tuple[float, dict[int, tuple[int, float, float, float]]]] = (
+            queue.Queue(maxsize=1)
+        )
+        self._thread: threading.Thread | None = None
 
     def tick(self, now: float) -> None:
         a = self.agent
@@ -118,6 +127,30 @@ class Stragglers:
             return
         self._next = now + EXCHANGE_S
         mine = self._mine()
+        if cfg.nnodes == 1:
+            self._round(now, mine)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._exchanges, name="fastft-stragglers", daemon=True
+            )
+            self._thread.start()
+        try:
+            self._rounds.put_nowait((now, mine))
+        except queue.Full:
+            pass  # (the last round is still out: a silent store, the lease's to judge)
+
+    def _exchanges(self) -> None:
+        while True:
+            now, mine = self._rounds.get()
+            try:
+                self._round(now, mine)
+            except Exception:
+                log.warning("stragglers: a round failed", exc_info=True)
+
+    def _round(self, now: float, mine: dict[int, tuple[int, float, float, float]]) -> None:
+        a = self.agent
+        cfg = a.config
         ranks_of: dict[int, list[int]] = {cfg.node_rank: sorted(mine)}
         members = self._exchange(mine, ranks_of) if cfg.nnodes > 1 else mine
         self.links.tick(
