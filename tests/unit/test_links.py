@@ -8,15 +8,17 @@ import threading
 
 import pytest
 
-from fastft.launch.links import (
+from fastft.launch.linkjudge import (
     FAILED_S,
     PROBE_BYTES,
+    Broken,
     Slowdown,
-    _serve,
-    probe,
+    broken_pairs,
     probe_targets,
     slow_links,
+    stuck,
 )
+from fastft.launch.links import _serve, probe
 
 
 def test_each_node_probes_its_next_nodes_around_the_ring() -> None:
@@ -92,8 +94,6 @@ def test_a_probe_is_timed_until_its_server_acknowledges() -> None:
 
 
 def test_a_broken_pair_takes_out_one_of_its_nodes_never_a_whole_cut() -> None:
-    from fastft.launch.links import FAILED_S, Broken, _stuck, broken_pairs
-
     dead = FAILED_S
     times = ring_times(3, {(2, 1): dead, (1, 2): dead})  # a route 2 -> 1 blackholed
     assert broken_pairs(times) == Broken(2, ((1, 2), (2, 1)))  # a tie: the higher node
@@ -106,7 +106,7 @@ def test_a_broken_pair_takes_out_one_of_its_nodes_never_a_whole_cut() -> None:
     assert broken_pairs(mid) is None
     assert slow_links(mid, 1.3) == []  # (a failed probe is no slowness)
     # every member alive and waiting 20 step times (2 s at least): stuck
-    assert _stuck({0: (0.05, 2.5), 1: (0.05, 2.2)}) is not None
-    assert _stuck({0: (0.05, 2.5), 1: (0.05, 0.0)}) is None  # one computes
-    assert _stuck({0: (0.5, 5.0), 1: (0.5, 5.0)}) is None  # 10 steps of 0.5 s
-    assert _stuck({0: (0.05, 9.0)}) is None  # one member: nothing between members
+    assert stuck({0: (0.05, 2.5), 1: (0.05, 2.2)}) is not None
+    assert stuck({0: (0.05, 2.5), 1: (0.05, 0.0)}) is None  # one computes
+    assert stuck({0: (0.5, 5.0), 1: (0.5, 5.0)}) is None  # 10 steps of 0.5 s
+    assert stuck({0: (0.05, 9.0)}) is None  # one member: nothing between members
