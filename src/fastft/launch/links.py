@@ -359,9 +359,8 @@ class Links:
             return
         a = self.agent
         slot = a.slots.get(m.target_rank)
-        if slot is None or m.target_rank in a.offenders.quarantined:
+        if slot is None or not a.offenders.quarantine(m.target_rank, m.reason):
             return
-        a.offenders.quarantined[m.target_rank] = m.reason
         a.events.emit("quarantined", rank=m.target_rank, reason=m.reason)
         print(f"fastft: quarantine: rank {m.target_rank}: {m.reason}", file=sys.stderr, flush=True)
         if m.reason.startswith("broken") and slot.proc is not None and not slot.done:

@@ -75,6 +75,14 @@ class Offenders:
         self.quarantined[rank] = why
         return why
 
+    def quarantine(self, rank: int, why: str) -> bool:
+        """Quarantine ``rank``'s slot for ``why`` now, whatever its count (a node's link
+        taken out: :mod:`fastft.launch.links`); False if it already is."""
+        if rank in self.quarantined:
+            return False
+        self.quarantined[rank] = why
+        return True
+
     def replaced(self, rank: int) -> None:
         """A new life took the quarantined slot's place: its count starts again."""
         self.quarantined.pop(rank, None)
