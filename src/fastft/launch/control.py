@@ -5,6 +5,7 @@ the endpoint starts)."""
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from typing import Any
 from fastft.bus import BusConfig, BusEndpoint, RelayHub, connect_store, host_store, open_bus
 from fastft.bus.signed import SignedStore
 from fastft.bus.tcpstore import WILDCARDS, is_local_address
+from fastft.errors import ConfigError
 from fastft.launch.config import LaunchConfig
 from fastft.process.env import insecure
 from fastft.protocol import NO_RANK, JobKeys, Role
@@ -54,6 +56,7 @@ class ControlPlane:
             secret=None if insecure() else secret,
         )
         hub = RelayHub(cfg.max_queue, cfg.stale_s) if config.relayed else None
+        same_settings(raw, keys, config)
         bus = open_bus(raw, cfg, hub=hub)
         return cls(server, bound, address, secret_file, store, bus, hub, job_start(raw, keys))
 
@@ -66,6 +69,47 @@ def job_start(store: Any, keys: JobKeys) -> float:
         return float(bytes(store.compare_set(keys.started, "", now)).decode() or now)
     except (ValueError, RuntimeError, OSError):
         return float(now)  # (the job's clock is a convenience: never a failed start)
+
+
+SHARED = ("decide", "compare_every", "shard_size", "sync")
+"""The flags every node of a job must give alike: each changes which collectives a step
+runs (``--decide collective`` adds one; the replica check another, every N steps; shard
+groups and ``--sync`` change the groups), and members that run different ones wait for
+each other until the process group's timeout."""
+
+
+def settings_text(config: LaunchConfig) -> str:
+    return json.dumps({k: getattr(config, k) for k in SHARED}, sort_keys=True)
+
+
+def mismatch(mine: str, first: str) -> str | None:
+    """Why this node cannot join a job whose first node runs ``first`` (None: it can)."""
+    if mine == first:
+        return None
+    a, b = json.loads(mine), json.loads(first)
+    diff = ", ".join(
+        f"--{k.replace('_', '-')} {a.get(k)} here, {b.get(k)} there"
+        for k in SHARED
+        if a.get(k) != b.get(k)
+    )
+    return (
+        f"this node's settings differ from the job's first node's ({diff}): every node must "
+        "run the same (its workers would run different collectives and wait for each other "
+        "until the process group's timeout); start it with the job's flags"
+    )
+
+
+def same_settings(store: Any, keys: JobKeys, config: LaunchConfig) -> None:
+    """Record the job's shared settings (the first agent) or check this one's against them:
+    ConfigError (exit 2 at the start) when they differ."""
+    mine = settings_text(config)
+    try:
+        first = bytes(store.compare_set(keys.settings, "", mine)).decode() or mine
+    except (RuntimeError, OSError, ValueError):
+        return  # (the store's loss is for the lease to judge)
+    why = mismatch(mine, first)
+    if why is not None:
+        raise ConfigError(why)
 
 
 def _host_or_join(config: LaunchConfig) -> tuple[Any, str, str]:

@@ -109,6 +109,12 @@ class JobKeys:
         return f"{self.root}/started"
 
     @property
+    def settings(self) -> str:
+        """The settings every node must share (JSON), set once by the first agent; a later
+        agent with others fails at its start (``fastft.launch.control``)."""
+        return f"{self.root}/settings"
+
+    @property
     def failed(self) -> str:
         """Set once (compare-and-set from "") by the first agent of a multi-node job that
         fails, to why: every other agent's lease round reads it and ends its node too."""
