@@ -99,6 +99,19 @@ def test_hangs_are_judged_after_the_start_grace_and_by_the_workers_pace():
     assert "--hang-timeout 30" in hang_reason(1, 2, h)
 
 
+def test_a_step_after_a_recovery_may_compile_but_a_gil_hang_is_still_known_by_pace():
+    # (JAX compiles an elastic world's new shapes in the step after its re-formation:
+    # seconds in a step of 30 ms; the helper thread beats meanwhile, the GIL released)
+    kw = dict(started=0.0, hang_timeout_s=5.0, by_pace=True, start_grace_s=120.0, pace=0.03)
+    kw |= dict(unsettled_since=10.0)
+    assert hang_verdict(now=14.0, beat=13.95, **kw) is None  # compiling 4 s: beats go on
+    gil = hang_verdict(now=11.0, beat=10.3, **kw)  # no beat at all for 0.7 s: a GIL hang
+    assert gil is not None and gil.paced and gil.timeout_s == HANG_FLOOR_S
+    long = hang_verdict(now=15.5, beat=15.45, **kw)  # beating, but past --hang-timeout
+    assert long is not None and long.timeout_s == 5.0 and long.silent_s == 5.5
+    assert hang_verdict(now=15.5, beat=15.45, **dict(kw, unsettled_since=0.0)) is None
+
+
 def test_between_steps_only_a_stopped_interpreter_or_the_longer_timeout_is_a_hang():
     kw = dict(started=0.0, hang_timeout_s=5.0, by_pace=True, start_grace_s=120.0, pace=0.01)
     kw |= dict(between_timeout_s=600.0, between_since=10.0)

@@ -218,6 +218,7 @@ def hang_verdict(
     start_grace_s: float,
     between_since: float = 0.0,
     between_timeout_s: float = float("inf"),
+    unsettled_since: float = 0.0,
 ) -> Hung | None:
     """Whether a worker started at ``started`` whose last heartbeat is ``beat`` (None: none
     yet) and whose pace is ``pace`` (:class:`fastft.process.heartbeat.Beat`) is hung at
@@ -225,7 +226,10 @@ def hang_verdict(
     ``between_since``: since when it is between steps (0: in one). Between steps its
     heartbeat thread beats while the interpreter runs: a long evaluation or checkpoint is
     not a hang until ``between_timeout_s``; only an interpreter that stops running (a
-    thread holding the GIL) is hung after ``hang_timeout_s``."""
+    thread holding the GIL) is hung after ``hang_timeout_s``. ``unsettled_since``: since
+    when it is in a step after a recovery or a new epoch (its helper thread beats while
+    the interpreter runs: a compile is not a hang); that step may last
+    ``hang_timeout_s``."""
     if beat is None or beat < started:
         if now - started <= start_grace_s:
             return None  # still starting (imports): no heartbeat yet
@@ -237,7 +241,15 @@ def hang_verdict(
         idle = now - between_since
         return Hung(idle, between_timeout_s, between=True) if idle > between_timeout_s else None
     timeout = hang_limit(pace, hang_timeout_s, by_pace=by_pace)
-    return Hung(silent, timeout, paced=timeout < hang_timeout_s) if silent > timeout else None
+    if silent > timeout:
+        return Hung(silent, timeout, paced=timeout < hang_timeout_s)
+    if (
+        unsettled_since >= started
+        and unsettled_since > 0
+        and now - unsettled_since > hang_timeout_s
+    ):
+        return Hung(now - unsettled_since, hang_timeout_s)  # (a step after a recovery, too long)
+    return None
 
 
 def hang_reason(rank: int, life: int, hung: Hung) -> str:

@@ -68,6 +68,7 @@ class Verdicts:
             start_grace_s=a.config.start_grace_s,
             between_since=hb.between if hb is not None else 0.0,
             between_timeout_s=a.config.between_steps_timeout_s,
+            unsettled_since=hb.unsettled if hb is not None else 0.0,
         )
         if hung is None:
             return

@@ -25,6 +25,7 @@ __all__ = [
     "HANG_PACES",
     "PACE_WINDOW",
     "RECENT_STEPS",
+    "SETTLE_STEPS",
     "STACKS_SIGNAL",
     "Beat",
     "HeartbeatWriter",
@@ -64,9 +65,9 @@ class _Blocked:
         self.hb.waiting(False)
 
 
-_FMT = "<ddddddd"
+_FMT = "<dddddddd"
 """The heartbeat file: last beat, pace, between-steps since, commits, compute, step,
-waiting since (56 bytes)."""
+waiting since, unsettled since (64 bytes)."""
 _SIZE = struct.calcsize(_FMT)
 
 RECENT_STEPS = 10
@@ -85,9 +86,7 @@ class Beat(NamedTuple):
     """CLOCK_MONOTONIC of the last sign of life."""
     pace: float
     """The life's pace: the 99th percentile of its recent clean steps' longest silence of
-    the main thread (seconds; 0 before its first clean commit, and 0 in a step after a
-    recovery or a new epoch: that step may compile for a new world, see
-    :meth:`HeartbeatWriter.unsettle`)."""
+    the main thread (seconds; 0 before its first clean commit)."""
     between: float
     """Since when the worker is between steps (0: inside one)."""
     commits: float
@@ -102,8 +101,15 @@ class Beat(NamedTuple):
     """Since when the main thread waits in the runtime (a collective, a formation; 0: it
     does not): every member alive and waiting long is a network fault between them
     (:mod:`fastft.launch.links`)."""
+    unsettled: float = 0.0
+    """Since when the worker is in a step after a recovery or a new epoch (0: it is not):
+    the step may compile for a new world, so the helper thread beats while the interpreter
+    runs (:meth:`HeartbeatWriter.unsettle`)."""
 
 
+SETTLE_STEPS = 3
+"""Commits after a recovery or a new epoch before the steps are the job's pace again
+(:meth:`HeartbeatWriter.unsettle`)."""
 HANG_PACES = 10.0
 """A worker in a step is hung after this many times its pace..."""
 HANG_FLOOR_S = 0.5
@@ -168,6 +174,8 @@ class HeartbeatWriter:
         self._committed_at = 0.0
         self._step = 0.0
         self._wait_since = 0.0
+        self._unsettled = 0.0
+        self._unsettled_left = 0
         self._commits = 0
         self._between = 0.0
         self.blocked = _Blocked(self)
@@ -232,16 +240,24 @@ class HeartbeatWriter:
             self._walls.append(now - self._committed_at)
             self._step = compute_of(self._walls)
         self._committed_at = now
-        self._settled = True
+        self._unsettled_left = max(0, self._unsettled_left - 1)
+        self._settled = self._unsettled_left == 0
+        self._unsettled = 0.0 if self._settled else now  # (each such step from its start)
         self._silence = 0.0
         self.beat()
 
     def unsettle(self) -> None:
-        """A recovery or a new epoch: until the next commit the step may be unlike the
-        job's pace (JAX compiles its step again for an elastic world's new shapes, a
-        collective builds new connections), so the agent judges it by ``--hang-timeout``
-        alone (the heartbeat shows pace 0), and its silences are not the pace."""
+        """A recovery or a new epoch: for :data:`SETTLE_STEPS` commits the steps may be
+        unlike the job's pace (JAX compiles again for an elastic world's new shapes:
+        seconds in a step of 30 ms, the re-run step's share of a batch then the new
+        world's, two compiles; a collective builds new connections). Their silences are
+        not the pace's; the helper thread beats while the interpreter runs (a compile lets
+        it), so the agent still finds a GIL hang or a stopped process by the pace, and
+        judges each step's length by ``--hang-timeout`` (from ``unsettled``). In the process
+        (``ft.run``'s own watchdog, which cannot tell) the pace reads 0."""
         self._settled = False
+        self._unsettled_left = SETTLE_STEPS
+        self._unsettled = self._unsettled or time.monotonic()
         self._write(time.monotonic())
 
     def _write(self, now: float) -> None:
@@ -249,12 +265,13 @@ class HeartbeatWriter:
             self._mm[0:_SIZE] = struct.pack(
                 self._FMT,
                 now,
-                self.pace,
+                self._pace,
                 self._between,
                 float(self._commits),
                 self._compute,
                 self._step,
                 self._wait_since,
+                self._unsettled,
             )
 
     def waiting(self, on: bool) -> None:
@@ -282,13 +299,15 @@ class HeartbeatWriter:
         if not on:
             self._silence = 0.0  # (a step's silences start with it)
             self._last = time.monotonic()
+            if self._unsettled:  # (and an unsettled step's length)
+                self._unsettled = self._last
         self.beat()
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
             if self._waiting.is_set():
                 self._write(time.monotonic())
-            elif self._between:
+            elif self._between or self._unsettled:
                 self._write(time.monotonic())  # alive, but no progress of the main thread
 
     EXIT_GRACE_S = 60.0
@@ -312,6 +331,7 @@ class HeartbeatWriter:
                 float(self._commits),
                 self._compute,
                 self._step,
+                0.0,
                 0.0,
             )
             self._mm.close()
