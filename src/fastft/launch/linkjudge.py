@@ -17,6 +17,7 @@ __all__ = [
     "PROBE_EVERY_S",
     "PROBE_TIMEOUT_S",
     "PROBE_WAIT_S",
+    "QUIET_S",
     "RING",
     "STUCK_FLOOR_S",
     "STUCK_STEPS",
@@ -52,6 +53,9 @@ STUCK_STEPS = 20
 ``STUCK_FLOOR_S``) asks for a probe round: a collective stuck with no one hung is a
 network fault between members (a blackholed route: Gloo waited 60 s, then the pair
 failed every re-formation until the fault storm's limit)."""
+QUIET_S = 10.0
+"""After a link is found slow or broken, the straggler check waits this long at least (3
+recent-step windows if longer): the members' computes still hold the slow link's steps."""
 MIN_EXTRA_S = 0.02
 """A slow link's probe takes at least this much longer than the others' (noise)."""
 

@@ -42,6 +42,7 @@ import json
 import logging
 import signal
 import socket
+import statistics
 import struct
 import sys
 import threading
@@ -57,6 +58,7 @@ from fastft.launch.linkjudge import (
     PROBE_EVERY_S,
     PROBE_TIMEOUT_S,
     PROBE_WAIT_S,
+    QUIET_S,
     Broken,
     Slowdown,
     SlowLink,
@@ -65,6 +67,7 @@ from fastft.launch.linkjudge import (
     slow_links,
     stuck,
 )
+from fastft.process.heartbeat import RECENT_STEPS
 from fastft.protocol import DrainRequest, Message
 
 if TYPE_CHECKING:
@@ -166,6 +169,10 @@ class Links:
         self._suspect: Broken | None = None
         """A broken pair one round found: the next round, asked at once, must find it too."""
         self._confirm = ""
+        self._quiet_until = 0.0
+        self._step = 0.0
+        self.out: set[int] = set()
+        """The ranks node 0's agent took out for their node's link (not compared since)."""
         self._named: set[tuple[int, str]] = set()
 
     def close(self) -> None:
@@ -195,6 +202,14 @@ class Links:
                 self._judge(now, members, ranks_of)
         except Exception as e:  # (the store's loss is the node lease's to judge)
             log.warning("links: %s", e)
+
+    def holds(self, now: float) -> bool:
+        """Whether the straggler check waits: a probe round is out, or a link was found
+        slow or broken lately. The members' computes are not to be trusted then: a
+        collective in the step that does not wait in the runtime counts as compute, and a
+        slow link lengthens it unevenly around the ring (rank 0 read 1.46x its peer's
+        while node 2's link was throttled, and was replaced for it)."""
+        return self._pending is not None or bool(self._confirm) or now < self._quiet_until
 
     def _listen(self) -> None:
         a = self.agent
@@ -235,6 +250,7 @@ class Links:
     ) -> None:
         a = self.agent
         steps = {r: t for r, (t, _) in members.items()}
+        self._step = statistics.median(steps.values()) if steps else 0.0
         why = self.slowdown.update(steps)
         if self._pending is not None:
             self._collect(now, ranks_of)
@@ -273,7 +289,10 @@ class Links:
         a.events.emit(
             "probe_times", round=asked, times={f"{s}>{d}": t for (s, d), t in times.items()}
         )
-        for link in slow_links(times, a.config.straggler_factor):
+        slow = slow_links(times, a.config.straggler_factor)
+        if slow or broken_pairs(times) is not None:  # (the members' computes: see holds)
+            self._quiet_until = now + max(QUIET_S, 3 * RECENT_STEPS * self._step)
+        for link in slow:
             if (link.node, link.direction) not in self._named:
                 self._named.add((link.node, link.direction))
                 self._name(link, why, ranks_of.get(link.node, []))
@@ -315,6 +334,7 @@ class Links:
         if not replace:
             return
         reason = f"slow link: node {link.node}'s {link.direction} {link.ratio:.1f}x slower"
+        self.out |= set(ranks)
         for rank in ranks:
             a.publish(DrainRequest(**a.header, target_rank=rank, reason=reason))
             self.on_message(DrainRequest(**a.header, target_rank=rank, reason=reason))
@@ -347,6 +367,7 @@ class Links:
         if not elastic:
             return
         reason = f"broken link: node pairs {pairs}; node {broken.node} taken out"
+        self.out |= set(ranks)
         for rank in ranks:
             a.publish(DrainRequest(**a.header, target_rank=rank, reason=reason))
             self.on_message(DrainRequest(**a.header, target_rank=rank, reason=reason))

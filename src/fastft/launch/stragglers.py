@@ -123,10 +123,12 @@ class Stragglers:
     def tick(self, now: float) -> None:
         a = self.agent
         cfg = a.config
-        if cfg.stragglers == "off" or now < self._next or a.draining is not None:
+        if cfg.stragglers == "off" or now < self._next:
             return
         self._next = now + EXCHANGE_S
-        mine = self._mine()
+        # (a draining node clears its figures: a stale one of a worker gone made its
+        # peers look slow next to it, and they were replaced in turn until the job failed)
+        mine = {} if a.draining is not None else self._mine()
         if cfg.nnodes == 1:
             self._round(now, mine)
             return
@@ -153,12 +155,15 @@ class Stragglers:
         cfg = a.config
         ranks_of: dict[int, list[int]] = {cfg.node_rank: sorted(mine)}
         members = self._exchange(mine, ranks_of) if cfg.nnodes > 1 else mine
-        self.links.tick(
-            now, None if members is None else {r: v[2:] for r, v in members.items()}, ranks_of
-        )
-        if members is None:
-            return  # not node 0 (it compares), or the store did not answer
-        computes = {r: (inc, c) for r, (inc, c, _, _) in members.items()}
+        judge = members is not None and a.draining is None
+        steps = {r: v[2:] for r, v in members.items()} if members is not None else None
+        self.links.tick(now, steps if judge else None, ranks_of)
+        if members is None or not judge or self.links.holds(now):
+            return  # not node 0 (it compares), the store did not answer, it drains, or a
+            # link's probe is out or found one lately (the computes are not to be trusted)
+        computes = {  # (a rank a probe took out is gone, whatever its node last wrote)
+            r: (inc, c) for r, (inc, c, _, _) in members.items() if r not in self.links.out
+        }
         for s in self.watch.newly(slow_members(computes, cfg.straggler_factor)):
             self._name(s)
 
