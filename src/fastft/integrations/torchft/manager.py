@@ -102,6 +102,7 @@ class ManagerFFT(OnTheBus, Manager):
         self.bus: BusEndpoint | None = None
         self.events: EventLog | None = None
         self._hb = HeartbeatWriter(None)
+        self._clean = True  # (no rollback since the last commit: the heartbeat's pace)
         self._reported: list[tuple[tuple[int, int], str, Fault]] = []
         """Fault2 reports that arrived while a quorum was being formed: _on_quorum decides."""
         self._rolled_back: tuple[int, int] = (-1, -1)
@@ -152,7 +153,6 @@ class ManagerFFT(OnTheBus, Manager):
         self.events = sv.events if bus.run_dir else None
         self._hb, self.bus, self.injector = sv.heartbeat, sv.bus, sv.injector
         self._pending.on_block = self._hb.waiting
-        self._clean = True  # (no rollback since the last commit: the heartbeat's pace)
         self._prev_hook = sys.excepthook
         sys.excepthook = self._excepthook
         self._emit("replica_start", replica_id=self._replica_id)
