@@ -91,8 +91,9 @@ class Conn:
         self.clones: list[Any] = []
         """Store objects torch may hold from C++ alone (kept referenced)."""
         self._waiters: dict[str, list[threading.Event]] = {}
+        self._subs: dict[str, Any] = {}
+        """Key -> the subscription to its writes, while someone here waits for it."""
         self._wlock = threading.Lock()
-        self._watching = False
         self._probed = 0.0
         self._shunned: dict[str, float] = {}
         """Server (host:port) -> until when a reconnection passes it over."""
@@ -148,27 +149,34 @@ class Conn:
             raise StoreUnreachable(_explain(servers, e)) from e
 
     def waiter(self, key: str) -> threading.Event:
-        """An event set when ``key`` is next written (the first call subscribes to every
-        write of the bucket: a JetStream write is also a core NATS message)."""
+        """An event set when ``key`` is next written: a subscription to that key's writes
+        (a JetStream write is also a core NATS message), ended by :meth:`forget` once
+        nobody here waits for it. (It was one subscription to every write of the bucket,
+        kept for good: every process that once waited then received every later write;
+        at N members that is N pushes a write, O(N^2) a formation: issue 51.)"""
         ev = threading.Event()
         with self._wlock:
             self._waiters.setdefault(key, []).append(ev)
-            start, self._watching = not self._watching, True
+            start = key not in self._subs
+            if start:
+                self._subs[key] = None  # (taken: one subscription a key)
         if start:
-            prefix = f"$KV.{BUCKET}."
             nc = self.nc
 
             async def on_write(msg: Any) -> None:
                 with self._wlock:
-                    evs = self._waiters.pop(msg.subject[len(prefix) :], [])
+                    evs = self._waiters.pop(key, [])
                 for e in evs:
                     e.set()
 
-            async def watch() -> None:
-                await nc.subscribe(prefix + ">", cb=on_write, pending_msgs_limit=1 << 20)
+            async def watch() -> Any:
+                sub = await nc.subscribe(f"$KV.{BUCKET}.{key}", cb=on_write)
                 await nc.flush()
+                return sub
 
-            run(watch(), 5.0)
+            sub = run(watch(), 5.0)
+            with self._wlock:
+                self._subs[key] = sub
         return ev
 
     def _next_server(self, servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
@@ -222,6 +230,12 @@ class Conn:
                 evs.remove(ev)
                 if not evs:
                     del self._waiters[key]
+            sub = self._subs.pop(key, None) if key not in self._waiters else None
+        if sub is not None:
+            try:
+                run(sub.unsubscribe(), 2.0)
+            except Exception:
+                pass  # (a closed connection has none left)
 
     def close(self) -> None:
         try:

@@ -77,6 +77,17 @@ class JobKeys:
         """The agreed member list of ``epoch`` (JSON), written once by compare-and-set."""
         return f"{self.root}/ep/{epoch}/members"
 
+    def epoch_change(self, epoch: int) -> str:
+        """The view of ``epoch`` as a change of the one before it (who left, who joined:
+        :meth:`fastft.runtime.contract.EpochView.change_from`), written by its closer: what
+        a survivor, which holds the previous view, waits for (a few bytes, not N members')."""
+        return f"{self.root}/ep/{epoch}/change"
+
+    def epoch_closer(self, epoch: int) -> str:
+        """A counter the closer of ``epoch`` adds to while it works (its beat: a closer that
+        makes progress is not passed over, however long the formation takes)."""
+        return f"{self.root}/ep/{epoch}/closer"
+
     def epoch_arrival(self, epoch: int, rank: int) -> str:
         """A member of the previous epoch arrived at the formation of ``epoch``."""
         return f"{self.root}/ep/{epoch}/arrived/{rank}"

@@ -42,6 +42,7 @@ from fastft.runtime.attempt import StepAttempts
 from fastft.runtime.contract import Member, RuntimeConfig
 from fastft.runtime.endings import Drained, JobFinished, ScriptError, WorkerExit
 from fastft.runtime.engine.build import build_engine
+from fastft.runtime.engine.coordinator import DECISION_WAIT_S
 from fastft.runtime.engine.core import Core
 from fastft.runtime.engine.executor import Executor
 from fastft.runtime.groups.flow import flow_of
@@ -58,7 +59,6 @@ __all__ = ["Runtime", "Transaction", "init"]  # (Transaction: fastft.runtime.tra
 
 log = logging.getLogger(__name__)
 
-_DECISION_WAIT_S = 0.5
 T = TypeVar("T")
 
 
@@ -81,7 +81,7 @@ class Runtime:
         if secret is not None:
             control = SignedStore(store, self.keys, ValueAuth(secret))
         decisions = control.clone()
-        decisions.set_timeout(datetime.timedelta(seconds=_DECISION_WAIT_S))
+        decisions.set_timeout(datetime.timedelta(seconds=DECISION_WAIT_S))
         self.interrupter = Interrupter().install()
         if threading.current_thread() is threading.main_thread() and config.shard_size == 1:
             # a preemption notice, or the agent draining its node: leave after the next

@@ -14,9 +14,11 @@ start, or every worker was lost): the lowest joiner then closes the epoch itself
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from collections.abc import Callable, Set
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch.distributed as dist
@@ -33,11 +35,27 @@ from fastft.runtime.engine.formation import (
 )
 from fastft.runtime.groups.hsdp import whole_groups
 
-__all__ = ["Coordinator"]
+__all__ = ["DECISION_WAIT_S", "Coordinator", "form_wait_s"]
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.002
+DECISION_WAIT_S = 0.5
+"""The decision store's timeout: how long one blocking read waits before its caller looks
+whether to go on."""
+_FORM_WAIT_MAX_S = 5.0
+_CLEARERS = 32
+"""Joiner keys a NATS closer clears at once."""
+
+
+def form_wait_s(members: int) -> float:
+    """How long a member blocks at once for the epoch it waits for: the decision store's
+    timeout, growing with the world from 1,024 members (a wait that runs out is read
+    again: N members polling every 0.5 s are 2N requests a second on a server the
+    formation needs), at most 5 s."""
+    return min(_FORM_WAIT_MAX_S, DECISION_WAIT_S * max(1.0, members / 1024))
+
+
 _SCAN_LATE_S = 0.25
 """After its timeout, how often a joiner reads every joiner key (the lowest closes)."""
 
@@ -156,6 +174,18 @@ class Coordinator:
         except ForgedValue:
             return None
 
+    def wait_value(self, key: str, timeout_s: float) -> bytes | None:
+        """The value of ``key``, waiting for it up to ``timeout_s`` on the decision store
+        (one blocking read); None if it did not come, or is forged."""
+        ds = self.decision_store
+        ds.set_timeout(datetime.timedelta(seconds=timeout_s))
+        try:
+            return bytes(ds.get(key))
+        except (dist.DistStoreError, ForgedValue):
+            return None
+        finally:
+            ds.set_timeout(datetime.timedelta(seconds=DECISION_WAIT_S))
+
     def latest_epoch(self) -> int:
         got = self.value(self.keys.latest_epoch)
         return int(got) if got else 0
@@ -180,8 +210,12 @@ class Coordinator:
         return int(got) if got else None
 
     def register_joiner(self) -> None:
+        """Its joiner key, and one more in the registrations' counter; NATS: the key only
+        (an add is a compare-and-set loop there: N joiners at once wrote O(N^2) times,
+        24 s at 256; rank 0 reads the keys instead: :meth:`_registered`)."""
         self.store.set(self.keys.joiner(self.me.rank), str(self.me.incarnation))
-        self.store.add(self.keys.joined, 1)
+        if not self.reads_many:
+            self.store.add(self.keys.joined, 1)
 
     def joiners(self, exclude: frozenset[int] = frozenset()) -> dict[int, int]:
         """Registered joiners by rank -> incarnation (one round trip once the keys exist).
@@ -193,8 +227,8 @@ class Coordinator:
             got = self.store.read_many(keys)
             lives = {r: int(v) for r, v in enumerate(got) if v and r not in exclude}
             return {r: inc for r, inc in lives.items() if Member(r, inc) not in self.dead}
-        if not self._joiner_keys_exist:
-            for k in keys:
+        if not self._joiner_keys_exist and not self.store.check(keys):
+            for k in keys:  # (a rank that never registered: one after another, rare)
                 try:
                     self.store.compare_set(k, "", "")  # creates "" if missing, else no change
                 except ForgedValue:
@@ -220,19 +254,42 @@ class Coordinator:
                 return False
             wait.scanned = now
             return True
-        return self.me.rank == 0 and int(self.store.add(self.keys.joined, 0)) >= self.world_size
+        return self.me.rank == 0 and self._registered() >= self.world_size
 
-    def close(self, view: EpochView, admitted: dict[int, int]) -> EpochView:
+    def _registered(self) -> int:
+        """How many joiners registered: TCPStore the counter (one request); NATS the
+        joiner keys that hold a life, read at once."""
+        if self.reads_many:
+            return len(self.joiners())
+        return int(self.store.add(self.keys.joined, 0))
+
+    def close(
+        self, view: EpochView, admitted: dict[int, int], prev: EpochView | None = None
+    ) -> EpochView:
         """Close ``view.epoch`` with ``view`` unless another view closed it first; the
-        closer clears the joiner keys of the joiners it ``admitted`` (rank -> incarnation)."""
+        closer clears the joiner keys of the joiners it ``admitted`` (rank -> incarnation)
+        and writes the view as a change of ``prev`` (what the survivors wait for)."""
         got = d.decide_once(self.store, self.keys.epoch_members(view.epoch), view.to_json())
         agreed = EpochView.from_json(got)
         if agreed == view:
+            if prev is not None:
+                self.store.set(self.keys.epoch_change(view.epoch), view.change_from(prev))
             self.store.set(self.keys.latest_epoch, str(view.epoch))
-            for r, inc in admitted.items():
-                self.store.compare_set(self.keys.joiner(r), str(inc), "")
+            self.clear_joiners(admitted)
             log.info("closed epoch %d: %s", view.epoch, view.to_json())
         return agreed
+
+    def clear_joiners(self, admitted: dict[int, int]) -> None:
+        """Clear the joiner keys of the ``admitted`` lives (compare-and-set: a newer life's
+        registration stays). NATS: many at once (a round trip is ~1 ms there: the first
+        start's N one after another kept its closer 16 s at 16,384; the scale model)."""
+        items = [(self.keys.joiner(r), str(inc)) for r, inc in admitted.items()]
+        if self.reads_many and len(items) > 1:
+            with ThreadPoolExecutor(min(_CLEARERS, len(items))) as pool:
+                list(pool.map(lambda kv: self.store.compare_set(kv[0], kv[1], ""), items))
+            return
+        for key, inc in items:
+            self.store.compare_set(key, inc, "")
 
     def form_as_joiner(
         self,
@@ -248,6 +305,7 @@ class Coordinator:
         One loop of :meth:`register` and :meth:`joiner_round`."""
         wait = self.register(start_timeout_s, regroup_timeout_s)
         next_announce = wait.started
+        rank, inc = self.me.rank, self.me.incarnation
         while True:
             if cancelled():
                 return None
@@ -258,11 +316,21 @@ class Coordinator:
             view = self.joiner_round(wait)
             if view is not None:
                 return view
-            # A restarted worker polls as the survivors do. At the first start every worker
-            # polls: 10 ms apart up to 64, further apart beyond (at most ~6,400 polls a
-            # second: 1,024 polling every 10 ms saturated the store). (TCPStore.wait would
-            # not poll, but each timed-out wait reconnects: torch 2.13 stalls 1 in ~25 5 s.)
-            self.sleep(0.01 * max(1.0, self.world_size / 64) if wait.seen == 0 else _POLL_S)
+            if wait.seen == 0 and self.me.rank != 0 and self.decision_store is not self.store:
+                # The first start: block on the first epoch's view (the server answers
+                # every waiter when it is written), a little longer as the world grows;
+                # each wait that runs out is a round (polling every 10 ms x N/64, 1,024
+                # workers made 18 requests each; the scale model).
+                got = self.wait_value(self.keys.epoch_members(1), form_wait_s(self.world_size))
+                if got is not None and EpochView.from_json(got).has(rank, inc):
+                    return EpochView.from_json(got)
+                continue
+            # Rank 0 polls the registrations (10 ms apart, further from 1,024 workers); a
+            # restarted worker polls as the survivors do. (A blocking wait here: TCPStore
+            # reconnects after each wait that times out; torch 2.13 stalls 1 in ~25 5 s.)
+            # (NATS: rank 0 reads every joiner key, from 64 workers less often as N grows)
+            per = 64 if self.reads_many else 1024
+            self.sleep(0.01 * max(1.0, self.world_size / per) if wait.seen == 0 else _POLL_S)
 
     def register(self, start_timeout_s: float, regroup_timeout_s: float) -> JoinerWait:
         """Register as a joiner; the wait's state for :meth:`joiner_round`."""

@@ -101,6 +101,14 @@ class SurvivorWait:
     """Members it gave up on for not arriving by the deadline (declared dead)."""
     checked_closer: frozenset[int] = frozenset()
     """Closers whose arrival it read past the deadline."""
+    beats: int = 0
+    beat_at: float = float("-inf")
+    """As the closer: its beats written, and when it last wrote one."""
+    beat_seen: bytes | None = None
+    beat_moved: float = float("-inf")
+    beat_read: float = float("-inf")
+    """Past the deadline: the closer's beat as last read, when it was seen to move, and
+    when it was last read."""
 
     @property
     def epoch(self) -> int:

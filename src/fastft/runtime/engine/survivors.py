@@ -19,13 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch.distributed as dist
-
-from fastft.bus.signed import ForgedValue
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.endings import JobFinished
 from fastft.runtime.engine import decisions as d
-from fastft.runtime.engine.coordinator import Coordinator
+from fastft.runtime.engine.coordinator import Coordinator, form_wait_s
 from fastft.runtime.engine.formation import (
     Arrival,
     Recovery,
@@ -35,7 +32,7 @@ from fastft.runtime.engine.formation import (
 )
 from fastft.runtime.groups.hsdp import broken_groups, whole_groups
 
-__all__ = ["CLOSER_GRACE_S", "REMIND_S", "Survivors"]
+__all__ = ["ARRIVAL_S", "BEAT_S", "CLOSER_GRACE_S", "REMIND_S", "Survivors"]
 
 _POLL_S = 0.002
 _FINISHED_CHECK_AFTER_S = 0.2
@@ -48,7 +45,15 @@ request on the bus: a member whose fault notice was lost, or that took it for a 
 an epoch it had left, still waits in the step); each next reminder waits twice as long."""
 CLOSER_GRACE_S = 0.5
 """Past the deadline, how long a survivor waits for its closer before it reads whether the
-closer arrived; one that never did is passed over (the first arrival declares it dead)."""
+closer arrived; one that never did is passed over (the first arrival declares it dead).
+One that arrived is passed over once its beat stood still this long per place in line."""
+BEAT_S = 0.2
+"""How often a closer at work writes its beat (:meth:`JobKeys.epoch_closer`): a closer that
+works is never passed over (at 512 members past the deadline survivors passed over a slow
+closer one after another, and 66 closed at once: issue 51)."""
+ARRIVAL_S = 0.00025
+"""The deadline's allowance per expected member (a server serves N arrivals one after
+another: late must not mean dead; +4 s at 16,384)."""
 
 
 class Survivors:
@@ -99,19 +104,25 @@ class Survivors:
             suspect=suspect,
         )
         arrived()
+        look = False  # (read the closed view: the closer each poll, a waiter after a wait)
         while True:
-            view = self.c.closed(wait.epoch)
-            if view is not None:
-                return view
+            if look:
+                view = self.c.closed(wait.epoch)
+                if view is not None:
+                    return view
             if cancelled():
                 return None
             view = self.round(wait, below_min, silent, remind)
             if view is not None:
                 return view
             if wait.closing or self.c.decision_store is self.c.store:
+                look = True
                 self.c.sleep(_POLL_S)
-            else:
-                self.await_closed(wait.epoch)  # (the loop reads it again)
+                continue
+            view = self.await_closed(wait)
+            if view is not None:
+                return view
+            look = True  # (its wait ran out: the full view, if its closer died before the change)
 
     def arrive(
         self,
@@ -137,18 +148,19 @@ class Survivors:
             first = int(self.c.store.add(self.c.keys.epoch_arrivals(epoch), 1)) == 1
         expected = sorted(m.rank for m in prev.members if m.rank not in exclude)
         started = self.c.clock()
-        return SurvivorWait(
-            prev, expected, step, lost_state, admit, started, started + timeout_s, first=first
-        )
+        deadline = started + timeout_s + len(expected) * ARRIVAL_S
+        return SurvivorWait(prev, expected, step, lost_state, admit, started, deadline, first=first)
 
-    def await_closed(self, epoch: int) -> EpochView | None:
-        """The view of ``epoch`` once closed, waiting for it up to the decision store's
-        timeout (one blocking ``get``: the server answers every waiter when it is set)."""
-        try:
-            got = self.c.decision_store.get(self.c.keys.epoch_members(epoch))
-        except (dist.DistStoreError, ForgedValue):
-            return None
-        return EpochView.from_json(bytes(got))
+    def await_closed(self, wait: SurvivorWait) -> EpochView | None:
+        """The view of the epoch once closed, as its change of the epoch this survivor
+        leaves (a few bytes; :meth:`EpochView.change_from`), waiting for it up to
+        :func:`~.coordinator.form_wait_s` (one blocking read: the server answers every
+        waiter when it is written; a wait that ran out reads again, so the wait grows with
+        the world: 0.5 s waits polled again 16,384 times a second at 16,384 members)."""
+        got = self.c.wait_value(
+            self.c.keys.epoch_change(wait.epoch), form_wait_s(len(wait.prev.members))
+        )
+        return EpochView.from_change(wait.prev, got) if got is not None else None
 
     def round(
         self,
@@ -177,21 +189,39 @@ class Survivors:
             if done is not None:
                 raise JobFinished(done)
         broken = broken_groups(prev, self.c.dead, self.c.k)
-        live = [
-            r
-            for r in wait.expected
-            if Member(r, prev.incarnation(r)) not in self.c.dead
-            and r // self.c.k not in broken
-            and r not in wait.passed
-        ]
-        wait.closing = bool(live) and live[0] == self.c.me.rank
-        if wait.first and live:
+
+        def alive(r: int) -> bool:
+            return (
+                Member(r, prev.incarnation(r)) not in self.c.dead
+                and r // self.c.k not in broken
+                and r not in wait.passed
+            )
+
+        # (the closer is the first alive: a member that waits needs no more; the list of
+        # every one alive is O(N), for the closer, the first arrival and past the deadline)
+        closer = next((r for r in wait.expected if alive(r)), None)
+        wait.closing = closer == self.c.me.rank
+        if closer is None:
+            return None
+        late = now >= wait.deadline + CLOSER_GRACE_S
+        if not (wait.first or wait.closing or late):
+            return None
+        live = [r for r in wait.expected if alive(r)]
+        if wait.first:
             self._remind(wait, live, now, remind)
         if wait.closing:
+            self._beat(wait, now)
             return self._try_close(wait, live, below_min, silent)
-        if live and now >= wait.deadline + CLOSER_GRACE_S:
+        if late:
             self._pass_closer(wait, live, now, silent)
         return None
+
+    def _beat(self, wait: SurvivorWait, now: float) -> None:
+        """The closer's beat (:meth:`JobKeys.epoch_closer`), every :data:`BEAT_S`."""
+        if now - wait.beat_at >= BEAT_S:
+            wait.beat_at = now
+            wait.beats += 1
+            self.c.store.set(self.c.keys.epoch_closer(wait.epoch), str(wait.beats))
 
     def _pass_closer(
         self,
@@ -214,8 +244,15 @@ class Survivors:
                 if wait.first:
                     silent(frozenset({closer}))
                 return
+        if now - wait.beat_read >= CLOSER_GRACE_S:  # (a closer that beats is working)
+            wait.beat_read = now
+            beat = self.c.value(self.c.keys.epoch_closer(wait.epoch))
+            if beat is not None and beat != wait.beat_seen:
+                wait.beat_seen, wait.beat_moved = beat, now
+                return
         place = live.index(self.c.me.rank) if self.c.me.rank in live else 0
-        if place and now >= wait.deadline + (place + 1) * CLOSER_GRACE_S:
+        since = max(wait.deadline, wait.beat_moved)
+        if place and now >= since + (place + 1) * CLOSER_GRACE_S:
             wait.passed |= frozenset(live[:place])
 
     def _remind(
@@ -250,7 +287,8 @@ class Survivors:
             got = dict(zip(ranks, self.c.store.read_many(list(key.values())), strict=True))
         else:
             got = {}
-            first = [r for r in ranks if r in set(wait.expected)]
+            expected = set(wait.expected)
+            first = [r for r in ranks if r in expected]
             if first and self.c.store.check([key[r] for r in first]):
                 batch = self.c.store.multi_get([key[r] for r in first])  # (forged: b"")
                 got = {r: bytes(v) or None for r, v in zip(first, batch, strict=True)}
@@ -319,4 +357,4 @@ class Survivors:
             if self.c.min_members < self.c.world_size:  # (a fixed world waits by design)
                 below_min(len(arrived) + len(joiners), self.c.min_members)
             return None
-        return self.c.close(view, {} if view.waiting else joiners)
+        return self.c.close(view, {} if view.waiting else joiners, prev=prev)
