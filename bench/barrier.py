@@ -41,7 +41,18 @@ JOB = "bench-barrier"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def members(address: str, first: int, count: int, world: int) -> None:
+SECRET = b"bench-barrier-secret-32-bytes-long!"
+"""With ``--secret``: the job secret every member signs and checks its values with."""
+
+
+def _signed(store: object, keys: object) -> object:
+    from fastft.bus.signed import SignedStore
+    from fastft.protocol.auth import JobSecret, ValueAuth
+
+    return SignedStore(store, keys, ValueAuth(JobSecret(SECRET)))
+
+
+def members(address: str, first: int, count: int, world: int, secret: bool = False) -> None:
     """A child: ``count`` members (ranks first..) in epoch 1, each a bus endpoint, the
     state machine and a coordinator; after "go", waits for each to hold epoch 2's view.
     One JSON line: when each did, the deliveries and the store requests."""
@@ -66,7 +77,10 @@ def members(address: str, first: int, count: int, world: int) -> None:
     keys = JobKeys(JOB)
     counts: dict[str, int] = {}
     lock = threading.Lock()
-    view = EpochView.from_json(connect_store(address).get(keys.epoch_members(1)))
+    plain = connect_store(address)
+    view = EpochView.from_json(
+        (_signed(plain, keys) if secret else plain).get(keys.epoch_members(1))
+    )
     done: dict[int, float] = {}
     delivered = [0]
     form_s = 5.0 + world * 0.02  # (the formation's deadline: every live member arrives)
@@ -79,21 +93,32 @@ def members(address: str, first: int, count: int, world: int) -> None:
             self.dead: set[Member] = set()
             self.main: queue.Queue[object] = queue.Queue()
             raw = connect_store(address)
-            self.side = CountingStore(raw, counts, lock)  # (the listener's proposals)
+            # (a worker's three connections: its coordinator's, the listener's side
+            # client's, and the decision store's; with --secret, signed as in a job)
+            sign = (lambda s: _signed(s, keys)) if secret else (lambda s: s)
+            self.side = sign(CountingStore(raw.clone(), counts, lock))  # (proposals)
             quick = raw.clone()
             quick.set_timeout(datetime.timedelta(seconds=0.5))  # (after the connect)
             self.coord = Coordinator(
-                CountingStore(raw, counts, lock),
+                sign(CountingStore(raw, counts, lock)),
                 keys,
                 rank,
                 1,
                 world,
                 1,
                 dead=self.dead,
-                decision_store=CountingStore(quick, counts, lock),
+                decision_store=sign(CountingStore(quick, counts, lock)),
             )
             self.state, _ = fsm.decide(fsm.initial_state(rank), fsm.QuorumReady(1, view.ranks, 0))
-            self.bus = open_bus(raw.clone(), BusConfig(job=JOB, rank=rank, incarnation=1))
+            bus_secret = None
+            if secret:
+                from fastft.protocol.auth import JobSecret
+
+                bus_secret = JobSecret(SECRET)
+            self.bus = open_bus(
+                raw.clone(),
+                BusConfig(job=JOB, rank=rank, incarnation=1, secret=bus_secret),
+            )
             self.bus.subscribe(self.on_message)
             self.bus.start()
 
@@ -180,7 +205,9 @@ def members(address: str, first: int, count: int, world: int) -> None:
         o.bus.close()
 
 
-def one_row(src: Path, control: str, world: int, procs: int, nats: str | None) -> dict[str, object]:
+def one_row(
+    src: Path, control: str, world: int, procs: int, nats: str | None, secret: bool = False
+) -> dict[str, object]:
     """One fault among ``world`` members with the code under ``src``."""
     from fastft.bus import BusConfig, connect_store, open_bus
     from fastft.protocol import ProcessExited
@@ -199,8 +226,8 @@ def one_row(src: Path, control: str, world: int, procs: int, nats: str | None) -
     try:
         store = connect_store(address)
         view = EpochView(1, tuple(Member(r, 1) for r in range(world)), 0, frozenset(), None)
-        store.set(keys.epoch_members(1), view.to_json())
-        store.set(keys.latest_epoch, "1")
+        (_signed(store, keys) if secret else store).set(keys.epoch_members(1), view.to_json())
+        (_signed(store, keys) if secret else store).set(keys.latest_epoch, "1")
         live = world - 1
         per = -(-live // procs)
         env = {**os.environ, "PYTHONPATH": str(src), "TORCH_CPP_LOG_LEVEL": "ERROR"}
@@ -215,6 +242,7 @@ def one_row(src: Path, control: str, world: int, procs: int, nats: str | None) -
                         str(first),
                         str(min(per, live - first)),
                         str(world),
+                        *(["--secret"] if secret else []),
                     ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -225,8 +253,17 @@ def one_row(src: Path, control: str, world: int, procs: int, nats: str | None) -
             assert kids[-1].stdout is not None
             assert kids[-1].stdout.readline().strip() == "ready"  # (one at a time: imports)
         time.sleep(1.0)  # (every endpoint subscribed)
+        from fastft.protocol.auth import JobSecret
+
         agent = open_bus(
-            store, BusConfig(job=JOB, rank=world + 100, incarnation=1, subscribe=False)
+            store,
+            BusConfig(
+                job=JOB,
+                rank=world + 100,
+                incarnation=1,
+                subscribe=False,
+                secret=JobSecret(SECRET) if secret else None,
+            ),
         )
         agent.start()
         cpu0 = host.cpu_s() if host else 0.0
@@ -269,7 +306,7 @@ def _agent_role() -> object:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         a = sys.argv[2:]
-        members(a[0], int(a[1]), int(a[2]), int(a[3]))
+        members(a[0], int(a[1]), int(a[2]), int(a[3]), secret="--secret" in a)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256, 1024])

@@ -1,0 +1,148 @@
+"""The control plane at 1,024 and 16,384 members (issue 51): the scale model's figures, and
+the real servers' beside them where this machine can run both (64 and 256 members).
+
+**Model** (:mod:`fastft.sim.scale`; its costs: ``src/fastft/sim/calibration.json``, from
+``bench/calibrate.py`` against the real TCPStore and NATS servers here): the project's real
+coordinator, survivors and leases, one simulated process per member, the job secret on.
+
+- ``reform``: one member of N dies; from its agent's exit notice to the last survivor
+  holding the next epoch.
+- ``start``: N workers start over 1 s; from the last start to the last holding epoch 1.
+- ``leases``: K node agents' rounds for 5 s: the read's p50/p99, rounds a second (10 is
+  the target), false losses.
+
+**Real servers** (``bench/barrier.py``'s harness, ``--real``): the reform scenario with
+N - 1 members as threads over 4 processes, each with a worker's three store connections and
+the job secret, against a real TCPStore host or a local 3-server NATS cluster. Their
+members share this machine's 2 cores, so their times include the members' own CPU (a
+formation of 256 is 256 Python threads parsing, signing and waiting), which the model
+leaves out: the model is the servers' side.
+
+Printed: the table; written: bench/results/scale_model.json.
+
+    python bench/scale_model.py [--sizes 1024 16384] [--planes tcpstore nats]
+                                [--leases 2048] [--real 64 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import table, write  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def model_rows(sizes: list[int], planes: list[str], leases: list[int]) -> list[dict[str, object]]:
+    from fastft.sim import scale
+
+    rows: list[dict[str, object]] = []
+    for plane in planes:
+        for n in sizes:
+            for scenario in ("reform", "start"):
+                with scale._memo():  # noqa: SLF001 - the model's own helper
+                    r = scale.reform(n, plane) if scenario == "reform" else scale.start(n, plane)
+                done = r.done_s if scenario == "reform" else r.extra.get("after_last_start_s")
+                rows.append(_row(r.row(), "model", done))
+                print(json.dumps(rows[-1]), flush=True)
+        for k in leases:
+            r = scale.leases(k, plane)
+            rows.append(_row(r.row(), "model", None))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _row(r: dict[str, object], source: str, done: object) -> dict[str, object]:
+    keep = (
+        "scenario plane members server_busy_s requests_per_member critical_requests mbytes "
+        "rejected repolls closers false_deaths read_p50_ms read_p99_ms rounds_per_s "
+        "utilisation model_wall_s"
+    ).split()
+    out = {"source": source, **{k: r[k] for k in keep if k in r}}
+    out["done_ms"] = round(float(done) * 1e3, 1) if isinstance(done, int | float) else None
+    return out
+
+
+def real_rows(sizes: list[int], planes: list[str]) -> list[dict[str, object]]:
+    import barrier  # bench/barrier.py: the real servers' harness
+
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for plane in planes:
+            cluster, address = None, None
+            if plane == "nats":
+                from fastft.bus.natscluster import LocalCluster
+
+                cluster = LocalCluster(Path(tmp) / "nats").start()
+                address = cluster.address
+            try:
+                for n in sizes:
+                    got = barrier.one_row(ROOT / "src", plane, n, 4, address, secret=True)
+                    live = n - 1
+                    rows.append(
+                        {
+                            "source": "real servers",
+                            "scenario": "reform",
+                            "plane": plane,
+                            "members": n,
+                            "done_ms": got["reformed_ms"],
+                            "server_busy_s": (
+                                round(float(got["store_cpu_ms"]) / 1e3, 4)  # type: ignore[arg-type]
+                                if got["store_cpu_ms"] is not None
+                                else None
+                            ),
+                            "requests_per_member": round(int(got["store_requests"]) / live, 2),  # type: ignore[call-overload]
+                        }
+                    )
+                    print(json.dumps(rows[-1]), flush=True)
+            finally:
+                if cluster is not None:
+                    cluster.stop()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 16384])
+    ap.add_argument("--planes", nargs="+", default=["tcpstore", "nats"])
+    ap.add_argument("--leases", type=int, nargs="*", default=[2048])
+    ap.add_argument("--real", type=int, nargs="*", default=[64, 256])
+    args = ap.parse_args()
+    rows = real_rows(args.real, args.planes) if args.real else []
+    if args.real:
+        from fastft.sim import scale
+
+        for plane in args.planes:  # (the model at the real rows' sizes, side by side)
+            for n in args.real:
+                with scale._memo():  # noqa: SLF001
+                    r = scale.reform(n, plane)
+                rows.append(_row(r.row(), "model", r.done_s))
+    rows += model_rows(args.sizes, args.planes, args.leases)
+    cols = [
+        "scenario",
+        "plane",
+        "members",
+        "source",
+        "done_ms",
+        "server_busy_s",
+        "requests_per_member",
+        "critical_requests",
+        "mbytes",
+        "rejected",
+        "closers",
+        "false_deaths",
+        "read_p99_ms",
+        "rounds_per_s",
+    ]
+    print(table(rows, cols))
+    print(write("scale_model", rows, {"sizes": args.sizes, "real": args.real}))
+
+
+if __name__ == "__main__":
+    main()
