@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: test test-slow test-net test-exhaustive test-collective test-jax test-ray conformance unit lint bench bench-jax bench-ray bench-quick demo demo-jax fsm-doc clean
+.PHONY: scale-model test test-slow test-net test-exhaustive test-collective test-jax test-ray conformance unit lint bench bench-jax bench-ray bench-quick demo demo-jax fsm-doc clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -105,9 +105,15 @@ bench: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/scale.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/first_start.py
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/leases.py
+	$(MAKE) scale-model
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/replica_check.py --steps 150
 	$(MAKE) bench-jax
 	$(MAKE) bench-ray
+
+# the control plane at 1,024 and 16,384 members: the scale model (fastft.sim.scale) beside
+# the real servers at 64 and 256 (docs/simulation.md "The scale model"; ~10 min)
+scale-model: $(VENV)/.installed
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/scale_model.py
 
 # JAX on fastft vs JAX's own multi-controller mode (installs the jax extra; ~12 min)
 bench-jax: $(VENV)/.jax

@@ -109,7 +109,7 @@ def real_rows(sizes: list[int], planes: list[str]) -> list[dict[str, object]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 16384])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[1024, 16384])
     ap.add_argument("--planes", nargs="+", default=["tcpstore", "nats"])
     ap.add_argument("--leases", type=int, nargs="*", default=[2048])
     ap.add_argument("--real", type=int, nargs="*", default=[64, 256])

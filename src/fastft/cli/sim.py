@@ -28,6 +28,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     what.add_argument(
         "--exhaustive", action="store_true", help="every interleaving of a small world"
     )
+    what.add_argument(
+        "--scale",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the scale model: N members' control plane over calibrated servers (docs/simulation.md)",
+    )
+    p.add_argument(
+        "--scenario",
+        choices=("reform", "start", "leases"),
+        default="reform",
+        help="--scale: one fault re-formed, the first start, or N node agents' leases",
+    )
+    p.add_argument("--plane", choices=("tcpstore", "nats"), default="tcpstore", help="--scale")
     p.add_argument("--first", type=int, default=0, help="the first seed of --seeds (0)")
     p.add_argument("--budget", type=float, default=float("inf"), help="stop after SEC seconds")
     p.add_argument("--members", type=int, default=3)
@@ -88,6 +102,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from fastft.sim.defects import reintroduce
     from fastft.sim.explore import seeds
 
+    if args.scale is not None:
+        return _scale(args)
     ex = args.exhaustive
     opts = _options(args, ex)
     with reintroduce(args.defect) if args.defect else _nothing():
@@ -194,3 +210,19 @@ class _nothing:
 
     def __exit__(self, *a: object) -> None:
         return None
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from fastft.sim import scale
+
+    if args.scale < 2:
+        return _usage("--scale must be at least 2")
+    run = {"reform": scale.reform, "start": scale.start, "leases": scale.leases}[args.scenario]
+    with scale._memo():  # noqa: SLF001 - the model's own helper
+        r = run(args.scale, args.plane)
+    row = r.row()
+    if args.json:
+        print(json.dumps(row))
+    else:
+        print("  ".join(f"{k} {v}" for k, v in row.items()))
+    return 0 if r.errors == 0 and r.done_s is not None else 1
