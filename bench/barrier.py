@@ -190,7 +190,7 @@ def members(address: str, first: int, count: int, world: int, secret: bool = Fal
 
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(16) as pool:  # (their connections, several at a time)
+    with ThreadPoolExecutor(4) as pool:  # (their connections, a few at a time)
         ones = list(pool.map(One, range(first, first + count)))
     threads = [threading.Thread(target=o.run, daemon=True) for o in ones]
     for t in threads:
