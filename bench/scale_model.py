@@ -20,7 +20,7 @@ leaves out: the model is the servers' side.
 
 Printed: the table; written: bench/results/scale_model.json.
 
-    python bench/scale_model.py [--sizes 1024 16384] [--planes tcpstore nats]
+    python bench/scale_model.py [--sizes 64 256 1024 16384] [--planes tcpstore nats]
                                 [--leases 2048] [--real 64 256]
 """
 
@@ -109,20 +109,12 @@ def real_rows(sizes: list[int], planes: list[str]) -> list[dict[str, object]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="*", default=[1024, 16384])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[64, 256, 1024, 16384])
     ap.add_argument("--planes", nargs="+", default=["tcpstore", "nats"])
     ap.add_argument("--leases", type=int, nargs="*", default=[2048])
     ap.add_argument("--real", type=int, nargs="*", default=[64, 256])
     args = ap.parse_args()
     rows = real_rows(args.real, args.planes) if args.real else []
-    if args.real:
-        from fastft.sim import scale
-
-        for plane in args.planes:  # (the model at the real rows' sizes, side by side)
-            for n in args.real:
-                with scale._memo():  # noqa: SLF001
-                    r = scale.reform(n, plane)
-                rows.append(_row(r.row(), "model", r.done_s))
     rows += model_rows(args.sizes, args.planes, args.leases)
     cols = [
         "scenario",
@@ -140,7 +132,7 @@ def main() -> None:
         "read_p99_ms",
         "rounds_per_s",
     ]
-    print(table(rows, cols))
+    print(table([{c: r.get(c) for c in cols} for r in rows], cols))
     print(write("scale_model", rows, {"sizes": args.sizes, "real": args.real}))
 
 
