@@ -59,11 +59,24 @@ def model_rows(sizes: list[int], planes: list[str], leases: list[int]) -> list[d
 
 
 def _row(r: dict[str, object], source: str, done: object) -> dict[str, object]:
-    keep = (
-        "scenario plane members server_busy_s requests_per_member critical_requests mbytes "
-        "rejected repolls closers false_deaths read_p50_ms read_p99_ms rounds_per_s "
-        "utilisation model_wall_s"
-    ).split()
+    keep = [
+        "scenario",
+        "plane",
+        "members",
+        "server_busy_s",
+        "requests_per_member",
+        "critical_requests",
+        "mbytes",
+        "rejected",
+        "repolls",
+        "closers",
+        "false_deaths",
+        "read_p50_ms",
+        "read_p99_ms",
+        "rounds_per_s",
+        "utilisation",
+        "model_wall_s",
+    ]
     out = {"source": source, **{k: r[k] for k in keep if k in r}}
     out["done_ms"] = round(float(done) * 1e3, 1) if isinstance(done, int | float) else None
     return out

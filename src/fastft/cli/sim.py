@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fastft.sim import Options
@@ -217,7 +217,7 @@ def _scale(args: argparse.Namespace) -> int:
 
     if args.scale < 2:
         return _usage("--scale must be at least 2")
-    run = {"reform": scale.reform, "start": scale.start, "leases": scale.leases}[args.scenario]
+    run: Any = {"reform": scale.reform, "start": scale.start, "leases": scale.leases}[args.scenario]
     with scale._memo():  # noqa: SLF001 - the model's own helper
         r = run(args.scale, args.plane)
     row = r.row()

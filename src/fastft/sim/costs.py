@@ -295,7 +295,7 @@ class ModelStore:
 
     def get(self, key: str) -> bytes:
         self.p.wait_key(self.home, key, self.timeout_s)
-        return self.p.request(self.home, "get", self.p.c.get_s, lambda: self.p.kv[key])  # type: ignore[no-any-return]
+        return self.p.request(self.home, "get", self.p.c.get_s, lambda: self.p.kv[key])
 
     def add(self, key: str, amount: int) -> int:
         def apply() -> int:
@@ -303,18 +303,18 @@ class ModelStore:
             self._put(key, str(n).encode())
             return n
 
-        return self.p.request(self._w(), "add", self.p.c.add_s, apply)  # type: ignore[no-any-return]
+        return self.p.request(self._w(), "add", self.p.c.add_s, apply)
 
     def check(self, keys: list[str]) -> bool:
         cost = self.p.c.check_s + self.p.c.per_key_s * (len(keys) - 1)
-        return self.p.request(self.home, "check", cost, lambda: all(k in self.p.kv for k in keys))  # type: ignore[no-any-return]
+        return self.p.request(self.home, "check", cost, lambda: all(k in self.p.kv for k in keys))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         for k in keys:
             if k not in self.p.kv:
                 self.p.wait_key(self.home, k, self.timeout_s)
         cost = self.p.c.get_s + self.p.c.per_key_s * (len(keys) - 1)
-        return self.p.request(self.home, "multi_get", cost, lambda: [self.p.kv[k] for k in keys])  # type: ignore[no-any-return]
+        return self.p.request(self.home, "multi_get", cost, lambda: [self.p.kv[k] for k in keys])
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         want, new = _b(expected), _b(desired)
@@ -327,12 +327,12 @@ class ModelStore:
             self.p.rejected += 1
             return cur if cur is not None else want
 
-        return self.p.request(self._w(), "compare_set", self.p.c.compare_set_s, apply, len(new))  # type: ignore[no-any-return]
+        return self.p.request(self._w(), "compare_set", self.p.c.compare_set_s, apply, len(new))
 
     def delete_key(self, key: str) -> bool:
         return self.p.request(
             self._w(), "delete", self.p.c.set_s, lambda: self.p.kv.pop(key, None) is not None
-        )  # type: ignore[no-any-return]
+        )
 
 
 class ModelKV(ModelStore):
@@ -345,7 +345,7 @@ class ModelKV(ModelStore):
         got = self.p.request(
             self.home, "get", self.p.c.get_s, lambda: (self.p.kv.get(key), self.p.rev[key])
         )
-        return got  # type: ignore[no-any-return]
+        return got
 
     def _write_if(self, key: str, value: bytes, rev: int) -> bool:
         def apply() -> bool:
@@ -355,7 +355,7 @@ class ModelKV(ModelStore):
             self._put(key, value)
             return True
 
-        return self.p.request(self.p.leader, "write", self.p.c.set_s, apply, len(value))  # type: ignore[no-any-return]
+        return self.p.request(self.p.leader, "write", self.p.c.set_s, apply, len(value))
 
     def get(self, key: str) -> bytes:
         v, _ = self._read(key)
@@ -399,7 +399,7 @@ class ModelKV(ModelStore):
         cost = self.p.c.get_s + self.p.c.per_key_s * (len(keys) - 1)
         return self.p.request(
             self.home, "read_many", cost, lambda: [self.p.kv.get(k) for k in keys]
-        )  # type: ignore[no-any-return]
+        )
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         got = self.read_many(keys)

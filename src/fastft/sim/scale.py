@@ -97,7 +97,7 @@ def _memo() -> Iterator[None]:
             changes[key] = change(cls, prev, raw)
         return changes[key]
 
-    EpochView.from_json = classmethod(lambda cls, raw: views(cls, _bytes(raw)))  # type: ignore[assignment,method-assign]
+    EpochView.from_json = classmethod(lambda cls, raw: views(cls, _bytes(raw)))  # type: ignore[assignment,method-assign,arg-type]
     EpochView.from_change = classmethod(from_change)  # type: ignore[assignment,method-assign]
     ValueAuth.verify = lambda self, key, raw: checked(self, key, _bytes(raw))  # type: ignore[method-assign]
     try:
@@ -196,7 +196,7 @@ class _Closes(Coordinator):
                 hub.resume_at(hub.now, me)
 
         for i in range(width):
-            hub.spawn(hub.now, lambda i=i: clear(items[i::width]))
+            hub.spawn(hub.now, functools.partial(clear, items[i::width]))
         hub.suspend()
 
 
@@ -232,6 +232,9 @@ def reform(
         """A broadcast: when each of ``targets`` subscribers has it (one push each)."""
         return [job.p.servers[0].serve(hub.now, job.c.woken_s) for _ in range(targets)]
 
+    def remind() -> None:  # (a rollback request: one broadcast)
+        bus_push(nodes if relay else n)
+
     def member(r: int) -> None:
         greenlet.getcurrent().rank = r  # (its requests: the critical path's, for the closer)
         coord = _Closes(
@@ -256,7 +259,7 @@ def reform(
             timeout_s=timeout_s,
             cancelled=lambda: False,
             silent=lambda ranks: declared.update(ranks),
-            remind=lambda: bus_push(nodes if relay else n),
+            remind=remind,
         )
         assert got is not None and got.epoch == 2
         holders[got.epoch] = holders.get(got.epoch, 0) + 1
@@ -265,7 +268,7 @@ def reform(
     arrive = bus_push(nodes if relay else len(live))
     for r in live:
         t = arrive[r // per_node] + HOP_S if relay else arrive[live.index(r)]
-        hub.spawn(t + job.c.rtt_s / 2 + ROLLBACK_S, lambda r=r: member(r))
+        hub.spawn(t + job.c.rtt_s / 2 + ROLLBACK_S, functools.partial(member, r))
     hub.run(horizon_s, lambda: len(done) == len(live) or bool(hub.errors))
     if hub.errors:
         raise hub.errors[0]
@@ -321,7 +324,7 @@ def start(
         done.append(hub.now)
 
     for r in range(n):
-        hub.spawn(rng.uniform(0, spread_s), lambda r=r: worker(r))
+        hub.spawn(rng.uniform(0, spread_s), functools.partial(worker, r))
     hub.run(horizon_s, lambda: len(done) == n or bool(hub.errors))
     if hub.errors:
         raise hub.errors[0]
@@ -396,7 +399,7 @@ def leases(
 
     rng = random.Random(0)
     for node in range(k):
-        hub.spawn(rng.uniform(0, 0.5), lambda node=node: agent(node))
+        hub.spawn(rng.uniform(0, 0.5), functools.partial(agent, node))
     hub.run(end + 1.0, lambda: len(renewals) == k or bool(hub.errors))
     if hub.errors:
         raise hub.errors[0]
