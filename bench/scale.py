@@ -10,8 +10,9 @@ time from its start to the last member having read the decision.
 
 **Collective** (``--decide collective``, the default): the step's decision is the one
 allreduce (max) of four int64 after the gradients, on the real Gloo process groups of N
-processes; the store sees one request per step (rank 0's record of the committed step,
-off the step's path), whatever N.
+processes; rank 0 records each decided step through the real key collector, as in a job,
+its requests counted and the store host's CPU measured (at most one a step, coalesced
+when the writes fall behind), whatever N.
 
 Reported per row: the decision's latency p50/p99, the store host's CPU per step, the store
 requests per step (all members, counted on their clients), and per member. What carries
@@ -134,18 +135,36 @@ def gloo_member(port: int, rank: int, world: int, steps: int) -> None:
     pg = dist.ProcessGroupGloo(
         dist.PrefixStore("scale/", store), rank, world, datetime.timedelta(seconds=60)
     )
+    from fastft.protocol.keys import JobKeys
+    from fastft.runtime.engine.sideclient import KeyCollector, SideClient
+    from fastft.testing import CountingStore
+
+    # what a job's members ask the store per decided step: rank 0 records the committed
+    # step off the step's path (its key collector), counted; the others' clients, none
+    counts: dict[str, int] = {}
+    collector = (
+        KeyCollector(SideClient(CountingStore(store.clone(), counts), JobKeys("scale")))
+        if rank == 0
+        else None
+    )
     print("ready", flush=True)
     sys.stdin.readline()
     flags = torch.zeros(4, dtype=torch.int64)
     times = []
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX
-    for _ in range(steps + 5):
+    for step in range(steps + 5):
         pg.allreduce([flags], opts).wait()  # (aligns the members before each timed one)
         t = time.perf_counter()
         pg.allreduce([flags], opts).wait()
         times.append(time.perf_counter() - t)
-    print(json.dumps({"times": times[5:]}), flush=True)
+        if collector is not None:
+            collector.record(step)
+    if collector is not None:
+        time.sleep(0.2)  # (the last record written)
+        collector.close()
+    requests = sum(v for k, v in counts.items() if k != "set_timeout")
+    print(json.dumps({"times": times[5:], "requests": requests}), flush=True)
 
 
 def collective_row(world: int, steps: int) -> dict[str, object]:
@@ -157,14 +176,16 @@ def collective_row(world: int, steps: int) -> dict[str, object]:
             300,
         )
     times = outs[0]["times"]
+    decided = steps + 5
+    requests = sum(int(o["requests"]) for o in outs) / decided
     return {
         "decide": "collective",
         "ranks": world,
         "p50_ms": round(pct(times, 50) * 1e3, 3),
         "p99_ms": round(pct(times, 99) * 1e3, 3),
-        "store_cpu_ms_per_step": 0.0,
-        "requests_per_step": 1.0,
-        "requests_per_rank_step": round(1.0 / world, 4),
+        "store_cpu_ms_per_step": round(cpu / decided * 1e3, 3),
+        "requests_per_step": round(requests, 2),
+        "requests_per_rank_step": round(requests / world, 4),
     }
 
 
