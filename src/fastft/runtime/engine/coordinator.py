@@ -321,9 +321,12 @@ class Coordinator:
                 # every waiter when it is written), a little longer as the world grows;
                 # each wait that runs out is a round (polling every 10 ms x N/64, 1,024
                 # workers made 18 requests each; the scale model).
+                t0 = self.clock()
                 got = self.wait_value(self.keys.epoch_members(1), form_wait_s(self.world_size))
                 if got is not None and EpochView.from_json(got).has(rank, inc):
                     return EpochView.from_json(got)
+                if got is None and self.clock() - t0 < _POLL_S:
+                    self.sleep(_POLL_S)  # (a forged value answers at once: no busy loop)
                 continue
             # Rank 0 polls the registrations (10 ms apart, further from 1,024 workers); a
             # restarted worker polls as the survivors do. (A blocking wait here: TCPStore
