@@ -46,6 +46,8 @@ whether to go on."""
 _FORM_WAIT_MAX_S = 5.0
 _CLEARERS = 32
 """Joiner keys a NATS closer clears at once."""
+BLOCK_FROM = 64
+"""From this many workers a TCPStore first start's joiners block instead of polling."""
 
 
 def form_wait_s(members: int) -> float:
@@ -316,7 +318,7 @@ class Coordinator:
             view = self.joiner_round(wait)
             if view is not None:
                 return view
-            if wait.seen == 0 and self.me.rank != 0 and self.decision_store is not self.store:
+            if wait.seen == 0 and self.me.rank != 0 and self._blocks_at_start():
                 # The first start: block on the first epoch's view (the server answers
                 # every waiter when it is written), a little longer as the world grows;
                 # each wait that runs out is a round (polling every 10 ms x N/64, 1,024
@@ -328,12 +330,20 @@ class Coordinator:
                 if got is None and self.clock() - t0 < _POLL_S:
                     self.sleep(_POLL_S)  # (a forged value answers at once: no busy loop)
                 continue
-            # Rank 0 polls the registrations (10 ms apart, further from 1,024 workers); a
-            # restarted worker polls as the survivors do. (A blocking wait here: TCPStore
-            # reconnects after each wait that times out; torch 2.13 stalls 1 in ~25 5 s.)
-            # (NATS: rank 0 reads every joiner key, from 64 workers less often as N grows)
-            per = 64 if self.reads_many else 1024
+            # Rank 0 polls the registrations (10 ms apart, further from 1,024 workers; NATS:
+            # it reads every joiner key, less often from 64); below BLOCK_FROM every joiner
+            # polls so, further apart from 64; a restarted worker as the survivors do.
+            per = 64 if self.reads_many or self.me.rank != 0 else 1024
             self.sleep(0.01 * max(1.0, self.world_size / per) if wait.seen == 0 else _POLL_S)
+
+    def _blocks_at_start(self) -> bool:
+        """Whether a first start's joiner blocks on the first view rather than polling:
+        on NATS, and on TCPStore from :data:`BLOCK_FROM` workers, where polling costs the
+        store more than what a TCPStore wait that times out may (its client reconnects:
+        torch 2.13 stalled 1 in ~25 for 5 s in jobs)."""
+        if self.decision_store is self.store:
+            return False
+        return self.reads_many or self.world_size >= BLOCK_FROM
 
     def register(self, start_timeout_s: float, regroup_timeout_s: float) -> JoinerWait:
         """Register as a joiner; the wait's state for :meth:`joiner_round`."""
