@@ -127,3 +127,17 @@ def test_the_deadline_grows_with_the_world():
         prev, frozenset({0}), step=0, lost_state=False, timeout_s=5.0
     )
     assert w.deadline == pytest.approx(5.0 + 4095 * sv.ARRIVAL_S)
+
+
+def test_fastft_sim_scale_prints_a_run_and_refuses_a_world_of_one():
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "fastft.cli", "sim", "--scale"]
+    ok = subprocess.run([*cmd, "64", "--json"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    row = json.loads(ok.stdout.strip().splitlines()[-1])
+    assert row["members"] == 64 and row["closers"] == 1 and row["done_s"] > 0
+    bad = subprocess.run([*cmd, "1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--scale must be at least 2" in bad.stderr
