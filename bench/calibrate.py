@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import StoreHost, table, write  # noqa: E402
@@ -101,6 +102,35 @@ def _waiters(make: object, write_key: object, pids: list[int], rounds: int = 20)
     return used / rounds / WAITERS
 
 
+def _kinds(c: Any, many: Any, *, answered: bool) -> dict[str, Any]:
+    """The requests measured, by kind, on client ``c`` (its keys written first); ``many``:
+    its read of many keys. ``answered`` False (TCPStore): a set is not answered, so each
+    is followed by a check, whose cost is taken off after."""
+    c.set("k", VALUE)
+    keys = [f"m/{i}" for i in range(MANY)]
+    for k in keys:
+        c.set(k, VALUE)
+    c.set("big", b"y" * BIG)
+    n = [0]
+
+    def cas() -> None:
+        n[0] += 1
+        c.compare_set("c", str(n[0] - 1) if n[0] > 1 else "", str(n[0]))
+
+    def put(key: str, value: bytes) -> Any:
+        return c.set(key, value) if answered else (c.set(key, value), c.check(["k"]))
+
+    return {
+        "set": lambda: put("k", VALUE),
+        "get": lambda: c.get("k"),
+        "add": lambda: c.add("a", 1),
+        "check": lambda: c.check(["k"]),
+        "compare_set": cas,
+        "multi_get": lambda: many(keys),
+        "set_big": lambda: put("big", b"y" * BIG),
+    }
+
+
 def tcpstore(ops: int) -> dict[str, float]:
     import torch.distributed as dist
 
@@ -113,31 +143,7 @@ def tcpstore(ops: int) -> dict[str, float]:
             return s
 
         c = make()
-        c.set("k", VALUE)
-        keys = [f"m/{i}" for i in range(MANY)]
-        for k in keys:
-            c.set(k, VALUE)
-        c.set("big", b"y" * BIG)
-        n = [0]
-
-        def cas() -> None:
-            n[0] += 1
-            c.compare_set("c", str(n[0] - 1) if n[0] > 1 else "", str(n[0]))
-
-        got = _measure(
-            c,
-            pids,
-            ops,
-            {
-                "set": lambda: (c.set("k", VALUE), c.check(["k"])),  # (less a check)
-                "get": lambda: c.get("k"),
-                "add": lambda: c.add("a", 1),
-                "check": lambda: c.check(["k"]),
-                "compare_set": cas,
-                "multi_get": lambda: c.multi_get(keys),
-                "set_big": lambda: (c.set("big", b"y" * BIG), c.check(["k"])),
-            },
-        )
+        got = _measure(c, pids, ops, _kinds(c, c.multi_get, answered=False))
         wake = _waiters(make, lambda k: c.set(k, VALUE), pids)
     check = got["check"]
     for k in ("set", "set_big"):  # (a set is not answered: each was followed by a check)
@@ -154,31 +160,7 @@ def nats(ops: int) -> dict[str, float]:
         try:
             pids = [p.pid for p in cluster.procs if p is not None]
             c = connect_kv(cluster.address, wait_s=20)
-            c.set("k", VALUE)
-            keys = [f"m/{i}" for i in range(MANY)]
-            for k in keys:
-                c.set(k, VALUE)
-            c.set("big", b"y" * BIG)
-            n = [0]
-
-            def cas() -> None:
-                n[0] += 1
-                c.compare_set("c", str(n[0] - 1) if n[0] > 1 else "", str(n[0]))
-
-            got = _measure(
-                c,
-                pids,
-                ops,
-                {
-                    "set": lambda: c.set("k", VALUE),
-                    "get": lambda: c.get("k"),
-                    "add": lambda: c.add("a", 1),
-                    "check": lambda: c.check(["k"]),
-                    "compare_set": cas,
-                    "multi_get": lambda: c.read_many(keys),
-                    "set_big": lambda: c.set("big", b"y" * BIG),
-                },
-            )
+            got = _measure(c, pids, ops, _kinds(c, c.read_many, answered=True))
             for kind, burst in _bursts(c, pids, ops).items():  # (under load: see below)
                 got[kind] = (got[kind][0], burst[0], burst[1])
             wake = _waiters(
