@@ -205,3 +205,33 @@ def test_a_commit_voted_then_lost_in_an_epochs_first_step_still_tiles_it(tmp_pat
     (got,) = unlogged_commits(ev)
     assert (got["src"], got["step"], got["shard"]) == ("rank 0", 2917, [0, 22, 96])
     assert untiled_steps(shards_by_step([*ev, got])) == []
+
+
+def test_recovery_counts_the_first_step_decided_after_the_fault(tmp_path):
+    """A kill at the commit point: the others commit the step they voted for 1 ms later;
+    that step was decided before the fault, and is not the survivors' recovery."""
+    agent, r0 = _logs(tmp_path, "agent 0", "rank 0")
+    r0.emit("commit", epoch=1, step=6)
+    agent.emit("injected", rank=1, incarnation=3, kind="sigkill", step=7, point="commit")
+    r0.emit("commit", epoch=1, step=7)  # voted before the kill
+    agent.emit("worker_exit", rank=1, incarnation=3, exit_code=None, signal=9, life=0)
+    time.sleep(0.02)
+    r0.emit("epoch", epoch=2, members=[0, 1], step=8)
+    r0.emit("commit", epoch=2, step=8)
+    _close(agent, r0)
+    (f,) = summarize(tmp_path)["faults"]
+    assert f["recover_ms"] >= 20, f
+
+
+def test_a_step_retried_in_its_own_epoch_is_the_recovery(tmp_path):
+    """A one-worker job's exception: the step rolls back and is retried in its epoch."""
+    (r0,) = _logs(tmp_path, "rank 0")
+    r0.emit("commit", epoch=1, step=2)
+    r0.emit("local_fault", step=3, epoch=1, cause="RuntimeError: boom", incarnation=1)
+    r0.emit("rollback", epoch=1, step=3, reason="local")
+    r0.emit("commit", epoch=1, step=3)
+    time.sleep(0.05)
+    r0.emit("commit", epoch=1, step=4)
+    _close(r0)
+    (f,) = summarize(tmp_path)["faults"]
+    assert f["recovered"] and f["recover_ms"] < 40, f

@@ -51,6 +51,17 @@ def runs(ev: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return out
 
 
+def _after(commit: dict[str, Any], fault: dict[str, Any], retried: set[Any]) -> bool:
+    """Whether ``commit`` is of a step decided after ``fault``: in a later epoch, a later
+    step, or the step rolled back after the fault and retried in its epoch."""
+    if (
+        commit["epoch"] > fault["epoch"]
+        or (commit["src"], commit["epoch"], commit["step"]) in retried
+    ):
+        return True
+    return fault["step"] is not None and commit["step"] > fault["step"]
+
+
 def _ms(e: dict[str, Any] | None, t: float) -> float | None:
     return None if e is None else round((e["mono"] - t) * 1e3, 2)
 
@@ -118,7 +129,12 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
                 "seen_as": [name],
                 "step": e["step"] if e.get("step") is not None else _step_at(commits, t),
                 "epoch": max(
-                    (x["epoch"] for x in ev if x["event"] == "epoch" and x["mono"] <= t), default=0
+                    (
+                        x["epoch"]
+                        for x in ev
+                        if x["event"] in ("epoch", "commit") and x["mono"] <= t
+                    ),
+                    default=0,
                 ),
                 "secondary": 0,
             }
@@ -135,17 +151,15 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
             ]
             if heard and (intr is None or heard[0]["mono"] < intr["mono"]):
                 intr = {**heard[0], "mono": max(heard[0]["mono"], t)}
-        # the survivors' next commit of the interrupted step (or, when the step is not
-        # known, of a later epoch): a commit of a step decided before the fault does not count
-        nxt = next(
-            (
-                e
-                for e in others
-                if e["event"] == "commit"
-                and (e["step"] >= f["step"] if f["step"] is not None else e["epoch"] > f["epoch"])
-            ),
-            None,
-        )
+        # the survivors' first commit decided after the fault: the interrupted step's in a
+        # later epoch, or a later step's. A step committed in the fault's own epoch was
+        # decided before it (a kill at the commit point: the others commit what they voted)
+        retried = {
+            (e["src"], e["epoch"], e["step"])
+            for e in ev
+            if e["event"] == "rollback" and e["mono"] >= t
+        }
+        nxt = next((e for e in others if e["event"] == "commit" and _after(e, f, retried)), None)
         restarted = any(s in f["seen_as"] for s in _PROCESS_EVENTS)
         if nxt is None and not restarted:  # a one-worker job: the faulty worker goes on itself
             nxt = next(
@@ -155,9 +169,7 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
                     if e["mono"] >= t
                     and e["event"] == "commit"
                     and _rank_of(e["src"]) == r
-                    and (
-                        e["step"] >= f["step"] if f["step"] is not None else e["epoch"] > f["epoch"]
-                    )
+                    and _after(e, f, retried)
                 ),
                 None,
             )
