@@ -70,7 +70,7 @@ def test_a_proposal_must_keep_the_registered_structure_shapes_and_dtypes():
         s.propose({"params": {"w": _tree()["w"]}})
     bad = _tree()
     bad["w"] = bad["w"].astype(jnp.float16)
-    with pytest.raises(StateMisuse, match="leaf .* float16"):
+    with pytest.raises(StateMisuse, match=r"params\['w'\] is float16"):
         s.propose({"params": bad})
 
 
@@ -136,3 +136,69 @@ def test_a_typed_prng_key_in_the_state_heals_as_a_key():
     assert jnp.issubdtype(got.dtype, jax.dtypes.prng_key)
     assert np.array_equal(jax.random.key_data(got), jax.random.key_data(jax.random.key(7)))
     assert receiver.digest(2) == sender.digest(2)
+
+
+def _counting_build(calls: list[int], seed: int = 1):
+    def build() -> dict:
+        traced = isinstance(jnp.zeros(()) + 0, jax.core.Tracer)
+        if not traced:  # (jax.eval_shape calls it too, with nothing computed)
+            calls.append(seed)
+        params = {"w": jnp.ones((2, 3)) * seed, "rng": jax.random.key(seed)}
+        return {"params": params, "count": {"n": jnp.asarray(0.0)}}  # (a weakly typed leaf)
+
+    return build
+
+
+def test_a_build_healed_before_it_runs_never_runs():
+    """A restarted worker registers a build and is healed: it never builds (the cost of
+    a JAX restart was the script's build, not the heal)."""
+    calls: list[int] = []
+    sender, receiver = StateRegistry(), StateRegistry()
+    sender.by_reference, receiver.by_reference = PyTrees(), PyTrees()
+    sender.by_reference.add_build(_counting_build(calls, seed=5))
+    assert calls == [] and sender.by_reference.pending  # (traced, not run)
+    receiver.by_reference.add_build(_counting_build(calls, seed=1))
+    header, wires = sender.pack(4)  # the sender's state is read: it builds now
+    assert calls == [5] and not sender.by_reference.pending
+    assert receiver.load_packed(header, [w.clone() for w in wires]) == 4
+    assert calls == [5] and not receiver.by_reference.pending  # the receiver never built
+    got = receiver.by_reference.committed
+    assert float(got["params"]["w"][1, 2]) == 5.0
+    assert jnp.issubdtype(got["params"]["rng"].dtype, jax.dtypes.prng_key)
+    assert got["count"]["n"].weak_type  # (a strongly typed leaf would trace every jit again)
+    assert receiver.digest(4) == sender.digest(4)
+
+
+def test_a_build_runs_once_when_nothing_heals_it_and_must_match_its_trace():
+    calls: list[int] = []
+    s = PyTrees()
+    assert sorted(s.add_build(_counting_build(calls))) == ["count", "params"]
+    s.materialize()
+    s.materialize()
+    assert calls == [1] and float(s.committed["params"]["w"][0, 0]) == 1.0
+    shapes = iter([(2,), (3,)])
+
+    def changes() -> dict:
+        return {"w": jnp.zeros(next(shapes))}
+
+    s = PyTrees()
+    s.add_build(changes)
+    with pytest.raises(StateMisuse, match="other shapes or dtypes when run than when traced"):
+        s.materialize()
+    with pytest.raises(StateMisuse, match="not a dict of pytrees"):
+        PyTrees().add_build(lambda: [jnp.ones(2)])
+
+
+def test_the_health_check_does_not_run_a_build_a_heal_may_replace():
+    from fastft.runtime.health import state_damage
+
+    calls: list[int] = []
+    r, s = StateRegistry(), PyTrees()
+    s.add_build(_counting_build(calls))
+    r.by_reference = s
+    assert state_damage(r) is None and calls == []
+
+
+def test_pmean_names_the_leaves_it_cannot_average():
+    with pytest.raises(TypeError, match=r"\['count'\] \(int32\) not floating point.*propose it"):
+        to_flat([jnp.ones(2), jnp.zeros((), jnp.int32)], ["['w']", "['count']"])

@@ -105,7 +105,7 @@ def main() -> None:
                 params, opt_state = ft.state["params"], ft.state["opt"]
             seq = batch(tx.step, a.batch)[tx.shard(a.batch)]
             loss, grads = grad_fn(params, seq)
-            grads = tx.allreduce_tree(grads)
+            grads = tx.pmean(grads)
             if a.misuse == "type-error":
                 grads = grads + 1  # (a dict plus a number)
             params, opt_state = update(params, opt_state, grads)

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
             grads = grad_fn(ft.state["params"], x[mine], y[mine])
             if a.step_time:
                 time.sleep(a.step_time * (mine.stop - mine.start) * ft.config.world_size / a.batch)
-            grads = tx.allreduce_tree(grads)  # the mean over the epoch, weighed by shares
+            grads = tx.pmean(grads)  # the mean over the epoch, weighed by shares
             p, s = update(ft.state["params"], ft.state["opt"], grads)
             tx.propose(params=p, opt=s)
     if a.out is not None:

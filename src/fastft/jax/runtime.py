@@ -8,15 +8,17 @@ torch one. :class:`JaxRuntime` is :class:`fastft.Runtime` with JAX's state kept 
 reference (:mod:`fastft.jax.state`)::
 
     ft = fastft.jax.init()
-    ft.register(params=params, opt=opt_state)
+    ft.register(build)                                   # build() -> {"params": ..., "opt": ...}
     while ft.step < steps:
         with ft.transaction() as tx:
             x, y = batch(tx.step)
             mine = tx.shard(len(x))                      # this member's samples
             grads = grad_fn(ft.state["params"], x[mine], y[mine])
-            grads = tx.allreduce_tree(grads)             # the mean over the epoch
+            grads = tx.pmean(grads)                      # the mean over the epoch
             params, opt_state = update(ft.state["params"], ft.state["opt"], grads)
             tx.propose(params=params, opt=opt_state)     # adopted if the step commits
+
+A warm spare that runs ahead rehearses the first step (:mod:`fastft.jax.rehearsal`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any, TypeVar
 import jax
 import torch
 
+from fastft.jax import rehearsal
+from fastft.jax.rehearsal import Rehearsal, Tracing
 from fastft.jax.state import PyTrees, StateMisuse
 from fastft.jax.trees import layout_of, split, to_flat
 from fastft.runtime.api import Runtime
@@ -48,7 +52,28 @@ T = TypeVar("T")
 class JaxRuntime:
     """fastft on one JAX worker. Build it with :func:`init`."""
 
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(
+        self,
+        rt: Runtime | None,
+        rehearsing: Rehearsal | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.trees = PyTrees()
+        self.rehearsal = rehearsing
+        """A warm spare's rehearsal of the first step, until its order (else None)."""
+        self._rt: Runtime | None = None
+        self._overrides = dict(overrides or {})
+        self._others: dict[str, Any] | None = None
+        self._checks: list[tuple[Callable[[], Any], str | None]] = []
+        self.key = jax.random.key(0)
+        """The job's base key: ``tx.key`` is it folded with the step and the member."""
+        self._joined: tuple[int, float] | None = None
+        """JAX's traces and compile seconds when this worker joined, until its first step."""
+        Tracing.install()
+        if rt is not None:
+            self._attach(rt)
+
+    def _attach(self, rt: Runtime) -> None:
         cfg = rt.config
         if cfg.sync_kind != "per-step" or cfg.shard_size > 1 or rt.flow is not None:
             why = (
@@ -61,29 +86,94 @@ class JaxRuntime:
             log.critical("%s", why)
             rt.close(finished=False)
             raise ScriptError(why)
-        self.rt = rt
-        self.trees = PyTrees()
+        self._rt = rt
         rt.registry.by_reference = self.trees
-        self.key = jax.random.key(rt.config.seed)
-        """The job's base key: ``tx.key`` is it folded with the step and the member."""
+        self.trees.on_build = lambda ms: rt.events.emit("jax_build", ms=ms)
+        self.key = jax.random.key(cfg.seed)
+        for check, name in self._checks:
+            rt.add_health_check(check, name)
 
-    def register(self, **named: Any) -> JaxRuntime:
-        """Register the state a step replaces (pytrees of JAX arrays: parameters, the
-        optimizer's state) and objects with ``state_dict``/``load_state_dict`` (a data
-        position: :class:`fastft.Batches`), by name; then join the job: returns once this
-        worker is a member of an epoch and holds the committed state (healed from a peer
-        or restored from a checkpoint if the job is under way)."""
+    @property
+    def rt(self) -> Runtime:
+        """The worker's :class:`fastft.Runtime` (a rehearsing spare waits for its order here)."""
+        if self._rt is None:
+            self.promote()
+        assert self._rt is not None
+        return self._rt
+
+    @property
+    def rehearsing(self) -> bool:
+        """Whether this is a warm spare rehearsing the first step (its result is dropped)."""
+        return self.rehearsal is not None
+
+    def promote(self) -> None:
+        """The rehearsal is over: wait for the order, become that worker and join the job
+        with the state registered during the rehearsal (healed if the job is under way)."""
+        rt = init_runtime(**self._overrides)  # (waits for the agent's order)
+        self.rehearsal = None
+        _compilation_cache(rt)
+        self._attach(rt)
+        if self._others is not None:
+            self.trees.defer()  # (a heal replaces the spare's own build unread)
+            self._join(self._others)
+
+    def register(
+        self, build: Callable[[], Mapping[str, Any]] | None = None, /, **named: Any
+    ) -> JaxRuntime:
+        """Register the state a step replaces, by name, then join the job: returns once
+        this worker is a member of an epoch and holds the committed state (healed from a
+        peer or restored from a checkpoint if the job is under way).
+
+        - ``build``: a function that returns the pytrees by name (``{"params": ...,
+          "opt": ...}``); it runs only if nothing else fills them: a worker that joins a
+          job under way is healed and never builds (the cheaper restart).
+        - keywords: pytrees of JAX arrays (parameters, optimizer state), and objects with
+          ``state_dict``/``load_state_dict`` (a data position: :class:`fastft.Batches`)."""
         others = {}
-        for name, obj in named.items():
-            if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-                others[name] = obj
-                continue
-            try:
-                self.trees.add(name, obj)
-            except StateMisuse as e:
-                self.rt.refuse(str(e), e)
-        self.rt.register(**others)
+        try:
+            if build is not None:
+                for name in self.trees.add_build(build):
+                    if name in named:
+                        raise StateMisuse(
+                            f"ft.register: {name!r} is both built and passed by keyword"
+                        )
+            for name, obj in named.items():
+                if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+                    others[name] = obj
+                else:
+                    self.trees.add(name, obj)
+        except StateMisuse as e:
+            if self._rt is None:
+                raise ScriptError(str(e)) from e
+            self.rt.refuse(str(e), e)
+        if self.rehearsal is not None:  # (the step to rehearse needs values)
+            self.trees.materialize()
+            self._others = others
+            return self
+        self._join(others)
         return self
+
+    def _join(self, others: dict[str, Any]) -> None:
+        try:
+            self.rt.register(**others)
+            self.trees.materialize()  # nothing healed or restored it: a first start builds
+        except StateMisuse as e:
+            self.rt.refuse(str(e), e)
+        self._joined = Tracing.now()
+
+    def first_step_done(self, tx: JaxTransaction) -> None:
+        """Record what this worker's first step traced and compiled (``jax_first_step``)."""
+        if self._joined is None:
+            return
+        traces, secs = Tracing.now()
+        self.rt.events.emit(
+            "jax_first_step",
+            step=tx.step,
+            traces=traces - self._joined[0],
+            compile_ms=round((secs - self._joined[1]) * 1e3, 1),
+            ran_ahead=self._others is not None,
+        )
+        self._joined = None
 
     @property
     def state(self) -> Mapping[str, Any]:
@@ -92,6 +182,8 @@ class JaxRuntime:
 
     def transaction(self) -> JaxTransaction:
         """``with ft.transaction() as tx:`` one step: commits on every member or on none."""
+        if self.rehearsal is not None:
+            return JaxTransaction(self, None)
         return JaxTransaction(self, self.rt.transaction())
 
     def run(self, fn: Callable[..., T], *args: Any, **options: Any) -> T:
@@ -100,32 +192,32 @@ class JaxRuntime:
 
     @property
     def step(self) -> int:
-        return self.rt.step
+        return self.rehearsal.step if self.rehearsal is not None else self.rt.step
 
     @property
     def epoch(self) -> int:
-        return self.rt.epoch
+        return self.rehearsal.epoch if self.rehearsal is not None else self.rt.epoch
 
     @property
     def elapsed_s(self) -> float:
         """:attr:`fastft.Runtime.elapsed_s`: seconds since the job began."""
-        return self.rt.elapsed_s
+        return 0.0 if self.rehearsal is not None else self.rt.elapsed_s
 
     @property
     def world(self) -> int:
-        return self.rt.world
+        return self.rehearsal.world if self.rehearsal is not None else self.rt.world
 
     @property
     def rank(self) -> int:
-        return self.rt.rank
+        return self.rehearsal.rank if self.rehearsal is not None else self.rt.rank
 
     @property
     def commits(self) -> int:
-        return self.rt.commits
+        return 0 if self.rehearsal is not None else self.rt.commits
 
     @property
     def rollbacks(self) -> int:
-        return self.rt.rollbacks
+        return 0 if self.rehearsal is not None else self.rt.rollbacks
 
     @property
     def config(self) -> Any:
@@ -141,7 +233,10 @@ class JaxRuntime:
         return self.rt.no_hang_check()
 
     def add_health_check(self, check: Callable[[], Any], name: str | None = None) -> None:
-        self.rt.add_health_check(check, name)
+        if self._rt is None:  # (a rehearsing spare: added when it becomes a worker)
+            self._checks.append((check, name))
+        else:
+            self._rt.add_health_check(check, name)
 
     def close(self, *, finished: bool = True) -> None:
         self.rt.close(finished=finished)
@@ -156,20 +251,28 @@ class JaxRuntime:
 class JaxTransaction:
     """One attempt of one step (see :class:`fastft.Transaction`): ``step``, ``epoch``,
     ``rank``, ``world``, ``shard(n)``, ``committed``, plus the JAX step's own:
-    :attr:`key`, :meth:`allreduce_tree` and :meth:`propose`."""
+    :attr:`key`, :meth:`pmean` and :meth:`propose`. In a warm spare's rehearsal
+    (``tx.rehearsal``, :mod:`fastft.jax.rehearsal`) it is step 0 of member 0, alone."""
 
-    def __init__(self, ft: JaxRuntime, tx: Transaction) -> None:
+    def __init__(self, ft: JaxRuntime, tx: Transaction | None) -> None:
         self.ft = ft
         self.tx = tx
         self.proposed = False
         """Whether this attempt proposed (once: a second :meth:`propose` is refused)."""
+
+    @property
+    def rehearsal(self) -> bool:
+        """Whether this is a warm spare's rehearsal of the first step: nothing it computes
+        is kept, and it has no peers."""
+        return self.tx is None
 
     def __enter__(self) -> JaxTransaction:
         try:
             self.ft.trees.check_alive()
         except StateMisuse as e:
             self._misuse(e)
-        self.tx.__enter__()
+        if self.tx is not None:
+            self.tx.__enter__()
         self.proposed = False
         return self
 
@@ -185,27 +288,41 @@ class JaxTransaction:
                 )
             except StateMisuse as e:
                 self._misuse(e)
-        return self.tx.__exit__(et, ev, tb)
+        if self.tx is None:  # the rehearsal: its proposal dropped, then the order awaited
+            self.ft.trees.rollback()
+            if et is None:
+                self.ft.promote()
+            return False
+        try:
+            return self.tx.__exit__(et, ev, tb)
+        finally:
+            self.ft.first_step_done(self)
+
+    def _at(self, name: str) -> int:
+        r = self.ft.rehearsal
+        if self.tx is None and r is not None:
+            return int(getattr(r, name))
+        return int(getattr(self.tx, name))
 
     @property
     def step(self) -> int:
-        return self.tx.step
+        return self._at("step")
 
     @property
     def epoch(self) -> int:
-        return self.tx.epoch
+        return self._at("epoch")
 
     @property
     def rank(self) -> int:
-        return self.tx.rank
+        return self._at("rank")
 
     @property
     def world(self) -> int:
-        return self.tx.world
+        return self._at("world")
 
     @property
     def committed(self) -> bool:
-        return self.tx.committed
+        return self.tx is not None and self.tx.committed
 
     @property
     def key(self) -> jax.Array:
@@ -216,26 +333,43 @@ class JaxTransaction:
 
     def shard(self, n: int) -> slice:
         """This member's part of the step's global batch (:meth:`fastft.Transaction.shard`);
-        :meth:`allreduce_tree` then weighs each member's gradient by its share."""
+        :meth:`pmean` then weighs each member's gradient by its share."""
+        if self.tx is None:
+            assert self.ft.rehearsal is not None
+            return self.ft.rehearsal.shard(n)
         return self.tx.shard(n)
 
-    def allreduce_tree(self, tree: Any) -> Any:
-        """The mean of the pytree ``tree`` (a gradient) over the epoch's members, as a new
-        pytree of the same structure, shapes and dtypes: weighted by the members' shares
-        when :meth:`shard` was used. One flat buffer, reduced in place by the epoch's
-        collective (interruptible: a peer's fault ends the step here)."""
-        rt = self.ft.rt
-        rt.injector.fire_due(self.step, point="collective")
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        flat, t = to_flat(leaves)
-        reduce_flat(rt, t)
-        if t.is_cuda:  # (JAX reads the buffer on its own stream: the sum must be there)
-            torch.cuda.current_stream(t.device).synchronize()
-        return jax.tree_util.tree_unflatten(treedef, split(flat, layout_of(leaves)))
+    def pmean(self, tree: Any) -> Any:
+        """The **mean** of the pytree ``tree`` (a gradient) over the epoch's members, as a
+        new pytree of the same structure, shapes and dtypes (``jax.lax.pmean`` over the
+        job, not ``psum``): weighted by the members' shares when :meth:`shard` was used, so
+        the result is the gradient of the mean loss over the whole global batch. One flat
+        buffer, reduced in place by the epoch's collective (interruptible: a peer's fault
+        ends the step here). Floating-point leaves only: a gradient has no integers (an
+        integer count is state the step computes and proposes, or reduced with
+        :meth:`allreduce` as a torch tensor)."""
+        rt = None if self.tx is None else self.ft.rt
+        if rt is not None:
+            rt.injector.fire_due(self.step, point="collective")
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        flat, t = to_flat(
+            [leaf for _, leaf in leaves], [jax.tree_util.keystr(p) for p, _ in leaves]
+        )
+        if rt is not None:  # (a rehearsal has no peers: its own tree is the mean)
+            reduce_flat(rt, t)
+            if t.is_cuda:  # (JAX reads the buffer on its own stream: the sum must be there)
+                torch.cuda.current_stream(t.device).synchronize()
+        layout = layout_of([leaf for _, leaf in leaves])
+        return jax.tree_util.tree_unflatten(treedef, split(flat, layout))
+
+    allreduce_tree = pmean
+    """The name :meth:`pmean` had first (it is the mean, as ``jax.lax.pmean``)."""
 
     def allreduce(self, tensors: list[Any]) -> None:
-        """:meth:`fastft.Transaction.allreduce`: sum torch tensors in place."""
-        self.tx.allreduce(tensors)
+        """:meth:`fastft.Transaction.allreduce`: **sum** torch tensors in place (as
+        ``jax.lax.psum``); in a rehearsal, nothing."""
+        if self.tx is not None:
+            self.tx.allreduce(tensors)
 
     def propose(self, **trees: Any) -> None:
         """This step's new pytrees, by their registered names: adopted when the step
@@ -255,7 +389,8 @@ class JaxTransaction:
 
     def _misuse(self, e: StateMisuse) -> None:
         why = str(e)
-        self.ft.rt.events.emit("script_error", step=self.step, error=why)
+        if self.tx is not None:
+            self.ft.rt.events.emit("script_error", step=self.step, error=why)
         log.critical("%s", why)
         raise ScriptError(why) from e
 
@@ -265,8 +400,17 @@ def init(**overrides: Any) -> JaxRuntime:
     first jitted function. Unless the script chose a place, JAX's persistent compilation
     cache goes to the run directory, one per rank (JAX writes an entry in place: workers
     that compile the same function at once read each other's half-written entries), so
-    that a restarted worker loads its compiled functions instead of compiling them."""
+    that a restarted worker loads its compiled functions instead of compiling them. In a
+    warm spare that runs ahead, returns at once: the spare rehearses the first step
+    (:mod:`fastft.jax.rehearsal`) and becomes a worker at its end."""
+    if rehearsal.due():
+        return JaxRuntime(None, Rehearsal.from_env(), overrides)
     rt = init_runtime(**overrides)
+    _compilation_cache(rt)
+    return JaxRuntime(rt)
+
+
+def _compilation_cache(rt: Runtime) -> None:
     if rt.config.run_dir and not (
         os.environ.get("JAX_COMPILATION_CACHE_DIR")
         or getattr(jax.config, "jax_compilation_cache_dir", None)
@@ -274,4 +418,3 @@ def init(**overrides: Any) -> JaxRuntime:
         where = os.path.join(rt.config.run_dir, "jax-cache", f"rank-{rt.rank}")
         jax.config.update("jax_compilation_cache_dir", where)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    return JaxRuntime(rt)

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 __all__ = ["Layout", "as_tensor", "from_tensor", "layout_of", "split", "to_flat"]
@@ -37,11 +38,30 @@ def as_tensor(leaf: jax.Array) -> torch.Tensor:
     return torch.from_dlpack(leaf)
 
 
-def from_tensor(t: torch.Tensor, like: jax.Array) -> jax.Array:
+def from_tensor(t: torch.Tensor, like: Any) -> jax.Array:
     """A new JAX array with ``t``'s values, placed as ``like`` is (a copy: ``t`` is a view
-    of a receive buffer that is reused or freed)."""
-    x = jax.dlpack.from_dlpack(t.detach().contiguous())
-    return jax.device_put(jnp.array(x, copy=True), like.sharding)
+    of a receive buffer that is reused or freed). An array JAX placed by default
+    (uncommitted, as a script's own arrays are) comes back uncommitted: a committed one
+    is another signature to every jitted function, which would trace and compile again at
+    the first step after a heal."""
+    t = t.detach()
+    committed = getattr(like, "_committed", False)  # (an abstract leaf: placed by default)
+    if not t.is_cuda:
+        host = _host_copy(t)
+        if host is not None:  # (one memcpy: 5x faster than a copy through DLPack here)
+            return jax.device_put(host, like.sharding) if committed else jax.device_put(host)
+    x = jnp.array(jax.dlpack.from_dlpack(t.contiguous()), copy=True)
+    return jax.device_put(x, like.sharding) if like.sharding is not None else x
+
+
+def _host_copy(t: torch.Tensor) -> np.ndarray | None:
+    """A numpy copy of a CPU tensor (bfloat16 as ml_dtypes'); None for a dtype numpy lacks."""
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().copy().view(jnp.bfloat16)
+    try:
+        return t.contiguous().numpy().copy()
+    except TypeError:  # (float8 and the like: through DLPack)
+        return None
 
 
 @jax.jit
@@ -50,16 +70,26 @@ def _concat(leaves: list[jax.Array]) -> jax.Array:
     return jnp.concatenate([jnp.ravel(leaf).astype(dt) for leaf in leaves])
 
 
-def to_flat(leaves: list[jax.Array]) -> tuple[jax.Array, torch.Tensor]:
+def to_flat(
+    leaves: list[jax.Array], paths: list[str] | None = None
+) -> tuple[jax.Array, torch.Tensor]:
     """The leaves in one new flat buffer, and that buffer as a torch tensor (the same
-    memory: a collective that writes the tensor writes the buffer)."""
+    memory: a collective that writes the tensor writes the buffer). ``paths``: the
+    leaves' key paths, for errors."""
     if not leaves:
-        raise ValueError("allreduce_tree: the tree has no leaves")
-    bad = [str(leaf.dtype) for leaf in leaves if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
+        raise ValueError("tx.pmean: the tree has no leaves")
+    bad = [
+        f"{paths[i] if paths else f'leaf {i}'} ({leaf.dtype})"
+        for i, leaf in enumerate(leaves)
+        if not jnp.issubdtype(leaf.dtype, jnp.inexact)
+    ]
     if bad:
         raise TypeError(
-            f"allreduce_tree: leaves of dtype {', '.join(sorted(set(bad)))}: a gradient is "
-            "floating point (reduce integer counts with tx.allreduce([torch tensors]))"
+            f"tx.pmean: {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} not floating "
+            "point: pmean averages a gradient. An integer leaf (a step counter, a token "
+            "count) is state: compute it in the step and tx.propose it (every member "
+            "computes the same value from the same global batch); a sum over members of an "
+            "integer is tx.allreduce([torch.from_dlpack(x)]) (psum)"
         )
     flat = _concat(leaves)
     return flat, as_tensor(flat)

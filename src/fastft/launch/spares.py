@@ -18,7 +18,7 @@ import fastft.launch.policy as policy
 from fastft.launch.config import LaunchConfig
 from fastft.launch.forks import Forked, Zygote
 from fastft.launch.output import Output
-from fastft.process.env import CUDA_DEVICE, PREFAULT_MB, READY_FD, SPARE_RUN_AHEAD
+from fastft.process.env import CUDA_DEVICE, PREFAULT_MB, READY_FD, SPARE_RUN_AHEAD, SPARE_WORLD
 from fastft.process.events import EventLog
 
 __all__ = ["SparePool"]
@@ -77,6 +77,7 @@ class SparePool:
         env[PREFAULT_MB] = str(self.config.spare_prefault_mb)
         if self.config.spare_run_ahead:
             env[SPARE_RUN_AHEAD] = json.dumps(list(self.config.command))
+            env[SPARE_WORLD] = str(self.config.world_size)
         ready_r, ready_w = os.pipe()
         env[READY_FD] = str(ready_w)
         t0 = time.monotonic()

@@ -129,8 +129,10 @@ def _state_tensors(registry: StateRegistry) -> Iterator[tuple[str, torch.Tensor]
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
                     yield f"optimizer state {k} of parameter {_short(key)}", v
-    if registry.by_reference is not None:  # (fastft.jax: leaves by name, in tree order)
-        for name, leaves in registry.by_reference.state_dict().items():
+    ref = registry.by_reference
+    if ref is not None and not ref.pending:  # (fastft.jax: a build not
+        # run yet has nothing to check: a heal replaces it, or it is built after the join)
+        for name, leaves in ref.state_dict().items():
             for i, t in enumerate(leaves):
                 yield f"{name} leaf {i}", t
 

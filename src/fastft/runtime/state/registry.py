@@ -61,6 +61,11 @@ class ByReference(Stateful, Protocol):
     def lose(self) -> None:
         """Fill the committed values with NaN (the injected ``state_lost`` fault)."""
 
+    @property
+    def pending(self) -> bool:
+        """Whether the values are not made yet (a build that a heal may replace: reading
+        ``state_dict()`` makes them)."""
+
 
 def reseed(seed: int, step: int, rank: int) -> None:
     """Seed every global RNG from (seed, step, rank): deterministic per step attempt."""

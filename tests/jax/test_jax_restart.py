@@ -1,0 +1,88 @@
+"""A JAX restart (issue 52) with the example transformer (``examples/jax_transformer.py
+--size small``: optax clipping + AdamW + warmup-cosine, dropout from ``tx.key``, three
+pytrees registered as a build), 3 workers under ``fastft run``, fixed world:
+
+- a restarted worker is healed and never runs the build;
+- a warm spare that ran ahead rehearsed the first step: once it replaces a worker, its
+  first step traces and compiles nothing;
+- every run ends bitwise equal to the fault-free one (the example runs by the tests)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _runs import check_s1_s3
+
+from fastft.runtime import read_events
+
+pytestmark = pytest.mark.timeout(300)
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "jax_transformer.py"
+STEPS = 14
+
+
+def _run(tmp: Path, name: str, *flags: str, plan: list[dict] | None = None) -> Path:
+    run = tmp / name
+    run.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--run-dir", str(run)]
+    cmd += ["--check-every", "1", "--job", name, *flags]
+    if plan is not None:
+        (run / "plan.json").write_text(json.dumps({"faults": plan}))
+        cmd += ["--inject", str(run / "plan.json")]
+    cmd += [str(EXAMPLE), "--", "--size", "small", "--steps", str(STEPS), "--out", str(run / "out")]
+    with open(run / "launcher.log", "w") as log:
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=240)
+    assert p.returncode == 0, (run / "launcher.log").read_text()[-3000:]
+    check_s1_s3(run, steps=STEPS)
+    return run
+
+
+def _hashes(run: Path) -> set[str]:
+    got = [json.loads(f.read_text()) for f in sorted((run / "out").glob("final-rank*.json"))]
+    assert len(got) == 3 and all(r["step"] == STEPS for r in got)
+    return {r["hash"] for r in got}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> Path:
+    run = _run(tmp_path_factory.mktemp("clean"), "clean")
+    assert len(_hashes(run)) == 1
+    builds = [e["src"] for e in read_events(run) if e["event"] == "jax_build"]
+    assert builds == ["rank 0"], builds  # (the others were healed from it at step 0)
+    return run
+
+
+def _restarted_after(ev: list[dict], kind: str) -> list[dict]:
+    t = next(e["mono"] for e in ev if e["event"] == "injected" and e["kind"] == kind)
+    return [e for e in ev if e["mono"] > t]
+
+
+def test_a_restarted_worker_is_healed_and_never_builds(tmp_path, clean):
+    plan = [
+        {"kind": "sigkill", "rank": 1, "at_step": 5},
+        {"kind": "exception", "rank": 2, "at_step": 9},
+    ]
+    run = _run(tmp_path, "cold", plan=plan)
+    assert _hashes(run) == _hashes(clean)
+    ev = read_events(run)
+    after = _restarted_after(ev, "sigkill")
+    assert [e for e in after if e["event"] == "jax_build"] == []
+    (first,) = [e for e in after if e["event"] == "jax_first_step" and e["src"] == "rank 1"]
+    assert first["step"] == 5 and not first["ran_ahead"]
+
+
+def test_a_spare_that_ran_ahead_has_nothing_left_to_compile(tmp_path, clean):
+    plan = [{"kind": "sigkill", "rank": 1, "at_step": 8}]
+    run = _run(tmp_path, "spare", "--warm-spares", "1", "--spare-run-ahead", plan=plan)
+    assert _hashes(run) == _hashes(clean)
+    ev = read_events(run)
+    after = _restarted_after(ev, "sigkill")
+    (start,) = [e for e in after if e["event"] == "worker_start" and e["src"] == "rank 1"]
+    assert start["ran_ahead"], start  # (the spare was warm by step 8: it had rehearsed)
+    assert [e for e in after if e["event"] == "jax_build"] == []
+    (first,) = [e for e in after if e["event"] == "jax_first_step" and e["src"] == "rank 1"]
+    assert first["ran_ahead"] and first["traces"] == 0 and first["compile_ms"] == 0, first
