@@ -32,12 +32,17 @@ class KeptGradients:
         """The kept range this attempt adds to its own part."""
         self._taken_now = False
         self._faulted = False
+        self._reduced = 0
+        """Weighed reductions in this attempt: the first is the gradient (kept)."""
+        self._fresh = 0
+        """Samples of the step computed in this attempt (the batch less the kept parts)."""
 
     def begin_attempt(self) -> None:
         self.share = None
         self.adding = None
         self._faulted = False
         self._taken_now = False
+        self._reduced = 0
 
     def fault(self) -> None:
         """This attempt raised: nothing it computed is offered as kept (an exception may
@@ -59,12 +64,14 @@ class KeptGradients:
             p = plan_shards(n, world, offered)
             lo, hi = p.pieces[index]
             mine = p.kept.get(index)
+            self._fresh = n - sum(b - a for a, b in p.kept.values())
             if mine is not None and self.kept != (step, *mine, n):  # pragma: no cover
                 raise AssertionError(f"kept gradient {self.kept} is not the offered {mine}")
         elif n < world:
             raise ValueError(f"a global batch of {n} samples cannot feed {world} members")
         else:
             lo, hi = tile(0, n, world, index)
+            self._fresh = n
         self.share = (lo, hi, n)
         self.adding = mine
         return slice(lo, hi)
@@ -78,10 +85,16 @@ class KeptGradients:
         """Before the allreduce: weigh the local gradient by the share, then add the kept
         part this attempt reuses, or keep a copy the allreduce cannot touch (taken before
         the interrupt check: a peer's fault during this member's own part was deferred to
-        here, the part is done)."""
+        here, the part is done). The attempt's first weighed reduction is its gradient; a
+        later one (a ``tx.pmean`` of a metric) is weighed by this member's share of the
+        samples the attempt computed (kept parts are not computed again), nothing kept."""
         if self.share is None:
             return
         lo, hi, n = self.share
+        self._reduced += 1
+        if self._reduced > 1:  # (a later reduction, a metric: the samples computed now)
+            flat.mul_((hi - lo) / self._fresh)
+            return
         flat.mul_((hi - lo) / n)
         if self.adding is not None:
             assert self.grad is not None
