@@ -222,6 +222,26 @@ def _build() -> argparse.ArgumentParser:
         help="the control plane: NATS servers as actors of the job, on as many nodes "
         "(one for a single node); 0: node 0's TCPStore; --control URLS: your own NATS",
     )
+    p.add_argument(
+        "--placement",
+        choices=["strict", "spread"],
+        default="strict",
+        help="strict: each node agent on a machine of its own (STRICT_SPREAD: one machine's "
+        "loss is one node's); spread: Ray may put two on one machine (fewer machines than "
+        "nodes)",
+    )
+    p.add_argument(
+        "--working-dir",
+        default=None,
+        help="a directory Ray ships to every node (runtime_env working_dir); the script's "
+        "path is relative to it",
+    )
+    p.add_argument(
+        "--runtime-env",
+        default=None,
+        help='Ray\'s runtime_env for the node agents and their workers, as JSON ({"pip": '
+        '["package"], "env_vars": {...}})',
+    )
     p.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")

@@ -36,8 +36,9 @@ def _module_exists(name: str) -> bool:
     return spec is not None
 
 
-def _command(args: argparse.Namespace) -> list[str]:
-    """The worker command ``fastft run``'s arguments name."""
+def _command(args: argparse.Namespace, base: str | None = None) -> list[str]:
+    """The worker command ``fastft run``'s arguments name (a script's path relative to
+    ``base`` when given: ``fastft ray run --working-dir``)."""
     rest = list(args.args or [])
     if rest[:1] == ["--"]:
         rest = rest[1:]
@@ -50,8 +51,9 @@ def _command(args: argparse.Namespace) -> list[str]:
             *rest,
         ]
     elif args.script:
-        if not os.path.exists(args.script):
-            _fail(f"script {args.script!r} not found")
+        if not os.path.exists(os.path.join(base or "", args.script)):
+            where = f" in --working-dir {base}" if base else ""
+            _fail(f"script {args.script!r} not found{where}")
         command = [sys.executable, args.script, *rest]
     else:
         _fail("no script: fastft run [flags] script.py [args] (or -m module)")
@@ -169,7 +171,9 @@ def cmd_ray_run(args: argparse.Namespace) -> int:
     from fastft.launch.flags import config_from_args, run_argv
     from fastft.process.rundir import default_run_dir
 
-    command = _command(args)
+    runtime_env = _runtime_env(args)
+    shipped = runtime_env.get("working_dir")
+    command = _command(args, shipped if isinstance(shipped, str) else None)
     given = [
         flag
         for flag, value in (
@@ -205,14 +209,37 @@ def cmd_ray_run(args: argparse.Namespace) -> int:
             nodes=args.nodes,
             nproc=args.nproc,
             address=args.address,
-            run_dir=args.run_dir or str(default_run_dir("ray")),
+            run_dir=os.path.abspath(args.run_dir or default_run_dir("ray")),
             job=job,
             cpus_per_node=args.cpus_per_node,
             gpus_per_node=args.gpus_per_node,
             max_node_restarts=args.max_node_restarts,
             control=args.control,
             nats_servers=args.nats_servers,
+            placement=args.placement,
+            runtime_env=runtime_env or None,
         )
     except RayJobError as e:
         print(f"fastft: error: {e}", file=sys.stderr)
         return 2
+
+
+def _runtime_env(args: argparse.Namespace) -> dict[str, object]:
+    """``--runtime-env`` (JSON) with ``--working-dir`` in it; a bad one fails (exit 2)."""
+    import json
+
+    env: dict[str, object] = {}
+    if args.runtime_env:
+        try:
+            env = json.loads(args.runtime_env)
+        except json.JSONDecodeError as e:
+            _fail(f'--runtime-env: not JSON ({e}); e.g. \'{{"pip": ["einops"]}}\'')
+        if not isinstance(env, dict):
+            _fail('--runtime-env: a JSON object, e.g. \'{"pip": ["einops"]}\'')
+    if args.working_dir:
+        if not os.path.isdir(args.working_dir):
+            _fail(f"--working-dir {args.working_dir!r}: not a directory")
+        if "working_dir" in env:
+            _fail("--working-dir and --runtime-env's working_dir: give one")
+        env["working_dir"] = os.path.abspath(args.working_dir)
+    return env

@@ -1,8 +1,9 @@
 """``fastft ray run``: a fastft job on a Ray cluster.
 
 - A placement group of ``nodes`` bundles (the agent and its workers' CPUs, and GPUs),
-  spread over the cluster's nodes; a cluster that cannot place them fails at start with
-  one line.
+  each on a machine of its own (``STRICT_SPREAD``; ``placement="spread"`` lets two share
+  one); a cluster that cannot place them fails at start with one line. The decisions are
+  :mod:`fastft.ray.plan`'s; this module acts on them.
 - One :class:`~fastft.ray.agent.NodeAgent` actor per bundle, running ``fastft run
   --nnodes N --node-rank i`` for its node: deaths and hangs of workers are the agent's to
   see, as on a node started by hand. The control plane: NATS server actors of the job
@@ -24,7 +25,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -33,6 +33,7 @@ from typing import Any
 from fastft.errors import RayJobError
 from fastft.process.events import EVENTS_FILE
 from fastft.protocol.auth import JobSecret
+from fastft.ray import plan as decide
 from fastft.ray.agent import NodeAgent, file_identity
 from fastft.ray.servers import ServerWatch, node_ports, start_nats
 
@@ -41,38 +42,6 @@ __all__ = ["RayJobError", "gather_events", "run"]
 PLACE_TIMEOUT_S = 60.0
 """How long the placement group may stay pending before the job fails at start."""
 POLL_S = 0.1
-GONE_AFTER_S = 120.0
-"""An agent actor that has not answered for this long is counted as failed."""
-
-
-def _with_nproc(argv: list[str], nproc: int) -> list[str]:
-    """ARGV with ``--nproc`` (the workers per node): given among the flags before the
-    script (``-m MODULE``, ``--``, or a ``.py`` path), it must be ``nproc``."""
-    for i, a in enumerate(argv):
-        if a in ("--", "-m") or a.endswith(".py"):
-            break  # (the script and its own arguments)
-        given = a.partition("=")[2] if a.startswith("--nproc=") else None
-        if a == "--nproc" and i + 1 < len(argv):
-            given = argv[i + 1]
-        if given is not None:
-            if given != str(nproc):
-                raise RayJobError(f"--nproc {given} in argv, but nproc={nproc}: give one")
-            return argv
-    return ["--nproc", str(nproc), *argv]
-
-
-def _reachable(address: str) -> None:
-    """Fail at once when nothing listens at ``address`` (HOST:PORT of the head's GCS):
-    Ray itself retries such an address for minutes."""
-    if address in ("auto", "local") or "://" in address:
-        return
-    host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        raise RayJobError(f"--address {address!r}: use HOST:PORT of the Ray head (its GCS)")
-    try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
-    except OSError as e:
-        raise RayJobError(f"no Ray cluster at {address}: {e}") from None
 
 
 def _ray() -> Any:
@@ -98,6 +67,8 @@ def run(
     max_node_restarts: int = 3,
     control: str | None = None,
     nats_servers: int = 3,
+    placement: str = "strict",
+    runtime_env: dict[str, Any] | None = None,
     out: Any = None,
 ) -> int:
     """Run ``fastft run ARGV`` (its flags and the script, without the node flags) on
@@ -107,21 +78,21 @@ def run(
     servers as actors of the job (one on a single node), else (0) node 0's TCPStore.
     From Python: ``run(["train.py", "--lr", "3e-4"], nodes=2, nproc=4)``; ``nproc`` is
     each node's ``--nproc`` unless ARGV gives it (then they must agree); ``run_dir`` and
-    ``job`` default as ``fastft ray run``'s do."""
+    ``job`` default as ``fastft ray run``'s do. ``placement``: ``strict`` (each node on a
+    machine of its own) or ``spread``. ``runtime_env``: Ray's, for the node agent actors
+    and so their workers (``{"working_dir": ".", "pip": [...]}``: the script's path is
+    then relative to the working directory Ray ships to every node)."""
     out = out or sys.stdout
-    if nats_servers < 0 or nats_servers == 2:
-        raise RayJobError(
-            f"--nats-servers {nats_servers}: use 3 (or more) to survive a server's loss, 1 "
-            "for one server, 0 for node 0's TCPStore"
-        )
-    argv = _with_nproc(argv, nproc)
+    decide.check_nats_servers(nats_servers)
+    argv = decide.with_nproc(argv, nproc)
     if run_dir is None:
         from fastft.process.rundir import default_run_dir
 
         run_dir = str(default_run_dir("ray"))
+    run_dir = os.path.abspath(run_dir)  # (an actor's working directory may be Ray's)
     job = job or f"ray-{secrets.token_hex(3)}"
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
-    if address.rpartition(":")[0] in ("127.0.0.1", "localhost"):
+    if decide.loopback(address):
         # A cluster on loopback (this machine's): Ray would replace 127.0.0.1 with the
         # address of the default route, where no cluster listens; this variable (despite
         # its name) keeps its single-machine addressing. Before Ray's import reads it.
@@ -130,8 +101,7 @@ def run(
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    cpus = float(cpus_per_node if cpus_per_node is not None else nproc + 1)
-    _reachable(address)
+    decide.reachable(address)
     try:
         ray.init(
             address=address,
@@ -146,25 +116,22 @@ def run(
     actors: list[Any] = []
     servers: list[Any] = []
     try:
-        have = ray.cluster_resources()
-        need = {"CPU": cpus * nodes, "GPU": gpus_per_node * nodes}
-        short = {k: v for k, v in need.items() if v > have.get(k, 0.0)}
-        if short:
-            raise RayJobError(
-                f"the cluster has {', '.join(f'{have.get(k, 0):g} {k}' for k in short)}; "
-                f"{nodes} nodes of {cpus:g} CPU and {gpus_per_node:g} GPU need "
-                f"{', '.join(f'{v:g} {k}' for k, v in short.items())} (lower --nodes, --nproc, "
-                "--cpus-per-node, or add nodes)"
-            )
-        bundle = {"CPU": cpus, **({"GPU": gpus_per_node} if gpus_per_node else {})}
-        pg = placement_group([dict(bundle) for _ in range(nodes)], strategy="SPREAD")
+        bundles = decide.plan_bundles(
+            nodes=nodes,
+            nproc=nproc,
+            cpus_per_node=cpus_per_node,
+            gpus_per_node=gpus_per_node,
+            placement=placement,
+            have=ray.cluster_resources(),
+            machines=sum(1 for n in ray.nodes() if n.get("Alive")),
+        )
+        pg = placement_group(
+            [dict(bundles.bundle) for _ in range(nodes)], strategy=bundles.strategy
+        )
         try:
             ray.get(pg.ready(), timeout=PLACE_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            raise RayJobError(
-                f"Ray could not place {nodes} bundles of {bundle} within {PLACE_TIMEOUT_S:g} s "
-                "(the resources exist in sum but no node has a bundle's worth free)"
-            ) from None
+            raise RayJobError(bundles.unplaced(PLACE_TIMEOUT_S)) from None
 
         def on(i: int) -> Any:
             return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
@@ -196,18 +163,23 @@ def run(
         blob = Path(secret_path).read_bytes()  # (each actor writes it on its node)
         cls = ray.remote(NodeAgent)
         for i in range(nodes):
-            node_argv = [
-                *("--nnodes", str(nodes), "--node-rank", str(i), *plane),
-                *("--job-secret-file", secret_path, "--run-dir", run_dir, "--job", job),
-                *argv,
-            ]
+            node_argv = decide.node_argv(
+                i,
+                nodes=nodes,
+                plane=plane,
+                secret_path=secret_path,
+                run_dir=run_dir,
+                job=job,
+                argv=argv,
+            )
             actors.append(
                 cls.options(
-                    num_cpus=cpus,
+                    num_cpus=bundles.bundle["CPU"],
                     num_gpus=gpus_per_node,
                     max_restarts=max_node_restarts,
                     max_task_retries=0,
                     scheduling_strategy=on(i),
+                    runtime_env=runtime_env,
                     name=f"fastft-{job}-node{i}",
                 ).remote(i, node_argv, blob, secret_path, run_dir)
             )
@@ -234,12 +206,10 @@ def run(
 
 def _follow(ray: Any, actors: list[Any], servers: list[Any], out: Any) -> int:
     """Print the agents' output until every agent ended, and say when a NATS server
-    actor dies and comes back; the job's exit status."""
+    actor dies and comes back; the job's exit status (:mod:`fastft.ray.plan` decides what
+    each poll, or its absence, means)."""
     watch = ServerWatch(ray, servers, out)
-    offsets = [0] * len(actors)
-    lives: list[int | None] = [None] * len(actors)
-    status: list[int | None] = [None] * len(actors)
-    since: list[float | None] = [None] * len(actors)
+    tracks = [decide.AgentTrack(i) for i in range(len(actors))]
     stop = {"signal": 0}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -247,51 +217,33 @@ def _follow(ray: Any, actors: list[Any], servers: list[Any], out: Any) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while any(s is None for s in status):
+        while any(t.status is None for t in tracks):
             if stop["signal"]:
                 for a in actors:
                     a.stop.remote()
                 stop["signal"] = 0
-            for i, a in enumerate(actors):
-                if status[i] is not None:
+            for a, track in zip(actors, tracks, strict=True):
+                if track.status is not None:
                     continue
                 try:
-                    got = ray.get(a.poll.remote(offsets[i]), timeout=10)
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                    # (dying, restarting, or out of restarts: Ray's errors do not say which)
-                    first_miss = since[i] = since[i] or time.monotonic()
-                    if time.monotonic() - first_miss > GONE_AFTER_S:
-                        print(
-                            f"fastft ray: node {i}'s agent actor has not answered for "
-                            f"{GONE_AFTER_S:g} s (out of restarts, or no node to run on): "
-                            "counted as failed",
-                            file=out,
-                        )
-                        status[i] = 1
-                    continue
-                since[i] = None
-                if got["pid"] != lives[i]:
-                    if lives[i] is not None:
-                        print(
-                            f"fastft ray: node {i}'s agent actor died; Ray started it again "
-                            f"(pid {got['pid']}): its workers join and heal",
-                            file=out,
-                            flush=True,
-                        )
-                        offsets[i] = 0
+                    got = ray.get(a.poll.remote(track.offset), timeout=10)
+                    if track.polled(got):  # (a new life: its output from the start)
                         got = ray.get(a.poll.remote(0), timeout=10)
-                    lives[i] = got["pid"]
-                for line in got["lines"]:
-                    print(line, file=out)
-                offsets[i] += len(got["lines"])
-                status[i] = got["rc"]
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    track.silent(time.monotonic())
+                else:
+                    for line in track.printed(got):
+                        print(line, file=out)
+                for note in track.notes:
+                    print(note, file=out, flush=True)
+                track.notes.clear()
             watch.round()
             out.flush()
             time.sleep(POLL_S)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return next((s for s in status if s), 0) or 0
+    return decide.job_status([t.status for t in tracks])
 
 
 def gather_events(ray: Any, actors: list[Any], run_dir: Path, out: Any) -> None:

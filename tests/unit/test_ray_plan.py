@@ -1,0 +1,171 @@
+"""``fastft ray run``'s decisions without Ray (:mod:`fastft.ray.plan`): the agents'
+command lines, the placement group's bundles and strategy, and what an agent actor's poll
+or silence means for the job."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from fastft.errors import RayJobError
+from fastft.ray import plan
+
+HAVE = {"CPU": 8.0, "GPU": 0.0}
+
+
+def test_nproc_is_added_or_must_agree():
+    assert plan.with_nproc(["train.py", "--nproc", "9"], 2) == [
+        "--nproc",
+        "2",
+        "train.py",
+        "--nproc",
+        "9",
+    ]
+    assert plan.with_nproc(["--nproc=2", "-m", "m"], 2) == ["--nproc=2", "-m", "m"]
+    with pytest.raises(RayJobError, match="--nproc 3 in argv, but nproc=2"):
+        plan.with_nproc(["--nproc", "3", "t.py"], 2)
+
+
+def test_bundles_are_one_per_machine_unless_spread_is_asked():
+    b = plan.plan_bundles(
+        nodes=2,
+        nproc=2,
+        cpus_per_node=None,
+        gpus_per_node=0.0,
+        placement="strict",
+        have=HAVE,
+        machines=2,
+    )
+    assert (b.bundle, b.count, b.strategy) == ({"CPU": 3.0}, 2, "STRICT_SPREAD")
+    with pytest.raises(RayJobError, match="1 machine.*--placement spread"):
+        plan.plan_bundles(
+            nodes=2,
+            nproc=2,
+            cpus_per_node=None,
+            gpus_per_node=0.0,
+            placement="strict",
+            have=HAVE,
+            machines=1,
+        )
+    b = plan.plan_bundles(
+        nodes=2,
+        nproc=2,
+        cpus_per_node=None,
+        gpus_per_node=0.0,
+        placement="spread",
+        have=HAVE,
+        machines=1,
+    )
+    assert b.strategy == "SPREAD" and "no node has a bundle's worth free" in b.unplaced(60)
+
+
+def test_a_cluster_short_of_resources_fails_saying_what_to_change():
+    with pytest.raises(RayJobError, match="the cluster has 8 CPU; 3 nodes of 4 CPU.*need 12 CPU"):
+        plan.plan_bundles(
+            nodes=3,
+            nproc=2,
+            cpus_per_node=4,
+            gpus_per_node=0.0,
+            placement="spread",
+            have=HAVE,
+            machines=3,
+        )
+    with pytest.raises(RayJobError, match="0 GPU"):
+        plan.plan_bundles(
+            nodes=1,
+            nproc=1,
+            cpus_per_node=None,
+            gpus_per_node=1,
+            placement="strict",
+            have=HAVE,
+            machines=1,
+        )
+    b = plan.plan_bundles(
+        nodes=1,
+        nproc=1,
+        cpus_per_node=None,
+        gpus_per_node=1,
+        placement="strict",
+        have={"CPU": 4, "GPU": 1},
+        machines=1,
+    )
+    assert b.bundle == {"CPU": 2.0, "GPU": 1} and "a machine of its own" in b.unplaced(60)
+    with pytest.raises(RayJobError, match="--placement 'pack'"):
+        plan.plan_bundles(
+            nodes=1,
+            nproc=1,
+            cpus_per_node=None,
+            gpus_per_node=0,
+            placement="pack",
+            have=HAVE,
+            machines=1,
+        )
+
+
+def test_each_node_agent_gets_its_rank_plane_secret_and_the_users_flags():
+    got = plan.node_argv(
+        1,
+        nodes=2,
+        plane=["--control", "nats://a"],
+        secret_path="/r/s",
+        run_dir="/r",
+        job="j",
+        argv=["--nproc", "2", "t.py"],
+    )
+    assert got == [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--control",
+        "nats://a",
+        "--job-secret-file",
+        "/r/s",
+        "--run-dir",
+        "/r",
+        "--job",
+        "j",
+        "--nproc",
+        "2",
+        "t.py",
+    ]
+
+
+def test_an_agent_actors_new_life_is_read_from_its_start_and_said():
+    t = plan.AgentTrack(0)
+    assert not t.polled({"pid": 10, "lines": ["a", "b"], "rc": None})
+    assert t.printed({"pid": 10, "lines": ["a", "b"], "rc": None}) == ["a", "b"]
+    assert t.offset == 2 and t.status is None and t.notes == []
+    assert t.polled({"pid": 11, "lines": [], "rc": None})  # Ray started the actor again
+    assert t.offset == 0 and "died; Ray started it again (pid 11)" in t.notes[0]
+    t.printed({"pid": 11, "lines": ["x"], "rc": 0})
+    assert t.status == 0
+
+
+def test_an_agent_actor_silent_for_long_is_counted_as_failed():
+    t = plan.AgentTrack(3)
+    t.silent(100.0)
+    t.silent(100.0 + plan.GONE_AFTER_S)
+    assert t.status is None
+    t.polled({"pid": 5, "lines": [], "rc": None})  # an answer: the silence starts again
+    t.silent(1000.0)
+    t.silent(1000.0 + plan.GONE_AFTER_S + 1)
+    assert t.status == 1 and "node 3's agent actor has not answered" in t.notes[0]
+
+
+def test_the_jobs_status_is_the_first_failure():
+    assert plan.job_status([0, 0]) == 0
+    assert plan.job_status([0, 86, 1]) == 86
+
+
+def test_an_address_where_nothing_listens_fails_at_once():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RayJobError, match=f"no Ray cluster at 127.0.0.1:{port}"):
+        plan.reachable(f"127.0.0.1:{port}")
+    with pytest.raises(RayJobError, match="use HOST:PORT"):
+        plan.reachable("head:gcs")
+    plan.reachable("auto")
+    assert plan.loopback("127.0.0.1:6379") and not plan.loopback("10.0.0.2:6379")
