@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: scale-model test test-slow test-net test-exhaustive test-collective test-jax test-ray conformance unit lint bench bench-jax bench-ray bench-quick demo demo-jax fsm-doc clean
+.PHONY: scale-model test test-slow test-net test-exhaustive test-collective test-jax test-ray test-floor conformance unit lint bench bench-jax bench-ray bench-quick demo demo-jax fsm-doc clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -62,6 +62,16 @@ $(VENV)/.ray: $(VENV)/.installed
 # fastft ray run on a local two-node Ray cluster the tests start and stop
 test-ray: $(VENV)/.ray
 	TORCH_CPP_LOG_LEVEL=ERROR RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest -q tests/ray
+
+# the floors of the jax and ray extras' version ranges (jax 0.10.0, ray 2.58.0; CI tests
+# the newest, 0.10.2 and 2.60.0) in a venv of their own: fastft.jax's parts, its restarts,
+# and the Ray Trainer tier (~6 minutes; by hand, not in CI's budget)
+FLOOR := .venv-floor
+test-floor:
+	test -x $(FLOOR)/bin/python || $(PY) -m venv $(FLOOR)
+	$(FLOOR)/bin/pip install -q -c constraints.txt torch==2.13.0
+	$(FLOOR)/bin/pip install -q -c constraints.txt jax==0.10.0 jaxlib==0.10.0 'ray[default]==2.58.0' -e '.[dev,nats,jax,ray]'
+	TORCH_CPP_LOG_LEVEL=ERROR RAY_USAGE_STATS_ENABLED=0 $(FLOOR)/bin/python -m pytest -q tests/jax/test_jax_state.py tests/jax/test_jax_restart.py tests/ray/test_ray_trainer.py
 
 # the fault tier (not the slow part) with every step decided by its collective, the way
 # large jobs, NCCL and NATS decide under --decide auto (3 workers on Gloo vote in the
@@ -141,4 +151,4 @@ fsm-doc: $(VENV)/.installed
 	$(BIN)/fastft fsm-doc > docs/fsm.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(FLOOR) build *.egg-info src/*.egg-info .pytest_cache .hypothesis

@@ -2,7 +2,8 @@
 AdamW, a warmup-cosine schedule), dropout keyed by ``tx.key``, and three registered pytrees
 (parameters, optimizer state, counters). Written the way docs/jax.md says: ``init()``
 first, the state registered as a build (a restarted worker is healed and never builds it),
-the committed state read from ``ft.state`` at each step.
+the committed state read from ``ft.state`` at each step, each member's rows padded to a
+fixed count (``tx.shard_padded``: an elastic world's change of size compiles nothing).
 
     fastft run --nproc 3 examples/jax_transformer.py -- --steps 60
     fastft run --nproc 3 --warm-spares 1 --spare-run-ahead examples/jax_transformer.py
@@ -114,9 +115,10 @@ def main() -> None:
 
     ft.register(build)
 
-    def loss_fn(params: dict, seq: jax.Array, key: jax.Array) -> jax.Array:
+    def loss_fn(params: dict, seq: jax.Array, weight: jax.Array, key: jax.Array) -> jax.Array:
         logits = forward(params, seq[:, :-1], key, heads, a.dropout)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, seq[:, 1:]).mean()
+        per_seq = optax.softmax_cross_entropy_with_integer_labels(logits, seq[:, 1:]).mean(-1)
+        return (per_seq * weight).sum() / weight.sum()  # (padding rows weigh 0)
 
     grad_fn = jax.jit(jax.value_and_grad(loss_fn))
 
@@ -131,8 +133,10 @@ def main() -> None:
     while ft.step < a.steps:
         with ft.transaction() as tx:
             params, opt_state, counters = (ft.state[k] for k in ("params", "opt", "counters"))
-            seq = batch(tx.step, a.batch, context, vocab)[tx.shard(a.batch)]
-            loss, grads = grad_fn(params, seq, tx.key)
+            # this member's rows, padded to a fixed count: the same shapes in any world
+            rows, weight = tx.shard_padded(a.batch)
+            seq = batch(tx.step, a.batch, context, vocab)[rows]
+            loss, grads = grad_fn(params, seq, weight, tx.key)
             grads = tx.pmean(grads)  # the mean over the epoch, weighed by shares
             loss = tx.pmean(loss)
             params, opt_state, counters = update(

@@ -202,3 +202,24 @@ def test_the_health_check_does_not_run_a_build_a_heal_may_replace():
 def test_pmean_names_the_leaves_it_cannot_average():
     with pytest.raises(TypeError, match=r"\['count'\] \(int32\) not floating point.*propose it"):
         to_flat([jnp.ones(2), jnp.zeros((), jnp.int32)], ["['w']", "['count']"])
+
+
+def test_a_padded_shard_has_the_same_shape_in_any_world():
+    """``tx.shard_padded``: a fixed count of rows (ceil(n / fewest members)) and a weight
+    per row, so a world that shrinks or grows, and a spare's rehearsal, trace nothing new.
+    Checked on a rehearsal's transaction (member 0 of the job's world, no runtime)."""
+    from fastft.jax.rehearsal import Rehearsal
+    from fastft.jax.runtime import JaxRuntime
+
+    for world, rows in ((3, 3), (2, 4)):  # (7 samples: member 0 takes 3 of 3 members, 4 of 2)
+        tx = JaxRuntime(None, Rehearsal(world=world, fewest=2)).transaction()
+        assert tx.rehearsal and tx.rank == 0 and tx.world == world
+        idx, w = tx.shard_padded(7)
+        assert idx.shape == w.shape == (4,)
+        assert list(idx[:rows]) == list(range(rows)) and w.sum() == rows
+        assert set(idx[rows:]) <= {0} and not w[rows:].any()
+        # the rehearsal's pmean: its own tree, through the flat buffer
+        got = tx.pmean({"g": jnp.ones(3)})
+        assert np.array_equal(np.asarray(got["g"]), np.ones(3))
+    with pytest.raises(ValueError, match="size must be at least"):
+        JaxRuntime(None, Rehearsal(world=2)).transaction().shard_padded(7, size=2)

@@ -62,8 +62,12 @@ def cluster():
     """Two Ray nodes on this machine (the head and a second raylet); their address."""
     from ray.cluster_utils import Cluster
 
+    from fastft.bus.natscluster import free_port
+
     node = {"num_cpus": CPUS_PER_NODE, "object_store_memory": 80 << 20}
-    c = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    # (the head's dashboard: `ray job submit`'s server)
+    head = {**node, "include_dashboard": True, "dashboard_port": free_port()}
+    c = Cluster(initialize_head=True, head_node_args=head)
     try:
         c.add_node(**node)
         c.wait_for_nodes()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import jax
 
-from fastft.process.env import SPARE_RUN_AHEAD, SPARE_WORLD
+from fastft.process.env import SPARE_FEWEST, SPARE_RUN_AHEAD, SPARE_WORLD
 from fastft.protocol.shards import tile
 
 __all__ = ["Rehearsal", "Tracing", "due"]
@@ -43,6 +43,8 @@ class Rehearsal:
     """What a rehearsed step sees: step 0, member 0 of ``world``."""
 
     world: int
+    fewest: int = 0
+    """The fewest members an epoch may have (``--min-replicas``; else ``world``)."""
     step: int = 0
     epoch: int = 0
     rank: int = 0
@@ -51,9 +53,10 @@ class Rehearsal:
     def from_env(cls) -> Rehearsal:
         try:
             world = max(1, int(os.environ.get(SPARE_WORLD, "1")))
+            fewest = int(os.environ.get(SPARE_FEWEST, "0")) or world
         except ValueError:
-            world = 1
-        return cls(world=world)
+            world = fewest = 1
+        return cls(world=world, fewest=fewest)
 
     def shard(self, n: int) -> slice:
         """Member 0's part of a global batch of ``n`` (``Transaction.shard``'s tiling)."""

@@ -30,6 +30,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
 import torch
 
 from fastft.jax import rehearsal
@@ -338,6 +339,34 @@ class JaxTransaction:
             assert self.ft.rehearsal is not None
             return self.ft.rehearsal.shard(n)
         return self.tx.shard(n)
+
+    def shard_padded(self, n: int, size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """This member's part of the step's global batch of ``n`` as a fixed number of row
+        indices and a weight per row (1 for its rows, 0 for padding), so that the step's
+        shapes do not change with the world: an elastic world that shrinks or grows, a
+        member that gets one row more than another, and a warm spare's rehearsal all use
+        the executables already compiled. ``size`` (default): the most rows a member can
+        get, ``ceil(n / fewest members)`` (``--min-replicas``, else the job's world). Use the
+        weights in the loss, a mean over this member's rows (``(loss * w).sum() /
+        w.sum()``); :meth:`pmean` weighs members by their shares as with :meth:`shard`. The
+        price: at the full world a member computes ``size`` rows for its ``n / world``."""
+        part = self.shard(n)
+        if size is None:
+            if self.tx is None:
+                fewest = self.ft.rehearsal.fewest if self.ft.rehearsal is not None else 1
+            else:
+                cfg = self.ft.rt.config
+                fewest = cfg.min_replicas or cfg.world_size
+            size = -(-n // max(1, fewest))
+        rows = part.stop - part.start
+        if rows > size:
+            raise ValueError(
+                f"tx.shard_padded({n}, size={size}): this member's part has {rows} rows (a "
+                f"world of {self.world}); size must be at least ceil(n / fewest members)"
+            )
+        idx = np.full(size, part.start, np.int64)
+        idx[:rows] = np.arange(part.start, part.stop)
+        return idx, (np.arange(size) < rows).astype(np.float32)
 
     def pmean(self, tree: Any) -> Any:
         """The **mean** of the pytree ``tree`` (a gradient) over the epoch's members, as a

@@ -18,7 +18,14 @@ import fastft.launch.policy as policy
 from fastft.launch.config import LaunchConfig
 from fastft.launch.forks import Forked, Zygote
 from fastft.launch.output import Output
-from fastft.process.env import CUDA_DEVICE, PREFAULT_MB, READY_FD, SPARE_RUN_AHEAD, SPARE_WORLD
+from fastft.process.env import (
+    CUDA_DEVICE,
+    PREFAULT_MB,
+    READY_FD,
+    SPARE_FEWEST,
+    SPARE_RUN_AHEAD,
+    SPARE_WORLD,
+)
 from fastft.process.events import EventLog
 
 __all__ = ["SparePool"]
@@ -78,6 +85,7 @@ class SparePool:
         if self.config.spare_run_ahead:
             env[SPARE_RUN_AHEAD] = json.dumps(list(self.config.command))
             env[SPARE_WORLD] = str(self.config.world_size)
+            env[SPARE_FEWEST] = str(self.config.min_replicas or 0)
         ready_r, ready_w = os.pipe()
         env[READY_FD] = str(ready_w)
         t0 = time.monotonic()

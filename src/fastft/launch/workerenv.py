@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fastft.launch.config import LaunchConfig
-from fastft.process.env import SPARE_RUN_AHEAD, SPARE_WORLD, WorkerEnv
+from fastft.process.env import SPARE_FEWEST, SPARE_RUN_AHEAD, SPARE_WORLD, WorkerEnv
 
 __all__ = ["cpu_warnings", "worker_environment", "workers_line"]
 
@@ -83,6 +83,7 @@ def worker_environment(
     }
     env.pop(SPARE_RUN_AHEAD, None)  # only a spare waits for an order
     env.pop(SPARE_WORLD, None)
+    env.pop(SPARE_FEWEST, None)
     env.pop("FASTFT_JOB_SECRET_FILE", None)  # (the agent's flag; workers read the above)
     if cfg.nnodes == 1 and cfg.control is None:  # one node: the data plane on loopback too
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")

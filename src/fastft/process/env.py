@@ -36,6 +36,7 @@ __all__ = [
     "PREFAULT_MB",
     "READY_FD",
     "SPARE_RUN_AHEAD",
+    "SPARE_FEWEST",
     "SPARE_WORLD",
     "VARIABLES",
     "WORKER_FIELD_TYPES",
@@ -62,6 +63,7 @@ HEALTH_HOST_MB = 256
 
 SPARE_RUN_AHEAD = "FASTFT_SPARE_COMMAND"
 SPARE_WORLD = "FASTFT_SPARE_WORLD"
+SPARE_FEWEST = "FASTFT_SPARE_MIN_REPLICAS"
 CUDA_DEVICE = "FASTFT_SPARE_CUDA_DEVICE"
 READY_FD = "FASTFT_SPARE_READY_FD"
 PREFAULT_MB = "FASTFT_SPARE_PREFAULT_MB"
@@ -77,6 +79,7 @@ VARIABLES: dict[str, str] = {
     "ahead (--spare-run-ahead); fastft.init() waits there for the agent's order",
     SPARE_WORLD: "spare: the job's world size, for a JAX spare's rehearsal of the first "
     "step (fastft.jax: the shapes it compiles for)",
+    SPARE_FEWEST: "spare: the job's --min-replicas, for a JAX spare's padded shards",
     CUDA_DEVICE: "spare: the GPU whose CUDA context the spare creates ahead of time",
     READY_FD: "spare: a pipe the spare writes one byte to once it is warm",
     PREFAULT_MB: "spare: MiB of heap memory the spare touches ahead of time (0: none)",

@@ -39,22 +39,37 @@ def file_identity(path: Path) -> tuple[str, int, int]:
     return (socket.gethostname(), st.st_dev, st.st_ino)
 
 
+def _write(path: Path, data: bytes) -> None:
+    """``data`` at ``path`` (owner-only), unless the file already holds it (one machine,
+    several agents)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and path.read_bytes() == data:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 class NodeAgent:
     """``fastft run ARGV`` on this actor's node (see the module)."""
 
     def __init__(
-        self, node: int, argv: list[str], secret: bytes, secret_path: str, run_dir: str
+        self,
+        node: int,
+        argv: list[str],
+        secret: bytes,
+        secret_path: str,
+        run_dir: str,
+        files: dict[str, bytes] | None = None,
     ) -> None:
         self.node = node
         self.run_dir = run_dir
-        path = Path(secret_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_bytes() != secret:  # (every node reads one file)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(secret)
-            os.replace(tmp, path)
+        # (every node reads one secret file; ``files``: what the job needs on every
+        # machine, a Trainer's pickled training function)
+        for where, data in {secret_path: secret, **(files or {})}.items():
+            _write(Path(where), data)
         self.lines: list[str] = []
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(

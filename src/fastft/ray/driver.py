@@ -69,6 +69,7 @@ def run(
     nats_servers: int = 3,
     placement: str = "strict",
     runtime_env: dict[str, Any] | None = None,
+    files: dict[str, bytes] | None = None,
     out: Any = None,
 ) -> int:
     """Run ``fastft run ARGV`` (its flags and the script, without the node flags) on
@@ -81,7 +82,8 @@ def run(
     ``job`` default as ``fastft ray run``'s do. ``placement``: ``strict`` (each node on a
     machine of its own) or ``spread``. ``runtime_env``: Ray's, for the node agent actors
     and so their workers (``{"working_dir": ".", "pip": [...]}``: the script's path is
-    then relative to the working directory Ray ships to every node)."""
+    then relative to the working directory Ray ships to every node). ``files``: path ->
+    bytes, written on every node before its agent starts."""
     out = out or sys.stdout
     decide.check_nats_servers(nats_servers)
     argv = decide.with_nproc(argv, nproc)
@@ -109,6 +111,8 @@ def run(
             logging_level="ERROR",
             include_dashboard=False,
             configure_logging=False,
+            # (the job's: Ray uploads a local working_dir at ray.init, not per actor)
+            runtime_env=runtime_env,
         )
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise RayJobError(f"no Ray cluster at {address}: {e}") from None
@@ -179,9 +183,8 @@ def run(
                     max_restarts=max_node_restarts,
                     max_task_retries=0,
                     scheduling_strategy=on(i),
-                    runtime_env=runtime_env,
                     name=f"fastft-{job}-node{i}",
-                ).remote(i, node_argv, blob, secret_path, run_dir)
+                ).remote(i, node_argv, blob, secret_path, run_dir, files)
             )
         print(
             f"fastft ray: job {job!r}, {nodes} node agents x {nproc} workers on the Ray "
