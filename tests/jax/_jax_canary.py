@@ -65,6 +65,8 @@ def main() -> None:
     if a.reinit:
         t0 = time.monotonic()
         jax.distributed.shutdown()
+        if a.pid:  # (process 0 hosts the service: registering before it restarted it
+            time.sleep(2.0)  # could reach the old one, whose end is then fatal)
         start()
         say(reinit_ms=(time.monotonic() - t0) * 1e3, n=len(jax.devices()))
 

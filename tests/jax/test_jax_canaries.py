@@ -142,8 +142,9 @@ def test_survivors_of_process_0s_death_go_on(job_of):
 
 def test_jax_distributed_starts_again_in_a_process(job_of):
     """Shut down and initialized again in the same process (what an in-process
-    re-formation would need): it works, at the price measured here (its arrays and
-    compiled functions are those of the old world)."""
+    re-formation would need): it works once process 0 has restarted the coordination
+    service (the others wait 2 s: registering earlier can reach the old service, whose
+    end is then fatal), at ~1 s and the old world's arrays and compiled functions."""
     plain = ["--reinit", "--plain"]  # (with recoverability the shutdown does not synchronize)
     job = job_of(p0=plain, p1=plain, p2=plain)
     done = job.wait_for(lambda: all(len(_steps_of(job, i, 3)) >= 2 for i in range(NPROC)), 60)
