@@ -2,7 +2,8 @@
 --size small``: optax clipping + AdamW + warmup-cosine, dropout from ``tx.key``, three
 pytrees registered as a build), 3 workers under ``fastft run``, fixed world:
 
-- a restarted worker is healed and never runs the build;
+- a restarted worker is healed and never runs the build, and the compilation cache gives
+  back every executable its first step needs;
 - a warm spare that ran ahead rehearsed the first step: once it replaces a worker, its
   first step traces and compiles nothing;
 - every run ends bitwise equal to the fault-free one (the example runs by the tests)."""
@@ -73,6 +74,9 @@ def test_a_restarted_worker_is_healed_and_never_builds(tmp_path, clean):
     assert [e for e in after if e["event"] == "jax_build"] == []
     (first,) = [e for e in after if e["event"] == "jax_first_step" and e["src"] == "rank 1"]
     assert first["step"] == 5 and not first["ran_ahead"]
+    # a new process traces its step again, and the compilation cache (its rank's, warmed
+    # by its last life) gives every executable back: nothing is compiled
+    assert first["traces"] > 0 and first["cache_hits"] > 0 and first["cache_misses"] == 0, first
 
 
 def test_a_spare_that_ran_ahead_has_nothing_left_to_compile(tmp_path, clean):

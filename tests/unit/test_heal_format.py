@@ -125,6 +125,9 @@ _UNPICKLE = re.compile(r"pickle\.loads?\(|Unpickler\b|marshal\.loads?\(|\beval\(
 _ALLOWED = {
     "runtime/durable/writer.py": "messages on the pipe between a worker and its own writer child",
     "sim/explore.py": "the simulator's copies of its own state, in one process",
+    "ray/entry.py": "a Trainer's training function, pickled by the job's own driver and "
+    "written into the run directory on each node by the job's agent actor (as the script "
+    "itself: the same trust)",
 }
 
 

@@ -67,7 +67,7 @@ def test_the_python_entry_point_puts_nproc_in_each_nodes_flags():
     import pytest
 
     from fastft.errors import RayJobError
-    from fastft.ray.driver import _with_nproc
+    from fastft.ray.plan import with_nproc as _with_nproc
 
     assert _with_nproc(["train.py", "--nproc", "9"], 4) == [
         "--nproc",

@@ -79,6 +79,10 @@ class Tracing:
     _lock = threading.Lock()
     traces = 0
     compile_s = 0.0
+    cache_hits = 0
+    """Executables the persistent compilation cache gave back."""
+    cache_misses = 0
+    """Executables compiled because the cache had none."""
     _installed = False
 
     @classmethod
@@ -86,6 +90,7 @@ class Tracing:
         with cls._lock:
             if not cls._installed:
                 jax.monitoring.register_event_duration_secs_listener(cls._on)
+                jax.monitoring.register_event_listener(cls._on_event)
                 cls._installed = True
 
     @classmethod
@@ -95,5 +100,13 @@ class Tracing:
             cls.traces += event == cls._COMPILE[0]
 
     @classmethod
-    def now(cls) -> tuple[int, float]:
-        return cls.traces, cls.compile_s
+    def _on_event(cls, event: str, **_: str | int) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            cls.cache_hits += 1
+        elif event == "/jax/compilation_cache/cache_misses":
+            cls.cache_misses += 1
+
+    @classmethod
+    def now(cls) -> tuple[int, float, int, int]:
+        """(traces, compile seconds, cache hits, cache misses) so far."""
+        return cls.traces, cls.compile_s, cls.cache_hits, cls.cache_misses

@@ -36,7 +36,7 @@ import torch
 from fastft.jax import rehearsal
 from fastft.jax.rehearsal import Rehearsal, Tracing
 from fastft.jax.state import PyTrees, StateMisuse
-from fastft.jax.trees import layout_of, split, to_flat
+from fastft.jax.trees import layout_of, padded, split, to_flat
 from fastft.runtime.api import Runtime
 from fastft.runtime.api import init as init_runtime
 from fastft.runtime.endings import ScriptError
@@ -68,7 +68,7 @@ class JaxRuntime:
         self._checks: list[tuple[Callable[[], Any], str | None]] = []
         self.key = jax.random.key(0)
         """The job's base key: ``tx.key`` is it folded with the step and the member."""
-        self._joined: tuple[int, float] | None = None
+        self._joined: tuple[int, float, int, int] | None = None
         """JAX's traces and compile seconds when this worker joined, until its first step."""
         Tracing.install()
         if rt is not None:
@@ -166,12 +166,14 @@ class JaxRuntime:
         """Record what this worker's first step traced and compiled (``jax_first_step``)."""
         if self._joined is None:
             return
-        traces, secs = Tracing.now()
+        traces, secs, hits, misses = Tracing.now()
         self.rt.events.emit(
             "jax_first_step",
             step=tx.step,
             traces=traces - self._joined[0],
             compile_ms=round((secs - self._joined[1]) * 1e3, 1),
+            cache_hits=hits - self._joined[2],
+            cache_misses=misses - self._joined[3],
             ran_ahead=self._others is not None,
         )
         self._joined = None
@@ -350,23 +352,12 @@ class JaxTransaction:
         weights in the loss, a mean over this member's rows (``(loss * w).sum() /
         w.sum()``); :meth:`pmean` weighs members by their shares as with :meth:`shard`. The
         price: at the full world a member computes ``size`` rows for its ``n / world``."""
-        part = self.shard(n)
-        if size is None:
-            if self.tx is None:
-                fewest = self.ft.rehearsal.fewest if self.ft.rehearsal is not None else 1
-            else:
-                cfg = self.ft.rt.config
-                fewest = cfg.min_replicas or cfg.world_size
-            size = -(-n // max(1, fewest))
-        rows = part.stop - part.start
-        if rows > size:
-            raise ValueError(
-                f"tx.shard_padded({n}, size={size}): this member's part has {rows} rows (a "
-                f"world of {self.world}); size must be at least ceil(n / fewest members)"
-            )
-        idx = np.full(size, part.start, np.int64)
-        idx[:rows] = np.arange(part.start, part.stop)
-        return idx, (np.arange(size) < rows).astype(np.float32)
+        if self.tx is None:
+            fewest = self.ft.rehearsal.fewest if self.ft.rehearsal is not None else 1
+        else:
+            cfg = self.ft.rt.config
+            fewest = cfg.min_replicas or cfg.world_size
+        return padded(self.shard(n), n, size or -(-n // max(1, fewest)), self.world)
 
     def pmean(self, tree: Any) -> Any:
         """The **mean** of the pytree ``tree`` (a gradient) over the epoch's members, as a

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-__all__ = ["Layout", "as_tensor", "from_tensor", "layout_of", "split", "to_flat"]
+__all__ = ["Layout", "as_tensor", "from_tensor", "layout_of", "padded", "split", "to_flat"]
 
 Layout = tuple[tuple[tuple[int, ...], str], ...]
 """Each leaf's (shape, dtype name), in tree order."""
@@ -108,3 +108,17 @@ def _split(flat: jax.Array, layout: Layout) -> list[jax.Array]:
 def split(flat: jax.Array, layout: Layout) -> list[jax.Array]:
     """The leaves of ``layout`` read back from the flat buffer (new arrays)."""
     return list(_split(flat, layout))
+
+
+def padded(part: slice, n: int, size: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """``part`` of a batch of ``n`` as ``size`` row indices (padding repeats its first row)
+    and a weight per row, 1 for its own rows and 0 for the padding."""
+    rows = part.stop - part.start
+    if rows > size:
+        raise ValueError(
+            f"tx.shard_padded({n}, size={size}): this member's part has {rows} rows (a world "
+            f"of {world}); size must be at least ceil(n / fewest members)"
+        )
+    idx = np.full(size, part.start, np.int64)
+    idx[:rows] = np.arange(part.start, part.stop)
+    return idx, (np.arange(size) < rows).astype(np.float32)
