@@ -7,7 +7,7 @@ the first step, tracing every jitted function and loading its executable (3.6 s 
 spare of a JAX job pays all of it ahead of time: ``fastft.jax.init()`` returns at once,
 ``ft.register`` builds the state, and the first ``ft.transaction()`` runs its body as
 member 0 of the job's world (:data:`~fastft.process.env.SPARE_WORLD`) at step 0, with no
-peer: ``tx.allreduce_tree`` returns the local tree, and the proposal is dropped. Every
+peer: ``tx.pmean`` returns the local tree, and the proposal is dropped. Every
 function the step calls is then traced and compiled, for the shapes a member of that world
 feeds it. At the end of that step the spare waits for its order; once it has it, it joins
 the job as the worker it replaces (heal included) and the loop goes on at the job's step,
