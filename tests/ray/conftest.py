@@ -57,16 +57,17 @@ def no_leftovers():
     assert not left, f"left behind: {[' '.join(p.cmdline())[:120] for p in left]}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster():
-    """Two Ray nodes on this machine (the head and a second raylet); their address."""
+    """Two Ray nodes on this machine (the head and a second raylet), one for the whole
+    tier; their address."""
     from ray.cluster_utils import Cluster
 
-    from fastft.bus.natscluster import free_port
-
     node = {"num_cpus": CPUS_PER_NODE, "object_store_memory": 80 << 20}
-    # (the head's dashboard: `ray job submit`'s server)
-    head = {**node, "include_dashboard": True, "dashboard_port": free_port()}
+    # (the head's dashboard: `ray job submit`'s server; at Ray's default port, or another
+    # free one Ray picks if that is taken: a port chosen here could be taken by one of
+    # Ray's own processes before the dashboard binds it)
+    head = {**node, "include_dashboard": True}
     c = Cluster(initialize_head=True, head_node_args=head)
     try:
         c.add_node(**node)
