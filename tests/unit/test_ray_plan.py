@@ -169,3 +169,28 @@ def test_an_address_where_nothing_listens_fails_at_once():
         plan.reachable("head:gcs")
     plan.reachable("auto")
     assert plan.loopback("127.0.0.1:6379") and not plan.loopback("10.0.0.2:6379")
+
+
+def test_a_trainers_flags_carry_its_configs_and_preload_jax_for_a_jax_function(
+    monkeypatch, tmp_path
+):
+    import sys
+
+    from fastft.ray import FailureConfig, RunConfig, Trainer
+
+    t = Trainer(
+        lambda config: None,
+        run_config=RunConfig(checkpoint_every=5, flags=["--min-replicas", "2"]),
+        failure_config=FailureConfig(max_worker_restarts=4),
+    )
+    monkeypatch.delitem(sys.modules, "jax", raising=False)
+    assert t.fastft_flags(tmp_path) == [
+        "--min-replicas", "2", "--checkpoint-dir", str(tmp_path / "checkpoints"),
+        "--checkpoint-every", "5", "--max-restarts", "4",
+    ]  # fmt: skip
+    monkeypatch.setitem(sys.modules, "jax", object())  # (a driver that imported JAX)
+    assert t.fastft_flags(tmp_path)[-2:] == ["--preload", "jax,fastft.jax"]
+    script = Trainer("train.py", run_config=RunConfig(flags=["--preload=x"]))
+    assert "jax,fastft.jax" not in script.fastft_flags(tmp_path)
+    with pytest.raises(ValueError, match="only for a training function"):
+        Trainer("train.py", train_loop_config={"lr": 1})

@@ -135,6 +135,26 @@ class Trainer:
                 "train_loop_config: only for a training function (a script reads its arguments)"
             )
 
+    def _checkpoint_dir(self, run_dir: Path) -> Path:
+        rc = self.run_config
+        return Path(rc.checkpoint_dir).resolve() if rc.checkpoint_dir else run_dir / "checkpoints"
+
+    def fastft_flags(self, run_dir: Path) -> list[str]:
+        """The ``fastft run`` flags of the job: the run config's own, its checkpoints, the
+        failure config's worker restarts, and (a training function in a driver that
+        imported JAX) the zygote's preload of JAX, which it cannot read from a pickle."""
+        rc = self.run_config
+        flags = list(rc.flags)
+        if rc.checkpoint_every:
+            flags += ["--checkpoint-dir", str(self._checkpoint_dir(run_dir))]
+            flags += ["--checkpoint-every", str(rc.checkpoint_every)]
+        if self.failure.max_worker_restarts is not None:
+            flags += ["--max-restarts", str(self.failure.max_worker_restarts)]
+        preloads = any(f == "--preload" or f.startswith("--preload=") for f in flags)
+        if callable(self.loop) and "jax" in sys.modules and not preloads:
+            flags += ["--preload", "jax,fastft.jax"]
+        return flags
+
     def fit(self) -> Result:
         """Run the job to its end; its :class:`Result`, or :class:`TrainingFailed`."""
         from fastft.process.rundir import default_run_dir
@@ -149,12 +169,8 @@ class Trainer:
             run_dir = default_run_dir(name)
         run_dir = run_dir.resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
-        flags = list(rc.flags)
-        ckpt = Path(rc.checkpoint_dir).resolve() if rc.checkpoint_dir else run_dir / "checkpoints"
-        if rc.checkpoint_every:
-            flags += ["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(rc.checkpoint_every)]
-        if self.failure.max_worker_restarts is not None:
-            flags += ["--max-restarts", str(self.failure.max_worker_restarts)]
+        flags = self.fastft_flags(run_dir)
+        ckpt = self._checkpoint_dir(run_dir)
         files: dict[str, bytes] = {}
         if callable(self.loop):
             from ray import cloudpickle
