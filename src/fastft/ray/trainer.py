@@ -150,8 +150,12 @@ class Trainer:
             flags += ["--checkpoint-every", str(rc.checkpoint_every)]
         if self.failure.max_worker_restarts is not None:
             flags += ["--max-restarts", str(self.failure.max_worker_restarts)]
-        preloads = any(f == "--preload" or f.startswith("--preload=") for f in flags)
-        if callable(self.loop) and "jax" in sys.modules and not preloads:
+        given = {f.partition("=")[0] for f in flags}
+        if (
+            callable(self.loop)
+            and "jax" in sys.modules
+            and not given & {"--preload", "--start-method"}
+        ):
             flags += ["--preload", "jax,fastft.jax"]
         return flags
 
