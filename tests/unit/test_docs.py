@@ -43,3 +43,25 @@ def test_the_readme_fits_a_first_read_and_its_links_resolve():
     assert links and [p for p in links if not (ROOT / p).exists()] == []
     named = re.findall(r"\b(docs/\w+\.md)\b", text)
     assert [p for p in named if not (ROOT / p).exists()] == []
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_docs_index_links_resolve_to_files_and_their_sections():
+    """docs/README.md (find it by task) names files and sections that exist."""
+    text = (ROOT / "docs" / "README.md").read_text()
+    links = re.findall(r"\]\(((?!https?:)[^)#]+)(?:#([^)]*))?\)", text)
+    assert len(links) >= 20
+    bad = []
+    for path, anchor in links:
+        target = (ROOT / "docs" / path).resolve()
+        if not target.exists():
+            bad.append(path)
+        elif anchor:
+            heads = re.findall(r"^#+ (.+)$", target.read_text(), re.MULTILINE)
+            if anchor not in {_anchor(h) for h in heads}:
+                bad.append(f"{path}#{anchor}")
+    assert bad == []
