@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: scale-model test test-slow test-net test-exhaustive test-collective test-jax test-ray test-floor conformance unit lint bench bench-jax bench-ray bench-quick demo demo-jax fsm-doc clean
+.PHONY: scale-model test test-slow test-net test-exhaustive test-collective test-jax test-ray test-floor conformance unit lint bench bench-jax bench-ray bench-quick demo demo-jax fsm-doc flags-doc clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -149,6 +149,10 @@ demo-jax: $(VENV)/.jax
 
 fsm-doc: $(VENV)/.installed
 	$(BIN)/fastft fsm-doc > docs/fsm.md
+
+# docs/flags.md: every fastft run / fastft ray run flag, from the code (a test compares)
+flags-doc: $(VENV)/.installed
+	$(BIN)/python -m fastft.cli.flagdoc > docs/flags.md
 
 clean:
 	rm -rf $(VENV) $(FLOOR) build *.egg-info src/*.egg-info .pytest_cache .hypothesis

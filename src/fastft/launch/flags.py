@@ -15,7 +15,14 @@ from fastft.errors import ConfigError
 from fastft.launch.config import LaunchConfig
 from fastft.process.env import parse_bool
 
-__all__ = ["GROUPS", "add_run_flags", "config_from_args", "flag_variables", "run_argv"]
+__all__ = [
+    "GROUPS",
+    "add_run_flags",
+    "config_from_args",
+    "flag_rows",
+    "flag_variables",
+    "run_argv",
+]
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "workers": (
@@ -61,6 +68,25 @@ def _flag_name(f: dataclasses.Field[Any]) -> str:
 
 def _variable(f: dataclasses.Field[Any]) -> str:
     return "FASTFT_" + _flag_name(f)[2:].upper().replace("-", "_")
+
+
+def flag_rows() -> list[tuple[str, str, str, str, str]]:
+    """Every flag as (section, flag, default, variable, what), in ``--help``'s order,
+    its default as the code has it (not the environment's): ``docs/flags.md``."""
+    by_name = {f.name: f for f in _flags()}
+    out = []
+    for title, names in GROUPS.items():
+        for name in names:
+            f = by_name[name]
+            if str(f.type).startswith("bool"):
+                flag = "--no-" + _flag_name(f)[2:] if f.default else _flag_name(f)
+                default = "on" if f.default else "off"
+            else:
+                flag, default = _flag_name(f), "none" if f.default is None else str(f.default)
+            choices = f.metadata.get("choices")
+            what = str(f.metadata["help"]) + (f" ({', '.join(choices)})" if choices else "")
+            out.append((title, flag, default, _variable(f), what))
+    return out
 
 
 def flag_variables() -> dict[str, str]:
