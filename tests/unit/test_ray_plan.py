@@ -27,80 +27,30 @@ def test_nproc_is_added_or_must_agree():
         plan.with_nproc(["--nproc", "3", "t.py"], 2)
 
 
+def _bundles(**given):
+    """plan.plan_bundles with 2 nodes of 2 workers on 2 machines of HAVE, unless given."""
+    args = dict(nodes=2, nproc=2, cpus_per_node=None, gpus_per_node=0.0, placement="strict")
+    return plan.plan_bundles(**{**args, "have": HAVE, "machines": 2, **given})
+
+
 def test_bundles_are_one_per_machine_unless_spread_is_asked():
-    b = plan.plan_bundles(
-        nodes=2,
-        nproc=2,
-        cpus_per_node=None,
-        gpus_per_node=0.0,
-        placement="strict",
-        have=HAVE,
-        machines=2,
-    )
+    b = _bundles()
     assert (b.bundle, b.count, b.strategy) == ({"CPU": 3.0}, 2, "STRICT_SPREAD")
     with pytest.raises(RayJobError, match="1 machine.*--placement spread"):
-        plan.plan_bundles(
-            nodes=2,
-            nproc=2,
-            cpus_per_node=None,
-            gpus_per_node=0.0,
-            placement="strict",
-            have=HAVE,
-            machines=1,
-        )
-    b = plan.plan_bundles(
-        nodes=2,
-        nproc=2,
-        cpus_per_node=None,
-        gpus_per_node=0.0,
-        placement="spread",
-        have=HAVE,
-        machines=1,
-    )
+        _bundles(machines=1)
+    b = _bundles(placement="spread", machines=1)
     assert b.strategy == "SPREAD" and "no node has a bundle's worth free" in b.unplaced(60)
 
 
 def test_a_cluster_short_of_resources_fails_saying_what_to_change():
     with pytest.raises(RayJobError, match="the cluster has 8 CPU; 3 nodes of 4 CPU.*need 12 CPU"):
-        plan.plan_bundles(
-            nodes=3,
-            nproc=2,
-            cpus_per_node=4,
-            gpus_per_node=0.0,
-            placement="spread",
-            have=HAVE,
-            machines=3,
-        )
+        _bundles(nodes=3, cpus_per_node=4, placement="spread", machines=3)
     with pytest.raises(RayJobError, match="0 GPU"):
-        plan.plan_bundles(
-            nodes=1,
-            nproc=1,
-            cpus_per_node=None,
-            gpus_per_node=1,
-            placement="strict",
-            have=HAVE,
-            machines=1,
-        )
-    b = plan.plan_bundles(
-        nodes=1,
-        nproc=1,
-        cpus_per_node=None,
-        gpus_per_node=1,
-        placement="strict",
-        have={"CPU": 4, "GPU": 1},
-        machines=1,
-    )
+        _bundles(nodes=1, nproc=1, gpus_per_node=1, machines=1)
+    b = _bundles(nodes=1, nproc=1, gpus_per_node=1, have={"CPU": 4, "GPU": 1}, machines=1)
     assert b.bundle == {"CPU": 2.0, "GPU": 1} and "a machine of its own" in b.unplaced(60)
     with pytest.raises(RayJobError, match="--placement 'pack'"):
-        plan.plan_bundles(
-            nodes=1,
-            nproc=1,
-            cpus_per_node=None,
-            gpus_per_node=0,
-            placement="pack",
-            have=HAVE,
-            machines=1,
-        )
+        _bundles(nodes=1, nproc=1, placement="pack", machines=1)
 
 
 def test_each_node_agent_gets_its_rank_plane_secret_and_the_users_flags():

@@ -196,7 +196,7 @@ def _build() -> argparse.ArgumentParser:
         help="run a training script on a Ray cluster: one node agent actor per node",
         usage="fastft ray run [--address ADDR] --nodes N [fastft run flags] SCRIPT [args ...]",
         description="Place NODES node agents on the Ray cluster (a placement group of NODES "
-        "bundles, spread over its nodes), each running `fastft run --nnodes NODES "
+        "bundles, one per machine unless --placement spread), each running `fastft run --nnodes NODES "
         "--node-rank i` for its node with every flag given here, node 0 hosting the store; "
         "print their output; exit with the job's status. An agent actor that dies is a lost "
         "node: Ray starts it again and its workers join and heal. Needs fastft[ray].",

@@ -130,7 +130,7 @@ def run(
             machines=sum(1 for n in ray.nodes() if n.get("Alive")),
         )
         pg = placement_group(
-            [dict(bundles.bundle) for _ in range(nodes)], strategy=bundles.strategy
+            [dict(bundles.bundle) for _ in range(bundles.count)], strategy=bundles.strategy
         )
         try:
             ray.get(pg.ready(), timeout=PLACE_TIMEOUT_S)
