@@ -40,6 +40,7 @@ class Nodes:
         self.port = free_port()
         plane = ("--control", control) if control else ("--store", f"127.0.0.1:{self.port}")
         self.procs: dict[int, list[subprocess.Popen[bytes]]] = {}
+        self.standbys: dict[int, subprocess.Popen[bytes]] = {}
         self.killed: set[int] = set()
         run.mkdir(parents=True, exist_ok=True)
         self.secret = run / "job.secret"  # one file every node's agent reads
@@ -52,16 +53,38 @@ class Nodes:
             *("--out", str(run / "out"), *train),
         ]
 
-    def start(self, node: int) -> subprocess.Popen[bytes]:
+    def start(self, node: int, *, standby: bool = False) -> subprocess.Popen[bytes]:
+        """Node ``node``'s agent (a new life of the node); ``standby``: ``fastft run
+        --standby``, warm and waiting for :meth:`go` (not the node's agent until then)."""
         lives = self.procs.setdefault(node, [])
-        log = open(self.run / f"node{node}-{len(lives)}.log", "wb")  # noqa: SIM115
+        name = f"node{node}-{len(lives)}{'-standby' if standby else ''}.log"
+        log = open(self.run / name, "wb")  # noqa: SIM115
         cmd = [*self.cmd]
         cmd.insert(cmd.index("--nnodes"), "--node-rank")
         cmd.insert(cmd.index("--nnodes"), str(node))
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if standby:
+            cmd.insert(cmd.index("--nnodes"), "--standby")
+        p = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
-        lives.append(p)
+        if standby:
+            self.standbys[node] = p
+        else:
+            lives.append(p)
         return p
+
+    def go(self, node: int) -> None:
+        """Tell node ``node``'s standby to take the node over: its agent from now on."""
+        p = self.standbys.pop(node)
+        assert p.stdin is not None
+        p.stdin.write(b"{}\n")
+        p.stdin.close()
+        self.procs[node].append(p)
 
     def start_all(self) -> None:
         for n in range(self.nnodes):
@@ -117,7 +140,7 @@ class Nodes:
     def leftovers(self) -> list[int]:
         """Process groups of this job's agents that still have a process in them."""
         left = []
-        for lives in self.procs.values():
+        for lives in [*self.procs.values(), list(self.standbys.values())]:
             for p in lives:
                 try:
                     os.killpg(p.pid, 0)
@@ -151,7 +174,7 @@ class Nodes:
                     os.killpg(pgid, sig)
                 except ProcessLookupError:
                     pass
-        for lives in self.procs.values():
+        for lives in [*self.procs.values(), list(self.standbys.values())]:
             for p in lives:
                 try:
                     p.wait(10)

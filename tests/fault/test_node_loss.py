@@ -109,6 +109,42 @@ def test_a_lost_node_that_is_started_again_heals_in_a_fixed_world(tmp_path, clea
     assert {v["digest"] for v in got.values()} == {clean[0]["digest"]}
 
 
+def test_a_standby_takes_a_lost_node_over_at_once_and_heals_it(tmp_path, clean):
+    """Fixed world: node 1's standby (``fastft run --standby``) waits warm beside it; node 1
+    is SIGKILLed whole and the standby told to go at once (what ``fastft ray run``'s driver
+    does when the agent actor dies). It declares the dead agent's worker dead itself (no
+    lease runs out: nobody declares the node lost), its worker joins and heals, and the
+    result is bitwise equal to a clean run; a standby never told to go exits 0."""
+    job = Nodes(tmp_path / "standby", 3, steps=STEPS, train=SLOW_STEPS)
+    try:
+        job.start_all()
+        job.start(1, standby=True)
+        spare = job.start(2, standby=True)  # (not needed: its stdin closed at the end)
+        job.wait_commit(8)
+        assert (
+            job.standbys[1].poll() is None and not (job.run / "node1-1-standby.log").stat().st_size
+        )
+        job.signal(1, signal.SIGKILL)
+        job.go(1)
+        codes = job.wait(150)
+        assert codes == {0: 0, 1: 0, 2: 0}, job.logs()
+        assert spare.stdin is not None
+        spare.stdin.close()
+        assert spare.wait(30) == 0, job.logs()
+        job.standbys.pop(2)
+    finally:
+        assert job.close() in ([], [job.procs[1][0].pid]), job.logs()
+    ev = job.events()
+    assert lost_events(ev, 1) == [], job.logs()  # (taken over before any lease ran out)
+    (took,) = [e for e in ev if e["event"] == "node_taken_over"]
+    assert took["node"] == 1 and took["ranks"] == [1], took
+    assert any(e["event"] == "heal" and e["src"] == "rank 1" for e in ev)
+    check_s1_s3(job.run, steps=STEPS)
+    got = finals(job.run)
+    assert sorted(got) == [0, 1, 2]
+    assert {v["digest"] for v in got.values()} == {clean[0]["digest"]}
+
+
 def test_losing_the_store_host_ends_the_job_with_one_clear_line(tmp_path):
     """With the TCPStore control plane, node 0 hosts the store: its loss ends the job.
     The other agents say so in one line and exit non-zero within the lease timeout, and

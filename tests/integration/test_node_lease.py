@@ -125,6 +125,70 @@ def test_leases_over_a_real_store_declare_fence_and_clear():
         del store
 
 
+@pytest.mark.timeout(30)
+def test_a_standby_takes_its_node_over_once_and_never_after_a_declaration():
+    """A standby told to go declares the lives its node's dead agent left (no mark left:
+    the node is back); one that finds the node declared lost already declares nothing."""
+    store = host_store()
+    keys = JobKeys("takeover")
+    try:
+        store.set(keys.node_lives(1), format_lives({2: 21, 3: 31}))
+
+        def never(*a: object) -> None:
+            raise AssertionError(a)
+
+        b = NodeLease(store, keys, 1, 2, CFG, on_lost=never, on_fenced=never, on_store_lost=never)
+        assert b.take_over() == {2: 21, 3: 31}
+        assert bytes(store.get(keys.node_lost(1))).decode() == ""  # (cleared: back)
+        store.set(keys.node_lost(1), lost_mark(5, 0, {2: 22}))  # (a watcher was first)
+        b2 = NodeLease(store, keys, 1, 2, CFG, on_lost=never, on_fenced=never, on_store_lost=never)
+        assert b2.rejoined and b2.take_over() is None
+    finally:
+        del store
+
+
+@pytest.mark.parametrize(
+    "nnodes, rank, control, match",
+    [(1, 0, None, "--nnodes > 1"), (2, 0, None, "node 0 only with")],
+)
+def test_a_standby_for_a_single_node_or_a_tcpstore_host_fails_at_start(
+    nnodes, rank, control, match, tmp_path
+):
+    from fastft.protocol.auth import JobSecret
+
+    secret = tmp_path / "s"
+    JobSecret.draw().save(str(secret))
+    with pytest.raises(ConfigError, match=match):
+        LaunchConfig(
+            command=("x.py",),
+            standby=True,
+            nnodes=nnodes,
+            node_rank=rank,
+            store="127.0.0.1:1",
+            job_secret_file=str(secret),
+        )
+    LaunchConfig(  # (node 1 of 2: a standby for it is fine)
+        command=("x.py",),
+        standby=True,
+        nnodes=2,
+        node_rank=1,
+        store="127.0.0.1:1",
+        job_secret_file=str(secret),
+    )
+
+
+def test_a_standbys_go_line_sets_variables_and_its_end_dismisses_it():
+    import io
+
+    from fastft.launch.standby import wait_for_go
+
+    assert wait_for_go(io.StringIO('{"CUDA_VISIBLE_DEVICES": "2,3"}\n')) == {
+        "CUDA_VISIBLE_DEVICES": "2,3"
+    }
+    assert wait_for_go(io.StringIO("go\n")) == {} and wait_for_go(io.StringIO("[1]\n")) == {}
+    assert wait_for_go(io.StringIO("")) is None
+
+
 class _Cut:
     """A store whose calls, once ``cut`` is set, wait until ``back`` is: a host cut off
     (its TCP connection up, no answer, no error)."""

@@ -213,6 +213,17 @@ def test_the_flags_given_are_the_flags_each_ray_node_gets():
     )
 
 
+def test_ray_run_keeps_the_standby_agents_itself(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "t.py"
+    script.write_text("")
+    cmd = [sys.executable, "-m", "fastft.cli", "ray", "run", "--nodes", "2", "--standby"]
+    p = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "sets --standby itself" in p.stderr, p.stderr
+
+
 def test_the_job_clock_is_the_first_agents_and_reaches_every_worker(store):
     """``ft.elapsed_s`` counts from the job's start: the first agent's, the same for a later
     agent (another node, a restarted one) and in every worker life's environment."""

@@ -144,3 +144,16 @@ def test_a_trainers_flags_carry_its_configs_and_preload_jax_for_a_jax_function(
     assert "jax,fastft.jax" not in script.fastft_flags(tmp_path)
     with pytest.raises(ValueError, match="only for a training function"):
         Trainer("train.py", train_loop_config={"lr": 1})
+
+
+def test_a_dead_agent_actor_is_replaced_by_its_standby_until_out_of_restarts():
+    t = plan.AgentTrack(1, max_restarts=2)
+    t.polled({"pid": 10, "lines": [], "rc": None})
+    t.printed({"pid": 10, "lines": ["a"], "rc": None})
+    assert t.died(standby=True) == "standby"
+    assert (t.life, t.offset, t.status) == (None, 0, None)  # (the standby's output from 0)
+    assert "its standby agent takes the node over (restart 1 of 2)" in t.notes[-1]
+    assert not t.polled({"pid": 20, "lines": [], "rc": None})  # (a new actor: no re-read)
+    assert t.died(standby=False) == "new" and "a new agent starts (restart 2 of 2)" in t.notes[-1]
+    assert t.died(standby=True) == "failed" and t.status == 1
+    assert "after 2 restart(s) of the node (--max-node-restarts)" in t.notes[-1]

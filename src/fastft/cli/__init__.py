@@ -199,7 +199,8 @@ def _build() -> argparse.ArgumentParser:
         "bundles, one per machine unless --placement spread), each running `fastft run --nnodes NODES "
         "--node-rank i` for its node with every flag given here, node 0 hosting the store; "
         "print their output; exit with the job's status. An agent actor that dies is a lost "
-        "node: Ray starts it again and its workers join and heal. Needs fastft[ray].",
+        "node: its standby agent takes it over and its workers join and heal. Needs "
+        "fastft[ray].",
         formatter_class=argparse.HelpFormatter,
         allow_abbrev=False,
     )
@@ -213,7 +214,15 @@ def _build() -> argparse.ArgumentParser:
         "--max-node-restarts",
         type=int,
         default=3,
-        help="how often Ray starts a node agent actor again (its max_restarts)",
+        help="how many times a node's agent actor may be replaced (by its standby or a new actor)",
+    )
+    p.add_argument(
+        "--no-standby-agents",
+        dest="standby_agents",
+        action="store_false",
+        help="no warm standby agent per node (each one fastft run --standby: a process with "
+        "its zygote warm): a dead agent actor is then replaced by a new one, seconds instead "
+        "of a fraction of one",
     )
     p.add_argument(
         "--nats-servers",

@@ -75,7 +75,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         if cfg.checkpoint_dir:
             _fail_unless_writable(cfg.checkpoint_dir)
-        agent = Agent(cfg)
+        warm = None
+        if cfg.standby:  # (warm now; the job only once told to go)
+            from fastft.launch.standby import wait_for_go, warm_up
+
+            warm = warm_up(cfg)
+            env = wait_for_go()
+            if env is None:  # (not needed)
+                if warm.zygote is not None:
+                    warm.zygote.stop()
+                return 0
+            os.environ.update(env)
+        agent = Agent(cfg, warm)
     except FastFTError as e:
         _fail(str(e))
     return agent.run()
@@ -159,7 +170,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 _NODE_FLAGS = frozenset(
-    {"nnodes", "node_rank", "store", "job_secret_file", "run_dir", "job", "control"}
+    {"nnodes", "node_rank", "store", "job_secret_file", "run_dir", "job", "control", "standby"}
 )
 """``fastft run`` flags that ``fastft ray run`` sets for each node itself."""
 
@@ -181,6 +192,7 @@ def cmd_ray_run(args: argparse.Namespace) -> int:
             ("--node-rank", args.node_rank != 0),
             ("--store", args.store),
             ("--job-secret-file", args.job_secret_file),
+            ("--standby", args.standby),
         )
         if value
     ]
@@ -214,6 +226,7 @@ def cmd_ray_run(args: argparse.Namespace) -> int:
             cpus_per_node=args.cpus_per_node,
             gpus_per_node=args.gpus_per_node,
             max_node_restarts=args.max_node_restarts,
+            standby=args.standby_agents,
             control=args.control,
             nats_servers=args.nats_servers,
             placement=args.placement,

@@ -30,7 +30,6 @@ from fastft.launch.children import Children, Slot, die_with_parent
 from fastft.launch.config import LaunchConfig
 from fastft.launch.control import ControlPlane
 from fastft.launch.exits import Exits, back_line
-from fastft.launch.forks import start_zygote
 from fastft.launch.ledger import Ledger
 from fastft.launch.lives import format_lives
 from fastft.launch.nodewatch import NodeWatch
@@ -38,6 +37,7 @@ from fastft.launch.offenders import Offenders
 from fastft.launch.output import Output
 from fastft.launch.spare import order_line
 from fastft.launch.spares import SparePool
+from fastft.launch.standby import Warm, node_zygote
 from fastft.launch.stragglers import Stragglers
 from fastft.launch.verdicts import Verdicts, warn_unfired
 from fastft.launch.workerenv import cpu_warnings, worker_environment, workers_line
@@ -66,8 +66,8 @@ FAILED_WAIT_S = 10.0
 class Agent:
     """One per node. :meth:`run` blocks until the job ends and returns the exit code."""
 
-    def __init__(self, config: LaunchConfig) -> None:
-        self.config = config
+    def __init__(self, config: LaunchConfig, warm: Warm | None = None) -> None:
+        self.config, self.warm = config, warm  # (warm: --standby's zygote and output)
         self.run_dir = Path(config.run_dir or default_run_dir(config.job))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir, f"agent {config.node_rank}")
@@ -89,7 +89,7 @@ class Agent:
             claim=self.exits.claim_exit,
             after_exit=self.exits.after_exit,
             on_other=self.exits.on_other_exit,
-            output=Output(config.log_dir, config.tee),
+            output=warm.output if warm else Output(config.log_dir, config.tee),
         )
         gpus = 0
         if config.warm_spares and config.spare_cuda:
@@ -166,7 +166,7 @@ class Agent:
             self.nodes.start()
             self._start_lighthouse()
             out = self.children.output
-            self.children.zygote, why = start_zygote(cfg, out, self.events.emit, die_with_parent)
+            self.children.zygote, why = node_zygote(cfg, self.warm, out, self.events.emit)
             self.spares.zygote = self.children.zygote  # (spares are its forks too)
             for slot in self.slots.values() if why is None else ():
                 self._spawn(slot)

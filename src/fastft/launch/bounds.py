@@ -8,7 +8,7 @@ from typing import Any
 from fastft.errors import ConfigError
 from fastft.process.malloc import PREFAULT_MAX
 
-__all__ = ["BUFFERS", "PREFAULT_MAX_MB", "check_bounds"]
+__all__ = ["BUFFERS", "PREFAULT_MAX_MB", "check_bounds", "check_torchft"]
 
 BUFFERS = ("average", "local")
 """``--buffers``: the model's floating buffers averaged over the members with each step's
@@ -55,3 +55,20 @@ def check_bounds(cfg: Any) -> None:
         )
     if cfg.compare_every < 0:
         raise ConfigError(f"--compare-every {cfg.compare_every}: use 0 (off) or N >= 1")
+
+
+def check_torchft(cfg: Any) -> None:
+    """``--torchft``'s ConfigError: its value, its timeouts, and torchft installed."""
+    if cfg.torchft not in (None, "fastft", "plain"):
+        raise ConfigError(f"--torchft {cfg.torchft!r}: use fastft or plain")
+    if cfg.torchft is None:
+        return
+    if cfg.lighthouse_heartbeat_ms < 1 or cfg.lighthouse_join_ms < 1:
+        raise ConfigError("--lighthouse-heartbeat-ms and --lighthouse-join-ms must be >= 1")
+    try:
+        import torchft  # noqa: F401
+
+        if cfg.torchft == "fastft":
+            import grpc  # noqa: F401  (BusLighthouse)
+    except ImportError as e:
+        raise ConfigError(f"--torchft needs torchft: pip install 'fastft[torchft]' ({e})") from e

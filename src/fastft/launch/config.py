@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fastft.errors import ConfigError
-from fastft.launch.bounds import BUFFERS, check_bounds
+from fastft.launch.bounds import BUFFERS, check_bounds, check_torchft
 from fastft.launch.offenders import QuarantineRule
 from fastft.runtime.contract import RuntimeConfig
 
@@ -250,6 +250,12 @@ class LaunchConfig:
         "the model and optimizer it builds before are off the recovery path; the script must "
         "not need its rank before fastft.init()",
     )
+    standby: bool = _flag(
+        False,
+        "start warm (the zygote imports torch and the script's modules), wait for a line on "
+        "stdin, then take this node over from its dead agent: its workers are declared dead "
+        "at once, not after the lease (fastft ray run keeps one per node)",
+    )
     backend: str = _worker(
         "backend",
         "process groups: gloo, nccl (one GPU per worker) or auto (nccl for a model on CUDA "
@@ -368,24 +374,16 @@ class LaunchConfig:
             )
         if self.spare_run_ahead and not self.warm_spares:
             raise ConfigError("--spare-run-ahead needs warm spares: add --warm-spares N")
+        if self.standby and (self.nnodes < 2 or (self.node_rank == 0 and not self.control)):
+            raise ConfigError(
+                "--standby takes over a node of several (--nnodes > 1), and node 0 only with "
+                "--control nats://... (on a TCPStore node 0 hosts it: its loss ends the job)"
+            )
         if self.inject is not None:
             from fastft.inject import FaultPlan
 
             FaultPlan.load(self.inject)  # fails now, with the plan's own message
-        if self.torchft not in (None, "fastft", "plain"):
-            raise ConfigError(f"--torchft {self.torchft!r}: use fastft or plain")
-        if self.torchft is not None:
-            if self.lighthouse_heartbeat_ms < 1 or self.lighthouse_join_ms < 1:
-                raise ConfigError("--lighthouse-heartbeat-ms and --lighthouse-join-ms must be >= 1")
-            try:
-                import torchft  # noqa: F401
-
-                if self.torchft == "fastft":
-                    import grpc  # noqa: F401  (BusLighthouse)
-            except ImportError as e:
-                raise ConfigError(
-                    f"--torchft needs torchft: pip install 'fastft[torchft]' ({e})"
-                ) from e
+        check_torchft(self)
         from fastft.runtime.contract import (  # (pure)
             check_checkpoints,
             check_decide,

@@ -42,7 +42,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "several nodes": (
         "nnodes", "node_rank", "store", "control", "job", "job_secret_file", "store_wait_s",
-        "bus_relay",
+        "bus_relay", "standby",
         "node_heartbeat_ms", "node_lease_misses",
     ),
     "shard groups, sync policies, pipeline stages": (

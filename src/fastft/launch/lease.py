@@ -410,6 +410,13 @@ class NodeLease:
 
     def _declare(self, node: int) -> None:
         counter = self.watch.counter(node)
+        got = self._mark_lost(node, counter)
+        if got is not None:
+            self.on_lost(node, got[0], counter)
+
+    def _mark_lost(self, node: int, counter: int) -> tuple[dict[int, int], str] | None:
+        """Mark ``node`` lost (compare-and-set): the lives the mark declares dead and the
+        mark; None if another agent declared it (or the node is done), or the store failed."""
         key = self.keys.node_lost(node)
         try:
             # (read first: the mark names the lives it declares dead, so that the node's
@@ -421,12 +428,26 @@ class NodeLease:
             except ForgedValue as f:  # a mark without the job's secret is none
                 got = bytes(self.store.replace(key, f.raw, mark)).decode()
             if got != mark:
-                return  # another agent declared it (or the node is done)
+                return None  # another agent declared it (or the node is done)
         except Exception:
             log.warning("node %d: could not declare it lost", node, exc_info=True)
             self.watch.lost.discard(node)
-            return
-        self.on_lost(node, lives, counter)
+            return None
+        return lives, mark
+
+    def take_over(self) -> dict[int, int] | None:
+        """This agent replaces its node's dead one (``--standby``, told to go): the lives
+        that agent left are declared dead now, as a watcher would once the lease ran out,
+        and the mark cleared (the node is back). Their ranks and incarnations; None if
+        the node was declared lost already (:attr:`rejoined`) or the store failed."""
+        if self.rejoined:
+            return None
+        got = self._mark_lost(self.node, self.renewals)
+        if got is None:
+            return None
+        lives, mark = got
+        self.store.compare_set(self.keys.node_lost(self.node), mark, "")
+        return lives
 
     def _fence(self, mark: str) -> None:
         """This node was declared lost: the agent kills its workers; then clear the mark

@@ -67,7 +67,28 @@ class NodeWatch:
         )
         if lease.rejoined:
             a.events.emit("node_rejoined", mark=lease.rejoined)
+        lives = lease.take_over() if cfg.standby else None  # (told to go: the agent died)
+        if lives is not None:
+            self.took_over(lives)
         lease.start()
+
+    def took_over(self, lives: dict[int, int]) -> None:
+        """This agent replaced its node's dead one before any other agent declared the
+        node lost: the workers that agent left are dead (Fault1 each, now: not after the
+        lease)."""
+        a = self.agent
+        node = a.config.node_rank
+        a.events.emit("node_taken_over", node=node, ranks=sorted(lives))
+        for rank, inc in lives.items():
+            a.publish(
+                Fault(
+                    **a.header,
+                    severity=Severity.FAULT1,
+                    cause=f"node {node}'s agent died (a standby agent took the node over)",
+                    faulty_rank=rank,
+                    faulty_incarnation=inc,
+                )
+            )
 
     def node_lost(self, node: int, lives: dict[int, int], counter: int) -> None:
         """This agent declared ``node`` lost: every worker of it is dead (Fault1)."""

@@ -1,5 +1,6 @@
 """A node agent as a Ray actor: ``fastft run`` for one node, unchanged, as the actor's
-child process.
+child process; or its standby (``fastft run --standby``: warm, waiting to take the node
+over when the driver calls :meth:`NodeAgent.go`).
 
 The agent keeps doing what it does on a node started by hand: its workers, warm spares
 and zygote are its own children, so a worker's death is seen by the exit trace in under
@@ -13,6 +14,7 @@ No Ray import here: the driver wraps the class with ``ray.remote``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -63,8 +65,10 @@ class NodeAgent:
         secret_path: str,
         run_dir: str,
         files: dict[str, bytes] | None = None,
+        standby: bool = False,
     ) -> None:
         self.node = node
+        self.standby = standby
         self.run_dir = run_dir
         # (every node reads one secret file; ``files``: what the job needs on every
         # machine, a Trainer's pickled training function)
@@ -73,10 +77,10 @@ class NodeAgent:
         self.lines: list[str] = []
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fastft.cli", "run", *argv],
+            [sys.executable, "-m", "fastft.cli", "run", *(["--standby"] if standby else []), *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
             preexec_fn=die_with_parent,  # (the actor's death is the node's)
         )
         self._reader = threading.Thread(target=self._read, name="fastft-ray-output", daemon=True)
@@ -88,6 +92,21 @@ class NodeAgent:
             with self._lock:
                 self.lines.append(raw.decode(errors="replace").rstrip("\n"))
         self.proc.wait()
+
+    def go(self, env: dict[str, str] | None = None) -> bool:
+        """A standby: take the node over now (its agent died), with ``env`` set in the
+        agent (the dead agent's ``CUDA_VISIBLE_DEVICES``: a standby holds no GPU of
+        Ray's); False if this is no standby waiting (not one, told already, or its
+        process ended)."""
+        if not self.standby or self.proc.stdin is None or self.proc.poll() is not None:
+            return False
+        try:
+            self.proc.stdin.write(json.dumps(env or {}).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            return False
+        self.standby = False
+        return True
 
     def poll(self, offset: int) -> dict[str, Any]:
         """The agent's output from line ``offset``, and its exit status once it ended and
@@ -101,6 +120,7 @@ class NodeAgent:
             "agent_pid": self.proc.pid,
             "lines": lines,
             "rc": self.proc.returncode if done else None,
+            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),  # (Ray's, for this actor)
         }
 
     def events(self, offset: int) -> dict[str, Any]:
@@ -118,7 +138,14 @@ class NodeAgent:
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         """End the agent as a SIGTERM ends ``fastft run`` (its workers drain), then kill it
-        after ``grace_s``; its exit status."""
+        after ``grace_s``; its exit status (a standby not told to go: its stdin closed,
+        it exits 0)."""
+        if self.standby and self.proc.stdin is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

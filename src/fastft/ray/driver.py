@@ -9,11 +9,15 @@
   see, as on a node started by hand. The control plane: NATS server actors of the job
   (:mod:`fastft.ray.servers`, by default), node 0's TCPStore (its address probed on bundle
   0 first), or the user's NATS cluster; every node reads one job secret, drawn here.
-- Ray's own fault settings, on purpose: the actors restart (``max_restarts``, on another
-  node if theirs is gone, which the placement group reschedules) and no task is retried
-  (``max_task_retries=0``: the driver's polls are reads). An agent actor's death is a lost
-  node: the survivors learn it from its lease, as they would without Ray, and the
-  restarted actor's agent is that node started again: its workers join and heal.
+- A lost node's return: beside each agent actor a standby (``num_cpus=0``, the same
+  bundle) runs ``fastft run --standby``: its zygote warm, waiting. An agent actor's death
+  (Ray's ``ActorDiedError``; ``max_restarts=0``, so Ray never starts a second agent for
+  the node) is a lost node: the driver tells the standby to go, and it takes the node
+  over at once (the dead agent's workers declared dead, its own forked from the warm
+  zygote, joining and healing), and a new standby is made. Without a standby (its machine
+  gone too, ``standby=False``, or node 0 on a TCPStore) a new agent actor takes it over,
+  where Ray places the node's bundle. No task is retried (``max_task_retries=0``: the
+  driver's polls are reads).
 - The driver prints every agent's output (the usual ``[rank R.L]:`` prefixes), returns
   the job's exit status (0 when every agent ended 0; else the first failure's), copies
   the events of nodes on other machines into the run directory, and removes what it
@@ -27,6 +31,7 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +70,7 @@ def run(
     cpus_per_node: float | None = None,
     gpus_per_node: float = 0.0,
     max_node_restarts: int = 3,
+    standby: bool = True,
     control: str | None = None,
     nats_servers: int = 3,
     placement: str = "strict",
@@ -83,7 +89,10 @@ def run(
     machine of its own) or ``spread``. ``runtime_env``: Ray's, for the node agent actors
     and so their workers (``{"working_dir": ".", "pip": [...]}``: the script's path is
     then relative to the working directory Ray ships to every node). ``files``: path ->
-    bytes, written on every node before its agent starts."""
+    bytes, written on every node before its agent starts. ``standby``: keep a warm
+    standby agent per node (a lost node back in a fraction of a second; node 0 only with
+    a NATS control plane); ``max_node_restarts``: how many times a node's agent may be
+    replaced."""
     out = out or sys.stdout
     decide.check_nats_servers(nats_servers)
     argv = decide.with_nproc(argv, nproc)
@@ -118,6 +127,7 @@ def run(
         raise RayJobError(f"no Ray cluster at {address}: {e}") from None
     pg = None
     actors: list[Any] = []
+    created: list[Any] = []  # (every agent actor and standby: all stopped at the end)
     servers: list[Any] = []
     try:
         bundles = decide.plan_bundles(
@@ -166,8 +176,8 @@ def run(
         JobSecret.draw().save(secret_path)  # (the driver's copy: fastft inject, report)
         blob = Path(secret_path).read_bytes()  # (each actor writes it on its node)
         cls = ray.remote(NodeAgent)
-        for i in range(nodes):
-            node_argv = decide.node_argv(
+        argvs = [
+            decide.node_argv(
                 i,
                 nodes=nodes,
                 plane=plane,
@@ -176,27 +186,39 @@ def run(
                 job=job,
                 argv=argv,
             )
-            actors.append(
-                cls.options(
-                    num_cpus=bundles.bundle["CPU"],
-                    num_gpus=gpus_per_node,
-                    max_restarts=max_node_restarts,
-                    max_task_retries=0,
-                    scheduling_strategy=on(i),
-                    name=f"fastft-{job}-node{i}",
-                ).remote(i, node_argv, blob, secret_path, run_dir, files)
-            )
+            for i in range(nodes)
+        ]
+
+        def make(i: int, *, holds: bool = True, warm: bool = False) -> Any:
+            """Node ``i``'s agent actor (``holds``: its bundle's CPUs and GPUs) or a
+            standby (``warm``: ``fastft run --standby``, waiting for ``go``)."""
+            a = cls.options(
+                num_cpus=bundles.bundle["CPU"] if holds else 0,
+                num_gpus=gpus_per_node if holds else 0,
+                max_restarts=0,  # (the driver replaces a dead agent: two never serve a node)
+                max_task_retries=0,
+                scheduling_strategy=on(i),
+            ).remote(i, argvs[i], blob, secret_path, run_dir, files, warm)
+            created.append(a)
+            return a
+
+        actors.extend(make(i) for i in range(nodes))
+        # (node 0 hosts a TCPStore: its loss ends the job, and it has no standby)
+        keep = [standby and (i > 0 or plane[0] == "--control") for i in range(nodes)]
+        standbys = [make(i, holds=False, warm=True) if keep[i] else None for i in range(nodes)]
         print(
             f"fastft ray: job {job!r}, {nodes} node agents x {nproc} workers on the Ray "
             f"cluster, control plane {where}, run dir {run_dir}",
             file=out,
             flush=True,
         )
-        status = _follow(ray, actors, servers, out)
+        tracks = [decide.AgentTrack(i, max_node_restarts) for i in range(nodes)]
+        nodes_ = _Nodes(ray, actors, standbys, make, keep)
+        status = _follow(ray, nodes_, tracks, servers, out)
         gather_events(ray, actors, Path(run_dir), out)
         return status
     finally:
-        for a in [*actors, *servers]:
+        for a in [*created, *servers]:
             try:
                 ray.get(a.stop.remote(), timeout=60)
             except Exception:  # (dead, restarting, or out of restarts)
@@ -207,12 +229,51 @@ def run(
         ray.shutdown()
 
 
-def _follow(ray: Any, actors: list[Any], servers: list[Any], out: Any) -> int:
-    """Print the agents' output until every agent ended, and say when a NATS server
-    actor dies and comes back; the job's exit status (:mod:`fastft.ray.plan` decides what
-    each poll, or its absence, means)."""
+class _Nodes:
+    """The job's node agent actors, one per node, and their standbys: what the driver
+    does when :meth:`fastft.ray.plan.AgentTrack.died` says how to replace one."""
+
+    def __init__(
+        self,
+        ray: Any,
+        actors: list[Any],
+        standbys: list[Any],
+        make: Callable[..., Any],
+        keep: list[bool],
+    ) -> None:
+        self.ray, self.make, self.keep = ray, make, keep
+        self.actors, self.standbys = actors, standbys
+        self.gpus: list[str | None] = [None] * len(actors)
+        """Each node's ``CUDA_VISIBLE_DEVICES`` as its agent actor last said (a standby
+        holds no GPU of Ray's: it is handed its node's)."""
+
+    def replace(self, i: int, how: str) -> None:
+        """Node ``i``'s agent actor died: its standby takes the node over (``standby``) or
+        a new agent actor does (``new``; also when the standby does not answer: its
+        machine is gone); a new standby is made for the next time."""
+        ray, standby = self.ray, self.standbys[i]
+        told = False
+        if how == "standby" and standby is not None:
+            env = {"CUDA_VISIBLE_DEVICES": self.gpus[i]} if self.gpus[i] is not None else {}
+            try:
+                told = ray.get(standby.go.remote(env), timeout=10)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                told = False
+        if told:
+            self.actors[i] = standby
+        else:  # (a standby told at once: it takes the node over as soon as it is warm)
+            self.actors[i] = self.make(i, warm=True)
+            self.actors[i].go.remote({})
+        self.standbys[i] = self.make(i, holds=False, warm=True) if self.keep[i] else None
+
+
+def _follow(
+    ray: Any, nodes: _Nodes, tracks: list[decide.AgentTrack], servers: list[Any], out: Any
+) -> int:
+    """Print the agents' output until every agent ended, replace the agent actors that
+    die, and say when a NATS server actor dies and comes back; the job's exit status
+    (:mod:`fastft.ray.plan` decides what each poll, or its absence, means)."""
     watch = ServerWatch(ray, servers, out)
-    tracks = [decide.AgentTrack(i) for i in range(len(actors))]
     stop = {"signal": 0}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -222,19 +283,25 @@ def _follow(ray: Any, actors: list[Any], servers: list[Any], out: Any) -> int:
     try:
         while any(t.status is None for t in tracks):
             if stop["signal"]:
-                for a in actors:
+                for a in nodes.actors:
                     a.stop.remote()
                 stop["signal"] = 0
-            for a, track in zip(actors, tracks, strict=True):
+            for i, track in enumerate(tracks):
+                a = nodes.actors[i]
                 if track.status is not None:
                     continue
                 try:
                     got = ray.get(a.poll.remote(track.offset), timeout=10)
                     if track.polled(got):  # (a new life: its output from the start)
                         got = ray.get(a.poll.remote(0), timeout=10)
+                except ray.exceptions.ActorDiedError:
+                    how = track.died(nodes.standbys[i] is not None)
+                    if how != "failed":
+                        nodes.replace(i, how)
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     track.silent(time.monotonic())
                 else:
+                    nodes.gpus[i] = got.get("gpus")
                     for line in track.printed(got):
                         print(line, file=out)
                 for note in track.notes:

@@ -157,15 +157,21 @@ def node_argv(
 
 @dataclass
 class AgentTrack:
-    """What the driver knows of one node's agent actor, and what its polls mean."""
+    """What the driver knows of one node's agent actor, and what its polls mean. The
+    driver replaces a dead agent actor itself (Ray's ``max_restarts`` is 0 for them, so
+    two agents never serve one node): with the node's standby, warm, when one is ready
+    (:meth:`died`)."""
 
     node: int
+    max_restarts: int = 3
+    """``--max-node-restarts``: how many times the node's agent may be replaced."""
     offset: int = 0
     """Output lines of this life already printed."""
     life: int | None = None
-    """The actor process's pid (a new one: Ray started the actor again)."""
+    """The actor process's pid (a new one: a new life, read from its start)."""
     status: int | None = None
     """The agent's exit status, once it ended (or counted as failed)."""
+    restarts: int = 0
     silent_since: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -184,6 +190,28 @@ class AgentTrack:
                 self.offset = 0
                 return True
         return False
+
+    def died(self, standby: bool) -> str:
+        """The agent actor is dead for good (Ray's ``ActorDiedError``); what the driver
+        does: ``standby`` (tell the node's standby to take it over: ``standby`` says one
+        is there), ``new`` (start a new agent actor: Ray places it where the node's bundle
+        is, on another machine if this one is gone) or ``failed`` (out of restarts)."""
+        self.silent_since = None
+        if self.restarts >= self.max_restarts:
+            self.notes.append(
+                f"fastft ray: node {self.node}'s agent actor died, after {self.restarts} "
+                "restart(s) of the node (--max-node-restarts): counted as failed"
+            )
+            self.status = 1
+            return "failed"
+        self.restarts += 1
+        self.life, self.offset = None, 0
+        how = "its standby agent takes the node over" if standby else "a new agent starts"
+        self.notes.append(
+            f"fastft ray: node {self.node}'s agent actor died; {how} (restart "
+            f"{self.restarts} of {self.max_restarts}): its workers join and heal"
+        )
+        return "standby" if standby else "new"
 
     def printed(self, got: Mapping[str, Any]) -> list[str]:
         """The lines of an answer to print; records the exit status once given."""

@@ -23,7 +23,7 @@ the function is pickled (``ray.cloudpickle``), shipped to every node with the jo
 by :mod:`fastft.ray.entry` in each worker. Unlike Ray Train, a worker's fault is not a
 restart of the whole group from a checkpoint: the peers roll back the step, the worker is
 restarted alone and healed from a live peer (``FailureConfig.max_worker_restarts``), and a
-lost node's agent actor is started again by Ray (``FailureConfig.max_node_restarts``).
+lost node is taken over by its warm standby agent (``FailureConfig.max_node_restarts``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ class ScalingConfig:
 @dataclass(frozen=True)
 class FailureConfig:
     max_node_restarts: int = 3
-    """How often Ray starts a node agent actor again (its ``max_restarts``)."""
+    """How many times a node's agent actor may be replaced (by its standby or a new one)."""
+    standby_agents: bool = True
+    """A warm standby agent per node (``fastft ray run --no-standby-agents``: none)."""
     max_worker_restarts: int | None = None
     """``fastft run --max-restarts``: restarts of one worker (None: fastft's default)."""
 
@@ -196,6 +198,7 @@ class Trainer:
             cpus_per_node=self.scaling.cpus_per_node,
             gpus_per_node=self.scaling.gpus_per_node,
             max_node_restarts=self.failure.max_node_restarts,
+            standby=self.failure.standby_agents,
             placement=self.scaling.placement,
             runtime_env=rc.runtime_env,
             files=files,
