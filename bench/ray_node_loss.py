@@ -5,10 +5,15 @@ A Ray cluster of two nodes on this machine (a head and a second raylet, 3 CPUs e
 ``ray.cluster_utils.Cluster``), the demo's model, 2 nodes x 2 workers, 0.05 s of simulated
 compute per step. At step ``LOSS_STEP`` every process of the job on node 1 is SIGKILLed:
 
-* **fastft**: ``fastft ray run`` (its defaults: 3 NATS server actors as the control plane),
-  elastic (``--min-replicas 2``): node 1's agent actor is killed, its agent and workers
-  with it (their parent-death signal). The survivors learn it from the node's lease and
-  go on; Ray starts the actor again and its workers join and heal from a survivor.
+* **fastft**: ``fastft ray run`` (its defaults: 3 NATS server actors as the control plane,
+  a standby agent per node), elastic (``--min-replicas 2``): once node 1's standby is warm,
+  node 1's agent actor is killed, its agent and workers with it (their parent-death
+  signal). The driver sees the actor die and tells the standby to go: it declares the
+  dead workers dead and its own, forked from its warm zygote, join and heal from a
+  survivor.
+* **fastft, no standby** (``--no-standby-agents``): the same; the driver starts a new
+  agent actor (a new Python, zygote and workers); the survivors learn of the loss from
+  the node's lease.
 * **Ray guide**: what the Ray + JAX resilient-training guide does, given its best case: one
   actor per worker (torch + gloo, the same model, data and step), rank 0 checkpointing
   every ``CKPT_EVERY`` steps; the driver waits on every actor's future at once (the guide
@@ -16,8 +21,8 @@ compute per step. At step ``LOSS_STEP`` every process of the job on node 1 is SI
   kills every actor, creates new ones, and they restore the newest checkpoint. Node 1's
   two worker actors are SIGKILLed.
 
-Times from the kill: the failure seen (fastft: the node declared lost; guide: the driver's
-first failed future), the survivors' next commit, node 1's workers committing again, and
+Times from the kill: the failure seen (fastft: the node declared lost, or taken over by
+its standby; guide: the driver's first failed future), the survivors' next commit, node 1's workers committing again, and
 the steps trained twice (the commit after the loss against the last before it).
 
 **Detection**: Ray's own (an actor's process SIGKILLed: until the owner's pending call
@@ -94,15 +99,31 @@ def _agent_actor(node: int) -> psutil.Process:
         except psutil.Error:
             continue
         flag = line.index("--node-rank") if "--node-rank" in line else -1
-        if "fastft.cli" in line and flag > 0 and line[flag + 1] == str(node):
+        agent = "--standby" not in line  # (a standby is not the node's agent yet)
+        if "fastft.cli" in line and flag > 0 and line[flag + 1] == str(node) and agent:
             return p.parent()
     raise RuntimeError(f"no agent of node {node}")
 
 
-def fastft_trial(address: str, run: Path) -> dict[str, float]:
-    proc = _fastft(address, run, STEPS, None, "--min-replicas", "2")
+def _said(run: Path, text: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    log = run.parent / f"{run.name}.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and text in log.read_text():
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{run}: the driver never said {text!r} (rc {proc.poll()})")
+
+
+def fastft_trial(address: str, run: Path, standby: bool) -> dict[str, float]:
+    """``standby``: node 1's standby agent is warm when the kill lands (as in a job past
+    its first minute), and takes the node over; else a new agent actor does."""
+    flags = ("--min-replicas", "2", *(() if standby else ("--no-standby-agents",)))
+    proc = _fastft(address, run, STEPS, None, *flags)
     try:
         _commits_from(run, LOSS_STEP, proc)
+        if standby:
+            _said(run, "node 1's standby agent is warm", proc)
         actor = _agent_actor(1)
         t_kill = time.monotonic()
         actor.send_signal(signal.SIGKILL)
@@ -116,7 +137,10 @@ def fastft_trial(address: str, run: Path) -> dict[str, float]:
     commits = [e for e in ev if e["event"] == "commit"]
     before = max(e["step"] for e in commits if e["mono"] < t_kill)
     epoch = max(e["epoch"] for e in commits if e["mono"] < t_kill)
-    declared = min(e["mono"] for e in ev if e["event"] == "node_lost" and e["node"] == 1)
+    # (the node lost by its lease, or taken over by its standby first)
+    declared = min(
+        e["mono"] for e in ev if e["event"] in ("node_lost", "node_taken_over") and e["node"] == 1
+    )
     # (a later epoch's commits: not a step the old lives finished as the kill landed)
     after = [e for e in commits if e["epoch"] > epoch]
     survivors = [e for e in after if e["src"] in ("rank 0", "rank 1")]
@@ -360,18 +384,21 @@ def main() -> None:
 
     node = {"num_cpus": CPUS, "object_store_memory": 80 << 20}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
-    results: dict[str, list] = {"fastft": [], "guide": [], "agent": []}
+    results: dict[str, list] = {"fastft": [], "fastft_cold": [], "guide": [], "agent": []}
     try:
         cluster.add_node(**node)
         cluster.wait_for_nodes()
         with (
             tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as d,
-            Progress("ray_node_loss", 3 * a.trials + 1) as bar,
+            Progress("ray_node_loss", 4 * a.trials + 1) as bar,
         ):
             tmp = Path(d)
             for i in range(a.trials):  # (interleaved: the same machine's state for both)
                 bar.next(f"fastft trial {i}")
-                results["fastft"].append(fastft_trial(cluster.address, tmp / f"fastft-{i}"))
+                results["fastft"].append(fastft_trial(cluster.address, tmp / f"ff-{i}", True))
+                bar.next(f"fastft without standby agents, trial {i}")
+                cold = fastft_trial(cluster.address, tmp / f"ff-cold-{i}", False)
+                results["fastft_cold"].append(cold)
                 bar.next(f"guide trial {i}")
                 ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
                 pg = placement_group([{"CPU": CPUS}] * 2, strategy="SPREAD")
@@ -392,7 +419,11 @@ def main() -> None:
     finally:
         cluster.shutdown()
     rows: list[dict[str, object]] = []
-    for name, how in (("fastft ray run", "fastft"), ("Ray guide (best case)", "guide")):
+    for name, how in (
+        ("fastft ray run (standby agents)", "fastft"),
+        ("fastft ray run --no-standby-agents", "fastft_cold"),
+        ("Ray guide (best case)", "guide"),
+    ):
         r = results[how]
         rows.append(
             {
@@ -404,10 +435,13 @@ def main() -> None:
                 "redone_steps_p50": _p50(r, "redone_steps"),
             }
         )
-    f, g = rows
+    f, c, g = rows
     ratios = {
         "survivors_x": round(float(g["survivors_p50_ms"]) / float(f["survivors_p50_ms"]), 1),
         "node_back_x": round(float(g["node_back_p50_ms"]) / float(f["node_back_p50_ms"]), 1),
+        "node_back_standby_x": round(
+            float(c["node_back_p50_ms"]) / float(f["node_back_p50_ms"]), 1
+        ),
     }
     agent = results["agent"]
     detection = [
@@ -440,7 +474,7 @@ def main() -> None:
     )  # fmt: skip
     print("Node 1 lost (every process of the job on it SIGKILLed) at step", LOSS_STEP)
     print(table(rows, ["recovery", "n", "seen_p50_ms", "survivors_p50_ms", "node_back_p50_ms", "redone_steps_p50"]))  # fmt: skip
-    print(f"ratios (guide / fastft): {ratios}")
+    print(f"ratios (guide / fastft; no standby / standby): {ratios}")
     print("\nDetection on the same cluster: Ray's own against fastft's agent")
     print(table(detection, ["fault", "ray_p50_ms", "fastft_agent_p50_ms"]))
     print(f"written: {path}")

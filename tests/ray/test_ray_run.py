@@ -58,6 +58,7 @@ def _actor_of(node: int) -> psutil.Process:
             "fastft.cli" in line
             and "--node-rank" in line
             and line[line.index("--node-rank") + 1] == str(node)
+            and "--standby" not in line  # (its standby's: not the node's agent yet)
         ):
             return p.parent()
     raise AssertionError(f"no agent of node {node}")
@@ -75,10 +76,23 @@ def _until_step(run, proc, step: int) -> None:
     raise AssertionError(f"the job never reached step {step}")
 
 
-def _kill_mid_run(run, proc, victim, step: int = 8) -> tuple[str, float]:
-    """Once the job committed ``step``, SIGKILL ``victim()``; wait for the job, which
-    must end 0. The driver's output and the moment of the kill."""
+def _until_said(run, proc, text: str) -> None:
+    deadline = time.monotonic() + 120
+    log = run.parent / f"{run.name}.log"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and text in log.read_text():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the driver never said {text!r}")
+
+
+def _kill_mid_run(run, proc, victim, step: int = 8, said: str = "") -> tuple[str, float]:
+    """Once the job committed ``step`` (and the driver said ``said``), SIGKILL
+    ``victim()``; wait for the job, which must end 0. The driver's output and the moment
+    of the kill."""
     try:
+        if said:
+            _until_said(run, proc, said)
         _until_step(run, proc, step)
         t_kill = time.monotonic()
         victim().send_signal(signal.SIGKILL)
@@ -92,16 +106,23 @@ def _kill_mid_run(run, proc, victim, step: int = 8) -> tuple[str, float]:
     return out, t_kill
 
 
-def test_a_node_agent_actor_killed_is_a_lost_node_that_comes_back(cluster, clean, tmp_path):
+def test_a_node_agent_actor_killed_is_taken_over_by_its_standby(cluster, clean, tmp_path):
+    """Node 1's agent actor is SIGKILLed at step 8 (its agent and workers die with it):
+    the driver tells node 1's standby to go; it declares the dead workers dead (before
+    their lease runs out: nobody declares the node lost) and its own join and heal; the
+    run ends bitwise equal to the fault-free one."""
     run = tmp_path / "node"
-    proc = ray_run(cluster, run, train=("--step-time", "0.05"), steps=40, wait=False)
-    out, _ = _kill_mid_run(run, proc, lambda: _actor_of(1))  # (its agent and workers too)
-    assert "node 1's agent actor died; Ray started it again" in out, out[-4000:]
+    # (slow steps: the kill once the standby is warm, its torch imported on 2 busy cores)
+    proc = ray_run(cluster, run, train=("--step-time", "0.4"), steps=40, wait=False)
+    said = "node 1's standby agent is warm"
+    out, _ = _kill_mid_run(run, proc, lambda: _actor_of(1), said=said)  # (+ agent, workers)
+    assert "node 1's agent actor died; its standby agent takes the node over" in out, out[-4000:]
     check_s1_s3(run, 40)
     assert {v["digest"] for v in finals(run).values()} == {clean}
     ev = read_events(run)
-    lost = [e for e in ev if e["event"] == "node_lost" and e["node"] == 1]
-    assert lost, "the survivors never declared node 1 lost"
+    took = [e for e in ev if e["event"] == "node_taken_over" and e["node"] == 1]
+    assert took and took[0]["ranks"] == [2, 3], took
+    assert not [e for e in ev if e["event"] == "node_lost"]
     for rank in ("rank 2", "rank 3"):  # node 1's workers: started again by its new agent
         starts = [e for e in ev if e["event"] == "worker_start" and e["src"] == rank]
         assert len({e["incarnation"] for e in starts}) == 2, starts
@@ -110,21 +131,24 @@ def test_a_node_agent_actor_killed_is_a_lost_node_that_comes_back(cluster, clean
 
 
 def test_an_elastic_world_goes_on_without_the_lost_node_and_takes_it_back(cluster, tmp_path):
-    """Elastic (--min-replicas 2): node 1's agent actor is SIGKILLed at step 8; the
-    survivors go on as a world of 2, Ray starts the actor again and its workers join at a
-    later step. Every sample of every step is consumed once (S5 for an elastic world), and
-    every member ends equal to one process training on the whole batch."""
+    """Elastic (--min-replicas 2), no standby agents: node 1's agent actor is SIGKILLed
+    at step 8; the survivors declare it lost by its lease and go on as a world of 2, the
+    driver starts a new agent actor and its workers join at a later step. Every sample of
+    every step is consumed once (S5 for an elastic world), and every member ends equal to
+    one process training on the whole batch."""
     from test_runtime_faults import assert_equal_to_one_process
 
     from fastft.report import shards_by_step, unlogged_commits, untiled_steps
 
     run, steps = tmp_path / "elastic", 200
     proc = ray_run(
-        cluster, run, "--min-replicas", "2", train=("--step-time", "0.05"), steps=steps,
-        wait=False,
+        cluster, run, "--min-replicas", "2", "--no-standby-agents", train=("--step-time", "0.05"),
+        steps=steps, wait=False,
     )  # fmt: skip
-    _, t_kill = _kill_mid_run(run, proc, lambda: _actor_of(1))
+    out, t_kill = _kill_mid_run(run, proc, lambda: _actor_of(1))
+    assert "node 1's agent actor died; a new agent starts (restart 1 of 3)" in out, out[-4000:]
     ev = read_events(run)
+    assert [e["node"] for e in ev if e["event"] == "node_lost"] == [1]
     check_s1_s3(run, steps)
     shards = shards_by_step([*ev, *unlogged_commits(ev)])
     assert sorted(shards) == list(range(steps)) and untiled_steps(shards) == []

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from fastft.cli import _fail
@@ -79,7 +80,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         if cfg.standby:  # (warm now; the job only once told to go)
             from fastft.launch.standby import wait_for_go, warm_up
 
+            began = time.monotonic()
             warm = warm_up(cfg)
+            print(
+                f"fastft: standby agent of node {cfg.node_rank} warm in "
+                f"{time.monotonic() - began:.1f} s; it takes the node over when told",
+                file=sys.stderr,
+                flush=True,
+            )
             env = wait_for_go()
             if env is None:  # (not needed)
                 if warm.zygote is not None:

@@ -53,12 +53,12 @@ class Warm:
 
 def warm_up(config: Any) -> Warm:
     """Start the node's zygote for ``config`` (a LaunchConfig) and import what the agent
-    imports once it joins (its store client: ``torch.distributed``'s TCPStore, ~1 s, or
+    imports once it joins (``torch.distributed``: 1.3 s here, on either control plane;
     the NATS client); return when the zygote is warm."""
+    import torch.distributed  # noqa: F401
+
     if config.control:
         import nats  # noqa: F401
-    else:
-        import torch.distributed  # noqa: F401
     warm = Warm(Output(config.log_dir, config.tee))
     warm.zygote, warm.why = start_zygote(config, warm.output, warm.emit, die_with_parent)
     return warm

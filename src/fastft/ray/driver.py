@@ -243,6 +243,8 @@ class _Nodes:
     ) -> None:
         self.ray, self.make, self.keep = ray, make, keep
         self.actors, self.standbys = actors, standbys
+        self.ready = [False] * len(actors)
+        """Whether each node's standby said it is warm."""
         self.gpus: list[str | None] = [None] * len(actors)
         """Each node's ``CUDA_VISIBLE_DEVICES`` as its agent actor last said (a standby
         holds no GPU of Ray's: it is handed its node's)."""
@@ -265,6 +267,28 @@ class _Nodes:
             self.actors[i] = self.make(i, warm=True)
             self.actors[i].go.remote({})
         self.standbys[i] = self.make(i, holds=False, warm=True) if self.keep[i] else None
+        self.ready[i] = False
+
+    def watch_standby(self, i: int) -> str | None:
+        """Node ``i``'s standby, until it said it is warm: a line to print when it did,
+        or when it ended before it was needed (the node has none from then on)."""
+        ray, standby = self.ray, self.standbys[i]
+        if standby is None or self.ready[i]:
+            return None
+        try:
+            got = ray.get(standby.poll.remote(0), timeout=10)
+        except ray.exceptions.GetTimeoutError:
+            return None
+        except ray.exceptions.RayActorError as e:
+            got = {"lines": [], "rc": f"its actor died: {type(e).__name__}"}
+        if got["rc"] is not None:
+            self.standbys[i] = None
+            last = got["lines"][-1] if got["lines"] else ""
+            return f"fastft ray: node {i}'s standby agent ended ({got['rc']}); none for it: {last}"
+        if got["lines"]:
+            self.ready[i] = True
+            return f"fastft ray: node {i}'s standby agent is warm"
+        return None
 
 
 def _follow(
@@ -307,6 +331,8 @@ def _follow(
                 for note in track.notes:
                     print(note, file=out, flush=True)
                 track.notes.clear()
+                if track.status is None and (said := nodes.watch_standby(i)):
+                    print(said, file=out, flush=True)
             watch.round()
             out.flush()
             time.sleep(POLL_S)
