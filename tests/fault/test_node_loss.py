@@ -115,15 +115,20 @@ def test_a_standby_takes_a_lost_node_over_at_once_and_heals_it(tmp_path, clean):
     does when the agent actor dies). It declares the dead agent's worker dead itself (no
     lease runs out: nobody declares the node lost), its worker joins and heals, and the
     result is bitwise equal to a clean run; a standby never told to go exits 0."""
-    job = Nodes(tmp_path / "standby", 3, steps=STEPS, train=SLOW_STEPS)
+    # (0.3 s steps: the standby warms up, torch imported on 2 cores busy with the job)
+    job = Nodes(tmp_path / "standby", 3, steps=STEPS, train=("--step-time", "0.3"))
     try:
         job.start_all()
         job.start(1, standby=True)
         spare = job.start(2, standby=True)  # (not needed: its stdin closed at the end)
+        log = job.run / "node1-1-standby.log"
+        deadline = time.monotonic() + 60
+        while "standby agent of node 1 warm" not in log.read_text():
+            assert time.monotonic() < deadline and job.standbys[1].poll() is None, job.logs()
+            time.sleep(0.05)
         job.wait_commit(8)
-        assert (
-            job.standbys[1].poll() is None and not (job.run / "node1-1-standby.log").stat().st_size
-        )
+        waiting = log.read_text()  # (nothing of the job: no store, lease or event yet)
+        assert job.standbys[1].poll() is None and "fastft: job" not in waiting, waiting
         job.signal(1, signal.SIGKILL)
         job.go(1)
         codes = job.wait(150)

@@ -31,7 +31,6 @@ from fastft.launch.config import LaunchConfig
 from fastft.launch.control import ControlPlane
 from fastft.launch.exits import Exits, back_line
 from fastft.launch.ledger import Ledger
-from fastft.launch.lives import format_lives
 from fastft.launch.nodewatch import NodeWatch
 from fastft.launch.offenders import Offenders
 from fastft.launch.output import Output
@@ -168,8 +167,12 @@ class Agent:
             out = self.children.output
             self.children.zygote, why = node_zygote(cfg, self.warm, out, self.events.emit)
             self.spares.zygote = self.children.zygote  # (spares are its forks too)
-            for slot in self.slots.values() if why is None else ():
-                self._spawn(slot)
+            first = list(self.slots.values()) if why is None else []
+            for slot in first:  # (the node's first lives: recorded in one write, not one each)
+                slot.incarnation = secrets.randbits(62) | 1
+            self.nodes.record_lives()
+            for slot in first:
+                self._spawn(slot, drawn=True)
             if why is not None:
                 self.fail(why)
             for i in range(cfg.warm_spares):
@@ -253,9 +256,11 @@ class Agent:
         """The slot's rank on this node (``LOCAL_RANK``)."""
         return slot.rank - self.config.node_rank * self.config.nproc
 
-    def _spawn(self, slot: Slot) -> None:
+    def _spawn(self, slot: Slot, drawn: bool = False) -> None:
+        """Start ``slot``'s next life (``drawn``: its incarnation drawn and recorded)."""
         cfg = self.config
-        slot.incarnation = secrets.randbits(62) | 1
+        if not drawn:
+            slot.incarnation = secrets.randbits(62) | 1
         slot.heartbeat = str(self.run_dir / f".heartbeat-{slot.rank}")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(slot.heartbeat)  # (the last life's: its commits are not this one's)
@@ -281,12 +286,8 @@ class Agent:
             os.unlink(slot.heartbeat)
         except FileNotFoundError:
             pass
-        if self.nodes.lease is not None:  # who a watcher declares dead if this node is lost
-            lives = {s.rank: s.incarnation for s in self.slots.values() if s.incarnation}
-            try:
-                self.store.set(self.keys.node_lives(cfg.node_rank), format_lives(lives))
-            except Exception as e:
-                log.warning("could not record this node's workers in the store: %s", e)
+        if not drawn:
+            self.nodes.record_lives()
         gpu = self.spares.gpu_of(self._local(slot))
         taken = self.spares.take(gpu) if slot.life > 0 else None
         spare, ready = taken if taken is not None else (None, False)

@@ -266,6 +266,8 @@ def start_zygote(
     preload += tuple(f"?{n}" for n in script_imports(config.command) if n not in preload)
     if config.checkpoint_dir:  # what each worker's forked checkpoint writer imports
         preload += ("?torch.distributed.checkpoint", "?fastft.runtime.durable.disk")
+    if config.control:  # the NATS client each worker connects with (120-300 ms a start)
+        preload += ("?nats", "?nats.js", "?nats.js.errors")
     z = Zygote(output=output, preload=preload, env=env, emit=emit, preexec=preexec)
     z.start()
     why = z.wait(ZYGOTE_START_S)

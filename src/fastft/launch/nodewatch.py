@@ -20,7 +20,7 @@ from fastft.launch.lease import (
     LeaseConfig,
     NodeLease,
 )
-from fastft.launch.lives import declared_lives
+from fastft.launch.lives import declared_lives, format_lives
 from fastft.protocol import Fault, Severity
 
 if TYPE_CHECKING:
@@ -89,6 +89,18 @@ class NodeWatch:
                     faulty_incarnation=inc,
                 )
             )
+
+    def record_lives(self) -> None:
+        """Write this node's worker lives to the store (several nodes only): whom a
+        watcher declares dead if the node is lost. Before a life starts."""
+        a = self.agent
+        if self.lease is None:
+            return
+        lives = {s.rank: s.incarnation for s in a.slots.values() if s.incarnation}
+        try:
+            a.store.set(a.keys.node_lives(a.config.node_rank), format_lives(lives))
+        except Exception as e:
+            log.warning("could not record this node's workers in the store: %s", e)
 
     def node_lost(self, node: int, lives: dict[int, int], counter: int) -> None:
         """This agent declared ``node`` lost: every worker of it is dead (Fault1)."""

@@ -191,13 +191,16 @@ def run(
 
         def make(i: int, *, holds: bool = True, warm: bool = False) -> Any:
             """Node ``i``'s agent actor (``holds``: its bundle's CPUs and GPUs) or a
-            standby (``warm``: ``fastft run --standby``, waiting for ``go``)."""
+            standby (``warm``: ``fastft run --standby``, waiting for ``go``), named for
+            Ray's dashboard (``fastft-JOB-node1``, then ``-node1-standby-2``...)."""
+            name = f"fastft-{job}-node{i}" + (f"-standby-{len(created)}" if warm else "")
             a = cls.options(
                 num_cpus=bundles.bundle["CPU"] if holds else 0,
                 num_gpus=gpus_per_node if holds else 0,
                 max_restarts=0,  # (the driver replaces a dead agent: two never serve a node)
                 max_task_retries=0,
                 scheduling_strategy=on(i),
+                name=name,
             ).remote(i, argvs[i], blob, secret_path, run_dir, files, warm)
             created.append(a)
             return a
