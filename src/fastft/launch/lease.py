@@ -36,7 +36,7 @@ from typing import Any
 
 from fastft.bus.signed import ForgedValue
 from fastft.errors import ConfigError
-from fastft.launch.lives import lost_mark, parse_lives
+from fastft.launch.lives import mark_lost
 from fastft.protocol.keys import JobKeys
 
 __all__ = [
@@ -415,25 +415,12 @@ class NodeLease:
             self.on_lost(node, got[0], counter)
 
     def _mark_lost(self, node: int, counter: int) -> tuple[dict[int, int], str] | None:
-        """Mark ``node`` lost (compare-and-set): the lives the mark declares dead and the
-        mark; None if another agent declared it (or the node is done), or the store failed."""
-        key = self.keys.node_lost(node)
         try:
-            # (read first: the mark names the lives it declares dead, so that the node's
-            # fence, seen after its link returns, kills those and never a newer life)
-            lives = parse_lives(self.store.get(self.keys.node_lives(node)))
-            mark = lost_mark(counter, self.node, lives)
-            try:
-                got = bytes(self.store.compare_set(key, "", mark)).decode()
-            except ForgedValue as f:  # a mark without the job's secret is none
-                got = bytes(self.store.replace(key, f.raw, mark)).decode()
-            if got != mark:
-                return None  # another agent declared it (or the node is done)
+            return mark_lost(self.store, self.keys, node, self.node, counter)
         except Exception:
             log.warning("node %d: could not declare it lost", node, exc_info=True)
-            self.watch.lost.discard(node)
+            self.watch.lost.discard(node)  # (declared again at the next round)
             return None
-        return lives, mark
 
     def take_over(self) -> dict[int, int] | None:
         """This agent replaces its node's dead one (``--standby``, told to go): the lives

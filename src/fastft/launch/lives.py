@@ -3,7 +3,12 @@ lease value that stopped, the node that saw it stop, and ``rank:incarnation`` pa
 
 from __future__ import annotations
 
-__all__ = ["declared_lives", "format_lives", "lost_mark", "parse_lives"]
+from typing import Any
+
+from fastft.bus.signed import ForgedValue
+from fastft.protocol.keys import JobKeys
+
+__all__ = ["declared_lives", "format_lives", "lost_mark", "mark_lost", "parse_lives"]
 
 
 def lost_mark(counter: int, by: int, lives: dict[int, int]) -> str:
@@ -32,3 +37,22 @@ def parse_lives(raw: bytes | str) -> dict[int, int]:
         if r.strip().isdigit() and i.strip().isdigit():
             out[int(r)] = int(i)
     return out
+
+
+def mark_lost(
+    store: Any, keys: JobKeys, node: int, by: int, counter: int
+) -> tuple[dict[int, int], str] | None:
+    """Mark ``node`` lost in ``store`` (compare-and-set; ``by``: the declaring node,
+    ``counter``: the lease value that stopped): the lives the mark declares dead and the
+    mark; None if another agent declared it (or the node is done). The store's errors
+    are the caller's."""
+    # (read first: the mark names the lives it declares dead, so that the node's fence,
+    # seen after its link returns, kills those and never a newer life)
+    lives = parse_lives(store.get(keys.node_lives(node)))
+    mark = lost_mark(counter, by, lives)
+    key = keys.node_lost(node)
+    try:
+        got = bytes(store.compare_set(key, "", mark)).decode()
+    except ForgedValue as f:  # a mark without the job's secret is none
+        got = bytes(store.replace(key, f.raw, mark)).decode()
+    return (lives, mark) if got == mark else None
