@@ -82,3 +82,74 @@ def test_the_python_entry_point_puts_nproc_in_each_nodes_flags():
     assert _with_nproc(["--nproc=4", "t.py"], 4) == ["--nproc=4", "t.py"]
     with pytest.raises(RayJobError, match="--nproc 2 in argv, but nproc=4"):
         _with_nproc(["--nproc", "2", "t.py"], 4)
+
+
+class _GetTimeout(Exception):
+    pass
+
+
+class _ActorError(Exception):
+    pass
+
+
+class _Node:
+    """A node agent actor or standby as the driver's ``_Nodes`` calls it."""
+
+    def __init__(self, name: str, answers: bool = True, lines=(), rc=None) -> None:
+        self.name, self.answers, self.lines, self.rc = name, answers, list(lines), rc
+        self.told: list[dict] = []
+        self.go = _Call(self._go)
+        self.poll = _Call(lambda offset: {"lines": self.lines, "rc": self.rc})
+
+    def _go(self, env: dict) -> bool:
+        if not self.answers:
+            raise _GetTimeout()
+        self.told.append(env)
+        return True
+
+
+def _fake_ray(killed: list):
+    exceptions = SimpleNamespace(RayActorError=_ActorError, GetTimeoutError=_GetTimeout)
+    return SimpleNamespace(
+        get=lambda value, timeout=None: value,
+        wait=lambda refs, timeout=None: (refs, []),
+        kill=lambda a, no_restart=False: killed.append(a.name),
+        exceptions=exceptions,
+    )
+
+
+def test_a_dead_agent_is_replaced_by_its_standby_and_never_by_two():
+    from fastft.ray.driver import _Nodes
+
+    made: list[_Node] = []
+
+    def make(i: int, *, holds: bool = True, warm: bool = False) -> _Node:
+        made.append(_Node(f"n{i}-{'standby' if not holds else 'agent'}-{len(made)}"))
+        return made[-1]
+
+    killed: list[str] = []
+    standby, quiet = _Node("s0"), _Node("s1", answers=False)
+    nodes = _Nodes(
+        _fake_ray(killed), [_Node("a0"), _Node("a1")], [standby, quiet], make, [True, True]
+    )
+    nodes.gpus[0] = "2,3"
+    nodes.replace(0, "standby")  # (told, with the dead agent's GPUs)
+    assert nodes.actors[0] is standby and standby.told == [{"CUDA_VISIBLE_DEVICES": "2,3"}]
+    assert nodes.standbys[0] is made[-1] and killed == []  # (a new standby for next time)
+    nodes.replace(1, "standby")  # (its standby does not answer: killed, a new agent told)
+    assert killed == ["s1"] and nodes.actors[1] is made[-2] and made[-2].told == [{}]
+    assert nodes.standbys[1] is made[-1]
+
+
+def test_the_driver_says_when_a_standby_is_warm_or_ended():
+    from fastft.ray.driver import _Nodes
+
+    cold, ended = _Node("s0"), _Node("s1", lines=["fastft: error: bad flag"], rc=2)
+    nodes = _Nodes(_fake_ray([]), [_Node("a0"), _Node("a1")], [cold, ended], None, [True, True])
+    assert nodes.watch_standby(0) is None  # (not warm yet: nothing said)
+    cold.lines = ["fastft: standby agent of node 0 warm in 3.1 s; ..."]
+    assert nodes.watch_standby(0) == "fastft ray: node 0's standby agent is warm"
+    assert nodes.watch_standby(0) is None  # (said once)
+    said = nodes.watch_standby(1)
+    assert said is not None and "ended (2); none for it: fastft: error: bad flag" in said
+    assert nodes.standbys[1] is None

@@ -248,6 +248,8 @@ class _Nodes:
         self.actors, self.standbys = actors, standbys
         self.ready = [False] * len(actors)
         """Whether each node's standby said it is warm."""
+        self.asked: list[Any] = [None] * len(actors)
+        """Each standby's poll in flight (a standby still being placed answers late)."""
         self.gpus: list[str | None] = [None] * len(actors)
         """Each node's ``CUDA_VISIBLE_DEVICES`` as its agent actor last said (a standby
         holds no GPU of Ray's: it is handed its node's)."""
@@ -267,10 +269,12 @@ class _Nodes:
         if told:
             self.actors[i] = standby
         else:  # (a standby told at once: it takes the node over as soon as it is warm)
+            if standby is not None:  # (never two agents for one node: it may have heard)
+                ray.kill(standby, no_restart=True)
             self.actors[i] = self.make(i, warm=True)
             self.actors[i].go.remote({})
         self.standbys[i] = self.make(i, holds=False, warm=True) if self.keep[i] else None
-        self.ready[i] = False
+        self.ready[i], self.asked[i] = False, None
 
     def watch_standby(self, i: int) -> str | None:
         """Node ``i``'s standby, until it said it is warm: a line to print when it did,
@@ -278,12 +282,15 @@ class _Nodes:
         ray, standby = self.ray, self.standbys[i]
         if standby is None or self.ready[i]:
             return None
+        if self.asked[i] is None:
+            self.asked[i] = standby.poll.remote(0)
+        if not ray.wait([self.asked[i]], timeout=0)[0]:
+            return None  # (not answered yet: never block the driver's loop)
         try:
-            got = ray.get(standby.poll.remote(0), timeout=10)
-        except ray.exceptions.GetTimeoutError:
-            return None
+            got = ray.get(self.asked[i])
         except ray.exceptions.RayActorError as e:
             got = {"lines": [], "rc": f"its actor died: {type(e).__name__}"}
+        self.asked[i] = None
         if got["rc"] is not None:
             self.standbys[i] = None
             last = got["lines"][-1] if got["lines"] else ""
