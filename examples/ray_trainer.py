@@ -6,8 +6,8 @@ settings, a result with the final metrics, the run directory and the checkpoint.
 
 Each worker runs ``train_loop`` under fastft (an ordinary torch loop with ``fastft.init()``
 and a transaction per step): a worker's fault costs its peers a rolled-back step, not a
-restart of the group, and a lost node's agent actor is started again by Ray. See
-docs/ray.md.
+restart of the group, and a lost node's agent actor is replaced by the node's warm
+standby agent, whose workers join and heal. See docs/ray.md.
 """
 
 from __future__ import annotations
