@@ -87,8 +87,8 @@ def test_an_agent_actors_new_life_is_read_from_its_start_and_said():
     assert not t.polled({"pid": 10, "lines": ["a", "b"], "rc": None})
     assert t.printed({"pid": 10, "lines": ["a", "b"], "rc": None}) == ["a", "b"]
     assert t.offset == 2 and t.status is None and t.notes == []
-    assert t.polled({"pid": 11, "lines": [], "rc": None})  # Ray started the actor again
-    assert t.offset == 0 and "died; Ray started it again (pid 11)" in t.notes[0]
+    assert t.polled({"pid": 11, "lines": [], "rc": None})  # (an actor Ray restarted)
+    assert t.offset == 0 and "answers from a new process (pid 11)" in t.notes[0]
     t.printed({"pid": 11, "lines": ["x"], "rc": 0})
     assert t.status == 0
 

@@ -183,9 +183,9 @@ class AgentTrack:
             restarted = self.life is not None
             self.life = got["pid"]
             if restarted:
-                self.notes.append(
-                    f"fastft ray: node {self.node}'s agent actor died; Ray started it again "
-                    f"(pid {got['pid']}): its workers join and heal"
+                self.notes.append(  # (Ray restarted it: not asked of Ray, but said)
+                    f"fastft ray: node {self.node}'s agent actor answers from a new process "
+                    f"(pid {got['pid']}): its output again from the start"
                 )
                 self.offset = 0
                 return True
