@@ -2,13 +2,14 @@
 needed, so that a node whose agent died is back in a fraction of a second instead of a
 new process's start (``fastft ray run`` keeps one beside each node's agent).
 
-It parses its flags and starts the node's zygote (torch, fastft and the script's modules
-imported: the seconds of a start), then waits for one line on stdin, touching nothing of
-the job meanwhile: no store, no lease, no event in the run directory. The line (a JSON
-object of variables to set, ``{}`` for none) means "this node's agent is dead": the agent starts with the warm zygote and takes the node
-over (:meth:`fastft.launch.lease.NodeLease.take_over`: the workers the dead agent left are
-declared dead at once, not after the lease). End of stdin instead: the standby was not
-needed; it exits 0.
+It parses its flags, starts the node's zygote (torch, fastft and the script's modules
+imported: the seconds of a start) and imports the agent's store client, says it is warm
+(one line), then waits for one line on stdin, touching nothing of the job meanwhile: no
+store, no lease, no event in the run directory. The line (a JSON object of variables to
+set, ``{}`` for none) means "this node's agent is dead": the agent starts with the warm
+zygote and takes the node over (:meth:`fastft.launch.lease.NodeLease.take_over`: the
+workers the dead agent left are declared dead at once, not after the lease). End of stdin
+instead: the standby was not needed; it exits 0.
 """
 
 from __future__ import annotations
