@@ -192,8 +192,11 @@ def run(
         def make(i: int, *, holds: bool = True, warm: bool = False) -> Any:
             """Node ``i``'s agent actor (``holds``: its bundle's CPUs and GPUs) or a
             standby (``warm``: ``fastft run --standby``, waiting for ``go``), named for
-            Ray's dashboard (``fastft-JOB-node1``, then ``-node1-standby-2``...)."""
-            name = f"fastft-{job}-node{i}" + (f"-standby-{len(created)}" if warm else "")
+            Ray's dashboard (``fastft-JOB-node1``, its standbys ``-node1-standby-2``...,
+            a new agent actor ``-node1-5``)."""
+            n = len(created)
+            suffix = (f"-{n}" if warm else "") if holds else f"-standby-{n}"
+            name = f"fastft-{job}-node{i}{suffix}"
             a = cls.options(
                 num_cpus=bundles.bundle["CPU"] if holds else 0,
                 num_gpus=gpus_per_node if holds else 0,
