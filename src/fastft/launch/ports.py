@@ -19,7 +19,14 @@ if TYPE_CHECKING:
     from fastft.process.events import EventLog
     from fastft.protocol import JobKeys, Message
 
-__all__ = ["AgentPorts"]
+__all__ = ["AgentPorts", "StoreWatch"]
+
+
+class StoreWatch(Protocol):
+    """What the parts read of the agent's watch on the store."""
+
+    store_gone: bool
+    """The store stopped answering this agent: a call to it would not return."""
 
 
 class AgentPorts(Protocol):
@@ -42,6 +49,10 @@ class AgentPorts(Protocol):
 
     @property
     def slots(self) -> dict[int, Slot]: ...
+
+    @property
+    def nodes(self) -> StoreWatch:
+        """The node's lease and the other nodes (:class:`~fastft.launch.nodewatch.NodeWatch`)."""
 
     @property
     def children(self) -> Children: ...

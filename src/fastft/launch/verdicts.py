@@ -8,6 +8,7 @@ its own is dead: the kill that restarts it). The agent's part for them, as
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,12 +23,16 @@ if TYPE_CHECKING:
 
 __all__ = ["Verdicts"]
 
+log = logging.getLogger(__name__)
+
 
 class Verdicts:
     """The agent's hang checks and bus verdicts (see the module)."""
 
     def __init__(self, agent: AgentPorts) -> None:
         self.agent = agent
+        self.job_done = False
+        """A member marked the job finished (read once a paced verdict asks; never undone)."""
         self._told: set[tuple[int, int, int, int]] = set()
         """The in-process faults already given their line: (rank, incarnation, epoch, step)."""
 
@@ -58,18 +63,28 @@ class Verdicts:
         if slot.hung == slot.incarnation:
             return  # reported and killed; its exit is on the way
         hb = read_heartbeat(slot.heartbeat)
-        hung = policy.hang_verdict(
-            now=now,
-            started=slot.started,
-            beat=hb.last if hb is not None else None,
-            pace=hb.pace if hb is not None else 0.0,
-            hang_timeout_s=a.config.hang_timeout_s,
-            by_pace=a.config.hang_pace,
-            start_grace_s=a.config.start_grace_s,
-            between_since=hb.between if hb is not None else 0.0,
-            between_timeout_s=a.config.between_steps_timeout_s,
-            unsettled_since=hb.unsettled if hb is not None else 0.0,
-        )
+
+        def verdict(by_pace: bool) -> policy.Hung | None:
+            return policy.hang_verdict(
+                now=now,
+                started=slot.started,
+                beat=hb.last if hb is not None else None,
+                pace=hb.pace if hb is not None else 0.0,
+                hang_timeout_s=a.config.hang_timeout_s,
+                by_pace=by_pace,
+                start_grace_s=a.config.start_grace_s,
+                between_since=hb.between if hb is not None else 0.0,
+                between_timeout_s=a.config.between_steps_timeout_s,
+                unsettled_since=hb.unsettled if hb is not None else 0.0,
+            )
+
+        hung = verdict(a.config.hang_pace and not self.job_done)
+        if hung is not None and hung.paced and self._job_finished():
+            # Its peers finished the job: none waits for this worker's last step, so a
+            # slow one (a busy machine) proves no hang, and a kill would cost it the
+            # script's code after the loop (its new life finds the job over and ends).
+            # Only --hang-timeout ends it now.
+            hung = verdict(False)
         if hung is None:
             return
         a.events.emit(
@@ -99,6 +114,20 @@ class Verdicts:
         if slot.proc is not None:
             await_signal_taken(slot.proc.pid, STACKS_SIGNAL)
         a.children.kill(slot, incarnation=inc)  # never the restarted life in the slot
+
+    def _job_finished(self) -> bool:
+        """Whether a member marked the job finished (it closed after the last step)."""
+        a = self.agent
+        if self.job_done or a.nodes.store_gone:  # (a call to a silent store never returns)
+            return self.job_done
+        try:
+            # (the get checks the mark's tag: a forged one raises)
+            self.job_done = bool(a.store.check([a.keys.finished])) and bool(
+                a.store.get(a.keys.finished)
+            )
+        except Exception:  # (a store that does not answer: the verdict stands)
+            log.debug("could not read the job's finished mark", exc_info=True)
+        return self.job_done
 
     def on_message(self, m: Message) -> None:
         a = self.agent

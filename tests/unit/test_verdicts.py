@@ -1,0 +1,110 @@
+"""The agent's hang verdict at the job's end: once a member marked the job finished (it
+closed after the last step), a worker still in that step holds up no peer, so its pace
+proves no hang (a busy machine: found by CI, where a worker killed 0.6 s into its last
+step never ran the script's code after the loop); only ``--hang-timeout`` ends it."""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import fastft.launch.verdicts as verdicts
+from fastft.launch.verdicts import Verdicts
+from fastft.process.heartbeat import Beat
+
+_FMT = "<dddddddd"
+
+
+def _beat(path: Path, *, last: float, pace: float) -> None:
+    b = Beat(last=last, pace=pace, between=0.0, commits=20.0, compute=pace)
+    path.write_bytes(struct.pack(_FMT, *b))
+
+
+@dataclass
+class _Store:
+    keys: dict[str, bytes] = field(default_factory=dict)
+    asked: int = 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.asked += 1
+        return all(k in self.keys for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.keys[key]
+
+
+@dataclass
+class _Agent:
+    heartbeat: Path
+    hang_timeout_s: float = 30.0
+    store: _Store = field(default_factory=_Store)
+    published: list[Any] = field(default_factory=list)
+    killed: list[int] = field(default_factory=list)
+    hung: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.config = SimpleNamespace(
+            hang_timeout_s=self.hang_timeout_s,
+            hang_pace=True,
+            start_grace_s=5.0,
+            between_steps_timeout_s=600.0,
+            job="j",
+        )
+        self.keys = SimpleNamespace(finished="finished")
+        self.nodes = SimpleNamespace(store_gone=False)
+        self.header = dict(job="j", epoch=0, rank=-1, incarnation=0)
+        self.events = SimpleNamespace(emit=lambda name, **f: self.hung.append(f))
+        self.children = SimpleNamespace(kill=lambda slot, *a, **k: self.killed.append(slot.rank))
+
+    def publish(self, m: Any) -> None:
+        self.published.append(m)
+
+
+def _slot(agent: _Agent, started: float) -> SimpleNamespace:
+    return SimpleNamespace(
+        rank=2, life=1, incarnation=7, done=False, hung=0, started=started,
+        heartbeat=str(agent.heartbeat), proc=SimpleNamespace(pid=123456789, returncode=None),
+    )  # fmt: skip
+
+
+@pytest.fixture
+def agent(tmp_path: Path, monkeypatch) -> _Agent:
+    monkeypatch.setattr(verdicts, "await_signal_taken", lambda pid, sig: None)  # (no process)
+    return _Agent(tmp_path / "hb")
+
+
+def test_a_slow_step_is_hung_by_its_pace_while_the_job_goes_on(agent):
+    now = time.monotonic()
+    _beat(agent.heartbeat, last=now - 0.8, pace=0.05)  # 0.8 s silent; 10x its pace: 0.5 s
+    Verdicts(agent).check_hang(_slot(agent, now - 10), now)  # type: ignore[arg-type]
+    assert agent.killed == [2, 2]  # its stacks, then the kill
+    assert agent.hung[0]["timeout_s"] == 0.5 and len(agent.published) == 1
+    assert agent.store.asked == 1
+
+
+def test_once_the_job_finished_only_the_hang_timeout_ends_a_slow_last_step(agent):
+    now = time.monotonic()
+    agent.store.keys["finished"] = b"30"
+    _beat(agent.heartbeat, last=now - 0.8, pace=0.05)
+    slot = _slot(agent, now - 10)
+    v = Verdicts(agent)
+    v.check_hang(slot, now)  # type: ignore[arg-type]
+    assert agent.killed == [] and agent.published == [] and v.job_done
+    v.check_hang(slot, now + 1)  # type: ignore[arg-type]
+    assert agent.killed == [] and agent.store.asked == 1  # (a finished job stays finished)
+    v.check_hang(slot, now + agent.hang_timeout_s)  # 30.8 s silent: hung all the same
+    assert agent.killed == [2, 2] and agent.hung[0]["timeout_s"] == agent.hang_timeout_s
+
+
+def test_a_store_that_does_not_answer_leaves_the_paced_verdict(agent):
+    now = time.monotonic()
+    agent.nodes.store_gone = True  # (a call to it would never return)
+    _beat(agent.heartbeat, last=now - 0.8, pace=0.05)
+    Verdicts(agent).check_hang(_slot(agent, now - 10), now)  # type: ignore[arg-type]
+    assert agent.killed == [2, 2] and agent.store.asked == 0
