@@ -294,6 +294,23 @@ def test_gil_hang_is_killed_after_the_hang_timeout(tmp_path, clean):
     assert "most recent call first" in log and "execute.py" in log, log[-3000:]
 
 
+def test_a_slow_last_step_after_the_peers_finished_is_no_hang(tmp_path, clean):
+    """Rank 2 stalls 2 s (the GIL held: no heartbeat) between the last step's COMMIT and
+    its application, while its peers apply it, finish and close. Nobody waits for it any
+    more, so its pace (a 0.5 s verdict) proves no hang: only --hang-timeout would end it.
+    It finishes in its first life and runs the script's code after the loop (CI found
+    such a worker killed on a busy machine: its next life found the job over and ended,
+    its final files never written)."""
+    plan = [{"kind": "gil_hang", "rank": 2, "at_step": STEPS - 1, "point": "commit", "arg": 2}]
+    run = fastft_run(tmp_path, "slow-end", "--hang-timeout", "30", plan=plan)
+    check_s1_s3(run)
+    f = finals(run)
+    assert {r: v["digest"] for r, v in f.items()} == {r: clean[r]["digest"] for r in clean}
+    ev = read_events(run)
+    assert not [e for e in ev if e["event"] in ("worker_hung", "restart", "job_finished")]
+    assert f[2]["step"] == STEPS and f[2]["commits"] == STEPS
+
+
 @pytest.mark.slow
 def test_elastic_world_shrinks_at_once_and_regrows(tmp_path):
     """--min-replicas 2 of 3: the survivors go on without the killed worker, the restarted
