@@ -43,8 +43,12 @@ def test_exception_sigkill_and_sigstop_end_bitwise_equal_to_a_clean_run(tmp_path
     ev = read_events(run)
     assert sum(e["event"] == "restart" for e in ev) == 2  # the killed and the stopped one
     heals = [e for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"] > 0]
-    assert {e["src"] for e in heals} == {"rank 2", "rank 0"}  # S4: restarted ones healed
+    assert {"rank 2", "rank 0"} <= {e["src"] for e in heals}  # S4: restarted ones healed
+    # (and a survivor that a death's notice cut short of the previous step's decision, as
+    # the collective decision allows (make test-collective), fetches its peers' step: the
+    # history check above holds it to that step)
     # the exception was a Fault2: rolled back without any restart or transfer for rank 1
+    assert not [e for e in heals if e["src"] == "rank 1" and e["step"] == 6], heals
     assert not any(
         e["event"] == "worker_exit" and e["rank"] == 1 and e["exit_code"] != 0 for e in ev
     )
