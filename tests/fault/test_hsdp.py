@@ -82,6 +82,27 @@ def test_a_shard_rank_fault_restarts_its_group_which_heals_shard_to_shard(
     assert sorted(e["src"] for e in fetched) == ["rank 0", "rank 1"], epochs
 
 
+def test_a_death_inside_the_replicate_collective_restarts_only_its_group(tmp_path, sharded_clean):
+    """Rank 3 exits as the step's replicate allreduce starts, its peer there (rank 1, the
+    other group) inside it: Gloo may tell rank 1 the connection closed before the death's
+    notice arrives. That failed collective is no fault of rank 1's group (it entered every
+    collective of its group and lives on): it rolls back, and only group 1 restarts (found
+    by a loop of the cross-node test: rank 1 restarted its group too, and with both groups
+    down the job failed, every holder of the state lost)."""
+    plan = [{"kind": "exit", "rank": 3, "at_step": 8, "point": "collective", "arg": 3}]
+    run = fastft_run(tmp_path, "hsdp-in-collective", *HSDP, plan=plan, nproc=4)
+    check_s1_s3(run, shard_size=2)
+    ev = read_events(run)
+    restarts = [(e["group"], sorted(e["ranks"])) for e in ev if e["event"] == "group_restart"]
+    assert restarts == [(1, [2, 3])], [
+        e for e in ev if e["event"] in ("group_fault", "local_fault")
+    ]
+    assert not [e for e in ev if e["event"] == "group_fault"]
+    assert {r: v["digest"] for r, v in finals(run).items()} == {
+        r: v["digest"] for r, v in sharded_clean.items()
+    }
+
+
 def _params(run: Path, ranks: list[int]) -> dict[str, torch.Tensor]:
     """The model of ``run`` whole: the members' shards (dim 0) put back together."""
     parts = [torch.load(run / "out" / f"final-rank{r}.pt") for r in ranks]

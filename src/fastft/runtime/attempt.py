@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fastft.bus.nats import is_nats
 from fastft.fsm import GradsReady, Phase
 from fastft.inject import StateLostFault
-from fastft.interrupt import StepInterrupted
+from fastft.interrupt import CollectiveFailed, StepInterrupted
 from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.process.teardown import exit_now
 from fastft.protocol.exits import EXIT_GROUP_FAULT
@@ -170,7 +170,10 @@ class StepAttempts:
         why = misuse(ev) if isinstance(ev, Exception) else None
         if why is not None:  # no retry or restart can help: the job fails at once
             self._script_error(step, why, ev)
-        if isinstance(ev, Exception) and self.rt.sharded:
+        # A collective of fastft's own that failed (a peer's connection closed: its death,
+        # whose notice is on the way) is no fault of this group: it entered every one of
+        # its group's collectives and lives on, so it rolls back as any member does.
+        if isinstance(ev, Exception) and self.rt.sharded and not isinstance(ev, CollectiveFailed):
             if x.phase_changes == self.step_gen:  # (else a consequence of a known fault)
                 self._group_fault(ev)
             x.local_fault(ev, gen=self.step_gen)
