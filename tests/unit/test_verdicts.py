@@ -16,9 +16,7 @@ import pytest
 
 import fastft.launch.verdicts as verdicts
 from fastft.launch.verdicts import Verdicts
-from fastft.process.heartbeat import Beat
-
-_FMT = "<dddddddd"
+from fastft.process.heartbeat import _FMT, Beat
 
 
 def _beat(path: Path, *, last: float, pace: float) -> None:
