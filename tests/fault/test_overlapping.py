@@ -163,3 +163,27 @@ def _lives(ev: list[dict], epoch_event: dict) -> set[tuple[int, int]]:
 
 def _injected(ev: list[dict]) -> list[tuple[str, str]]:
     return [(e["src"], e["point"]) for e in ev if e["event"] == "injected"]
+
+
+def test_a_restart_that_hangs_in_its_heal_is_killed_never_the_holder_it_waits_on(tmp_path):
+    """Issue 60, case 1: 2 workers; rank 1 dies, and its restart hangs holding the GIL in
+    its heal. The only holder (rank 0) waits for it in that heal: its heartbeat names the
+    peer it waits on, so the agent's judge follows the chain to the silent restart and
+    kills that one; the holder lives (it was killed as hung first, 43-79 ms before the
+    restart, and the state was lost: 6 of 6 runs)."""
+    reference = fastft_run(tmp_path, "two-clean", nproc=2, steps=16)
+    plan = [
+        {"kind": "sigkill", "rank": 1, "at_step": 8},
+        {"kind": "gil_hang", "rank": 1, "life": 1, "at_step": 8, "point": "heal"},
+    ]
+    run = fastft_run(tmp_path, "heal-gil-hang", "--hang-timeout", "4", plan=plan, nproc=2, steps=16)
+    check_s1_s3(run, steps=16)
+    assert {v["digest"] for v in finals(run).values()} == {
+        v["digest"] for v in finals(reference).values()
+    }
+    ev = read_events(run)
+    hung = [e for e in ev if e["event"] == "worker_hung"]
+    assert [(e["rank"], e["waiters"]) for e in hung] == [(1, [0])], hung
+    assert sorted(e["rank"] for e in ev if e["event"] == "restart") == [1, 1]
+    log = (run / "launcher.log").read_text()
+    assert "rank 1 (life 1) hung" in log and "(rank 0.0 waited on it)" in log, log[-3000:]

@@ -13,6 +13,7 @@ from fastft.process.heartbeat import (
     HANG_PACES,
     PACE_WINDOW,
     HeartbeatWriter,
+    Wait,
     hang_limit,
     pace_of,
     read_heartbeat,
@@ -122,3 +123,26 @@ def test_the_limit_is_paces_within_the_floor_and_the_hang_timeout() -> None:
     assert hang_limit(0.2, 30.0) == pytest.approx(HANG_PACES * 0.2)
     assert hang_limit(10.0, 30.0) == 30.0
     assert hang_limit(0.2, 30.0, by_pace=False) == 30.0
+
+
+def test_a_wait_on_a_named_peer_is_in_the_file_and_ends_with_the_wait(
+    tmp_path: Path, clock: Clock
+) -> None:
+    path = str(tmp_path / "hb")
+    hb = HeartbeatWriter(path)
+    try:
+        hb.beat()
+        mine = clock.now
+        clock.now += 2.0
+        with hb.waiting_on(3, 2**61 + 5):  # a heal's other end (a 62-bit incarnation)
+            b = read_heartbeat(path)
+            assert b is not None and b.waits == Wait.PEER and b.waiting == clock.now
+            assert (b.on_rank, b.on_incarnation) == (3.0, 2**61 + 5)
+            assert b.main == clock.now  # (entering the wait is the main thread's beat)
+        with hb.blocked:
+            b = read_heartbeat(path)
+            assert b is not None and b.waits == Wait.RUNTIME and b.on_rank == -1.0
+        b = read_heartbeat(path)
+        assert b is not None and b.waits == Wait.NONE and b.waiting == 0.0 and b.main > mine
+    finally:
+        hb.close()

@@ -13,6 +13,7 @@ from fastft.launch.policy import (
     pick_spare,
     spare_owed_done,
     startup_failed,
+    waiters,
 )
 from fastft.process.heartbeat import HANG_FLOOR_S
 from fastft.protocol import EXIT_DRAINED
@@ -110,6 +111,29 @@ def test_a_step_after_a_recovery_may_compile_but_a_gil_hang_is_still_known_by_pa
     long = hang_verdict(now=15.5, beat=15.45, **kw)  # beating, but past --hang-timeout
     assert long is not None and long.timeout_s == 5.0 and long.silent_s == 5.5
     assert hang_verdict(now=15.5, beat=15.45, **dict(kw, unsettled_since=0.0)) is None
+    # its main thread came back to the runtime at 13 s (a vote, a formation): from there
+    back = dict(kw, main_beat=13.0)
+    assert hang_verdict(now=15.5, beat=15.45, **back) is None
+    assert hang_verdict(now=18.5, beat=18.45, **back).silent_s == 5.5
+
+
+def test_a_member_waiting_on_its_peers_after_a_recovery_is_not_hung():
+    # (issue 60: the only holder of the state waits in a heal for a restart that hangs
+    # holding the GIL; it reached the hang bound first and was killed, the state lost)
+    kw = dict(started=0.0, hang_timeout_s=5.0, by_pace=True, start_grace_s=120.0, pace=0.03)
+    kw |= dict(unsettled_since=10.0, main_beat=10.0)
+    assert hang_verdict(now=30.0, beat=29.95, waiting_since=10.0, **kw) is None
+    assert hang_verdict(now=30.0, beat=29.95, **kw) is not None  # not waiting: away 20 s
+    # the restart it waits on: silent (no helper beat either), judged by its own silence
+    restart = dict(started=9.0, hang_timeout_s=5.0, by_pace=True, start_grace_s=120.0, pace=0.0)
+    assert hang_verdict(now=15.1, beat=10.0, unsettled_since=10.0, **restart) is not None
+
+
+def test_the_waiters_of_a_life_are_found_through_each_other():
+    waits = {(0, 10): (1, 11), (2, 12): (0, 10), (3, 13): (1, 99), (4, 14): (4, 14)}
+    assert waiters((1, 11), waits) == ((0, 10), (2, 12))  # rank 3 waits on an older life
+    assert waiters((4, 14), waits) == ()  # (a cycle through itself is no waiter)
+    assert waiters((5, 15), {}) == ()
 
 
 def test_between_steps_only_a_stopped_interpreter_or_the_longer_timeout_is_a_hang():

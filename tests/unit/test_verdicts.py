@@ -16,11 +16,11 @@ import pytest
 
 import fastft.launch.verdicts as verdicts
 from fastft.launch.verdicts import Verdicts
-from fastft.process.heartbeat import _FMT, Beat
+from fastft.process.heartbeat import _FMT, Beat, Wait
 
 
-def _beat(path: Path, *, last: float, pace: float) -> None:
-    b = Beat(last=last, pace=pace, between=0.0, commits=20.0, compute=pace)
+def _beat(path: Path, *, last: float, pace: float, **more: Any) -> None:
+    b = Beat(last=last, pace=pace, between=0.0, commits=20.0, compute=pace, **more)
     path.write_bytes(struct.pack(_FMT, *b))
 
 
@@ -59,6 +59,7 @@ class _Agent:
         self.header = dict(job="j", epoch=0, rank=-1, incarnation=0)
         self.events = SimpleNamespace(emit=lambda name, **f: self.hung.append(f))
         self.children = SimpleNamespace(kill=lambda slot, *a, **k: self.killed.append(slot.rank))
+        self.slots: dict[int, Any] = {}
 
     def publish(self, m: Any) -> None:
         self.published.append(m)
@@ -106,3 +107,18 @@ def test_a_store_that_does_not_answer_leaves_the_paced_verdict(agent):
     _beat(agent.heartbeat, last=now - 0.8, pace=0.05)
     Verdicts(agent).check_hang(_slot(agent, now - 10), now)  # type: ignore[arg-type]
     assert agent.killed == [2, 2] and agent.store.asked == 0
+
+
+def test_the_line_names_the_members_that_waited_on_the_hung_one(agent, tmp_path):
+    """Issue 60: the holder waits in a heal on the restart that hangs; the restart's
+    verdict names it (and the holder's own heartbeat says whom it waits on)."""
+    now = time.monotonic()
+    _beat(agent.heartbeat, last=now - 0.8, pace=0.05)
+    hung = agent.slots[2] = _slot(agent, now - 10)
+    holder = tmp_path / "hb0"  # waiting since 0.9 s on rank 2 life 7 (Wait.PEER)
+    _beat(holder, last=now, pace=0.05, waiting=now - 0.9, waits=float(Wait.PEER),
+          on_rank=2.0, on_incarnation=7)  # fmt: skip
+    agent.slots[0] = SimpleNamespace(rank=0, life=0, incarnation=5, done=False,
+                                     heartbeat=str(holder))  # fmt: skip
+    Verdicts(agent).check_hang(hung, now)  # type: ignore[arg-type]
+    assert agent.killed == [2, 2] and agent.hung[0]["waiters"] == [0]

@@ -4,7 +4,7 @@ replaced. The agent's loop (:mod:`fastft.launch.agent`) performs what they retur
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from fastft.process.heartbeat import HANG_PACES, hang_limit
@@ -35,6 +35,7 @@ __all__ = [
     "resume_hint",
     "spare_owed_done",
     "startup_failed",
+    "waiters",
 ]
 
 COLD_RESTART_DELAY_S = 0.05
@@ -219,6 +220,8 @@ def hang_verdict(
     between_since: float = 0.0,
     between_timeout_s: float = float("inf"),
     unsettled_since: float = 0.0,
+    main_beat: float = 0.0,
+    waiting_since: float = 0.0,
 ) -> Hung | None:
     """Whether a worker started at ``started`` whose last heartbeat is ``beat`` (None: none
     yet) and whose pace is ``pace`` (:class:`fastft.process.heartbeat.Beat`) is hung at
@@ -228,8 +231,10 @@ def hang_verdict(
     not a hang until ``between_timeout_s``; only an interpreter that stops running (a
     thread holding the GIL) is hung after ``hang_timeout_s``. ``unsettled_since``: since
     when it is in a step after a recovery or a new epoch (its helper thread beats while
-    the interpreter runs: a compile is not a hang); that step may last
-    ``hang_timeout_s``."""
+    the interpreter runs: a compile is not a hang); its main thread may stay away from the
+    runtime for ``hang_timeout_s`` (from ``main_beat``, its own last beat). While it waits
+    in the runtime (``waiting_since``) it is no hang: it waits on a peer, whose own
+    heartbeat is judged (the chain's end; :func:`waiters`)."""
     if beat is None or beat < started:
         if now - started <= start_grace_s:
             return None  # still starting (imports): no heartbeat yet
@@ -243,13 +248,27 @@ def hang_verdict(
     timeout = hang_limit(pace, hang_timeout_s, by_pace=by_pace)
     if silent > timeout:
         return Hung(silent, timeout, paced=timeout < hang_timeout_s)
-    if (
-        unsettled_since >= started
-        and unsettled_since > 0
-        and now - unsettled_since > hang_timeout_s
-    ):
-        return Hung(now - unsettled_since, hang_timeout_s)  # (a step after a recovery, too long)
+    if unsettled_since >= started and unsettled_since > 0 and not waiting_since:
+        own = max(unsettled_since, main_beat)  # (the step's start, or the main thread's beat)
+        if now - own > hang_timeout_s:
+            return Hung(now - own, hang_timeout_s)  # (a step after a recovery, away too long)
     return None
+
+
+def waiters(
+    life: tuple[int, int], waits_on: Mapping[tuple[int, int], tuple[int, int]]
+) -> tuple[tuple[int, int], ...]:
+    """The lives, as (rank, incarnation), that wait on ``life`` directly or through each
+    other, given what each waits on (``waits_on``: a waiter's life -> the life it waits
+    on): the members a verdict against ``life`` releases, named in its line."""
+    found: set[tuple[int, int]] = set()
+    ends = {life}
+    while True:
+        more = {w for w, on in waits_on.items() if on in ends and w not in found | {life}}
+        if not more:
+            return tuple(sorted(found))
+        found |= more
+        ends |= more
 
 
 def hang_reason(rank: int, life: int, hung: Hung) -> str:

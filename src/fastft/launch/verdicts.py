@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import fastft.launch.policy as policy
 from fastft.launch.children import Slot, await_signal_taken
-from fastft.process.heartbeat import STACKS_SIGNAL, read_heartbeat
+from fastft.process.heartbeat import STACKS_SIGNAL, Wait, read_heartbeat
 from fastft.protocol import DrainRequest, Fault, HangSuspected, Message, Role, Severity
 
 if TYPE_CHECKING:
@@ -76,6 +76,8 @@ class Verdicts:
                 between_since=hb.between if hb is not None else 0.0,
                 between_timeout_s=a.config.between_steps_timeout_s,
                 unsettled_since=hb.unsettled if hb is not None else 0.0,
+                main_beat=hb.main if hb is not None else 0.0,
+                waiting_since=hb.waiting if hb is not None else 0.0,
             )
 
         hung = verdict(a.config.hang_pace and not self.job_done)
@@ -87,6 +89,7 @@ class Verdicts:
             hung = verdict(False)
         if hung is None:
             return
+        held = self._waiters(slot)
         a.events.emit(
             "worker_hung",
             rank=slot.rank,
@@ -94,11 +97,14 @@ class Verdicts:
             silent_s=round(hung.silent_s, 3),
             timeout_s=round(hung.timeout_s, 3),
             between=hung.between,
+            waiters=[r for r, _ in held],
             detected=now,
         )
-        print(
-            f"fastft: {policy.hang_reason(slot.rank, slot.life, hung)}", file=sys.stderr, flush=True
-        )
+        line = policy.hang_reason(slot.rank, slot.life, hung)
+        if held:
+            lives = ", ".join(f"rank {r}.{a.slots[r].life}" for r, _ in held if r in a.slots)
+            line += f" ({lives} waited on it)"
+        print(f"fastft: {line}", file=sys.stderr, flush=True)
         a.publish(
             HangSuspected(
                 **a.header,
@@ -114,6 +120,18 @@ class Verdicts:
         if slot.proc is not None:
             await_signal_taken(slot.proc.pid, STACKS_SIGNAL)
         a.children.kill(slot, incarnation=inc)  # never the restarted life in the slot
+
+    def _waiters(self, slot: Slot) -> tuple[tuple[int, int], ...]:
+        """The lives of this node that wait on ``slot``'s, directly or through each other
+        (their heartbeats name the peer: a heal's other end)."""
+        waits_on: dict[tuple[int, int], tuple[int, int]] = {}
+        for other in self.agent.slots.values():
+            if other is slot or other.done or not other.incarnation:
+                continue
+            hb = read_heartbeat(other.heartbeat)
+            if hb is not None and hb.waiting and hb.waits == Wait.PEER:
+                waits_on[(other.rank, other.incarnation)] = (int(hb.on_rank), hb.on_incarnation)
+        return policy.waiters((slot.rank, slot.incarnation), waits_on)
 
     def _job_finished(self) -> bool:
         """Whether a member marked the job finished (it closed after the last step)."""

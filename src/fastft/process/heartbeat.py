@@ -9,6 +9,7 @@ silent in a step), since when the worker is between steps (0 inside one), and it
 from __future__ import annotations
 
 import collections
+import enum
 import faulthandler
 import mmap
 import os
@@ -28,6 +29,7 @@ __all__ = [
     "SETTLE_STEPS",
     "STACKS_SIGNAL",
     "Beat",
+    "Wait",
     "HeartbeatWriter",
     "compute_of",
     "dump_stacks_on_signal",
@@ -50,24 +52,38 @@ def dump_stacks_on_signal() -> None:
         faulthandler.register(STACKS_SIGNAL, all_threads=True)
 
 
+class Wait(enum.IntEnum):
+    """What a worker's main thread waits on (:attr:`Beat.waits`): the judge follows the
+    chain to its end (:func:`fastft.launch.policy.waits_chain`)."""
+
+    NONE = 0
+    RUNTIME = 1
+    """An interruptible wait of the runtime on its peers (a collective, a vote)."""
+    PEER = 2
+    """One named peer: a heal's other end (:attr:`Beat.on_rank`, :attr:`Beat.on_incarnation`)."""
+
+
 class _Blocked:
     """``with hb.blocked:`` the main thread is blocked in an interruptible wait: the
     heartbeat thread keeps beating for it (the agent must not take a waiting worker for a
-    hung one). One reusable object per heartbeat."""
+    hung one). One reusable object per heartbeat; :meth:`HeartbeatWriter.waiting_on` names
+    the peer it waits on."""
 
-    def __init__(self, hb: HeartbeatWriter) -> None:
+    def __init__(self, hb: HeartbeatWriter, on: tuple[int, int] | None = None) -> None:
         self.hb = hb
+        self.on = on
 
     def __enter__(self) -> None:
-        self.hb.waiting(True)
+        self.hb.waiting(True, on_peer=self.on)
 
     def __exit__(self, *exc: object) -> None:
         self.hb.waiting(False)
 
 
-_FMT = "<dddddddd"
+_FMT = "<dddddddddddq"
 """The heartbeat file: last beat, pace, between-steps since, commits, compute, step,
-waiting since, unsettled since (64 bytes)."""
+waiting since, unsettled since, the main thread's own last beat, what it waits on (a
+:class:`Wait`), the rank and the incarnation of the peer it waits on (96 bytes)."""
 _SIZE = struct.calcsize(_FMT)
 
 RECENT_STEPS = 10
@@ -105,6 +121,16 @@ class Beat(NamedTuple):
     """Since when the worker is in a step after a recovery or a new epoch (0: it is not):
     the step may compile for a new world, so the helper thread beats while the interpreter
     runs (:meth:`HeartbeatWriter.unsettle`)."""
+    main: float = 0.0
+    """CLOCK_MONOTONIC of the main thread's own last beat (``last`` is the helper's while
+    the worker waits, is between steps or unsettled): an unsettled step is hung when its
+    main thread stops returning to the runtime, not when the peers it waits on are slow."""
+    waits: float = 0.0
+    """What the main thread waits on while ``waiting`` (a :class:`Wait`)."""
+    on_rank: float = -1.0
+    """:attr:`Wait.PEER`: the rank of the peer it waits on (-1: none named)."""
+    on_incarnation: int = 0
+    """:attr:`Wait.PEER`: that peer's incarnation."""
 
 
 SETTLE_STEPS = 3
@@ -174,6 +200,7 @@ class HeartbeatWriter:
         self._committed_at = 0.0
         self._step = 0.0
         self._wait_since = 0.0
+        self._waits_on: tuple[int, int] | None = None
         self._unsettled = 0.0
         self._unsettled_left = 0
         self._commits = 0
@@ -272,16 +299,33 @@ class HeartbeatWriter:
                 self._step,
                 self._wait_since,
                 self._unsettled,
+                self._last,
+                float(self._waits()),
+                float(self._waits_on[0]) if self._waits_on else -1.0,
+                self._waits_on[1] if self._waits_on else 0,
             )
 
-    def waiting(self, on: bool) -> None:
+    def _waits(self) -> Wait:
+        if not self._wait_since:
+            return Wait.NONE
+        return Wait.PEER if self._waits_on else Wait.RUNTIME
+
+    def waiting_on(self, rank: int, incarnation: int) -> _Blocked:
+        """``with hb.waiting_on(rank, incarnation):`` as :attr:`blocked`, waiting on that
+        one peer (a heal's other end): a judge that finds this worker waiting long follows
+        the chain to the peer (:func:`fastft.launch.policy.waits_chain`)."""
+        return _Blocked(self, (rank, incarnation))
+
+    def waiting(self, on: bool, *, on_peer: tuple[int, int] | None = None) -> None:
         if on:
             self._wait_since = time.monotonic()
+            self._waits_on = on_peer
             self.beat()
             self._waiting.set()
         else:  # (the wait is not a silence of the main thread)
             self._waiting.clear()
             self._wait_since = 0.0
+            self._waits_on = None
             self._last = time.monotonic()
             self._write(self._last)
 
@@ -333,6 +377,10 @@ class HeartbeatWriter:
                 self._step,
                 0.0,
                 0.0,
+                left,
+                0.0,
+                -1.0,
+                0,
             )
             self._mm.close()
             self._mm = None

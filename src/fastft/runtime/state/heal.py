@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -77,7 +78,7 @@ class Healer:
             header, flats = self.registry.pack(step, defer=apart) if sending else (b"", [])
             t_packed = time.monotonic()
             dev = dp.comm_device()
-            with self.heartbeat.blocked:
+            with self._waiting_on(view, rank, source):
                 header = interruptible_broadcast_bytes(
                     pg, header if sending else None, src, self.interrupter, device=dev
                 )
@@ -122,6 +123,21 @@ class Healer:
         )
         ht = HealTail(epoch, header, flats, tail, receiving, t1) if tail else None
         return HealResult(receiving, ht)
+
+    def _waiting_on(self, view: EpochView, rank: int, source: int) -> Any:
+        """The heartbeat's wait for this heal, naming its other end: the source for a
+        member it heals, the lowest member it heals for the source (the agent's judge
+        follows the chain to a silent one: the holder waiting on a hung restart is not
+        hung)."""
+        if rank == source:
+            group = set(self.dp.group_ranks(view, rank))
+            peers = sorted(r for r in view.needs_state if r != rank and r in group)
+            peer = peers[0] if peers else None
+        else:
+            peer = source
+        if peer is None:
+            return self.heartbeat.blocked
+        return self.heartbeat.waiting_on(peer, view.incarnation(peer))
 
     def finish_tail(self, tail: HealTail) -> None:
         """Wait for the optimizer state a heal sent while the step ran and, on a member
