@@ -29,18 +29,20 @@ NODES = 3
 PORT = 29500  # (each namespace has its own ports: nothing else listens there)
 
 
-def start(lab: NetLab, tmp: Path, steps: int, *flags: str) -> tuple[Path, list]:
+def start(
+    lab: NetLab, tmp: Path, steps: int, *flags: str, nodes: int = NODES, floor: int = 2
+) -> tuple[Path, list]:
     run = tmp / "run"
     run.mkdir()
     secret = JobSecret.draw().save(tmp / "job.secret")
     procs = []
-    for node in range(NODES):
+    for node in range(nodes):
         cmd = [
             sys.executable, "-m", "fastft.cli", "run", "--nproc", "1",
-            "--nnodes", str(NODES), "--node-rank", str(node),
+            "--nnodes", str(nodes), "--node-rank", str(node),
             "--store", f"{lab.addr(0)}:{PORT}", "--job-secret-file", str(secret),
             "--job", "net", "--run-dir", str(run), "--check-every", "1",
-            "--min-replicas", "2", *flags,
+            "--min-replicas", str(floor), *flags,
             "-m", "fastft.demo.train", "--", "--steps", str(steps),
             "--step-time", "0.05", "--out", str(run / "out"),
         ]  # fmt: skip
@@ -66,9 +68,9 @@ def finish(procs: list, tmp: Path, timeout: float = 180) -> list[int | None]:
     return [p.poll() for p in procs]
 
 
-def logs(tmp: Path) -> str:
+def logs(tmp: Path, nodes: int = NODES) -> str:
     return "\n".join(
-        f"--- node {i}\n" + (tmp / f"node{i}.log").read_text()[-2500:] for i in range(NODES)
+        f"--- node {i}\n" + (tmp / f"node{i}.log").read_text()[-2500:] for i in range(nodes)
     )
 
 
@@ -124,6 +126,29 @@ def test_a_link_down_for_200_ms_within_the_lease_loses_nothing(tmp_path):
     )
     check_s1_s3(run, steps=100)
     assert len({v["digest"] for v in finals(run).values()}) == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_node_cut_under_stragglers_replace_names_no_straggler(tmp_path):
+    """Issue 60, case 2: 2 nodes, ``--stragglers replace``, node 1 cut off for 20 s. The
+    survivor computes the whole batch from then on (2x its share) and was named a
+    straggler against the figure node 1 wrote before the cut, then drained: the only
+    holder of the state, the job failed (2 of 2). Figures are compared within one epoch:
+    nobody is named, node 1 comes back as new lives, and the job ends equal."""
+    with NetLab(2) as lab:
+        run, procs = start(lab, tmp_path, 500, "--stragglers", "replace", nodes=2, floor=1)
+        wait_step(run, 40)
+        lab.cut(1)
+        time.sleep(20.0)
+        lab.mend(1)
+        codes = finish(procs, tmp_path)
+        assert codes == [0, 0], logs(tmp_path, 2)
+    ev = read_events(run)
+    assert [e for e in ev if e["event"] == "node_lost" and e.get("node") == 1], logs(tmp_path, 2)
+    assert not [e for e in ev if e["event"] == "straggler"], logs(tmp_path, 2)
+    check_s1_s3(run, steps=500)
+    got = finals(run)
+    assert sorted(got) == [0, 1] and len({v["digest"] for v in got.values()}) == 1, got
 
 
 @pytest.mark.timeout(240)

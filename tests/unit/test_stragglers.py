@@ -33,6 +33,38 @@ def test_nothing_is_named_from_unknown_or_tiny_computes():
     assert slow_members(tiny, 1.3) == []  # 3.5x of nothing is noise
 
 
+def test_figures_are_compared_only_within_the_newest_epoch():
+    """Issue 60, case 2: node 1 is cut off; the survivor computes its share too (2x) and
+    was named slow against the figure node 1 wrote before the cut (and drained: the last
+    holder of the state)."""
+    computes = {0: (10, 0.100), 1: (11, 0.050)}
+    assert [s.rank for s in slow_members(computes, 1.3)] == [0]  # (no epochs: as before)
+    assert slow_members(computes, 1.3, {0: 5, 1: 4}) == []  # rank 1's figure is stale
+    three = {0: (10, 0.100), 1: (11, 0.050), 2: (12, 0.050)}
+    slow = slow_members(three, 1.3, {0: 5, 1: 5, 2: 4})
+    assert [s.rank for s in slow] == [0]  # ranks 0 and 1 of epoch 5: rank 0 is slow
+    assert slow_members(three, 1.3, {0: 5, 1: 4, 2: 4}) == []  # alone in the newest
+
+
+def test_a_new_epoch_starts_the_figures_again(tmp_path):
+    from fastft.process.heartbeat import RECENT_STEPS, HeartbeatWriter, read_heartbeat
+
+    hb = HeartbeatWriter(str(tmp_path / "hb"))
+    try:
+        for _ in range(RECENT_STEPS + 2):
+            hb.between(False)
+            hb.beat()
+            hb.committed(clean=True)
+        assert hb.compute > 0 and read_heartbeat(str(tmp_path / "hb")).epoch == 0.0
+        pace = hb.pace
+        hb.new_world(3)
+        b = read_heartbeat(str(tmp_path / "hb"))
+        assert b is not None and b.epoch == 3.0 and b.compute == 0.0 and b.step == 0.0
+        assert hb.pace == pace  # (a hang is still judged by the pace)
+    finally:
+        hb.close()
+
+
 def test_each_life_is_named_once():
     w = StragglerWatch()
     slow = slow_members({0: (1, 0.05), 1: (2, 0.1), 2: (3, 0.05)}, 1.3)

@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 
 EXCHANGE_S = 0.5
 """How often the agents look (and, with several nodes, write their workers' computes)."""
+Figures = tuple[int, float, float, float, int]
+"""A worker's figures: incarnation, compute, step time, seconds waited, their epoch."""
 MIN_EXTRA_S = 0.005
 """A straggler computes at least this much longer than the others per step (a ratio of
 two tiny computes is noise)."""
@@ -74,11 +76,21 @@ class Slow:
         return self.compute_s / self.others_s
 
 
-def slow_members(computes: Mapping[int, tuple[int, float]], factor: float) -> list[Slow]:
+def slow_members(
+    computes: Mapping[int, tuple[int, float]],
+    factor: float,
+    epochs: Mapping[int, int] | None = None,
+) -> list[Slow]:
     """The members of ``computes`` (rank -> (incarnation, compute in seconds; 0: not
     known yet)) whose compute exceeds ``factor`` x the median of the others' known ones
-    by :data:`MIN_EXTRA_S` at least; fewer than 2 known: none."""
+    by :data:`MIN_EXTRA_S` at least; fewer than 2 known: none. ``epochs`` (rank -> the
+    epoch its figure was measured in): only the figures of the newest epoch are compared
+    (a re-formation changes each member's share; a node cut off leaves its last figure
+    behind, and the survivor computing its share was named slow against it)."""
     known = {r: v for r, v in computes.items() if v[1] > 0}
+    if epochs is not None and known:
+        newest = max(epochs.get(r, 0) for r in known)
+        known = {r: v for r, v in known.items() if epochs.get(r, 0) == newest}
     out = []
     for r, (inc, c) in sorted(known.items()):
         others = [v[1] for k, v in known.items() if k != r]
@@ -115,9 +127,7 @@ class Stragglers:
         self.links = Links(agent)
         self._next = 0.0
         self._written = ""
-        self._rounds: queue.Queue[tuple[float, dict[int, tuple[int, float, float, float]]]] = (
-            queue.Queue(maxsize=1)
-        )
+        self._rounds: queue.Queue[tuple[float, dict[int, Figures]]] = queue.Queue(maxsize=1)
         self._thread: threading.Thread | None = None
 
     def tick(self, now: float) -> None:
@@ -150,26 +160,27 @@ class Stragglers:
             except Exception:
                 log.warning("stragglers: a round failed", exc_info=True)
 
-    def _round(self, now: float, mine: dict[int, tuple[int, float, float, float]]) -> None:
+    def _round(self, now: float, mine: dict[int, Figures]) -> None:
         a = self.agent
         cfg = a.config
         ranks_of: dict[int, list[int]] = {cfg.node_rank: sorted(mine)}
         members = self._exchange(mine, ranks_of) if cfg.nnodes > 1 else mine
         judge = members is not None and a.draining is None
-        steps = {r: v[2:] for r, v in members.items()} if members is not None else None
+        steps = {r: v[2:4] for r, v in members.items()} if members is not None else None
         self.links.tick(now, steps if judge else None, ranks_of)
         if members is None or not judge or self.links.holds(now):
             return  # not node 0 (it compares), the store did not answer, it drains, or a
             # link's probe is out or found one lately (the computes are not to be trusted)
         computes = {  # (a rank a probe took out is gone, whatever its node last wrote)
-            r: (inc, c) for r, (inc, c, _, _) in members.items() if r not in self.links.out
+            r: (v[0], v[1]) for r, v in members.items() if r not in self.links.out
         }
-        for s in self.watch.newly(slow_members(computes, cfg.straggler_factor)):
+        epochs = {r: v[4] for r, v in members.items()}
+        for s in self.watch.newly(slow_members(computes, cfg.straggler_factor, epochs)):
             self._name(s)
 
-    def _mine(self) -> dict[int, tuple[int, float, float, float]]:
+    def _mine(self) -> dict[int, Figures]:
         """This node's live workers: rank -> (incarnation, compute, step time, seconds it
-        has waited in the runtime)."""
+        has waited in the runtime, the epoch of those figures)."""
         out = {}
         now = time.monotonic()
         for slot in self.agent.slots.values():
@@ -179,17 +190,19 @@ class Stragglers:
             if hb is not None and hb.last >= slot.started:
                 waited = now - hb.waiting if hb.waiting else 0.0
                 waited = waited if waited >= 1.0 else 0.0  # (a step's own waits: not news)
-                out[slot.rank] = (slot.incarnation, hb.compute, hb.step, waited)
+                out[slot.rank] = (slot.incarnation, hb.compute, hb.step, waited, int(hb.epoch))
         return out
 
     def _exchange(
-        self, mine: dict[int, tuple[int, float, float, float]], ranks_of: dict[int, list[int]]
-    ) -> dict[int, tuple[int, float, float, float]] | None:
+        self, mine: dict[int, Figures], ranks_of: dict[int, list[int]]
+    ) -> dict[int, Figures] | None:
         """Write this node's workers' figures; on node 0, read every node's (None
         elsewhere), and which node runs which ranks into ``ranks_of``."""
         a = self.agent
         cfg = a.config
-        text = json.dumps({str(r): [v[0], *(round(x, 6) for x in v[1:])] for r, v in mine.items()})
+        text = json.dumps(
+            {str(r): [v[0], *(round(x, 6) for x in v[1:4]), v[4]] for r, v in mine.items()}
+        )
         try:
             if text != self._written:
                 a.store.set(a.keys.node_computes(cfg.node_rank), text)
@@ -204,8 +217,8 @@ class Stragglers:
             for n, raw in zip(nodes, a.store.multi_get(keys), strict=True):
                 theirs = json.loads(bytes(raw))
                 ranks_of[n] = sorted(int(r) for r in theirs)
-                for r, (inc, c, t, w) in theirs.items():
-                    got[int(r)] = (int(inc), float(c), float(t), float(w))
+                for r, (inc, c, t, w, *e) in theirs.items():
+                    got[int(r)] = (int(inc), float(c), float(t), float(w), int(e[0]) if e else 0)
             return got
         except Exception as e:  # (the store's loss is the node lease's to judge)
             log.warning("stragglers: could not exchange computes: %s", e)

@@ -80,10 +80,11 @@ class _Blocked:
         self.hb.waiting(False)
 
 
-_FMT = "<dddddddddddq"
+_FMT = "<ddddddddddddq"
 """The heartbeat file: last beat, pace, between-steps since, commits, compute, step,
 waiting since, unsettled since, the main thread's own last beat, what it waits on (a
-:class:`Wait`), the rank and the incarnation of the peer it waits on (96 bytes)."""
+:class:`Wait`), the rank of the peer it waits on, the epoch its figures were measured
+in, and the incarnation of the peer it waits on (104 bytes)."""
 _SIZE = struct.calcsize(_FMT)
 
 RECENT_STEPS = 10
@@ -129,6 +130,10 @@ class Beat(NamedTuple):
     """What the main thread waits on while ``waiting`` (a :class:`Wait`)."""
     on_rank: float = -1.0
     """:attr:`Wait.PEER`: the rank of the peer it waits on (-1: none named)."""
+    epoch: float = 0.0
+    """The epoch ``compute`` and ``step`` were measured in: a new epoch (a new world, a new
+    share of the batch) starts them again (:meth:`HeartbeatWriter.new_world`); figures are
+    compared only within one epoch."""
     on_incarnation: int = 0
     """:attr:`Wait.PEER`: that peer's incarnation."""
 
@@ -197,6 +202,8 @@ class HeartbeatWriter:
         self._settled = True
         self._compute = 0.0
         self._walls: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
+        self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
+        self._epoch = 0
         self._committed_at = 0.0
         self._step = 0.0
         self._wait_since = 0.0
@@ -263,7 +270,8 @@ class HeartbeatWriter:
         if clean and self._settled and self._commits > 1 and self._silence > 0:
             self._silences.append(self._silence)  # (a life's first step warms up: not it)
             self._pace = pace_of(self._silences)
-            self._compute = compute_of(self._silences)
+            self._recent.append(self._silence)
+            self._compute = compute_of(self._recent)
             self._walls.append(now - self._committed_at)
             self._step = compute_of(self._walls)
         self._committed_at = now
@@ -272,6 +280,21 @@ class HeartbeatWriter:
         self._unsettled = 0.0 if self._settled else now  # (each such step from its start)
         self._silence = 0.0
         self.beat()
+
+    def new_world(self, epoch: int) -> None:
+        """The worker adopted ``epoch``: its world (and its share of each batch) may have
+        changed, so its compute and step time start again from that epoch's clean steps
+        (0 until it has :data:`RECENT_STEPS`); a straggler judge compares a figure only
+        with figures of the same epoch (a survivor computing a lost peer's share was named
+        slow against the figure a cut node wrote before the cut). The pace is kept: a hang
+        is still judged by it."""
+        if epoch == self._epoch:
+            return
+        self._epoch = epoch
+        self._recent.clear()
+        self._walls.clear()
+        self._compute = self._step = 0.0
+        self._write(time.monotonic())
 
     def unsettle(self) -> None:
         """A recovery or a new epoch: for :data:`SETTLE_STEPS` commits the steps may be
@@ -302,6 +325,7 @@ class HeartbeatWriter:
                 self._last,
                 float(self._waits()),
                 float(self._waits_on[0]) if self._waits_on else -1.0,
+                float(self._epoch),
                 self._waits_on[1] if self._waits_on else 0,
             )
 
@@ -380,6 +404,7 @@ class HeartbeatWriter:
                 left,
                 0.0,
                 -1.0,
+                float(self._epoch),
                 0,
             )
             self._mm.close()

@@ -239,6 +239,7 @@ class Membership:
         )
         if view.restore is not None or view.lost is not None:
             self._recover(view)
+        x.sv.heartbeat.new_world(view.epoch)  # (its figures start again: a new share)
         with x.lock:
             x.adopt(view, self._source(view) if x.dp.heal_apart() else None)
 
