@@ -153,3 +153,59 @@ def test_a_drainer_leaving_from_a_formation_writes_the_state_it_holds():
     cc.leaving(128, 6)
     assert writer.staged == [127]
     assert CommitCheckpoints(None, cfg, events, lambda s: {}).leaving(128, 6) is None
+
+
+def test_the_last_holder_with_nobody_to_heal_leaves_once_its_state_is_in_a_checkpoint():
+    """Issue 60, case 7: the job preempted (SIGTERM to the agent); ranks 0 and 1 heard the
+    drain before step 11's vote, rank 2 after it, so it re-formed alone as the last
+    holder and waited out the 30 s grace, though nobody was coming to heal from it (the
+    agent drains) and the step's checkpoint could be written. Now it writes it (or finds
+    it written) and leaves; with a joiner registered it stays to heal it."""
+    from types import SimpleNamespace
+
+    from fastft.runtime.endings import WorkerExit
+    from fastft.runtime.engine.membership import Membership
+
+    def formation(joiners: dict[int, int], writer: _Writer | None) -> tuple[list[str], list]:
+        events = _Events()
+        cc = CommitCheckpoints(
+            writer,  # type: ignore[arg-type]
+            RuntimeConfig(store="127.0.0.1:1", job="j", rank=2, world_size=3),
+            events,
+            lambda s: {},
+        )
+        me = Member(2, 3)
+        prev = EpochView(1, (Member(0, 1), Member(1, 2), me), 11, frozenset(), None)
+        m = Membership.__new__(Membership)
+        m.x = SimpleNamespace(  # type: ignore[assignment]
+            state=SimpleNamespace(want_drain=True, step=12, epoch=1, leaving=frozenset({0, 1})),
+            me=me,
+            dead=(),
+            checkpoints=cc,
+            events=events,
+            coord=SimpleNamespace(joiners=lambda: joiners),
+        )
+        try:
+            m._drain_from_formation(prev, frozenset({0, 1}), holds=True)
+        except WorkerExit:
+            return [n for n, _ in events.got], getattr(writer, "staged", [])
+        return [n for n, _ in events.got] + ["stayed"], getattr(writer, "staged", [])
+
+    class _Saving(_Writer):
+        def __init__(self) -> None:
+            super().__init__(busy_s=0.0)
+            self.written: set[int] = set()
+
+        def has(self, step: int) -> bool:
+            return any(s >= step for s in self.written)
+
+        def save_async(self, step: int, epoch: int, state: dict) -> bool:
+            self.written.add(step)
+            return super().save_async(step, epoch, state)
+
+    names, staged = formation({}, _Saving())
+    assert "drain_from_formation" in names and "stayed" not in names and staged == [12]
+    names, staged = formation({0: 9}, _Saving())  # a restart to heal: it stays
+    assert names == ["drain_held", "stayed"] and staged == []
+    names, _ = formation({}, None)  # no durable tier: nothing covers it, it stays
+    assert names == ["drain_held", "stayed"]

@@ -202,3 +202,18 @@ def test_an_elastic_world_below_its_floor_for_good_is_a_failure():
     assert floor_lost(2, 2, 3) is None  # at the floor: it goes on
     assert floor_lost(1, None, 3) is None  # a fixed world restarts drained ranks
     assert floor_lost(1, 3, 3) is None  # --min-replicas = world: fixed
+
+
+def test_a_drain_whose_grace_ran_out_says_whom_it_stopped():
+    import signal
+
+    from fastft.launch.policy import drain_late_line, stopped_by
+
+    assert drain_late_line(["2.0"], 30.0) == (
+        "fastft: drain: rank 2.0 still running after --drain-grace 30 s"
+    )
+    assert stopped_by(signal.SIGTERM, "SIGTERM", ["2.0"]) == (
+        "SIGTERM; rank 2.0 stopped after the drain's grace"
+    )
+    assert stopped_by(signal.SIGTERM, None, []) == "signal 15"
+    assert stopped_by(signal.SIGINT, None, []) == "Ctrl-C"

@@ -111,9 +111,9 @@ class Agent:
         self.draining: float | None = None
         """When the agent drains its workers (a SIGTERM, ``fastft drain --node``): the
         deadline after which it stops them (``--drain-grace``)."""
+        self._late: list[str] = []  # (rank.life still running once a drain's grace ran out)
         self._drain_why: str | None = None
-        self._drain_sent: set[int] = set()
-        """Lives told to drain."""
+        self._drain_sent: set[int] = set()  # (the lives told to drain)
         self.failed: str | None = None
         self.ledger = Ledger(self.slots)
         """What this agent did to its node's lives (:mod:`.ledger`): its parts' one way to
@@ -209,7 +209,7 @@ class Agent:
         self.children.output.flush(timeout_s=2.0)  # (the workers' last lines first)
         finished = any(s.proc is not None and s.proc.returncode == 0 for s in self.slots.values())
         if self.stopping is not None:
-            what = "Ctrl-C" if self.stopping == signal.SIGINT else f"signal {self.stopping}"
+            what = policy.stopped_by(self.stopping, self._drain_why, self._late)
             print(
                 f"fastft: job stopped ({what}); {policy.resume_hint(self.config.checkpoint_dir)}",
                 file=sys.stderr,
@@ -353,7 +353,9 @@ class Agent:
                         self.children.kill(slot, signal.SIGTERM, incarnation=slot.incarnation)
             late = self.draining is not None and time.monotonic() > self.draining
             if late and not all(s.done for s in slots):
-                log.error("drain: workers still running after --drain-grace; stopping them")
+                self._late = [f"{s.rank}.{s.life}" for s in slots if not s.done]
+                late_line = policy.drain_late_line(self._late, self.config.drain_grace_s)
+                print(late_line, file=sys.stderr, flush=True)
                 self.stopping = signal.SIGTERM
             if self.stopping is not None:
                 self.events.emit("stop", signal=self.stopping)

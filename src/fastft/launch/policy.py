@@ -4,6 +4,7 @@ replaced. The agent's loop (:mod:`fastft.launch.agent`) performs what they retur
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
@@ -316,6 +317,20 @@ def spare_owed_done(
     """Whether a spare handed out to a slot is replaced now: its worker committed, died
     again (``same_life`` False) or ended, or it waited until ``deadline``."""
     return now >= deadline or not same_life or slot_done or committed
+
+
+def drain_late_line(late: Sequence[str], grace_s: float) -> str:
+    """The agent's line for the lives (``rank.life``) still running when a drain's grace
+    ran out: it stops them."""
+    return f"fastft: drain: rank {', '.join(late)} still running after --drain-grace {grace_s:g} s"
+
+
+def stopped_by(signum: int, drain_why: str | None, late: Sequence[str]) -> str:
+    """What stopped the job, for the agent's last line: Ctrl-C, a signal, or a drain whose
+    grace ran out (``late``: the lives it stopped; not every worker drained)."""
+    if late:
+        return f"{drain_why}; rank {', '.join(late)} stopped after the drain's grace"
+    return "Ctrl-C" if signum == signal.SIGINT else f"signal {signum}"
 
 
 def resume_hint(checkpoint_dir: str | None) -> str:

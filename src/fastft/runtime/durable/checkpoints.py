@@ -291,6 +291,12 @@ class Checkpoints:
                 continue
         return sorted(out, key=lambda s: -s.step)
 
+    def has(self, step: int) -> bool:
+        """Whether a complete checkpoint of ``step`` or later is in the directory (whoever
+        wrote it: a directory is renamed into place whole)."""
+        done = self._listing()
+        return bool(done) and done[0].step >= step
+
     def latest(self, wait_s: float = WAIT_FOR_WRITER_S) -> Saved | None:
         """The newest checkpoint that verifies; an unusable newer one is logged (an
         error and an event) and passed over. A newer one still being written by a live

@@ -80,6 +80,22 @@ class CommitCheckpoints:
             self.events.emit("checkpoint_staged", step=step, stage_ms=ms)
             self._wait(d, step, "a drainer leaving from a formation writes the state it holds")
 
+    def covers(self, step: int, epoch: int) -> bool:
+        """Whether committed ``step`` is in a complete checkpoint, written first by this
+        worker (which holds it) if no member wrote it yet: the last holder of the state
+        may then leave (a whole job preempted; nobody left to heal). False without the
+        durable tier, before the step's post-commit code ran (the registered state is not
+        the one to save yet), or when the write failed."""
+        d = self.durable
+        if d is None:
+            return False
+        if d.has(step):
+            return True
+        if self.unsettled is not None:
+            return False
+        self.leaving(step, epoch)
+        return d.has(step)
+
     def last(self, step: int, view: EpochView | None, me: Member) -> None:
         """At a clean end: the last committed state, if a checkpoint of it was deferred."""
         d = self.durable

@@ -211,15 +211,28 @@ class Membership:
         member holds the committed state (it has no step in flight; peers that count on it
         see an exit); with ``--checkpoint-dir``, one that ``holds`` it writes it first. The
         last holder stays: it heals the others and leaves at its next commit
-        (:func:`~fastft.runtime.engine.formation.others_hold_state`)."""
+        (:func:`~fastft.runtime.engine.formation.others_hold_state`); with nobody to heal
+        (no joiner registered: the whole job drains) and the state in a checkpoint (written
+        now if need be), it leaves too."""
         x = self.x
+        s = x.state
         if self._may_drain(prev, gone):
             if holds:
-                x.checkpoints.leaving(x.state.step, x.state.epoch)
-            x.events.emit("drain_from_formation", step=x.state.step)
+                x.checkpoints.leaving(s.step, s.epoch)
+            x.events.emit("drain_from_formation", step=s.step)
             raise WorkerExit("left while its epoch re-formed, another member holding the state")
-        if x.state.want_drain:
-            x.events.emit("drain_held", step=x.state.step, reason="the last holder of the state")
+        if not s.want_drain:
+            return
+        if holds and not x.coord.joiners() and x.checkpoints.covers(s.step, s.epoch):
+            # the last holder, and nobody to heal (the whole job drains: a preemption):
+            # the state it holds is in a checkpoint, so it leaves with the others (it
+            # waited out the drain's grace and was stopped, the agent's line untrue)
+            x.events.emit("drain_from_formation", step=s.step, covered="checkpoint")
+            raise WorkerExit(
+                f"left while its epoch re-formed, the state it held in the checkpoint of "
+                f"step {s.step}"
+            )
+        x.events.emit("drain_held", step=s.step, reason="the last holder of the state")
 
     def adopt(self, view: EpochView, waited_s: float) -> None:
         x = self.x
