@@ -35,6 +35,19 @@ def test_a_lease_not_renewed_for_misses_heartbeats_expires_once():
     assert v.returned == [2] and w.lost == set()
 
 
+def test_every_other_node_lost_leaves_this_one_alone_until_one_returns():
+    # (issue 60, case 4: the store's host cut off from every other node was never told)
+    w = LeaseWatch(0, CFG, now=0.0)
+    assert not w.all_lost()  # (nobody seen yet)
+    w.round(0.1, {1: 1, 2: 1})
+    w.round(0.2, {1: 2, 2: 1})
+    w.round(0.3, {1: 2, 2: 1})
+    assert w.round(0.4, {1: 2, 2: 1}).expired == [2] and not w.all_lost()  # node 1 lives
+    w.round(0.5, {1: 2, 2: 1})
+    assert w.round(0.6, {1: 2, 2: 1}).expired == [1] and w.all_lost()
+    assert w.round(0.7, {1: 3, 2: 1}).returned == [1] and not w.all_lost()
+
+
 def test_a_node_that_never_started_and_this_node_itself_are_not_watched():
     w = LeaseWatch(0, CFG, now=0.0)
     for t in range(1, 20):

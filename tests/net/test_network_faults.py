@@ -157,8 +157,8 @@ def test_the_store_hosts_cut_ends_every_other_node_within_seconds_saying_why(tmp
     --control nats://... survives it). Every other node's agent says so within ~2 s (a
     store call to a host cut off never returned: its TCP connection stays up, and the
     nodes said nothing until Gloo's 60 s), stops its workers, waits --store-wait (here
-    5 s) and exits 1 saying why; node 0, alone below --min-replicas, waits for the
-    others' restarts and says so."""
+    5 s) and exits 1 saying why; node 0, alone below --min-replicas, says so within 2 s,
+    waits --store-wait for one to return, and exits 1 saying why (none killed as hung)."""
     with NetLab(NODES) as lab:
         run, procs = start(lab, tmp_path, 400, "--store-wait", "5")
         wait_step(run, 20)
@@ -173,9 +173,18 @@ def test_the_store_hosts_cut_ends_every_other_node_within_seconds_saying_why(tmp
             log = (tmp_path / f"node{node}.log").read_text()
             assert "did not answer" in log and "waiting for it up to 5 s" in log, log[-3000:]
             assert "the store host is gone" in log and "still after 5 s" in log, log[-3000:]
-        # node 0 (the store's host, alone below --min-replicas) says what it waits for
+        # node 0 (the store's host, alone below --min-replicas) says what it waits for,
+        # and ends by itself after --store-wait too (issue 60, case 4: it was never told,
+        # its worker was killed as hung at 30 s, and its agent never ended)
+        assert finish(procs[:1], tmp_path, timeout=30) == [1], logs(tmp_path)
         log = (tmp_path / "node0.log").read_text()
         assert "waiting for restarted workers" in log, log[-3000:]
+        assert "every other node is lost: this node hosts the job's store" in log, log[-3000:]
+        assert "none came back within 5 s (--store-wait)" in log, log[-3000:]
+    ev = read_events(run)
+    assert not [e for e in ev if e["event"] == "worker_hung"], logs(tmp_path)
+    alone = [e for e in ev if e["event"] == "store_host_alone"]
+    assert alone and alone[0]["mono"] - t_cut < 2.0, alone
 
 
 @pytest.mark.timeout(300)

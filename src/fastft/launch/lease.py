@@ -183,6 +183,10 @@ class LeaseWatch:
                 v.expired.append(node)
         return v
 
+    def all_lost(self) -> bool:
+        """Whether every other node this agent saw start is lost now (this node alone)."""
+        return bool(self._moved) and self._moved.keys() <= self.lost
+
     def counter(self, node: int) -> int:
         """The counter last seen for ``node`` (0: never)."""
         seen = self._moved.get(node)

@@ -42,6 +42,9 @@ class NodeWatch:
         self.store_why = ""
         self.lease: NodeLease | None = None
         """This node's lease (several nodes only), its one owner."""
+        self.alone_until = 0.0
+        """The store's host with every other node lost and too few workers of its own to
+        go on: when the job fails unless one returns (0: not so)."""
 
     def start(self) -> None:
         a = self.agent
@@ -62,7 +65,7 @@ class NodeWatch:
             on_fenced=self.fenced,
             on_store_lost=self.store_lost,
             on_store_back=self.store_back,
-            on_returned=lambda n: a.events.emit("node_returned", node=n),
+            on_returned=self.returned,
             on_job_failed=self.job_failed,
         )
         if lease.rejoined:
@@ -116,6 +119,7 @@ class NodeWatch:
             lease_ms=lease_ms,
         )
         log.warning("node %d lost: its lease was not renewed for %d ms", node, lease_ms)
+        self._alone(lease)
         for rank, inc in lives.items():
             self.agent.publish(
                 Fault(
@@ -126,6 +130,36 @@ class NodeWatch:
                     faulty_incarnation=inc,
                 )
             )
+
+    def _alone(self, lease: NodeLease) -> None:
+        """Every other node lost at once, seen from the store's host (a TCPStore's node 0)
+        whose own workers are fewer than the job needs: this node was cut off from the
+        others (they stop, saying the store host is gone, and end after ``--store-wait``)
+        or they are all gone. Said now; the job fails after ``--store-wait`` unless one
+        comes back (it waited for restarts for ever, its worker killed as hung)."""
+        a = self.agent
+        cfg = a.config
+        can_go_on = cfg.min_replicas is not None and cfg.min_replicas <= cfg.nproc
+        if self.alone_until or cfg.control or cfg.node_rank != 0 or can_go_on:
+            return
+        if not lease.watch.all_lost():
+            return
+        self.alone_until = time.monotonic() + cfg.store_wait_s
+        a.events.emit("store_host_alone", wait_s=cfg.store_wait_s)
+        print(
+            f"fastft: every other node is lost: this node hosts the job's store and is cut "
+            f"off from them, or they are gone; its workers cannot go on alone. Waiting up to "
+            f"{cfg.store_wait_s:g} s (--store-wait) for one to return",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def returned(self, node: int) -> None:
+        """A node declared lost renews its lease again (a cut mended)."""
+        self.agent.events.emit("node_returned", node=node)
+        if self.alone_until:
+            self.alone_until = 0.0
+            print(f"fastft: node {node} is back", file=sys.stderr, flush=True)
 
     def fenced(self, mark: str) -> None:
         """This node was declared lost while it could not renew (a partition, a stop): the
@@ -236,6 +270,13 @@ class NodeWatch:
     def tick(self, now: float) -> None:
         """From the agent's loop: the job fails once the store has not answered for
         ``--store-wait``."""
+        if self.alone_until and now > self.alone_until and not self.agent.failed:
+            self.agent.fail(
+                f"every other node is lost and none came back within "
+                f"{self.agent.config.store_wait_s:g} s (--store-wait): this node, the host of "
+                "the job's store, was cut off from them, or they are gone; its workers cannot "
+                "go on alone (--control nats://... survives a host's loss)"
+            )
         if self.store_wait_until and now > self.store_wait_until and not self.agent.failed:
             self.agent.fail(
                 f"the store host is gone: {self.store_why}, and still after "
