@@ -129,12 +129,14 @@ def test_a_link_down_for_200_ms_within_the_lease_loses_nothing(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_a_node_cut_under_stragglers_replace_names_no_straggler(tmp_path):
-    """Issue 60, case 2: 2 nodes, ``--stragglers replace``, node 1 cut off for 20 s. The
-    survivor computes the whole batch from then on (2x its share) and was named a
+def test_a_20_s_cut_names_no_straggler_and_never_kills_the_returning_nodes_new_life(tmp_path):
+    """Issue 60, cases 2 and 3: 2 nodes, ``--stragglers replace``, node 1 cut off for 20
+    s. The survivor computes the whole batch from then on (2x its share) and was named a
     straggler against the figure node 1 wrote before the cut, then drained: the only
     holder of the state, the job failed (2 of 2). Figures are compared within one epoch:
-    nobody is named, node 1 comes back as new lives, and the job ends equal."""
+    nobody is named. Node 1 comes back as a new life, which the stale "node 1 lost"
+    verdict (naming the life before the cut) reached seconds later and killed; a verdict
+    kills only the life it names. The job ends equal."""
     with NetLab(2) as lab:
         run, procs = start(lab, tmp_path, 500, "--stragglers", "replace", nodes=2, floor=1)
         wait_step(run, 40)
@@ -146,6 +148,11 @@ def test_a_node_cut_under_stragglers_replace_names_no_straggler(tmp_path):
     ev = read_events(run)
     assert [e for e in ev if e["event"] == "node_lost" and e.get("node") == 1], logs(tmp_path, 2)
     assert not [e for e in ev if e["event"] == "straggler"], logs(tmp_path, 2)
+    fenced = min(e["mono"] for e in ev if e["event"] == "node_fenced")
+    new = {e["incarnation"] for e in ev if e["event"] == "spawn" and e["mono"] > fenced}
+    assert new, logs(tmp_path, 2)
+    killed = [e for e in ev if e["event"] == "kill_declared_dead" and e["incarnation"] in new]
+    assert not killed, killed
     check_s1_s3(run, steps=500)
     got = finals(run)
     assert sorted(got) == [0, 1] and len({v["digest"] for v in got.values()}) == 1, got

@@ -122,3 +122,27 @@ def test_the_line_names_the_members_that_waited_on_the_hung_one(agent, tmp_path)
                                      heartbeat=str(holder))  # fmt: skip
     Verdicts(agent).check_hang(hung, now)  # type: ignore[arg-type]
     assert agent.killed == [2, 2] and agent.hung[0]["waiters"] == [0]
+
+
+def test_a_declared_death_kills_the_life_it_names_never_a_newer_one(agent):
+    """Issue 60, case 3: node 2 cut off for 20 s was declared lost (its life 0); its
+    agent started life 1 once the store answered, and the verdict, reaching it 6.5 s
+    later, killed that new, healthy life (the check compared the message's life with
+    itself)."""
+    from fastft.protocol import Fault, Role, Severity
+
+    now = time.monotonic()
+    slot = agent.slots[2] = _slot(agent, now - 10)  # life 1, incarnation 7
+
+    def declared(inc: int, role: Role = Role.AGENT) -> Fault:
+        return Fault(job="j", epoch=0, rank=-1, incarnation=0, role=role,
+                     severity=Severity.FAULT1, cause="node 2 lost (lease not renewed)",
+                     faulty_rank=2, faulty_incarnation=inc)  # fmt: skip
+
+    v = Verdicts(agent)
+    v.on_message(declared(5))  # life 0's verdict, late
+    assert agent.killed == [] and agent.hung[-1]["live"] == 7
+    v.on_message(declared(7))  # the life it names: killed
+    assert agent.killed == [2] and slot.declared[0] == 7
+    v.on_message(declared(0, Role.MONITOR))  # an outside monitor names no life: the live one
+    assert agent.killed == [2, 2]

@@ -172,14 +172,24 @@ class Verdicts:
         # A worker declared silent by its peers, or whose Fault1 an outside monitor reported
         # (`fastft report-error`: a GPU fallen off the bus; it names no life): kill it if it
         # is one of ours (restart).
+        # The verdict names the life it judged: it kills that life only, never a newer one
+        # in the slot (a node's "lost" verdict, delivered after its link returned, killed
+        # the new life its agent had started meanwhile: issue 60, case 3).
         if isinstance(m, Fault) and m.severity is Severity.FAULT1 and m.rank != m.faulty_rank:
             slot = a.slots.get(m.faulty_rank)
-            lives = (
-                (slot.incarnation, 0)
-                if m.role is Role.MONITOR and slot
-                else (m.faulty_incarnation,)
-            )
-            if slot and m.faulty_incarnation in lives and slot.incarnation and not slot.done:
+            if slot is None:
+                return
+            lives = (slot.incarnation, 0) if m.role is Role.MONITOR else (slot.incarnation,)
+            if m.faulty_incarnation not in lives:
+                a.events.emit(
+                    "stale_verdict",
+                    rank=slot.rank,
+                    incarnation=m.faulty_incarnation,
+                    live=slot.incarnation,
+                    cause=m.cause[:200],
+                )
+                return
+            if slot.incarnation and not slot.done:
                 who = {Role.MONITOR: "a monitor", Role.AGENT: "another node's agent"}.get(
                     m.role, f"rank {m.rank}"
                 )
@@ -191,7 +201,7 @@ class Verdicts:
                     by="monitor" if m.role is Role.MONITOR else who,
                 )
                 slot.declared = (slot.incarnation, f"declared dead by {who}: {m.cause[:120]}")
-                a.children.kill(slot)
+                a.children.kill(slot, incarnation=slot.incarnation)
 
 
 def warn_unfired(run_dir: Path, ranks: set[int], plan: str | None) -> None:
