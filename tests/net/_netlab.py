@@ -113,6 +113,20 @@ class NetLab:
     def mend(self, i: int) -> None:
         _ip("-n", self.hub, "link", "set", self._outer(i), "up")
 
+    def drop(self, i: int, on: bool = True) -> None:
+        """Node ``i``'s packets are dropped at the bridge (``on``), or pass again: a flap
+        of the path with no carrier change. A link set down and up (:meth:`cut`,
+        :meth:`mend`) costs its node ~1 s more than it was down: the kernel applies a
+        carrier's return up to a second later (linkwatch), so a 50 ms cut is a 1 s
+        outage."""
+        state = "0" if on else "3"  # (a bridge port disabled / forwarding)
+        subprocess.run(
+            ["bridge", "-n", self.hub, "link", "set", "dev", self._outer(i), "state", state],
+            check=True,
+            capture_output=True,
+            timeout=10,
+        )
+
     def block(self, i: int, j: int) -> None:
         """Node ``i`` can no longer reach node ``j`` (a blackhole route in ``i``'s
         namespace: its packets to ``j`` vanish, silently); both still reach the others.

@@ -61,6 +61,15 @@ def wait_step(run: Path, step: int, timeout: float = 120) -> None:
     raise AssertionError(f"no commit of step {step} within {timeout} s")
 
 
+def wait_event(run: Path, name: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(e["event"] == name for e in read_events(run)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no {name} event within {timeout} s")
+
+
 def finish(procs: list, tmp: Path, timeout: float = 180) -> list[int | None]:
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -106,12 +115,49 @@ def test_a_node_cut_off_is_declared_lost_fenced_and_rejoins_as_new_lives(tmp_pat
 
 
 @pytest.mark.timeout(240)
+def test_flaps_of_the_path_within_the_lease_lose_nothing_at_the_defaults(tmp_path):
+    """Issue 60, case 6. Node 1's packets dropped for 200 ms, three times (the path flaps,
+    its link stays up), at the default lease (300 ms): no node lost, nothing restarted.
+    A renewal lost in the flap waited for TCP's retransmission (200 ms at least) with every
+    renewal behind it, and 1 in 3-10 flaps of 100-200 ms cost the node; the renewals now
+    go out on idle connections of their own (:mod:`fastft.launch.renewer`). Then
+    its link taken down and up for 100 ms, three times, with ``--max-restarts 1``: a
+    carrier's return is applied up to a second later by the kernel (linkwatch), so each
+    such flap is a ~1.1 s outage, past the lease: the node is lost and fenced each time,
+    and a fence uses up no restart (four flaps failed a job on --max-restarts 3). The
+    job ends equal everywhere."""
+    with NetLab(NODES) as lab:
+        run, procs = start(lab, tmp_path, 400, "--max-restarts", "1")
+        wait_step(run, 20)
+        wait_event(run, "probe_times")  # (the start's link probe: a flap in it, docs/guide.md)
+        for _ in range(3):
+            lab.drop(1)
+            time.sleep(0.2)
+            lab.drop(1, False)
+            time.sleep(1.5)
+        flaps = time.monotonic()
+        assert not [e for e in read_events(run) if e["event"] in ("node_lost", "restart")]
+        for _ in range(3):
+            lab.cut(1)
+            time.sleep(0.1)
+            lab.mend(1)
+            time.sleep(4.0)
+        codes = finish(procs, tmp_path)
+        assert codes == [0, 0, 0], logs(tmp_path)
+    ev = read_events(run)
+    fenced = [e for e in ev if e["event"] == "node_fenced" and e["mono"] > flaps]
+    assert len(fenced) >= 2, logs(tmp_path)  # (a carrier flap costs the node)
+    check_s1_s3(run, steps=400)
+    assert len({v["digest"] for v in finals(run).values()}) == 1
+
+
+@pytest.mark.timeout(240)
 def test_a_link_down_for_200_ms_within_the_lease_loses_nothing(tmp_path):
-    """A flap well within the lease: no node is lost, nothing restarts, the job ends equal
-    everywhere. The lease must outlast TCP's retransmission backoff, not the flap alone:
-    a packet lost in a 200 ms cut is sent again after 200 ms, then 400 ms more, so the
-    node's renewals can stall for ~1 s (a 1 s lease lost the node in 1 run of 2 here);
-    here 2 s (--node-lease-misses 20)."""
+    """A flap of the link (its carrier down and up) within a 2 s lease (--node-lease-misses
+    20): no node is lost, nothing restarts, the job ends equal everywhere. Such a flap is
+    longer than it looks: the kernel applies a carrier's return up to a second later
+    (linkwatch), and TCP resends what was lost after its backoff, so the node's renewals
+    stall for ~1.1-1.5 s (a 1 s lease lost the node in 1 run of 2 here)."""
     with NetLab(NODES) as lab:
         run, procs = start(lab, tmp_path, 100, "--node-lease-misses", "20")
         wait_step(run, 20)

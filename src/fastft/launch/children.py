@@ -41,7 +41,8 @@ class Slot:
     stopped: int = 0
     """The incarnation last reported stopped."""
     drains: int = 0
-    """Lives that ended drained (they use up no restart)."""
+    """Lives that ended with no failure of their own (drained, or fenced: its node was
+    declared lost while its link was down): they use up no restart."""
     declared: tuple[int, str] = (0, "")
     """The incarnation last declared dead by a peer or a monitor, and why (killed)."""
     fault_at: float = 0.0

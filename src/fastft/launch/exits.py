@@ -194,8 +194,10 @@ class Exits:
             slot.done = True
         if do.restart and cfg.shard_size > 1:
             self._restart_group(slot)
-        if do.restart and code == EXIT_DRAINED and ours:
-            slot.drains += 1  # (a drain is no failure: it uses up no restart)
+        if do.restart and (code == EXIT_DRAINED and ours or ledger.fenced(slot.incarnation)):
+            # (a drain, or a fence of a node declared lost while its link was down, is no
+            # failure of the worker: it uses up no restart; four flaps failed a job)
+            slot.drains += 1
         if do.restart:
             slot.life += 1
             self.agent.ledger.restarted()

@@ -21,6 +21,7 @@ from fastft.launch.lease import (
     NodeLease,
 )
 from fastft.launch.lives import declared_lives, format_lives
+from fastft.launch.renewer import RENEWERS
 from fastft.protocol import Fault, Severity
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class NodeWatch:
             on_store_back=self.store_back,
             on_returned=self.returned,
             on_job_failed=self.job_failed,
+            renewers=0 if cfg.control else RENEWERS,  # (a TCPStore: a connection each)
         )
         if lease.rejoined:
             a.events.emit("node_rejoined", mark=lease.rejoined)
