@@ -133,6 +133,12 @@ def test_after_every_worker_was_lost_an_elastic_world_regroups_without_the_slow_
     assert view is not None and view.restore == 35 and view.lost == 40
     assert view.members == (Member(0, 20), Member(3, 23))
     assert close_first({0: 20}, **kw, min_members=2, waited_s=60.0, **ckpt) is None
+    # a member of epoch 6 answered lately (issue 60, case 8): not every worker was lost,
+    # so no joiner forms a world of its own, however long it waited...
+    assert close_first(joiners, **kw, min_members=2, waited_s=60.0, live=True, **ckpt) is None
+    # ...but every slot a joiner is every member's slot with a new life: they close
+    everyone = {0: 20, 1: 21, 2: 22, 3: 23}
+    assert close_first(everyone, **kw, min_members=2, waited_s=0.0, live=True, **ckpt)
     assert close_first(joiners, **kw, min_members=4, waited_s=60.0, **ckpt) is None  # fixed
     # the first start keeps its own (longer) wait
     first = dict(kw, latest=0)

@@ -258,3 +258,22 @@ def test_a_rollback_of_an_epoch_not_adopted_yet_is_kept_for_it():
     # adopted: the same message is an event of this worker's epoch
     out = route(kept[0], me=ME, view=VIEW, epoch=4, step=5, dead=frozenset())
     assert not out.early and out.events == (RollbackRequested(1),)
+
+
+def test_a_joiner_is_answered_by_the_first_members_of_a_live_epoch():
+    """Issue 60, case 8: a restarted worker waited while the survivor (alone, compiling
+    for its new shard) said nothing, then formed an epoch by itself and failed the job
+    ("every holder of the committed state was lost"). The epoch's first members answer
+    its request from their listener (a Heartbeat): it lives, so the joiner waits."""
+    from fastft.runtime.engine.inbox import ALIVE_REPLIERS
+
+    join = JoinRequest(**HDR, rank=3, incarnation=77)
+    assert _route(join).alive  # rank 0: the epoch's first member
+    many = EpochView(3, tuple(Member(r, 10 + r) for r in range(8)), 5, frozenset(), 0)
+    answers = [
+        route(join, me=m, view=many, epoch=3, step=5, dead=frozenset(), world_size=9).alive
+        for m in many.members
+    ]
+    assert answers == [True] * ALIVE_REPLIERS + [False] * (8 - ALIVE_REPLIERS)
+    assert not _route(join, view=None).alive  # (another joiner: no epoch to vouch for)
+    assert not _route(JoinRequest(**HDR, rank=99, incarnation=77)).alive  # ignored

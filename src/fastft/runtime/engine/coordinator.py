@@ -44,6 +44,9 @@ DECISION_WAIT_S = 0.5
 """The decision store's timeout: how long one blocking read waits before its caller looks
 whether to go on."""
 _FORM_WAIT_MAX_S = 5.0
+ALIVE_S = 1.0
+"""A member's answer to a joiner's request (sent every 0.2 s) says its epoch lives this
+long: a joiner never forms a world of its own meanwhile (:func:`close_first`)."""
 _CLEARERS = 32
 """Joiner keys a NATS closer clears at once."""
 BLOCK_FROM = 64
@@ -105,6 +108,8 @@ class Coordinator:
         self.recovery = recovery
         """What can replace a lost state (the durable tier's newest checkpoint): asked only
         when an epoch closes without a holder, or at a first start."""
+        self.heard: dict[int, float] = {}
+        """Epoch -> when a member of it last answered this joiner (a live epoch)."""
 
     # --- decisions -------------------------------------------------------------------------
     def vote(
@@ -378,6 +383,8 @@ class Coordinator:
             waited_s=now - wait.started,
             start_timeout_s=wait.start_timeout_s,
             regroup_timeout_s=wait.regroup_timeout_s,
+            # (a member of the latest epoch answered lately: it lives, busy or not)
+            live=now - self.heard.get(latest, float("-inf")) < ALIVE_S,
         )
         view = close_first(joiners, **arguments)  # type: ignore[arg-type]
         if view is not None:  # this joiner closes: with what can replace the state

@@ -48,7 +48,7 @@ from fastft.fsm import (
     decide,
     initial_state,
 )
-from fastft.protocol import DrainAck, DrainNotice, Fault, Message, Severity
+from fastft.protocol import DrainAck, DrainNotice, Fault, Heartbeat, Message, Severity
 from fastft.protocol.faults import fault_of
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine.coreports import Effects, MainThread
@@ -268,8 +268,9 @@ class Core:
 
     def receive(self, m: Message, fx: Effects, finished: bool | None = None) -> Message | None:
         """A bus message: route it (:func:`.inbox.route`), keep it if early, feed its
-        events; a drain ack to send is returned (the owner sends it). ``finished``: whether
-        the job finished, if the owner asked the store already (outside its lock)."""
+        events; a drain ack or a joiner's answer to send is returned (the owner sends it).
+        ``finished``: whether the job finished, if the owner asked the store already
+        (outside its lock)."""
         if finished is None:
             r = fault_of(m)
             finished = r is not None and r.clean_exit and fx.job_finished()
@@ -296,6 +297,8 @@ class Core:
             fx.record(*out.record)
         for ev in out.events:
             self.feed(ev, fx)
+        if out.alive:  # (a joiner asks: the epoch lives, whatever its main threads do)
+            return Heartbeat(**self.header())
         if out.ack_drain is None:
             return None
         return DrainAck(**self.header(), drained_rank=out.ack_drain)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastft.inject import FaultKind, FaultSpec, StateLostFault, execute
-from fastft.protocol import Message, Severity
+from fastft.protocol import Heartbeat, Message, Severity
 from fastft.protocol.faults import fault_of
 from fastft.runtime.engine.core import superseded
 
@@ -54,6 +54,9 @@ class Faults:
     def on_message(self, m: Message) -> None:
         """The bus listener's callback."""
         x = self.x
+        if isinstance(m, Heartbeat):  # a member's answer to this joiner: its epoch lives
+            x.coord.heard[m.epoch] = x.coord.clock()
+            return
         r = fault_of(m)  # (the store read before the lock: a clean exit only)
         finished = r is not None and r.clean_exit and x.side.job_finished()
         with x.lock:

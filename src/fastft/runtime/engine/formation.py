@@ -251,6 +251,7 @@ def close_first(
     regroup_timeout_s: float = REGROUP_TIMEOUT_S,
     last_step: int = 0,
     recovery: Recovery = Recovery(),
+    live: bool = False,
 ) -> EpochView | None:
     """The view joiner ``me`` writes when every slot is a joiner (the first start, or every
     worker was lost), or with at least ``min_members`` once it waited ``start_timeout_s``
@@ -258,9 +259,14 @@ def close_first(
     gone for good, or its restart lost again; the rest join at a later step); None if it is
     not the one to close (or not yet). ``latest``: the last closed epoch (0: none), whose
     step was ``last_step``. A first start resumes from ``recovery.checkpoint`` if there is
-    one; after every worker was lost, ``recovery`` decides as in :func:`close_after`."""
+    one; after every worker was lost, ``recovery`` decides as in :func:`close_after`.
+    ``live``: a member of epoch ``latest`` answered lately: not every worker was lost, so
+    no joiner closes a world of its own (it waits to be admitted); only every slot a
+    joiner (each member's slot holds a new life) closes then."""
     first_start = latest == 0
     everyone = len(joiners) == world_size
+    if live and not first_start and not everyone:
+        return None
     waited_enough = waited_s > (start_timeout_s if first_start else regroup_timeout_s)
     enough_late = waited_enough and len(joiners) >= min_members
     if not (everyone or enough_late) or min(joiners) != me:

@@ -53,6 +53,15 @@ class Routed:
     early: bool = False
     job_done: bool = False
     """A member finished the job (it exited cleanly after the last step)."""
+    alive: bool = False
+    """Answer a joiner's request with a :class:`~fastft.protocol.Heartbeat`: this epoch is
+    alive (its members may be busy, a step compiling), so the joiner waits to be admitted
+    and never forms a world of its own (issue 60, case 8)."""
+
+
+ALIVE_REPLIERS = 3
+"""The members of an epoch (its first, by place) that answer a joiner's request: one
+answer is enough, and N would flood the bus at every joiner's announcement."""
 
 
 NOTHING = Routed()
@@ -200,6 +209,9 @@ def route(
             why = "outside the world" if outside else "dead" if not member else "a member"
             return Routed(record=("join_ignored", {"rank": m.rank, "why": why}))
         ev = JoinRequested(m.rank)
+        first = view is not None and view.has(me.rank, me.incarnation)
+        first = first and view is not None and view.index(me.rank) < ALIVE_REPLIERS
+        return Routed(events=(ev,), alive=first)
     return Routed(events=(ev,)) if ev is not None else NOTHING
 
 
