@@ -60,6 +60,9 @@ def test_a_seed_is_a_run_bit_for_bit():
         ("drains and deaths", Options(kinds=("drain", "kill"), faults=2, world_size=2), 300),
         # gray failures (issue 50): a straggler replaced, a corrupted replica repaired
         ("stragglers and flipped bits", Options(kinds=("slow", "bitflip", "kill")), 200),
+        # hangs overlapping other faults (issue 60): the agents judge every life by the
+        # real rule; only the stopped one is ever hung, never one that waits on it
+        ("hangs among other faults", Options(kinds=("hang", "kill", "exception"), faults=3), 300),
         (
             "flipped bits, two replicas, a durable tier",
             Options(world_size=2, kinds=("bitflip",), checkpoint_every=2),

@@ -22,14 +22,17 @@ from fastft.protocol import (
 from fastft.protocol.exits import FASTFT_STATUSES
 from fastft.runtime.contract import Member
 from fastft.sim.checks import Checks
+from fastft.sim.judge import judge
 from fastft.sim.life import Life
 from fastft.sim.options import Options
 from fastft.sim.store import SimStore
 
-__all__ = ["STRAGGLER_CHECK_S", "Agents", "Slot"]
+__all__ = ["JUDGED_AFTER_S", "STRAGGLER_CHECK_S", "Agents", "Slot"]
 
 STRAGGLER_CHECK_S = 0.5
 """How often the agents compare the members' compute (``EXCHANGE_S``)."""
+JUDGED_AFTER_S = 0.001
+"""A stopped life is judged this long after its hang timeout (the rule is strict)."""
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Agents:
     partitioned: set[int]
     stragglers: StragglerWatch
     replacing: set[Member]
+    now: float
 
     def at(self, delay: float, kind: str, *args: Any) -> None:
         raise NotImplementedError
@@ -158,7 +162,8 @@ class Agents:
         drained; their exit restarts the slot."""
         live = [x for x in self.lives.values() if x.alive and not x.frozen]
         computes = {x.rank: (x.inc, 0.010 * x.slow) for x in live}
-        for s in self.stragglers.newly(slow_members(computes, 1.3)):
+        epochs = {x.rank: x.state.epoch for x in live}  # (figures of one epoch compared)
+        for s in self.stragglers.newly(slow_members(computes, 1.3, epochs)):
             life = self.lives[Member(s.rank, s.incarnation)]
             self.replacing.add(life.me)
             self.broadcast(
@@ -171,9 +176,25 @@ class Agents:
             self.at(STRAGGLER_CHECK_S, "straggler_check")
 
     def _on_hang_seen(self, who: Member) -> None:
+        """The stopped life's hang timeout has passed: the agents judge every life they
+        see (the real rule, :mod:`fastft.sim.judge`); the stopped one is hung, no other."""
         life = self.lives[who]
         if not life.alive or not life.frozen or who.rank // self.opts.per_node in self.partitioned:
             return
+        seen = [
+            x
+            for x in self.lives.values()
+            if x.alive and x.rank // self.opts.per_node not in self.partitioned
+        ]
+        verdicts = judge(seen, self.now, self.opts.hang_timeout_s)
+        for other, hung in verdicts.items():
+            if not other.frozen:
+                self.checks.fail(
+                    f"{other} judged hung ({hung.silent_s:.3f} s, in {other.pc[0]}) while "
+                    f"{life} is the one stopped"
+                )
+        if life not in verdicts:
+            self.checks.fail(f"{life} stopped for {self.now - life.frozen_at:.3f} s: not hung")
         head = self.agent_header(who.rank)
         self.broadcast(
             None,
@@ -201,7 +222,7 @@ class Agents:
         kills its stale lives (they restart and heal), else they go on."""
         self.partitioned.add(node)
         for life in self.node_lives(node):
-            life.frozen = True
+            life.freeze()
         if duration > self.opts.lease_s:
             self.at(self.opts.lease_s, "node_lost", node)
         self.at(duration, "node_back", node, duration > self.opts.lease_s)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
+import fastft.launch.policy as policy
 import fastft.runtime.engine.coordinator as coordinator
 import fastft.runtime.engine.core as core
 import fastft.runtime.engine.survivors as survivors
@@ -150,6 +151,18 @@ def _old_drain_last_holder(mp: contextlib.ExitStack) -> None:
     _patch(mp, waits, "others_hold_state", lambda *a, **kw: True)
 
 
+def _old_hang_waiter(mp: contextlib.ExitStack) -> None:
+    """A step after a recovery was hung once it lasted ``--hang-timeout``, whatever its
+    main thread did: a member waiting in it on a peer that hung (the only holder, healing
+    a restart that hung) was killed first, and the state with it (issue 60, 1)."""
+    verdict = policy.hang_verdict
+
+    def by_length(**kw: Any) -> Any:
+        return verdict(**{**kw, "waiting_since": 0.0, "main_beat": 0.0})
+
+    _patch(mp, policy, "hang_verdict", by_length)
+
+
 def _patch(mp: contextlib.ExitStack, owner: Any, name: str, value: Any) -> None:
     old = getattr(owner, name)
     setattr(owner, name, value)
@@ -177,6 +190,7 @@ DEFECTS: dict[str, tuple[Callable[[contextlib.ExitStack], None], dict[str, Any]]
     "drain-wait": (_old_drain_wait, {"kinds": ("drain", "msg_lost")}),
     "same-step": (_old_same_step, {"kinds": ("kill",)}),
     "drain-last-holder": (_old_drain_last_holder, {"kinds": ("drain", "kill"), "faults": 2}),
+    "hang-waiter": (_old_hang_waiter, {"kinds": ("hang", "kill", "exception"), "faults": 3}),
 }
 """Name -> (what puts it back, the simulator options under which to look for it)."""
 

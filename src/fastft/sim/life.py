@@ -83,6 +83,8 @@ class Life(Waits):
         self.held = 0
         self.alive = True
         self.frozen = False  # SIGSTOP, a GIL hang, or its node cut off
+        self.frozen_at = 0.0
+        self.born = w.now
         self.buffered: list[Message] = []
         self.interrupts = 0
         self.pc: tuple[Any, ...] = ("drive",)
@@ -98,6 +100,12 @@ class Life(Waits):
 
     def clock(self) -> float:
         return self.w.now
+
+    def freeze(self) -> None:
+        """A SIGSTOP, a GIL hang, or its node cut off: no thread of it runs from now (or
+        from when it stopped, if it is stopped already)."""
+        if not self.frozen:
+            self.frozen, self.frozen_at = True, self.w.now
 
     def __repr__(self) -> str:
         return f"rank {self.rank}.{self.inc}"

@@ -27,7 +27,7 @@ from fastft.protocol import (
 from fastft.protocol.exits import EXIT_DRAINED
 from fastft.runtime.contract import Member
 from fastft.runtime.engine.formation import Recovery
-from fastft.sim.agents import STRAGGLER_CHECK_S, Agents, Slot
+from fastft.sim.agents import JUDGED_AFTER_S, STRAGGLER_CHECK_S, Agents, Slot
 from fastft.sim.checks import Checks
 from fastft.sim.faults import CORRUPT, Plan, SimFault
 from fastft.sim.life import Ended, Life
@@ -330,8 +330,8 @@ class World(Agents):
         if f.kind == "kill":
             self.end_life(life, None, 9, "SIGKILL")
         elif f.kind == "hang":
-            life.frozen = True
-            self.at(self.opts.hang_timeout_s, "hang_seen", life.me)
+            life.freeze()
+            self.at(self.opts.hang_timeout_s + JUDGED_AFTER_S, "hang_seen", life.me)
         elif f.kind in ("exception", "state_lost", "escape"):
             life.fail_next = f.kind
         elif f.kind == "drain":

@@ -111,6 +111,11 @@ class Coordinator:
         self.heard: dict[int, float] = {}
         """Epoch -> when a member of it last answered this joiner (a live epoch)."""
 
+    def answered(self, epoch: int) -> None:
+        """A member of ``epoch`` answered this joiner's request (the bus listener): that
+        epoch lives (:meth:`joiner_round` waits to be admitted to it)."""
+        self.heard[epoch] = self.clock()
+
     # --- decisions -------------------------------------------------------------------------
     def vote(
         self,

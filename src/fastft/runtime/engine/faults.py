@@ -55,7 +55,7 @@ class Faults:
         """The bus listener's callback."""
         x = self.x
         if isinstance(m, Heartbeat):  # a member's answer to this joiner: its epoch lives
-            x.coord.heard[m.epoch] = x.coord.clock()
+            x.coord.answered(m.epoch)
             return
         r = fault_of(m)  # (the store read before the lock: a clean exit only)
         finished = r is not None and r.clean_exit and x.side.job_finished()

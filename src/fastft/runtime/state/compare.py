@@ -269,13 +269,20 @@ def verdict(step: int, epoch: int, names: Sequence[str], rows: dict[int, Sequenc
             continue
         common = values.most_common(1)[0][0]
         odd = sorted(rank for rank, r in rows.items() if r[j] != common)
-        majority = majority and 2 * values[common] > len(rows)
+        most = 2 * values[common] > len(rows)
+        majority = majority and most
         bad.append(slots[j])
         minority.update(odd)
-        detail.append(
-            f"{slots[j]!r} differs on rank{'s' if len(odd) > 1 else ''} "
-            f"{', '.join(map(str, odd))} (from the {len(rows) - len(odd)} others)"
-        )
+        if most:
+            detail.append(
+                f"{slots[j]!r} differs on rank{'s' if len(odd) > 1 else ''} "
+                f"{', '.join(map(str, odd))} (from the {len(rows) - len(odd)} others)"
+            )
+        else:  # (a tie, 2 members: naming one would blame a healthy member half the time)
+            detail.append(
+                f"{slots[j]!r} differs between ranks {', '.join(map(str, sorted(rows)))} "
+                "(no majority: which of them holds the right value cannot be told)"
+            )
         if j == 0:
             break  # (another layout: the slots do not name the same items)
     first = bad[0] if bad else "state"
