@@ -11,12 +11,8 @@ import pytest
 from fastft.bus import host_store
 from fastft.errors import ConfigError
 from fastft.launch.config import LaunchConfig
-from fastft.launch.lease import (
-    GUARD_MIN_S,
-    LeaseConfig,
-    LeaseWatch,
-    NodeLease,
-)
+from fastft.launch.lease import GUARD_MIN_S, NodeLease
+from fastft.launch.leasewatch import LeaseConfig, LeaseWatch
 from fastft.launch.lives import declared_lives, format_lives, lost_mark, parse_lives
 from fastft.protocol.keys import JobKeys
 
@@ -276,7 +272,7 @@ def test_the_first_round_after_the_store_failed_blames_nobody():
 
 
 def test_each_node_is_watched_by_its_next_predecessors_and_past_lost_ones():
-    from fastft.launch.lease import WATCHERS, watched
+    from fastft.launch.leasewatch import WATCHERS, watched
 
     assert watched(0, 3, {}) == [1, 2]  # (a small job: every other node)
     assert watched(5, 8, {}) == [6, 7, 0]

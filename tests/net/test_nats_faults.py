@@ -101,7 +101,7 @@ def test_a_nats_server_cut_off_costs_the_job_no_node(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_nodes_300_ms_flap_on_nats_loses_no_other_node(tmp_path):
     """Node 1's link down for 300 ms (its client and every server's route to it), with the
-    default lease on NATS (3 s: ``lease.NATS_MISSES``): nothing is lost. On a 300 ms
+    default lease on NATS (3 s: ``leasewatch.NATS_MISSES``): nothing is lost. On a 300 ms
     lease another node was (and, its server cut, every node in one run), its healthy
     worker killed."""
     with NetLab(NODES + len(SERVERS)) as lab:

@@ -426,7 +426,7 @@ class LaunchConfig:
             self.checkpoint_interval_s,
             self.checkpoint_keep,
         )
-        from fastft.launch.lease import DEFAULT_MISSES, LeaseConfig  # (pure)
+        from fastft.launch.leasewatch import DEFAULT_MISSES, LeaseConfig  # (pure)
 
         LeaseConfig(self.node_heartbeat_ms, self.node_lease_misses or DEFAULT_MISSES)
         if "/" in self.job or not self.job:

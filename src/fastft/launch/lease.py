@@ -35,35 +35,12 @@ from collections.abc import Callable
 from typing import Any
 
 from fastft.bus.signed import ForgedValue
-from fastft.launch.leasewatch import (
-    DEFAULT_HEARTBEAT_MS,
-    DEFAULT_MISSES,
-    DONE,
-    NATS_MISSES,
-    NATS_STORE_GRACE_S,
-    WATCHERS,
-    LeaseConfig,
-    LeaseWatch,
-    Verdict,
-    watched,
-)
+from fastft.launch.leasewatch import DONE, WATCHERS, LeaseConfig, LeaseWatch, watched
 from fastft.launch.lives import mark_lost
 from fastft.launch.renewer import Renewer
 from fastft.protocol.keys import JobKeys
 
-__all__ = [
-    "DONE",
-    "DEFAULT_HEARTBEAT_MS",
-    "DEFAULT_MISSES",
-    "NATS_MISSES",
-    "NATS_STORE_GRACE_S",
-    "LeaseConfig",
-    "LeaseWatch",
-    "NodeLease",
-    "Verdict",
-    "WATCHERS",
-    "watched",
-]
+__all__ = ["GUARD_LEASES", "GUARD_MIN_S", "NodeLease"]
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,13 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from fastft.launch.lease import (
+from fastft.launch.lease import NodeLease
+from fastft.launch.leasewatch import (
     DEFAULT_MISSES,
     DONE,
     NATS_MISSES,
     NATS_STORE_GRACE_S,
     LeaseConfig,
-    NodeLease,
 )
 from fastft.launch.lives import declared_lives, format_lives
 from fastft.launch.renewer import RENEWERS

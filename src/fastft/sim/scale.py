@@ -349,7 +349,8 @@ def leases(
     misses: int = 3,
 ) -> Result:
     """``k`` node agents' lease rounds for ``seconds`` (after every agent started)."""
-    from fastft.launch.lease import LeaseConfig, NodeLease
+    from fastft.launch.lease import NodeLease
+    from fastft.launch.leasewatch import LeaseConfig
 
     job = _Job(plane, k, slow=slow, secret=True)
     hub, keys = job.hub, job.keys
