@@ -5,6 +5,7 @@ injector). Performed for the executor, under its lock."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,9 +23,16 @@ __all__ = ["Faults", "flip_bit"]
 log = logging.getLogger(__name__)
 
 
+ANSWER_EVERY_S = 0.25
+"""A member answers joiners at most this often: one answer (a broadcast) serves every
+joiner, each of which asks every 0.2 s (:data:`fastft.runtime.engine.coordinator.ALIVE_S`
+is 1 s)."""
+
+
 class Faults:
     def __init__(self, x: Engine) -> None:
         self.x = x
+        self._answered = float("-inf")
 
     def local(self, exc: BaseException, gen: int | None = None) -> None:
         """Report this worker's own fault: event, bus, state machine. ``gen``: the count of
@@ -61,6 +69,11 @@ class Faults:
         finished = r is not None and r.clean_exit and x.side.job_finished()
         with x.lock:
             ack = x.receive(m, finished)
+        if isinstance(ack, Heartbeat):  # (a joiner's answer: one serves them all a while)
+            now = time.monotonic()
+            if now - self._answered < ANSWER_EVERY_S:
+                return
+            self._answered = now
         if ack is not None:
             x.sv.bus.broadcast(ack)
 
