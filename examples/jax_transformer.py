@@ -143,8 +143,11 @@ def main() -> None:
                 params, opt_state, counters, grads, loss, a.batch * context
             )
             tx.propose(params=params, opt=opt_state, counters=counters)
-        if ft.rank == 0 and ft.step % 20 == 0:
-            print(f"step {ft.step} loss {float(loss):.3f} t={ft.elapsed_s:.1f}s", flush=True)
+        step, rank, world = tx.step, tx.rank, tx.world  # (read after the block, as scripts do)
+        if tx.committed and rank == 0 and step % 20 == 0:
+            print(
+                f"step {step} of {world} loss {float(loss):.3f} t={ft.elapsed_s:.1f}s", flush=True
+            )
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         h = hashlib.sha256()

@@ -80,6 +80,8 @@ def test_a_restarted_worker_is_healed_and_never_builds(tmp_path, clean):
 
 
 def test_a_spare_that_ran_ahead_has_nothing_left_to_compile(tmp_path, clean):
+    """(The example reads ``tx.step``, ``tx.rank`` and ``tx.world`` after the block: on the
+    promoted spare that raised AttributeError and it restarted cold, issue 65, 1.)"""
     plan = [{"kind": "sigkill", "rank": 1, "at_step": 8}]
     run = _run(tmp_path, "spare", "--warm-spares", "1", "--spare-run-ahead", plan=plan)
     assert _hashes(run) == _hashes(clean)

@@ -262,6 +262,10 @@ class JaxTransaction:
         self.tx = tx
         self.proposed = False
         """Whether this attempt proposed (once: a second :meth:`propose` is refused)."""
+        self._rehearsed = ft.rehearsal if tx is None else None
+        """The rehearsal this attempt ran in: what it reads after the block too, once the
+        spare was promoted (the runtime's rehearsal is None then; ``tx.step`` after the
+        ``with`` block raised AttributeError, and the promoted spare restarted cold)."""
 
     @property
     def rehearsal(self) -> bool:
@@ -302,9 +306,8 @@ class JaxTransaction:
             self.ft.first_step_done(self)
 
     def _at(self, name: str) -> int:
-        r = self.ft.rehearsal
-        if self.tx is None and r is not None:
-            return int(getattr(r, name))
+        if self.tx is None and self._rehearsed is not None:
+            return int(getattr(self._rehearsed, name))
         return int(getattr(self.tx, name))
 
     @property
