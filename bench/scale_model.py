@@ -46,7 +46,7 @@ def model_rows(sizes: list[int], planes: list[str], leases: list[int]) -> list[d
     for plane in planes:
         for n in sizes:
             for scenario in ("reform", "start"):
-                with scale._memo():  # noqa: SLF001 - the model's own helper
+                with scale.memo():
                     r = scale.reform(n, plane) if scenario == "reform" else scale.start(n, plane)
                 done = r.done_s if scenario == "reform" else r.extra.get("after_last_start_s")
                 rows.append(_row(r.row(), "model", done))

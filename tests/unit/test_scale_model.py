@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.mark.parametrize("plane", ["tcpstore", "nats"])
 def test_one_fault_among_1024_costs_each_member_a_few_requests_and_bytes(plane):
-    with scale._memo():
+    with scale.memo():
         r = scale.reform(1024, plane)
     assert r.done_s is not None and r.errors == 0
     assert r.closers == 1 and r.false_deaths == 0 and r.repolls == 0
@@ -32,7 +32,7 @@ def test_one_fault_among_1024_costs_each_member_a_few_requests_and_bytes(plane):
 
 
 def test_the_model_is_deterministic():
-    with scale._memo():
+    with scale.memo():
         a, b = scale.reform(256, "nats"), scale.reform(256, "nats")
     a.model_wall_s = b.model_wall_s = 0.0
     assert a == b
@@ -41,14 +41,14 @@ def test_the_model_is_deterministic():
 def test_a_nats_first_start_of_256_writes_no_rejected_compare_and_set():
     """Every joiner added to one counter: a compare-and-set loop on NATS, O(N^2) writes
     (51 rejected a joiner at 256, 24 s). Now the keys alone, read by rank 0."""
-    with scale._memo():
+    with scale.memo():
         r = scale.start(256, "nats", spread_s=0.05)
     assert r.done_s is not None and r.errors == 0 and r.closers == 1
     assert r.rejected == 0
 
 
 def test_a_first_start_of_1024_on_tcpstore_blocks_instead_of_polling():
-    with scale._memo():
+    with scale.memo():
         r = scale.start(1024, "tcpstore", spread_s=0.2)
     assert r.done_s is not None and r.closers == 1
     assert r.requests_per_member < 12  # (polling every 10 ms x N/64: 18 at 1,024, 94 at 64)

@@ -50,6 +50,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def actions(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """A parser's actions (argparse has no public way to walk them)."""
+    return list(p._actions)  # noqa: SLF001 - argparse keeps its actions there
+
+
+def subcommands(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """A parser's subcommands by name (its subparsers action's choices; none: empty)."""
+    for action in actions(p):
+        if isinstance(action.choices, dict) and action.option_strings == []:
+            return dict(action.choices)
+    return {}
+
+
 def _did_you_mean(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
     """ "; did you mean --nproc?" for a flag that is one typo away from one of the
     parser's or its subcommands' flags."""
@@ -59,10 +72,9 @@ def _did_you_mean(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
     todo = [parser]
     while todo:
         p = todo.pop()
-        for action in p._actions:  # noqa: SLF001 - argparse keeps its actions there
+        for action in actions(p):
             known.update(s for s in action.option_strings if s.startswith("--"))
-            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001 - (the same)
-                todo.extend(action.choices.values())
+        todo.extend(subcommands(p).values())
     hints = []
     for arg in unknown:
         flag = arg.split("=", 1)[0]

@@ -20,17 +20,12 @@ def _cell(text: str) -> str:
 
 def _ray_rows() -> list[tuple[str, str, str]]:
     """``fastft ray run``'s own flags (beside every ``fastft run`` flag)."""
-    from fastft.cli import _build
+    from fastft.cli import _build, actions, subcommands
 
-    # (argparse has no public way to walk a parser's subcommands and actions)
-    def sub(p: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-        acts = p._actions  # noqa: SLF001
-        return next(a for a in acts if isinstance(a, argparse._SubParsersAction)).choices[name]  # noqa: SLF001
-
-    run = sub(sub(_build(), "ray"), "run")
+    run = subcommands(subcommands(_build())["ray"])["run"]
     mine = {flag for _, flag, *_ in flag_rows()}
     out = []
-    for a in run._actions:  # noqa: SLF001
+    for a in actions(run):
         flags = [o for o in a.option_strings if o.startswith("--")]
         if not flags or a.dest == "help" or a.help == argparse.SUPPRESS:
             continue

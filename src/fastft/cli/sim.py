@@ -218,7 +218,7 @@ def _scale(args: argparse.Namespace) -> int:
     if args.scale < 2:
         return _usage("--scale must be at least 2")
     run: Any = {"reform": scale.reform, "start": scale.start, "leases": scale.leases}[args.scenario]
-    with scale._memo():  # noqa: SLF001 - the model's own helper
+    with scale.memo():
         r = run(args.scale, args.plane)
     row = r.row()
     if args.json:

@@ -203,27 +203,40 @@ class NodeLease:
                     silent=True,
                 )
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """End the rounds (and the renewals) without waiting; :meth:`close` waits too."""
         self._stop.set()
         if self._renewer is not None:
             self._renewer.close()
+
+    def close(self) -> None:
+        self.stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.config.lease_s + 1.0)
 
     def _run(self) -> None:
+        self.rounds(self._stop)
+
+    def rounds(self, stop: Any, on_read: Callable[[float, float], None] | None = None) -> None:
+        """Renew, read and judge every heartbeat until ``stop.is_set()``, waiting with
+        ``stop.wait(s)`` (the lease thread's loop; the scale model runs it on simulated
+        time). ``on_read(began, ended)``: each round's read, by :attr:`clock`."""
         period = self.config.period_s
         next_at = self.clock()
-        while not self._stop.is_set():
+        while not stop.is_set():
             next_at += period
             counters: dict[int, int] | None = None
             mark = failed = ""
             error = ""
             try:
                 self._renew()
+                began = self.clock()
                 counters, mark, failed = self._read()
+                if on_read is not None:
+                    on_read(began, self.clock())
             except Exception as e:
                 error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-            if self._stop.is_set():
+            if stop.is_set():
                 return
             if not error:
                 self._answered = self.clock()
@@ -244,7 +257,7 @@ class NodeLease:
             if delay < -period:  # far behind (a stop, a pause): renew now, then on time
                 next_at = self.clock()
                 delay = 0
-            self._stop.wait(max(0.0, delay))
+            stop.wait(max(0.0, delay))
 
     def _read(self) -> tuple[dict[int, int], str, str]:
         """One round trip: the watched nodes' counters and marks (the next round watches

@@ -171,7 +171,7 @@ def _end_at_exit() -> None:
     on_exit = getattr(libc, "on_exit", None)
     if on_exit is not None:
         on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        handler = ctypes.cast(libc._exit, ctypes.c_void_p)  # noqa: SLF001 - libc's _exit, the C function
+        handler = ctypes.cast(libc["_exit"], ctypes.c_void_p)  # (libc's _exit, the C function)
         # _exit(int) as a handler of (int status, void *arg): the status comes first
         on_exit(handler, None)
         # exit() runs its handlers newest first, and C++ registers a function-local

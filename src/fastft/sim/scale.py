@@ -40,7 +40,7 @@ from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.survivors import Survivors
 from fastft.sim.costs import Hub, ModelKV, ModelStore, Plane, PlaneCosts, costs
 
-__all__ = ["Result", "leases", "reform", "start"]
+__all__ = ["Result", "leases", "memo", "reform", "start"]
 
 RELAY_FROM = 64
 """The bus relay's threshold (``--bus-relay auto``: a node's agent is its one subscriber)."""
@@ -81,7 +81,7 @@ def _bytes(raw: str | bytes) -> bytes:
 
 
 @contextmanager
-def _memo() -> Iterator[None]:
+def memo() -> Iterator[None]:
     """Within a run, a view or a signed value read by every member is decoded once (what
     is modelled is the servers' time; N members each decoding an N-member view here would
     cost the model O(N^2) of its own time, not the job's)."""
@@ -250,7 +250,8 @@ def reform(
             decision_store=job.client(r, 0.5),
         )
         coord.tries, coord.hub = tries, hub
-        coord._joiner_keys_exist = r == 0  # (rank 0 closed the first start)  # noqa: SLF001
+        if r == 0:  # (rank 0 closed the first start: it made the joiner keys)
+            coord.joiner_keys_made()
         got = Survivors(coord).form(
             view,
             frozenset({dead}),
@@ -383,19 +384,13 @@ def leases(
             on_store_lost=lambda why, silent: lost.append(-1),
             clock=hub.clock,
         )
-        lease._stop = Stop()  # type: ignore[assignment]  # noqa: SLF001 - simulated time
-        read = lease._read  # noqa: SLF001
 
-        def timed() -> Any:
-            t0 = hub.now
-            got = read()
-            if t0 >= 1.0:
-                rounds.append(hub.now - t0)
-            return got
+        def timed(began: float, ended: float) -> None:
+            if began >= 1.0:
+                rounds.append(ended - began)
 
-        lease._read = timed  # type: ignore[method-assign]  # noqa: SLF001
         hub.sleep(max(0.0, 1.0 - hub.now))  # (every agent starts its rounds together)
-        lease._run()  # noqa: SLF001
+        lease.rounds(Stop(), on_read=timed)
         renewals.append(lease.renewals)
 
     rng = random.Random(0)

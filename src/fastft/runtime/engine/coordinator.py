@@ -111,6 +111,11 @@ class Coordinator:
         self.heard: dict[int, float] = {}
         """Epoch -> when a member of it last answered this joiner (a live epoch)."""
 
+    def joiner_keys_made(self) -> None:
+        """Every joiner key exists (this member made them: it closed the first start), so
+        :meth:`joiners` reads them in one round trip without checking first."""
+        self._joiner_keys_exist = True
+
     def answered(self, epoch: int) -> None:
         """A member of ``epoch`` answered this joiner's request (the bus listener): that
         epoch lives (:meth:`joiner_round` waits to be admitted to it)."""

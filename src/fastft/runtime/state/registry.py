@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 __all__ = ["ByReference", "Stateful", "StateRegistry", "reseed"]
 
 
+def _version(t: torch.Tensor) -> int:
+    """Autograd's count of ``t``'s in-place changes (no public reader)."""
+    return int(t._version)  # noqa: SLF001 - autograd's in-place version counter
+
+
 class Stateful(Protocol):
     def state_dict(self) -> Any: ...
 
@@ -170,7 +175,7 @@ class StateRegistry:
         if self.model is not None:
             snap["buffers"] = [b.detach().clone() for b in self.model.buffers()]
             if not self.sharded:
-                self._versions = [p._version for p in self.model.parameters()]  # noqa: SLF001
+                self._versions = [_version(p) for p in self.model.parameters()]
         if self.optimizer is not None:
             snap["param_groups"] = [
                 {k: _clone(v) for k, v in g.items() if k != "params"}
@@ -187,7 +192,7 @@ class StateRegistry:
         if self.model is None or self.sharded or not self._versions:
             return None
         for (name, p), v in zip(self.model.named_parameters(), self._versions, strict=False):
-            if p._version != v:  # noqa: SLF001 - autograd's in-place version counter
+            if _version(p) != v:
                 return name
         return None
 

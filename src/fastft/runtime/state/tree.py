@@ -37,6 +37,14 @@ __all__ = ["dump", "load"]
 _MAX_DEPTH = 64
 
 
+def with_metadata(out: OrderedDict[Any, Any], meta: Any) -> OrderedDict[Any, Any]:
+    """``out`` with torch's ``state_dict`` metadata ``meta`` (None: none), where torch keeps
+    it (a module's ``load_state_dict`` reads it: versions of its submodules' layouts)."""
+    if meta is not None:
+        out._metadata = meta  # type: ignore[attr-defined]  # noqa: SLF001 - torch's own attribute
+    return out
+
+
 def dump(obj: Any, tensors: list[torch.Tensor], where: str = "state") -> bytes:
     """``obj`` as JSON bytes; its tensors appended to ``tensors`` and referenced."""
     return json.dumps(_enc(obj, tensors, where, 0), separators=(",", ":")).encode()
@@ -132,9 +140,7 @@ def _dec(node: Any, tensors: Mapping[int, torch.Tensor], depth: int) -> Any:
         if tag == "o" and set(node) == {"o", "m"}:
             out: OrderedDict[Any, Any] = OrderedDict(pairs)
             meta = _dec(node["m"], tensors, d)
-            if meta is not None:
-                out._metadata = meta  # type: ignore[attr-defined]  # noqa: SLF001 - torch's state_dict metadata attribute
-            return out
+            return with_metadata(out, meta)
     if len(node) == 1 and isinstance(v, str):
         if tag == "b":
             return _b64(v)

@@ -95,10 +95,7 @@ def _clone(obj: Any) -> Any:
         return obj.detach().clone()
     if isinstance(obj, OrderedDict):
         out: OrderedDict[Any, Any] = OrderedDict((k, _clone(v)) for k, v in obj.items())
-        meta = getattr(obj, "_metadata", None)
-        if meta is not None:
-            out._metadata = copy.deepcopy(meta)  # type: ignore[attr-defined]  # noqa: SLF001
-        return out
+        return tree.with_metadata(out, copy.deepcopy(getattr(obj, "_metadata", None)))
     if isinstance(obj, dict):
         return {k: _clone(v) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -112,14 +109,19 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
+_FLATTEN = torch._utils._flatten_dense_tensors, torch._utils._unflatten_dense_tensors  # noqa: SLF001
+"""torch's own (DDP's buckets), in C++: no public equivalent, and on the step's path a
+Python loop over the parameters would cost per parameter."""
+
+
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``tensors`` in one contiguous buffer (what DDP's buckets use)."""
-    return torch._utils._flatten_dense_tensors(tensors)  # noqa: SLF001 - no public equivalent
+    return _FLATTEN[0](tensors)
 
 
 def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """Views of ``flat`` shaped as ``like`` (the inverse of :func:`flatten`)."""
-    return list(torch._utils._unflatten_dense_tensors(flat, like))  # noqa: SLF001 - (as above)
+    return list(_FLATTEN[1](flat, like))
 
 
 def pack_state(st: dict[str, Any], *, defer: bool = False) -> tuple[bytes, list[torch.Tensor]]:
