@@ -24,29 +24,10 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "net"))
 from _common import table, write  # noqa: E402
 from _netlab import NetLab, can_run  # noqa: E402
 
-from fastft.protocol.auth import JobSecret  # noqa: E402
 from fastft.runtime import read_events  # noqa: E402
 
 NODES = 3
 PORT = 29500
-
-
-def _start(lab: NetLab, tmp: Path, steps: int) -> tuple[Path, list]:
-    run = tmp / "run"
-    run.mkdir()
-    secret = JobSecret.draw().save(tmp / "job.secret")
-    procs = []
-    for node in range(NODES):
-        cmd = [
-            sys.executable, "-m", "fastft.cli", "run", "--nproc", "1",
-            "--nnodes", str(NODES), "--node-rank", str(node),
-            "--store", f"{lab.addr(0)}:{PORT}", "--job-secret-file", str(secret),
-            "--job", "flaps", "--run-dir", str(run), "--min-replicas", "2",
-            "-m", "fastft.demo.train", "--", "--steps", str(steps), "--step-time", "0.05",
-        ]  # fmt: skip
-        log = open(tmp / f"node{node}.log", "w")  # noqa: SIM115 - closed with the lab
-        procs.append(lab.popen(node, cmd, stdout=log, stderr=log))
-    return run, procs
 
 
 def _events(run: Path, name: str) -> list[dict]:
@@ -68,7 +49,8 @@ def one_kind(kind: str, lengths: list[float], flaps: int, rest: float) -> list[d
     """One job: ``flaps`` flaps of node 1 of each length; the costs per length."""
     with tempfile.TemporaryDirectory() as d, NetLab(NODES) as lab:
         tmp = Path(d)
-        run, procs = _start(lab, tmp, steps=100000)
+        store = ("--store", f"{lab.addr(0)}:{PORT}")
+        run, procs = lab.start_job(tmp, 100000, *store, job="flaps")
         _wait(run, "probe_times")  # (after the start's link probe)
         rows = []
         for ms in lengths:

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,38 @@ class NetLab:
         )
         self.procs.append(p)
         return p
+
+    def start_job(
+        self,
+        tmp: Path,
+        steps: int,
+        *flags: str,
+        job: str,
+        floor: int = 2,
+        nodes: int | None = None,
+    ) -> tuple[Path, list[subprocess.Popen[Any]]]:
+        """One agent with one worker of the demo in each of the first ``nodes`` namespaces
+        (every one: None), ``--min-replicas floor``, a step of 50 ms, logs in
+        ``tmp/nodeN.log``, the run in ``tmp/run``; ``flags`` name the control plane
+        (``--store``, ``--control``) and the rest."""
+        from fastft.protocol.auth import JobSecret
+
+        run = tmp / "run"
+        run.mkdir()
+        secret = JobSecret.draw().save(tmp / "job.secret")
+        nodes, procs = nodes or len(self.ns), []
+        for node in range(nodes):
+            cmd = [
+                sys.executable, "-m", "fastft.cli", "run", "--nproc", "1",
+                "--nnodes", str(nodes), "--node-rank", str(node),
+                "--job-secret-file", str(secret), "--job", job, "--run-dir", str(run),
+                "--check-every", "1", "--min-replicas", str(floor), *flags,
+                "-m", "fastft.demo.train", "--", "--steps", str(steps),
+                "--step-time", "0.05", "--out", str(run / "out"),
+            ]  # fmt: skip
+            log = open(tmp / f"node{node}.log", "w")  # noqa: SIM115 - closed with the lab
+            procs.append(self.popen(node, cmd, stdout=log, stderr=log))
+        return run, procs
 
     def cut(self, i: int) -> None:
         """Node ``i``'s link goes down (at the bridge: the node sees its own link up)."""

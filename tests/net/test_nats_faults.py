@@ -17,7 +17,6 @@ from _runs import check_s1_s3, finals  # noqa: E402
 from test_network_faults import finish, wait_step  # noqa: E402
 
 from fastft.bus.natscluster import server_binary, write_config  # noqa: E402
-from fastft.protocol.auth import JobSecret  # noqa: E402
 from fastft.runtime import read_events  # noqa: E402
 
 pytestmark = [
@@ -50,23 +49,7 @@ def start_servers(lab: NetLab, tmp: Path) -> str:
 
 
 def start(lab: NetLab, tmp: Path, control: str, steps: int, *flags: str) -> tuple[Path, list]:
-    run = tmp / "run"
-    run.mkdir()
-    secret = JobSecret.draw().save(tmp / "job.secret")
-    procs = []
-    for node in range(NODES):
-        cmd = [
-            sys.executable, "-m", "fastft.cli", "run", "--nproc", "1",
-            "--nnodes", str(NODES), "--node-rank", str(node),
-            "--control", control, "--job-secret-file", str(secret),
-            "--job", "natsnet", "--run-dir", str(run), "--check-every", "1",
-            "--min-replicas", "2", *flags,
-            "-m", "fastft.demo.train", "--", "--steps", str(steps),
-            "--step-time", "0.05", "--out", str(run / "out"),
-        ]  # fmt: skip
-        log = open(tmp / f"node{node}.log", "w")  # noqa: SIM115 - closed with the lab
-        procs.append(lab.popen(node, cmd, stdout=log, stderr=log))
-    return run, procs
+    return lab.start_job(tmp, steps, "--control", control, *flags, job="natsnet", nodes=NODES)
 
 
 def logs(tmp: Path) -> str:

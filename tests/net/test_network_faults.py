@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "fault"))
 from _netlab import NetLab, can_run  # noqa: E402
 from _runs import check_s1_s3, finals  # noqa: E402
 
-from fastft.protocol.auth import JobSecret  # noqa: E402
 from fastft.runtime import read_events  # noqa: E402
 
 pytestmark = [
@@ -29,26 +28,10 @@ NODES = 3
 PORT = 29500  # (each namespace has its own ports: nothing else listens there)
 
 
-def start(
-    lab: NetLab, tmp: Path, steps: int, *flags: str, nodes: int = NODES, floor: int = 2
-) -> tuple[Path, list]:
-    run = tmp / "run"
-    run.mkdir()
-    secret = JobSecret.draw().save(tmp / "job.secret")
-    procs = []
-    for node in range(nodes):
-        cmd = [
-            sys.executable, "-m", "fastft.cli", "run", "--nproc", "1",
-            "--nnodes", str(nodes), "--node-rank", str(node),
-            "--store", f"{lab.addr(0)}:{PORT}", "--job-secret-file", str(secret),
-            "--job", "net", "--run-dir", str(run), "--check-every", "1",
-            "--min-replicas", str(floor), *flags,
-            "-m", "fastft.demo.train", "--", "--steps", str(steps),
-            "--step-time", "0.05", "--out", str(run / "out"),
-        ]  # fmt: skip
-        log = open(tmp / f"node{node}.log", "w")  # noqa: SIM115 - closed with the lab
-        procs.append(lab.popen(node, cmd, stdout=log, stderr=log))
-    return run, procs
+def start(lab: NetLab, tmp: Path, steps: int, *flags: str, floor: int = 2) -> tuple[Path, list]:
+    return lab.start_job(
+        tmp, steps, "--store", f"{lab.addr(0)}:{PORT}", *flags, job="net", floor=floor
+    )
 
 
 def wait_step(run: Path, step: int, timeout: float = 120) -> None:
@@ -184,7 +167,7 @@ def test_a_20_s_cut_names_no_straggler_and_never_kills_the_returning_nodes_new_l
     verdict (naming the life before the cut) reached seconds later and killed; a verdict
     kills only the life it names. The job ends equal."""
     with NetLab(2) as lab:
-        run, procs = start(lab, tmp_path, 500, "--stragglers", "replace", nodes=2, floor=1)
+        run, procs = start(lab, tmp_path, 500, "--stragglers", "replace", floor=1)
         wait_step(run, 40)
         lab.cut(1)
         time.sleep(20.0)
