@@ -5,6 +5,7 @@ S1-S5 as the fault tests hold theirs. A server cut off, or a node's link flappin
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,7 +67,8 @@ def test_a_nats_server_cut_off_costs_the_job_no_node(tmp_path):
     """One server of three cut off for 5 s, then back: its clients leave it within ~0.5 s
     (a call unanswered, then a ping: ``natsio.Conn.suspect``; nats-py alone waited 2
     minutes per ping), a new JetStream leader is elected if it led, and no node is lost
-    on the default lease (3 s on NATS); the job ends equal everywhere."""
+    on the default lease (300 ms: its beats go through the other servers too); the job
+    ends equal everywhere."""
     with NetLab(NODES + len(SERVERS)) as lab:
         control = start_servers(lab, tmp_path)
         run, procs = start(lab, tmp_path, control, 160)
@@ -82,20 +84,69 @@ def test_a_nats_server_cut_off_costs_the_job_no_node(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_nodes_300_ms_flap_on_nats_loses_no_other_node(tmp_path):
-    """Node 1's link down for 300 ms (its client and every server's route to it), with the
-    default lease on NATS (3 s: ``leasewatch.NATS_MISSES``): nothing is lost. On a 300 ms
-    lease another node was (and, its server cut, every node in one run), its healthy
-    worker killed."""
+def test_a_nodes_200_ms_flap_on_nats_loses_nothing_at_the_defaults(tmp_path):
+    """Node 1's packets dropped for 200 ms (its clients' and every server's route to it),
+    shorter than the default lease on NATS (300 ms: the leases are core-NATS beats,
+    ``fastft.launch.beats``): nothing is lost. On the bucket's counters the lease had to be
+    3 s, and a 300 ms lease there cost the job healthy nodes."""
     with NetLab(NODES + len(SERVERS)) as lab:
         control = start_servers(lab, tmp_path)
         run, procs = start(lab, tmp_path, control, 120)
         wait_step(run, 20)
-        lab.cut(1)
-        time.sleep(0.3)
-        lab.mend(1)
+        lab.drop(1)
+        time.sleep(0.2)
+        lab.drop(1, on=False)
         codes = finish(procs, tmp_path)
         assert codes == [0, 0, 0], logs(tmp_path)
     assert lost_nodes(run) == [], logs(tmp_path)
     check_s1_s3(run, steps=120)
+    assert len({v["digest"] for v in finals(run).values()}) == 1
+
+
+def leader(lab: NetLab, control: str) -> int:
+    """The namespace of the server leading the control plane's bucket (asked from node 0)."""
+    ask = lab.popen(
+        0,
+        [sys.executable, "-c",
+         "import asyncio, sys, nats\n"
+         "async def main():\n"
+         "    nc = await nats.connect(sys.argv[1].split(','), connect_timeout=2)\n"
+         "    info = await nc.jetstream(timeout=5).stream_info('KV_fastft')\n"
+         "    print(info.cluster.leader)\n"
+         "    await nc.close()\n"
+         "asyncio.run(main())", control],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = ask.communicate(timeout=30)
+    name = out.decode().strip()
+    assert name.startswith("n"), f"no leader of the bucket: {name!r}"
+    return int(name[1:])
+
+
+@pytest.mark.timeout(300)
+def test_a_node_cut_with_the_buckets_leader_is_declared_within_half_a_second(tmp_path):
+    """Node 1 cut off together with the server leading the key-value stream (a node that
+    hosts a server; the worst one to lose): its lease beats stop, and a watcher declares it
+    within 0.5 s (issue 60, case 5: 3.1-8.8 s when the leases were the bucket's and waited
+    for its new leader). The survivors go on once the bucket has a new leader; node 1
+    comes back fenced, its workers start again as new lives, and the job ends equal."""
+    with NetLab(NODES + len(SERVERS)) as lab:
+        control = start_servers(lab, tmp_path)
+        run, procs = start(lab, tmp_path, control, 200)
+        wait_step(run, 20)
+        server = leader(lab, control)
+        t_cut = time.monotonic()
+        lab.cut(1)
+        lab.cut(server)
+        time.sleep(8.0)
+        lab.mend(server)
+        lab.mend(1)
+        codes = finish(procs, tmp_path)
+        assert codes == [0, 0, 0], logs(tmp_path)
+    ev = read_events(run)
+    lost = [e for e in ev if e["event"] == "node_lost"]
+    assert [e["node"] for e in lost] == [1], logs(tmp_path)
+    assert lost[0]["mono"] - t_cut < 0.5, (lost[0]["mono"] - t_cut, logs(tmp_path))
+    assert [e for e in ev if e["event"] in ("node_fenced", "fence_spared")], logs(tmp_path)
+    check_s1_s3(run, steps=200)
     assert len({v["digest"] for v in finals(run).values()}) == 1

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from fastft.errors import StoreUnreachable
 
-__all__ = ["BUCKET", "Conn", "connection", "run", "shutdown"]
+__all__ = ["BUCKET", "Conn", "connection", "pinned", "run", "shutdown"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ class Conn:
         self._shunned: dict[str, float] = {}
         """Server (host:port) -> until when a reconnection passes it over."""
         self._turn = 0
+        self._url = ""
+        """The server (host:port) this connection is on."""
         self.leaves = 0
         """How often this connection left a server that did not answer a ping."""
 
@@ -108,15 +110,13 @@ class Conn:
             nc = await nats.connect(
                 servers=servers,
                 name="fastft",
-                connect_timeout=max(1, int(min(timeout_s, 5))),
-                reconnect_time_wait=RECONNECT_WAIT_S,
-                max_reconnect_attempts=-1,
-                allow_reconnect=True,
-                ping_interval=PING_S,
-                max_outstanding_pings=2,
+                **_options(timeout_s),
                 reconnect_to_server_handler=self._next_server,
                 error_cb=quiet,
+                disconnected_cb=self._left,
+                reconnected_cb=self._joined,
             )
+            self._url = getattr(nc.connected_url, "netloc", "")
             js = nc.jetstream(timeout=min(timeout_s, 5.0))
             kv = await _with_retries(lambda: _bucket(js), timeout_s)
             if kv is None:
@@ -178,6 +178,16 @@ class Conn:
             with self._wlock:
                 self._subs[key] = sub
         return ev
+
+    async def _left(self) -> None:
+        """The connection to its server was lost (a reset, or pings unanswered): that
+        server is passed over for ``SHUN_S`` while another is there (tried again at once,
+        a server cut off costs a connect timeout of seconds)."""
+        if self._url:
+            self._shunned[self._url] = time.monotonic() + SHUN_S
+
+    async def _joined(self) -> None:
+        self._url = getattr(self.nc.connected_url, "netloc", "")
 
     def _next_server(self, servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
         """nats-py's choice of the server to reconnect to: the next one around the list
@@ -244,6 +254,19 @@ class Conn:
             pass
 
 
+def _options(timeout_s: float) -> dict[str, Any]:
+    """nats-py's connection settings fastft's clients share: reconnect at once and for
+    ever, and leave a server whose pings go unanswered (see the module)."""
+    return {
+        "connect_timeout": max(1, int(min(timeout_s, 5))),
+        "reconnect_time_wait": RECONNECT_WAIT_S,
+        "max_reconnect_attempts": -1,
+        "allow_reconnect": True,
+        "ping_interval": PING_S,
+        "max_outstanding_pings": 2,
+    }
+
+
 def _explain(servers: list[str], e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".strip().splitlines()[0][:200]
     where = ",".join(servers)
@@ -282,8 +305,15 @@ def shutdown() -> None:
     with _CONNS_LOCK:
         conns = list(_CONNS.values())
         _CONNS.clear()
+        raw = list(_PINNED)
+        _PINNED.clear()
     for c in conns:
         c.close()
+    for nc in raw:
+        try:
+            run(nc.close(), 2.0)
+        except Exception:
+            pass
     loop = _Loop.take()
     if loop is None:
         return
@@ -303,6 +333,43 @@ def shutdown() -> None:
 
 _CONNS: dict[str, Conn] = {}
 _CONNS_LOCK = threading.Lock()
+_PINNED: list[Any] = []
+"""The clients :func:`pinned` made (closed at :func:`shutdown`)."""
+
+
+def pinned(servers: list[str], count: int, timeout_s: float) -> list[Any]:
+    """Up to ``count`` core-NATS clients of their own, each held to one server of the list
+    (round the list: one per server while there are enough), reconnecting to that server
+    only; the ones that connected within ``timeout_s`` (raises StoreUnreachable if none).
+    For what must reach the cluster whichever server is cut off (the node leases' beats,
+    :mod:`fastft.launch.beats`): a shared client leaves a silent server only after its
+    pings go unanswered (seconds)."""
+    import nats
+
+    async def one(url: str) -> Any:
+        async def quiet(e: Exception) -> None:
+            log.debug("nats (pinned to %s): %s", url, e)
+
+        return await nats.connect(
+            servers=[url], name="fastft-pinned", **_options(timeout_s), error_cb=quiet
+        )
+
+    async def all_of() -> list[Any]:
+        urls = [servers[i % len(servers)] for i in range(count)]
+        got = await asyncio.gather(
+            *(asyncio.wait_for(one(u), timeout_s) for u in urls), return_exceptions=True
+        )
+        for u, g in zip(urls, got, strict=True):
+            if isinstance(g, BaseException):
+                log.warning("nats: no connection of its own to %s (%s)", u, g)
+        return [g for g in got if not isinstance(g, BaseException)]
+
+    conns = run(all_of(), timeout_s + 2.0)
+    if not conns:
+        raise StoreUnreachable(f"no NATS server answers at {','.join(servers)}: check --control")
+    with _CONNS_LOCK:
+        _PINNED.extend(conns)
+    return conns
 
 
 def connection(servers: list[str], timeout_s: float, wait_s: float) -> Conn:

@@ -22,7 +22,9 @@ embedded TCPStore, the store host (node 0) is gone, and the job cannot go on.
 
 :class:`LeaseWatch` decides (pure: time comes in as arguments;
 :mod:`fastft.launch.leasewatch`); :class:`NodeLease` is the thread that reads and writes
-the store and tells the agent.
+the store and tells the agent. On the NATS control plane the counters are core-NATS beats
+(:mod:`fastft.launch.beats`), not the bucket's: the marks are read from the bucket by a
+thread of their own, and a declaration goes out on the bus before its mark is written.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from collections.abc import Callable
 from typing import Any
 
 from fastft.bus.signed import ForgedValue
+from fastft.launch.beats import Beats
 from fastft.launch.leasewatch import DONE, WATCHERS, LeaseConfig, LeaseWatch, watched
-from fastft.launch.lives import mark_lost
-from fastft.launch.renewer import Renewer
+from fastft.launch.lives import lost_mark, mark_counter, mark_lost, put_mark
+from fastft.launch.renewer import Renewer, store_sends
 from fastft.protocol.keys import JobKeys
 
 __all__ = ["GUARD_LEASES", "GUARD_MIN_S", "NodeLease"]
@@ -78,6 +81,7 @@ class NodeLease:
         clock: Callable[[], float] = time.monotonic,
         watchers: int = WATCHERS,
         renewers: int = 0,
+        beats: Beats | None = None,
     ) -> None:
         self.store = store.clone()
         self.store.set_timeout(datetime.timedelta(seconds=max(config.lease_s, 0.05)))
@@ -109,6 +113,11 @@ class NodeLease:
         """How many nodes this agent watches (nnodes - 1: every other, as before issue 35)."""
         self.marks: dict[int, str] = {}
         """The lost marks of the watched nodes, as last read."""
+        self.beats = beats
+        """The counters as core-NATS beats (None: the store's counters)."""
+        self._own_mark = self._failed = ""
+        """With beats: this node's lost mark and the job's failed mark, as last read."""
+        self._fenced: set[str] = set()
         # The keys this agent reads exist from the start, so that one read gets them all
         # (a TCPStore read of a missing key waits for it): its own and its watched nodes'.
         for n in sorted({node, *watched(node, nnodes, {}, watchers)}):
@@ -130,18 +139,15 @@ class NodeLease:
         no worker of this agent to fence yet), cleared; "" if none."""
         if self.rejoined:
             self.store.compare_set(keys.node_lost(node), self.rejoined, "")
-        self._renew()
-        self._renewer = (  # (``renewers``: on connections of their own, :mod:`.renewer`)
-            Renewer(
-                store,
-                keys.node_lease(node),
-                clients=renewers,
-                timeout_s=config.lease_s,
-                period_s=config.period_s,
-            )
-            if renewers
-            else None
+        # (``renewers``: on connections of their own, :mod:`.renewer`)
+        sends = (
+            beats.sends()
+            if beats is not None
+            else store_sends(store, keys.node_lease(node), renewers, config.lease_s)
         )
+        if not sends:
+            self._renew()
+        self._renewer = Renewer(sends, period_s=config.period_s) if sends else None
 
     def _renew(self) -> None:
         """Renew in the round (with a :class:`Renewer`, its clock renews instead)."""
@@ -169,6 +175,9 @@ class NodeLease:
             self._renewer.start()
         self._thread = threading.Thread(target=self._run, name="fastft-node-lease", daemon=True)
         self._thread.start()
+        if self.beats is not None:
+            self.beats.watch(watched(self.node, self.nnodes, {}, self.watchers))
+            threading.Thread(target=self._marks, name="fastft-lease-marks", daemon=True).start()
         threading.Thread(target=self._guard, name="fastft-lease-guard", daemon=True).start()
         return self
 
@@ -238,7 +247,7 @@ class NodeLease:
                 error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             if stop.is_set():
                 return
-            if not error:
+            if not error and self.beats is None:  # (with beats: :meth:`_marks` says)
                 self._answered = self.clock()
                 self._store_back()
             v = self.watch.round(self.clock(), counters, error)
@@ -259,9 +268,62 @@ class NodeLease:
                 delay = 0
             stop.wait(max(0.0, delay))
 
+    def say_done(self) -> None:
+        """With beats: tell the watchers this node is done before its beats stop (its
+        done mark in the bucket is read a round later)."""
+        if self.beats is not None:
+            self.beats.declare(self.node, DONE)
+
+    def set_lives(self, lives: dict[int, int]) -> None:
+        """This node's worker lives, which its beats carry (with beats)."""
+        if self.beats is not None:
+            self.beats.set_lives(lives)
+
+    def _marks(self) -> None:
+        """With beats: read the watched nodes' marks, this node's own and the job's failed
+        mark from the bucket every heartbeat, on a thread of its own (a read that waits for
+        a leader election holds up no lease). The bucket failing every read for the
+        store's grace loses the store, as a round's failures would."""
+        ok = self.clock()
+        while not self._stop.wait(self.config.period_s):
+            nodes = watched(self.node, self.nnodes, self.marks, self.watchers)
+            keys = [self.keys.node_lost(n) for n in nodes]
+            try:
+                got = self.store.multi_get(
+                    [*keys, self.keys.node_lost(self.node), self.keys.failed]
+                )
+            except Exception as e:
+                silent = self.clock() - ok
+                if silent >= self.config.grace_s:
+                    why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                    self._lost_store(f"no answer for {silent * 1000:.0f} ms: {why}")
+                continue
+            ok = self._answered = self.clock()
+            self._store_back()
+            text = [bytes(v).decode(errors="replace") for v in got]
+            self.marks = dict(zip(nodes, text[:-2], strict=True))
+            self._own_mark, self._failed = text[-2], text[-1]
+
+    def _read_beats(self) -> tuple[dict[int, int], str, str]:
+        """:meth:`_read` with beats: the counters heard (none read: no round trip), the
+        marks as :meth:`_marks` last read them. Raises if no beat was heard for a lease,
+        not even this node's own: this agent is the one cut off, and blames nobody."""
+        assert self.beats is not None
+        nodes = watched(self.node, self.nnodes, self.marks, self.watchers)
+        self.beats.watch(nodes)
+        silent = self.beats.silent_for()
+        if silent > self.config.lease_s:
+            raise TimeoutError(
+                f"heard no beat for {silent * 1000:.0f} ms, not even this node's own "
+                "(this node cut off from every NATS server)"
+            )
+        return self.beats.counters(nodes), self._own_mark, self._failed
+
     def _read(self) -> tuple[dict[int, int], str, str]:
         """One round trip: the watched nodes' counters and marks (the next round watches
         past a node found marked), this node's own mark, the job's failed mark."""
+        if self.beats is not None:
+            return self._read_beats()
         nodes = watched(self.node, self.nnodes, self.marks, self.watchers)
         for n in nodes:
             if n not in self.marks:  # (a node newly watched: its keys may not exist yet)
@@ -302,9 +364,39 @@ class NodeLease:
 
     def _declare(self, node: int) -> None:
         counter = self.watch.counter(node)
+        if self.beats is not None:
+            self._declare_by_beats(node, counter)
+            return
         got = self._mark_lost(node, counter)
         if got is not None:
             self.on_lost(node, got[0], counter)
+
+    def _declare_by_beats(self, node: int, counter: int) -> None:
+        """With beats: unless another watcher declared this stop of the node already, tell
+        the others, declare its workers dead (the lives its last beat carried) and write
+        the mark when the bucket answers (the node's fence when it returns)."""
+        assert self.beats is not None
+        heard = self.beats.declared(node)
+        if heard == DONE or (heard and mark_counter(heard) >= counter):
+            return  # (done, or declared by another watcher)
+        lives = self.beats.lives(node)
+        mark = lost_mark(counter, self.node, lives)
+        self.beats.declare(node, mark)
+        self.on_lost(node, lives, counter)
+        threading.Thread(
+            target=self._write_mark, args=(node, mark), name="fastft-lost-mark", daemon=True
+        ).start()
+
+    def _write_mark(self, node: int, mark: str) -> None:
+        deadline = self.clock() + 60.0  # (a leader election takes seconds, not minutes)
+        while not self._stop.is_set() and self.clock() < deadline:
+            try:
+                put_mark(self.store, self.keys, node, mark)
+                return
+            except Exception as e:
+                log.debug("node %d: its lost mark not written yet: %s", node, e)
+                self._stop.wait(self.config.period_s)
+        log.warning("node %d: could not write its lost mark (it is not fenced if it returns)", node)
 
     def _mark_lost(self, node: int, counter: int) -> tuple[dict[int, int], str] | None:
         try:
@@ -331,6 +423,9 @@ class NodeLease:
     def _fence(self, mark: str) -> None:
         """This node was declared lost: the agent kills its workers; then clear the mark
         (compare-and-set: a newer declaration stays)."""
+        if mark in self._fenced:  # (with beats the mark read may be one round old)
+            return
+        self._fenced.add(mark)
         self.on_fenced(mark)
         try:
             self.store.compare_set(self.keys.node_lost(self.node), mark, "")

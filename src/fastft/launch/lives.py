@@ -8,13 +8,27 @@ from typing import Any
 from fastft.bus.signed import ForgedValue
 from fastft.protocol.keys import JobKeys
 
-__all__ = ["declared_lives", "format_lives", "lost_mark", "mark_lost", "parse_lives"]
+__all__ = [
+    "declared_lives",
+    "format_lives",
+    "lost_mark",
+    "mark_counter",
+    "mark_lost",
+    "parse_lives",
+    "put_mark",
+]
 
 
 def lost_mark(counter: int, by: int, lives: dict[int, int]) -> str:
     """A node's lost mark: the lease value that stopped, the node that saw it stop, and the
     worker lives it declared dead, which are the only ones the node's fence kills."""
     return f"{counter}@{by}/{format_lives(lives)}"
+
+
+def mark_counter(mark: str) -> int:
+    """The lease value a lost mark says stopped (0 if it names none)."""
+    head = mark.partition("@")[0]
+    return int(head) if head.isdigit() else 0
 
 
 def declared_lives(mark: str) -> dict[int, int] | None:
@@ -50,9 +64,15 @@ def mark_lost(
     # seen after its link returns, kills those and never a newer life)
     lives = parse_lives(store.get(keys.node_lives(node)))
     mark = lost_mark(counter, by, lives)
+    return (lives, mark) if put_mark(store, keys, node, mark) else None
+
+
+def put_mark(store: Any, keys: JobKeys, node: int, mark: str) -> bool:
+    """Write ``node``'s lost mark unless it has one (compare-and-set); whether this one is
+    there now. The store's errors are the caller's."""
     key = keys.node_lost(node)
     try:
         got = bytes(store.compare_set(key, "", mark)).decode()
     except ForgedValue as f:  # a mark without the job's secret is none
         got = bytes(store.replace(key, f.raw, mark)).decode()
-    return (lives, mark) if got == mark else None
+    return got == mark

@@ -12,6 +12,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from fastft.bus.natsio import pinned
+from fastft.launch.beats import Beats
 from fastft.launch.lease import NodeLease
 from fastft.launch.leasewatch import (
     DEFAULT_MISSES,
@@ -69,6 +71,7 @@ class NodeWatch:
             on_returned=self.returned,
             on_job_failed=self.job_failed,
             renewers=0 if cfg.control else RENEWERS,  # (a TCPStore: a connection each)
+            beats=self._beats() if cfg.control else None,
         )
         if lease.rejoined:
             a.events.emit("node_rejoined", mark=lease.rejoined)
@@ -76,6 +79,23 @@ class NodeWatch:
         if lives is not None:
             self.took_over(lives)
         lease.start()
+
+    def _beats(self) -> Beats:
+        """The NATS control plane's lease beats: clients of their own, one per server of
+        the cluster (up to :data:`RENEWERS`), signed with the job secret."""
+        a = self.agent
+        store = a.store
+        conns = pinned(store.conn.servers, RENEWERS, timeout_s=10.0)
+        auth = getattr(store, "auth", None)
+        if auth is None or getattr(store, "insecure", False):
+            sign, verify = (
+                (lambda key, value: value),
+                (lambda key, raw: bytes(raw).decode(errors="replace")),
+            )
+        else:
+            sign, verify = auth.sign, auth.verify
+        lease_s = a.config.node_heartbeat_ms / 1000 * (a.config.node_lease_misses or NATS_MISSES)
+        return Beats(conns, a.keys.job, a.config.node_rank, sign, verify, timeout_s=lease_s)
 
     def took_over(self, lives: dict[int, int]) -> None:
         """This agent replaced its node's dead one before any other agent declared the
@@ -102,6 +122,7 @@ class NodeWatch:
         if self.lease is None:
             return
         lives = {s.rank: s.incarnation for s in a.slots.values() if s.incarnation}
+        self.lease.set_lives(lives)
         try:
             a.store.set(a.keys.node_lives(a.config.node_rank), format_lives(lives))
         except Exception as e:
@@ -204,6 +225,7 @@ class NodeWatch:
         if failed and not lease.failed:
             lease.fail(f"node {a.config.node_rank}: {failed}")
         hosts = a.hosts_store
+        lease.say_done()  # (with beats: before they stop, or the watchers declare it lost)
         if not hosts:
             lease.close()  # node 0 may close the store from now on
         done_key = f"{a.keys.root}/agents_done"

@@ -208,6 +208,8 @@ class HeartbeatWriter:
         self._step = 0.0
         self._wait_since = 0.0
         self._waits_on: tuple[int, int] | None = None
+        self._outer: list[tuple[float, tuple[int, int] | None]] = []
+        """The waits this one is nested in (:meth:`waiting`)."""
         self._unsettled = 0.0
         self._unsettled_left = 0
         self._commits = 0
@@ -341,17 +343,25 @@ class HeartbeatWriter:
         return _Blocked(self, (rank, incarnation))
 
     def waiting(self, on: bool, *, on_peer: tuple[int, int] | None = None) -> None:
+        """The main thread enters (``on``) or leaves a wait in the runtime. Waits nest (a
+        heal's wait on its peer inside the runtime's wait for a recovery): leaving the inner
+        one returns to the outer."""
         if on:
+            self._outer.append((self._wait_since, self._waits_on))
             self._wait_since = time.monotonic()
             self._waits_on = on_peer
             self.beat()
             self._waiting.set()
-        else:  # (the wait is not a silence of the main thread)
+            return
+        since, peer = self._outer.pop() if self._outer else (0.0, None)
+        self._last = time.monotonic()  # (the wait is not a silence of the main thread)
+        if since:
+            self._wait_since, self._waits_on = since, peer
+        else:
             self._waiting.clear()
             self._wait_since = 0.0
             self._waits_on = None
-            self._last = time.monotonic()
-            self._write(self._last)
+        self._write(self._last)
 
     def sleep(self, seconds: float) -> None:
         """Sleep as a wait: the helper thread beats meanwhile (not a silence)."""

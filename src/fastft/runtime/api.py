@@ -368,7 +368,8 @@ class Runtime:
         settled: Callable[[StepState], bool] | None = None,
     ) -> None:
         try:
-            self.engine.drive(done, settled=settled)
+            with self.heartbeat.blocked:  # (waits for the runtime: a recovery, a formation)
+                self.engine.drive(done, settled=settled)
         except JobFinished:
             self.close()
             raise
