@@ -289,7 +289,7 @@ class LaunchConfig:
         "is not renewed for --node-lease-misses heartbeats is declared lost, its workers dead",
     )
     node_lease_misses: int | None = _flag(
-        None, "multi-node: heartbeats a node may miss before it is lost (default 3; NATS: 30)"
+        None, "multi-node: heartbeats a node may miss before it is lost (default 3)"
     )
     job_secret_file: str | None = _flag(
         None,
