@@ -108,9 +108,10 @@ def _kill_mid_run(run, proc, victim, step: int = 8, said: str = "") -> tuple[str
 
 def test_a_node_agent_actor_killed_is_taken_over_by_its_standby(cluster, clean, tmp_path):
     """Node 1's agent actor is SIGKILLed at step 8 (its agent and workers die with it):
-    the driver tells node 1's standby to go; it declares the dead workers dead (before
-    their lease runs out: nobody declares the node lost) and its own join and heal; the
-    run ends bitwise equal to the fault-free one."""
+    the driver tells node 1's standby to go; the dead workers are declared dead by it or,
+    first, by a watcher of the node's lease (300 ms on NATS since its beats: about as
+    fast as Ray says the actor died): the same two lives, by one or both; the new agent's workers
+    join and heal; the run ends bitwise equal to the fault-free one."""
     run = tmp_path / "node"
     # (slow steps: the kill once the standby is warm, its torch imported on 2 busy cores)
     proc = ray_run(cluster, run, train=("--step-time", "0.4"), steps=40, wait=False)
@@ -121,8 +122,8 @@ def test_a_node_agent_actor_killed_is_taken_over_by_its_standby(cluster, clean, 
     assert {v["digest"] for v in finals(run).values()} == {clean}
     ev = read_events(run)
     took = [e for e in ev if e["event"] == "node_taken_over" and e["node"] == 1]
-    assert took and took[0]["ranks"] == [2, 3], took
-    assert not [e for e in ev if e["event"] == "node_lost"]
+    lost = [e for e in ev if e["event"] == "node_lost" and e["node"] == 1]
+    assert [e["ranks"] for e in took + lost] in ([[2, 3]], [[2, 3], [2, 3]]), (took, lost)
     for rank in ("rank 2", "rank 3"):  # node 1's workers: started again by its new agent
         starts = [e for e in ev if e["event"] == "worker_start" and e["src"] == rank]
         assert len({e["incarnation"] for e in starts}) == 2, starts
