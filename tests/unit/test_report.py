@@ -49,15 +49,17 @@ def test_a_total_loss_has_no_survivors_commit_and_the_job_ending_exits_are_no_fa
 
 
 def test_a_lost_node_is_one_fault_of_its_ranks_not_the_survivors(tmp_path):
-    agent, r0 = _logs(tmp_path, "agent 0", "rank 0")
+    agent, r0, r2 = _logs(tmp_path, "agent 0", "rank 0", "rank 2")
     r0.emit("commit", epoch=1, step=2)
     r0.emit("local_fault", step=3, epoch=1, cause="CollectiveFailed: reset", incarnation=1)
     agent.emit("node_lost", node=1, lease=4, lives=2, ranks=[2, 3], lease_ms=300)
     r0.emit("commit", epoch=2, step=3)
-    _close(agent, r0)
+    time.sleep(0.01)
+    r2.emit("commit", epoch=3, step=9)  # (its new life, back: a new agent's, on Ray)
+    _close(agent, r0, r2)
     (f,) = summarize(tmp_path)["faults"]
     assert (f["rank"], f["kind"], f["step"]) == ("node 1 (ranks 2,3)", "node_lost", 3)
-    assert f["recover_ms"] is not None
+    assert f["recover_ms"] is not None and f["recover_ms"] < f["rejoin_ms"]  # (its row, issue 60)
 
 
 def test_two_runs_in_one_directory_are_apart_and_the_last_is_reported(tmp_path):

@@ -141,7 +141,8 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
         )
     for f in faults:
         t, r = f["t"], f["rank"]
-        others = [e for e in ev if e["mono"] >= t and _rank_of(e["src"]) not in (None, r)]
+        ranks = f.get("ranks") or [r]  # (a node lost: each of its ranks)
+        others = [e for e in ev if e["mono"] >= t and _rank_of(e["src"]) not in (None, *ranks)]
         intr = next((e for e in others if e["event"] in ("interrupt", "peer_fault")), None)
         if f["kind"] == "reported":  # the peers read the report as the agent did: maybe first
             heard = [
@@ -160,7 +161,8 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
             if e["event"] == "rollback" and e["mono"] >= t
         }
         nxt = next((e for e in others if e["event"] == "commit" and _after(e, f, retried)), None)
-        restarted = any(s in f["seen_as"] for s in _PROCESS_EVENTS)
+        # (a lost node's workers start again as new lives: on its return, or a new agent's)
+        restarted = any(s in f["seen_as"] for s in (*_PROCESS_EVENTS, "node_lost"))
         if nxt is None and not restarted:  # a one-worker job: the faulty worker goes on itself
             nxt = next(
                 (
@@ -178,7 +180,7 @@ def summarize(run_dir: str | Path, run: int = -1) -> dict[str, Any]:
                 (
                     e
                     for e in ev
-                    if e["mono"] > t and e["event"] == "commit" and _rank_of(e["src"]) == r
+                    if e["mono"] > t and e["event"] == "commit" and _rank_of(e["src"]) in ranks
                 ),
                 None,
             )
@@ -311,6 +313,7 @@ def _node_lost(faults: list[dict[str, Any]], e: dict[str, Any], ev: list[dict[st
     window = e.get("lease_ms", 0) / 1e3 + 1.0
     row = {
         "rank": f"node {e.get('node')}" + (f" (ranks {','.join(map(str, lost))})" if lost else ""),
+        "ranks": lost,
         "incarnation": None,
         "t": e["mono"],
         "kind": "node_lost",
