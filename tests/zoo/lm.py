@@ -142,8 +142,8 @@ def main() -> None:
             (loss * len(seq) / a.batch * tx.world).backward()  # (tx.shard's weights: the mean)
             tx.allreduce_gradients()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            total = torch.stack([loss.detach() * len(seq), torch.tensor(float(len(seq)))])
-            tx.allreduce([total])  # the global loss, for the log
+            loss_sum, count = loss.detach() * len(seq), torch.tensor([len(seq)])
+            tx.allreduce([loss_sum, count])  # the global loss, for the log (2 shapes, 2 types)
         if tx.committed:
             sched.step()
             with torch.no_grad():
@@ -151,7 +151,7 @@ def main() -> None:
                     e.lerp_(p, 0.1)
             stats.steps += 1
             stats.tokens += a.batch * CONTEXT
-            stats.recent = [*stats.recent, round(float(total[0] / total[1]), 6)][-5:]
+            stats.recent = [*stats.recent, round(float(loss_sum / count[0]), 6)][-5:]
             if a.perturb == f"{ft.rank}:{ft.step - 1}":
                 with torch.no_grad():
                     next(ema.parameters()).add_(1e-3)

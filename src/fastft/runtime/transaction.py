@@ -89,10 +89,29 @@ class Transaction:
         self._rt.reduce_gradients(model)
 
     def allreduce(self, tensors: list[torch.Tensor]) -> None:
-        """Sum ``tensors`` in place over the epoch's members (interruptible)."""
+        """Sum ``tensors`` in place over the epoch's members (interruptible). Tensors of
+        different shapes or types go as one flat buffer per type (a process group's
+        allreduce of a list takes one size: Gloo failed "invalid tensor size" after its
+        retries); every member must pass the same list."""
         rt = self._rt
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise TypeError("tx.allreduce takes a list of tensors (each summed in place)")
+        one_shape = len({(t.shape, t.dtype, t.device) for t in tensors}) <= 1
         with rt.heartbeat.blocked:
-            interruptible_allreduce(rt.require_pg(), tensors, rt.interrupter)
+            if one_shape and all(t.is_contiguous() for t in tensors):
+                interruptible_allreduce(rt.require_pg(), tensors, rt.interrupter)
+                return
+            groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+            for t in tensors:
+                groups.setdefault((t.dtype, t.device), []).append(t)
+            flats = [torch.cat([t.reshape(-1) for t in g]) for g in groups.values()]
+            for flat in flats:  # (one call per type: a list takes one size)
+                interruptible_allreduce(rt.require_pg(), [flat], rt.interrupter)
+            for g, flat in zip(groups.values(), flats, strict=True):
+                for t, part in zip(g, flat.split([t.numel() for t in g]), strict=True):
+                    t.copy_(part.view_as(t))
 
     def send(self, tensor: torch.Tensor) -> None:
         """Pipeline stages (``--stage``): this member's output of this step, for the
