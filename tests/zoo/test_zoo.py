@@ -248,3 +248,17 @@ def test_a_script_in_an_elastic_world_keeps_its_replicas_equal(tmp_path, script)
     assert len(got) >= 2 and len({json.dumps(r["hash"]) for r in got.values()}) == 1, got
     assert {(r["step"], r["last_epoch"]) for r in got.values()} == {(14, 14)}
     faults_happened(run)
+
+
+def test_a_loader_without_a_generator_and_a_models_own_counter_end_bitwise_equal(tmp_path):
+    """tests/zoo/text.py (issue 61, cases 1 and 3): a ``StatefulDataLoader`` shuffling
+    without a generator of its own (its iterators seeded from torch's global RNG: a
+    restarted rank made one inside the step it rejoined at, and that step's dropout drew
+    other masks) and a Python attribute of the model the script advances (rolled back,
+    healed and checkpointed by nobody: ranks ended at 41/28/41 of 40)."""
+    args = ("--steps", "14")
+    clean = same_everywhere(zoo_run(tmp_path, "clean", "text.py", args=args), 14)
+    run = zoo_run(tmp_path, "faults", "text.py", args=args, plan=EVERY_KIND)
+    assert same_everywhere(run, 14) == clean
+    assert clean["steps_seen"] == 14
+    faults_happened(run)

@@ -83,6 +83,22 @@ def _generators(loader: Any) -> list[torch.Generator]:
     return out
 
 
+def _own_generators(loader: Any) -> None:
+    """Give a loader (and its shuffling sampler) that draws from torch's global generator a
+    generator of its own (issue 61): a ``DataLoader`` without one seeds every iterator from
+    the global generator, and a restarted member that made its iterator inside the step it
+    rejoined at drew that step's dropout masks from a stream shifted by it (ranks equal,
+    all of them off the fault-free run). Seeded from the sampler's generator when it has
+    one (the script seeded it), else a constant: the same on every member."""
+    sampler: Any = getattr(loader, "sampler", None)
+    theirs = getattr(sampler, "generator", None)
+    seed = theirs.initial_seed() if isinstance(theirs, torch.Generator) else 0x5EED
+    if hasattr(sampler, "generator") and theirs is None and hasattr(sampler, "data_source"):
+        sampler.generator = torch.Generator().manual_seed(seed + 1)  # (a RandomSampler's)
+    if hasattr(loader, "generator") and loader.generator is None:
+        loader.generator = torch.Generator().manual_seed(seed)
+
+
 def _pass_seed(seed: int, epoch: int) -> int:
     """The seed of pass ``epoch`` of a generator first seeded ``seed`` (a 63-bit mix: nearby
     seeds and passes give unrelated orders)."""
@@ -141,6 +157,7 @@ class Batches:
                 )
         self.loader = loader
         self.epoch = 0
+        _own_generators(loader)
         self._gens = _generators(loader)
         self._seeds = [g.initial_seed() for g in self._gens]
         self._samples = (
@@ -193,7 +210,13 @@ class Batches:
                 self._resume = False
                 if self._samples is not None:
                     self._samples.epoch = self.epoch  # (before its workers start)
-                self._it = iter(self.loader)
+                # (an iterator made inside a step draws nothing from its stream: a restart
+                # makes one where the fault-free run did not)
+                state = torch.default_generator.get_state()
+                try:
+                    self._it = iter(self.loader)
+                finally:
+                    torch.default_generator.set_state(state)
             try:
                 return next(self._it)
             except StopIteration:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fastft.runtime.groups.hsdp import is_sharded, load_model_shards, local, optimizer_shards
+from fastft.runtime.state.attributes import ModuleAttributes, module_attributes
 from fastft.runtime.state.refusals import unregistered_scheduler, unsendable
 from fastft.runtime.state.wire import (
     _bytes,
@@ -39,7 +40,10 @@ from fastft.runtime.state.wire import (
 if TYPE_CHECKING:
     from fastft.runtime.state.outer import Outer
 
-__all__ = ["ByReference", "Stateful", "StateRegistry", "reseed"]
+__all__ = ["MODEL_ATTRIBUTES", "ByReference", "Stateful", "StateRegistry", "reseed"]
+
+MODEL_ATTRIBUTES = "model_attributes"
+"""The name the registered model's plain attributes go by (:mod:`.attributes`)."""
 
 
 def _version(t: torch.Tensor) -> int:
@@ -138,6 +142,10 @@ class StateRegistry:
                 )
             unsendable(name, obj)  # refused now, not after a fault's retries
             self._others[name] = obj
+        if model is not None and MODEL_ATTRIBUTES not in self._others:
+            found = module_attributes(model)  # (the script's own values on its modules)
+            if found:
+                self._others[MODEL_ATTRIBUTES] = ModuleAttributes(found)
         self.check_schedulers()
 
     def check_schedulers(self) -> None:
