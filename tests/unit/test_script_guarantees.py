@@ -132,7 +132,7 @@ def test_an_unregistered_scheduler_of_the_registered_optimizer_is_refused():
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, 3)
     r = StateRegistry()
-    with pytest.raises(TypeError, match="StepLR steps the registered optimizer"):
+    with pytest.raises(TypeError, match="StepLR steps a registered optimizer"):
         r.register(model=m, optimizer=opt)
     r.register(model=m, optimizer=opt, scheduler=sched)  # registered: fine
     opt2 = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -140,6 +140,21 @@ def test_an_unregistered_scheduler_of_the_registered_optimizer_is_refused():
     cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt2, 5)
     seq = torch.optim.lr_scheduler.SequentialLR(opt2, [warm, cos], milestones=[2])
     StateRegistry().register(model=m, optimizer=opt2, scheduler=seq)  # (its parts inside)
+
+
+def test_a_second_optimizers_unregistered_scheduler_is_refused_too():
+    """A GAN's discriminator optimizer, registered by name: its scheduler left out was not
+    refused (only the main optimizer's was), and a heal left it at another rate."""
+    g, d = _model(), _model()
+    opt_g = torch.optim.Adam(g.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(d.parameters(), lr=1e-3)
+    sched_g = torch.optim.lr_scheduler.StepLR(opt_g, 3)
+    sched_d = torch.optim.lr_scheduler.ExponentialLR(opt_d, 0.9)
+    with pytest.raises(TypeError, match="ExponentialLR steps a registered optimizer"):
+        StateRegistry().register(model=g, optimizer=opt_g, sched_g=sched_g, opt_d=opt_d)
+    StateRegistry().register(
+        model=g, optimizer=opt_g, sched_g=sched_g, opt_d=opt_d, sched_d=sched_d
+    )
 
 
 def test_a_state_a_heal_cannot_send_is_refused_at_register_naming_where():

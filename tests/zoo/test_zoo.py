@@ -104,7 +104,7 @@ def test_a_scheduler_left_out_of_register_fails_the_job_at_once_and_says_why(tmp
         tmp_path, "forgot", "lm.py", args=("--steps", "4", "--forget-scheduler"), expect=1
     )
     log = (run / "launcher.log").read_text()
-    assert "LambdaLR steps the registered optimizer but is not registered" in log
+    assert "LambdaLR steps a registered optimizer but is not registered" in log
     assert not any(e["event"] == "commit" for e in read_events(run))
 
 

@@ -49,7 +49,7 @@ def unregistered_scheduler(optimizer: torch.optim.Optimizer | None, registered: 
     for sched in found:
         if id(sched) not in known and getattr(sched, "optimizer", None) is opt:
             raise TypeError(
-                f"a {type(sched).__name__} steps the registered optimizer but is not "
+                f"a {type(sched).__name__} steps a registered optimizer but is not "
                 "registered: a member that heals or restores would train at another "
                 "learning rate than its peers. Register it with the model and the "
                 "optimizer: ft.register(model=..., optimizer=..., scheduler=sched), and "

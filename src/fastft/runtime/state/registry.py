@@ -149,9 +149,12 @@ class StateRegistry:
         self.check_schedulers()
 
     def check_schedulers(self) -> None:
-        """Refuse a scheduler of the registered optimizer that is not registered
+        """Refuse a scheduler of a registered optimizer (the main one, or one registered
+        by name) that is not registered
         (:func:`fastft.runtime.state.refusals.unregistered_scheduler`)."""
-        unregistered_scheduler(self.optimizer, list(self._others.values()))
+        others = list(self._others.values())
+        for opt in [self.optimizer, *(o for o in others if isinstance(o, torch.optim.Optimizer))]:
+            unregistered_scheduler(opt, others)  # (each optimizer's: a GAN's second too)
 
     # --- per step --------------------------------------------------------------------------
     @property
