@@ -163,7 +163,7 @@ RUNTIME_WINGS = [
     {"durable"},  # checkpoints
     {"engine"},  # the step engine: its core, the executor and its parts
     {"ports", "sync"},  # the runtime as its parts see it; the sync policies over it
-    {"health", "transaction", "restart"},
+    {"health", "transaction", "restart", "endcheck"},
     {"attempt"},
     {"api"},
 ]

@@ -262,3 +262,20 @@ def test_a_loader_without_a_generator_and_a_models_own_counter_end_bitwise_equal
     assert same_everywhere(run, 14) == clean
     assert clean["steps_seen"] == 14
     faults_happened(run)
+
+
+def test_a_divergence_after_the_last_check_is_found_at_the_jobs_end(tmp_path):
+    """Rank 2 nudges its EMA after the last step's commit (issue 61: no check compared the
+    state after the last commit, and the job ended 0 with different replicas): the check
+    at the job's end names the item and the member, and the job fails with exit 94's
+    reason instead."""
+    args = ("--steps", "6", "--perturb", "2:5")
+    run = zoo_run(tmp_path, "late", "lm.py", args=args, expect=1)
+    log = (run / "launcher.log").read_text()
+    assert "at the job's end, after the commit of step 5" in log, log[-3000:]
+    got = [e for e in read_events(run) if e["event"] == "replicas_diverged"]
+    assert got and {(e["items"][0], tuple(e["minority"])) for e in got} == {("ema", (2,))}
+    checks = [e for e in read_events(run) if e["event"] == "end_check"]
+    assert checks and all(e["compared"] for e in checks), (
+        checks
+    )  # (the others: killed as it failed)

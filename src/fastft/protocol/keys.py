@@ -107,6 +107,11 @@ class JobKeys:
         """A lower bound of the job's committed step (set off the training path)."""
         return f"{self.root}/committed"
 
+    def end_sums(self, epoch: int, step: int, rank: int) -> str:
+        """A member's replica checksums at the job's end, in ``epoch`` after ``step``
+        committed (:mod:`fastft.runtime.endcheck`)."""
+        return f"{self.root}/rt/end/{epoch}/{step}/{rank}"
+
     @property
     def finished(self) -> str:
         """Set (to the final step) by a member that closed after its last committed step:

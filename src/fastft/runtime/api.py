@@ -40,6 +40,7 @@ from fastft.protocol.auth import JobSecret, ValueAuth
 from fastft.protocol.exits import ending_path
 from fastft.runtime.attempt import StepAttempts
 from fastft.runtime.contract import Member, RuntimeConfig
+from fastft.runtime.endcheck import end_check
 from fastft.runtime.endings import Drained, JobFinished, ScriptError, WorkerExit
 from fastft.runtime.engine.build import build_engine
 from fastft.runtime.engine.coordinator import DECISION_WAIT_S
@@ -323,6 +324,8 @@ class Runtime:
                 self._store.set(self.keys.finished, str(x.state.step))
             except Exception:
                 log.debug("could not mark the job finished", exc_info=True)
+            with self.heartbeat.blocked:  # (it waits for the others' sums)
+                end_check(self, self._store)  # (ReplicasDiverged: exit 94, closed by it)
         x.feed(Shutdown("closed"))
         with x.lock:
             x.cond.notify_all()

@@ -39,7 +39,7 @@ from fastft.runtime.state.compare import (
     verdict,
 )
 from fastft.runtime.state.data import Batches, batch_digest
-from fastft.runtime.state.registry import reseed
+from fastft.runtime.state.rng import reseed
 from fastft.runtime.sync import outer_due, outer_step
 
 if TYPE_CHECKING:

@@ -8,15 +8,13 @@ during the forward pass or when data is drawn, so they are snapshotted when a st
 and restored when it rolls back. A heal sends everything, plus the committed step.
 
 RNG: the runtime reseeds Python, NumPy and torch from (seed, step, rank) at the start of
-every step attempt, so a retried step draws the same numbers as the first attempt and a
-restarted worker draws what it would have drawn: RNG state is a function of the step and
-needs no transfer.
+every step attempt (:func:`fastft.runtime.state.rng.reseed`): RNG state is a function of
+the step and needs no transfer.
 """
 
 from __future__ import annotations
 
 import hashlib
-import random
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -40,10 +38,9 @@ from fastft.runtime.state.wire import (
 if TYPE_CHECKING:
     from fastft.runtime.state.outer import Outer
 
-__all__ = ["MODEL_ATTRIBUTES", "ByReference", "Stateful", "StateRegistry", "reseed"]
+__all__ = ["MODEL_ATTRIBUTES", "ByReference", "Stateful", "StateRegistry"]
 
-MODEL_ATTRIBUTES = "model_attributes"
-"""The name the registered model's plain attributes go by (:mod:`.attributes`)."""
+MODEL_ATTRIBUTES = "model_attributes"  # (the model's plain attributes: :mod:`.attributes`)
 
 
 def _version(t: torch.Tensor) -> int:
@@ -74,24 +71,6 @@ class ByReference(Stateful, Protocol):
     def pending(self) -> bool:
         """Whether the values are not made yet (a build that a heal may replace: reading
         ``state_dict()`` makes them)."""
-
-
-def reseed(seed: int, step: int, rank: int) -> None:
-    """Seed every global RNG from (seed, step, rank): deterministic per step attempt."""
-    s = (seed * 1_000_003 + step) * 1_000_033 + rank
-    s &= 2**63 - 1
-    random.seed(s)
-    # torch.manual_seed also visits every accelerator backend (~0.1 ms per call on CPU);
-    # the CPU generator and, once CUDA is in use, the CUDA ones are all a step needs.
-    torch.default_generator.manual_seed(s)
-    if torch.cuda.is_initialized():  # pragma: no cover - GPU machines only
-        torch.cuda.manual_seed_all(s)
-    try:
-        import numpy as np
-
-        np.random.seed(s & (2**32 - 1))
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
 
 
 class StateRegistry:
@@ -142,10 +121,9 @@ class StateRegistry:
                 )
             unsendable(name, obj)  # refused now, not after a fault's retries
             self._others[name] = obj
-        if model is not None and MODEL_ATTRIBUTES not in self._others:
-            found = module_attributes(model)  # (the script's own values on its modules)
-            if found:
-                self._others[MODEL_ATTRIBUTES] = ModuleAttributes(found)
+        found = module_attributes(model) if model is not None else {}  # (its own values)
+        if found and MODEL_ATTRIBUTES not in self._others:
+            self._others[MODEL_ATTRIBUTES] = ModuleAttributes(found)
         self.check_schedulers()
 
     def check_schedulers(self) -> None:
