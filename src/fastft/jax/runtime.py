@@ -35,7 +35,7 @@ import torch
 
 from fastft.jax import rehearsal
 from fastft.jax.rehearsal import Rehearsal, Tracing
-from fastft.jax.state import PyTrees, StateMisuse
+from fastft.jax.state import FROM_LOCALS, NO_PROPOSAL, PyTrees, StateMisuse
 from fastft.jax.trees import layout_of, padded, split, to_flat
 from fastft.runtime.api import Runtime
 from fastft.runtime.api import init as init_runtime
@@ -60,6 +60,7 @@ class JaxRuntime:
         overrides: Mapping[str, Any] | None = None,
     ) -> None:
         self.trees = PyTrees()
+        self.read_state = False  # (:attr:`state` read since the last step ended)
         self.rehearsal = rehearsing
         """A warm spare's rehearsal of the first step, until its order (else None)."""
         self._rt: Runtime | None = None
@@ -181,6 +182,7 @@ class JaxRuntime:
     @property
     def state(self) -> Mapping[str, Any]:
         """The committed pytrees by name (read-only; a step proposes new ones)."""
+        self.read_state = True
         return MappingProxyType(self.trees.committed)
 
     def transaction(self) -> JaxTransaction:
@@ -286,13 +288,7 @@ class JaxTransaction:
     def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
         if et is None and not self.proposed and self.ft.trees.committed:
             try:
-                raise StateMisuse(
-                    f"step {self.step} ended without tx.propose(...): its update would be "
-                    "lost, and a member that heals would train from state the others no "
-                    "longer hold. Propose the step's new pytrees from ft.state every step "
-                    "(params kept in the script's own variables are not what a heal gives "
-                    "back); a step that changes nothing says so with tx.propose()"
-                )
+                raise StateMisuse(NO_PROPOSAL.format(step=self.step))
             except StateMisuse as e:
                 self._misuse(e)
         if self.tx is None:  # the rehearsal: its proposal dropped, then the order awaited
@@ -303,6 +299,7 @@ class JaxTransaction:
         try:
             return self.tx.__exit__(et, ev, tb)
         finally:
+            self.ft.read_state = False  # (the next step reads what this one left)
             self.ft.first_step_done(self)
 
     def _at(self, name: str) -> int:
@@ -405,6 +402,8 @@ class JaxTransaction:
                     "silently into the first; propose every new pytree in one call, "
                     "tx.propose(params=..., opt=...)"
                 )
+            if trees and self.tx is not None and not self.ft.read_state:
+                raise StateMisuse(FROM_LOCALS.format(step=self.step))
             self.ft.trees.propose(trees)
         except StateMisuse as e:
             self._misuse(e)

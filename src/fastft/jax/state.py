@@ -31,11 +31,25 @@ import torch
 
 from fastft.jax.trees import Layout, as_tensor, from_tensor, layout_of
 
-__all__ = ["PyTrees", "StateMisuse"]
+__all__ = ["FROM_LOCALS", "NO_PROPOSAL", "PyTrees", "StateMisuse"]
 
 
 class StateMisuse(ValueError):
     """The script did something to its registered pytrees that fastft cannot make safe."""
+
+
+NO_PROPOSAL = (
+    "step {step} ended without tx.propose(...): its update would be lost, and a member that "
+    "heals would train from state the others no longer hold. Propose the step's new "
+    "pytrees from ft.state every step (params kept in the script's own variables are not "
+    "what a heal gives back); a step that changes nothing says so with tx.propose()"
+)
+FROM_LOCALS = (
+    "step {step} proposed new pytrees without reading ft.state since the last step ended: "
+    "they were computed from the script's own variables, which a rollback does not put "
+    "back (a retried step would start from its failed attempt's update) and a heal does "
+    'not fill. Read the committed state at the top of every step: ft.state["params"], ...'
+)
 
 
 class PyTrees:
