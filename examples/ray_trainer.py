@@ -53,7 +53,14 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=50)
     ap.add_argument("--storage", default=None, help="where run directories go (./runs)")
     ap.add_argument("--flags", default="", help="more fastft run flags, space-separated")
+    ap.add_argument(
+        "--ray-init", action="store_true", help="call ray.init() first, as Ray scripts do"
+    )
     a = ap.parse_args()
+    if a.ray_init:  # (the Trainer then uses this connection, and leaves it open)
+        import ray
+
+        ray.init(address=a.address, log_to_driver=False)
     result = Trainer(
         train_loop,
         train_loop_config={"lr": 3e-3, "steps": a.steps, "batch": 32},

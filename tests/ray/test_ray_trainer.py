@@ -27,6 +27,7 @@ def test_the_trainer_example_survives_a_worker_kill_and_returns_its_result(clust
     cmd = [sys.executable, str(EXAMPLE), "--address", cluster.address, "--steps", "16"]
     cmd += ["--checkpoint-every", "5", "--storage", str(tmp_path / "runs")]
     cmd += ["--flags", f"--inject {plan} --check-every 1"]
+    cmd += ["--ray-init"]  # (as every Ray script does: the Trainer failed "no Ray cluster")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads(p.stdout.strip().splitlines()[-1])

@@ -5,6 +5,7 @@ or silence means for the job."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +158,17 @@ def test_a_dead_agent_actor_is_replaced_by_its_standby_until_out_of_restarts():
     assert t.died(standby=False) == "new" and "a new agent starts (restart 2 of 2)" in t.notes[-1]
     assert t.died(standby=True) == "failed" and t.status == 1
     assert "after 2 restart(s) of the node (--max-node-restarts)" in t.notes[-1]
+
+
+def test_a_failed_trainings_error_says_what_failed_it():
+    """Issue 62: a training function's ValueError ended in "the job failed (status 1)"."""
+    from fastft.ray.trainer import Result, TrainingFailed, _why_failed
+
+    ev = [
+        {"event": "local_fault", "src": "rank 1", "cause": "ValueError: bad shape (3, 4)"},
+        {"event": "job_failed", "src": "agent 0", "reason": "rank 1 failed 4 times"},
+    ]
+    why = _why_failed(ev)
+    assert why == "rank 1 failed 4 times; rank 1: ValueError: bad shape (3, 4)"
+    result = Result(metrics={}, path=Path("/tmp/run"), checkpoint=None, summary={})
+    assert "bad shape (3, 4)" in str(TrainingFailed(1, result, why))

@@ -112,19 +112,22 @@ def run(
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    decide.reachable(address)
-    try:
-        ray.init(
-            address=address,
-            log_to_driver=False,
-            logging_level="ERROR",
-            include_dashboard=False,
-            configure_logging=False,
-            # (the job's: Ray uploads a local working_dir at ray.init, not per actor)
-            runtime_env=runtime_env,
-        )
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise RayJobError(f"no Ray cluster at {address}: {e}") from None
+    ours = not ray.is_initialized()  # (a driver that called ray.init() keeps its own)
+    if ours:
+        decide.reachable(address)
+        try:
+            ray.init(
+                address=address,
+                log_to_driver=False,
+                logging_level="ERROR",
+                include_dashboard=False,
+                configure_logging=False,
+                # (the job's: Ray uploads a local working_dir at ray.init, not per actor)
+                runtime_env=runtime_env,
+            )
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise RayJobError(f"no Ray cluster at {address}: {e}") from None
+    actor_env = {} if ours or not runtime_env else {"runtime_env": runtime_env}
     pg = None
     actors: list[Any] = []
     created: list[Any] = []  # (every agent actor and standby: all stopped at the end)
@@ -204,6 +207,7 @@ def run(
                 max_task_retries=0,
                 scheduling_strategy=on(i),
                 name=name,
+                **actor_env,
             ).remote(i, argvs[i], blob, secret_path, run_dir, files, warm)
             created.append(a)
             return a
@@ -232,7 +236,8 @@ def run(
             ray.kill(a, no_restart=True)
         if pg is not None:
             remove_placement_group(pg)
-        ray.shutdown()
+        if ours:
+            ray.shutdown()
 
 
 class _Nodes:

@@ -102,13 +102,15 @@ class Result:
 class TrainingFailed(RayJobError):
     """The job ended with a non-zero status; ``result`` holds what it left."""
 
-    def __init__(self, status: int, result: Result) -> None:
+    def __init__(self, status: int, result: Result, why: str = "") -> None:
         super().__init__(
-            f"the job failed (status {status}); its run directory: {result.path} "
-            f"(fastft report {result.path})"
+            f"the job failed (status {status}){': ' + why if why else ''}; its run "
+            f"directory: {result.path} (fastft report {result.path})"
         )
         self.status = status
         self.result = result
+        self.why = why
+        """What the run's events say failed it (the job's reason, the last worker error)."""
 
 
 class Trainer:
@@ -211,8 +213,21 @@ class Trainer:
             summary=_summary(run_dir),
         )
         if status != 0:
-            raise TrainingFailed(status, result)
+            raise TrainingFailed(status, result, _why_failed(_events(run_dir)))
         return result
+
+
+def _why_failed(ev: list[dict[str, Any]]) -> str:
+    """The job's failure as its events tell it: the agent's reason, and the last error a
+    worker raised (a training function's ``ValueError`` said only "status 1")."""
+    reason = next((str(e.get("reason", "")) for e in ev if e["event"] == "job_failed"), "")
+    errors = [
+        f"{e['src']}: {e.get('error') or e.get('cause')}"
+        for e in ev
+        if e["event"] in ("script_error", "local_fault") and (e.get("error") or e.get("cause"))
+    ]
+    parts = [p for p in (reason, errors[-1] if errors else "") if p]
+    return "; ".join(parts)[:600]
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
