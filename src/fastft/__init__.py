@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 if TYPE_CHECKING:
-    from fastft.runtime import Batches, Runtime, RuntimeConfig, Transaction, init
+    from fastft.runtime import Batches, Optimizers, Runtime, RuntimeConfig, Transaction, init
 
-__all__ = ["init", "Batches", "Runtime", "RuntimeConfig", "Transaction"]
+__all__ = ["init", "Batches", "Optimizers", "Runtime", "RuntimeConfig", "Transaction"]
 
 
 def __getattr__(name: str) -> Any:

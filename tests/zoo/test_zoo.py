@@ -279,3 +279,15 @@ def test_a_divergence_after_the_last_check_is_found_at_the_jobs_end(tmp_path):
     assert checks and all(e["compared"] for e in checks), (
         checks
     )  # (the others: killed as it failed)
+
+
+def test_a_gan_with_two_optimizers_and_two_schedulers_ends_bitwise_equal(tmp_path):
+    """tests/zoo/gan.py (issue 61, case 6): two nets as one module, two optimizers as a
+    list (``fastft.Optimizers``), a scheduler each, BatchNorm in one, through every fault
+    kind; and a scheduler of the second optimizer left out is refused at register."""
+    args = ("--steps", "14")
+    clean = same_everywhere(zoo_run(tmp_path, "clean", "gan.py", args=args), 14)
+    run = zoo_run(tmp_path, "faults", "gan.py", args=args, plan=EVERY_KIND)
+    assert same_everywhere(run, 14) == clean
+    assert clean["lr"][1] == pytest.approx(1e-3 * 0.95**14)
+    faults_happened(run)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from fastft.runtime.contract import EXIT_STATE_LOST, EpochView, Member, RuntimeConfig
     from fastft.runtime.endings import JobFinished, StateLost, WorkerExit
     from fastft.runtime.state.data import Batches
+    from fastft.runtime.state.optimizers import Optimizers
     from fastft.runtime.state.registry import StateRegistry
 
 _WHERE = {
@@ -25,6 +26,7 @@ _WHERE = {
     "EventLog": "fastft.process.events",
     "JobFinished": "fastft.runtime.endings",
     "Member": "fastft.runtime.contract",
+    "Optimizers": "fastft.runtime.state.optimizers",
     "Runtime": "fastft.runtime.api",
     "RuntimeConfig": "fastft.runtime.contract",
     "StateLost": "fastft.runtime.endings",
@@ -42,6 +44,7 @@ __all__ = [
     "EventLog",
     "JobFinished",
     "Member",
+    "Optimizers",
     "Runtime",
     "RuntimeConfig",
     "StateLost",

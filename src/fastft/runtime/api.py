@@ -17,7 +17,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -170,7 +170,7 @@ class Runtime:
     def register(
         self,
         model: nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         outer_optimizer: OuterOptimizer | None = None,
         **others: Any,
     ) -> Runtime:

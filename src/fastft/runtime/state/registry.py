@@ -15,7 +15,7 @@ the step and needs no transfer.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,6 +24,7 @@ from torch import nn
 
 from fastft.runtime.groups.hsdp import is_sharded, load_model_shards, local, optimizer_shards
 from fastft.runtime.state.attributes import ModuleAttributes, module_attributes
+from fastft.runtime.state.optimizers import Optimizers
 from fastft.runtime.state.refusals import unregistered_scheduler, unsendable
 from fastft.runtime.state.wire import (
     _bytes,
@@ -98,7 +99,7 @@ class StateRegistry:
     def register(
         self,
         model: nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         **others: Stateful,
     ) -> None:
         if model is not None:
@@ -106,6 +107,8 @@ class StateRegistry:
                 raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
             self.model = model
             self._sharded = None
+        if isinstance(optimizer, list | tuple):  # (several: a GAN's, :mod:`.optimizers`)
+            optimizer = Optimizers(*optimizer)
         if optimizer is not None:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(
@@ -131,7 +134,8 @@ class StateRegistry:
         by name) that is not registered
         (:func:`fastft.runtime.state.refusals.unregistered_scheduler`)."""
         others = list(self._others.values())
-        for opt in [self.optimizer, *(o for o in others if isinstance(o, torch.optim.Optimizer))]:
+        opts = [self.optimizer, *(o for o in others if isinstance(o, torch.optim.Optimizer))]
+        for opt in [*opts, *getattr(self.optimizer, "optimizers", [])]:
             unregistered_scheduler(opt, others)  # (each optimizer's: a GAN's second too)
 
     # --- per step --------------------------------------------------------------------------
