@@ -48,7 +48,7 @@ def test_a_state_round_trips_and_fresh_optimizers_train_on_identically():
     od2 = torch.optim.SGD(d2.parameters(), lr=0.1, momentum=0.9)
     again = Optimizers(og2, od2)
     again.load_state_dict(state)
-    assert og2.state is od2.state is again.state and len(again.state) == 6
+    assert len(again.state) == 6 and og2.state_dict()["param_groups"][0]["params"] == [0, 1]
     assert (og2.param_groups[0]["lr"], od2.param_groups[0]["lr"]) == (
         og.param_groups[0]["lr"],
         0.0125,

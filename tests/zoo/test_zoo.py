@@ -291,3 +291,18 @@ def test_a_gan_with_two_optimizers_and_two_schedulers_ends_bitwise_equal(tmp_pat
     assert same_everywhere(run, 14) == clean
     assert clean["lr"][1] == pytest.approx(1e-3 * 0.95**14)
     faults_happened(run)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_of_shards_ends_bitwise_equal_through_every_fault_kind(tmp_path, workers):
+    """tests/zoo/stream.py (issue 61, case 2): an ``IterableDataset`` read shard by shard,
+    with random augmentation, under ``StatefulDataLoader`` with 0 or 2 workers, across a
+    pass's end. fastft keeps the stream's position itself (the batches drawn in the pass,
+    drawn again and dropped at a restore): torchdata's, restored, counted batches twice,
+    and the first restart ended the job (exit 94, "'data' differs")."""
+    args = ("--steps", "16", "--workers", str(workers))
+    clean = same_everywhere(zoo_run(tmp_path, "clean", "stream.py", args=args), 16)
+    run = zoo_run(tmp_path, "faults", "stream.py", args=args, plan=EVERY_KIND)
+    assert same_everywhere(run, 16) == clean
+    assert clean["pass"] == 1  # (a pass is 12 batches: the stream started again)
+    faults_happened(run)

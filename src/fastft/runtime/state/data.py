@@ -51,7 +51,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fastft.runtime.state.samples import install
+from fastft.runtime.state.samples import install, sample_seed, seeded
 
 __all__ = ["Batches", "batch_digest"]
 
@@ -166,6 +166,13 @@ class Batches:
         """The loader's dataset, seeding each sample's random draws from (seed, pass,
         index) (:mod:`.samples`); None: not a map-style dataset, or ``seed_samples=False``."""
         self._resume = False  # the loader's next iterator resumes a loaded pass: no reseed
+        self._iterable = isinstance(
+            getattr(loader, "dataset", None), torch.utils.data.IterableDataset
+        )
+        """A stream (an ``IterableDataset``): its position is fastft's own, the batches
+        drawn in the pass (torchdata's, restored, counted some twice: issue 61)."""
+        self._in_pass = 0  # (batches the loader yielded in this pass)
+        self._skip = 0  # (a stream restored: batches its next pass's iterator skips)
         self._seed_pass()  # before any state is taken: a state of pass 0 names its order
         self.digest: int | None = None
         """Of the batches drawn since :meth:`start_step` (None: none drawn), which the
@@ -215,14 +222,32 @@ class Batches:
                 state = torch.default_generator.get_state()
                 try:
                     self._it = iter(self.loader)
+                    self._in_pass, skip, self._skip = 0, self._skip, 0
+                    for _ in range(skip):  # (a stream's position: drawn again, dropped)
+                        with self._stream_seed():
+                            next(self._it)
+                        self._in_pass += 1
                 finally:
                     torch.default_generator.set_state(state)
             try:
-                return next(self._it)
+                with self._stream_seed():
+                    batch = next(self._it)
+                self._in_pass += 1
+                return batch
             except StopIteration:
                 self._it = None
                 self.epoch += 1
         raise RuntimeError(f"{type(self.loader).__name__} yields no batch at all")
+
+    def _stream_seed(self) -> AbstractContextManager[Any]:
+        """A stream read in this process draws its randomness (augmentation in its
+        ``__iter__``) from the global generators: seeded from (seed, pass, batch) around
+        each batch, the same on every member and after every restore (the step's own
+        seeds are per rank). Loader workers seed themselves from the pass's seed."""
+        workers: Any = getattr(self.loader, "num_workers", 0)
+        if not self._iterable or workers:
+            return nullcontext()
+        return seeded(sample_seed(self._seeds[0] if self._seeds else 0, self.epoch, self._in_pass))
 
     def _seed_pass(self) -> None:
         for g, seed in zip(self._gens, self._seeds, strict=True):
@@ -241,7 +266,9 @@ class Batches:
                 "pos": self._pos,
                 "epoch": self.epoch,
                 "seeds": list(self._seeds),
-                "loader": self.loader.state_dict(),
+                # (a stream's position is fastft's; a loader's own state is its position)
+                **({"in_pass": self._in_pass} if self._iterable else {}),
+                "loader": {} if self._iterable else self.loader.state_dict(),
             }
         if not self._marks or self._marks[-1] != self._pos:
             self._marks.append(self._pos)
@@ -263,9 +290,17 @@ class Batches:
         seeds = state.get("seeds")
         if seeds is not None and len(seeds) == len(self._gens):  # the passes after this one
             self._seeds = [int(x) for x in seeds]
+        self._load_loader(state)
+        self._state = state  # not asked of the loader before it yields again
+
+    def _load_loader(self, state: dict[str, Any]) -> None:
+        """Put the loader where ``state`` was: its own state, or for a stream the pass
+        started again (seeded as it was) with the batches drawn in it skipped."""
+        if self._iterable:
+            self._skip, self._resume = int(state.get("in_pass", 0)), False
+            return
         self.loader.load_state_dict(state["loader"])
         self._resume = True
-        self._state = state  # not asked of the loader before it yields again
 
     def _rewind(self, pos: int, state: dict[str, Any]) -> bool:
         """Serve the batches drawn since ``pos`` again, if they were kept (a rollback)."""
@@ -288,8 +323,7 @@ class Batches:
         self._again.clear()
         self._it = None
         self._shut_down()
-        self.loader.load_state_dict(base["loader"])
-        self._resume = True
+        self._load_loader(base)
         self.epoch = int(base["epoch"])
         for _ in range(served):
             self._draw()

@@ -3,8 +3,8 @@ an encoder and a head at their own settings.
 
 ``ft.register(model=nets, optimizer=[opt_g, opt_d])`` (or ``fastft.Optimizers(opt_g,
 opt_d)``) gives fastft one optimizer whose parameter groups are the given optimizers'
-groups in order and whose state is theirs (one dict they share: its keys are parameters,
-each optimizer's own): a commit steps every one, a rollback puts every group's settings
+groups in order and whose state is theirs (keyed by parameter: each optimizer's own):
+a commit steps every one, a rollback puts every group's settings
 back, a heal, a checkpoint and the replica check carry all of them in torch's own
 ``state_dict`` format, and ``register`` refuses a scheduler of any of them left out. Each
 optimizer stays the script's: its schedulers step it as before.
@@ -15,6 +15,7 @@ the buffers of every one are then reduced as a single model's are.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,14 +40,15 @@ class Optimizers(torch.optim.Optimizer):
         self._share()
 
     def _share(self) -> None:
-        """One state dict for every optimizer (their keys, parameters, never collide) and
-        their groups in order, as this optimizer's own."""
-        shared = self.optimizers[0].state
-        for o in self.optimizers[1:]:
-            shared.update(o.state)
-            o.state = shared
-        self.state = shared
+        """Every optimizer's groups in order, as this optimizer's own."""
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> defaultdict[torch.Tensor, Any]:  # type: ignore[override]
+        """Every optimizer's state by parameter (a merged view: their keys, parameters,
+        never collide; each optimizer keeps its own dict, which its own ``state_dict``
+        reads)."""
+        return defaultdict(dict, ((p, st) for o in self.optimizers for p, st in o.state.items()))
 
     def step(self, closure: Any = None) -> Any:
         if closure is not None:
@@ -92,7 +94,7 @@ class Optimizers(torch.optim.Optimizer):
                     "param_groups": [{**g, "params": [new[i] for i in g["params"]]} for g in mine],
                 }
             )
-        self._share()  # (each load made the optimizer a new state dict and new groups)
+        self._share()  # (each load made the optimizer new groups)
 
     def __repr__(self) -> str:
         return f"Optimizers({', '.join(type(o).__name__ for o in self.optimizers)})"

@@ -15,13 +15,15 @@ sample's content, not only the order, is a function of the data position.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["SeededSamples", "install", "sample_seed"]
+__all__ = ["SeededSamples", "install", "sample_seed", "seeded"]
 
 
 def sample_seed(seed: int, epoch: int, index: Any) -> int:
@@ -45,29 +47,37 @@ class SeededSamples(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: Any) -> Any:
-        s = sample_seed(self.seed, self.epoch, index)
-        np = _numpy()
-        saved = (
-            torch.default_generator.get_state(),
-            random.getstate(),
-            np.random.get_state() if np is not None else None,
-        )
-        torch.default_generator.manual_seed(s)
-        random.seed(s)
-        if np is not None:
-            np.random.seed(s & (2**32 - 1))
-        try:
+        with seeded(sample_seed(self.seed, self.epoch, index)):
             return self.dataset[index]
-        finally:
-            torch.default_generator.set_state(saved[0])
-            random.setstate(saved[1])
-            if np is not None:
-                np.random.set_state(saved[2])
 
     def __getattr__(self, name: str) -> Any:
         if name == "dataset":  # (not set yet: unpickling)
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+
+@contextlib.contextmanager
+def seeded(s: int) -> Iterator[None]:
+    """Run the block with torch's, Python's and NumPy's global generators seeded from
+    ``s``; the caller's states are put back after. Also a stream's batch drawn in the
+    main process (:class:`fastft.Batches`: its augmentation, from (seed, pass, batch))."""
+    np = _numpy()
+    saved = (
+        torch.default_generator.get_state(),
+        random.getstate(),
+        np.random.get_state() if np is not None else None,
+    )
+    torch.default_generator.manual_seed(s)
+    random.seed(s)
+    if np is not None:
+        np.random.seed(s & (2**32 - 1))
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(saved[0])
+        random.setstate(saved[1])
+        if np is not None:
+            np.random.set_state(saved[2])
 
 
 def _numpy() -> Any:
