@@ -108,3 +108,34 @@ def test_workers_that_fail_after_commits_are_not_reported_as_never_starting(tmp_
     assert "before its first commit" not in p.stderr, p.stderr[-3000:]
     assert "job finished" not in p.stderr, p.stderr[-3000:]
     assert "every holder of the committed state was lost" in p.stderr, p.stderr[-3000:]
+
+
+VALUE_ERROR_SCRIPT = """
+import torch, fastft
+ft = fastft.init()
+model = torch.nn.Linear(4, 1)
+ft.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+while ft.step < 8:
+    with ft.transaction() as tx:
+        if tx.step == 3 and tx.rank == 1:
+            raise ValueError("labels and logits have different lengths (24, 23)")
+        model(torch.ones(2, 4)).sum().backward()
+        tx.allreduce_gradients()
+ft.close()
+"""
+
+
+def test_an_error_a_retry_raises_again_fails_the_job_with_it_not_after_restarts(tmp_path):
+    """Issue 62: a training function's ValueError took 29 s to fail the job (retries, then
+    restarts, each raising it again). Raised the same way by the step's retry, it is the
+    script's own error: the job fails at once, the error and its line in the reason."""
+    script = tmp_path / "train.py"
+    script.write_text(VALUE_ERROR_SCRIPT)
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2"]
+    cmd += ["--run-dir", str(tmp_path / "run"), str(script)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "step 3 raised ValueError at" in p.stderr and "(24, 23), twice" in p.stderr
+    ev = read_events(tmp_path / "run")
+    assert not [e for e in ev if e["event"] == "restart"], "a restart cannot help"
+    assert len([e for e in ev if e["event"] == "local_fault"]) == 1  # (one retry, then not)

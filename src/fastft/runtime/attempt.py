@@ -27,6 +27,8 @@ from fastft.runtime.endings import (
     ReplicasDiverged,
     ScriptError,
     misuse,
+    repeated,
+    signature,
 )
 from fastft.runtime.groups.flow import POLL_S
 from fastft.runtime.state.compare import (
@@ -59,6 +61,9 @@ class StepAttempts:
         self.batches: list[Batches] = []
         """Registered ``fastft.Batches``: their digests are compared before each vote."""
         self.retries = 0
+        self.raised: tuple[int, tuple[str, str, str]] | None = None
+        """The step and the error its last attempt raised, if the script's kind of error
+        (:func:`~fastft.runtime.endings.signature`): the same again in its retry stops it."""
         """Attempts of the current step that raised, in a row."""
         self.step_gen = 0
         """The engine's phase changes when the current attempt began."""
@@ -170,6 +175,10 @@ class StepAttempts:
         why = misuse(ev) if isinstance(ev, Exception) else None
         if why is not None:  # no retry or restart can help: the job fails at once
             self._script_error(step, why, ev)
+        sig = signature(ev) if isinstance(ev, Exception) else None
+        if sig is not None and self.raised == (step, sig):  # (the retry raised it again)
+            self._script_error(step, repeated(sig, step), ev)
+        self.raised = (step, sig) if sig is not None else None
         # A collective of fastft's own that failed (a peer's connection closed: its death,
         # whose notice is on the way) is no fault of this group: it entered every one of
         # its group's collectives and lives on, so it rolls back as any member does.

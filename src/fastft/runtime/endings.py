@@ -33,6 +33,8 @@ __all__ = [
     "Unhealthy",
     "WorkerExit",
     "misuse",
+    "repeated",
+    "signature",
 ]
 
 
@@ -85,6 +87,33 @@ class ScriptError(Ending):
     """The script uses fastft in a way that cannot work (see :data:`EXIT_SCRIPT_ERROR`)."""
 
     status = EXIT_SCRIPT_ERROR
+
+
+_SCRIPTS_OWN = (ValueError, LookupError, ArithmeticError, AssertionError, NotImplementedError)
+"""Errors that a step raising twice the same way (its attempt and the retry) raises
+again in every retry and restart: the script's own, not a fault (:func:`repeated`)."""
+
+
+def signature(e: BaseException) -> tuple[str, str, str] | None:
+    """What makes two raises of ``e``'s kind the same: its type, message and the script's
+    line that raised it; None for an error a retry may cure (a fault's, fastft's, torch's
+    ``RuntimeError``)."""
+    if not isinstance(e, _SCRIPTS_OWN) or isinstance(e, FastFTError):
+        return None
+    frames = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in frames if "/fastft/" not in f.filename] or frames
+    where = f"{mine[-1].filename}:{mine[-1].lineno} in {mine[-1].name}" if mine else "?"
+    return type(e).__name__, str(e)[:300], where
+
+
+def repeated(sig: tuple[str, str, str], step: int) -> str:
+    """Why a step that raised the same error twice (``sig``) stops the job."""
+    kind, message, where = sig
+    return (
+        f"step {step} raised {kind} at {where}: {message}, twice the same way (its attempt "
+        "and the retry): the script's own error, not a fault; every retry and restart would "
+        "raise it again, so the job stops at once"
+    )
 
 
 def misuse(e: BaseException) -> str | None:
