@@ -49,6 +49,15 @@ def test_checkpoints_that_keep_failing_fail_the_job_with_the_reason(tmp_path: Pa
     assert len(failed) >= 3
 
 
+def run_inline(tmp_path: Path, text: str) -> subprocess.CompletedProcess:
+    """``fastft run --nproc 2`` of the script ``text`` (run dir ``tmp_path/run``)."""
+    script = tmp_path / "train.py"
+    script.write_text(text)
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2"]
+    cmd += ["--run-dir", str(tmp_path / "run"), str(script)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
 ALLREDUCE_SCRIPT = """
 import torch, torch.distributed as dist, fastft
 ft = fastft.init()
@@ -64,11 +73,7 @@ ft.close()
 
 
 def test_a_collective_on_the_default_group_fails_the_job_at_once_with_what_to_use(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(ALLREDUCE_SCRIPT)
-    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2"]
-    cmd += ["--run-dir", str(tmp_path / "run"), str(script)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    p = run_inline(tmp_path, ALLREDUCE_SCRIPT)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "use tx.allreduce_gradients() or tx.allreduce([tensors])" in p.stderr, p.stderr[-3000:]
     assert "the script uses fastft in a way that cannot work" in p.stderr
@@ -98,11 +103,7 @@ def test_workers_that_fail_after_commits_are_not_reported_as_never_starting(tmp_
     start" (the runtime's close zeroed the heartbeat's record of commits), and the
     restarted workers, told the job had finished (the ``with`` closed it as a clean end),
     exited 0."""
-    script = tmp_path / "train.py"
-    script.write_text(EVAL_SCRIPT)
-    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2"]
-    cmd += ["--run-dir", str(tmp_path / "run"), str(script)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    p = run_inline(tmp_path, EVAL_SCRIPT)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "evaluation failed (test)" in p.stderr
     assert "before its first commit" not in p.stderr, p.stderr[-3000:]
@@ -129,11 +130,7 @@ def test_an_error_a_retry_raises_again_fails_the_job_with_it_not_after_restarts(
     """Issue 62: a training function's ValueError took 29 s to fail the job (retries, then
     restarts, each raising it again). Raised the same way by the step's retry, it is the
     script's own error: the job fails at once, the error and its line in the reason."""
-    script = tmp_path / "train.py"
-    script.write_text(VALUE_ERROR_SCRIPT)
-    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2"]
-    cmd += ["--run-dir", str(tmp_path / "run"), str(script)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    p = run_inline(tmp_path, VALUE_ERROR_SCRIPT)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "step 3 raised ValueError at" in p.stderr and "(24, 23), twice" in p.stderr
     ev = read_events(tmp_path / "run")

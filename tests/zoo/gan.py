@@ -12,11 +12,10 @@ bitwise against a fault-free run (issue 61: exact before only by a route no doc 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
-from lm import state_hash
+from lm import state_hash, write_final
 from torch import nn
 
 import fastft
@@ -67,16 +66,12 @@ def main() -> None:
         if tx.committed:
             sched_g.step()
             sched_d.step()
-    if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        record = {
-            "step": ft.step,
-            "hash": state_hash(nets.state_dict(), opt_g.state_dict(), opt_d.state_dict()),
-            "lr": [opt_g.param_groups[0]["lr"], opt_d.param_groups[0]["lr"]],
-            "commits": ft.commits,
-            "rollbacks": ft.rollbacks,
-        }
-        (a.out / f"final-rank{ft.rank}.json").write_text(json.dumps(record))
+    write_final(
+        a.out,
+        ft,
+        hash=state_hash(nets.state_dict(), opt_g.state_dict(), opt_d.state_dict()),
+        lr=[opt_g.param_groups[0]["lr"], opt_d.param_groups[0]["lr"]],
+    )
     ft.close()
 
 

@@ -70,6 +70,16 @@ class Stats:
         self.tokens, self.steps, self.recent = st["tokens"], st["steps"], list(st["recent"])
 
 
+def write_final(out: Path | None, ft: Any, **record: Any) -> None:
+    """This rank's final record in ``out`` (none without ``--out``): ``record`` and the
+    step, with the rank's own commits and rollbacks (the zoo's tests compare the rest)."""
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"step": ft.step, **record, "commits": ft.commits, "rollbacks": ft.rollbacks}
+    (out / f"final-rank{ft.rank}.json").write_text(json.dumps(record))
+
+
 def state_hash(*objs: Any) -> str:
     """The script's own hash of everything it holds (not fastft's digest)."""
     h = hashlib.sha256()
@@ -155,21 +165,15 @@ def main() -> None:
             if a.perturb == f"{ft.rank}:{ft.step - 1}":
                 with torch.no_grad():
                     next(ema.parameters()).add_(1e-3)
-    if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        record = {
-            "step": ft.step,
-            "hash": state_hash(
-                model.state_dict(), opt.state_dict(), ema.state_dict(), stats.state_dict()
-            ),
-            "last_epoch": sched.last_epoch,
-            "lr": opt.param_groups[0]["lr"],
-            "weight_decay": opt.param_groups[0]["weight_decay"],
-            "stats": stats.state_dict(),
-            "commits": ft.commits,
-            "rollbacks": ft.rollbacks,
-        }
-        (a.out / f"final-rank{ft.rank}.json").write_text(json.dumps(record))
+    write_final(
+        a.out,
+        ft,
+        hash=state_hash(model.state_dict(), opt.state_dict(), ema.state_dict(), stats.state_dict()),
+        last_epoch=sched.last_epoch,
+        lr=opt.param_groups[0]["lr"],
+        weight_decay=opt.param_groups[0]["weight_decay"],
+        stats=stats.state_dict(),
+    )
     ft.close()
 
 

@@ -12,12 +12,11 @@ exit 94, "'data' differs": torchdata's restored position counted batches twice).
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from lm import state_hash
+from lm import state_hash, write_final
 from torch import nn
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -70,16 +69,9 @@ def main() -> None:
             loss = nn.functional.cross_entropy(model(x[mine]), y[mine])
             (loss * len(x[mine]) / len(x) * tx.world).backward()
             tx.allreduce_gradients()
-    if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        record = {
-            "step": ft.step,
-            "hash": state_hash(model.state_dict(), opt.state_dict()),
-            "pass": data.epoch,
-            "commits": ft.commits,
-            "rollbacks": ft.rollbacks,
-        }
-        (a.out / f"final-rank{ft.rank}.json").write_text(json.dumps(record))
+    write_final(
+        a.out, ft, hash=state_hash(model.state_dict(), opt.state_dict()), **{"pass": data.epoch}
+    )
     ft.close()
 
 

@@ -13,11 +13,10 @@ attribute was rolled back, healed and restored by nobody).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
-from lm import state_hash
+from lm import state_hash, write_final
 from torch import nn
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -83,16 +82,12 @@ def main() -> None:
             tx.allreduce_gradients()
         if tx.committed:
             model.steps_seen += 1
-    if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        record = {
-            "step": ft.step,
-            "hash": state_hash(model.state_dict(), opt.state_dict()),
-            "steps_seen": model.steps_seen,
-            "commits": ft.commits,
-            "rollbacks": ft.rollbacks,
-        }
-        (a.out / f"final-rank{ft.rank}.json").write_text(json.dumps(record))
+    write_final(
+        a.out,
+        ft,
+        hash=state_hash(model.state_dict(), opt.state_dict()),
+        steps_seen=model.steps_seen,
+    )
     ft.close()
 
 

@@ -11,12 +11,11 @@ run it under fault plans and check every rank bitwise against a fault-free run.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from lm import state_hash
+from lm import state_hash, write_final
 from torch import nn
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -112,22 +111,19 @@ def main() -> None:
         if tx.committed:
             sched.step()
     if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
         model.eval()
         torch.manual_seed(1)  # (the evaluation's images: the same augmentation everywhere)
         with torch.no_grad():
             x = torch.stack([Images(a.samples)[i][0] for i in range(64)])
             score = float((model(x).argmax(1) == torch.arange(64) % 10).float().mean())
-        record = {
-            "step": ft.step,
-            "hash": state_hash(model.state_dict(), opt.state_dict(), sched.state_dict()),
-            "last_epoch": sched.last_epoch,
-            "lr": opt.param_groups[0]["lr"],
-            "eval": score,
-            "commits": ft.commits,
-            "rollbacks": ft.rollbacks,
-        }
-        (a.out / f"final-rank{ft.rank}.json").write_text(json.dumps(record))
+        write_final(
+            a.out,
+            ft,
+            hash=state_hash(model.state_dict(), opt.state_dict(), sched.state_dict()),
+            last_epoch=sched.last_epoch,
+            lr=opt.param_groups[0]["lr"],
+            eval=score,
+        )
     ft.close()
 
 
