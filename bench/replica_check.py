@@ -2,7 +2,9 @@
 
 1. per check, in process: the checksums of the 4.2M-parameter MLP's whole state
    (parameters, buffers, Adam's state and settings), against a SHA-256 of the same bytes
-   (what the offline ``--check-every`` digest costs);
+   (what the offline ``--check-every`` digest costs); and the copy of the state a checked
+   step begins with, kept as the last verified state once its check passes (what a
+   mismatch's repair goes back to, issue 61), with the memory the copies hold;
 2. per fault-free step of that model under ``fastft run`` (3 Gloo workers, the job secret
    on, the worker's real connections): ``--compare-every`` 0 (off), 10 and the default
    (20), interleaved runs, medians of the median step time. The check adds at
@@ -57,6 +59,7 @@ def per_check(repeats: int) -> list[dict[str, object]]:
     for name, fn in (
         ("checksums (the replica check)", lambda: checksums(replica_items(r, replicated=True))),
         ("sha256 (the --check-every digest)", lambda: _sha(items)),
+        ("the verified copy (as a checked step begins)", lambda: r.verified.hold(r, 0)),
     ):
         fn()
         times = []
@@ -68,6 +71,21 @@ def per_check(repeats: int) -> list[dict[str, object]]:
             {"what": name, "params": params, "ms_per_check": statistics.median(times) * 1e3}
         )
     return rows
+
+
+def verified_mb() -> float:
+    """The memory the verified state holds at most: two copies of the whole state (the
+    verified one, and the one a check compares until it passes)."""
+    from fastft.runtime.state.wire import _tensors
+
+    model = build(HIDDEN, 0, LAYERS)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 32)).sum().backward()
+    opt.step()
+    r = StateRegistry()
+    r.register(model=model, optimizer=opt)
+    one = sum(t.numel() * t.element_size() for t in _tensors(r.state(0)))
+    return 2 * one / 2**20
 
 
 def _sha(items: list) -> str:
@@ -149,6 +167,7 @@ def main() -> None:
             }
         )
     check_ms = float(check_rows[0]["ms_per_check"])  # type: ignore[arg-type]
+    copy_ms = float(check_rows[2]["ms_per_check"])  # type: ignore[arg-type]
     # The default cadence's cost: what a checked step adds within the same run (the same
     # workers, minutes apart at most), amortized over the cadence, against the step. The
     # runs' medians drift by more than that between runs on this shared machine.
@@ -156,6 +175,8 @@ def main() -> None:
     per_step_ms = added.get(default, 0.0) / default
     meta = {
         "check_compute_ms": check_ms,
+        "verified_copy_ms": copy_ms,
+        "verified_copies_mb": verified_mb(),
         "check_in_worker_ms_p50": statistics.median(CHECKS) if CHECKS else None,
         "step_ms_off": off,
         "default_cadence": default,

@@ -67,10 +67,14 @@ def finals(run: Path) -> dict[int, dict]:
     }
 
 
+REPLACED = ("restore", "rewind")
+"""Events after which a member's state is another's: a checkpoint's, its verified copy's."""
+
+
 def check_s1_s3(run: Path, steps: int = STEPS, *, shard_size: int = 1, sync_every: int = 1) -> None:
     """S1 per life, S3 per step (with shard groups: among the members of each shard index,
     who hold the same part of the model; with ``--sync every-k:N``: after the sync steps,
-    the others being each group's own)."""
+    the others being each group's own; after a rewind, the steps' commits run again)."""
     ev = read_events(run)
     by_step: dict[tuple[int, int], set[str]] = defaultdict(set)
     history: dict[tuple[str, int, int], list[int]] = defaultdict(list)
@@ -84,12 +88,21 @@ def check_s1_s3(run: Path, steps: int = STEPS, *, shard_size: int = 1, sync_ever
     # before (a step applied twice) or after (one skipped).
     segment: dict[str, int] = defaultdict(int)
     healed_to: dict[tuple[str, int, int], int] = {}
+    # A rewind (a replica mismatch's repair) takes every member back to a verified step:
+    # the commits after it replace those of the steps it runs again (a corrupted member's
+    # differed; the repaired ones must agree)
+    rewinds: set[int] = set()
     for e in ev:
+        if e["event"] == "rewind":
+            if e["epoch"] not in rewinds:
+                for key in [k for k in by_step if k[0] >= e["step"]]:
+                    del by_step[key]
+            rewinds.add(e["epoch"])
         if e["event"] == "worker_start":
             life[e["src"]] = e["incarnation"]
         if e["event"] == "join_wait":
             segment[e["src"]] += 1
-        if e["event"] == "heal" and e.get("role") == "fetch" or e["event"] == "restore":
+        if e["event"] == "heal" and e.get("role") == "fetch" or e["event"] in REPLACED:
             segment[e["src"]] += 1
             healed_to[(e["src"], life[e["src"]], segment[e["src"]])] = e["step"]
         if e["event"] == "fresh_start":

@@ -47,10 +47,10 @@ def test_a_straggler_is_only_reported_by_default(tmp_path, clean):
 
 
 @pytest.mark.slow
-def test_a_flipped_bit_is_caught_and_the_corrupted_replica_heals_from_the_majority(tmp_path, clean):
-    # the bit flips as step 10 begins, the step the replica check compares (every 5): the
-    # corrupted parameter's gradient is rolled back with the step, so nothing of it is
-    # committed and the job ends bitwise equal to the fault-free run
+def test_a_flipped_bit_is_caught_and_every_member_goes_back_to_the_verified_state(tmp_path, clean):
+    # the bit flips as step 10 begins, the step the replica check compares (every 5): every
+    # member goes back to its copy of step 5's state (the last check that passed) and runs
+    # steps 5..9 again; the job ends bitwise equal to the fault-free run
     plan = [{"kind": "bitflip", "rank": 1, "at_step": 10, "arg": 3}]
     run = fastft_run(tmp_path, "sdc", "--compare-every", "5", plan=plan)
     check_s1_s3(run)
@@ -58,25 +58,52 @@ def test_a_flipped_bit_is_caught_and_the_corrupted_replica_heals_from_the_majori
     ev = read_events(run)
     found = [e for e in ev if e["event"] == "replicas_diverged"]
     assert len(found) == 3, found  # every member saw it, and decided alike
-    assert {(e["step"], tuple(e["minority"]), e["action"], tuple(e["items"])) for e in found} == {
-        (10, (1,), "heal", ("parameters",))
-    }, found
-    heals = [e for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"] >= 10]
-    assert [e["src"] for e in heals] == ["rank 1"], heals  # the corrupted one, from a peer
-    sent = {
-        e["src"] for e in ev if e["event"] == "heal" and e["role"] == "send" and e["step"] >= 10
-    }
-    assert sent and "rank 1" not in sent, sent  # never a heal source
+    assert {
+        (e["step"], tuple(e["minority"]), e["action"], e["to"], tuple(e["items"])) for e in found
+    } == {(10, (1,), "rewind", 5, ("parameters",))}, found
+    back = sorted((e["src"], e["step"]) for e in ev if e["event"] == "rewind")
+    assert back == [("rank 0", 5), ("rank 1", 5), ("rank 2", 5)], back
+    assert not [e for e in ev if e["event"] == "heal" and e["step"] >= 10], "nobody heals"
 
 
 @pytest.mark.slow
-def test_two_replicas_that_differ_run_the_step_again_then_restore_the_checkpoint(tmp_path):
+def test_bits_flipped_in_a_parameter_and_in_adams_state_are_repaired_with_default_flags(tmp_path):
+    """3 workers, the default cadence (a check every 20 steps): a bit of rank 1's parameter
+    flips at step 21, one of rank 2's Adam state at step 45; each check after them finds
+    it (steps 40 and 60), every member goes back to the last verified state (steps 20 and
+    40) and runs the steps again: the job ends bitwise equal to the fault-free run."""
+    plan = [
+        {"kind": "bitflip", "rank": 1, "at_step": 21, "arg": 12},
+        {"kind": "bitflip", "rank": 2, "at_step": 45, "arg": 12, "target": "optimizer"},
+    ]
+    clean = finals(fastft_run(tmp_path, "clean70", steps=70))
+    run = fastft_run(tmp_path, "flips", plan=plan, steps=70)
+    check_s1_s3(run, steps=70)
+    assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
+    ev = read_events(run)
+    found = {
+        (e["step"], tuple(e["minority"]), e["action"], e["to"], tuple(e["items"]))
+        for e in ev
+        if e["event"] == "replicas_diverged"
+    }
+    assert found == {
+        (40, (1,), "rewind", 20, ("parameters",)),
+        (60, (2,), "rewind", 40, ("parameters", "optimizer")),  # (the moment moved them)
+    }, found
+
+
+@pytest.mark.slow
+def test_two_replicas_that_differ_go_back_to_the_verified_state(tmp_path):
+    """No majority to tell which of 2 replicas is right: both go back to the state of the
+    last check that passed (step 6), not to the durable checkpoint (step 10, written after
+    it: it may hold the corruption)."""
     ckpt = tmp_path / "ckpt"
     plan = [{"kind": "bitflip", "rank": 1, "at_step": 12, "arg": 3}]
     flags = ("--compare-every", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
     run = fastft_run(tmp_path, "sdc2", *flags, plan=plan, nproc=2)
     ev = read_events(run)
     actions = sorted((e["step"], e["action"]) for e in ev if e["event"] == "replicas_diverged")
-    assert actions == [(12, "restore")] * 2 + [(12, "retry")] * 2, actions
-    assert [e for e in ev if e["event"] == "epoch" and e.get("restore") is not None], ev[-5:]
+    assert actions == [(12, "rewind")] * 2, actions
+    views = [e for e in ev if e["event"] == "epoch" and e.get("restore") is not None]
+    assert {e["restore"] for e in views} == {6}, views
     assert len({v["digest"] for v in finals(run).values()}) == 1

@@ -221,3 +221,21 @@ def test_before_the_first_commit_a_total_loss_starts_from_a_fresh_process():
     kw = dict(me=0, latest=1, world_size=3, min_members=3, waited_s=0.0, start_timeout_s=1.0)
     view = close_first({0: 20, 1: 21, 2: 22}, **kw, last_step=0)
     assert not view.fatal and view.step == 0 and view.source == 0
+
+
+def test_members_that_go_back_to_their_verified_state_rewind_together():
+    """A replica mismatch's repair: every survivor lost its state on purpose and offers
+    the same verified step: the view restores it from each member's own copy (not the
+    durable checkpoint, which may hold the corruption); a joiner, who holds no copy,
+    waits; a survivor that offers none (or another step) leaves it to the usual rules."""
+    back = {r: Arrival(10 + r, 7, True, rewind=5) for r in (0, 1, 2)}
+    view = _close(back, recovery=Recovery(checkpoint=6))
+    assert view is not None and view.rewind and (view.restore, view.step) == (5, 5)
+    assert view.lost == 7 and not view.needs_state and view.source is None
+    assert EpochView.from_json(view.to_json()) == view
+    again = Arrival.from_json(back[0].to_json())
+    assert again == back[0] and Arrival.from_json(Arrival(1, 7, False).to_json()).rewind is None
+    joined = _close({**back, 3: back[2]}, joiners={4: 99}, expected=(0, 1, 2, 3), min_members=3)
+    assert joined is not None and joined.rewind and joined.waiting == (4,)
+    mixed = _close({**back, 2: Arrival(12, 7, True)}, recovery=Recovery(checkpoint=6))
+    assert mixed is not None and not mixed.rewind and mixed.restore == 6

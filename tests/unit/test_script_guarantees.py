@@ -82,7 +82,7 @@ def test_a_minority_heals_once_no_majority_runs_again_then_restores_or_stops():
     assert three.majority and repair(three, **kw).action == "heal"
     # the same items again soon after their heal: the script's, not a flipped bit
     again = repair(three, **{**kw, "step": 12, "healed": {("parameters",): 10}})
-    assert again.action == "stop" and "healed from the majority at step 10" in again.why
+    assert again.action == "stop" and "after their repair at step 10" in again.why
     later = {**kw, "step": 10 + RECUR_STEPS + 1, "healed": {("parameters",): 10}}
     assert repair(three, **later).action == "heal"  # (a device that flips bits now and then)
     # right after an epoch's heals: a heal that missed something, or state kept in the
@@ -333,3 +333,41 @@ def test_a_prefix_of_a_fastft_flag_is_no_longer_taken_for_it():
     with pytest.raises(SystemExit) as e:
         _build().parse_args(["run", "--npro", "3", "lm.py"])
     assert e.value.code == 2
+
+
+def test_a_mismatch_goes_back_to_the_verified_state_once_then_stops():
+    """With a verified state every member holds (issue 61): a rewind, majority or not;
+    the same items again after it (the script's, which the steps run again repeat): stop."""
+    names = ["parameters"]
+    a, b = row([("parameters", 1)]), row([("parameters", 2)])
+    kw = dict(step=40, healed={}, retried=None, durable=True, verified=20)
+    for rows in ({0: a, 1: b, 2: a}, {0: a, 1: b}):
+        do = repair(verdict(40, 1, names, rows), **kw)
+        assert do.action == "rewind" and "state of step 20" in do.why, do
+    again = repair(verdict(40, 2, names, {0: a, 1: b}), **{**kw, "healed": {("parameters",): 40}})
+    assert again.action == "stop" and "after their repair at step 40" in again.why
+    fresh = repair(verdict(40, 1, names, {0: a, 1: b, 2: a}), **{**kw, "fresh": True})
+    assert fresh.action == "stop"
+
+
+def test_the_verified_copy_is_the_state_a_passed_check_began_with():
+    reg = StateRegistry()
+    model = nn.Linear(2, 2)
+    reg.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    before = model.weight.detach().clone()
+    reg.verified.hold(reg, 3)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    reg.verified.hold(reg, 4)  # (the check of step 4 fails: never verified)
+    assert reg.verified.step is None
+    reg.verified.hold(reg, 5)
+    reg.verified.passed(5)
+    assert reg.verified.step == 5
+    with torch.no_grad():
+        model.weight.mul_(0.0)
+    with pytest.raises(LookupError, match="step 5, not of step 3"):
+        reg.verified.restore(reg, 3)
+    assert reg.verified.restore(reg, 5) == 5
+    assert torch.equal(model.weight, before + 1.0)
+    reg.verified.forget()
+    assert reg.verified.step is None

@@ -118,6 +118,13 @@ def main() -> None:
         help="leave the scheduler out of ft.register (fastft must refuse it)",
     )
     ap.add_argument(
+        "--flip",
+        default=None,
+        metavar="RANK:STEP",
+        help="a faulty device: a bit of that rank's first parameter flips once, after "
+        "that step's commit (not again when the steps run again)",
+    )
+    ap.add_argument(
         "--perturb",
         default=None,
         metavar="RANK:STEP",
@@ -142,6 +149,7 @@ def main() -> None:
         ft.register(model=model, optimizer=opt, ema=ema, stats=stats)
     else:
         ft.register(model=model, optimizer=opt, scheduler=sched, ema=ema, stats=stats)
+    flipped = False
     while ft.step < a.steps:
         with ft.transaction() as tx:
             seq = batch(tx.step, a.batch)[tx.shard(a.batch)]
@@ -162,6 +170,9 @@ def main() -> None:
             stats.steps += 1
             stats.tokens += a.batch * CONTEXT
             stats.recent = [*stats.recent, round(float(loss_sum / count[0]), 6)][-5:]
+            if a.flip == f"{ft.rank}:{ft.step - 1}" and not flipped:
+                flipped = True  # (the process's own: a rewind does not bring it back)
+                next(model.parameters()).data.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)
             if a.perturb == f"{ft.rank}:{ft.step - 1}":
                 with torch.no_grad():
                     next(ema.parameters()).add_(1e-3)

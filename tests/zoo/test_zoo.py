@@ -145,16 +145,40 @@ def test_the_resnets_replicas_are_equal_without_faults(tmp_path):
 
 
 @pytest.mark.slow
-def test_state_changed_on_one_member_is_named_and_healed_by_the_majority(tmp_path):
-    """A bug of the script's own (rank 2 nudges its EMA after step 4's commit), once: the
-    next check, at step 5, names the item and the member, which heals from the majority
-    (as a flipped bit would); the replicas end equal and the job goes on."""
+def test_state_changed_on_one_member_is_the_scripts_and_stops_the_job(tmp_path):
+    """A bug of the script's own (rank 2 nudges its EMA after step 4's commit): the next
+    check, at step 5, names the item and the member; every member goes back to the last
+    verified state and runs the steps again, the script nudges again, and the same item
+    differs again at step 5: the script's doing, not a corrupted replica (a heal from the
+    majority once hid it, every rank then off the job without the nudge): the workers end
+    with exit 94, the job fails."""
     args = ("--steps", "8", "--perturb", "2:4")
-    run = zoo_run(tmp_path, "nudged", "lm.py", "--compare-every", "5", args=args)
+    run = zoo_run(tmp_path, "nudged", "lm.py", "--compare-every", "5", args=args, expect=1)
     got = [e for e in read_events(run) if e["event"] == "replicas_diverged"]
     assert got and all(e["items"] == ["ema"] and e["minority"] == [2] for e in got), got
-    assert {(e["step"], e["action"]) for e in got} == {(5, "heal")}
-    same_everywhere(run, 8)
+    assert {(e["step"], e["action"]) for e in got} == {(5, "rewind"), (5, "stop")}, got
+    log = (run / "launcher.log").read_text()
+    assert "'ema' differs on rank 2" in log and "differed again" in log, log[-3000:]
+    assert "exited with code 94" in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_bit_the_device_flips_is_repaired_to_the_fault_free_run(tmp_path):
+    """A bit of rank 1's parameter flips once after step 3 (the script's own flip, as a
+    faulty device's): the check at step 20 (the default cadence) finds it, every member
+    goes back to the state of step 1, the last verified one, and runs the steps again;
+    the corrupted member's gradients of steps 4-19 are in nobody's state: every rank ends
+    bitwise equal to the fault-free run."""
+    args = ("--steps", "22")
+    clean = same_everywhere(zoo_run(tmp_path, "clean", "lm.py", args=args), 22)
+    run = zoo_run(tmp_path, "flip", "lm.py", args=(*args, "--flip", "1:3"))
+    assert same_everywhere(run, 22) == clean, unplanned(run)
+    got = {
+        (e["step"], e["action"], e["to"])
+        for e in read_events(run)
+        if e["event"] == "replicas_diverged"
+    }
+    assert got == {(20, "rewind", 1)}, got
 
 
 # --- the slow tier: every script, policy and way of leaving ---------------------------

@@ -58,8 +58,9 @@ class FaultKind(str, enum.Enum):
     """The worker's state is declared lost without dying: it must heal (Fault1)."""
     BITFLIP = "bitflip"
     """Silent data corruption: bit ``arg`` (0-31, of the float32's bits) of the first
-    element of the registered model's first parameter flips at the start of ``at_step``,
-    with nothing raised. The in-band replica check (``--compare-every``) finds it."""
+    element of the registered model's first parameter (``target: optimizer``: of the first
+    float32 tensor of its optimizer's state) flips at the start of ``at_step``, with
+    nothing raised. The in-band replica check (``--compare-every``) finds it."""
     SLOW = "slow"
     """A straggler: from ``at_step`` on, for ``steps`` steps (0: the rest of its life),
     each step of the worker computes ``arg`` times as long (a factor > 1: it sleeps that
@@ -84,6 +85,10 @@ ARG_MAX = 1e6
 """A fault's ``arg`` (an exit status, a hang's seconds) is a finite number up to this."""
 
 
+TARGETS = ("parameter", "optimizer")
+"""What a ``bitflip`` flips a bit of (:attr:`FaultSpec.target`)."""
+
+
 @dataclass(frozen=True)
 class FaultSpec:
     kind: FaultKind
@@ -94,6 +99,10 @@ class FaultSpec:
     point: str = "step"
     delay_s: float = 0.0
     steps: int = 0
+    target: str = "parameter"
+    """``bitflip``: what the bit flips in, ``parameter`` (the registered model's first
+    float32 parameter) or ``optimizer`` (the first float32 tensor of its state: Adam's
+    moments)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):
@@ -123,6 +132,8 @@ class FaultSpec:
         object.__setattr__(self, "delay_s", float(d))
         if self.kind is FaultKind.BITFLIP and self.arg not in range(32):
             raise ConfigError(f"fault bitflip arg={self.arg!r}: use the bit to flip, 0..31")
+        if self.target not in TARGETS:
+            raise ConfigError(f"fault target={self.target!r}: use one of {', '.join(TARGETS)}")
         if self.kind is FaultKind.SLOW and not 1 < self.arg <= 100:
             raise ConfigError(
                 f"fault slow arg={self.arg!r}: use the factor its steps are slowed by, "

@@ -47,6 +47,7 @@ def stragglers(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 _REPAIRED = {
+    "rewind": "every member went back to its last verified state and ran the steps again",
     "heal": "the minority healed from the majority",
     "retry": "no majority: the step ran again",
     "restore": "no majority, again: the durable tier restored the job",

@@ -101,6 +101,8 @@ class StepAttempts:
         reseed(self.rt.config.seed, s.step, tx.rank)
         self.rt.registry.begin_step()
         self.compare = self._compare_due(s.epoch, s.step, tx.world)
+        if self.compare:  # (what a mismatch's repair goes back to, once the check passed)
+            self.rt.registry.verified.hold(self.rt.registry, s.step)
         for batches in self.batches:
             batches.start_step()
         self.rt.heartbeat.beat()
@@ -271,6 +273,7 @@ class StepAttempts:
         if compare is not None:
             if differs(both[4:].tolist()) and not self._replicas_diverged(tx, compare):
                 return False  # (the minority's fault rolls the step back)
+            rt.registry.verified.passed(tx.step)
             rt.events.emit(  # (what each check costs: sums, then with the allreduce)
                 "replica_check",
                 step=tx.step,
@@ -290,13 +293,16 @@ class StepAttempts:
         rt, x = self.rt, self.rt.engine
         view = x.view
         assert view is not None
-        mine = row(compare)
+        held = rt.registry.verified.step  # (the step of its last verified state, if any)
+        mine = [*row(compare), -1 if held is None else held]
         rows = torch.zeros(tx.world, len(mine), dtype=torch.int64, device=x.dp.comm_device())
         rows[tx.rank] = torch.tensor(mine, dtype=torch.int64)
         with rt.heartbeat.blocked:
             interruptible_allreduce(rt.require_pg(), [rows], rt.interrupter)
-        got = {m.rank: r for m, r in zip(view.members, rows.tolist(), strict=True)}
+        got = {m.rank: r[:-1] for m, r in zip(view.members, rows.tolist(), strict=True)}
         v = verdict(tx.step, tx.epoch, [n for n, _ in compare], got)
+        back = {int(b) for b in rows[:, -1].tolist()}  # (every member holds the same one)
+        verified = back.pop() if len(back) == 1 and 0 <= min(back) < tx.step else None
         do = repair(
             v,
             step=tx.step,
@@ -304,6 +310,7 @@ class StepAttempts:
             retried=self.retried,
             durable=bool(rt.config.checkpoint_dir),
             fresh=tx.step - self.compared[1] < 2 and bool(view.needs_state),
+            verified=verified,
         )
         rt.events.emit(
             "replicas_diverged",
@@ -314,11 +321,17 @@ class StepAttempts:
             action=do.action,
             error=v.message,
             repair=do.why,
+            **({"to": verified} if do.action == "rewind" else {}),
         )
         if do.action == "stop":
             log.critical("%s", do.why)
             raise ReplicasDiverged(do.why)
         log.error("%s", do.why)
+        if do.action == "rewind":  # every member goes back to the verified state
+            assert verified is not None
+            self.healed[v.items] = tx.step
+            rt.registry.verified.want(verified)
+            raise StateLostFault(do.why)
         if do.action == "heal":
             self.healed[v.items] = tx.step
             if self.rt.rank in v.minority:

@@ -287,7 +287,9 @@ class EpochView:
     they are admitted after the next commit. ``restore``: every member loads the durable
     checkpoint of this step (``step``) first. ``lost``: no live member held the committed
     state, which was at least this step (restored from ``restore``, started again from 0
-    by ``source``, or :attr:`fatal`)."""
+    by ``source``, or :attr:`fatal`). ``rewind``: ``restore`` is the step of the state
+    each member holds as verified by the replica check, which it loads instead of a
+    durable checkpoint (a replica mismatch's repair)."""
 
     epoch: int
     members: tuple[Member, ...]
@@ -298,6 +300,7 @@ class EpochView:
     waiting: tuple[int, ...] = ()
     restore: int | None = None
     lost: int | None = None
+    rewind: bool = False
 
     @property
     def fatal(self) -> bool:
@@ -344,6 +347,7 @@ class EpochView:
                 "waiting": list(self.waiting),
                 **({"restore": self.restore} if self.restore is not None else {}),
                 **({"lost": self.lost} if self.lost is not None else {}),
+                **({"rewind": True} if self.rewind else {}),
             },
             separators=(",", ":"),
         )
@@ -386,4 +390,5 @@ class EpochView:
             waiting=tuple(int(r) for r in d.get("waiting", ())),
             restore=None if d.get("restore") is None else int(d["restore"]),
             lost=None if d.get("lost") is None else int(d["lost"]),
+            rewind=bool(d.get("rewind", False)),
         )

@@ -55,7 +55,7 @@ from fastft.runtime.durable.disk import (
     write_checkpoint,
 )
 from fastft.runtime.durable.writer import SharedBuffer, WriterProcess, layout, process_alive, views
-from fastft.runtime.state.wire import _clone
+from fastft.runtime.state.wire import clone
 
 warnings.filterwarnings(  # no_dist=True says so already
     "ignore", message="torch.distributed is disabled", category=UserWarning
@@ -161,7 +161,7 @@ class Checkpoints:
             target: Any = self._after_start
             args: tuple[Any, ...] = (step, job, self._starting)
         else:
-            target, args = self._save, (step, epoch, _clone(state))
+            target, args = self._save, (step, epoch, clone(state))
         self._thread = threading.Thread(target=target, args=args, name="fastft-ckpt", daemon=True)
         self._thread.start()
         join_at_exit(self._thread)  # a process that ends meanwhile finishes the write

@@ -89,7 +89,8 @@ class Faults:
             incarnation=x.me.incarnation,
         )
         if spec.kind is FaultKind.BITFLIP:  # silent: nothing raised, nothing told
-            flip_bit(x.registry.model, int(spec.arg))
+            opt = x.registry.optimizer if spec.target == "optimizer" else None
+            flip_bit(x.registry.model, int(spec.arg), opt)
         if spec.kind is FaultKind.STATE_LOST:
             # make the loss real: a worker that failed to heal ends with a wrong digest
             with torch.no_grad():
@@ -100,14 +101,31 @@ class Faults:
         execute(spec)
 
 
-def flip_bit(model: torch.nn.Module | None, bit: int) -> None:
-    """Flip ``bit`` of the first element of ``model``'s first float32 parameter, behind
-    autograd's back (``.data``: no version counter sees it), as a faulty device would."""
-    for p in model.parameters() if model is not None else ():
-        if p.dtype == torch.float32 and p.numel():
+def flip_bit(
+    model: torch.nn.Module | None, bit: int, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Flip ``bit`` of the first element of ``model``'s first float32 parameter (of the
+    first float32 tensor of ``optimizer``'s state, if given), behind autograd's back
+    (``.data``: no version counter sees it), as a faulty device would."""
+    if optimizer is not None:
+        found = [
+            t
+            for s in optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() > 0
+        ]
+    else:
+        found = [
+            p for p in (model.parameters() if model is not None else ()) if p.dtype == torch.float32
+        ]
+    for t in found:
+        if t.numel():
             with torch.no_grad():
-                p.data.view(-1)[:1].view(torch.int32).bitwise_xor_(
+                t.data.view(-1)[:1].view(torch.int32).bitwise_xor_(
                     1 << bit if bit < 31 else -(1 << 31)
                 )
             return
-    log.warning("bitflip: no float32 parameter registered: nothing flipped")
+    log.warning(
+        "bitflip: no float32 %s registered: nothing flipped",
+        "optimizer state" if optimizer else "parameter",
+    )

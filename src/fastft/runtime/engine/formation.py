@@ -40,6 +40,9 @@ class Arrival:
     lost: bool
     kept: tuple[int, int, int] | None = None
     suspect: bool = False
+    rewind: int | None = None
+    """A replica mismatch's repair: it lost its state on purpose and holds the verified
+    state of this step (:class:`~fastft.runtime.state.verified.Verified`)."""
 
     def to_json(self) -> str:
         d: dict[str, object] = {"inc": self.incarnation, "step": self.step, "lost": self.lost}
@@ -47,6 +50,8 @@ class Arrival:
             d["kept"] = list(self.kept)
         if self.suspect:
             d["suspect"] = True
+        if self.rewind is not None and self.lost:
+            d["rewind"] = self.rewind
         return json.dumps(d)
 
     @classmethod
@@ -59,6 +64,7 @@ class Arrival:
             bool(d["lost"]),
             tuple(int(v) for v in kept) if kept else None,  # type: ignore[arg-type]
             bool(d.get("suspect", False)),
+            None if d.get("rewind") is None else int(d["rewind"]),
         )
 
 
@@ -212,6 +218,15 @@ def close_after(
     if not with_state:
         # Every holder of the committed state is gone (at least prev.step was committed).
         lost = max([prev.step, *(a.step for a in arrived.values())])
+        back = {a.rewind for a in arrived.values()}
+        if len(back) == 1 and (v := back.pop()) is not None and len(arrived) >= min_members:
+            # A replica mismatch's repair: every survivor goes back to the state it holds
+            # of the last step the check found equal (joiners wait: none holds it)
+            waiting = tuple(sorted({*waiting, *joiners}))
+            members_ = tuple(sorted(Member(r, a.incarnation) for r, a in arrived.items()))
+            return EpochView(
+                epoch, members_, v, frozenset(), None, (), waiting, v, lost, rewind=True
+            )
         if recovery.checkpoint is not None:
             c = recovery.checkpoint
             return EpochView(epoch, members_, c, frozenset(), None, restore=c, lost=lost)

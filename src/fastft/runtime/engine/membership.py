@@ -182,6 +182,7 @@ class Membership:
                 # tests: a death after arriving for the epoch
                 arrived=lambda: x.sv.injector.fire_due(x.state.step, point="formation"),
                 suspect=x.suspect_state,
+                rewind=x.registry.verified.wanted if a.lost_state else None,
                 below_min=self._below_min,
                 silent=x.declare_silent,
                 remind=x.remind,
@@ -265,12 +266,36 @@ class Membership:
             return -1 if src == me else src
         return src
 
+    def _rewind(self, view: EpochView) -> None:
+        """A replica mismatch's repair: load this member's copy of the verified state of
+        step ``view.restore`` (:class:`~fastft.runtime.state.verified.Verified`)."""
+        x = self.x
+        assert view.restore is not None
+        try:
+            step = x.registry.verified.restore(x.registry, view.restore)
+        except LookupError as e:
+            why = f"rank {x.me.rank} cannot go back to step {view.restore}: {e}"
+            x.events.emit("restore_failed", epoch=view.epoch, step=view.restore, error=why)
+            log.critical("%s", why)
+            raise StateLost(why) from e
+        x.events.emit("rewind", epoch=view.epoch, step=step, lost=view.lost)
+        log.error(
+            "every member went back to its verified state of step %d; steps %d..%d run again",
+            step,
+            step,
+            (view.lost or step) - 1,
+        )
+
     def _recover(self, view: EpochView) -> None:
         """No live member held the committed state (``view.lost``), or a first start
         resumes: load the checkpoint every member loads, or start again from step 0 (the
         source is a fresh process), or end this worker: :attr:`EpochView.fatal`."""
         x = self.x
+        if view.rewind and view.restore is not None:
+            self._rewind(view)
+            return
         if view.restore is not None:
+            x.registry.verified.forget()  # (of a run this checkpoint does not continue)
             t0 = time.monotonic()
             ckpt = x.durable
             try:
@@ -310,6 +335,7 @@ class Membership:
         assert view.lost is not None
         if not view.fatal:  # a fresh start that --allow-fresh-start allowed
             x.events.emit("fresh_start", epoch=view.epoch, lost=view.lost)
+            x.registry.verified.forget()
             if view.lost == 0:  # (nothing was committed: a fresh process holds it all)
                 log.warning("every holder of the initial state was lost: starting from a new one")
                 return

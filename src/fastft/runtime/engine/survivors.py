@@ -76,6 +76,7 @@ class Survivors:
         admit: bool = True,
         arrived: Callable[[], None] = lambda: None,
         suspect: bool = False,
+        rewind: int | None = None,
         below_min: Callable[[int, int], None] = lambda have, need: None,
         silent: Callable[[frozenset[int]], None] = lambda ranks: None,
         remind: Callable[[], None] = lambda: None,
@@ -87,7 +88,8 @@ class Survivors:
         ``kept``). ``admit`` False: registered joiners are left out (``waiting``) when the
         survivors are at least ``min_replicas``. ``arrived()``: its arrival is written.
         ``below_min(have, need)``: told while a formation it closes waits below
-        ``min_members``. ``suspect``: its state may be damaged (:class:`.formation.Arrival`).
+        ``min_members``. ``suspect``: its state may be damaged; ``rewind``: the verified
+        step it goes back to (:class:`.formation.Arrival`).
         ``silent(ranks)``: expected members that never arrived by the deadline, to declare
         dead; ``remind()``: ask the members still missing to roll back (one broadcast).
         One loop of :meth:`arrive` and :meth:`round` (:mod:`fastft.sim` runs the
@@ -102,6 +104,7 @@ class Survivors:
             kept=kept,
             admit=admit,
             suspect=suspect,
+            rewind=rewind,
         )
         arrived()
         look = False  # (read the closed view: the closer each poll, a waiter after a wait)
@@ -135,11 +138,12 @@ class Survivors:
         kept: tuple[int, int, int] | None = None,
         admit: bool = True,
         suspect: bool = False,
+        rewind: int | None = None,
     ) -> SurvivorWait:
         """Write this survivor's arrival at ``prev.epoch + 1``; the wait's state for
         :meth:`round`."""
         epoch = prev.epoch + 1
-        arrival = Arrival(self.c.me.incarnation, step, lost_state, kept, suspect)
+        arrival = Arrival(self.c.me.incarnation, step, lost_state, kept, suspect, rewind)
         self.c.store.set(self.c.keys.epoch_arrival(epoch, self.c.me.rank), arrival.to_json())
         if self.c.reads_many:  # (NATS: an add is a compare-and-set loop; one try here)
             me = str(self.c.me.rank)

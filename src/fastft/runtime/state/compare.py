@@ -303,7 +303,9 @@ RECUR_STEPS = 50
 
 @dataclass(frozen=True)
 class Repair:
-    """What the members do about a :class:`Verdict` (:func:`repair`): ``heal`` (the
+    """What the members do about a :class:`Verdict` (:func:`repair`): ``rewind`` (every
+    member declares its state lost and the next epoch restores each one's copy of the
+    last verified state, :class:`~fastft.runtime.state.verified.Verified`), ``heal`` (the
     minority declares its state lost and heals from a peer of the majority; the step
     rolls back), ``retry`` (every member rolls the step back and it runs, and is compared,
     again), ``restore`` (every member declares its state lost: the durable tier restores
@@ -321,10 +323,11 @@ def repair(
     retried: tuple[int, tuple[str, ...]] | None,
     durable: bool,
     fresh: bool = False,
+    verified: int | None = None,
 ) -> Repair:
-    """Silent data corruption, repaired (issue 50): the replicas are bitwise equal after
-    every commit, so a member that differs holds corrupted state, or the script keeps
-    state fastft does not see.
+    """Silent data corruption, repaired (issues 50, 61): the replicas are bitwise equal
+    after every commit, so a member that differs holds corrupted state, or the script
+    keeps state fastft does not see.
 
     * A step ran again for this mismatch (``retried``: the step and items of the last
       retry) and it held: the state itself differs, and nothing tells which is right:
@@ -333,9 +336,14 @@ def repair(
       that missed something, or state the script keeps in its own variables (JAX
       parameters in locals), which a majority of freshly healed members may share: the
       job stops, as it always did.
-    * A majority: the minority heals from it, once for the same items: the same items
-      differing again within :data:`RECUR_STEPS` of their heal (``healed``: items -> the
-      step they were healed at) is the script's doing, and the job stops.
+    * The same items differing again within :data:`RECUR_STEPS` of their repair
+      (``healed``: items -> the step they were repaired at) after a rewind, or with a
+      majority: the script's doing (a rewind runs the same steps again), and it stops.
+    * ``verified``: every member holds the state of that step, whose check passed
+      (:class:`~fastft.runtime.state.verified.Verified`): every member goes back to it and
+      runs the steps since again, so the corrupted member's gradients of those steps are
+      in nobody's state: the fault-free run, bit for bit.
+    * Else, a majority: the minority heals from it.
     * No majority (2 members, or no value held by more than half): the step runs again;
       a mismatch of the computation is gone then."""
     if retried == (step, v.items):
@@ -354,14 +362,25 @@ def repair(
         )
     if fresh:
         return Repair("stop", f"{v.message}. {_STOP}")
+    repairable = verified is not None or (v.majority and v.minority)
+    if repairable and v.items in healed and step - healed[v.items] <= RECUR_STEPS:
+        return Repair(
+            "stop",
+            f"{v.message}. The same items differed again after their repair at step "
+            f"{healed[v.items]} (every member back to its last verified state, or the "
+            "minority healed from the majority): not a corrupted replica but state the "
+            f"script changes outside the commit, or on one rank only. {_STOP}",
+        )
+    if verified is not None:
+        who = f" on rank{'s' if len(v.minority) > 1 else ''} " if v.minority else ""
+        return Repair(
+            "rewind",
+            f"the replicas diverged at step {step}: {', '.join(v.items)}"
+            f"{who}{', '.join(map(str, v.minority))} differs (silent data corruption?); "
+            f"every member goes back to the state of step {verified}, which the check "
+            f"there found equal, and runs steps {verified}..{step - 1} again",
+        )
     if v.majority and v.minority:
-        if v.items in healed and step - healed[v.items] <= RECUR_STEPS:
-            return Repair(
-                "stop",
-                f"{v.message}. The same items differed again after the minority healed "
-                f"from the majority at step {healed[v.items]}: not a corrupted replica "
-                f"but state the script changes outside the commit. {_STOP}",
-            )
         return Repair(
             "heal",
             f"the replicas diverged at step {step}: {', '.join(v.items)} on rank"

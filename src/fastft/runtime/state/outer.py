@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fastft.runtime.state.wire import _clone, flatten, unflatten
+from fastft.runtime.state.wire import clone, flatten, unflatten
 
 __all__ = ["Outer", "OuterOptimizer", "default_outer_optimizer"]
 
@@ -50,7 +50,7 @@ class Outer:
         self._undo = (
             [p.detach().clone() for p in self.params],
             [a.clone() for a in self.anchor],
-            _clone(self.optimizer.state_dict()),
+            clone(self.optimizer.state_dict()),
         )
         grads = unflatten(average, self.anchor)
         for a, g in zip(self.anchor, grads, strict=True):
@@ -86,7 +86,7 @@ class Outer:
             raise ValueError(f"diloco: {len(anchor)} anchor tensors for {len(self.anchor)}")
         for a, saved in zip(self.anchor, anchor, strict=True):
             a.copy_(saved)
-        self.optimizer.load_state_dict(_clone(state["optimizer"]))
+        self.optimizer.load_state_dict(clone(state["optimizer"]))
         self._undo = None
 
     def tensors(self) -> list[torch.Tensor]:

@@ -26,10 +26,11 @@ from fastft.runtime.groups.hsdp import is_sharded, load_model_shards, local, opt
 from fastft.runtime.state.attributes import ModuleAttributes, module_attributes
 from fastft.runtime.state.optimizers import Optimizers
 from fastft.runtime.state.refusals import unregistered_scheduler, unsendable
+from fastft.runtime.state.verified import Verified
 from fastft.runtime.state.wire import (
     _bytes,
-    _clone,
     _tensors,
+    clone,
     pack_state,
     unpack_state,
     wire_allocate,
@@ -95,6 +96,8 @@ class StateRegistry:
         """The bucket's tail: elements past the gradients (:meth:`grad_bucket`'s carry)."""
         self._versions: list[int] = []
         """The parameters' version counters as the step began."""
+        self.verified = Verified()
+        """The state of the last step whose replica check passed (a mismatch's repair)."""
 
     def register(
         self,
@@ -171,11 +174,11 @@ class StateRegistry:
                 self._versions = [_version(p) for p in self.model.parameters()]
         if self.optimizer is not None:
             snap["param_groups"] = [
-                {k: _clone(v) for k, v in g.items() if k != "params"}
+                {k: clone(v) for k, v in g.items() if k != "params"}
                 for g in self.optimizer.param_groups
             ]
         for name, obj in self._others.items():
-            snap[name] = _clone(obj.state_dict())
+            snap[name] = clone(obj.state_dict())
         self._step_snapshot = snap
 
     def changed_parameters(self) -> str | None:
@@ -205,6 +208,7 @@ class StateRegistry:
         buffers and the other objects back to before the committed step: a data position
         one batch behind the peers, a loss hidden by the allreduce of gradients.)"""
         self._step_snapshot = None
+        self.verified.want(None)  # (a repair that did not go back: a step went on)
         if self.outer is not None:
             self.outer.committed()
         if self.by_reference is not None:
@@ -236,14 +240,14 @@ class StateRegistry:
             for g, saved in zip(self.optimizer.param_groups, snap["param_groups"], strict=False):
                 for k in [k for k in g if k != "params" and k not in saved]:
                     del g[k]
-                g.update(_clone(saved))
+                g.update(clone(saved))
         if self.model is not None and "buffers" in snap:
             with torch.no_grad():
                 for b, saved in zip(self.model.buffers(), snap["buffers"], strict=True):
                     b.copy_(saved)
         for name, obj in self._others.items():
             if name in snap:
-                obj.load_state_dict(_clone(snap[name]))
+                obj.load_state_dict(clone(snap[name]))
 
     def sync_tensors(self) -> list[torch.Tensor]:
         """What ``every-k`` averages over the replica groups at a sync step: this member's
@@ -394,7 +398,7 @@ class StateRegistry:
                 # A copy that owns its memory: a heal's tensors are views of its receive
                 # buffers, and an object may keep what it is given (a data loader keeps its
                 # sampler's generator state; a view there crashed torch's set_state).
-                obj.load_state_dict(_clone(st["others"][name]))
+                obj.load_state_dict(clone(st["others"][name]))
         if self.outer is not None and "outer" in st:
             self.outer.load_state_dict(st["outer"])
         if self.by_reference is not None and "by_reference" in st:

@@ -88,20 +88,20 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def _clone(obj: Any) -> Any:
+def clone(obj: Any) -> Any:
     """A copy of a ``state_dict()`` result that nothing the object does later can change:
     its tensors, NumPy arrays and containers copied (a rollback restores it as it was)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if isinstance(obj, OrderedDict):
-        out: OrderedDict[Any, Any] = OrderedDict((k, _clone(v)) for k, v in obj.items())
+        out: OrderedDict[Any, Any] = OrderedDict((k, clone(v)) for k, v in obj.items())
         return tree.with_metadata(out, copy.deepcopy(getattr(obj, "_metadata", None)))
     if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
+        return {k: clone(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_clone(v) for v in obj]
+        return [clone(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_clone(v) for v in obj)
+        return tuple(clone(v) for v in obj)
     if isinstance(obj, set | bytearray):
         return copy.copy(obj)
     if type(obj).__module__ == "numpy" and hasattr(obj, "copy"):

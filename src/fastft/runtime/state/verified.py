@@ -1,0 +1,74 @@
+"""The last verified state: what a replica mismatch's repair goes back to (issue 61).
+
+The in-band check (:mod:`fastft.runtime.state.compare`) compares the state each checked
+step began with. A member that held corrupted state since then (a flipped bit, a change
+of the script's on one rank) fed its gradients into every member's updates of the steps
+between the two checks, so healing it from the majority leaves every replica off the
+fault-free run. Instead, each member keeps a copy of the state of the last step whose
+check passed, equal on every member; on a mismatch every member goes back to it (an
+epoch that restores it, :attr:`~fastft.runtime.contract.EpochView.rewind`) and runs
+the steps since again: their batches (registered loaders are part of the state) and
+their randomness (:func:`~fastft.runtime.state.rng.reseed`) are functions of the step,
+so the repaired run is the fault-free one bit for bit.
+
+Cost: the copy of a checked step is taken as it begins (one clone of the registered
+state, parameters and optimizer state included), kept aside until the step's check
+passes; memory: two copies of the state at most (the verified one and the one being
+checked). ``bench/replica_check.py`` measures both."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from fastft.runtime.state.wire import clone
+
+__all__ = ["Verified"]
+
+
+class StateRegistry(Protocol):
+    """What of :class:`~fastft.runtime.state.registry.StateRegistry` a copy uses."""
+
+    def state(self, step: int) -> dict[str, Any]: ...
+
+    def load_state(self, st: dict[str, Any]) -> int: ...
+
+
+class Verified:
+    """One member's copy of the last verified state, and the one a check is comparing."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        """The step whose check passed with the state held (None: none yet)."""
+        self._state: dict[str, Any] | None = None
+        self._pending: tuple[int, dict[str, Any]] | None = None
+        self.wanted: int | None = None
+        """Set by a mismatch's repair: the step this member goes back to; its arrival at
+        the next epoch offers it (:class:`~fastft.runtime.engine.formation.Arrival`)."""
+
+    def hold(self, registry: StateRegistry, step: int) -> None:
+        """As a checked step begins: a copy of the state it begins with."""
+        self._pending = (step, clone(registry.state(step)))
+
+    def passed(self, step: int) -> None:
+        """The check of ``step`` passed on every member: its copy is the verified state."""
+        if self._pending is not None and self._pending[0] == step:
+            self.step, self._state = step, self._pending[1]
+        self._pending = None
+
+    def want(self, step: int | None) -> None:
+        self.wanted = step
+
+    def restore(self, registry: StateRegistry, step: int) -> int:
+        """Load the verified state of ``step`` into ``registry``; returns its step.
+        Raises LookupError if this member does not hold that step's."""
+        if self._state is None or self.step != step:
+            raise LookupError(
+                f"this member holds the verified state of step {self.step}, not of step {step}"
+            )
+        self.wanted = None
+        return registry.load_state(clone(self._state))
+
+    def forget(self) -> None:
+        """The state was replaced from elsewhere (a durable checkpoint, a fresh start):
+        the copy is of another run's past."""
+        self.step, self._state, self._pending, self.wanted = None, None, None, None
