@@ -239,3 +239,19 @@ def test_members_that_go_back_to_their_verified_state_rewind_together():
     assert joined is not None and joined.rewind and joined.waiting == (4,)
     mixed = _close({**back, 2: Arrival(12, 7, True)}, recovery=Recovery(checkpoint=6))
     assert mixed is not None and not mixed.rewind and mixed.restore == 6
+
+
+def test_a_start_goes_on_from_the_scripts_own_checkpoint_unless_the_durable_tier_is_newer():
+    """``ft.register(step=8)``: every joiner loaded the state of step 8 itself; the lowest
+    sends its own so that every replica starts equal (after every worker was lost too)."""
+    joiners = {0: 10, 1: 11, 2: 12}
+    kw = dict(me=0, world_size=3, min_members=3, waited_s=0.0, start_timeout_s=60.0)
+    view = close_first(joiners, latest=0, **kw, recovery=Recovery(resume=8))
+    assert view is not None and (view.step, view.source, view.restore) == (8, 0, None)
+    assert view.needs_state == {1, 2} and view.lost is None
+    newer = close_first(joiners, latest=0, **kw, recovery=Recovery(checkpoint=10, resume=8))
+    assert newer is not None and (newer.restore, newer.step) == (10, 10)
+    older = close_first(joiners, latest=0, **kw, recovery=Recovery(checkpoint=4, resume=8))
+    assert older is not None and (older.step, older.restore) == (8, None)
+    lost = close_first(joiners, latest=3, last_step=20, **kw, recovery=Recovery(resume=12))
+    assert lost is not None and not lost.fatal and (lost.step, lost.lost) == (12, 20)

@@ -4,7 +4,9 @@ over the loader's worker processes, each shard's records in order, a random toke
 drawn from torch's RNG as it reads), under torchdata's ``StatefulDataLoader`` with 0 or 2
 workers, through ``fastft.Batches``. The zoo's tests run it under fault plans and check
 every rank bitwise against a fault-free run (issue 61: the first restart ended the job,
-exit 94, "'data' differs": torchdata's restored position counted batches twice).
+exit 94, "'data' differs": torchdata's restored position counted batches twice). With
+``--save PATH`` it keeps a checkpoint of its own (``torch.save`` every ``--save-every``
+steps, from rank 0) and resumes from it when started again, telling fastft the step.
 
     fastft run --nproc 3 tests/zoo/stream.py --workers 2 --steps 20 --out OUT
 """
@@ -12,6 +14,7 @@ exit 94, "'data' differs": torchdata's restored position counted batches twice).
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,6 +56,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=12)
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--save", type=Path, default=None, help="a checkpoint of the script's own")
+    ap.add_argument("--save-every", type=int, default=4)
     a = ap.parse_args()
 
     torch.manual_seed(0)
@@ -61,7 +66,14 @@ def main() -> None:
     loader = StatefulDataLoader(Shards(), batch_size=a.batch, num_workers=a.workers)
     ft = fastft.init()
     data = fastft.Batches(loader)
-    ft.register(model=model, optimizer=opt, data=data)
+    step = None
+    if a.save is not None and a.save.exists():  # the script's own resume
+        saved = torch.load(a.save, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        data.load_state_dict(saved["data"])
+        step = saved["step"]
+    ft.register(model=model, optimizer=opt, data=data, step=step)
     while ft.step < a.steps:
         with ft.transaction() as tx:
             x, y = data.next()
@@ -69,6 +81,10 @@ def main() -> None:
             loss = nn.functional.cross_entropy(model(x[mine]), y[mine])
             (loss * len(x[mine]) / len(x) * tx.world).backward()
             tx.allreduce_gradients()
+        if tx.committed and a.save is not None and ft.rank == 0 and ft.step % a.save_every == 0:
+            saved = {"model": model.state_dict(), "opt": opt.state_dict(), "step": ft.step}
+            torch.save({**saved, "data": data.state_dict()}, f"{a.save}.tmp")
+            os.replace(f"{a.save}.tmp", a.save)  # (whole or not at all)
     write_final(
         a.out, ft, hash=state_hash(model.state_dict(), opt.state_dict()), **{"pass": data.epoch}
     )

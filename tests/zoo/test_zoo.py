@@ -194,24 +194,15 @@ def test_the_resnet_through_every_fault_kind_ends_bitwise_equal_to_its_fault_fre
     faults_happened(run)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", ["lm.py"])  # (a loader's restore: test_stateful_data.py)
-def test_a_preempted_job_resumes_with_its_scheduler_exact(tmp_path, script):
-    """SIGTERM to the agent with checkpoints on: every rank drains at a commit, the
-    checkpoint holds the state after the script's post-commit code, and the same command
-    resumes it to the fault-free result (the scheduler once came back a step behind)."""
-    args = ("--steps", "16")
-    clean = same_everywhere(zoo_run(tmp_path, "clean", script, args=args), 16)
-    ck = tmp_path / "ck"
-    flags = ("--checkpoint-dir", str(ck), "--checkpoint-every", "1000")
-    run = tmp_path / "preempted"
-    cmd = command(run, script, *flags) + [str(ZOO / script), *args, "--out", str(run / "out")]
-    with open(tmp_path / "preempted.log", "w") as log:
+def preempt(tmp: Path, run: Path, cmd: list[str], at: int) -> None:
+    """Start ``cmd``; SIGTERM its agent once a member committed step ``at``: every rank
+    drains at a commit and the job ends with 143."""
+    with open(tmp / f"{run.name}-preempted.log", "w") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 240
             while not (run / "events.jsonl").exists() or not any(
-                e["event"] == "commit" and e["step"] >= 6 for e in read_events(run)
+                e["event"] == "commit" and e["step"] >= at for e in read_events(run)
             ):
                 assert p.poll() is None and time.monotonic() < deadline
                 time.sleep(0.05)
@@ -221,8 +212,45 @@ def test_a_preempted_job_resumes_with_its_scheduler_exact(tmp_path, script):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["lm.py", "text.py", "stream.py", "gan.py"])
+def test_a_preempted_job_resumes_with_its_scheduler_exact(tmp_path, script):
+    """SIGTERM to the agent with checkpoints on: every rank drains at a commit, the
+    checkpoint holds the state after the script's post-commit code, and the same command
+    resumes it to the fault-free result (the scheduler once came back a step behind; the
+    loaders, the stream's position, the model's own counter, the GAN's second optimizer
+    and schedulers come back with it)."""
+    args = ("--steps", "16")
+    clean = same_everywhere(zoo_run(tmp_path, "clean", script, args=args), 16)
+    ck = tmp_path / "ck"
+    flags = ("--checkpoint-dir", str(ck), "--checkpoint-every", "1000")
+    run = tmp_path / "preempted"
+    cmd = command(run, script, *flags) + [str(ZOO / script), *args, "--out", str(run / "out")]
+    preempt(tmp_path, run, cmd, 6)
     resumed = zoo_run(tmp_path, "preempted", script, *flags, args=args)
     assert any(e["event"] == "restore" for e in read_events(resumed))
+    assert same_everywhere(resumed, 16) == clean
+
+
+@pytest.mark.slow
+def test_a_stream_resumed_from_the_scripts_own_checkpoint_is_exact(tmp_path):
+    """tests/zoo/stream.py keeps a checkpoint of its own (``torch.save`` every 4 steps,
+    model, optimizer, the stream's position) and resumes from it, telling fastft the step
+    (``ft.register(step=...)``); no ``--checkpoint-dir``. Through every fault kind, then
+    a SIGTERM after step 9, the same command goes on from its last save and ends bitwise equal to
+    the fault-free run (before, fastft began again at step 0 from the loaded weights)."""
+    args = ("--steps", "16", "--workers", "2")
+    clean = same_everywhere(zoo_run(tmp_path, "clean", "stream.py", args=args), 16)
+    own = ("--save", str(tmp_path / "own.pt"))
+    run = tmp_path / "own"
+    cmd = command(run, "stream.py", plan=EVERY_KIND[:2]) + [str(ZOO / "stream.py"), *args, *own]
+    preempt(tmp_path, run, [*cmd, "--out", str(run / "out")], 9)
+    faults_happened(run)
+    resumed = zoo_run(tmp_path, "own2", "stream.py", args=(*args, *own))
+    starts = [e for e in read_events(resumed) if e["event"] == "epoch"]
+    assert starts and starts[0]["step"] in (8, 12), starts[:3]  # (its last save)
     assert same_everywhere(resumed, 16) == clean
 
 

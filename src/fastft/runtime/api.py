@@ -172,12 +172,19 @@ class Runtime:
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         outer_optimizer: OuterOptimizer | None = None,
+        step: int | None = None,
         **others: Any,
     ) -> Runtime:
         """Register what a step changes and a heal transfers, then join the job: returns
         once this worker is a member of an epoch and holds the committed state.
         ``outer_optimizer`` (``--sync diloco``): builds the outer optimizer over a list of
-        tensors (default: Nesterov SGD, lr 0.7, momentum 0.9)."""
+        tensors (default: Nesterov SGD, lr 0.7, momentum 0.9). ``step``: the state of
+        this step, loaded by the script from a checkpoint of its own: a job that starts
+        (or again after losing every worker) goes on from it, unless the durable tier
+        holds a newer one."""
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"ft.register(step={step!r}): the saved state's step, an int >= 0")
+        self.registry.resume = step
         if self.sharded and self._mesh is None:
             raise RuntimeError(
                 "this worker is in a shard group (--shard-size): shard the model over "

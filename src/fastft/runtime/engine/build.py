@@ -48,7 +48,7 @@ def build_engine(
 
     def recovery() -> Recovery:
         saved = durable.latest() if durable is not None else None
-        return Recovery(saved.step if saved else None, config.allow_fresh_start)
+        return Recovery(saved.step if saved else None, config.allow_fresh_start, registry.resume)
 
     dead: set[Member] = set()
     coordinator = Coordinator(

@@ -76,6 +76,9 @@ class Recovery:
 
     checkpoint: int | None = None
     fresh_start: bool = False
+    resume: int | None = None
+    """A fresh process's own: the step of the state its script loaded from a checkpoint of
+    its own and registered (``ft.register(step=...)``); every joiner holds one."""
 
 
 @dataclass
@@ -288,16 +291,17 @@ def close_first(
         return None
     members = tuple(sorted(Member(r, inc) for r, inc in joiners.items()))
     epoch, lost = latest + 1, None if first_start else last_step
-    if recovery.checkpoint is not None:  # resume, or restore after a total loss
-        c = recovery.checkpoint
+    c, own = recovery.checkpoint, recovery.resume
+    if c is not None and (own is None or c >= own):  # resume, or restore after a total loss
         return EpochView(epoch, members, c, frozenset(), None, restore=c, lost=lost)
-    if lost and not recovery.fresh_start:  # (lost == 0: nothing committed, nothing lost)
+    if own is None and lost and not recovery.fresh_start:  # (lost == 0: nothing committed)
         return EpochView(epoch, members, lost, frozenset(), None, lost=lost)
     source = members[0].rank
     return EpochView(
         epoch=epoch,
         members=members,
-        step=0,
+        # (a script's own checkpoint: the step of the state it registered)
+        step=own or 0,
         # At the first start every worker built its model from the same seed; the lowest
         # sends its state anyway so that S3 holds from step 0.
         needs_state=frozenset(m.rank for m in members) - {source},

@@ -96,6 +96,8 @@ class StateRegistry:
         """The bucket's tail: elements past the gradients (:meth:`grad_bucket`'s carry)."""
         self._versions: list[int] = []
         """The parameters' version counters as the step began."""
+        self.resume: int | None = None
+        """``ft.register(step=...)``: the step of the state the script loaded itself."""
         self.verified = Verified()
         """The state of the last step whose replica check passed (a mismatch's repair)."""
 
