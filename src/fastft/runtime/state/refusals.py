@@ -1,19 +1,21 @@
 """What :meth:`~fastft.runtime.state.registry.StateRegistry.register` refuses, with the
-reason and the fix: state a heal cannot send, and a learning-rate scheduler that steps
-the registered optimizer without being registered. Refused at ``register``, each would
-otherwise surface after a fault: a heal that fails its retries, or a member that trains
-at another learning rate than its peers from its restart on."""
+reason and the fix: state a heal cannot send, a learning-rate scheduler that steps the
+registered optimizer without being registered, and a data loader of the script's whose
+order is state but that is not registered. Refused at ``register``, each would otherwise
+surface after a fault: a heal that fails its retries, or a member that trains at another
+learning rate, or on other batches, than its peers from its restart on."""
 
 from __future__ import annotations
 
 import gc
+import inspect
 from typing import Any
 
 import torch
 
 import fastft.runtime.state.tree as tree
 
-__all__ = ["unregistered_scheduler", "unsendable"]
+__all__ = ["unregistered_loader", "unregistered_scheduler", "unsendable"]
 
 
 def unsendable(name: str, obj: Any) -> None:
@@ -55,3 +57,44 @@ def unregistered_scheduler(optimizer: torch.optim.Optimizer | None, registered: 
                 "optimizer: ft.register(model=..., optimizer=..., scheduler=sched), and "
                 "step it under `if tx.committed:`"
             )
+
+
+def unregistered_loader(registered: list[Any]) -> None:
+    """A TypeError if a torch ``DataLoader`` that shuffles or holds a generator of its own,
+    a local or global of the script's code that calls ``ft.register``, is not registered
+    (itself, or as a registered ``fastft.Batches``'s loader): its order and its place in
+    the pass are state that a restarted or healed member loses, and nothing compares
+    them (issue 61: such a loader left out, the run ended 6.7e-2 off the fault-free one,
+    the replicas equal). Not looked for when a library calls ``register`` for the script
+    (an integration's loop), nor in loaders that neither shuffle nor own a generator (an
+    evaluation's: a restart reads them again from the start, as the fault-free run)."""
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("fastft."):
+        if not frame.f_globals["__name__"].startswith("fastft.runtime."):
+            return  # (an integration registers: its loop draws the data)
+        frame = frame.f_back
+    if frame is None:
+        return
+    held = {id(o) for o in registered} | {id(getattr(o, "loader", None)) for o in registered}
+    for scope in (frame.f_locals, frame.f_globals):
+        for name, obj in list(scope.items()):
+            if not isinstance(obj, DataLoader) or id(obj) in held:
+                continue
+            sampler = getattr(obj.batch_sampler, "sampler", obj.sampler)
+            own = obj.generator is not None
+            shuffles = isinstance(sampler, RandomSampler) or (
+                isinstance(sampler, DistributedSampler) and sampler.shuffle
+            )
+            if own or shuffles:
+                what = "has a generator of its own" if own else "shuffles"
+                raise TypeError(
+                    f"the script's DataLoader {name!r} {what} but is not registered: its "
+                    "order and its place in the pass are state that a restarted or healed "
+                    "member loses, and its batches would differ from its peers' with no "
+                    "check to see it. Register it and draw each step's global batch from "
+                    f"it: data = fastft.Batches({name}); ft.register(..., data=data); "
+                    "x, y = data.next() (a loader for evaluation: shuffle=False, no "
+                    "generator)"
+                )

@@ -25,7 +25,11 @@ from torch import nn
 from fastft.runtime.groups.hsdp import is_sharded, load_model_shards, local, optimizer_shards
 from fastft.runtime.state.attributes import ModuleAttributes, module_attributes
 from fastft.runtime.state.optimizers import Optimizers
-from fastft.runtime.state.refusals import unregistered_scheduler, unsendable
+from fastft.runtime.state.refusals import (
+    unregistered_loader,
+    unregistered_scheduler,
+    unsendable,
+)
 from fastft.runtime.state.verified import Verified
 from fastft.runtime.state.wire import (
     _bytes,
@@ -133,6 +137,7 @@ class StateRegistry:
         if found and MODEL_ATTRIBUTES not in self._others:
             self._others[MODEL_ATTRIBUTES] = ModuleAttributes(found)
         self.check_schedulers()
+        unregistered_loader([*self._others.values()])
 
     def check_schedulers(self) -> None:
         """Refuse a scheduler of a registered optimizer (the main one, or one registered
