@@ -6,8 +6,8 @@
    step begins with, kept as the last verified state once its check passes (what a
    mismatch's repair goes back to, issue 61), with the memory the copies hold;
 2. per fault-free step of that model under ``fastft run`` (3 Gloo workers, the job secret
-   on, the worker's real connections): ``--compare-every`` 0 (off), 10 and the default
-   (20), interleaved runs, medians of the median step time. The check adds at
+   on, the worker's real connections): ``--compare-every`` 0 (off), 20 and the default
+   (40), interleaved runs, medians of the median step time. The check adds at
    most one small allreduce per checked step (none where the step's own agreement
    allreduce runs anyway, as with ``fastft.Batches`` or ``--decide collective``).
 
@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--cadences", type=int, nargs="+", default=[0, 10, 20])
+    ap.add_argument("--cadences", type=int, nargs="+", default=[0, 20, 40])
     a = ap.parse_args()
     check_rows = per_check(a.repeats)
     times: dict[int, list[tuple[float, float | None, float | None]]] = {c: [] for c in a.cadences}
@@ -171,7 +171,7 @@ def main() -> None:
     # The default cadence's cost: what a checked step adds within the same run (the same
     # workers, minutes apart at most), amortized over the cadence, against the step. The
     # runs' medians drift by more than that between runs on this shared machine.
-    default = 20
+    default = 40
     per_step_ms = added.get(default, 0.0) / default
     meta = {
         "check_compute_ms": check_ms,

@@ -68,17 +68,18 @@ def test_a_flipped_bit_is_caught_and_every_member_goes_back_to_the_verified_stat
 
 @pytest.mark.slow
 def test_bits_flipped_in_a_parameter_and_in_adams_state_are_repaired_with_default_flags(tmp_path):
-    """3 workers, the default cadence (a check every 20 steps): a bit of rank 1's parameter
-    flips at step 21, one of rank 2's Adam state at step 45; each check after them finds
-    it (steps 40 and 60), every member goes back to the last verified state (steps 20 and
-    40) and runs the steps again: the job ends bitwise equal to the fault-free run."""
+    """3 workers, the default cadence (a check every 40 steps, and the first two of every
+    epoch): a bit of rank 1's parameter flips at step 21, one of rank 2's Adam state at
+    step 45; each check after them finds it (steps 40 and 80), every member goes back to
+    the last verified state (steps 1 and 40) and runs the steps again: the job ends
+    bitwise equal to the fault-free run."""
     plan = [
         {"kind": "bitflip", "rank": 1, "at_step": 21, "arg": 12},
         {"kind": "bitflip", "rank": 2, "at_step": 45, "arg": 12, "target": "optimizer"},
     ]
-    clean = finals(fastft_run(tmp_path, "clean70", steps=70))
-    run = fastft_run(tmp_path, "flips", plan=plan, steps=70)
-    check_s1_s3(run, steps=70)
+    clean = finals(fastft_run(tmp_path, "clean82", steps=82))
+    run = fastft_run(tmp_path, "flips", plan=plan, steps=82)
+    check_s1_s3(run, steps=82)
     assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
     ev = read_events(run)
     found = {
@@ -87,8 +88,8 @@ def test_bits_flipped_in_a_parameter_and_in_adams_state_are_repaired_with_defaul
         if e["event"] == "replicas_diverged"
     }
     assert found == {
-        (40, (1,), "rewind", 20, ("parameters",)),
-        (60, (2,), "rewind", 40, ("parameters", "optimizer")),  # (the moment moved them)
+        (40, (1,), "rewind", 1, ("parameters",)),
+        (80, (2,), "rewind", 40, ("parameters", "optimizer")),  # (the moment moved them)
     }, found
 
 

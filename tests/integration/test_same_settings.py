@@ -26,7 +26,7 @@ def test_the_first_node_records_the_settings_and_a_different_one_is_refused(stor
     same_settings(store, keys, cfg(decide="store"))  # alike: joins
     with pytest.raises(Exception, match=r"--decide collective here, store there"):
         same_settings(store, keys, cfg(decide="collective"))
-    with pytest.raises(Exception, match=r"--compare-every 5 here, 20 there"):
+    with pytest.raises(Exception, match=r"--compare-every 5 here, 40 there"):
         same_settings(store, keys, cfg(decide="store", compare_every=5))
 
 

@@ -119,7 +119,7 @@ class RuntimeConfig:
     backend: str = "auto"
     incarnation: int | None = None
     check_every: int = 0
-    compare_every: int = 20
+    compare_every: int = 40
     buffers: str = "average"
     decide: str = "auto"
     keep_gradients: bool = True

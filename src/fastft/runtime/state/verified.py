@@ -18,11 +18,16 @@ checked). ``bench/replica_check.py`` measures both."""
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from typing import Any, Protocol
 
+import torch
+
+import fastft.runtime.state.tree as tree
 from fastft.runtime.state.wire import clone
 
-__all__ = ["Verified"]
+__all__ = ["Verified", "refill"]
 
 
 class StateRegistry(Protocol):
@@ -41,17 +46,23 @@ class Verified:
         """The step whose check passed with the state held (None: none yet)."""
         self._state: dict[str, Any] | None = None
         self._pending: tuple[int, dict[str, Any]] | None = None
+        self._spare: Any = None
+        """The copy verified before the current one: the next hold's buffers."""
         self.wanted: int | None = None
         """Set by a mismatch's repair: the step this member goes back to; its arrival at
         the next epoch offers it (:class:`~fastft.runtime.engine.formation.Arrival`)."""
 
     def hold(self, registry: StateRegistry, step: int) -> None:
-        """As a checked step begins: a copy of the state it begins with."""
-        self._pending = (step, clone(registry.state(step)))
+        """As a checked step begins: a copy of the state it begins with (into the tensors
+        of the copy it no longer needs, where they fit: no allocation in a steady run)."""
+        spare = self._pending[1] if self._pending is not None else self._spare
+        self._spare = None
+        self._pending = (step, refill(spare, registry.state(step)))
 
     def passed(self, step: int) -> None:
         """The check of ``step`` passed on every member: its copy is the verified state."""
         if self._pending is not None and self._pending[0] == step:
+            self._spare = self._state
             self.step, self._state = step, self._pending[1]
         self._pending = None
 
@@ -72,3 +83,25 @@ class Verified:
         """The state was replaced from elsewhere (a durable checkpoint, a fresh start):
         the copy is of another run's past."""
         self.step, self._state, self._pending, self.wanted = None, None, None, None
+        self._spare = None
+
+
+def refill(old: Any, new: Any) -> Any:
+    """A copy of ``new`` (a ``state_dict()`` tree) that nothing can change later, with its
+    tensors copied into those of ``old`` where the shapes match (:func:`clone` else)."""
+    if isinstance(new, torch.Tensor):
+        same = isinstance(old, torch.Tensor) and (old.shape, old.dtype, old.device) == (
+            new.shape,
+            new.dtype,
+            new.device,
+        )
+        return old.copy_(new.detach()) if same else new.detach().clone()
+    if isinstance(new, dict) and isinstance(old, dict):
+        out = {k: refill(old.get(k), v) for k, v in new.items()}
+        if isinstance(new, OrderedDict):
+            meta = copy.deepcopy(getattr(new, "_metadata", None))
+            return tree.with_metadata(OrderedDict(out), meta)
+        return out
+    if isinstance(new, list) and isinstance(old, list) and len(old) == len(new):
+        return [refill(o, v) for o, v in zip(old, new, strict=True)]
+    return clone(new)
