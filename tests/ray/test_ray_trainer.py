@@ -80,3 +80,56 @@ def test_ray_job_submit_runs_fastft_ray_run(cluster, tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0 and "succeeded" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     check_s1_s3(run, 6)
+
+
+STYLE = Path(__file__).parents[2] / "examples" / "ray_train_style.py"
+
+
+def test_a_ray_train_script_reports_its_steps_and_checkpoints_through_a_kill(cluster, tmp_path):
+    """examples/ray_train_style.py, written as Ray Train's docs teach (``ray.init()``,
+    ``TorchTrainer``, ``ScalingConfig(num_workers=2)``, ``RunConfig(failure_config=...,
+    checkpoint_config=CheckpointConfig(num_to_keep=2, score: the lowest loss))``,
+    ``train.get_context()``, ``train.report(metrics, checkpoint=...)``), rank 1 SIGKILLed
+    at step 7: the result holds every report of rank 0 (one a commit, in order), the
+    last as its metrics, the two best reported checkpoints and no other on disk."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"faults": [{"kind": "sigkill", "rank": 1, "at_step": 7}]}))
+    cmd = [sys.executable, str(STYLE), "--address", cluster.address, "--steps", "12"]
+    cmd += ["--checkpoint-every", "4", "--storage", str(tmp_path / "runs")]
+    cmd += ["--flags", f"--inject {plan}"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    history = result["history"]
+    assert [h["step"] for h in history] == [*range(1, 13), 12], history
+    assert all(h["world"] == 2 for h in history)
+    assert result["metrics"] == history[-1] and "digest" in result["metrics"]
+    best = result["best"]
+    losses = {h["step"]: h["loss"] for h in history[:-1]}
+    want = sorted((4, 8, 12), key=lambda s: losses[s])[:2]
+    assert [m["step"] for _, m in best] == want, (best, losses)
+    kept = sorted(p.name for p in (Path(result["path"]) / "reported").iterdir())
+    assert len(kept) == 2 and {Path(c).name for c, _ in best} == set(kept), kept
+    assert all((Path(c) / "model.pt").exists() for c, _ in best)
+    assert result["checkpoint"] in {c for c, _ in best}  # (the newer of the two kept)
+    ev = read_events(Path(result["path"]))
+    digests = {e["metrics"].get("digest") for e in ev if e["event"] == "train_report"} - {None}
+    assert len(digests) == 1, digests  # every rank's function ended on the same state
+    assert any(e["event"] == "restart" and e["rank"] == 1 for e in ev)
+
+
+def test_a_ray_train_function_that_raises_fails_the_fit_naming_its_error(cluster, tmp_path):
+    """A ValueError of the script's own on rank 1 at step 3 (the same again in the step's
+    retry): ``fit()`` raises ``TrainingFailed`` naming it, without the restarts a worker's
+    death gets (it took 29 s, and said only "status 1": issue 62)."""
+    cmd = [sys.executable, str(STYLE), "--address", cluster.address, "--steps", "12"]
+    cmd += ["--fail-at", "3", "--storage", str(tmp_path / "runs")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    failed = json.loads(p.stdout.strip().splitlines()[-1])
+    assert "raised ValueError at" in failed["failed"], failed
+    assert "a bad batch at step 3" in failed["failed"], failed
+    ev = read_events(Path(failed["path"]))
+    (raised,) = [e["t"] for e in ev if e["event"] == "local_fault"][:1]
+    print(f"fit() failed {failed['wall'] - raised:.2f} s after the first raise")
+    assert not [e for e in ev if e["event"] == "restart"], "a restart cannot help"

@@ -169,6 +169,6 @@ def test_a_failed_trainings_error_says_what_failed_it():
         {"event": "job_failed", "src": "agent 0", "reason": "rank 1 failed 4 times"},
     ]
     why = _why_failed(ev)
-    assert why == "rank 1 failed 4 times; rank 1: ValueError: bad shape (3, 4)"
+    assert why == "rank 1: ValueError: bad shape (3, 4); rank 1 failed 4 times"
     result = Result(metrics={}, path=Path("/tmp/run"), checkpoint=None, summary={})
     assert "bad shape (3, 4)" in str(TrainingFailed(1, result, why))

@@ -57,8 +57,9 @@ _ENDS_THE_JOB = {
     EXIT_REPLICAS_DIVERGED: "the replicas hold different state (the in-band replica "
     "check; the worker's message names what differs, on which members, and the likely "
     "cause); training on would give a different model on every member",
-    EXIT_SCRIPT_ERROR: "the script uses fastft in a way that cannot work (the worker's "
-    "message says what to change); a restart would fail the same way",
+    EXIT_SCRIPT_ERROR: "the script uses fastft in a way that cannot work, or raised an "
+    "error of its own twice the same way (the worker's message says which, and what to "
+    "change); a restart would fail the same way",
     EXIT_CHECKPOINTS_FAIL: "checkpoints keep failing to be written (the worker's message "
     "says why); fix --checkpoint-dir and run again",
     EXIT_STATE_LOST: "every holder of the committed state was lost and nothing could "

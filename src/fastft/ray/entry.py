@@ -31,7 +31,10 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if a != "--"]
     if len(args) != 1:
         sys.exit("usage: python -m fastft.ray.entry PICKLE (written by fastft.ray.Trainer)")
-    fn, config = pickle.loads(Path(args[0]).read_bytes())  # noqa: S301 (the job's own file)
+    fn, config, *more = pickle.loads(Path(args[0]).read_bytes())  # noqa: S301 (the job's own)
+    options = more[0] if more else {}
+    if options.get("keep"):  # (CheckpointConfig.num_to_keep: train.report prunes)
+        os.environ["FASTFT_REPORTED_KEEP"] = str(options["keep"])
     got = call(fn, config)
     if isinstance(got, dict):
         rank = int(os.environ.get("FASTFT_RANK", "-1"))

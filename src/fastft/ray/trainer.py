@@ -18,6 +18,13 @@ returns a result with the final metrics, the run directory and the checkpoint::
     ).fit()
     print(result.metrics, result.path, result.checkpoint)
 
+Ray Train's spellings work too (:mod:`fastft.ray.configs`, :mod:`fastft.ray.train`):
+``TorchTrainer``, ``ScalingConfig(num_workers=4)``, ``RunConfig(failure_config=
+FailureConfig(max_failures=3), checkpoint_config=CheckpointConfig(num_to_keep=2))``, and in
+the function ``train.get_context()`` and ``train.report(metrics, checkpoint=...)``; the
+result then holds every report (``metrics_history``), the last (``metrics``) and the kept
+checkpoints (``checkpoint``, ``best_checkpoints``).
+
 It is :func:`fastft.ray.run` underneath (node agents as actors, ``fastft run`` on each):
 the function is pickled (``ray.cloudpickle``), shipped to every node with the job, and run
 by :mod:`fastft.ray.entry` in each worker. Unlike Ray Train, a worker's fault is not a
@@ -39,64 +46,50 @@ from typing import Any
 
 from fastft.errors import RayJobError
 from fastft.process.events import EVENTS_FILE
+from fastft.ray.configs import (
+    CheckpointConfig,
+    FailureConfig,
+    RunConfig,
+    ScalingConfig,
+    coerce,
+)
+from fastft.ray.train import REPORT_EVENT, Checkpoint
 
-__all__ = ["FailureConfig", "Result", "RunConfig", "ScalingConfig", "Trainer", "TrainingFailed"]
+__all__ = [
+    "CheckpointConfig",
+    "FailureConfig",
+    "Result",
+    "RunConfig",
+    "ScalingConfig",
+    "TorchTrainer",
+    "Trainer",
+    "TrainingFailed",
+]
 
 RESULT_EVENT = "train_result"
 """The event a worker's training function records its return value in."""
 
 
 @dataclass(frozen=True)
-class ScalingConfig:
-    """How many node agents and workers, and what each node's bundle holds."""
-
-    num_nodes: int = 1
-    workers_per_node: int = 1
-    cpus_per_node: float | None = None
-    """Each bundle's CPUs (default: the workers plus one for the agent)."""
-    gpus_per_node: float = 0.0
-    placement: str = "strict"
-    """``strict``: each node on a machine of its own; ``spread``: machines may be shared."""
-
-
-@dataclass(frozen=True)
-class FailureConfig:
-    max_node_restarts: int = 3
-    """How many times a node's agent actor may be replaced (by its standby or a new one)."""
-    standby_agents: bool = True
-    """A warm standby agent per node (``fastft ray run --no-standby-agents``: none)."""
-    max_worker_restarts: int | None = None
-    """``fastft run --max-restarts``: restarts of one worker (None: fastft's default)."""
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    name: str | None = None
-    """The job's name (default: ``ray-XXXXXX``)."""
-    storage_path: str | None = None
-    """Where run directories go (default ``./runs``): ``STORAGE/NAME-TIME-PID``."""
-    checkpoint_every: int = 0
-    """Steps between checkpoints (0: none)."""
-    checkpoint_dir: str | None = None
-    """Where checkpoints go (default ``RUN_DIR/checkpoints``; shared storage across
-    machines)."""
-    runtime_env: dict[str, Any] | None = None
-    """Ray's, for the node agents and their workers (``working_dir``, ``pip``, ...)."""
-    flags: Sequence[str] = ()
-    """Any other ``fastft run`` flags (``--min-replicas 2``, ``--warm-spares 1``, ...)."""
-
-
-@dataclass(frozen=True)
 class Result:
     metrics: dict[str, Any]
-    """What the training function returned on the lowest rank that returned a dict (a
-    script: ``{}``)."""
+    """What the training function returned on the lowest rank that returned a dict, else
+    the lowest rank's last ``train.report`` (a script that does neither: ``{}``)."""
     path: Path
     """The run directory: ``fastft report PATH`` reads it."""
-    checkpoint: Path | None
-    """The newest checkpoint that verifies (None: none written)."""
+    checkpoint: Checkpoint | None
+    """The newest kept reported checkpoint, else fastft's newest durable checkpoint that
+    verifies (None: none)."""
     summary: dict[str, Any] = field(default_factory=dict)
     """``fastft report``'s figures: steps committed, faults, goodput."""
+    metrics_history: list[dict[str, Any]] = field(default_factory=list)
+    """The lowest rank's ``train.report`` metrics, in order (Ray's ``metrics_dataframe``
+    rows)."""
+    best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list)
+    """The kept reported checkpoints and their metrics, best first
+    (``CheckpointConfig``'s score; the newest first without one)."""
+    error: str | None = None
+    """Why the job failed (:class:`TrainingFailed` carries it), None if it did not."""
 
 
 class TrainingFailed(RayJobError):
@@ -123,20 +116,32 @@ class Trainer:
         train_loop_per_worker: Callable[..., Any] | str | Sequence[str],
         *,
         train_loop_config: dict[str, Any] | None = None,
-        scaling_config: ScalingConfig | None = None,
-        failure_config: FailureConfig | None = None,
-        run_config: RunConfig | None = None,
+        scaling_config: Any = None,
+        failure_config: Any = None,
+        run_config: Any = None,
         address: str | None = None,
+        datasets: dict[str, Any] | None = None,
     ) -> None:
         self.loop = train_loop_per_worker
         self.config = train_loop_config
-        self.scaling = scaling_config or ScalingConfig()
-        self.failure = failure_config or FailureConfig()
-        self.run_config = run_config or RunConfig()
+        self.scaling = coerce(scaling_config, ScalingConfig) or ScalingConfig()
+        self.run_config = coerce(run_config, RunConfig) or RunConfig()
+        self.failure = (
+            coerce(failure_config, FailureConfig)
+            or self.run_config.failure_config
+            or FailureConfig()
+        )
+        self.keep = self.run_config.checkpoint_config or CheckpointConfig()
         self.address = address
         if not callable(self.loop) and self.config is not None:
             raise ValueError(
                 "train_loop_config: only for a training function (a script reads its arguments)"
+            )
+        if datasets:
+            raise ValueError(
+                "datasets=: Ray Data shards are not built in fastft.ray; read the data in "
+                "the training function, through fastft.Batches(loader), whose position "
+                "every rollback, heal and checkpoint carries"
             )
 
     def _checkpoint_dir(self, run_dir: Path) -> Path:
@@ -152,6 +157,8 @@ class Trainer:
         if rc.checkpoint_every:
             flags += ["--checkpoint-dir", str(self._checkpoint_dir(run_dir))]
             flags += ["--checkpoint-every", str(rc.checkpoint_every)]
+            if self.keep.num_to_keep is not None:
+                flags += ["--checkpoint-keep", str(self.keep.num_to_keep)]
         if self.failure.max_worker_restarts is not None:
             flags += ["--max-restarts", str(self.failure.max_worker_restarts)]
         given = {f.partition("=")[0] for f in flags}
@@ -184,7 +191,9 @@ class Trainer:
             from ray import cloudpickle
 
             fn_path = str(run_dir / "train_loop.pkl")
-            files[fn_path] = cloudpickle.dumps((self.loop, self.config))
+            # (a keep by recency prunes as the reports come; by score, at the end)
+            recent = None if self.keep.checkpoint_score_attribute else self.keep.num_to_keep
+            files[fn_path] = cloudpickle.dumps((self.loop, self.config, {"keep": recent}))
             script = ["-m", "fastft.ray.entry", "--", fn_path]
         elif isinstance(self.loop, str):
             script = [self.loop]
@@ -206,15 +215,28 @@ class Trainer:
             files=files,
             out=sys.stdout,
         )
+        ev = _events(run_dir)
+        history = _history(ev)
+        best = _kept(ev, self.keep)
+        newest = max(best, key=lambda b: b[1].get("_t", 0.0))[0] if best else None
+        durable = _newest_checkpoint(ckpt)
+        why = _why_failed(ev) if status != 0 else None
         result = Result(
-            metrics=_metrics(run_dir),
+            metrics=_metrics(ev) or (history[-1] if history else {}),
             path=run_dir,
-            checkpoint=_newest_checkpoint(ckpt),
+            checkpoint=newest or (Checkpoint(durable) if durable is not None else None),
             summary=_summary(run_dir),
+            metrics_history=history,
+            best_checkpoints=[(c, {k: v for k, v in m.items() if k != "_t"}) for c, m in best],
+            error=why,
         )
         if status != 0:
-            raise TrainingFailed(status, result, _why_failed(_events(run_dir)))
+            raise TrainingFailed(status, result, why or "")
         return result
+
+
+TorchTrainer = Trainer
+"""Ray Train's name for it (``ray.train.torch.TorchTrainer``)."""
 
 
 def _why_failed(ev: list[dict[str, Any]]) -> str:
@@ -226,7 +248,7 @@ def _why_failed(ev: list[dict[str, Any]]) -> str:
         for e in ev
         if e["event"] in ("script_error", "local_fault") and (e.get("error") or e.get("cause"))
     ]
-    parts = [p for p in (reason, errors[-1] if errors else "") if p]
+    parts = [p for p in (errors[-1] if errors else "", reason) if p]  # (the specific first)
     return "; ".join(parts)[:600]
 
 
@@ -243,8 +265,8 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _metrics(run_dir: Path) -> dict[str, Any]:
-    got = [e for e in _events(run_dir) if e.get("event") == RESULT_EVENT]
+def _metrics(ev: list[dict[str, Any]]) -> dict[str, Any]:
+    got = [e for e in ev if e.get("event") == RESULT_EVENT]
     if not got:
         return {}
     return dict(min(got, key=lambda e: (e.get("rank", 1 << 30), -e.get("mono", 0)))["metrics"])
@@ -272,3 +294,40 @@ def _summary(run_dir: Path) -> dict[str, Any]:
         return {}
     keys = ("steps_committed", "last_step", "goodput", "median_step_ms", "outcome")
     return {k: s[k] for k in keys if k in s} | {"faults": len(s.get("faults", []))}
+
+
+def _reports(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The lowest reporting rank's ``train.report`` events, in the order it reported."""
+    got = [e for e in ev if e.get("event") == REPORT_EVENT]
+    if not got:
+        return []
+    low = min(e.get("rank", 1 << 30) for e in got)
+    return sorted((e for e in got if e.get("rank") == low), key=lambda e: e.get("t", 0.0))
+
+
+def _history(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [dict(e["metrics"]) for e in _reports(ev)]
+
+
+def _kept(ev: list[dict[str, Any]], cfg: CheckpointConfig) -> list[tuple[Checkpoint, dict]]:
+    """The reported checkpoints still on disk, best first, the rest past
+    ``cfg.num_to_keep`` removed (by ``cfg``'s score, or the newest)."""
+    import shutil
+
+    got = [
+        (Checkpoint(Path(e["checkpoint"])), {**e["metrics"], "_t": e.get("t", 0.0)})
+        for e in ev
+        if e.get("event") == REPORT_EVENT and e.get("checkpoint")
+    ]
+    got = [(c, m) for c, m in got if c.path.is_dir()]
+    attr = cfg.checkpoint_score_attribute
+    if attr is not None:
+        scored = [(c, m) for c, m in got if isinstance(m.get(attr), int | float)]
+        got = sorted(scored, key=lambda b: b[1][attr], reverse=cfg.checkpoint_score_order == "max")
+    else:
+        got.sort(key=lambda b: b[1]["_t"], reverse=True)
+    if cfg.num_to_keep is not None:
+        for c, _ in got[cfg.num_to_keep :]:
+            shutil.rmtree(c.path, ignore_errors=True)
+        got = got[: cfg.num_to_keep]
+    return got
