@@ -5,12 +5,14 @@ use instead (it was retried in the step, then restarted: 78 s)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastft.runtime import read_events
 
@@ -165,3 +167,37 @@ def test_a_shuffling_loader_left_unregistered_is_refused_at_register_with_the_fi
     assert "fastft.Batches(train)" in p.stderr and "'evaluation'" not in p.stderr
     ev = read_events(tmp_path / "run")
     assert not [e for e in ev if e["event"] == "restart"], "a restart cannot help"
+
+
+RESEED_SCRIPT = """
+import json, os, sys, torch, fastft
+ft = fastft.init(reseed={reseed})
+model = torch.nn.Linear(4, 1)
+ft.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+torch.manual_seed(1234)  # (a script that keeps one stream for the whole run)
+draws = []
+while ft.step < 3:
+    with ft.transaction() as tx:
+        draw = float(torch.rand(()))
+        model(torch.ones(2, 4)).sum().backward()
+        tx.allreduce_gradients()
+    if tx.committed:
+        draws.append(draw)
+out = os.path.join(os.environ["FASTFT_RUN_DIR"], f"draws-{{ft.rank}}.json")
+open(out, "w").write(json.dumps(draws))
+ft.close()
+"""
+
+
+@pytest.mark.parametrize("reseed", [True, False])
+def test_each_step_draws_from_the_step_unless_the_script_seeds_its_own(tmp_path, reseed):
+    """Issue 61: fastft seeds the global generators from (seed, step, rank) as each step
+    attempt begins, so a retry or a restart draws what the fault-free run drew;
+    ``fastft.init(reseed=False)`` leaves a script's own stream alone."""
+    p = run_inline(tmp_path, RESEED_SCRIPT.format(reseed=reseed))
+    assert p.returncode == 0, p.stderr[-3000:]
+    draws = json.loads((tmp_path / "run" / "draws-0.json").read_text())
+    g = torch.Generator().manual_seed(1234)
+    stream = [float(torch.rand((), generator=g)) for _ in range(3)]
+    assert (draws == stream) is (not reseed), (draws, stream)
+    assert len(set(draws)) == 3

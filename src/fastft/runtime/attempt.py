@@ -98,7 +98,8 @@ class StepAttempts:
         tx.step, tx.epoch = s.step, s.epoch
         tx.rank, tx.world = view.index(self.rt.rank), len(view.members)
         x.kept.begin_attempt()
-        reseed(self.rt.config.seed, s.step, tx.rank)
+        if self.rt.config.reseed:  # (fastft.init(reseed=False): the script seeds its own)
+            reseed(self.rt.config.seed, s.step, tx.rank)
         self.rt.registry.begin_step()
         self.compare = self._compare_due(s.epoch, s.step, tx.world)
         if self.compare:  # (what a mismatch's repair goes back to, once the check passed)

@@ -97,6 +97,10 @@ class RuntimeConfig:
     the model and are the unit of fault; ``group_gen``: how many times the agent started
     this worker's group again (its members meet under it). ``sync``: how the replica groups
     sync, ``per-step``, ``every-k:N`` or ``diloco:N`` (:mod:`fastft.runtime.sync`).
+    ``reseed``: seed Python's, NumPy's and torch's global generators from (``seed``, step,
+    rank) as each step attempt begins (13 us), so a retry, a restart or a heal draws what
+    the fault-free run drew; False (``fastft.init(reseed=False)``) for a script that seeds
+    its own from the step (its registered generators are then its to keep).
     """
 
     store: str
@@ -111,6 +115,7 @@ class RuntimeConfig:
     exit_trace_file: str | None = None
     relay_socket: str | None = None
     seed: int = 0
+    reseed: bool = True
     rollback_timeout_s: float = 5.0
     start_timeout_s: float = 300.0
     regroup_timeout_s: float = REGROUP_TIMEOUT_S
