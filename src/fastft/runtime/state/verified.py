@@ -11,10 +11,11 @@ the steps since again: their batches (registered loaders are part of the state) 
 their randomness (:func:`~fastft.runtime.state.rng.reseed`) are functions of the step,
 so the repaired run is the fault-free one bit for bit.
 
-Cost: the copy of a checked step is taken as it begins (one clone of the registered
-state, parameters and optimizer state included), kept aside until the step's check
-passes; memory: two copies of the state at most (the verified one and the one being
-checked). ``bench/replica_check.py`` measures both."""
+Cost: the copy of a checked step is taken as it begins (one copy of the registered
+state, parameters and optimizer state included, into the buffers of the copy it
+replaces), kept aside until the step's check passes; memory: two copies of the state at
+most (the verified one and the one being checked), in host memory for a GPU's tensors.
+``bench/replica_check.py`` measures both."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ import fastft.runtime.state.tree as tree
 from fastft.runtime.state.wire import clone
 
 __all__ = ["Verified", "refill"]
+
+CPU = torch.device("cpu")
+"""Where the copies of a GPU's state are kept: in host memory, not beside the state."""
 
 
 class StateRegistry(Protocol):
@@ -90,12 +94,14 @@ def refill(old: Any, new: Any) -> Any:
     """A copy of ``new`` (a ``state_dict()`` tree) that nothing can change later, with its
     tensors copied into those of ``old`` where the shapes match (:func:`clone` else)."""
     if isinstance(new, torch.Tensor):
+        src = new.detach()
+        home = CPU if src.is_cuda else src.device  # (a GPU's memory is the model's own)
         same = isinstance(old, torch.Tensor) and (old.shape, old.dtype, old.device) == (
-            new.shape,
-            new.dtype,
-            new.device,
+            src.shape,
+            src.dtype,
+            home,
         )
-        return old.copy_(new.detach()) if same else new.detach().clone()
+        return old.copy_(src) if same else src.to(home, copy=True)
     if isinstance(new, dict) and isinstance(old, dict):
         out = {k: refill(old.get(k), v) for k, v in new.items()}
         if isinstance(new, OrderedDict):
