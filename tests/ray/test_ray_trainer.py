@@ -133,3 +133,20 @@ def test_a_ray_train_function_that_raises_fails_the_fit_naming_its_error(cluster
     (raised,) = [e["t"] for e in ev if e["event"] == "local_fault"][:1]
     print(f"fit() failed {failed['wall'] - raised:.2f} s after the first raise")
     assert not [e for e in ev if e["event"] == "restart"], "a restart cannot help"
+
+
+def test_a_ray_train_script_runs_under_ray_job_submit(cluster, tmp_path):
+    """The Ray Train script as Ray's own job: ``ray job submit -- python
+    examples/ray_train_style.py`` (its ``ray.init()`` finds the cluster through the job's
+    ``RAY_ADDRESS``); the job succeeds with every report."""
+    dashboard = "http://" + cluster.head_node.address_info["webui_url"]
+    entry = [sys.executable, str(STYLE), "--steps", "6", "--checkpoint-every", "3"]
+    entry += ["--storage", str(tmp_path / "runs")]
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    cmd = [ray_cli, "job", "submit", "--address", dashboard, "--", *entry]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0 and "succeeded" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    line = next(x for x in reversed(p.stdout.splitlines()) if x.startswith('{"metrics"'))
+    result = json.loads(line)
+    assert [h["step"] for h in result["history"]] == [*range(1, 7), 6], result["history"]
+    check_s1_s3(Path(result["path"]), 6)
