@@ -371,3 +371,20 @@ def test_the_verified_copy_is_the_state_a_passed_check_began_with():
     assert torch.equal(model.weight, before + 1.0)
     reg.verified.forget()
     assert reg.verified.step is None
+
+
+def test_a_copy_reuses_the_buffers_of_the_one_it_replaces():
+    from collections import OrderedDict
+
+    from fastft.runtime.state.verified import refill
+
+    st = {"model": OrderedDict(w=torch.ones(3)), "groups": [{"lr": 0.1, "t": (torch.zeros(2),)}]}
+    first = refill(None, st)
+    assert torch.equal(first["model"]["w"], st["model"]["w"])
+    assert first["model"]["w"].data_ptr() != st["model"]["w"].data_ptr()
+    assert isinstance(first["model"], OrderedDict) and isinstance(first["groups"][0]["t"], tuple)
+    st["model"]["w"].add_(1.0)
+    again = refill(first, st)
+    assert again["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # (no allocation)
+    assert torch.equal(again["model"]["w"], torch.full((3,), 2.0))
+    assert again["groups"][0]["lr"] == 0.1

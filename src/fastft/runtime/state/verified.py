@@ -102,12 +102,15 @@ def refill(old: Any, new: Any) -> Any:
             home,
         )
         return old.copy_(src) if same else src.to(home, copy=True)
-    if isinstance(new, dict) and isinstance(old, dict):
-        out = {k: refill(old.get(k), v) for k, v in new.items()}
+    if isinstance(new, dict):  # (recursing without an old one too: a GPU's go to the host)
+        olds = old if isinstance(old, dict) else {}
+        out = {k: refill(olds.get(k), v) for k, v in new.items()}
         if isinstance(new, OrderedDict):
             meta = copy.deepcopy(getattr(new, "_metadata", None))
             return tree.with_metadata(OrderedDict(out), meta)
         return out
-    if isinstance(new, list) and isinstance(old, list) and len(old) == len(new):
-        return [refill(o, v) for o, v in zip(old, new, strict=True)]
+    if isinstance(new, list | tuple):
+        fits = isinstance(old, list | tuple) and len(old) == len(new)
+        items = [refill(old[i] if fits else None, v) for i, v in enumerate(new)]
+        return items if isinstance(new, list) else tuple(items)
     return clone(new)
