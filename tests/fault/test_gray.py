@@ -71,7 +71,7 @@ def test_bits_flipped_in_a_parameter_and_in_adams_state_are_repaired_with_defaul
     """3 workers, the default cadence (a check every 40 steps, and the first two of every
     epoch): a bit of rank 1's parameter flips at step 21, one of rank 2's Adam state at
     step 45; each check after them finds it (steps 40 and 80), every member goes back to
-    the last verified state (steps 1 and 40) and runs the steps again: the job ends
+    the last verified state (steps 0 and 40) and runs the steps again: the job ends
     bitwise equal to the fault-free run."""
     plan = [
         {"kind": "bitflip", "rank": 1, "at_step": 21, "arg": 12},
@@ -88,7 +88,7 @@ def test_bits_flipped_in_a_parameter_and_in_adams_state_are_repaired_with_defaul
         if e["event"] == "replicas_diverged"
     }
     assert found == {
-        (40, (1,), "rewind", 1, ("parameters",)),
+        (40, (1,), "rewind", 0, ("parameters",)),
         (80, (2,), "rewind", 40, ("parameters", "optimizer")),  # (the moment moved them)
     }, found
 

@@ -166,7 +166,7 @@ def test_state_changed_on_one_member_is_the_scripts_and_stops_the_job(tmp_path):
 def test_a_bit_the_device_flips_is_repaired_to_the_fault_free_run(tmp_path):
     """A bit of rank 1's parameter flips once after step 3 (the script's own flip, as a
     faulty device's), default flags: the check at step 40 finds it, every member goes back
-    to the state of step 1, the last verified one, and runs the steps again; the corrupted
+    to the state of step 0, the last verified one, and runs the steps again; the corrupted
     member's gradients of steps 4-39 are in nobody's state: every rank ends bitwise equal
     to the fault-free run."""
     args = ("--steps", "42")
@@ -178,7 +178,7 @@ def test_a_bit_the_device_flips_is_repaired_to_the_fault_free_run(tmp_path):
         for e in read_events(run)
         if e["event"] == "replicas_diverged"
     }
-    assert got == {(40, "rewind", 1)}, got
+    assert got == {(40, "rewind", 0)}, got
 
 
 # --- the slow tier: every script, policy and way of leaving ---------------------------

@@ -102,8 +102,12 @@ class StepAttempts:
             reseed(self.rt.config.seed, s.step, tx.rank)
         self.rt.registry.begin_step()
         self.compare = self._compare_due(s.epoch, s.step, tx.world)
-        if self.compare:  # (what a mismatch's repair goes back to, once the check passed)
-            self.rt.registry.verified.hold(self.rt.registry, s.step)
+        verified = self.rt.registry.verified  # (what a mismatch's repair goes back to)
+        if self.compare and (s.step % self.rt.config.compare_every == 0 or verified.step is None):
+            # the periodic checks only, once there is a copy: an epoch's first two steps
+            # follow every recovery, and a copy there would lengthen each one (seconds of
+            # a large model's state)
+            verified.hold(self.rt.registry, s.step)
         for batches in self.batches:
             batches.start_step()
         self.rt.heartbeat.beat()
