@@ -57,7 +57,10 @@ def test_a_flipped_bit_is_caught_and_every_member_goes_back_to_the_verified_stat
     assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
     ev = read_events(run)
     found = [e for e in ev if e["event"] == "replicas_diverged"]
-    assert len(found) == 3, found  # every member saw it, and decided alike
+    # every member that reached its verdict decided alike (one still in the gather of the
+    # checksums when its peers declared their states lost is interrupted before its own:
+    # it goes back with them all the same, test_formation's race)
+    assert 1 <= len(found) <= 3 and len({e["src"] for e in found}) == len(found), found
     assert {
         (e["step"], tuple(e["minority"]), e["action"], e["to"], tuple(e["items"])) for e in found
     } == {(10, (1,), "rewind", 5, ("parameters",))}, found

@@ -241,6 +241,26 @@ def test_members_that_go_back_to_their_verified_state_rewind_together():
     assert mixed is not None and not mixed.rewind and mixed.restore == 6
 
 
+def test_a_survivor_interrupted_before_its_verdict_goes_back_with_the_others():
+    """A replica mismatch's repair, as it raced in CI: rank 2 was still in the gather of
+    the checksums when its peers, done with it, declared their states lost (the bus
+    interrupted it): it arrives holding its state, which may be the corrupted one, and
+    the verified copy of step 5. It goes back with them, never serving its state; a
+    survivor that holds no copy of step 5 leaves it to the usual rules (it serves)."""
+    raced = {0: Arrival(10, 9, True, rewind=5), 1: Arrival(11, 9, True, rewind=5)}
+    view = _close({**raced, 2: Arrival(12, 9, False, rewind=5)})
+    assert view is not None and view.rewind and (view.restore, view.step, view.lost) == (5, 5, 9)
+    assert [m.rank for m in view.members] == [0, 1, 2] and not view.needs_state
+    other = _close({**raced, 2: Arrival(12, 9, False, rewind=0)})
+    assert other is not None and not other.rewind and other.source == 2
+    assert other.needs_state == {0, 1}
+    held = Arrival(12, 9, False, rewind=5)
+    assert Arrival.from_json(held.to_json()) == held  # (the step it holds travels too)
+    # every survivor holds the verified copy, none asked for it: no rewind
+    calm = _close({r: Arrival(10 + r, 9, False, rewind=5) for r in (0, 1, 2)})
+    assert calm is not None and not calm.rewind and calm.restore is None
+
+
 def test_a_start_goes_on_from_the_scripts_own_checkpoint_unless_the_durable_tier_is_newer():
     """``ft.register(step=8)``: every joiner loaded the state of step 8 itself; the lowest
     sends its own so that every replica starts equal (after every worker was lost too)."""

@@ -41,8 +41,9 @@ class Arrival:
     kept: tuple[int, int, int] | None = None
     suspect: bool = False
     rewind: int | None = None
-    """A replica mismatch's repair: it lost its state on purpose and holds the verified
-    state of this step (:class:`~fastft.runtime.state.verified.Verified`)."""
+    """The step of the verified state it holds
+    (:class:`~fastft.runtime.state.verified.Verified`); with ``lost``, the one it goes
+    back to: a replica mismatch's repair, its state lost on purpose (None: not one)."""
 
     def to_json(self) -> str:
         d: dict[str, object] = {"inc": self.incarnation, "step": self.step, "lost": self.lost}
@@ -50,7 +51,7 @@ class Arrival:
             d["kept"] = list(self.kept)
         if self.suspect:
             d["suspect"] = True
-        if self.rewind is not None and self.lost:
+        if self.rewind is not None:
             d["rewind"] = self.rewind
         return json.dumps(d)
 
@@ -141,6 +142,16 @@ def holds_state(arrived: dict[int, Arrival]) -> bool:
     return any(not a.lost for a in arrived.values())
 
 
+def _rewind_to(arrived: dict[int, Arrival]) -> int | None:
+    """The verified step every survivor goes back to: one that a survivor which lost its
+    state on purpose asks for (a replica mismatch's repair), and that every survivor
+    holds; None if not all can (the others' state serves, or a checkpoint)."""
+    asked = {a.rewind for a in arrived.values() if a.lost}
+    if len(asked) != 1 or (v := asked.pop()) is None:
+        return None
+    return v if all(a.rewind == v for a in arrived.values()) else None
+
+
 def others_hold_state(
     view: EpochView | None,
     me: Member,
@@ -218,18 +229,19 @@ def close_after(
     if behind:
         log.info("survivors %s are behind step %s: they heal", sorted(behind), top)
     epoch, members_ = prev.epoch + 1, tuple(sorted(members))
+    if (v := _rewind_to(arrived)) is not None and len(arrived) >= min_members:
+        # A replica mismatch's repair: every survivor goes back to the state it holds of
+        # the last step the check found equal (joiners wait: none holds it). A survivor
+        # that a peer's repair interrupted before its own verdict arrives holding the
+        # state, and goes back too: the verdict of the members that decided is the one
+        # every member would have reached, and the state it holds may be the corrupted one
+        lost = max([prev.step, *(a.step for a in arrived.values())])
+        waiting = tuple(sorted({*waiting, *joiners}))
+        members_ = tuple(sorted(Member(r, a.incarnation) for r, a in arrived.items()))
+        return EpochView(epoch, members_, v, frozenset(), None, (), waiting, v, lost, rewind=True)
     if not with_state:
         # Every holder of the committed state is gone (at least prev.step was committed).
         lost = max([prev.step, *(a.step for a in arrived.values())])
-        back = {a.rewind for a in arrived.values()}
-        if len(back) == 1 and (v := back.pop()) is not None and len(arrived) >= min_members:
-            # A replica mismatch's repair: every survivor goes back to the state it holds
-            # of the last step the check found equal (joiners wait: none holds it)
-            waiting = tuple(sorted({*waiting, *joiners}))
-            members_ = tuple(sorted(Member(r, a.incarnation) for r, a in arrived.items()))
-            return EpochView(
-                epoch, members_, v, frozenset(), None, (), waiting, v, lost, rewind=True
-            )
         if recovery.checkpoint is not None:
             c = recovery.checkpoint
             return EpochView(epoch, members_, c, frozenset(), None, restore=c, lost=lost)

@@ -182,7 +182,8 @@ class Membership:
                 # tests: a death after arriving for the epoch
                 arrived=lambda: x.sv.injector.fire_due(x.state.step, point="formation"),
                 suspect=x.suspect_state,
-                rewind=x.registry.verified.wanted if a.lost_state else None,
+                # (lost on purpose: the verified step it goes back to; else the one it holds)
+                rewind=x.registry.verified.wanted if a.lost_state else x.registry.verified.step,
                 below_min=self._below_min,
                 silent=x.declare_silent,
                 remind=x.remind,
