@@ -1,0 +1,17 @@
+"""fastft under PyTorch Lightning (the ``lightning`` extra): ``Trainer(strategy=
+FastFTStrategy())`` trains an unchanged ``LightningModule`` under ``fastft run``
+(docs/lightning.md)."""
+
+from __future__ import annotations
+
+try:
+    import pytorch_lightning  # noqa: F401
+except ImportError as e:  # pragma: no cover - the extra's absence
+    raise ImportError(
+        "fastft.lightning needs PyTorch Lightning: pip install 'fastft[lightning]' "
+        "(pytorch-lightning 2.6)"
+    ) from e
+
+from fastft.lightning.strategy import FastFTStrategy
+
+__all__ = ["FastFTStrategy"]

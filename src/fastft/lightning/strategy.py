@@ -1,0 +1,371 @@
+"""fastft under PyTorch Lightning: a ``Strategy`` for ``Trainer`` with which an unchanged
+``LightningModule`` trains under ``fastft run``, each optimizer step a transaction.
+
+    trainer = Trainer(strategy=FastFTStrategy(), max_steps=..., ...)  # the one line
+    trainer.fit(model, datamodule)
+
+What it does (docs/lightning.md):
+
+* **The step.** Lightning's closure (``training_step``, ``zero_grad``, ``backward``) runs
+  inside ``ft.transaction()``; the gradients are averaged over the members there
+  (interruptible), then Lightning's ``on_before_optimizer_step`` hooks and its gradient
+  clipping run on the averaged gradients, and the commit steps the optimizer on every
+  member or on none. A step that rolls back runs again at once, with the same batch; with
+  ``accumulate_grad_batches=k`` the transaction spans the step's ``k`` micro-batches
+  (``handles_gradient_accumulation``: the strategy accumulates) and a retry runs them all
+  again, drawing the same randomness (fastft seeds it as the step begins).
+* **A restart.** The new worker registers and heals in ``setup``, then Lightning resumes
+  it through its own checkpoint path (``fit(ckpt_path=...)``'s) from the state the heal
+  brought (:class:`~fastft.lightning.resume.LoopState`): the loops at the batch after the
+  last commit, the callbacks, the datamodule, the train loader's place.
+* **Collectives.** Only a step's reductions are the members' (``self.log(...,
+  sync_dist=True)`` in ``training_step``); evaluation runs on every member over the whole
+  validation set (the same state, the same data: the same metrics, no collective that a
+  fault could leave hanging), so a reduction or a broadcast outside a step returns this
+  member's value, which is every member's.
+
+Not supported (each refused at ``fit`` with what to change): manual optimization,
+``16-mixed`` precision (its GradScaler steps the optimizer itself), a train loader that
+cannot be resumed (an ``IterableDataset``: use ``fastft.Batches`` in a plain loop)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from pytorch_lightning import Callback, LightningModule, Trainer
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.plugins.precision import MixedPrecision
+from pytorch_lightning.strategies import ParallelStrategy
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+
+import fastft
+from fastft.lightning.resume import LoopState, resumable, why_not
+from fastft.runtime.contract import RuntimeConfig
+
+__all__ = ["FastFTStrategy"]
+
+log = logging.getLogger(__name__)
+
+class _Capture(Callback):
+    """Takes the Trainer's committed state after each batch whose step committed: last
+    in the callbacks (a ModelCheckpoint's state after its save is in it)."""
+
+    def __init__(self, strategy: FastFTStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if self.strategy.committed:
+            self.strategy.committed = False
+            self.strategy.loops.capture(trainer)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A resumed worker's loop begins after the batch of the last commit, whose end
+        its last life (or the peer it healed from) ran, and this one did not: a
+        ModelCheckpoint due at that step saves now, the state exactly the committed one
+        (else the restarted rank 0 saved it a micro-batch later, or never)."""
+        sigterm = self.strategy.sigterm
+        if sigterm is not None and threading.current_thread() is threading.main_thread():
+            # Lightning's own handler (installed as fit began) ends fit with a status of 0
+            # after the batch: under fastft a SIGTERM is a drain at the next commit, and
+            # the job then ends with 143, resumable (fastft's handler, which it replaced)
+            signal.signal(signal.SIGTERM, sigterm)
+        if not self.strategy.resumed:
+            return
+        self.strategy.resumed = False
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint):
+                cb.on_train_batch_end(trainer, pl_module, None, None, batch_idx)
+
+
+class FastFTStrategy(ParallelStrategy):
+    """Train a ``LightningModule`` under ``fastft run``: ``Trainer(strategy=
+    FastFTStrategy())``. ``init``: keyword arguments for :func:`fastft.init`
+    (``compare_every=...``, ``seed=...``). One process per worker, one device each (the
+    CPU, or the GPU of the worker's local rank)."""
+
+    strategy_name = "fastft"
+
+    def __init__(self, **init: Any) -> None:
+        super().__init__()
+        self._init = init
+        self.config = RuntimeConfig.from_env(**init)  # (a clear ConfigError outside fastft run)
+        self.ft: fastft.Runtime | None = None
+        self.tx: fastft.Transaction | None = None
+        self.loops = LoopState()
+        self.committed = False
+        """A step committed in the batch running (its end captures the loops)."""
+        self._kept: list[Callable[[], Any]] = []
+        """The closures of the step's micro-batches so far (a retry runs them again)."""
+        self._shielded: Any = None
+        self.stepping: fastft.Transaction | None = None
+        """The transaction whose closure runs (its collectives are the members')."""
+        self._failed = False
+        self.sigterm: Any = None
+        self.resumed = False
+        """This worker resumed from a heal or a restore (its first batch end is not the
+        committed step's)."""
+
+    # --- where this worker is -------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices or [torch.device("cpu")]
+        if devices[0].type == "cuda":
+            return torch.device("cuda", self.local_rank % max(1, torch.cuda.device_count()))
+        return devices[0]
+
+    @property
+    def global_rank(self) -> int:
+        return self.config.rank
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))  # (fastft run sets torchrun's names)
+
+    @property
+    def node_rank(self) -> int:
+        return self.global_rank // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def is_distributed(self) -> bool:
+        return True  # (Lightning gives the train loader a DistributedSampler)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The train loader's shard is this worker's slot's; every other loader is whole
+        on every member (an evaluation without collectives)."""
+        model = self._lightning_module
+        trainer = model.trainer if model is not None else None
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return {"num_replicas": 1, "rank": 0}
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return True  # (every micro-batch reaches optimizer_step: a retry runs them again)
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # (a healed worker's resume is found in setup)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def setup_environment(self) -> None:
+        from lightning_fabric.utilities.rank_zero import rank_zero_only as fabric_zero
+        from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = fabric_zero.rank = self.global_rank  # type: ignore[attr-defined]
+        super().setup_environment()
+
+    # --- joining the job --------------------------------------------------------------------
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        module = self.lightning_module
+        assert module is not None
+        if self.ft is None:
+            self.ft = fastft.init(**self._init)
+            self.sigterm = signal.getsignal(signal.SIGTERM)  # (fastft's: a drain)
+        ft = self.ft
+        if not module.automatic_optimization:
+            ft.refuse(
+                "FastFTStrategy: manual optimization (automatic_optimization = False) is not "
+                "supported yet: fastft makes each optimizer step a transaction, and a "
+                "training_step that steps optimizers itself has no step boundary to roll back "
+                "to; use automatic optimization, or a plain loop with ft.transaction()"
+            )
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler:
+            ft.refuse(
+                "FastFTStrategy: precision '16-mixed' steps the optimizer through its "
+                "GradScaler, outside fastft's commit; use precision='bf16-mixed' or '32-true'"
+            )
+        trainer.callbacks.append(_Capture(self))
+        schedulers = {f"lr_scheduler_{i}": c.scheduler for i, c in enumerate(trainer.lr_scheduler_configs)}
+        opt = self.optimizers[0] if len(self.optimizers) == 1 else list(self.optimizers)
+        self.loops.capture(trainer)  # (step 0's, for a peer that joins before a commit)
+        ft.register(model=module, optimizer=opt, lightning_loops=self.loops, **schedulers)
+        ckpt = self.loops.checkpoint(trainer)
+        self.resumed = ckpt is not None
+        if ckpt is not None:  # a heal or a restore: Lightning's resume path takes it from here
+            log.info("fastft: resuming Lightning at step %d (epoch %d)", ft.step, ckpt["epoch"])
+            trainer._checkpoint_connector._loaded_checkpoint = ckpt  # noqa: SLF001 - its resume path
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING or self.ft is None:
+            return dataloader
+        if (why := why_not(dataloader)) is not None:
+            self.ft.refuse(
+                f"FastFTStrategy: the train loader is {why}: a restarted worker could not "
+                "resume it at the batch after the last commit. Use a map-style Dataset in a "
+                "DataLoader (Lightning gives it a DistributedSampler), or a loader with "
+                "state_dict()/load_state_dict() (torchdata's StatefulDataLoader)"
+            )
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current
+        return resumable(dataloader, lambda: batches.processed)
+
+    # --- the step ---------------------------------------------------------------------------
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """One micro-batch of the step's transaction: the first opens it, the last reduces
+        and commits it; after a rollback the step runs again from its first micro-batch
+        (the closures keep their batches) until it commits."""
+        model = model if isinstance(model, LightningModule) else self.lightning_module
+        assert model is not None and self.ft is not None
+        trainer = model.trainer
+        last = not trainer.fit_loop._should_accumulate()  # noqa: SLF001 - Lightning's own test
+        while True:
+            try:
+                if self.tx is None:
+                    self._begin(trainer.global_step)
+                    for again in self._kept:  # (a rollback dropped their gradients)
+                        self._run(again)
+                else:
+                    self._unshield()  # (a peer's fault while Lightning fetched the batch)
+                out = self._run(closure)
+                if not last:
+                    self._kept.append(closure)
+                    self._shield()
+                    return out
+                assert self.tx is not None
+                self.tx.allreduce_gradients()
+                # Lightning's on_before_optimizer_step hooks and its clipping, on the
+                # averaged gradients (the commit steps the optimizer)
+                self.precision_plugin._after_closure(model, optimizer)  # noqa: SLF001
+            except BaseException as e:
+                if self._end(e):
+                    continue  # rolled back: the step again
+                raise
+            if self._end(None):
+                self._kept = []
+                self.committed = True
+                return out
+
+    def _run(self, closure: Callable[[], Any]) -> Any:
+        """A micro-batch's closure: its reductions (``all_gather``, ``reduce``) are the
+        members' (every member runs the same closures in the same order)."""
+        self.stepping = self.tx
+        try:
+            return closure()
+        finally:
+            self.stepping = None
+
+    def _begin(self, global_step: int) -> None:
+        assert self.ft is not None
+        tx = self.ft.transaction()
+        tx.__enter__()  # noqa: PLC2801 - held open across the step's micro-batches
+        self.tx = tx
+        if tx.step != global_step:
+            raise RuntimeError(
+                f"fastft: this worker's Lightning loop is at step {global_step}, the job's "
+                f"committed state at step {tx.step} (a heal while it was behind): it ends, "
+                "and comes back as a restarted worker"
+            )
+
+    def _end(self, exc: BaseException | None) -> bool:
+        """Leave the transaction: True if it committed (``exc`` None) or rolled back on
+        ``exc`` (a peer's fault: the step runs again); False if ``exc`` is this worker's
+        to raise."""
+        tx, self.tx = self.tx, None
+        if self._shielded is not None:  # (an exception of Lightning's between micro-batches)
+            shield, self._shielded = self._shielded, None
+            with contextlib.suppress(BaseException):
+                shield.__exit__(None, None, None)
+        if tx is None:
+            return False
+        if exc is None:
+            tx.__exit__(None, None, None)
+            return tx.committed
+        return bool(tx.__exit__(type(exc), exc, exc.__traceback__))
+
+    def _shield(self) -> None:
+        """Between two micro-batches Lightning runs its own code (the batch's end, the
+        next fetch): a peer's fault waits for the next micro-batch, not torn into it."""
+        assert self.ft is not None
+        self._shielded = self.ft.interrupter.atomic()
+        self._shielded.__enter__()  # noqa: PLC2801
+
+    def _unshield(self) -> None:
+        shield, self._shielded = self._shielded, None
+        if shield is not None:
+            shield.__exit__(None, None, None)  # (raises the interrupt that came meanwhile)
+
+    # --- collectives ------------------------------------------------------------------------
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Inside a step's closure, over the members (``tx.allreduce``); elsewhere this
+        member's value: evaluation runs on every member over the same data, and
+        Lightning's own syncs of logged values (after the closure, at times a restarted
+        worker does not share) would be collectives the members do not all run."""
+        tx = self.stepping
+        if tx is None or not isinstance(tensor, torch.Tensor):
+            return tensor
+        op = str(getattr(reduce_op, "name", reduce_op) or "sum").lower()
+        if op not in ("sum", "mean", "avg"):
+            raise ValueError(f"FastFTStrategy.reduce: op {reduce_op!r} (sum or mean only)")
+        out = tensor.detach().clone()
+        tx.allreduce([out])
+        if op in ("mean", "avg"):  # (as Lightning's DDP: an integer's mean is a float)
+            out = out / tx.world if out.is_floating_point() else out.float() / tx.world
+        return out
+
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        tx = self.stepping
+        if tx is None:
+            return tensor.unsqueeze(0)  # (outside a step: this member's, every member's)
+        out = torch.zeros((tx.world, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        out[tx.rank] = tensor.detach()
+        tx.allreduce([out])
+        return out
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002
+        if self.stepping is None:
+            return bool(decision)  # (every member decided on the same data)
+        return super().reduce_boolean_decision(decision, all=all)
+
+    def barrier(self, name: str | None = None) -> None:
+        """Nothing to wait for: the members meet in each step's transaction."""
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj  # (a checkpoint's path, a decision: every member computes the same)
+
+    # --- the end ----------------------------------------------------------------------------
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        ft, self.ft = self.ft, None
+        if ft is not None and not self._failed:
+            ft.close()
+        self.cluster_environment = self.cluster_environment or _NoEnvironment()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__)
+
+
+class _NoEnvironment:
+    """ParallelStrategy's teardown calls its cluster environment's: fastft run is it."""
+
+    def teardown(self) -> None:
+        pass
