@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: scale-model test test-slow test-net test-exhaustive test-collective test-jax test-ray test-floor conformance unit lint bench bench-jax bench-ray bench-quick demo demo-jax fsm-doc flags-doc clean
+.PHONY: scale-model test test-slow test-net test-exhaustive test-collective test-jax test-ray test-lightning test-floor conformance unit lint bench bench-jax bench-ray bench-quick demo demo-jax fsm-doc flags-doc clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -34,10 +34,10 @@ $(VENV)/.jax: $(VENV)/.installed
 # make test-slow: those (CI runs both, test-collective, test-jax and the torchft
 # conformance run).
 test: $(VENV)/.installed
-	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow and not net" tests --ignore=tests/jax --ignore=tests/ray
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow and not net" tests --ignore=tests/jax --ignore=tests/ray --ignore=tests/lightning
 
 test-slow: $(VENV)/.installed
-	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "slow and not exhaustive and not net" tests --ignore=tests/jax --ignore=tests/ray
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "slow and not exhaustive and not net" tests --ignore=tests/jax --ignore=tests/ray --ignore=tests/lightning
 
 # real network faults: nodes in network namespaces whose links are cut, flapped,
 # throttled (root: ip netns, veth, tc; skipped, saying why, elsewhere)
@@ -62,6 +62,17 @@ $(VENV)/.ray: $(VENV)/.installed
 # fastft ray run on a local two-node Ray cluster the tests start and stop
 test-ray: $(VENV)/.ray
 	TORCH_CPP_LOG_LEVEL=ERROR RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest -q tests/ray
+
+# PyTorch Lightning (the `lightning` extra) only for the targets that need it
+$(VENV)/.lightning: $(VENV)/.installed
+	@echo "fastft: installing the lightning extra (pytorch-lightning 2.6)"
+	$(PIP) -e '.[lightning]'
+	touch $@
+
+# fastft.lightning's FastFTStrategy: an ordinary LightningModule under fastft run and
+# fault plans, bitwise against its fault-free run (~1.5 minutes)
+test-lightning: $(VENV)/.lightning
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q tests/lightning
 
 # the floors of the jax and ray extras' version ranges (jax 0.10.0, ray 2.58.0; CI tests
 # the newest, 0.10.2 and 2.60.0) in a venv of their own: fastft.jax's parts, its restarts,

@@ -51,7 +51,9 @@ class Classifier(pl.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
         self.log("train_loss", loss, sync_dist=True, prog_bar=True)
@@ -70,7 +72,9 @@ class Classifier(pl.LightningModule):
         def schedule(step: int) -> float:
             if step < warmup:
                 return (step + 1) / warmup
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+            return 0.5 * (
+                1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup)))
+            )
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -153,7 +157,9 @@ def main() -> None:
         num_sanity_val_steps=0,
         log_every_n_steps=4,
         logger=CSVLogger(out / "logs", name="classifier"),
-        callbacks=[ModelCheckpoint(out / "checkpoints", every_n_train_steps=args.save_every, save_top_k=-1)],
+        callbacks=[
+            ModelCheckpoint(out / "checkpoints", every_n_train_steps=args.save_every, save_top_k=-1)
+        ],
         enable_progress_bar=False,
         enable_model_summary=False,
     )

@@ -39,7 +39,12 @@ if __name__ == "__main__":
     pl.seed_everything(0)
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
     trainer = pl.Trainer(
-        strategy=FastFTStrategy(), accelerator="cpu", devices=1, max_steps=args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        strategy=FastFTStrategy(),
+        accelerator="cpu",
+        devices=1,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
     )
     trainer.fit(Manual(), DataLoader(data, batch_size=8))

@@ -38,7 +38,9 @@ EVERY_KIND = [  # one fault of each kind, one between a commit's decision and it
 ]
 
 
-def command(run: Path, *flags: str, plan: list[dict] | None = None, script: Path = SCRIPT) -> list[str]:
+def command(
+    run: Path, *flags: str, plan: list[dict] | None = None, script: Path = SCRIPT
+) -> list[str]:
     cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "3", "--run-dir", str(run)]
     cmd += ["--job", run.name, *flags]
     if plan is not None:
@@ -166,5 +168,7 @@ def test_manual_optimization_is_refused_at_fit_saying_what_to_use(tmp_path):
         tmp_path, "manual", args=("--steps", "4"), expect=1, script=HERE / "manual.py"
     )
     log = (run / "launcher.log").read_text()
-    assert "manual optimization (automatic_optimization = False) is not supported" in log, log[-3000:]
+    assert "manual optimization (automatic_optimization = False) is not supported" in log, log[
+        -3000:
+    ]
     assert not any(e["event"] == "commit" for e in read_events(run))

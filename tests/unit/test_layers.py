@@ -18,7 +18,7 @@ LAYERS = [
     {"fsm", "bus", "interrupt", "inject"},
     {"process"},
     {"runtime", "report", "metrics", "plot", "testing"},
-    {"integrations", "jax"},  # faces over the runtime: torchft's Manager, JAX
+    {"integrations", "jax", "lightning"},  # faces over the runtime: torchft, JAX, Lightning
     {"launch"},
     {"ray"},  # node agents as Ray actors: the launcher's user
     {"sim"},  # the deterministic simulator: the runtime's and the agent's deciders

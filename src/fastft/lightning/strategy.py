@@ -36,22 +36,25 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
+from lightning_fabric.plugins.environments import LightningEnvironment
 from pytorch_lightning import Callback, LightningModule, Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.precision import MixedPrecision
 from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 
-import fastft
 from fastft.lightning.resume import LoopState, resumable, why_not
+from fastft.runtime.api import Runtime, init
 from fastft.runtime.contract import RuntimeConfig
+from fastft.runtime.transaction import Transaction
 
 __all__ = ["FastFTStrategy"]
 
 log = logging.getLogger(__name__)
+
 
 class _Capture(Callback):
     """Takes the Trainer's committed state after each batch whose step committed: last
@@ -97,15 +100,15 @@ class FastFTStrategy(ParallelStrategy):
         super().__init__()
         self._init = init
         self.config = RuntimeConfig.from_env(**init)  # (a clear ConfigError outside fastft run)
-        self.ft: fastft.Runtime | None = None
-        self.tx: fastft.Transaction | None = None
+        self.ft: Runtime | None = None
+        self.tx: Transaction | None = None
         self.loops = LoopState()
         self.committed = False
         """A step committed in the batch running (its end captures the loops)."""
         self._kept: list[Callable[[], Any]] = []
         """The closures of the step's micro-batches so far (a retry runs them again)."""
         self._shielded: Any = None
-        self.stepping: fastft.Transaction | None = None
+        self.stepping: Transaction | None = None
         """The transaction whose closure runs (its collectives are the members')."""
         self._failed = False
         self.sigterm: Any = None
@@ -167,7 +170,8 @@ class FastFTStrategy(ParallelStrategy):
         from lightning_fabric.utilities.rank_zero import rank_zero_only as fabric_zero
         from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
-        rank_zero_only.rank = fabric_zero.rank = self.global_rank  # type: ignore[attr-defined]
+        for zero in (rank_zero_only, fabric_zero):  # (Lightning's rank-zero-only output)
+            setattr(zero, "rank", self.global_rank)  # noqa: B010 - its documented way
         super().setup_environment()
 
     # --- joining the job --------------------------------------------------------------------
@@ -178,7 +182,7 @@ class FastFTStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if self.ft is None:
-            self.ft = fastft.init(**self._init)
+            self.ft = init(**self._init)
             self.sigterm = signal.getsignal(signal.SIGTERM)  # (fastft's: a drain)
         ft = self.ft
         if not module.automatic_optimization:
@@ -193,8 +197,10 @@ class FastFTStrategy(ParallelStrategy):
                 "FastFTStrategy: precision '16-mixed' steps the optimizer through its "
                 "GradScaler, outside fastft's commit; use precision='bf16-mixed' or '32-true'"
             )
-        trainer.callbacks.append(_Capture(self))
-        schedulers = {f"lr_scheduler_{i}": c.scheduler for i, c in enumerate(trainer.lr_scheduler_configs)}
+        cast(Any, trainer).callbacks.append(_Capture(self))
+        schedulers: dict[str, Any] = {
+            f"lr_scheduler_{i}": c.scheduler for i, c in enumerate(trainer.lr_scheduler_configs)
+        }
         opt = self.optimizers[0] if len(self.optimizers) == 1 else list(self.optimizers)
         self.loops.capture(trainer)  # (step 0's, for a peer that joins before a commit)
         ft.register(model=module, optimizer=opt, lightning_loops=self.loops, **schedulers)
@@ -215,7 +221,7 @@ class FastFTStrategy(ParallelStrategy):
                 "DataLoader (Lightning gives it a DistributedSampler), or a loader with "
                 "state_dict()/load_state_dict() (torchdata's StatefulDataLoader)"
             )
-        batches = trainer.fit_loop.epoch_loop.batch_progress.current
+        batches = cast(Any, trainer).fit_loop.epoch_loop.batch_progress.current
         return resumable(dataloader, lambda: batches.processed)
 
     # --- the step ---------------------------------------------------------------------------
@@ -327,7 +333,9 @@ class FastFTStrategy(ParallelStrategy):
             out = out / tx.world if out.is_floating_point() else out.float() / tx.world
         return out
 
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
         tx = self.stepping
         if tx is None:
             return tensor.unsqueeze(0)  # (outside a step: this member's, every member's)
@@ -356,16 +364,10 @@ class FastFTStrategy(ParallelStrategy):
         ft, self.ft = self.ft, None
         if ft is not None and not self._failed:
             ft.close()
-        self.cluster_environment = self.cluster_environment or _NoEnvironment()
+        if self.cluster_environment is None:  # (Lightning's connector gives it one)
+            self.cluster_environment = LightningEnvironment()
         super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__)
-
-
-class _NoEnvironment:
-    """ParallelStrategy's teardown calls its cluster environment's: fastft run is it."""
-
-    def teardown(self) -> None:
-        pass
