@@ -18,7 +18,12 @@ LAYERS = [
     {"fsm", "bus", "interrupt", "inject"},
     {"process"},
     {"runtime", "report", "metrics", "plot", "testing"},
-    {"integrations", "jax", "lightning"},  # faces over the runtime: torchft, JAX, Lightning
+    {
+        "integrations",
+        "jax",
+        "lightning",
+        "hf",
+    },  # faces over the runtime: torchft, JAX, Lightning, HF
     {"launch"},
     {"ray"},  # node agents as Ray actors: the launcher's user
     {"sim"},  # the deterministic simulator: the runtime's and the agent's deciders
