@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install -q -c constraints.txt
 
-.PHONY: scale-model test test-slow test-net test-exhaustive test-collective test-jax test-ray test-lightning test-floor conformance unit lint bench bench-jax bench-ray bench-quick demo demo-jax fsm-doc flags-doc clean
+.PHONY: scale-model test test-slow test-net test-exhaustive test-collective test-jax test-ray test-lightning test-hf test-floor conformance unit lint bench bench-jax bench-ray bench-quick demo demo-jax fsm-doc flags-doc clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -34,10 +34,10 @@ $(VENV)/.jax: $(VENV)/.installed
 # make test-slow: those (CI runs both, test-collective, test-jax and the torchft
 # conformance run).
 test: $(VENV)/.installed
-	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow and not net" tests --ignore=tests/jax --ignore=tests/ray --ignore=tests/lightning
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "not slow and not net" tests --ignore=tests/jax --ignore=tests/ray --ignore=tests/lightning --ignore=tests/hf
 
 test-slow: $(VENV)/.installed
-	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "slow and not exhaustive and not net" tests --ignore=tests/jax --ignore=tests/ray --ignore=tests/lightning
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q -m "slow and not exhaustive and not net" tests --ignore=tests/jax --ignore=tests/ray --ignore=tests/lightning --ignore=tests/hf
 
 # real network faults: nodes in network namespaces whose links are cut, flapped,
 # throttled (root: ip netns, veth, tc; skipped, saying why, elsewhere)
@@ -73,6 +73,17 @@ $(VENV)/.lightning: $(VENV)/.installed
 # fault plans, bitwise against its fault-free run (~1.5 minutes)
 test-lightning: $(VENV)/.lightning
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q tests/lightning
+
+# Hugging Face (the `hf` extra: transformers, accelerate) only for the targets that need it
+$(VENV)/.hf: $(VENV)/.installed
+	@echo "fastft: installing the hf extra (transformers 5, accelerate 1)"
+	$(PIP) -e '.[hf]'
+	touch $@
+
+# fastft.hf's Trainer: a GPT-2 under transformers.Trainer, fastft run and fault plans,
+# bitwise against its fault-free run (~1 minute)
+test-hf: $(VENV)/.hf
+	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python -m pytest -q tests/hf
 
 # the floors of the jax and ray extras' version ranges (jax 0.10.0, ray 2.58.0; CI tests
 # the newest, 0.10.2 and 2.60.0) in a venv of their own: fastft.jax's parts, its restarts,

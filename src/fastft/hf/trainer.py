@@ -222,7 +222,24 @@ class Trainer(transformers.Trainer):
                 self._globalstep_last_logged = running["globalstep_last_logged"]
             kwargs.update(resume_from_checkpoint=NOWHERE, epochs_trained=epoch)
             kwargs.update(steps_trained_in_current_epoch=skip)
+            self._save_due(kwargs["model"], kwargs.get("trial"))
         return super()._run_epoch(*args, **kwargs)
+
+    def _save_due(self, model: Any, trial: Any) -> None:
+        """A checkpoint due at the step this worker resumed at: its last life (or the
+        peer it healed from, rank 0's) saved it after the commit, or died first; rank 0
+        saves it now, with exactly the committed state (else a fault between a commit and
+        its save left the checkpoint out)."""
+        args = self.args
+        every = int(args.save_steps) if args.save_steps and args.save_steps >= 1 else 0
+        if args.save_strategy != "steps" or not every or self.state.global_step % every:
+            return
+        if args.should_save:
+            self._save_checkpoint(model, trial)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        if self.args.should_save:  # (the Trainer's own writes it on every process it knows)
+            super()._save_rng_state(output_dir)
 
     # --- the step ---------------------------------------------------------------------------
     def training_step(
