@@ -43,7 +43,14 @@ def train_func(config: dict) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=config["lr"])
-    ft.register(model=model, optimizer=opt)
+    start = None
+    if checkpoint := train.get_checkpoint():  # a run again with the same name: resume
+        with checkpoint.as_directory() as d:
+            saved = torch.load(os.path.join(d, "model.pt"))
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        start = saved["step"]
+    ft.register(model=model, optimizer=opt, step=start)
     metrics: dict = {}
     while ft.step < config["steps"]:
         with ft.transaction() as tx:
@@ -58,6 +65,7 @@ def train_func(config: dict) -> None:
             tx.allreduce_gradients()
             total = torch.stack([loss.detach() * len(x[mine]), torch.tensor(len(x[mine]))])
             tx.allreduce([total])  # (the global loss, for the report)
+            time.sleep(config["step_time"])  # (--step-time: a step's compute, simulated)
         if tx.committed:
             metrics = {"step": ft.step, "loss": float(total[0] / total[1])}
             metrics["world"] = ctx.get_world_size()
@@ -65,7 +73,12 @@ def train_func(config: dict) -> None:
                 train.report(metrics)
                 continue
             with tempfile.TemporaryDirectory() as d:
-                torch.save({"model": model.state_dict()}, os.path.join(d, "model.pt"))
+                state = {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "step": ft.step,
+                }
+                torch.save(state, os.path.join(d, "model.pt"))
                 train.report(metrics, checkpoint=train.Checkpoint.from_directory(d))
     digest = ft.digest()  # (the state every rank ends with: equal everywhere)
     ft.close()
@@ -81,6 +94,7 @@ def main() -> None:
     ap.add_argument("--storage", default=None, help="where run directories go (./runs)")
     ap.add_argument("--flags", default="", help="more fastft run flags, space-separated")
     ap.add_argument("--fail-at", type=int, default=-1, help="rank 1 raises ValueError there")
+    ap.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps")
     a = ap.parse_args()
     ray.init(address=a.address, log_to_driver=False)
     trainer = TorchTrainer(
@@ -91,6 +105,7 @@ def main() -> None:
             "batch": 32,
             "checkpoint_every": a.checkpoint_every,
             "fail_at": a.fail_at,
+            "step_time": a.step_time,
         },
         scaling_config=ScalingConfig(num_workers=a.num_workers),
         run_config=RunConfig(

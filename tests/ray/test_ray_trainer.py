@@ -7,9 +7,12 @@ placement refused on a cluster too small for it; ``ray job submit -- fastft ray 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _runs import check_s1_s3
@@ -85,21 +88,40 @@ def test_ray_job_submit_runs_fastft_ray_run(cluster, tmp_path):
 STYLE = Path(__file__).parents[2] / "examples" / "ray_train_style.py"
 
 
-def test_a_ray_train_script_reports_its_steps_and_checkpoints_through_a_kill(cluster, tmp_path):
+def style(cluster: Any, storage: Path, *args: str) -> list[str]:
+    cmd = [sys.executable, str(STYLE), "--address", cluster.address, "--steps", "12"]
+    return [*cmd, "--checkpoint-every", "4", "--storage", str(storage), *args]
+
+
+def fit(cmd: list[str]) -> dict:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def clean_digest(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final state of the example's fault-free fit (every rank's, equal)."""
+    return str(fit(style(cluster, tmp_path_factory.mktemp("clean")))["metrics"]["digest"])
+
+
+def test_a_ray_train_script_reports_its_steps_and_checkpoints_through_faults(
+    cluster, tmp_path, clean_digest
+):
     """examples/ray_train_style.py, written as Ray Train's docs teach (``ray.init()``,
     ``TorchTrainer``, ``ScalingConfig(num_workers=2)``, ``RunConfig(failure_config=...,
     checkpoint_config=CheckpointConfig(num_to_keep=2, score: the lowest loss))``,
     ``train.get_context()``, ``train.report(metrics, checkpoint=...)``), rank 1 SIGKILLed
-    at step 7: the result holds every report of rank 0 (one a commit, in order), the
-    last as its metrics, the two best reported checkpoints and no other on disk."""
+    at step 7 and an exception on rank 0 at step 9: the result holds every report of rank
+    0 (one a commit, in order), the last as its metrics, the two best reported
+    checkpoints and no other on disk; every rank ends with the fault-free fit's state."""
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"faults": [{"kind": "sigkill", "rank": 1, "at_step": 7}]}))
-    cmd = [sys.executable, str(STYLE), "--address", cluster.address, "--steps", "12"]
-    cmd += ["--checkpoint-every", "4", "--storage", str(tmp_path / "runs")]
-    cmd += ["--flags", f"--inject {plan}"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    result = json.loads(p.stdout.strip().splitlines()[-1])
+    faults = [
+        {"kind": "sigkill", "rank": 1, "at_step": 7},
+        {"kind": "exception", "rank": 0, "at_step": 9},
+    ]
+    plan.write_text(json.dumps({"faults": faults}))
+    result = fit(style(cluster, tmp_path / "runs", "--flags", f"--inject {plan}"))
     history = result["history"]
     assert [h["step"] for h in history] == [*range(1, 13), 12], history
     assert all(h["world"] == 2 for h in history)
@@ -114,8 +136,48 @@ def test_a_ray_train_script_reports_its_steps_and_checkpoints_through_a_kill(clu
     assert result["checkpoint"] in {c for c, _ in best}  # (the newer of the two kept)
     ev = read_events(Path(result["path"]))
     digests = {e["metrics"].get("digest") for e in ev if e["event"] == "train_report"} - {None}
-    assert len(digests) == 1, digests  # every rank's function ended on the same state
+    assert digests == {clean_digest}, digests  # every rank's, the fault-free fit's
     assert any(e["event"] == "restart" and e["rank"] == 1 for e in ev)
+    assert any(e["event"] == "rollback" for e in ev)
+
+
+def test_a_preempted_ray_train_run_resumes_from_its_reported_checkpoint(
+    cluster, tmp_path, clean_digest
+):
+    """SIGTERM to the driver once rank 0 reported the checkpoint of step 4: the job
+    drains and the fit fails (TrainingFailed); the same command (the same
+    ``RunConfig(name, storage_path)``) goes on in the same run directory, its function's
+    ``train.get_checkpoint()`` the newest reported one, loaded and named to
+    ``ft.register(step=...)``: the fit ends with the fault-free fit's state."""
+    storage = tmp_path / "runs"
+    cmd = style(cluster, storage, "--step-time", "0.2")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        reported = storage / "ray-train-style" / "reported"
+        deadline = time.monotonic() + 180
+        while not (
+            reported.is_dir() and any(not d.name.startswith(".") for d in reported.iterdir())
+        ):
+            assert p.poll() is None and time.monotonic() < deadline, (
+                p.stdout.read() if p.stdout else ""
+            )
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    failed = json.loads(out.strip().splitlines()[-1])
+    assert p.returncode == 1 and "failed" in failed, out[-3000:]  # (TrainingFailed)
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "fastft ray: resuming the run in" in resumed.stdout, resumed.stdout[-3000:]
+    result = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert result["metrics"]["digest"] == clean_digest, result["metrics"]
+    ev = read_events(Path(result["path"]))
+    firsts = [e for e in ev if e["event"] == "epoch" and e.get("step", 0) >= 4]
+    assert firsts, "the resumed run began at a reported step, not at 0"
 
 
 def test_a_ray_train_function_that_raises_fails_the_fit_naming_its_error(cluster, tmp_path):

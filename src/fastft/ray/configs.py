@@ -113,7 +113,10 @@ class RunConfig:
     name: str | None = None
     """The job's name (default: ``ray-XXXXXX``)."""
     storage_path: str | None = None
-    """Where run directories go (default ``./runs``): ``STORAGE/NAME-TIME-PID``."""
+    """Where run directories go (default ``./runs``). With a ``name`` too, the run's is
+    ``STORAGE/NAME``, as Ray Train's: a fit with the same two goes on from the run there
+    (its durable checkpoints; ``train.get_checkpoint()``: its newest reported one);
+    without one, ``STORAGE/ray-TIME-PID``."""
     checkpoint_every: int = 0
     """Steps between fastft's durable checkpoints (0: none)."""
     checkpoint_dir: str | None = None

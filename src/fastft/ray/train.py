@@ -140,11 +140,32 @@ def get_context() -> TrainContext:
 
 
 def get_checkpoint() -> Checkpoint | None:
-    """None: a fastft worker never starts from a reported checkpoint. A restarted worker
-    takes the live state from a peer when it registers (``ft.register``), and a job that
-    lost every worker restores fastft's durable tier (``RunConfig.checkpoint_every``); a
-    Ray Train script's ``if checkpoint: load`` is then skipped, as at a first start."""
-    return None
+    """The newest checkpoint a previous run of this run reported (Ray Train's resume: a
+    fit again with the same ``RunConfig(name=..., storage_path=...)``), for a worker that
+    starts the job; None at a first start, and in a restarted worker, which takes the live
+    state from a peer when it registers (``ft.register``). A script that loads it tells
+    fastft its step (``ft.register(..., step=saved_step)``); the durable tier's newer
+    checkpoint, if any, wins (``RunConfig.checkpoint_every``)."""
+    env = os.environ
+    if int(env.get("FASTFT_LIFE", "0") or 0) > 0 or not env.get("FASTFT_RUN_DIR"):
+        return None
+    started = float(env.get("FASTFT_JOB_STARTED") or "inf")
+    newest = newest_reported(Path(env["FASTFT_RUN_DIR"]), before=started)
+    return Checkpoint(newest) if newest is not None else None
+
+
+def newest_reported(run_dir: Path, before: float = float("inf")) -> Path | None:
+    """The newest whole checkpoint in ``RUN_DIR/reported`` written before ``before``
+    (wall clock), or None."""
+    root = run_dir / REPORTED
+    if not root.is_dir():
+        return None
+    done = [
+        (p.stat().st_mtime, p)
+        for p in root.iterdir()
+        if p.is_dir() and not p.name.startswith(".") and p.stat().st_mtime < before
+    ]
+    return max(done)[1] if done else None
 
 
 _COUNT = itertools.count()

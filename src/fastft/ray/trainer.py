@@ -53,7 +53,7 @@ from fastft.ray.configs import (
     ScalingConfig,
     coerce,
 )
-from fastft.ray.train import REPORT_EVENT, Checkpoint
+from fastft.ray.train import REPORT_EVENT, Checkpoint, newest_reported
 
 __all__ = [
     "CheckpointConfig",
@@ -177,12 +177,21 @@ class Trainer:
 
         rc = self.run_config
         name = rc.name or "ray"
-        if rc.storage_path is not None:
+        if rc.storage_path is not None and rc.name:
+            run_dir = Path(rc.storage_path, rc.name)  # (Ray Train's: the same run again)
+        elif rc.storage_path is not None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             run_dir = Path(rc.storage_path, f"{name}-{stamp}-{os.getpid()}")
         else:
             run_dir = default_run_dir(name)
         run_dir = run_dir.resolve()
+        if (newest := newest_reported(run_dir)) is not None:
+            print(
+                f"fastft ray: resuming the run in {run_dir}: its functions' "
+                f"train.get_checkpoint() gives {newest.name}",
+                file=sys.stdout,
+                flush=True,
+            )
         run_dir.mkdir(parents=True, exist_ok=True)
         flags = self.fastft_flags(run_dir)
         ckpt = self._checkpoint_dir(run_dir)
