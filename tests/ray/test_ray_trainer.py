@@ -35,7 +35,7 @@ def test_the_trainer_example_survives_a_worker_kill_and_returns_its_result(clust
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads(p.stdout.strip().splitlines()[-1])
     run = Path(result["path"])
-    assert run.parent == tmp_path / "runs" and run.name.startswith("ray-example-")
+    assert run == tmp_path / "runs" / "ray-example"  # (RunConfig(name, storage_path): Ray's)
     assert result["metrics"]["step"] == 16 and isinstance(result["metrics"]["loss"], float)
     assert Path(result["checkpoint"]).name == "step-00000015"  # (the newest that verifies)
     assert result["summary"]["steps_committed"] == 16 and result["summary"]["faults"] == 1

@@ -176,6 +176,8 @@ def run(
             plane, where = ["--store", address_], f"{address_} (node 0's TCPStore)"
         secret_path = str(Path(run_dir) / "job.secret")
         Path(run_dir).mkdir(parents=True, exist_ok=True)
+        Path(secret_path).unlink(missing_ok=True)  # (a run resumed in its directory: its
+        # last job's secret, over; each job draws its own)
         JobSecret.draw().save(secret_path)  # (the driver's copy: fastft inject, report)
         blob = Path(secret_path).read_bytes()  # (each actor writes it on its node)
         cls = ray.remote(NodeAgent)

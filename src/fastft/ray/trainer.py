@@ -185,10 +185,10 @@ class Trainer:
         else:
             run_dir = default_run_dir(name)
         run_dir = run_dir.resolve()
-        if (newest := newest_reported(run_dir)) is not None:
+        if (previous := newest_reported(run_dir)) is not None:
             print(
                 f"fastft ray: resuming the run in {run_dir}: its functions' "
-                f"train.get_checkpoint() gives {newest.name}",
+                f"train.get_checkpoint() gives {previous.name}",
                 file=sys.stdout,
                 flush=True,
             )
