@@ -73,7 +73,12 @@ def test_a_lost_node_is_declared_dead_and_the_elastic_world_goes_on(
     finally:
         assert job.close() in ([], [job.agent(lost).pid]), job.logs()
     ev = job.events()
-    (declared,) = lost_events(ev, lost)  # declared once, by one agent
+    # declared by one agent (with NATS by one or both of the node's two lease watchers, on
+    # the same lease: one verdict, as tests/net's NATS cut)
+    verdicts = lost_events(ev, lost)
+    assert 1 <= len(verdicts) <= (1 if plane == "tcpstore" else 2), verdicts
+    assert len({(e["lease"], e["lives"]) for e in verdicts}) == 1, verdicts
+    declared = verdicts[0]
     assert declared["src"] in [f"agent {n}" for n in survivors] and declared["lives"] == 1
     assert not [e for e in ev if e["event"] == "store_lost"]
     check_s1_s3(job.run, steps=steps)

@@ -107,6 +107,25 @@ def test_the_trainer_through_every_fault_kind_ends_bitwise_equal(tmp_path, clean
         assert all(torch.equal(want[k], got[k]) for k in want), step
 
 
+def test_a_drained_worker_and_warm_spares_leave_the_result_exact(tmp_path, clean):
+    """Rank 1 asked to leave (a SIGTERM: it drains after its next commit, nothing rolled
+    back) and rank 2 SIGKILLed later, with a warm spare that runs the script ahead
+    (--spare-run-ahead): the first next life is a spare that already built its model and
+    Trainer, waiting with no rank yet in fastft.init(), healed there; bitwise equal to the
+    fault-free run."""
+    plan = [
+        {"kind": "sigterm", "rank": 1, "at_step": 4, "life": 0},
+        {"kind": "sigkill", "rank": 2, "at_step": 11, "life": 0},
+    ]
+    run = hf_run(tmp_path, "spares", "--warm-spares", "1", "--spare-run-ahead", plan=plan)
+    assert same_everywhere(run) == same_everywhere(clean)
+    ev = read_events(run)
+    drained = [e for e in ev if e["event"] == "drained"]
+    assert drained and drained[0]["src"] == "rank 1", drained
+    later = [e for e in ev if e["event"] == "spawn" and e["life"] > 0]
+    assert {e["rank"] for e in later} == {1, 2} and later[0]["warm"], later
+
+
 def test_a_preempted_trainer_resumes_from_the_durable_tier_exactly(tmp_path, clean):
     """SIGTERM to the agent after step 5: every rank drains at a commit (exit 143), the
     durable tier holds the state with the TrainerState, and the same command resumes it

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,8 +39,8 @@ import transformers
 from torch.utils.data import IterableDataset
 from transformers.trainer_callback import ExportableState
 
+from fastft.process.env import worker_slot
 from fastft.runtime.api import Runtime, init
-from fastft.runtime.contract import RuntimeConfig
 from fastft.runtime.transaction import Transaction
 
 __all__ = ["Trainer"]
@@ -127,10 +128,10 @@ class Trainer(transformers.Trainer):
         self, *args: Any, fastft_init: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
         self._fastft_init = dict(fastft_init or {})
-        self.config_ft = RuntimeConfig.from_env(**self._fastft_init)
+        self.slot = worker_slot()  # (rank, world); a clear ConfigError outside fastft run
         super().__init__(*args, **kwargs)
-        _members_args(self.args, self.config_ft.rank)
-        self._train_batch_size *= self.config_ft.world_size  # (the global batch every member draws)
+        _members_args(self.args, lambda: self.slot[0] == 0)
+        self._train_batch_size *= self.slot[1]  # (the global batch every member draws)
         self.ft: Runtime | None = None
         self.tx: Transaction | None = None
         self.committed = Committed()
@@ -144,7 +145,7 @@ class Trainer(transformers.Trainer):
 
     # --- who logs and saves -----------------------------------------------------------------
     def is_world_process_zero(self) -> bool:
-        return self.config_ft.rank == 0
+        return self.slot[0] == 0
 
     def is_local_process_zero(self) -> bool:
         return LOCAL_RANK == 0
@@ -179,7 +180,9 @@ class Trainer(transformers.Trainer):
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume: Any) -> Any:
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume)
-        self.ft = ft = init(**self._fastft_init)
+        self.ft = ft = init(**self._fastft_init)  # (a spare that ran ahead: its order here)
+        self.slot = (ft.config.rank, ft.config.world_size)
+        self.state.is_world_process_zero = self.is_world_process_zero()
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # (accelerate's wrapper)
         self.committed.capture(self)
         ft.register(
@@ -374,9 +377,10 @@ def _part(inputs: Any, tx: Transaction) -> tuple[dict[str, Any], float]:
     return part, (mine.stop - mine.start) / n
 
 
-def _members_args(args: Any, rank: int) -> None:
-    """Rank 0 alone saves and logs (the Trainer asks its ``TrainingArguments``, which read
-    Accelerate's process index: 0 in every worker, each a process of its own to it)."""
+def _members_args(args: Any, zero: Callable[[], bool]) -> None:
+    """Rank 0 alone (``zero()``) saves and logs (the Trainer asks its ``TrainingArguments``,
+    which read Accelerate's process index: 0 in every worker, each a process of its own
+    to it)."""
     cls = type(args)
 
     def reduce_ex(self: Any, protocol: Any) -> Any:  # (pickled as the script's own class)
@@ -386,8 +390,8 @@ def _members_args(args: Any, rank: int) -> None:
         cls.__name__,
         (cls,),
         {
-            "should_save": property(lambda self: rank == 0),
-            "should_log": property(lambda self: rank == 0),
+            "should_save": property(lambda self: zero()),
+            "should_log": property(lambda self: zero()),
             "__reduce_ex__": reduce_ex,
             "__module__": cls.__module__,
         },

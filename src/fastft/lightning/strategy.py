@@ -47,8 +47,8 @@ from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 
 from fastft.lightning.resume import LoopState, resumable, why_not
+from fastft.process.env import worker_slot
 from fastft.runtime.api import Runtime, init
-from fastft.runtime.contract import RuntimeConfig
 from fastft.runtime.transaction import Transaction
 
 __all__ = ["FastFTStrategy"]
@@ -99,7 +99,7 @@ class FastFTStrategy(ParallelStrategy):
     def __init__(self, **init: Any) -> None:
         super().__init__()
         self._init = init
-        self.config = RuntimeConfig.from_env(**init)  # (a clear ConfigError outside fastft run)
+        self.slot = worker_slot()  # (rank, world); a clear ConfigError outside fastft run
         self.ft: Runtime | None = None
         self.tx: Transaction | None = None
         self.loops = LoopState()
@@ -126,7 +126,7 @@ class FastFTStrategy(ParallelStrategy):
 
     @property
     def global_rank(self) -> int:
-        return self.config.rank
+        return self.slot[0]
 
     @property
     def local_rank(self) -> int:
@@ -138,7 +138,7 @@ class FastFTStrategy(ParallelStrategy):
 
     @property
     def world_size(self) -> int:
-        return self.config.world_size
+        return self.slot[1]
 
     @property
     def is_distributed(self) -> bool:
@@ -167,12 +167,16 @@ class FastFTStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def setup_environment(self) -> None:
+        self.setup_environment_ranks()
+        super().setup_environment()
+
+    def setup_environment_ranks(self) -> None:
+        """Lightning's rank-zero-only output is this worker's rank's."""
         from lightning_fabric.utilities.rank_zero import rank_zero_only as fabric_zero
         from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
-        for zero in (rank_zero_only, fabric_zero):  # (Lightning's rank-zero-only output)
+        for zero in (rank_zero_only, fabric_zero):
             setattr(zero, "rank", self.global_rank)  # noqa: B010 - its documented way
-        super().setup_environment()
 
     # --- joining the job --------------------------------------------------------------------
     def setup(self, trainer: Trainer) -> None:
@@ -182,7 +186,9 @@ class FastFTStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if self.ft is None:
-            self.ft = init(**self._init)
+            self.ft = init(**self._init)  # (a warm spare that ran ahead takes its order here)
+            self.slot = (self.ft.config.rank, self.ft.config.world_size)
+            self.setup_environment_ranks()
             self.sigterm = signal.getsignal(signal.SIGTERM)  # (fastft's: a drain)
         ft = self.ft
         if not module.automatic_optimization:

@@ -286,3 +286,16 @@ WORKER_FIELD_TYPES: dict[str, str] = {f.name: str(f.type) for f in dataclasses.f
 
 for _f in dataclasses.fields(WorkerEnv):
     VARIABLES[_f.metadata["var"]] = "worker: " + _f.metadata["doc"]
+
+
+def worker_slot(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """This worker's ``(rank, world_size)`` from ``fastft run``'s environment, for a
+    framework that asks before ``fastft.init()`` (Lightning's strategy, Hugging Face's
+    Trainer). A warm spare that runs the script ahead (``--spare-run-ahead``) has no rank
+    until its order, which ``fastft.init()`` takes: ``(0, its world's size)`` until then.
+    ConfigError outside a fastft job, naming the variable."""
+    env = os.environ if env is None else env
+    if SPARE_RUN_AHEAD in env:
+        return 0, int(env.get(SPARE_WORLD) or 1)
+    we = WorkerEnv.from_env(env)
+    return int(we.rank), int(we.world_size)
