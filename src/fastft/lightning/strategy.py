@@ -244,7 +244,10 @@ class FastFTStrategy(ParallelStrategy):
         model = model if isinstance(model, LightningModule) else self.lightning_module
         assert model is not None and self.ft is not None
         trainer = model.trainer
-        last = not trainer.fit_loop._should_accumulate()  # noqa: SLF001 - Lightning's own test
+        # Lightning's own test (_should_accumulate) for a strategy that accumulates itself:
+        # the step ends once the window's batches are all in, the epoch's end or not
+        ready = cast(Any, trainer).fit_loop.epoch_loop.batch_progress.current.ready
+        last = ready % trainer.accumulate_grad_batches == 0
         while True:
             try:
                 if self.tx is None:
