@@ -4,7 +4,7 @@ the one line that changes is the Trainer's import.
 The model is built from a config (no download), the dataset is tokenized here (token
 sequences with a learnable pattern, as a tokenizer would give them), and the
 ``TrainingArguments`` are the usual ones: gradient accumulation, clipping, a cosine
-schedule with warmup, periodic logging and checkpoints. At the end each rank writes a
+schedule with warmup, periodic logging, evaluation and checkpoints. At the end each rank writes a
 digest of its model, optimizer and scheduler state (``--out``), which the tests compare
 with the fault-free run's.
 
@@ -53,11 +53,13 @@ def digest(trainer: object, model: torch.nn.Module) -> dict:
             h.update(v.cpu().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
     state = trainer.state  # type: ignore[attr-defined]
     losses = [round(e["loss"], 6) for e in state.log_history if "loss" in e]
+    evals = [round(e["eval_loss"], 6) for e in state.log_history if "eval_loss" in e]
     return {
         "digest": h.hexdigest()[:16],
         "global_step": state.global_step,
         "lr": trainer.lr_scheduler.get_last_lr()[0],  # type: ignore[attr-defined]
         "losses": losses,
+        "eval_losses": evals,
     }
 
 
@@ -95,12 +97,20 @@ def main() -> None:
         warmup_steps=2,
         logging_steps=2,
         save_steps=8,
+        eval_strategy="steps",
+        eval_steps=8,
+        per_device_eval_batch_size=16,
         report_to="none",
         seed=0,
         disable_tqdm=True,
         use_cpu=True,
     )
-    trainer = Trainer(model=model, args=training, train_dataset=Patterns(args.samples))
+    trainer = Trainer(
+        model=model,
+        args=training,
+        train_dataset=Patterns(args.samples),
+        eval_dataset=Patterns(32, seed=8),
+    )
     trainer.train()
     record = digest(trainer, model)
     rank = int(__import__("os").environ.get("FASTFT_RANK", "0"))

@@ -4,8 +4,8 @@ changes is the Trainer's ``strategy``.
 An MLP classifier with BatchNorm and dropout on a synthetic dataset (a
 ``LightningDataModule``), AdamW with a warmup-then-cosine schedule stepped every step
 (``configure_optimizers``), gradient accumulation and clipping set on the Trainer,
-``self.log`` with ``sync_dist``, a validation loop, a ``ModelCheckpoint`` every few steps
-and a ``CSVLogger``. At the end each rank writes a digest of its model, optimizer and
+``self.log`` with ``sync_dist``, a validation loop, a ``ModelCheckpoint`` every few steps,
+``EarlyStopping`` on the validation loss, a ``LearningRateMonitor`` and a ``CSVLogger``. At the end each rank writes a digest of its model, optimizer and
 scheduler state (``--out``), which the tests compare with the fault-free run's.
 
     fastft run --nproc 3 examples/lightning_classifier.py --steps 24 --out OUT
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -158,7 +158,11 @@ def main() -> None:
         log_every_n_steps=4,
         logger=CSVLogger(out / "logs", name="classifier"),
         callbacks=[
-            ModelCheckpoint(out / "checkpoints", every_n_train_steps=args.save_every, save_top_k=-1)
+            ModelCheckpoint(
+                out / "checkpoints", every_n_train_steps=args.save_every, save_top_k=-1
+            ),
+            EarlyStopping(monitor="val_loss", patience=50),  # (its state comes with a heal)
+            LearningRateMonitor(logging_interval="step"),
         ],
         enable_progress_bar=False,
         enable_model_summary=False,

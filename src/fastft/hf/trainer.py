@@ -52,6 +52,7 @@ NOWHERE = os.path.join(os.sep, "nonexistent", "fastft-healed")
 checkpoint: this one has no files (its RNG state is fastft's, seeded per step)."""
 
 _PER_RANK = ("is_local_process_zero", "is_world_process_zero")
+_TIMED = ("_runtime", "_per_second")  # (log entries' timings: this process's clock)
 RUNNING = "fastft_running"  # (the Trainer's sums between logs, in the committed state)
 
 LOCAL_RANK = int(os.environ.pop("LOCAL_RANK", "0"))
@@ -77,6 +78,10 @@ class Committed:
         d = dataclasses.asdict(trainer.state)
         callbacks = [*trainer.callback_handler.callbacks, trainer.control]
         held = {k: v for k, v in d.items() if k not in _PER_RANK}
+        # (each process's own clock: an evaluation's runtime and throughput)
+        held["log_history"] = [
+            {k: v for k, v in e.items() if not k.endswith(_TIMED)} for e in held["log_history"]
+        ]
         # the stateful callbacks' states as a checkpoint holds them (the Trainer writes
         # them into its state on the ranks that save only)
         by_name: dict[str, list[Any]] = {}

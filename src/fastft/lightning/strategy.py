@@ -68,6 +68,15 @@ class _Capture(Callback):
             self.strategy.committed = False
             self.strategy.loops.capture(trainer)
 
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """An evaluation after a committed step changed the callbacks (EarlyStopping's
+        best score, a monitored ModelCheckpoint's): taken again, as Lightning's own
+        checkpoint at a validation's end (a worker resumed from it skips that evaluation,
+        so it must hold what the evaluation did). One between two micro-batches of a step
+        is not taken: a worker resumed at the last commit runs it again."""
+        if self.strategy.tx is None and trainer.state.fn == TrainerFn.FITTING:
+            self.strategy.loops.capture(trainer)
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """A resumed worker's loop begins after the batch of the last commit, whose end
         its last life (or the peer it healed from) ran, and this one did not: a
@@ -112,6 +121,7 @@ class FastFTStrategy(ParallelStrategy):
         """The transaction whose closure runs (its collectives are the members')."""
         self._failed = False
         self.sigterm: Any = None
+        self._held_buffers: list[torch.Tensor] | None = None
         self.resumed = False
         """This worker resumed from a heal or a restore (its first batch end is not the
         committed step's)."""
@@ -323,6 +333,31 @@ class FastFTStrategy(ParallelStrategy):
         shield, self._shielded = self._shielded, None
         if shield is not None:
             shield.__exit__(None, None, None)  # (raises the interrupt that came meanwhile)
+
+    def on_validation_start(self) -> None:
+        """An evaluation between two micro-batches of a step (``val_check_interval`` in
+        batches that ``accumulate_grad_batches`` does not divide) sees the committed
+        state: the BatchNorm statistics the step began with, the same on every member,
+        not this member's micro-batches' own (DDP shows rank 0's)."""
+        super().on_validation_start()
+        if self.tx is None or self.ft is None or self.model is None:
+            return
+        began = self.ft.registry.snapshot.get("buffers")
+        if began is None:
+            return
+        buffers = list(self.model.buffers())
+        self._held_buffers = [b.detach().clone() for b in buffers]
+        with torch.no_grad():
+            for b, saved in zip(buffers, began, strict=True):
+                b.copy_(saved)
+
+    def on_validation_end(self) -> None:
+        held, self._held_buffers = self._held_buffers, None
+        if held is not None and self.model is not None:
+            with torch.no_grad():
+                for b, mine in zip(self.model.buffers(), held, strict=True):
+                    b.copy_(mine)  # (the step's micro-batches go on from their own)
+        super().on_validation_end()
 
     # --- collectives ------------------------------------------------------------------------
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
