@@ -27,7 +27,6 @@ DeepSpeed and FSDP (the Trainer's own sharding), an ``IterableDataset``."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -41,6 +40,7 @@ from transformers.trainer_callback import ExportableState
 
 from fastft.process.env import worker_slot
 from fastft.runtime.api import Runtime, init
+from fastft.runtime.heldstep import HeldStep
 from fastft.runtime.transaction import Transaction
 
 __all__ = ["Trainer"]
@@ -138,15 +138,19 @@ class Trainer(transformers.Trainer):
         _members_args(self.args, lambda: self.slot[0] == 0)
         self._train_batch_size *= self.slot[1]  # (the global batch every member draws)
         self.ft: Runtime | None = None
-        self.tx: Transaction | None = None
+        self.held = HeldStep()
+        """The step's transaction, open across its micro-batches."""
         self.committed = Committed()
         self._kept: list[tuple[Any, Any, Any]] = []
         """The step's micro-batches so far: (model, inputs, num_items_in_batch)."""
         self._attempt: list[torch.Tensor] = []  # (this attempt's losses, by share)
-        self._shielded: Any = None
         self._epoch_sizes: tuple[int, int] | None = None  # (updates per epoch, accumulation)
         self._resume: tuple[int, int] | None = None
         self._running: dict[str, Any] | None = None
+
+    @property
+    def tx(self) -> Transaction | None:
+        return self.held.tx
 
     # --- who logs and saves -----------------------------------------------------------------
     def is_world_process_zero(self) -> bool:
@@ -265,17 +269,17 @@ class Trainer(transformers.Trainer):
                     for kept in self._kept:
                         self._micro(*kept)
                 else:
-                    self._unshield()
+                    self.held.resume()
                 loss = self._micro(model, inputs, num_items_in_batch)
                 self._kept.append((model, inputs, num_items_in_batch))
                 if not last:
-                    self._shield()
+                    self.held.pause()
                     return torch.zeros_like(loss)  # (the step's loss comes with its last)
                 return torch.tensor(self._reduce(), dtype=loss.dtype, device=loss.device)
             except BaseException as e:
                 if self._kept and self._kept[-1][1] is inputs:
                     self._kept.pop()  # (it runs again as this call's, not as a kept one)
-                if self._end(e):
+                if self.held.close(e):
                     continue  # rolled back: the step again
                 raise
 
@@ -292,11 +296,11 @@ class Trainer(transformers.Trainer):
                     self._reduce()
                     if self.args.max_grad_norm and self.args.max_grad_norm > 0:
                         self._clip_grad_norm(self._kept[-1][0])
-                if self._end(None):
+                if self.held.close(None):
                     self._kept = []
                     return
             except BaseException as e:
-                if self._end(e):
+                if self.held.close(e):
                     continue
                 raise
 
@@ -324,43 +328,13 @@ class Trainer(transformers.Trainer):
         # sends, inside the transaction's start)
         self.committed.capture(self)
         self._attempt = []
-        tx = self.ft.transaction()
-        tx.__enter__()  # noqa: PLC2801 - held open across the step's micro-batches
-        self.tx = tx
+        tx = self.held.open(self.ft)
         if tx.step != self.state.global_step:
             raise RuntimeError(
                 f"fastft: this worker's Trainer is at step {self.state.global_step}, the "
                 f"job's committed state at step {tx.step} (a heal while it was behind): it "
                 "ends, and comes back as a restarted worker"
             )
-
-    def _end(self, exc: BaseException | None) -> bool:
-        """Leave the transaction: True if it committed (``exc`` None) or rolled back on
-        ``exc`` (a peer's fault: the step runs again); False if ``exc`` is this worker's
-        to raise, or the commit did not happen."""
-        tx, self.tx = self.tx, None
-        if self._shielded is not None:
-            shield, self._shielded = self._shielded, None
-            with contextlib.suppress(BaseException):
-                shield.__exit__(None, None, None)
-        if tx is None:
-            return False
-        if exc is None:
-            tx.__exit__(None, None, None)
-            return tx.committed
-        return bool(tx.__exit__(type(exc), exc, exc.__traceback__))
-
-    def _shield(self) -> None:
-        """Between two micro-batches the Trainer runs its own code (the loss's sum, the
-        callbacks, the next fetch): a peer's fault waits for the next micro-batch."""
-        assert self.ft is not None
-        self._shielded = self.ft.interrupter.atomic()
-        self._shielded.__enter__()  # noqa: PLC2801
-
-    def _unshield(self) -> None:
-        shield, self._shielded = self._shielded, None
-        if shield is not None:
-            shield.__exit__(None, None, None)  # (raises the interrupt that came meanwhile)
 
 
 def _part(inputs: Any, tx: Transaction) -> tuple[dict[str, Any], float]:

@@ -30,7 +30,6 @@ cannot be resumed (an ``IterableDataset``: use ``fastft.Batches`` in a plain loo
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -49,6 +48,7 @@ from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from fastft.lightning.resume import LoopState, resumable, why_not
 from fastft.process.env import worker_slot
 from fastft.runtime.api import Runtime, init
+from fastft.runtime.heldstep import HeldStep
 from fastft.runtime.transaction import Transaction
 
 __all__ = ["FastFTStrategy"]
@@ -110,13 +110,13 @@ class FastFTStrategy(ParallelStrategy):
         self._init = init
         self.slot = worker_slot()  # (rank, world); a clear ConfigError outside fastft run
         self.ft: Runtime | None = None
-        self.tx: Transaction | None = None
+        self.held = HeldStep()
+        """The step's transaction, open across its micro-batches."""
         self.loops = LoopState()
         self.committed = False
         """A step committed in the batch running (its end captures the loops)."""
         self._kept: list[Callable[[], Any]] = []
         """The closures of the step's micro-batches so far (a retry runs them again)."""
-        self._shielded: Any = None
         self.stepping: Transaction | None = None
         """The transaction whose closure runs (its collectives are the members')."""
         self._failed = False
@@ -125,6 +125,10 @@ class FastFTStrategy(ParallelStrategy):
         self.resumed = False
         """This worker resumed from a heal or a restore (its first batch end is not the
         committed step's)."""
+
+    @property
+    def tx(self) -> Transaction | None:
+        return self.held.tx
 
     # --- where this worker is -------------------------------------------------------------
     @property
@@ -265,11 +269,11 @@ class FastFTStrategy(ParallelStrategy):
                     for again in self._kept:  # (a rollback dropped their gradients)
                         self._run(again)
                 else:
-                    self._unshield()  # (a peer's fault while Lightning fetched the batch)
+                    self.held.resume()  # (a peer's fault while Lightning fetched the batch)
                 out = self._run(closure)
                 if not last:
                     self._kept.append(closure)
-                    self._shield()
+                    self.held.pause()
                     return out
                 assert self.tx is not None
                 self.tx.allreduce_gradients()
@@ -277,10 +281,10 @@ class FastFTStrategy(ParallelStrategy):
                 # averaged gradients (the commit steps the optimizer)
                 self.precision_plugin._after_closure(model, optimizer)  # noqa: SLF001
             except BaseException as e:
-                if self._end(e):
+                if self.held.close(e):
                     continue  # rolled back: the step again
                 raise
-            if self._end(None):
+            if self.held.close(None):
                 self._kept = []
                 self.committed = True
                 return out
@@ -296,43 +300,13 @@ class FastFTStrategy(ParallelStrategy):
 
     def _begin(self, global_step: int) -> None:
         assert self.ft is not None
-        tx = self.ft.transaction()
-        tx.__enter__()  # noqa: PLC2801 - held open across the step's micro-batches
-        self.tx = tx
+        tx = self.held.open(self.ft)
         if tx.step != global_step:
             raise RuntimeError(
                 f"fastft: this worker's Lightning loop is at step {global_step}, the job's "
                 f"committed state at step {tx.step} (a heal while it was behind): it ends, "
                 "and comes back as a restarted worker"
             )
-
-    def _end(self, exc: BaseException | None) -> bool:
-        """Leave the transaction: True if it committed (``exc`` None) or rolled back on
-        ``exc`` (a peer's fault: the step runs again); False if ``exc`` is this worker's
-        to raise."""
-        tx, self.tx = self.tx, None
-        if self._shielded is not None:  # (an exception of Lightning's between micro-batches)
-            shield, self._shielded = self._shielded, None
-            with contextlib.suppress(BaseException):
-                shield.__exit__(None, None, None)
-        if tx is None:
-            return False
-        if exc is None:
-            tx.__exit__(None, None, None)
-            return tx.committed
-        return bool(tx.__exit__(type(exc), exc, exc.__traceback__))
-
-    def _shield(self) -> None:
-        """Between two micro-batches Lightning runs its own code (the batch's end, the
-        next fetch): a peer's fault waits for the next micro-batch, not torn into it."""
-        assert self.ft is not None
-        self._shielded = self.ft.interrupter.atomic()
-        self._shielded.__enter__()  # noqa: PLC2801
-
-    def _unshield(self) -> None:
-        shield, self._shielded = self._shielded, None
-        if shield is not None:
-            shield.__exit__(None, None, None)  # (raises the interrupt that came meanwhile)
 
     def on_validation_start(self) -> None:
         """An evaluation between two micro-batches of a step (``val_check_interval`` in
