@@ -171,6 +171,7 @@ RUNTIME_WINGS = [
     {"health", "transaction", "restart", "endcheck"},
     {"attempt"},
     {"api"},
+    {"heldstep"},  # a step held open across a framework's calls: the api's user
 ]
 """``runtime/``'s wings, lowest first (issue 49: ``state`` and ``groups`` imported each
 other; a lower wing never imports a higher one)."""
