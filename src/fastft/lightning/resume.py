@@ -2,8 +2,8 @@
 schedulers: its loops' progress, its callbacks', the datamodule's and the precision
 plugin's state, and the train loader's place in the epoch. fastft registers it as one more
 object (:class:`LoopState`): a heal sends it, the durable tier saves it, the replica check
-compares it; a restarted worker hands it to Lightning's own resume path (the one
-``Trainer.fit(ckpt_path=...)`` takes), so its loop goes on at the batch after the last
+compares it; a restarted worker restores it as Lightning's resume from a checkpoint
+(``Trainer.fit(ckpt_path=...)``) does, so its loop goes on at the batch after the last
 commit, its callbacks where theirs were.
 
 :class:`Skipping` is the train loader's sampler made resumable: Lightning keeps the state
@@ -25,7 +25,7 @@ class LoopState:
     :meth:`capture` takes it after each batch whose step committed (and once before the
     first step); :meth:`state_dict` returns that, not the live loops, which are a batch
     further inside a step. :meth:`load_state_dict` keeps what it is given for
-    :meth:`checkpoint` (a heal or a durable restore before the loop runs); a rollback's
+    :meth:`restore` (a heal or a durable restore before the loop runs); a rollback's
     restore inside the loop gives back what it took, and changes nothing."""
 
     def __init__(self) -> None:
@@ -59,24 +59,33 @@ class LoopState:
         self.held = copy.deepcopy(state)
         self.loaded = self.held
 
-    def checkpoint(self, trainer: Any) -> dict[str, Any] | None:
-        """What was loaded (a heal, a durable restore), as the checkpoint Lightning's
-        resume path restores: with the model's, the optimizers' and the schedulers'
-        state as the heal left them (restoring them again changes nothing). None if
-        nothing was loaded, or the state of step 0 (a start is no resume)."""
+    def restore(self, trainer: Any) -> bool:
+        """Give the Trainer what was loaded (a heal, a durable restore) as Lightning's own
+        resume from a checkpoint restores it, through each part's public
+        ``load_state_dict`` and ``on_load_checkpoint``: the loops (at the batch after the
+        last commit), the callbacks, the datamodule, the precision plugin and the module's
+        own keys. The model, the optimizers and the schedulers came with the heal. False
+        if nothing was loaded, or the state of step 0 (a start is no resume)."""
         got, self.loaded = self.loaded, None
         if not got or not got.get("global_step"):
-            return None
-        strategy = trainer.strategy
+            return False
         ckpt = {k: v for k, v in got.items() if k != "module_extra"}
         ckpt.update(got.get("module_extra", {}))
-        import pytorch_lightning
-
-        ckpt["pytorch-lightning_version"] = pytorch_lightning.__version__
-        ckpt["state_dict"] = strategy.lightning_module_state_dict()
-        ckpt["optimizer_states"] = [strategy.optimizer_state(o) for o in trainer.optimizers]
-        ckpt["lr_schedulers"] = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
-        return ckpt
+        ckpt["state_dict"] = trainer.lightning_module.state_dict()  # (as healed)
+        trainer.lightning_module.on_load_checkpoint(ckpt)
+        if (dm := trainer.datamodule) is not None and type(dm).__qualname__ in ckpt:
+            dm.load_state_dict(ckpt[type(dm).__qualname__])
+        states = ckpt.get("callbacks", {})
+        for cb in trainer.callbacks:
+            cb.on_load_checkpoint(trainer, trainer.lightning_module, ckpt)
+            if cb.state_key in states:
+                cb.load_state_dict(states[cb.state_key])
+        precision = trainer.precision_plugin
+        precision.on_load_checkpoint(ckpt)
+        if type(precision).__qualname__ in ckpt:
+            precision.load_state_dict(ckpt[type(precision).__qualname__])
+        trainer.fit_loop.load_state_dict(ckpt["loops"]["fit_loop"])
+        return True
 
 
 class Skipping:

@@ -14,9 +14,9 @@ What it does (docs/lightning.md):
   ``accumulate_grad_batches=k`` the transaction spans the step's ``k`` micro-batches
   (``handles_gradient_accumulation``: the strategy accumulates) and a retry runs them all
   again, drawing the same randomness (fastft seeds it as the step begins).
-* **A restart.** The new worker registers and heals in ``setup``, then Lightning resumes
-  it through its own checkpoint path (``fit(ckpt_path=...)``'s) from the state the heal
-  brought (:class:`~fastft.lightning.resume.LoopState`): the loops at the batch after the
+* **A restart.** The new worker registers and heals in ``setup``, then the state the heal
+  brought (:class:`~fastft.lightning.resume.LoopState`) is restored as Lightning's resume
+  from a checkpoint (``fit(ckpt_path=...)``) restores it: the loops at the batch after the
   last commit, the callbacks, the datamodule, the train loader's place.
 * **Collectives.** Only a step's reductions are the members' (``self.log(...,
   sync_dist=True)`` in ``training_step``); evaluation runs on every member over the whole
@@ -172,10 +172,6 @@ class FastFTStrategy(ParallelStrategy):
     def handles_gradient_accumulation(self) -> bool:
         return True  # (every micro-batch reaches optimizer_step: a retry runs them again)
 
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # (a healed worker's resume is found in setup)
-
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -224,11 +220,11 @@ class FastFTStrategy(ParallelStrategy):
         opt = self.optimizers[0] if len(self.optimizers) == 1 else list(self.optimizers)
         self.loops.capture(trainer)  # (step 0's, for a peer that joins before a commit)
         ft.register(model=module, optimizer=opt, lightning_loops=self.loops, **schedulers)
-        ckpt = self.loops.checkpoint(trainer)
-        self.resumed = ckpt is not None
-        if ckpt is not None:  # a heal or a restore: Lightning's resume path takes it from here
-            log.info("fastft: resuming Lightning at step %d (epoch %d)", ft.step, ckpt["epoch"])
-            trainer._checkpoint_connector._loaded_checkpoint = ckpt  # noqa: SLF001 - its resume path
+        self.resumed = self.loops.restore(trainer)  # (a heal or a durable restore)
+        if self.resumed:
+            log.info(
+                "fastft: resuming Lightning at step %d (epoch %d)", ft.step, trainer.current_epoch
+            )
 
     def process_dataloader(self, dataloader: Any) -> Any:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -279,7 +275,7 @@ class FastFTStrategy(ParallelStrategy):
                 self.tx.allreduce_gradients()
                 # Lightning's on_before_optimizer_step hooks and its clipping, on the
                 # averaged gradients (the commit steps the optimizer)
-                self.precision_plugin._after_closure(model, optimizer)  # noqa: SLF001
+                self._before_commit(model, optimizer)
             except BaseException as e:
                 if self.held.close(e):
                     continue  # rolled back: the step again
@@ -288,6 +284,21 @@ class FastFTStrategy(ParallelStrategy):
                 self._kept = []
                 self.committed = True
                 return out
+
+    def _before_commit(self, model: LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        """Lightning's ``on_before_optimizer_step`` hooks and its gradient clipping, on the
+        averaged gradients: its precision plugin's ``optimizer_step``, whose closure (run
+        by the optimizer's ``step``) is already done, and whose ``step`` is the commit's,
+        not this one's (the optimizer's own ``step`` is shadowed for the call)."""
+        own = vars(optimizer).get("step")  # (an instance's own step, if the script set one)
+        optimizer.step = lambda closure=None, **kw: closure()  # type: ignore[method-assign]
+        try:
+            self.precision_plugin.optimizer_step(optimizer, model=model, closure=lambda: None)
+        finally:
+            if own is None:
+                del optimizer.step  # (the class's again: the commit steps it)
+            else:
+                optimizer.step = own  # type: ignore[method-assign]
 
     def _run(self, closure: Callable[[], Any]) -> Any:
         """A micro-batch's closure: its reductions (``all_gather``, ``reduce``) are the
