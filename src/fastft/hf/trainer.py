@@ -27,7 +27,9 @@ DeepSpeed and FSDP (the Trainer's own sharding), an ``IterableDataset``."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -73,15 +75,20 @@ class Committed:
     def __init__(self) -> None:
         self.held: dict[str, Any] = {}
         self.loaded: dict[str, Any] | None = None
+        self._log: tuple[list[Any] | None, int, list[str]] = (None, 0, [])
+        """The log history's entries taken so far, as JSON: the history grows by a log
+        every ``logging_steps`` and is whole in every capture, so each entry is written
+        once, and the state carries one string (not a list a step's snapshot copies)."""
 
     def capture(self, trainer: Trainer) -> None:
-        d = dataclasses.asdict(trainer.state)
+        state = trainer.state
         callbacks = [*trainer.callback_handler.callbacks, trainer.control]
-        held = {k: v for k, v in d.items() if k not in _PER_RANK}
-        # (each process's own clock: an evaluation's runtime and throughput)
-        held["log_history"] = [
-            {k: v for k, v in e.items() if not k.endswith(_TIMED)} for e in held["log_history"]
-        ]
+        held = {
+            f.name: copy.deepcopy(getattr(state, f.name))
+            for f in dataclasses.fields(state)
+            if f.name not in _PER_RANK and f.name != "log_history"
+        }
+        held["log_history"] = self._history(state.log_history)
         # the stateful callbacks' states as a checkpoint holds them (the Trainer writes
         # them into its state on the ranks that save only)
         by_name: dict[str, list[Any]] = {}
@@ -99,6 +106,19 @@ class Committed:
             "globalstep_last_logged": int(getattr(trainer, "_globalstep_last_logged", 0)),
         }
         self.held = held
+
+    def _history(self, log: list[dict[str, Any]]) -> str:
+        """``log`` as one JSON string, its entries' timings left out (each process's own
+        clock: an evaluation's runtime and throughput)."""
+        seen, count, parts = self._log
+        if log is not seen or len(log) < count:
+            count, parts = 0, []  # (a new history: a resumed worker's, a new run)
+        for e in log[count:]:
+            parts.append(
+                json.dumps({k: v for k, v in e.items() if not k.endswith(_TIMED)}, default=str)
+            )
+        self._log = (log, len(log), parts)
+        return "[" + ",".join(parts) + "]"
 
     def state_dict(self) -> dict[str, Any]:
         return self.held
@@ -212,7 +232,7 @@ class Trainer(transformers.Trainer):
         self._running = got.get(RUNNING)
         for k, v in got.items():
             if k != RUNNING:
-                setattr(self.state, k, v)
+                setattr(self.state, k, json.loads(v) if k == "log_history" else v)
         self._load_callback_state()  # (the stateful callbacks: early stopping's patience)
         assert self._epoch_sizes is not None
         per_epoch, accumulation = self._epoch_sizes
@@ -266,8 +286,6 @@ class Trainer(transformers.Trainer):
             try:
                 if self.tx is None:
                     self._begin()
-                    for kept in self._kept:
-                        self._micro(*kept)
                 else:
                     self.held.resume()
                 loss = self._micro(model, inputs, num_items_in_batch)
@@ -291,8 +309,6 @@ class Trainer(transformers.Trainer):
             try:
                 if self.tx is None:
                     self._begin()
-                    for kept in self._kept:
-                        self._micro(*kept)
                     self._reduce()
                     if self.args.max_grad_norm and self.args.max_grad_norm > 0:
                         self._clip_grad_norm(self._kept[-1][0])
@@ -335,6 +351,8 @@ class Trainer(transformers.Trainer):
                 f"job's committed state at step {tx.step} (a heal while it was behind): it "
                 "ends, and comes back as a restarted worker"
             )
+        for kept in self._kept:  # (after a rollback: the step's micro-batches so far)
+            self._micro(*kept)
 
 
 def _part(inputs: Any, tx: Transaction) -> tuple[dict[str, Any], float]:
