@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -202,7 +204,8 @@ def test_a_survivor_waiting_for_a_peer_that_finished_the_job_ends_too(store):
     t0 = c.clock()
 
     def form(step: int) -> EpochView | None:
-        return Survivors(c).form(
+        return _form(
+            c,
             first,
             frozenset({0, 2}),
             step=step,
@@ -233,6 +236,28 @@ def test_survivors_offer_their_kept_gradients_in_the_view(store):
     assert EpochView.from_json(v.to_json()) == v
 
 
+def _form(
+    c: Coordinator,
+    prev: EpochView,
+    exclude: frozenset[int],
+    *,
+    cancelled: Callable[[], bool],
+    **arrival: Any,
+) -> EpochView | None:
+    """A survivor's formation as a worker's executor carries it out: its arrival, then its
+    rounds until the view (None if ``cancelled()``); JobFinished if the job finished."""
+    survivors = Survivors(c)
+    wait = survivors.arrive(prev, exclude, **arrival)
+    for r in survivors.rounds(wait):
+        if r.finished is not None:
+            raise JobFinished(r.finished)
+        if r.view is not None:
+            return r.view
+        if cancelled():
+            return None
+    return None
+
+
 def _survive(
     cs: list[Coordinator],
     prev: EpochView,
@@ -247,7 +272,8 @@ def _survive(
     out: dict[int, EpochView | None] = {}
 
     def survive(c: Coordinator) -> None:
-        out[c.me.rank] = Survivors(c).form(
+        out[c.me.rank] = _form(
+            c,
             prev,
             frozenset({dead}),
             step=step,
@@ -280,7 +306,8 @@ def test_a_member_that_died_after_arriving_is_left_out_at_once(store):
     cs[0].dead = dead
     cs[0].min_members = 1
     t0 = time.monotonic()
-    v = Survivors(cs[0]).form(
+    v = _form(
+        cs[0],
         first,
         frozenset({1}),
         step=7,
@@ -300,8 +327,8 @@ def test_when_the_closer_dies_during_a_formation_the_next_survivor_closes(store)
     cs[1].dead = {Member(2, 12), Member(0, 10)}
     cs[1].min_members = 1
     t0 = time.monotonic()
-    v = Survivors(cs[1]).form(
-        first, frozenset({2}), step=7, lost_state=False, timeout_s=5, cancelled=lambda: False
+    v = _form(
+        cs[1], first, frozenset({2}), step=7, lost_state=False, timeout_s=5, cancelled=lambda: False
     )
     assert v is not None and v.members == (Member(1, 11),)
     assert time.monotonic() - t0 < 2.5, "waited for a dead closer"

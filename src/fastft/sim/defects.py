@@ -15,8 +15,8 @@ from typing import Any
 import fastft.launch.policy as policy
 import fastft.runtime.engine.coordinator as coordinator
 import fastft.runtime.engine.core as core
+import fastft.runtime.engine.plans as plans
 import fastft.runtime.engine.survivors as survivors
-import fastft.sim.waits as waits
 from fastft.fsm import Deadline, DrainAcked, Phase, StepState
 from fastft.fsm.contract import Event
 from fastft.fsm.handlers import Result
@@ -86,8 +86,8 @@ def _old_lone_rollback(mp: contextlib.ExitStack) -> None:
             return route(m, **{**kw, "epoch": m.epoch})
         return out
 
-    def silent(self: Any, *a: Any) -> None:
-        return None
+    def silent(self: Any, *a: Any) -> bool:
+        return False
 
     _patch(mp, core, "route", stale_acted_on)
     _patch(mp, survivors.Survivors, "_remind", silent)
@@ -99,8 +99,8 @@ def _old_closer_pass(mp: contextlib.ExitStack) -> None:
     for that closer forever, the others for it (the bus barrier's deadline had declared the
     silent closer dead)."""
 
-    def wait_for_it(self: Any, *a: Any) -> None:
-        return None
+    def wait_for_it(self: Any, *a: Any) -> frozenset[int]:
+        return frozenset()
 
     _patch(mp, survivors.Survivors, "_pass_closer", wait_for_it)
 
@@ -148,7 +148,7 @@ def _old_drain_last_holder(mp: contextlib.ExitStack) -> None:
     """A worker asked to drain while its epoch re-formed left at once, taking the state
     with it when it was the last holder (a restarted peer still to heal from it): a total
     loss (issue 48, 3)."""
-    _patch(mp, waits, "others_hold_state", lambda *a, **kw: True)
+    _patch(mp, plans, "others_hold_state", lambda *a, **kw: True)
 
 
 def _old_hang_waiter(mp: contextlib.ExitStack) -> None:

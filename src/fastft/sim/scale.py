@@ -252,16 +252,16 @@ def reform(
         coord.tries, coord.hub = tries, hub
         if r == 0:  # (rank 0 closed the first start: it made the joiner keys)
             coord.joiner_keys_made()
-        got = Survivors(coord).form(
-            view,
-            frozenset({dead}),
-            step=0,
-            lost_state=False,
-            timeout_s=timeout_s,
-            cancelled=lambda: False,
-            silent=lambda ranks: declared.update(ranks),
-            remind=remind,
+        survivors = Survivors(coord)
+        wait = survivors.arrive(
+            view, frozenset({dead}), step=0, lost_state=False, timeout_s=timeout_s
         )
+        got = None
+        for rd in survivors.rounds(wait):  # (the worker's executor carries out each round)
+            declared.update(rd.silent)
+            if rd.remind:
+                remind()
+            got = rd.view
         assert got is not None and got.epoch == 2
         holders[got.epoch] = holders.get(got.epoch, 0) + 1
         done.append(hub.now)

@@ -8,24 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastft.fsm import (
-    CastVote,
-    CommitApplied,
-    Decision,
-    Event,
-    FormEpoch,
-    HealDone,
-    Phase,
-    QuorumReady,
-)
+from fastft.fsm import CastVote, CommitApplied, Event, FormEpoch, HealDone, Phase
 from fastft.protocol import JoinRequest, Severity
 from fastft.protocol.exits import EXIT_DRAINED, EXIT_STATE_LOST
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.endings import JobFinished
-from fastft.runtime.engine import decisions
+from fastft.runtime.engine import decisions, plans
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.core import Core, OnCore
-from fastft.runtime.engine.formation import JoinerWait, SurvivorWait, others_hold_state
+from fastft.runtime.engine.formation import JoinerWait, SurvivorWait
 from fastft.runtime.engine.survivors import Survivors
 from fastft.sim.faults import CORRUPT, corruption
 from fastft.sim.ports import Host
@@ -91,17 +82,19 @@ class Waits(OnCore):
         view = self.view
         assert view is not None
         w.checks.vote(self, a.epoch, a.step)
-        if a.agreed:  # decided by the step's collective: no store request
+        known = plans.voted(a)
+        if known is not None:  # decided by the step's collective: no store request
             w.checks.decision(self, a.epoch, a.step, "C")
             self.pc = ("drive",)
-            self.feed(Decision(commit=True))
+            self.feed(known)
             return 0.0
+        joiners = self.coord.joiners() if plans.needs_joiners(a, 1) else None
         got = self.coord.vote(
             a.epoch,
             a.step,
             len(view.members),
             leaving=a.want_drain,
-            joining=a.joining,
+            joining=plans.vote_joining(a, 1, joiners),
             ranks=tuple(sorted(view.ranks)),
         )
         if got is not None:
@@ -115,20 +108,18 @@ class Waits(OnCore):
         return self.decided(epoch, step, got)
 
     def decided(self, epoch: int, step: int, got: str) -> float:
-        parsed = decisions.parse_commit(got)
-        admit, leaving = parsed if parsed is not None else (False, frozenset[int]())
-        view = self.view
-        if parsed is not None and view is not None and view.index(self.rank) == 0 and step > 0:
-            decisions.forget(self.w.store, self.w.keys, epoch, step - 1)  # the key collector
+        do = plans.decided(self.view, self.rank, step, got)
+        if do.forget is not None:
+            decisions.forget(self.w.store, self.w.keys, epoch, do.forget)  # the key collector
         self.w.checks.decision(self, epoch, step, got)
         self.pc = ("drive",)
-        self.feed(Decision(commit=parsed is not None, admit=admit, leaving=leaving))
+        self.feed(do.decision)
         return 0.0
 
     def apply(self, step: int) -> None:
         w = self.w
         w.checks.apply(self, step)
-        if self.view is not None and self.view.index(self.rank) == 0:
+        if plans.records(self.view, self.rank):
             w.store.set(w.keys.committed, str(step + 1))  # (the key collector's record)
         flip = corruption(self.h)  # (a corrupted state stays corrupted, the same flip's)
         self.h = w.next_hash(self.h, step) + ("" if flip is None else CORRUPT + flip)
@@ -140,51 +131,80 @@ class Waits(OnCore):
     def form(self, a: FormEpoch) -> float:
         prev = self.view
         assert prev is not None
-        exclude = a.exclude | frozenset(m.rank for m in prev.members if m in self.dead)
-        if self.may_drain(prev, exclude):
-            raise Ended(EXIT_DRAINED, "drained (from a formation)")
+        plan = plans.form(
+            a,
+            prev,
+            self.me,
+            self.dead,
+            self.state,
+            suspect=self.suspect,
+            elastic=self.w.opts.elastic,
+            verified=None,  # (verified states are not modelled: no repair rewinds)
+            wanted=None,
+        )
+        self.drain_from_formation(prev, plan)
         wait = self.survivors.arrive(
             prev,
-            exclude,
+            plan.exclude,
             step=self.state.step,
             lost_state=a.lost_state,
             timeout_s=self.w.opts.rollback_timeout_s,
-            admit=not (a.rollback and self.w.opts.elastic),
+            admit=plan.admit,
             suspect=self.suspect,
+            rewind=plan.rewind,
         )
         self.w.fire_due(self, "formation")
-        return self.wait(("form", wait, self.action_gen), 0.0)
+        return self.wait(("form", wait, plan, self.action_gen), 0.0)
 
-    def may_drain(self, prev: EpochView, gone: frozenset[int]) -> bool:
-        """:meth:`fastft.runtime.engine.membership.Membership._may_drain`."""
+    def drain_from_formation(self, prev: EpochView, plan: plans.Form) -> None:
+        """:meth:`fastft.runtime.engine.membership.Membership._drain_from_formation`: the
+        same plan; a checkpoint written by a leaver is the state it holds."""
         s = self.state
-        return s.want_drain and others_hold_state(
-            prev, self.me, self.dead, s.step, gone | s.leaving
-        )
+        do = plans.drain(prev, plan.exclude, self.me, self.dead, s, plan.holds)
+        if do.leaves:
+            if do is plans.Drain.LEAVE_WRITING:
+                self.write_held(s.step)
+            raise Ended(EXIT_DRAINED, "drained (from a formation)")
+        if do is plans.Drain.LAST and plans.holder_leaves(
+            bool(self.coord.joiners()), self.write_held(s.step)
+        ):
+            raise Ended(EXIT_DRAINED, f"drained (from a formation, step {s.step} checkpointed)")
+
+    def write_held(self, step: int) -> bool:
+        """:meth:`fastft.runtime.durable.commit.Commits.covers`: a checkpoint of ``step``
+        exists, or this member writes the state it holds (with checkpoints on)."""
+        w = self.w
+        if not w.opts.checkpoint_every:
+            return False
+        if step not in w.checkpoints and self.held == step:
+            w.checkpoints[step] = self.h
+        return step in w.checkpoints
 
     def cancelled(self, phase: Phase, gen: int) -> bool:
         return self.state.phase is not phase or self.phase_changes != gen or self.core.finished
 
-    def _form(self, wait: SurvivorWait, gen: int) -> float:
+    def _form(self, wait: SurvivorWait, plan: plans.Form, gen: int) -> float:
         view = self.coord.closed(wait.epoch)
         if view is None:
-            prev = wait.prev  # (the epoch being left: who is not expected leaves it)
-            drain = self.may_drain(
-                prev, frozenset(m.rank for m in prev.members) - set(wait.expected)
-            )
-            if self.cancelled(Phase.HEALING, gen) or drain:
-                if drain:
-                    raise Ended(EXIT_DRAINED, "drained (from a formation)")
+            s, prev = self.state, wait.prev
+            leaves = plans.drain(prev, plan.exclude, self.me, self.dead, s, plan.holds).leaves
+            if self.cancelled(Phase.HEALING, gen) or leaves:
+                self.drain_from_formation(prev, plan)
                 return self.back_to_drive()
-            try:
-                view = self.survivors.round(wait, silent=self.declare_silent, remind=self.remind)
-            except JobFinished as e:
-                raise Ended(0, f"the job finished at step {e.step}") from e
-            if view is None:
-                return self.wait(("form", wait, gen), POLL_S)
+            r = self.survivors.round(wait)
+            if r.silent:
+                self.declare_silent(r.silent)
+            if r.remind:
+                self.remind()
+            if r.finished is not None:
+                raise Ended(0, f"the job finished at step {r.finished}")
+            if r.view is None:
+                return self.wait(("form", wait, plan, gen), POLL_S)
+            view = r.view
         self.pc = ("drive",)
-        if not view.has(self.rank, self.inc):
-            self.feed(QuorumReady(view.epoch, view.ranks, view.step, view.needs_state))
+        out = plans.outsider(view, self.me)
+        if out is not None:
+            self.feed(out)
             return 0.0
         self.adopt(view)
         return 0.0
@@ -216,15 +236,19 @@ class Waits(OnCore):
     def adopt(self, view: EpochView) -> None:
         w = self.w
         w.checks.view(self, view)
-        if view.restore is not None:
+        do = plans.recover(view, w.opts.allow_fresh_start)
+        if do is plans.Recover.REWIND:
+            w.violation(f"{self}: a rewind view, which no simulated arrival asks for")
+        if do in (plans.Recover.RESTORE, plans.Recover.REWIND):
+            assert view.restore is not None
             got = w.checkpoints.get(view.restore)
             if got is None:
                 raise Ended(EXIT_STATE_LOST, f"no checkpoint of step {view.restore} to load")
             self.h, self.held = got, view.restore
             w.checks.restored(self, view.restore)
-        elif view.lost is not None and view.fatal:
-            if w.opts.allow_fresh_start:
-                raise Ended(1, f"state lost at step {view.lost}; restarting")
+        elif do is plans.Recover.FRESH_RESTART:
+            raise Ended(1, f"state lost at step {view.lost}; restarting")
+        elif do is plans.Recover.STATE_LOST:
             raise Ended(EXIT_STATE_LOST, f"every holder of step {view.lost} was lost")
         self.suspect = False
         self.enter(view)

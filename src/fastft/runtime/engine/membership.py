@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
-from fastft.fsm import CastVote, Decision, FormEpoch, Phase, QuorumReady
+from fastft.fsm import CastVote, FormEpoch, Phase
 from fastft.protocol import JoinRequest
 from fastft.runtime.contract import EpochView
 from fastft.runtime.durable.checkpoints import CheckpointError
 from fastft.runtime.endings import JobFinished, StateLost, WorkerExit
-from fastft.runtime.engine.decisions import parse_commit
-from fastft.runtime.engine.formation import others_hold_state
+from fastft.runtime.engine import plans
+from fastft.runtime.engine.formation import SurvivorWait
 from fastft.runtime.engine.sideclient import KeyCollector
 from fastft.runtime.engine.survivors import Survivors
-from fastft.runtime.groups.hsdp import heal_group, shard_source, whole_groups
+from fastft.runtime.groups.hsdp import heal_group, shard_source
 
 if TYPE_CHECKING:
     from fastft.runtime.engine.ports import Engine
@@ -53,8 +54,7 @@ class Membership:
         """``step`` is committed here: the first member records it, off the step's path
         (a total loss says what was lost: the last step applied, exactly, unless that
         member died within the write's round trip)."""
-        view = self.x.view
-        if view is not None and view.index(self.x.me.rank) == 0:
+        if plans.records(self.x.view, self.x.me.rank):
             self.collector.record(step)
 
     def take_decision_wait(self) -> float | None:
@@ -68,13 +68,13 @@ class Membership:
         view = x.view
         assert view is not None
         t0 = time.monotonic()
-        if a.agreed:  # decided by the step's collective: no store request
+        known = plans.voted(a)
+        if known is not None:  # decided by the step's collective: no store request
             self._decision_wait_ms = 0.0
-            x.feed(Decision(commit=True))
+            x.feed(known)
             return
-        joining = a.joining
-        if joining and x.dp.k > 1:  # admit a restarted shard group once all of it is there
-            joining = bool(whole_groups(x.coord.joiners(), x.dp.k))
+        joiners = x.coord.joiners() if plans.needs_joiners(a, x.dp.k) else None
+        joining = plans.vote_joining(a, x.dp.k, joiners)
         got = x.coord.vote(
             a.epoch,
             a.step,
@@ -88,26 +88,25 @@ class Membership:
             if x.closing:
                 break
             x.sv.heartbeat.beat()
-        parsed = parse_commit(got) if got is not None else None
-        commit = parsed is not None
-        admit, leaving = parsed if parsed is not None else (False, frozenset[int]())
-        if commit and view.index(x.me.rank) == 0 and a.step > 0:
-            self.collector.put(a.epoch, a.step - 1)  # every member has read it by now
+        do = plans.decided(view, x.me.rank, a.step, got if got is not None else "")
+        if do.forget is not None:
+            self.collector.put(a.epoch, do.forget)
         wait_ms = round((time.monotonic() - t0) * 1e3, 3)
-        if commit and not admit and not leaving:  # the fault-free path: the commit's line
+        d = do.decision
+        if do.quiet:  # the fault-free path: the commit's line
             self._decision_wait_ms = wait_ms
         else:
             x.events.emit(
                 "decision",
                 epoch=a.epoch,
                 step=a.step,
-                decision="commit" if commit else "rollback",
-                reason=None if commit or got is None else got[1:],
-                admit=admit,
-                leaving=sorted(leaving),
+                decision="commit" if d.commit else "rollback",
+                reason=None if d.commit or got is None else got[1:],
+                admit=d.admit,
+                leaving=sorted(d.leaving),
                 wait_ms=wait_ms,
             )
-        x.feed(Decision(commit=commit, admit=admit, leaving=leaving))
+        x.feed(d)
 
     # --- epochs ----------------------------------------------------------------------------
     def _announce_join(self) -> None:
@@ -156,79 +155,93 @@ class Membership:
         prev = x.view
         assert prev is not None
         t0 = time.monotonic()
-        exclude = a.exclude | frozenset(m.rank for m in prev.members if m in x.dead)
+        v = x.registry.verified
+        plan = plans.form(
+            a,
+            prev,
+            x.me,
+            x.dead,
+            x.state,
+            suspect=x.suspect_state,
+            elastic=x.config.elastic,
+            verified=v.step,
+            wanted=v.wanted,
+        )
         base = x.cancelled(Phase.HEALING)
 
         def cancelled() -> bool:
-            return base() or self._may_drain(prev, exclude)
+            return base() or self._drain(prev, plan).leaves
 
-        # what it holds is the committed state: not lost, not suspect, and healed if its
-        # epoch began by healing it (a member commits only once it holds the state)
-        healed = x.me.rank not in prev.needs_state or x.state.step > prev.step
-        holds = healed and not a.lost_state and not x.suspect_state
-        self._drain_from_formation(prev, exclude, holds)
-        try:
-            view = self.survivors.form(
-                prev,
-                exclude,
-                step=x.state.step,
-                lost_state=a.lost_state,
-                timeout_s=x.config.rollback_timeout_s,
-                cancelled=cancelled,
-                kept=x.kept.of_step(x.state.step),
-                # elastic: the retry goes on without workers still to heal (admitted after
-                # the next commit); a fixed world cannot step without them
-                admit=not (a.rollback and x.config.elastic),
-                # tests: a death after arriving for the epoch
-                arrived=lambda: x.sv.injector.fire_due(x.state.step, point="formation"),
-                suspect=x.suspect_state,
-                # (lost on purpose: the verified step it goes back to; else the one it holds)
-                rewind=x.registry.verified.wanted if a.lost_state else x.registry.verified.step,
-                below_min=self._below_min,
-                silent=x.declare_silent,
-                remind=x.remind,
-            )
-        except JobFinished as e:
-            self._finished(e, f"the job finished at step {e.step} while this worker re-formed")
-            raise
+        self._drain_from_formation(prev, plan)
+        wait = self.survivors.arrive(
+            prev,
+            plan.exclude,
+            step=x.state.step,
+            lost_state=a.lost_state,
+            timeout_s=x.config.rollback_timeout_s,
+            kept=x.kept.of_step(x.state.step),
+            admit=plan.admit,
+            suspect=x.suspect_state,
+            rewind=plan.rewind,
+        )
+        x.sv.injector.fire_due(x.state.step, point="formation")  # (tests: a death now)
+        view = None if cancelled() else self._rounds(wait, cancelled)
         if view is None:
-            self._drain_from_formation(prev, exclude, holds)
+            self._drain_from_formation(prev, plan)
             return
         x.suspect(False)  # (healed in this epoch, or the source: every state equal)
-        if not view.has(x.me.rank, x.me.incarnation):
+        out = plans.outsider(view, x.me)
+        if out is not None:
             x.events.emit("excluded", epoch=view.epoch)
-            x.feed(QuorumReady(view.epoch, view.ranks, view.step, view.needs_state))
+            x.feed(out)
             return
         self.adopt(view, waited_s=time.monotonic() - t0)
 
-    def _may_drain(self, prev: EpochView, gone: frozenset[int]) -> bool:
-        """Asked to drain, and another live member, not ``gone`` (leaving the epoch), holds
-        the committed state."""
+    def _rounds(self, wait: SurvivorWait, cancelled: Callable[[], bool]) -> EpochView | None:
+        """Carry out the survivor's rounds (:class:`~.survivors.Round`) until the epoch
+        closes (its view) or the formation is cancelled (None)."""
         x = self.x
-        s = x.state
-        return s.want_drain and others_hold_state(prev, x.me, x.dead, s.step, gone | s.leaving)
+        for r in self.survivors.rounds(wait):
+            if r.silent:
+                x.declare_silent(r.silent)
+            if r.remind:
+                x.remind()
+            if r.below is not None:
+                self._below_min(*r.below)
+            if r.finished is not None:
+                e = JobFinished(r.finished)
+                self._finished(e, f"the job finished at step {e.step} while this worker re-formed")
+                raise e
+            if r.view is not None:
+                return r.view
+            if cancelled():
+                return None
+        return None
 
-    def _drain_from_formation(self, prev: EpochView, gone: frozenset[int], holds: bool) -> None:
-        """A worker asked to drain while its epoch re-forms leaves at once if another live
-        member holds the committed state (it has no step in flight; peers that count on it
-        see an exit); with ``--checkpoint-dir``, one that ``holds`` it writes it first. The
-        last holder stays: it heals the others and leaves at its next commit
-        (:func:`~fastft.runtime.engine.formation.others_hold_state`); with nobody to heal
-        (no joiner registered: the whole job drains) and the state in a checkpoint (written
-        now if need be), it leaves too."""
+    def _drain(self, prev: EpochView, plan: plans.Form) -> plans.Drain:
+        x = self.x
+        return plans.drain(prev, plan.exclude, x.me, x.dead, x.state, plan.holds)
+
+    def _drain_from_formation(self, prev: EpochView, plan: plans.Form) -> None:
+        """A worker asked to drain while its epoch re-forms (:func:`.plans.drain`): it
+        leaves at once if another live member holds the committed state, with
+        ``--checkpoint-dir`` writing it first if it holds it; the last holder leaves too
+        when nobody is to be healed and a checkpoint holds its state (written now if need
+        be: :func:`.plans.holder_leaves`); else it stays, heals the others and leaves at
+        its next commit."""
         x = self.x
         s = x.state
-        if self._may_drain(prev, gone):
-            if holds:
+        do = self._drain(prev, plan)
+        if do.leaves:
+            if do is plans.Drain.LEAVE_WRITING:
                 x.checkpoints.leaving(s.step, s.epoch)
             x.events.emit("drain_from_formation", step=s.step)
             raise WorkerExit("left while its epoch re-formed, another member holding the state")
-        if not s.want_drain:
+        if do is plans.Drain.NONE:
             return
-        if holds and not x.coord.joiners() and x.checkpoints.covers(s.step, s.epoch):
-            # the last holder, and nobody to heal (the whole job drains: a preemption):
-            # the state it holds is in a checkpoint, so it leaves with the others (it
-            # waited out the drain's grace and was stopped, the agent's line untrue)
+        if do is plans.Drain.LAST and plans.holder_leaves(
+            bool(x.coord.joiners()), x.checkpoints.covers(s.step, s.epoch)
+        ):
             x.events.emit("drain_from_formation", step=s.step, covered="checkpoint")
             raise WorkerExit(
                 f"left while its epoch re-formed, the state it held in the checkpoint of "
@@ -252,8 +265,7 @@ class Membership:
             **({"restore": view.restore} if view.restore is not None else {}),
             **({"lost": view.lost} if view.lost is not None else {}),
         )
-        if view.restore is not None or view.lost is not None:
-            self._recover(view)
+        self._recover(view)
         x.sv.heartbeat.new_world(view.epoch)  # (its figures start again: a new share)
         with x.lock:
             x.adopt(view, self._source(view) if x.dp.heal_apart() else None)
@@ -292,10 +304,14 @@ class Membership:
         resumes: load the checkpoint every member loads, or start again from step 0 (the
         source is a fresh process), or end this worker: :attr:`EpochView.fatal`."""
         x = self.x
-        if view.rewind and view.restore is not None:
+        do = plans.recover(view, x.config.allow_fresh_start)
+        if do is plans.Recover.NONE:
+            return
+        if do is plans.Recover.REWIND:
             self._rewind(view)
             return
-        if view.restore is not None:
+        if do is plans.Recover.RESTORE:
+            assert view.restore is not None
             x.registry.verified.forget()  # (of a run this checkpoint does not continue)
             t0 = time.monotonic()
             ckpt = x.durable
@@ -334,7 +350,7 @@ class Membership:
                 )
             return
         assert view.lost is not None
-        if not view.fatal:  # a fresh start that --allow-fresh-start allowed
+        if do is plans.Recover.FRESH_START:
             x.events.emit("fresh_start", epoch=view.epoch, lost=view.lost)
             x.registry.verified.forget()
             if view.lost == 0:  # (nothing was committed: a fresh process holds it all)
@@ -346,7 +362,7 @@ class Membership:
                 view.lost,
             )
             return
-        if x.config.allow_fresh_start:
+        if do is plans.Recover.FRESH_RESTART:
             # No fresh process among the members to start from: this one restarts as one.
             x.events.emit("fresh_restart", epoch=view.epoch, lost=view.lost)
             raise SystemExit(f"rank {x.me.rank}: state lost at step {view.lost}; restarting")

@@ -17,10 +17,11 @@ the count, and a few broadcasts: O(N), and nothing between members.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from fastft.runtime.contract import EpochView, Member
-from fastft.runtime.endings import JobFinished
 from fastft.runtime.engine import decisions as d
 from fastft.runtime.engine.coordinator import Coordinator, form_wait_s
 from fastft.runtime.engine.formation import (
@@ -32,7 +33,7 @@ from fastft.runtime.engine.formation import (
 )
 from fastft.runtime.groups.hsdp import broken_groups, whole_groups
 
-__all__ = ["ARRIVAL_S", "BEAT_S", "CLOSER_GRACE_S", "REMIND_S", "Survivors"]
+__all__ = ["ARRIVAL_S", "BEAT_S", "CLOSER_GRACE_S", "REMIND_S", "Round", "Survivors"]
 
 _POLL_S = 0.002
 _FINISHED_CHECK_AFTER_S = 0.2
@@ -56,6 +57,24 @@ ARRIVAL_S = 0.00025
 another: late must not mean dead; +4 s at 16,384)."""
 
 
+@dataclass(frozen=True)
+class Round:
+    """What one round of a survivor's wait asks of its executor (a plan: the survivor's
+    side never acts on the executor's machine itself)."""
+
+    view: EpochView | None = None
+    """The epoch closed: adopt it (or, not listed in it, join as a new worker)."""
+    finished: int | None = None
+    """The job finished at this step meanwhile: the worker ends (0)."""
+    silent: frozenset[int] = frozenset()
+    """Expected members that never arrived by the deadline: declare them dead (their
+    agents kill them; they come back as joiners)."""
+    remind: bool = False
+    """Ask the members still missing to roll back (one rollback request on the bus)."""
+    below: tuple[int, int] | None = None
+    """The epoch this worker closes waits below ``--min-replicas``: (have, need)."""
+
+
 class Survivors:
     """One worker's survivor side of the formations, over its coordinator's store clients
     (:class:`~fastft.runtime.engine.coordinator.Coordinator`)."""
@@ -63,68 +82,34 @@ class Survivors:
     def __init__(self, coord: Coordinator) -> None:
         self.c = coord
 
-    def form(
-        self,
-        prev: EpochView,
-        exclude: frozenset[int],
-        *,
-        step: int,
-        lost_state: bool,
-        timeout_s: float,
-        cancelled: Callable[[], bool],
-        kept: tuple[int, int, int] | None = None,
-        admit: bool = True,
-        arrived: Callable[[], None] = lambda: None,
-        suspect: bool = False,
-        rewind: int | None = None,
-        below_min: Callable[[int, int], None] = lambda have, need: None,
-        silent: Callable[[frozenset[int]], None] = lambda ranks: None,
-        remind: Callable[[], None] = lambda: None,
-    ) -> EpochView | None:
-        """Take part in forming ``prev.epoch + 1``: the closed view (which may not list this
-        worker: it must then join), or None if ``cancelled()``; JobFinished if the job
-        finished meanwhile (:meth:`round`). ``kept``: ``(lo, hi, n)``, the weighted
-        local gradient of those samples of ``step`` it holds (listed in the view's
-        ``kept``). ``admit`` False: registered joiners are left out (``waiting``) when the
-        survivors are at least ``min_replicas``. ``arrived()``: its arrival is written.
-        ``below_min(have, need)``: told while a formation it closes waits below
-        ``min_members``. ``suspect``: its state may be damaged; ``rewind``: the verified
-        step it goes back to (:class:`.formation.Arrival`).
-        ``silent(ranks)``: expected members that never arrived by the deadline, to declare
-        dead; ``remind()``: ask the members still missing to roll back (one broadcast).
-        One loop of :meth:`arrive` and :meth:`round` (:mod:`fastft.sim` runs the
-        same rounds from its scheduler). The closer polls the arrivals' counter; the others
-        block on the closed view (the decision store's short timeout) when there is one."""
-        wait = self.arrive(
-            prev,
-            exclude,
-            step=step,
-            lost_state=lost_state,
-            timeout_s=timeout_s,
-            kept=kept,
-            admit=admit,
-            suspect=suspect,
-            rewind=rewind,
-        )
-        arrived()
+    def rounds(self, wait: SurvivorWait) -> Iterator[Round]:
+        """A survivor's wait for the epoch :meth:`arrive` began, as the rounds its executor
+        carries out (:class:`Round`: declare the silent dead, remind the missing, say it
+        waits below the floor, end with the job); the last one carries the closed view
+        (which may not list this worker: it must then join) or the step the job finished
+        at. The executor stops iterating when its formation is cancelled. The closer polls
+        the arrivals' counter; the others block on the closed view (the decision store's
+        short timeout) when there is one. :mod:`fastft.sim` runs the same :meth:`round`
+        from its scheduler."""
         look = False  # (read the closed view: the closer each poll, a waiter after a wait)
         while True:
             if look:
                 view = self.c.closed(wait.epoch)
                 if view is not None:
-                    return view
-            if cancelled():
-                return None
-            view = self.round(wait, below_min, silent, remind)
-            if view is not None:
-                return view
+                    yield Round(view=view)
+                    return
+            r = self.round(wait)
+            yield r
+            if r.view is not None or r.finished is not None:
+                return
             if wait.closing or self.c.decision_store is self.c.store:
                 look = True
                 self.c.sleep(_POLL_S)
                 continue
             view = self.await_closed(wait)
             if view is not None:
-                return view
+                yield Round(view=view)
+                return
             look = True  # (its wait ran out: the full view, if its closer died before the change)
 
     def arrive(
@@ -166,19 +151,13 @@ class Survivors:
         )
         return EpochView.from_change(wait.prev, got) if got is not None else None
 
-    def round(
-        self,
-        wait: SurvivorWait,
-        below_min: Callable[[int, int], None] = lambda have, need: None,
-        silent: Callable[[frozenset[int]], None] = lambda ranks: None,
-        remind: Callable[[], None] = lambda: None,
-    ) -> EpochView | None:
+    def round(self, wait: SurvivorWait) -> Round:
         """One round of a survivor's wait for the epoch (after it found it not closed):
-        raises JobFinished when the job finished (with or without its state's last
-        step); the lowest expected survivor still alive tries to close the epoch (one
-        that died meanwhile hands it on at once, not after the deadline). The first to
-        arrive reminds the members still missing, and past the deadline declares a closer
-        that never came. The view it closed, or None.
+        ``finished`` when the job finished (with or without its state's last step); the
+        lowest expected survivor still alive tries to close the epoch (one that died
+        meanwhile hands it on at once, not after the deadline). The first to arrive
+        reminds the members still missing, and past the deadline declares a closer that
+        never came. What its executor does: :class:`Round`.
 
         This is the rollback's barrier (issue 35): its cost is the arrivals (2 requests
         each), the closer's polls of one counter, and one read of every arrival key per
@@ -191,7 +170,7 @@ class Survivors:
             done = self.c.finished_at()
             # (also one lost or behind: it waited for finished members; the simulator)
             if done is not None:
-                raise JobFinished(done)
+                return Round(finished=done)
         broken = broken_groups(prev, self.c.dead, self.c.k)
 
         def alive(r: int) -> bool:
@@ -206,19 +185,17 @@ class Survivors:
         closer = next((r for r in wait.expected if alive(r)), None)
         wait.closing = closer == self.c.me.rank
         if closer is None:
-            return None
+            return Round()
         late = now >= wait.deadline + CLOSER_GRACE_S
         if not (wait.first or wait.closing or late):
-            return None
+            return Round()
         live = [r for r in wait.expected if alive(r)]
-        if wait.first:
-            self._remind(wait, live, now, remind)
+        remind = wait.first and self._remind(wait, live, now)
         if wait.closing:
             self._beat(wait, now)
-            return self._try_close(wait, live, below_min, silent)
-        if late:
-            self._pass_closer(wait, live, now, silent)
-        return None
+            return dataclasses.replace(self._try_close(wait, live), remind=remind)
+        silent = self._pass_closer(wait, live, now) if late else frozenset()
+        return Round(remind=remind, silent=silent)
 
     def _beat(self, wait: SurvivorWait, now: float) -> None:
         """The closer's beat (:meth:`JobKeys.epoch_closer`), every :data:`BEAT_S`."""
@@ -227,51 +204,43 @@ class Survivors:
             wait.beats += 1
             self.c.store.set(self.c.keys.epoch_closer(wait.epoch), str(wait.beats))
 
-    def _pass_closer(
-        self,
-        wait: SurvivorWait,
-        live: list[int],
-        now: float,
-        silent: Callable[[frozenset[int]], None],
-    ) -> None:
+    def _pass_closer(self, wait: SurvivorWait, live: list[int], now: float) -> frozenset[int]:
         """Past the deadline and a grace, the epoch not closed: its closer is dead or hung
         and this worker missed the notice (the bus barrier's deadline once declared it).
         One that never arrived is passed over at once (one read), and the first arrival
         declares it dead (the agent kills it); past one grace more per place in the line,
         this worker closes itself (the compare-and-set keeps one view if the closer was
-        only slow)."""
+        only slow). The closer to declare dead, if any."""
         closer = live[0]
         if closer not in wait.checked_closer:
             wait.checked_closer |= {closer}
             if self.c.value(self.c.keys.epoch_arrival(wait.epoch, closer)) is None:
                 wait.passed |= {closer}
-                if wait.first:
-                    silent(frozenset({closer}))
-                return
+                return frozenset({closer}) if wait.first else frozenset()
         if now - wait.beat_read >= CLOSER_GRACE_S:  # (a closer that beats is working)
             wait.beat_read = now
             beat = self.c.value(self.c.keys.epoch_closer(wait.epoch))
             if beat is not None and beat != wait.beat_seen:
                 wait.beat_seen, wait.beat_moved = beat, now
-                return
+                return frozenset()
         place = live.index(self.c.me.rank) if self.c.me.rank in live else 0
         since = max(wait.deadline, wait.beat_moved)
         if place and now >= since + (place + 1) * CLOSER_GRACE_S:
             wait.passed |= frozenset(live[:place])
+        return frozenset()
 
-    def _remind(
-        self, wait: SurvivorWait, live: list[int], now: float, remind: Callable[[], None]
-    ) -> None:
+    def _remind(self, wait: SurvivorWait, live: list[int], now: float) -> bool:
         """The first arrival's duty while the epoch is not closed: a rollback request to
         the members still missing, after :data:`REMIND_S` and then ever less often (a
         member whose fault notice was lost, or that took it for a fault of an epoch it
-        had left, waits in the step's collective)."""
+        had left, waits in the step's collective). Whether it reminds them now."""
         gap = REMIND_S * 2 ** min(wait.reminders, 4)  # (0.05 s, doubling up to 0.8 s)
         if now - max(wait.reminded, wait.started) >= gap:
             wait.reminded = now
             if self._count(wait) < len(live):
                 wait.reminders += 1
-                remind()
+                return True
+        return False
 
     def _count(self, wait: SurvivorWait) -> int:
         """How many arrivals the formation counted (NATS: the arrivals read at once)."""
@@ -301,19 +270,13 @@ class Survivors:
                     got[r] = self.c.value(key[r])
         return {r: Arrival.from_json(v) for r, v in got.items() if v}
 
-    def _try_close(
-        self,
-        wait: SurvivorWait,
-        expected: list[int],
-        below_min: Callable[[int, int], None],
-        silent: Callable[[frozenset[int]], None],
-    ) -> EpochView | None:
+    def _try_close(self, wait: SurvivorWait, expected: list[int]) -> Round:
         prev, epoch, admit = wait.prev, wait.epoch, wait.admit
         timed_out = self.c.clock() >= wait.deadline
         now = self.c.clock()
         if self.c.reads_many:  # (NATS: every arrival in one read, less often as N grows)
             if now - wait.read_at < _POLL_S * max(1.0, len(expected) / 16) and not timed_out:
-                return None
+                return Round()
             wait.read_at = now
             wait.arrived = self._read_arrivals(wait)
         else:
@@ -323,7 +286,7 @@ class Survivors:
                 wait.counted = seen  # (the counter says every arrival may be in: read them)
                 wait.arrived = self._read_arrivals(wait)
             elif not timed_out and not set(expected) <= set(wait.arrived):
-                return None  # (someone is missing, and nothing changed since the last read)
+                return Round()  # (someone is missing, and nothing changed since the last read)
             # (everyone is in and the view could not close yet: it waits for joiners, whose
             # registrations change no count; read them every round. Kept to count changes,
             # a restart was found at the deadline: every restart cost 5 s)
@@ -331,11 +294,10 @@ class Survivors:
             r: a for r, a in wait.arrived.items() if Member(r, a.incarnation) not in self.c.dead
         }
         if not set(expected) <= set(arrived) and not timed_out:
-            return None  # (before reading the joiners: the common case while waiting)
+            return Round()  # (before reading the joiners: the common case while waiting)
+        # (timed out) the missing are silent: the agent kills them; they come back as joiners
         missing = frozenset(expected) - set(arrived) - wait.passed
-        if missing:  # (timed out) silent: the agent kills them; they come back as joiners
-            wait.passed |= missing
-            silent(missing)
+        wait.passed |= missing
         lives = self.c.joiners()
         # (a newer life of a rank that arrived registered: the one that arrived is dead,
         # and this worker missed the notice; its agent restarts a rank only once it ended)
@@ -358,7 +320,10 @@ class Survivors:
             recovery=Recovery() if holds_state(arrived) else self.c.recovery(),
         )
         if view is None:  # every expected survivor is in: fewer than min_members
+            below = None
             if self.c.min_members < self.c.world_size:  # (a fixed world waits by design)
-                below_min(len(arrived) + len(joiners), self.c.min_members)
-            return None
-        return self.c.close(view, {} if view.waiting else joiners, prev=prev)
+                below = (len(arrived) + len(joiners), self.c.min_members)
+            return Round(silent=missing, below=below)
+        return Round(
+            view=self.c.close(view, {} if view.waiting else joiners, prev=prev), silent=missing
+        )
