@@ -164,6 +164,7 @@ def test_the_last_holder_with_nobody_to_heal_leaves_once_its_state_is_in_a_check
     from types import SimpleNamespace
 
     from fastft.runtime.endings import WorkerExit
+    from fastft.runtime.engine import plans
     from fastft.runtime.engine.membership import Membership
 
     def formation(joiners: dict[int, int], writer: _Writer | None) -> tuple[list[str], list]:
@@ -186,7 +187,8 @@ def test_the_last_holder_with_nobody_to_heal_leaves_once_its_state_is_in_a_check
             coord=SimpleNamespace(joiners=lambda: joiners),
         )
         try:
-            m._drain_from_formation(prev, frozenset({0, 1}), holds=True)
+            plan = plans.Form(exclude=frozenset({0, 1}), admit=True, holds=True, rewind=None)
+            m._drain_from_formation(prev, plan)
         except WorkerExit:
             return [n for n, _ in events.got], getattr(writer, "staged", [])
         return [n for n, _ in events.got] + ["stayed"], getattr(writer, "staged", [])

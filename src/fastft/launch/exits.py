@@ -6,7 +6,6 @@ state (``slots``, ``children``, ``spares``, ``events``, ``store``, ``keys``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -17,10 +16,11 @@ import time
 from typing import TYPE_CHECKING
 
 import fastft.launch.policy as policy
+from fastft.launch import exitplan
 from fastft.launch.children import Slot
 from fastft.process.heartbeat import read_heartbeat
-from fastft.protocol import EXIT_DRAINED, HangSuspected, ProcessExited
-from fastft.protocol.exits import ENDS_THE_JOB, FASTFT_STATUSES, ending_path
+from fastft.protocol import HangSuspected, ProcessExited
+from fastft.protocol.exits import FASTFT_STATUSES, ending_path
 
 if TYPE_CHECKING:
     from fastft.launch.ports import AgentPorts
@@ -112,22 +112,17 @@ class Exits:
         return str(got.get("why") or f"status {code}")
 
     def after_exit(self, slot: Slot, code: int | None, sig: int | None) -> None:
+        """Carry out :mod:`fastft.launch.exitplan`'s plan for the exit of ``slot``'s worker."""
         self.forget_joiner(slot)
-        cfg = self.agent.config
-        ours = slot.ending is not None  # (a status of fastft's, recorded: not the script's)
-        own = (  # a failure of the worker itself, not an exit the agent caused (a stop,
-            code != 0  # a failed job, a drain, a group, a fence)
-            and not (code == EXIT_DRAINED and ours)
-            and not slot.done
-            and self.agent.stopping is None
-            and self.agent.failed is None
-            and self.agent.draining is None
-            and not self.agent.ledger.taken_down(slot.incarnation)
-            and not self.agent.ledger.fenced(slot.incarnation)
-        )
-        how = f"code {code}" if sig is None else f"signal {sig}"
-        if code == 0 and cfg.torchft != "plain" and not _joined(slot):
-            self.agent.events.emit("never_joined", rank=slot.rank, life=slot.life)
+        agent = self.agent
+        e, seen = self.exited(slot, code, sig), self.seen()
+        what = exitplan.fault_of(e, seen)
+        if what is not None:
+            self.count_fault(slot.rank, what)
+            slot.fault_at = time.monotonic()
+        do = exitplan.exit_plan(e, seen, agent.offenders.quarantined.get(slot.rank))
+        if do.never_joined:
+            agent.events.emit("never_joined", rank=slot.rank, life=slot.life)
             print(
                 f"fastft: WARNING: rank {slot.rank} exited 0 without calling fastft.init(): it "
                 "never joined the job (a script under `fastft run` calls ft = fastft.init(), "
@@ -136,74 +131,80 @@ class Exits:
                 file=sys.stderr,
                 flush=True,
             )
-        if own:
-            self.count_fault(slot.rank, "hung" if slot.hung == slot.incarnation else how)
-            slot.fault_at = time.monotonic()
-        ledger = self.agent.ledger
-        failed = own and slot.hung != slot.incarnation  # (hung: the hang timeout's)
-        ended_first = slot.life == 0 and ledger.first_life_ended(
-            slot.rank, failed=failed and not self.agent.committed(slot)
-        )
-        # (a status that names its own reason, a script error: the policy says it)
-        if ended_first and ledger.startup_failed() and not (ours and code in ENDS_THE_JOB):
-            slot.done = True
-            self.agent.fail(
-                f"every worker failed before its first commit (rank {slot.rank}: {how}); "
-                "the script cannot start: its error is above"
-            )
-            return
+        if do.first_failed is not None:
+            agent.ledger.first_life_ended(slot.rank, failed=do.first_failed)
+        if do.check_floor:
+            do = exitplan.floor(do, self._slots_left(slot), seen)
+        self._perform(slot, code, sig, do)
 
-        agent = self.agent
-        finished = any(  # another slot's worker ended the job cleanly already
-            s.done and s.proc is not None and s.proc.returncode == 0 for s in agent.slots.values()
-        )
-        do = policy.after_exit(
+    def exited(self, slot: Slot, code: int | None, sig: int | None) -> exitplan.Exited:
+        """The frozen view of ``slot``'s exit its plan is made from."""
+        ledger = self.agent.ledger
+        return exitplan.Exited(
             rank=slot.rank,
             code=code,
             sig=sig,
-            life=slot.life - slot.drains,
-            max_restarts=cfg.max_restarts,
-            stopping=agent.stopping is not None,
-            already_done=slot.done,
-            peers_finished=finished,
-            spares_left=bool(self.agent.spares),
-            elastic=cfg.min_replicas is not None and cfg.min_replicas < cfg.world_size,
-            draining=self.agent.draining is not None,
-            quarantined=self.agent.offenders.quarantined.get(slot.rank),
-            ours=ours,
-            replaced=agent.ledger.replaced(slot.incarnation),
+            life=slot.life,
+            drains=slot.drains,
+            ours=slot.ending is not None,  # (a status of fastft's, recorded: not the script's)
+            done=slot.done,
+            hung=slot.hung == slot.incarnation,
+            joined=code != 0 or _joined(slot),
+            committed=self.agent.committed(slot),
+            taken_down=ledger.taken_down(slot.incarnation),
+            fenced=ledger.fenced(slot.incarnation),
+            replaced=ledger.replaced(slot.incarnation),
         )
-        ending = agent.stopping is not None or agent.draining is not None or agent.failed
-        if do.done and not do.failed and code != 0 and not finished and not ending:
-            # a slot done for good (drained, shrunk): can the others still form a world?
-            left = self._slots_left(slot)
-            lost = (
-                None if left is None else policy.floor_lost(left, cfg.min_replicas, cfg.world_size)
-            )
-            if lost is not None:
-                do = dataclasses.replace(do, failed=lost)
-        if own:  # one line per fault in every log, a terminal or not
-            print(fault_line(slot, code, sig, do), file=sys.stderr, flush=True)
-        if do.failed:
-            self.agent.fail(do.failed)
-        if do.shrink:
-            self.agent.events.emit("world_shrinks", rank=slot.rank, reason=do.shrink)
-            log.warning("the world goes on without rank %d: %s", slot.rank, do.shrink)
-        slot.spare_only = do.spare_only
-        if do.done:
+
+    def seen(self) -> exitplan.AgentSeen:
+        """The frozen view of the agent an exit's plan is made from."""
+        agent, cfg = self.agent, self.agent.config
+        return exitplan.AgentSeen(
+            max_restarts=cfg.max_restarts,
+            world_size=cfg.world_size,
+            min_replicas=cfg.min_replicas,
+            shard_size=cfg.shard_size,
+            plain=cfg.torchft == "plain",
+            stopping=agent.stopping is not None,
+            failed=bool(agent.failed),
+            draining=agent.draining is not None,
+            # (another slot's worker ended the job cleanly already)
+            peers_finished=any(
+                s.done and s.proc is not None and s.proc.returncode == 0
+                for s in agent.slots.values()
+            ),
+            spares_left=bool(agent.spares),
+            first_lives=dict(agent.ledger.first_lives),
+        )
+
+    def _perform(
+        self, slot: Slot, code: int | None, sig: int | None, do: exitplan.ExitPlan
+    ) -> None:
+        agent, then = self.agent, do.then
+        if do.startup:
             slot.done = True
-        if do.restart and cfg.shard_size > 1:
+            agent.fail(then.failed or "")
+            return
+        if do.own:  # one line per fault in every log, a terminal or not
+            print(fault_line(slot, code, sig, then), file=sys.stderr, flush=True)
+        if then.failed:
+            agent.fail(then.failed)
+        if then.shrink:
+            agent.events.emit("world_shrinks", rank=slot.rank, reason=then.shrink)
+            log.warning("the world goes on without rank %d: %s", slot.rank, then.shrink)
+        slot.spare_only = then.spare_only
+        if then.done:
+            slot.done = True
+        if do.group:
             self._restart_group(slot)
-        if do.restart and (code == EXIT_DRAINED and ours or ledger.fenced(slot.incarnation)):
-            # (a drain, or a fence of a node declared lost while its link was down, is no
-            # failure of the worker: it uses up no restart; four flaps failed a job)
+        if do.free:
             slot.drains += 1
-        if do.restart:
+        if then.restart:
             slot.life += 1
-            self.agent.ledger.restarted()
-            self.agent.events.emit("restart", rank=slot.rank, life=slot.life)
-            self.agent.restart_later(slot, do.delay_s)
-        self.agent.wake()
+            agent.ledger.restarted()
+            agent.events.emit("restart", rank=slot.rank, life=slot.life)
+            agent.restart_later(slot, then.delay_s)
+        agent.wake()
 
     def _slots_left(self, slot: Slot) -> int | None:
         """How many of the job's slots can still run, ``slot`` now done for good: this

@@ -1,5 +1,5 @@
-"""The simulated node agents: what they do with their workers' exits (the real
-:func:`fastft.launch.policy.after_exit` and ``floor_lost``), a peer's verdict that a worker
+"""The simulated node agents: what they do with their workers' exits (the agent's own
+plan, :mod:`fastft.launch.exitplan`), a peer's verdict that a worker
 is dead, a hang past the timeout, and a node cut off (the lease, the fence)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fastft.launch import policy
+from fastft.launch import exitplan
+from fastft.launch.offenders import Offenders
 from fastft.launch.stragglers import StragglerWatch, slow_members
 from fastft.protocol import (
     DrainRequest,
@@ -44,6 +45,9 @@ class Slot:
     lives: int = 0
     done: bool = False
     finished: bool = False
+    drains: int = 0
+    first: bool | None = None
+    """Whether its first life failed before its first commit (None: running)."""
 
 
 class Agents:
@@ -59,6 +63,7 @@ class Agents:
     partitioned: set[int]
     stragglers: StragglerWatch
     replacing: set[Member]
+    offenders: Offenders
     now: float
 
     def at(self, delay: float, kind: str, *args: Any) -> None:
@@ -70,7 +75,9 @@ class Agents:
     def broadcast(self, sender: Life | None, m: Message) -> None:
         raise NotImplementedError
 
-    def end_life(self, life: Life, code: int | None, sig: int | None, why: str) -> None:
+    def end_life(
+        self, life: Life, code: int | None, sig: int | None, why: str, by: str = ""
+    ) -> None:
         raise NotImplementedError
 
     def schedule_main(self, life: Life, delay: float) -> None:
@@ -94,7 +101,10 @@ class Agents:
         return dict(job=self.keys.job, epoch=0, rank=-1, incarnation=1 + rank, role=Role.AGENT)
 
     def _on_exit_seen(self, who: Member, code: int | None, sig: int | None) -> None:
+        """:meth:`fastft.launch.exits.Exits.after_exit`: the exit reported, then the same
+        plan (:mod:`fastft.launch.exitplan`) carried out on the simulated slots."""
         slot = self.slots[who.rank]
+        life = self.lives[who]
         head = self.agent_header(who.rank)
         self.broadcast(
             None,
@@ -110,41 +120,50 @@ class Agents:
         self.store.agent_compare_set(self.keys.joiner(who.rank), str(who.incarnation), "")
         if slot.life != who:
             return
-        got = policy.after_exit(
+        e = exitplan.Exited(
             rank=who.rank,
             code=code,
             sig=sig,
-            life=slot.lives,
-            max_restarts=1000,
-            stopping=self.outcome is not None,
-            already_done=slot.done,
-            peers_finished=any(s.finished for s in self.slots.values()),
-            spares_left=False,
-            elastic=self.opts.elastic,
+            life=slot.lives - 1,
+            drains=slot.drains,
+            done=slot.done,
+            hung=life.ended_by == "hung",
+            committed=life.commits > 0,
+            fenced=life.ended_by == "fenced",
             replaced=who in self.replacing,
         )
-        if code == 0:
-            slot.finished = True
-        if got.failed:
-            self.outcome = f"failed: {got.failed}"
-            self.checks.job_failed(got.failed)
-            return
-        if got.done:
-            slot.done = True
-            left = sum(not s.done for s in self.slots.values())
-            floor = (
-                None
-                if code == 0
-                else policy.floor_lost(
-                    left,
-                    self.opts.min_replicas if self.opts.elastic else None,
-                    self.opts.world_size,
-                )
+        o = self.opts
+        seen = exitplan.AgentSeen(
+            max_restarts=o.max_restarts,
+            world_size=o.world_size,
+            min_replicas=o.min_replicas if o.elastic else None,
+            stopping=self.outcome is not None,
+            peers_finished=any(s.finished for s in self.slots.values()),
+            first_lives={r: s.first for r, s in self.slots.items()},
+        )
+        what = exitplan.fault_of(e, seen)
+        if what is not None:
+            self.offenders.fault(who.rank, self.now, what)
+        do = exitplan.exit_plan(e, seen, self.offenders.quarantined.get(who.rank))
+        if do.first_failed is not None:
+            slot.first = do.first_failed
+        if do.check_floor:  # (the simulated job's count: its slots not done for good)
+            do = exitplan.floor(
+                do, sum(not s.done for s in self.slots.values() if s is not slot), seen
             )
-            if floor is not None:  # (the agent fails an elastic world drained below its floor)
-                self.outcome = f"failed: {floor}"
-                self.checks.job_failed(floor)
-                return
+        self._perform(slot, do)
+
+    def _perform(self, slot: Slot, do: exitplan.ExitPlan) -> None:
+        then = do.then
+        if do.finished:
+            slot.finished = True
+        if then.done:
+            slot.done = True
+        if then.failed:
+            self.outcome = f"failed: {then.failed}"
+            self.checks.job_failed(then.failed)
+            return
+        if then.done:
             if all(s.done for s in self.slots.values()):
                 self.outcome = (
                     "finished"
@@ -152,9 +171,13 @@ class Agents:
                     else ("failed: every slot is gone")
                 )
             return
-        if got.restart:
+        if do.free:
+            slot.drains += 1
+        if then.restart:
+            if then.spare_only:  # (:meth:`fastft.launch.agent.Agent`'s start on a spare)
+                self.offenders.replaced(slot.rank)
             lo, hi = self.opts.restart_s
-            self.at(max(got.delay_s, self.draw(lo, hi)), "spawn", who.rank)
+            self.at(max(then.delay_s, self.draw(lo, hi)), "spawn", slot.rank)
 
     def _on_straggler_check(self) -> None:
         """:class:`fastft.launch.stragglers.Stragglers` with ``--stragglers replace``:
@@ -206,7 +229,7 @@ class Agents:
                 stopped=False,
             ),
         )
-        self.end_life(life, None, 9, "hung: killed by its agent")
+        self.end_life(life, None, 9, "hung: killed by its agent", by="hung")
 
     def node_lives(self, node: int) -> list[Life]:
         per = self.opts.per_node
@@ -242,7 +265,7 @@ class Agents:
         self.partitioned.discard(node)
         for life in self.node_lives(node):
             if lost:
-                self.end_life(life, None, 9, "fenced: its node was declared lost")
+                self.end_life(life, None, 9, "fenced: its node was declared lost", by="fenced")
                 continue
             life.frozen = False
             for m in life.buffered:

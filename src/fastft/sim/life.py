@@ -97,6 +97,8 @@ class Life(Waits):
         self.slow = 1.0  # a straggler's factor (a slow fault)
         self.healed: dict[tuple[str, ...], int] = {}  # (the replica check's memory)
         self.retried: tuple[int, tuple[str, ...]] | None = None
+        self.commits = 0
+        self.ended_by = ""  # (its agent killed it: "hung", "fenced")
 
     def clock(self) -> float:
         return self.w.now

@@ -30,6 +30,9 @@ class Options:
     restart_s: tuple[float, float] = (0.3, 1.5)
     lease_s: float = 0.3
     max_recoveries: int = 50
+    max_restarts: int = 1000
+    quarantine: str = "off"
+    """``--quarantine`` (``N/S``, or ``off``: the simulated faults are drawn, not a slot's)."""
     liveness_s: float = 60.0
     """Longer than every timeout that ends a wait by design (the first start's 30 s)."""
     horizon_s: float = 900.0

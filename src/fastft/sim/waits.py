@@ -53,6 +53,7 @@ class Waits(OnCore):
     alive: bool
     suspect: bool
     recoveries: int
+    commits: int
     next_announce: float
 
     def feed(self, event: Event) -> None:
@@ -124,6 +125,7 @@ class Waits(OnCore):
         flip = corruption(self.h)  # (a corrupted state stays corrupted, the same flip's)
         self.h = w.next_hash(self.h, step) + ("" if flip is None else CORRUPT + flip)
         self.held = step + 1
+        self.commits += 1
         self.recoveries = 0
         w.after_commit(self, step)
         self.feed(CommitApplied())
@@ -165,8 +167,10 @@ class Waits(OnCore):
             if do is plans.Drain.LEAVE_WRITING:
                 self.write_held(s.step)
             raise Ended(EXIT_DRAINED, "drained (from a formation)")
-        if do is plans.Drain.LAST and plans.holder_leaves(
-            bool(self.coord.joiners()), self.write_held(s.step)
+        if (
+            do is plans.Drain.LAST
+            and plans.holder_leaves(bool(self.coord.joiners()))
+            and self.write_held(s.step)
         ):
             raise Ended(EXIT_DRAINED, f"drained (from a formation, step {s.step} checkpointed)")
 
@@ -215,8 +219,9 @@ class Waits(OnCore):
         return self.wait(("join", wait, self.action_gen), 0.0)
 
     def _join(self, wait: JoinerWait, gen: int) -> float:
-        if self.cancelled(Phase.INIT, gen) or self.state.want_drain:
-            if self.state.want_drain:
+        leaves = plans.joiner_leaves(self.state)
+        if self.cancelled(Phase.INIT, gen) or leaves:
+            if leaves:
                 raise Ended(EXIT_DRAINED, "drained (while waiting to join)")
             return self.back_to_drive()
         if self.w.now >= self.next_announce and wait.seen > 0:

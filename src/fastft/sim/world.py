@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastft.launch.offenders import Offenders, QuarantineRule
 from fastft.launch.stragglers import StragglerWatch
 from fastft.protocol import (
     DrainRequest,
@@ -72,6 +73,7 @@ class World(Agents):
         nor votes after)."""
         self.stragglers = StragglerWatch()
         self.replacing: set[Member] = set()
+        self.offenders = Offenders(QuarantineRule.parse(opts.quarantine))
         """Lives drained as stragglers (their exit restarts the slot, elastic too)."""
         self.pg_arrivals: dict[int, set[Member]] = {}
         self.heal_arrivals: dict[int, set[Member]] = {}
@@ -242,10 +244,14 @@ class World(Agents):
         if life.alive:
             self.schedule_main(life, delay)
 
-    def end_life(self, life: Life, code: int | None, sig: int | None, why: str) -> None:
+    def end_life(
+        self, life: Life, code: int | None, sig: int | None, why: str, by: str = ""
+    ) -> None:
+        """``life`` ends with ``code`` or ``sig``; ``by``: its agent killed it as ``hung``
+        or ``fenced`` (an exit the agent caused)."""
         if not life.alive:
             return
-        life.alive = False
+        life.alive, life.ended_by = False, by
         if code == EXIT_DRAINED:
             self.checks.drained(life)
         self.trace(life, f"exits ({why}; code {code}, signal {sig})")

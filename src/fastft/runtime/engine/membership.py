@@ -135,7 +135,7 @@ class Membership:
             view = x.coord.form_as_joiner(
                 start_timeout_s=x.config.start_timeout_s,
                 regroup_timeout_s=x.config.regroup_timeout_s,
-                cancelled=lambda: base() or x.state.want_drain,
+                cancelled=lambda: base() or plans.joiner_leaves(x.state),
                 announce=self._announce_join,
             )
         except JobFinished as e:
@@ -143,10 +143,7 @@ class Membership:
             raise
         if view is not None:
             self.adopt(view, waited_s=time.monotonic() - t0)
-        elif x.state.want_drain:
-            # asked to drain while waiting to join: it holds nothing the job needs (no
-            # epoch, no committed state of its own), so it leaves now, not after the
-            # agent's grace (30 s, found by the elastic chaos soak)
+        elif plans.joiner_leaves(x.state):
             x.events.emit("drain_from_join")
             raise WorkerExit("asked while it waited to join")
 
@@ -239,8 +236,10 @@ class Membership:
             raise WorkerExit("left while its epoch re-formed, another member holding the state")
         if do is plans.Drain.NONE:
             return
-        if do is plans.Drain.LAST and plans.holder_leaves(
-            bool(x.coord.joiners()), x.checkpoints.covers(s.step, s.epoch)
+        if (
+            do is plans.Drain.LAST
+            and plans.holder_leaves(bool(x.coord.joiners()))
+            and x.checkpoints.covers(s.step, s.epoch)
         ):
             x.events.emit("drain_from_formation", step=s.step, covered="checkpoint")
             raise WorkerExit(
@@ -336,31 +335,13 @@ class Membership:
                 redo=None if view.lost is None else view.lost - step,
                 load_ms=round((time.monotonic() - t0) * 1e3, 3),
             )
-            if view.lost is None:
-                log.warning("resuming from the checkpoint of step %d", step)
-            else:
-                log.error(
-                    "every holder of the committed state (step %d at least) was lost: "
-                    "restored the checkpoint of step %d%s",
-                    view.lost,
-                    step,
-                    f"; steps {step}..{view.lost - 1} are trained again"
-                    if view.lost > step
-                    else "",
-                )
+            log.log(*_restored_line(view.lost, step))
             return
         assert view.lost is not None
         if do is plans.Recover.FRESH_START:
             x.events.emit("fresh_start", epoch=view.epoch, lost=view.lost)
             x.registry.verified.forget()
-            if view.lost == 0:  # (nothing was committed: a fresh process holds it all)
-                log.warning("every holder of the initial state was lost: starting from a new one")
-                return
-            log.error(
-                "every holder of the committed state (step %d) was lost and there is no "
-                "checkpoint: starting again from step 0 (--allow-fresh-start)",
-                view.lost,
-            )
+            log.log(*_fresh_line(view.lost))
             return
         if do is plans.Recover.FRESH_RESTART:
             # No fresh process among the members to start from: this one restarts as one.
@@ -375,3 +356,28 @@ class Membership:
         x.events.emit("state_lost", epoch=view.epoch, lost=view.lost, error=why)
         log.critical("%s", why)
         raise StateLost(why)
+
+
+def _restored_line(lost: int | None, step: int) -> tuple[int, str]:
+    """The log line of a checkpoint of ``step`` loaded: a resume, or a restore after every
+    holder of the state of step ``lost`` was lost."""
+    if lost is None:
+        return logging.WARNING, f"resuming from the checkpoint of step {step}"
+    redo = f"; steps {step}..{lost - 1} are trained again" if lost > step else ""
+    return logging.ERROR, (
+        f"every holder of the committed state (step {lost} at least) was lost: restored "
+        f"the checkpoint of step {step}{redo}"
+    )
+
+
+def _fresh_line(lost: int) -> tuple[int, str]:
+    """The log line of a fresh start after every holder of step ``lost`` was lost."""
+    if lost == 0:  # (nothing was committed: a fresh process holds it all)
+        return (
+            logging.WARNING,
+            "every holder of the initial state was lost: starting from a new one",
+        )
+    return logging.ERROR, (
+        f"every holder of the committed state (step {lost}) was lost and there is no "
+        "checkpoint: starting again from step 0 (--allow-fresh-start)"
+    )

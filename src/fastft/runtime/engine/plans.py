@@ -28,6 +28,7 @@ __all__ = [
     "drain",
     "form",
     "holder_leaves",
+    "joiner_leaves",
     "needs_joiners",
     "outsider",
     "recover",
@@ -163,12 +164,19 @@ def drain(
     return Drain.LAST if holds else Drain.HOLD
 
 
-def holder_leaves(joiners: bool, covered: bool) -> bool:
-    """The last holder (:attr:`Drain.LAST`) leaves too when nobody is to be healed (no
-    ``joiners`` registered: the whole job drains, a preemption) and its state is
-    ``covered`` by a checkpoint (it waited out the drain's grace and was stopped
-    otherwise, the agent's line untrue)."""
-    return not joiners and covered
+def holder_leaves(joiners: bool) -> bool:
+    """Whether the last holder (:attr:`Drain.LAST`) leaves too, once a checkpoint holds its
+    state (written now if need be; it stays if none can): when nobody is to be healed (no
+    ``joiners`` registered: the whole job drains, a preemption). It waited out the drain's
+    grace and was stopped otherwise, the agent's line untrue."""
+    return not joiners
+
+
+def joiner_leaves(s: StepState) -> bool:
+    """A worker asked to drain while it waits to join leaves now, not after the agent's
+    grace (30 s, found by the elastic chaos soak): it holds nothing the job needs (no
+    epoch, no committed state of its own)."""
+    return s.want_drain
 
 
 def outsider(view: EpochView, me: Member) -> QuorumReady | None:
