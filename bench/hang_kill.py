@@ -1,5 +1,5 @@
 """How long the agent waits for a hung worker to print its stacks before it kills it
-(``fastft.launch.children.await_signal_taken``): until the worker has taken the signal,
+(``fastft.launch.procs.children.await_signal_taken``): until the worker has taken the signal,
 at most ``STACKS_MAX_S``. That wait is on a fixed world's recovery path from a hang (the
 replacement starts at the hung worker's exit). Three cases, each timed over trials:
 
@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import summary_ms, table, write  # noqa: E402
 
-from fastft.launch.children import STACKS_MAX_S, await_signal_taken  # noqa: E402
+from fastft.launch.procs.children import STACKS_MAX_S, await_signal_taken  # noqa: E402
 from fastft.process.heartbeat import STACKS_SIGNAL  # noqa: E402
 
 HUNG = r"""

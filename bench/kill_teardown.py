@@ -3,7 +3,7 @@ and how much sooner the agent's exit trace sees it.
 
 ``waitid`` in the parent and the peers' reset connections both come only after the kernel
 has freed the process's memory: that was the floor of SIGKILL detection. The agent's exit
-trace (``fastft.launch.exit_trace``) stops a traced sentinel thread of the worker at the
+trace (``fastft.launch.procs.exit_trace``) stops a traced sentinel thread of the worker at the
 start of its exit, before the teardown. Each case starts a process, waits until it is
 ready, kills it and times, in separate trials, SIGKILL -> ``waitid`` in the parent
 (``waitid_*``) and SIGKILL -> the exit trace's report (``exit_trace_*``, the child runs
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import table, write  # noqa: E402
 
-from fastft.launch.exit_trace import ExitTracer  # noqa: E402
+from fastft.launch.procs.exit_trace import ExitTracer  # noqa: E402
 
 READY = "print('ready', flush=True); import sys; sys.stdin.read()"
 SENTINEL = (

@@ -32,8 +32,8 @@ def agents(port: int, first: int, count: int, nnodes: int, watchers: int, second
 
     import torch.distributed as dist
 
-    from fastft.launch.lease import NodeLease
-    from fastft.launch.leasewatch import LeaseConfig
+    from fastft.launch.nodes.lease import NodeLease
+    from fastft.launch.rules.leasewatch import LeaseConfig
     from fastft.protocol.keys import JobKeys
 
     keys = JobKeys("leases")
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--all-up-to", type=int, default=256, help="every-lease mode up to N nodes")
     args = ap.parse_args()
-    from fastft.launch.leasewatch import WATCHERS
+    from fastft.launch.rules.leasewatch import WATCHERS
 
     rows = []
     for n in args.sizes:

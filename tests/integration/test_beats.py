@@ -15,9 +15,9 @@ from fastft.bus.natscluster import LocalCluster
 from fastft.bus.natsio import pinned, run
 from fastft.bus.natsstore import connect_nats
 from fastft.bus.signed import SignedStore
-from fastft.launch.beats import Beat, Beats, beat_subject, decode, encode
-from fastft.launch.lease import NodeLease
-from fastft.launch.leasewatch import LeaseConfig
+from fastft.launch.nodes.beats import Beat, Beats, beat_subject, decode, encode
+from fastft.launch.nodes.lease import NodeLease
+from fastft.launch.rules.leasewatch import LeaseConfig
 from fastft.protocol.auth import JobSecret, ValueAuth
 from fastft.protocol.keys import JobKeys
 

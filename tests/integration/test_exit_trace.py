@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fastft.launch import exit_trace
-from fastft.launch.exit_trace import ExitTracer, decode_status
+from fastft.launch.procs import exit_trace
+from fastft.launch.procs.exit_trace import ExitTracer, decode_status
 
 pytestmark = pytest.mark.timeout(60)
 

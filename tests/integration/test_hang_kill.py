@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from fastft.launch.children import await_signal_taken
+from fastft.launch.procs.children import await_signal_taken
 from fastft.process.heartbeat import STACKS_SIGNAL
 
 pytestmark = pytest.mark.timeout(60)

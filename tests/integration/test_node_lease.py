@@ -10,10 +10,10 @@ import pytest
 
 from fastft.bus import host_store
 from fastft.errors import ConfigError
-from fastft.launch.config import LaunchConfig
-from fastft.launch.lease import GUARD_MIN_S, NodeLease
-from fastft.launch.leasewatch import LeaseConfig, LeaseWatch
-from fastft.launch.lives import declared_lives, format_lives, lost_mark, parse_lives
+from fastft.launch.nodes.lease import GUARD_MIN_S, NodeLease
+from fastft.launch.rules.leasewatch import LeaseConfig, LeaseWatch
+from fastft.launch.rules.lives import declared_lives, format_lives, lost_mark, parse_lives
+from fastft.launch.settings.config import LaunchConfig
 from fastft.protocol.keys import JobKeys
 
 CFG = LeaseConfig(heartbeat_ms=100, misses=3)
@@ -189,7 +189,7 @@ def test_a_standby_for_a_single_node_or_a_tcpstore_host_fails_at_start(
 def test_a_standbys_go_line_sets_variables_and_its_end_dismisses_it():
     import io
 
-    from fastft.launch.standby import wait_for_go
+    from fastft.launch.procs.standby import wait_for_go
 
     assert wait_for_go(io.StringIO('{"CUDA_VISIBLE_DEVICES": "2,3"}\n')) == {
         "CUDA_VISIBLE_DEVICES": "2,3"
@@ -272,7 +272,7 @@ def test_the_first_round_after_the_store_failed_blames_nobody():
 
 
 def test_each_node_is_watched_by_its_next_predecessors_and_past_lost_ones():
-    from fastft.launch.leasewatch import WATCHERS, watched
+    from fastft.launch.rules.leasewatch import WATCHERS, watched
 
     assert watched(0, 3, {}) == [1, 2]  # (a small job: every other node)
     assert watched(5, 8, {}) == [6, 7, 0]

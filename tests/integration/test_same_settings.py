@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from fastft.launch.config import LaunchConfig
 from fastft.launch.control import same_settings
+from fastft.launch.settings.config import LaunchConfig
 from fastft.protocol import JobKeys
 
 

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from fastft.launch.spare import order_line
+from fastft.launch.procs.spare import order_line
 from fastft.process.env import READY_FD, SPARE_RUN_AHEAD
 
 
@@ -19,7 +19,7 @@ def test_a_spare_tells_the_agent_when_it_is_warm(tmp_path):
     event), then the spare waits for its order."""
     r, w = os.pipe()
     p = subprocess.Popen(
-        [sys.executable, "-c", "from fastft.launch.spare import main; main()"],
+        [sys.executable, "-c", "from fastft.launch.procs.spare import main; main()"],
         stdin=subprocess.PIPE,
         pass_fds=(w,),
         env={**os.environ, READY_FD: str(w)},
@@ -51,7 +51,7 @@ def _spare_main(tmp, stdin: bytes, env: dict[str, str]) -> subprocess.CompletedP
     )
     argv = [sys.executable, str(script), "x"]
     return subprocess.run(
-        [sys.executable, "-c", "from fastft.launch.spare import main; main()"],
+        [sys.executable, "-c", "from fastft.launch.procs.spare import main; main()"],
         input=stdin.decode(),
         capture_output=True,
         text=True,

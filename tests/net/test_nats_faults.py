@@ -87,7 +87,7 @@ def test_a_nats_server_cut_off_costs_the_job_no_node(tmp_path):
 def test_a_nodes_200_ms_flap_on_nats_loses_nothing_at_the_defaults(tmp_path):
     """Node 1's packets dropped for 200 ms (its clients' and every server's route to it),
     shorter than the default lease on NATS (300 ms: the leases are core-NATS beats,
-    ``fastft.launch.beats``): nothing is lost. On the bucket's counters the lease had to be
+    ``fastft.launch.nodes.beats``): nothing is lost. On the bucket's counters the lease had to be
     3 s, and a 300 ms lease there cost the job healthy nodes."""
     with NetLab(NODES + len(SERVERS)) as lab:
         control = start_servers(lab, tmp_path)

@@ -103,7 +103,7 @@ def test_flaps_of_the_path_within_the_lease_lose_nothing_at_the_defaults(tmp_pat
     its link stays up), at the default lease (300 ms): no node lost, nothing restarted.
     A renewal lost in the flap waited for TCP's retransmission (200 ms at least) with every
     renewal behind it, and 1 in 3-10 flaps of 100-200 ms cost the node; the renewals now
-    go out on idle connections of their own (:mod:`fastft.launch.renewer`). Then
+    go out on idle connections of their own (:mod:`fastft.launch.nodes.renewer`). Then
     its link taken down and up for 100 ms, three times, with ``--max-restarts 1``: a
     carrier's return is applied up to a second later by the kernel (linkwatch), so each
     such flap is a ~1.1 s outage, past the lease: the node is lost and fenced each time,
@@ -227,7 +227,7 @@ def test_the_store_hosts_cut_ends_every_other_node_within_seconds_saying_why(tmp
 def test_a_throttled_link_is_found_by_a_probe_and_named(tmp_path):
     """Node 2's outgoing link shaped to 4 Mbit/s (``tc tbf``) mid-run: every member
     computes as fast as before (the straggler check names no one), but the steps slow
-    down; node 0's agent asks for a probe round (``fastft.launch.links``), every node
+    down; node 0's agent asks for a probe round (``fastft.launch.gray.links``), every node
     times 256 KiB to its next nodes, and node 2's link is named; with ``--stragglers
     replace`` its worker drains, its slot is quarantined, and the others go on. The
     probe at the start named nothing."""

@@ -71,7 +71,7 @@ def test_the_docs_index_links_resolve_to_files_and_their_sections():
 def test_the_flags_reference_is_the_codes():
     """docs/flags.md lists every flag as the code defines it: run `make flags-doc`."""
     from fastft.cli.flagdoc import render
-    from fastft.launch.flags import flag_rows
+    from fastft.launch.settings.flags import flag_rows
 
     text = (ROOT / "docs" / "flags.md").read_text()
     assert text == render(), "run: make flags-doc"

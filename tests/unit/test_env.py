@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fastft.errors import ConfigError
-from fastft.launch.config import LaunchConfig
-from fastft.launch.flags import add_run_flags, config_from_args, flag_variables
+from fastft.launch.settings.config import LaunchConfig
+from fastft.launch.settings.flags import add_run_flags, config_from_args, flag_variables
 from fastft.process.env import VARIABLES, WORKER_VARS, WorkerEnv
 
 
@@ -137,7 +137,7 @@ def test_every_launch_field_but_the_command_and_env_is_a_flag():
 
 
 def test_the_agent_sets_omp_threads_as_torchrun_does_and_counts_threads():
-    from fastft.launch.workerenv import cpu_warnings
+    from fastft.launch.settings.workerenv import cpu_warnings
 
     cfg = LaunchConfig(command=("x.py",), nproc=2)
     environ: dict[str, str] = {}
@@ -160,7 +160,7 @@ def test_the_agent_sets_omp_threads_as_torchrun_does_and_counts_threads():
 
 
 def test_every_run_flag_is_in_one_help_section():
-    from fastft.launch.flags import GROUPS
+    from fastft.launch.settings.flags import GROUPS
 
     names = [n for names in GROUPS.values() for n in names]
     flags = {f.name for f in dataclasses.fields(LaunchConfig) if f.metadata.get("help")}
@@ -170,7 +170,7 @@ def test_every_run_flag_is_in_one_help_section():
 
 def _life_env(cfg: LaunchConfig, **life: object) -> dict[str, str]:
     """One worker life's environment, with placeholder paths."""
-    from fastft.launch.workerenv import worker_environment
+    from fastft.launch.settings.workerenv import worker_environment
 
     base = dict(rank=0, life=0, incarnation=9, local_rank=0, store_addr="h:1", run_dir="/r")
     paths = dict(heartbeat_file="/r/hb", exit_trace_file=None, secret_file="/s")
@@ -198,7 +198,7 @@ def test_the_worker_environment_is_derived_from_the_shared_fields(monkeypatch):
 def test_the_flags_given_are_the_flags_each_ray_node_gets():
     # fastft ray run hands every node's agent the flags the user gave (not their defaults,
     # which each agent reads itself), less the node flags it sets per node
-    from fastft.launch.flags import run_argv
+    from fastft.launch.settings.flags import run_argv
 
     p = argparse.ArgumentParser()
     add_run_flags(p, env={})

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from fastft.launch.forks import forkable
+from fastft.launch.procs.forks import forkable
 
 PY = sys.executable
 BASE = {"PYTHONPATH": "/src"}
@@ -32,7 +32,7 @@ def test_anything_else_spawns_with_the_reason():
 
 _UNSAFE = """
 import json, socket, threading
-from fastft.launch.zygote import unsafe
+from fastft.launch.procs.zygote import unsafe
 out = [unsafe()]
 stop = threading.Event()
 t = threading.Thread(target=stop.wait, name="loader", daemon=True)
@@ -61,7 +61,7 @@ def test_a_thread_or_a_socket_makes_a_fork_unsafe():
 
 
 def test_the_zygote_preloads_jax_for_a_script_that_imports_it(tmp_path):
-    from fastft.launch.forks import script_imports
+    from fastft.launch.procs.forks import script_imports
 
     py = sys.executable
     for src in (

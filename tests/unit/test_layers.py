@@ -137,7 +137,8 @@ def test_the_agents_pure_modules_import_no_torch():
     import subprocess
     import sys
 
-    pure = ["fastft.launch.policy", "fastft.launch.offenders", "fastft.protocol.exits"]
+    pure = ["fastft.launch.rules", "fastft.protocol.exits"]
+    pure += [f"fastft.launch.rules.{p.stem}" for p in (SRC / "launch" / "rules").glob("[a-z]*.py")]
     code = f"import sys; import {', '.join(pure)}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -152,7 +153,7 @@ def test_the_agents_flag_checks_import_no_torch():
 
     code = (
         "import sys\n"
-        "from fastft.launch.config import LaunchConfig\n"
+        "from fastft.launch.settings.config import LaunchConfig\n"
         "LaunchConfig(command=('-m', 'fastft.demo.train'), nproc=2)\n"
         "import fastft.runtime, fastft.runtime.contract, fastft.runtime.checks\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
@@ -186,6 +187,37 @@ def test_no_runtime_wing_imports_a_higher_one():
 
     wings = {w for a in _graph(False) if (w := wing(a)) is not None}
     assert wings <= set(rank), f"runtime wings without a place: {wings - set(rank)}"
+    up = sorted(
+        f"{a} imports {b}"
+        for a, deps in _graph(False).items()
+        if (wa := wing(a)) is not None
+        for b in deps
+        if (wb := wing(b)) is not None and rank[wb] > rank[wa]
+    )
+    assert up == []
+
+
+LAUNCH_WINGS = [
+    {"rules"},  # the agent's pure decisions: no I/O, no torch (the simulator's too)
+    {"settings"},  # flags, their bounds, the worker's environment
+    {"procs"},  # the agent's processes: workers, the zygote, warm spares, output
+    {"ports"},  # the agent as its parts see it
+    {"gray", "nodes"},  # gray failures; node liveness
+    {"exits", "control"},  # a worker's exit carried out; the agent's bus and store
+    {"agent"},
+]
+"""``launch/``'s wings, lowest first (issue 63: 27 modules of six kinds in one folder)."""
+
+
+def test_no_launch_wing_imports_a_higher_one():
+    rank = {w: i for i, wing in enumerate(LAUNCH_WINGS) for w in wing}
+
+    def wing(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[1] == "launch" else None
+
+    wings = {w for a in _graph(False) if (w := wing(a)) is not None}
+    assert wings <= set(rank), f"launch wings without a place: {wings - set(rank)}"
     up = sorted(
         f"{a} imports {b}"
         for a, deps in _graph(False).items()
@@ -233,14 +265,14 @@ def test_every_default_the_agent_shares_with_its_workers_is_written_once():
     defaults were written twice, free to drift)."""
     import dataclasses
 
-    from fastft.launch.config import LaunchConfig
+    from fastft.launch.settings.config import LaunchConfig
     from fastft.runtime.contract import RuntimeConfig
 
     shared = {f.name for f in dataclasses.fields(LaunchConfig)} & {
         f.name for f in dataclasses.fields(RuntimeConfig)
     }
     shared -= {"job", "store"}  # (the agent's own defaults: the worker is always told)
-    tree = ast.parse((SRC / "launch" / "config.py").read_text())
+    tree = ast.parse((SRC / "launch" / "settings" / "config.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LaunchConfig")
     own = {
         n.target.id

@@ -85,8 +85,8 @@ def test_a_job_end_signals_the_workers_before_it_ends_the_zygote():
     trained on meanwhile at every job end, Ctrl-C included (issue 48, 4)."""
     import signal
 
-    from fastft.launch.children import Children, Slot
-    from fastft.launch.output import Output
+    from fastft.launch.procs.children import Children, Slot
+    from fastft.launch.procs.output import Output
 
     order: list[str] = []
     children = Children(

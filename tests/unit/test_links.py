@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from fastft.launch.linkjudge import (
+from fastft.launch.gray.links import _serve, probe
+from fastft.launch.rules.linkjudge import (
     FAILED_S,
     PROBE_BYTES,
     Broken,
@@ -18,7 +19,6 @@ from fastft.launch.linkjudge import (
     slow_links,
     stuck,
 )
-from fastft.launch.links import _serve, probe
 
 
 def test_each_node_probes_its_next_nodes_around_the_ring() -> None:

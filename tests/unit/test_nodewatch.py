@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastft.launch.ledger import Ledger
-from fastft.launch.lives import lost_mark
-from fastft.launch.nodewatch import NodeWatch
+from fastft.launch.nodes.nodewatch import NodeWatch
+from fastft.launch.rules.ledger import Ledger
+from fastft.launch.rules.lives import lost_mark
 
 
 @dataclass

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from fastft.errors import ConfigError
-from fastft.launch.offenders import Offenders, QuarantineRule
-from fastft.launch.policy import after_exit
+from fastft.launch.rules.offenders import Offenders, QuarantineRule
+from fastft.launch.rules.policy import after_exit
 from fastft.protocol import EXIT_DRAINED
 from fastft.protocol.exits import EXIT_UNHEALTHY
 from fastft.runtime.health import builtin_checks, first_failure

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastft.launch.output import Tracebacks
+from fastft.launch.procs.output import Tracebacks
 
 TB = [
     b"Traceback (most recent call last):\n",

@@ -1,5 +1,5 @@
 """The main thread's and the agent's decisions are written once, as pure plans
-(:mod:`fastft.runtime.engine.plans`, :mod:`fastft.launch.exitplan`), and the worker, the
+(:mod:`fastft.runtime.engine.plans`, :mod:`fastft.launch.rules.exitplan`), and the worker, the
 agent and the simulator only carry them out (issue 63). The plans' rules, then a check of
 the performers' source: none of their conditions reads a rule's input itself."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fastft.fsm import CastVote, Decision, FormEpoch, Phase, StepState
-from fastft.launch import exitplan
+from fastft.launch.rules import exitplan
 from fastft.protocol.exits import EXIT_DRAINED, EXIT_SCRIPT_ERROR
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine import plans
@@ -347,4 +347,4 @@ def test_the_simulator_imports_the_plans_and_no_rule():
     assert (
         "from fastft.runtime.engine import decisions, plans" in (SRC / "sim/waits.py").read_text()
     )
-    assert "from fastft.launch import exitplan" in (SRC / "sim/agents.py").read_text()
+    assert "from fastft.launch.rules import exitplan" in (SRC / "sim/agents.py").read_text()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastft.launch.policy import (
+from fastft.launch.rules.policy import (
     COLD_RESTART_DELAY_S,
     SpareInfo,
     after_exit,
@@ -195,7 +195,7 @@ def test_a_job_that_cannot_go_on_right_fails_with_the_reason_and_no_restart(code
 
 
 def test_an_elastic_world_below_its_floor_for_good_is_a_failure():
-    from fastft.launch.policy import floor_lost
+    from fastft.launch.rules.policy import floor_lost
 
     assert "below --min-replicas 2 for good: 1 of 3" in (floor_lost(1, 2, 3) or "")
     assert floor_lost(0, 2, 4) is not None
@@ -207,7 +207,7 @@ def test_an_elastic_world_below_its_floor_for_good_is_a_failure():
 def test_a_drain_whose_grace_ran_out_says_whom_it_stopped():
     import signal
 
-    from fastft.launch.policy import drain_late_line, stopped_by
+    from fastft.launch.rules.policy import drain_late_line, stopped_by
 
     assert drain_late_line(["2.0"], 30.0) == (
         "fastft: drain: rank 2.0 still running after --drain-grace 30 s"

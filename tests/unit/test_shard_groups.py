@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from fastft.errors import ConfigError
-from fastft.launch.config import LaunchConfig
-from fastft.launch.policy import group_mates
+from fastft.launch.rules.policy import group_mates
+from fastft.launch.settings.config import LaunchConfig
 from fastft.protocol.auth import JobSecret
 from fastft.runtime.contract import EpochView, Member, RuntimeConfig
 from fastft.runtime.groups.hsdp import (

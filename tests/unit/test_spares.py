@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from fastft.launch.spares import SparePool
+from fastft.launch.procs.spares import SparePool
 from fastft.process.env import SPARE_RUN_AHEAD
 from fastft.process.order import await_order
 

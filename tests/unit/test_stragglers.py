@@ -10,9 +10,9 @@ import pytest
 
 from fastft.errors import ConfigError
 from fastft.inject import FaultPlan, FaultSpec, Injector
-from fastft.launch.ledger import Ledger
-from fastft.launch.policy import after_exit
-from fastft.launch.stragglers import MIN_EXTRA_S, StragglerWatch, slow_members
+from fastft.launch.gray.stragglers import MIN_EXTRA_S, StragglerWatch, slow_members
+from fastft.launch.rules.ledger import Ledger
+from fastft.launch.rules.policy import after_exit
 from fastft.protocol.exits import EXIT_DRAINED
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-import fastft.launch.verdicts as verdicts
-from fastft.launch.verdicts import Verdicts
+import fastft.launch.gray.verdicts as verdicts
+from fastft.launch.gray.verdicts import Verdicts
 from fastft.process.heartbeat import _FMT, Beat, Wait
 
 

@@ -342,7 +342,7 @@ def pinned(servers: list[str], count: int, timeout_s: float) -> list[Any]:
     (round the list: one per server while there are enough), reconnecting to that server
     only; the ones that connected within ``timeout_s`` (raises StoreUnreachable if none).
     For what must reach the cluster whichever server is cut off (the node leases' beats,
-    :mod:`fastft.launch.beats`): a shared client leaves a silent server only after its
+    :mod:`fastft.launch.nodes.beats`): a shared client leaves a silent server only after its
     pings go unanswered (seconds)."""
     import nats
 

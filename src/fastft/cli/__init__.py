@@ -14,7 +14,7 @@
 * ``fastft ray run``      a job on a Ray cluster: node agents as Ray actors
 
 Flags fall back to environment variables: ``FASTFT_STORE`` and ``FASTFT_JOB`` everywhere,
-and every ``fastft run`` flag to ``FASTFT_<FLAG>`` (:mod:`fastft.launch.config`; the whole
+and every ``fastft run`` flag to ``FASTFT_<FLAG>`` (:mod:`fastft.launch.settings.config`; the whole
 table: :mod:`fastft.process.env`). Bad flags and unreachable stores print one line on
 stderr and exit with code 2.
 """
@@ -102,7 +102,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 def _build() -> argparse.ArgumentParser:
     from fastft.inject.plan import FaultKind
-    from fastft.launch.flags import add_run_flags
+    from fastft.launch.settings.flags import add_run_flags
 
     parser = _Parser(prog="fastft", description="Fast fault tolerance for distributed training.")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)

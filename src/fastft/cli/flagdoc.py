@@ -1,5 +1,5 @@
 """``docs/flags.md``: every ``fastft run`` flag and ``fastft ray run``'s own, generated from
-:class:`~fastft.launch.config.LaunchConfig` and the CLI's parser, so the reference cannot
+:class:`~fastft.launch.settings.config.LaunchConfig` and the CLI's parser, so the reference cannot
 drift from the code (``make flags-doc``; ``tests/unit/test_docs.py`` keeps them equal)::
 
     python -m fastft.cli.flagdoc > docs/flags.md
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastft.launch.flags import flag_rows
+from fastft.launch.settings.flags import flag_rows
 
 __all__ = ["render"]
 
@@ -40,7 +40,7 @@ def render() -> str:
     lines = [
         "# Flags: `fastft run` and `fastft ray run`",
         "",
-        "Generated from `fastft.launch.config.LaunchConfig` and the CLI's parser by",
+        "Generated from `fastft.launch.settings.config.LaunchConfig` and the CLI's parser by",
         "`make flags-doc` (`python -m fastft.cli.flagdoc > docs/flags.md`); a test keeps it",
         "equal to the code. Every `fastft run` flag falls back to its environment variable;",
         "a bad value fails at start with exit status 2. `fastft run --help` says the same,",

@@ -64,7 +64,7 @@ def _command(args: argparse.Namespace, base: str | None = None) -> list[str]:
 def cmd_run(args: argparse.Namespace) -> int:
     from fastft.errors import FastFTError
     from fastft.launch import Agent
-    from fastft.launch.flags import config_from_args
+    from fastft.launch.settings.flags import config_from_args
 
     command = _command(args)
     try:
@@ -78,7 +78,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             _fail_unless_writable(cfg.checkpoint_dir)
         warm = None
         if cfg.standby:  # (warm now; the job only once told to go)
-            from fastft.launch.standby import wait_for_go, warm_up
+            from fastft.launch.procs.standby import wait_for_go, warm_up
 
             began = time.monotonic()
             warm = warm_up(cfg)
@@ -187,7 +187,7 @@ def cmd_ray_run(args: argparse.Namespace) -> int:
     import secrets
 
     from fastft.errors import FastFTError
-    from fastft.launch.flags import config_from_args, run_argv
+    from fastft.launch.settings.flags import config_from_args, run_argv
     from fastft.process.rundir import default_run_dir
 
     runtime_env = _runtime_env(args)

@@ -1,5 +1,5 @@
 """The node agent and launcher: ``fastft run``. Imported lazily: the CLI builds its
-``run`` flags from :mod:`fastft.launch.config` without importing torch."""
+``run`` flags from :mod:`fastft.launch.settings.config` without importing torch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fastft.launch.agent import Agent
-    from fastft.launch.config import LaunchConfig
+    from fastft.launch.settings.config import LaunchConfig
 
 __all__ = ["Agent", "LaunchConfig"]
 
@@ -18,7 +18,7 @@ def __getattr__(name: str) -> Any:
 
         return Agent
     if name == "LaunchConfig":
-        from fastft.launch.config import LaunchConfig
+        from fastft.launch.settings.config import LaunchConfig
 
         return LaunchConfig
     raise AttributeError(f"module 'fastft.launch' has no attribute {name!r}")

@@ -2,11 +2,11 @@
 watches them and restarts them.
 
 The agent publishes ``ProcessExited`` / ``HangSuspected(stopped=True)`` on the error bus the
-moment its children (:mod:`fastft.launch.children`) see an exit or a stop, kills a stopped
+moment its children (:mod:`fastft.launch.procs.children`) see an exit or a stop, kills a stopped
 worker, and restarts dead ones (a new incarnation, Fault1: it heals from a live peer). A
 worker that is alive but makes no progress (a GIL-holding loop, a deadlock) stops writing
 its heartbeat; after the hang timeout the agent publishes ``HangSuspected`` and kills it.
-What to do is decided by :mod:`fastft.launch.policy`; this loop does it. SIGINT/SIGTERM
+What to do is decided by :mod:`fastft.launch.rules.policy`; this loop does it. SIGINT/SIGTERM
 are forwarded so the job stops cleanly.
 """
 
@@ -25,21 +25,21 @@ from pathlib import Path
 from typing import Any
 
 from fastft.inject.plan import planned
-from fastft.launch import policy
-from fastft.launch.children import Children, Slot, die_with_parent
-from fastft.launch.config import LaunchConfig
 from fastft.launch.control import ControlPlane
 from fastft.launch.exits import Exits, back_line
-from fastft.launch.ledger import Ledger
-from fastft.launch.nodewatch import NodeWatch
-from fastft.launch.offenders import Offenders
-from fastft.launch.output import Output
-from fastft.launch.spare import order_line
-from fastft.launch.spares import SparePool
-from fastft.launch.standby import Warm, node_zygote
-from fastft.launch.stragglers import Stragglers
-from fastft.launch.verdicts import Verdicts, warn_unfired
-from fastft.launch.workerenv import cpu_warnings, worker_environment, workers_line
+from fastft.launch.gray.stragglers import Stragglers
+from fastft.launch.gray.verdicts import Verdicts, warn_unfired
+from fastft.launch.nodes.nodewatch import NodeWatch
+from fastft.launch.procs.children import Children, Slot, die_with_parent
+from fastft.launch.procs.output import Output
+from fastft.launch.procs.spare import order_line
+from fastft.launch.procs.spares import SparePool
+from fastft.launch.procs.standby import Warm, node_zygote
+from fastft.launch.rules import policy
+from fastft.launch.rules.ledger import Ledger
+from fastft.launch.rules.offenders import Offenders
+from fastft.launch.settings.config import LaunchConfig
+from fastft.launch.settings.workerenv import cpu_warnings, worker_environment, workers_line
 from fastft.process.env import insecure
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import read_heartbeat

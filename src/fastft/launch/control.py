@@ -16,7 +16,7 @@ from fastft.bus import BusConfig, BusEndpoint, RelayHub, connect_store, host_sto
 from fastft.bus.signed import SignedStore
 from fastft.bus.tcpstore import WILDCARDS, is_local_address
 from fastft.errors import ConfigError
-from fastft.launch.config import LaunchConfig
+from fastft.launch.settings.config import LaunchConfig
 from fastft.process.env import insecure
 from fastft.protocol import NO_RANK, JobKeys, Role
 from fastft.protocol.auth import JobSecret, ValueAuth

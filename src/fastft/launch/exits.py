@@ -1,6 +1,6 @@
 """What the agent does when a worker exits or stops: report it on the bus once (the exit
 trace and ``waitid`` may both see it), then restart the slot, mark it done or fail the job
-(:func:`fastft.launch.policy.after_exit` decides). The agent's part for it, as
+(:func:`fastft.launch.rules.policy.after_exit` decides). The agent's part for it, as
 :class:`~fastft.runtime.engine.membership.Membership` is the executor's: it uses the agent's
 state (``slots``, ``children``, ``spares``, ``events``, ``store``, ``keys``)."""
 
@@ -15,9 +15,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-import fastft.launch.policy as policy
-from fastft.launch import exitplan
-from fastft.launch.children import Slot
+import fastft.launch.rules.policy as policy
+from fastft.launch.procs.children import Slot
+from fastft.launch.rules import exitplan
 from fastft.process.heartbeat import read_heartbeat
 from fastft.protocol import HangSuspected, ProcessExited
 from fastft.protocol.exits import FASTFT_STATUSES, ending_path
@@ -112,7 +112,7 @@ class Exits:
         return str(got.get("why") or f"status {code}")
 
     def after_exit(self, slot: Slot, code: int | None, sig: int | None) -> None:
-        """Carry out :mod:`fastft.launch.exitplan`'s plan for the exit of ``slot``'s worker."""
+        """Carry out :mod:`fastft.launch.rules.exitplan`'s plan for the exit of ``slot``'s worker."""
         self.forget_joiner(slot)
         agent = self.agent
         e, seen = self.exited(slot, code, sig), self.seen()
@@ -221,7 +221,7 @@ class Exits:
         return agent.config.world_size - gone
 
     def count_fault(self, rank: int, what: str) -> None:
-        """A fault of ``rank``'s slot (:mod:`fastft.launch.offenders`); at the count of
+        """A fault of ``rank``'s slot (:mod:`fastft.launch.rules.offenders`); at the count of
         ``--quarantine`` it is quarantined. A live worker is then drained: it leaves at
         its next commit, and its exit takes the quarantine's way."""
         agent = self.agent

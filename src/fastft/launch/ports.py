@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from fastft.launch.children import Children, Slot
-    from fastft.launch.config import LaunchConfig
-    from fastft.launch.ledger import Ledger
-    from fastft.launch.offenders import Offenders
-    from fastft.launch.spares import SparePool
+    from fastft.launch.procs.children import Children, Slot
+    from fastft.launch.procs.spares import SparePool
+    from fastft.launch.rules.ledger import Ledger
+    from fastft.launch.rules.offenders import Offenders
+    from fastft.launch.settings.config import LaunchConfig
     from fastft.process.events import EventLog
     from fastft.protocol import JobKeys, Message
 
@@ -52,7 +52,7 @@ class AgentPorts(Protocol):
 
     @property
     def nodes(self) -> StoreWatch:
-        """The node's lease and the other nodes (:class:`~fastft.launch.nodewatch.NodeWatch`)."""
+        """The node's lease and the other nodes (:class:`~fastft.launch.nodes.nodewatch.NodeWatch`)."""
 
     @property
     def children(self) -> Children: ...

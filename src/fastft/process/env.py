@@ -4,10 +4,10 @@ Three kinds of variables:
 
 * **worker**: set by the agent (``fastft run``) for each worker it starts, read once by
   :meth:`WorkerEnv.from_env` (the worker runtime, ``ManagerFFT``, the lighthouse);
-* **spare**: set by the agent for a warm spare (:mod:`fastft.launch.spare`);
+* **spare**: set by the agent for a warm spare (:mod:`fastft.launch.procs.spare`);
 * **flag**: the fall-back of a ``fastft run`` flag (``--nproc`` falls back to
-  ``FASTFT_NPROC``). Those are generated from :class:`fastft.launch.config.LaunchConfig`
-  and listed by :func:`fastft.launch.flags.flag_variables`; where a flag and a worker
+  ``FASTFT_NPROC``). Those are generated from :class:`fastft.launch.settings.config.LaunchConfig`
+  and listed by :func:`fastft.launch.settings.flags.flag_variables`; where a flag and a worker
   variable share a name (``FASTFT_STORE``, ``FASTFT_JOB``, ...) they mean the same thing.
 
 Precedence, everywhere: an explicit argument, then the variable, then the default.

@@ -54,7 +54,7 @@ def dump_stacks_on_signal() -> None:
 
 class Wait(enum.IntEnum):
     """What a worker's main thread waits on (:attr:`Beat.waits`): the judge follows the
-    chain to its end (:func:`fastft.launch.policy.waits_chain`)."""
+    chain to its end (:func:`fastft.launch.rules.policy.waits_chain`)."""
 
     NONE = 0
     RUNTIME = 1
@@ -117,7 +117,7 @@ class Beat(NamedTuple):
     waiting: float = 0.0
     """Since when the main thread waits in the runtime (a collective, a formation; 0: it
     does not): every member alive and waiting long is a network fault between them
-    (:mod:`fastft.launch.links`)."""
+    (:mod:`fastft.launch.gray.links`)."""
     unsettled: float = 0.0
     """Since when the worker is in a step after a recovery or a new epoch (0: it is not):
     the step may compile for a new world, so the helper thread beats while the interpreter
@@ -181,7 +181,7 @@ class HeartbeatWriter:
     thread beats for it. A main thread that holds the GIL or loops without returning stops
     the beats.
 
-    The pace is what the agent scales into its hang timeout (:func:`fastft.launch.policy.
+    The pace is what the agent scales into its hang timeout (:func:`fastft.launch.rules.policy.
     hang_verdict`): for each step the longest *silence* of the main thread (between two of
     its beats, not counting its waits: the step's compute, forward and backward), over the
     last :data:`PACE_WINDOW` steps that committed without a recovery (and not the life's
@@ -339,7 +339,7 @@ class HeartbeatWriter:
     def waiting_on(self, rank: int, incarnation: int) -> _Blocked:
         """``with hb.waiting_on(rank, incarnation):`` as :attr:`blocked`, waiting on that
         one peer (a heal's other end): a judge that finds this worker waiting long follows
-        the chain to the peer (:func:`fastft.launch.policy.waits_chain`)."""
+        the chain to the peer (:func:`fastft.launch.rules.policy.waits_chain`)."""
         return _Blocked(self, (rank, incarnation))
 
     def waiting(self, on: bool, *, on_peer: tuple[int, int] | None = None) -> None:

@@ -1,7 +1,7 @@
 """A warm spare's order: the agent hands a spare the environment and command line of the
 worker it becomes (one JSON line on stdin). :func:`await_order` is where a spare that ran
 the script ahead (``--spare-run-ahead``) waits: ``fastft.init()`` and ``ManagerFFT`` call it
-first. The spare process itself is :mod:`fastft.launch.spare`.
+first. The spare process itself is :mod:`fastft.launch.procs.spare`.
 """
 
 from __future__ import annotations

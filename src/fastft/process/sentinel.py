@@ -4,7 +4,7 @@ death before the kernel has freed its memory.
 A killed process is reported to its parent (``waitid``) only after its address space is
 torn down: ~15 ms for a bare ``import torch`` and ~30-50 ms for a worker holding a few
 hundred MB on this machine, all of it before anyone can react. The agent traces this one
-thread (``PTRACE_SEIZE`` with ``PTRACE_O_TRACEEXIT``, :mod:`fastft.launch.exit_trace`),
+thread (``PTRACE_SEIZE`` with ``PTRACE_O_TRACEEXIT``, :mod:`fastft.launch.procs.exit_trace`),
 and a traced thread stops at the very start of its exit, before the memory goes: the
 agent hears of a SIGKILL ~0.2 ms after it (``python bench/kill_teardown.py``).
 

@@ -156,18 +156,18 @@ class JobKeys:
         """Store prefix of the data-plane process group of ``epoch``."""
         return f"{self.root}/pg/{epoch}/"
 
-    # --- node liveness (fastft.launch.lease) ----------------------------------------------
+    # --- node liveness (fastft.launch.nodes.lease) ----------------------------------------------
     def node_lease(self, node: int) -> str:
         """A counter the node's agent increments every heartbeat."""
         return f"{self.root}/node/{node}/lease"
 
     def node_computes(self, node: int) -> str:
         """The node's workers' recent compute per step, for the straggler check
-        (:mod:`fastft.launch.stragglers`): ``{rank: [incarnation, seconds]}``."""
+        (:mod:`fastft.launch.gray.stragglers`): ``{rank: [incarnation, seconds]}``."""
         return f"{self.root}/node/{node}/computes"
 
     def node_probe(self, node: int) -> str:
-        """HOST:PORT of the node's probe server (:mod:`fastft.launch.links`)."""
+        """HOST:PORT of the node's probe server (:mod:`fastft.launch.gray.links`)."""
         return f"{self.root}/node/{node}/probe"
 
     @property

@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from fastft.launch.children import die_with_parent
+from fastft.launch.procs.children import die_with_parent
 from fastft.process.events import EVENTS_FILE
 
 __all__ = ["NodeAgent", "file_identity"]

@@ -24,7 +24,7 @@ from typing import Any
 
 from fastft.bus.natscluster import server_binary, wait_jetstream, write_config
 from fastft.errors import RayJobError, StoreUnreachable
-from fastft.launch.children import die_with_parent
+from fastft.launch.procs.children import die_with_parent
 
 __all__ = ["NatsServer", "ServerWatch", "node_ports", "start_nats"]
 

@@ -340,7 +340,7 @@ def _node_lost(faults: list[dict[str, Any]], e: dict[str, Any], ev: list[dict[st
 def offenders(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Worker slots that faulted more than once (crashes, hangs, in-process restarts,
     failed health checks; not drains or clean ends), most first, and whether the agent
-    quarantined them (``--quarantine``, :mod:`fastft.launch.offenders`) and why."""
+    quarantined them (``--quarantine``, :mod:`fastft.launch.rules.offenders`) and why."""
     count: dict[int, list[str]] = {}
     lives: set[tuple[int, Any]] = set()  # (a stop, then its kill: one fault of one life)
     end = min((e["mono"] for e in ev if e["event"] in _ENDS), default=float("inf"))

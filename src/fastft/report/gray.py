@@ -1,5 +1,5 @@
 """Gray failures in a run's report: the members named stragglers
-(:mod:`fastft.launch.stragglers`) and the nodes' links (:mod:`fastft.launch.links`), the replicas found corrupted by the in-band replica
+(:mod:`fastft.launch.gray.stragglers`) and the nodes' links (:mod:`fastft.launch.gray.links`), the replicas found corrupted by the in-band replica
 check and repaired (:func:`fastft.runtime.state.compare.repair`), and what was done."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def stragglers(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if e["event"] not in ("straggler", "slow_link"):
             continue
         step = max((s for t, s in commits if t <= e["mono"]), default=None)
-        if e["event"] == "slow_link":  # (a node's link, found by a probe: fastft.launch.links)
+        if e["event"] == "slow_link":  # (a node's link, found by a probe: fastft.launch.gray.links)
             out.append(
                 {
                     "node": e["node"],

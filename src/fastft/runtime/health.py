@@ -5,7 +5,7 @@ warm spare taking a slot) and before an in-process restart rejoins
 (:meth:`fastft.Runtime.run`). One that fails is not admitted: it logs why, records a
 ``health_failed`` event and ends with :data:`~fastft.runtime.contract.EXIT_UNHEALTHY`;
 its agent gives the slot to a warm spare, lets the elastic world shrink, or stops the
-job with the reason (:func:`fastft.launch.policy.after_exit`).
+job with the reason (:func:`fastft.launch.rules.policy.after_exit`).
 
 Built in:
 

@@ -24,7 +24,7 @@ would cost a new Python, its imports and a heal. Under ``ft.run(train)`` it rest
 More than ``max_restarts`` in-process restarts within ``window_s`` end the process with
 the exception (its agent restarts it, and counts the fault). Every in-process restart is
 also a fault of the worker's slot for the agent's repeat-offender count
-(:mod:`fastft.launch.offenders`).
+(:mod:`fastft.launch.rules.offenders`).
 
 **Timeouts.** A watchdog thread watches the worker's progress (its heartbeat: every step,
 and every wait of the runtime's). No progress for ``soft_timeout_s`` after the first

@@ -1,5 +1,5 @@
 """The simulated node agents: what they do with their workers' exits (the agent's own
-plan, :mod:`fastft.launch.exitplan`), a peer's verdict that a worker
+plan, :mod:`fastft.launch.rules.exitplan`), a peer's verdict that a worker
 is dead, a hang past the timeout, and a node cut off (the lease, the fence)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fastft.launch import exitplan
-from fastft.launch.offenders import Offenders
-from fastft.launch.stragglers import StragglerWatch, slow_members
+from fastft.launch.gray.stragglers import StragglerWatch, slow_members
+from fastft.launch.rules import exitplan
+from fastft.launch.rules.offenders import Offenders
 from fastft.protocol import (
     DrainRequest,
     Fault,
@@ -85,7 +85,7 @@ class Agents:
 
     # --- the agents ---------------------------------------------------------------------
     def agent_message(self, rank: int, m: Message) -> None:
-        """:class:`fastft.launch.verdicts.Verdicts`: a peer's verdict that a worker of this
+        """:class:`fastft.launch.gray.verdicts.Verdicts`: a peer's verdict that a worker of this
         slot is dead kills it (its restart heals)."""
         slot = self.slots[rank]
         if not (isinstance(m, Fault) and m.severity is Severity.FAULT1):
@@ -102,7 +102,7 @@ class Agents:
 
     def _on_exit_seen(self, who: Member, code: int | None, sig: int | None) -> None:
         """:meth:`fastft.launch.exits.Exits.after_exit`: the exit reported, then the same
-        plan (:mod:`fastft.launch.exitplan`) carried out on the simulated slots."""
+        plan (:mod:`fastft.launch.rules.exitplan`) carried out on the simulated slots."""
         slot = self.slots[who.rank]
         life = self.lives[who]
         head = self.agent_header(who.rank)
@@ -180,7 +180,7 @@ class Agents:
             self.at(max(then.delay_s, self.draw(lo, hi)), "spawn", slot.rank)
 
     def _on_straggler_check(self) -> None:
-        """:class:`fastft.launch.stragglers.Stragglers` with ``--stragglers replace``:
+        """:class:`fastft.launch.gray.stragglers.Stragglers` with ``--stragglers replace``:
         every live member's compute (a straggler's 3x), the slow ones named once a life,
         drained; their exit restarts the slot."""
         live = [x for x in self.lives.values() if x.alive and not x.frozen]

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-import fastft.launch.policy as policy
+import fastft.launch.rules.policy as policy
 import fastft.runtime.engine.coordinator as coordinator
 import fastft.runtime.engine.core as core
 import fastft.runtime.engine.plans as plans

@@ -1,5 +1,5 @@
 """The agents' hang judge in the simulator: the real
-:func:`fastft.launch.policy.hang_verdict` over the heartbeat each simulated life would
+:func:`fastft.launch.rules.policy.hang_verdict` over the heartbeat each simulated life would
 write (:class:`fastft.process.heartbeat.HeartbeatWriter`), read from where its main
 thread is (``Life.pc``). A life in a runtime wait (a collective, a heal, a vote, a
 formation, a join) is blocked: its helper thread beats, the wait began at ``since``; a
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from fastft.launch import policy
+from fastft.launch.rules import policy
 
 if TYPE_CHECKING:
     from fastft.sim.life import Life

@@ -10,7 +10,7 @@ Three scenarios, each the real code paths a job runs:
   the blocking wait for the closed view) until it holds epoch 2.
 - ``start``: N workers start over ``spread_s`` and run :meth:`Coordinator.form_as_joiner`
   until each holds epoch 1.
-- ``leases``: K node agents run :class:`~fastft.launch.lease.NodeLease`'s rounds (renew,
+- ``leases``: K node agents run :class:`~fastft.launch.nodes.lease.NodeLease`'s rounds (renew,
   read the watched nodes) for ``seconds``.
 
 Reported: when the last member was done, the busiest server's time (its one thread, or
@@ -350,8 +350,8 @@ def leases(
     misses: int = 3,
 ) -> Result:
     """``k`` node agents' lease rounds for ``seconds`` (after every agent started)."""
-    from fastft.launch.lease import NodeLease
-    from fastft.launch.leasewatch import LeaseConfig
+    from fastft.launch.nodes.lease import NodeLease
+    from fastft.launch.rules.leasewatch import LeaseConfig
 
     job = _Job(plane, k, slow=slow, secret=True)
     hub, keys = job.hub, job.keys

@@ -3,7 +3,7 @@
 The world holds the store (:class:`~fastft.sim.store.SimStore`), the bus (a queue of
 deliveries with delays), the members' lives (:class:`~fastft.sim.life.Life`), the node
 agents (exit notices, restarts, hang and node-loss verdicts, with the real
-:func:`fastft.launch.policy.after_exit`) and the faults. Every event comes off one heap in
+:func:`fastft.launch.rules.policy.after_exit`) and the faults. Every event comes off one heap in
 time order; ties and every delay are drawn from ``random.Random(seed)``, so a seed is a
 run, bit for bit. :class:`~fastft.sim.checks.Checks` holds the invariants.
 """
@@ -16,8 +16,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastft.launch.offenders import Offenders, QuarantineRule
-from fastft.launch.stragglers import StragglerWatch
+from fastft.launch.gray.stragglers import StragglerWatch
+from fastft.launch.rules.offenders import Offenders, QuarantineRule
 from fastft.protocol import (
     DrainRequest,
     Fault,

@@ -196,7 +196,7 @@ _forked: _Child | None = None
 def fork_writer() -> None:
     """Fork this worker's checkpoint writer now (its first checkpoint then finds it
     ready). Only in a process with one thread and nothing held that a fork would break: a
-    zygote's fork before the script runs (:mod:`fastft.launch.zygote`). The writer
+    zygote's fork before the script runs (:mod:`fastft.launch.procs.zygote`). The writer
     ignores SIGINT (it finishes the write in progress when its worker dies) and keeps
     stderr (the worker's); everything else it inherited is closed."""
     global _forked

@@ -10,7 +10,7 @@ group. The groups are data-parallel peers:
   (the epoch's *replicate group*), interruptibly, and commits or rolls back per
   (epoch, step) as for one worker per replica.
 - **Unit of fault.** A member's death, hang or exception takes its whole group down (the
-  agent restarts it as a whole, :func:`fastft.launch.policy.group_mates`): FSDP's
+  agent restarts it as a whole, :func:`fastft.launch.rules.policy.group_mates`): FSDP's
   collectives inside a group cannot go on without a member, and Gloo cannot abort them.
 - **Heal.** A restarted member fetches its shard from the lowest live member of the same
   index, and every index heals at once in a group of its own: K heals of 1/K of the state

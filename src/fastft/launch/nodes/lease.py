@@ -21,9 +21,9 @@ An agent that cannot reach the store for as long as a lease lasts stops the node
 embedded TCPStore, the store host (node 0) is gone, and the job cannot go on.
 
 :class:`LeaseWatch` decides (pure: time comes in as arguments;
-:mod:`fastft.launch.leasewatch`); :class:`NodeLease` is the thread that reads and writes
+:mod:`fastft.launch.rules.leasewatch`); :class:`NodeLease` is the thread that reads and writes
 the store and tells the agent. On the NATS control plane the counters are core-NATS beats
-(:mod:`fastft.launch.beats`), not the bucket's: the marks are read from the bucket by a
+(:mod:`fastft.launch.nodes.beats`), not the bucket's: the marks are read from the bucket by a
 thread of their own, and a declaration goes out on the bus before its mark is written.
 """
 
@@ -37,10 +37,10 @@ from collections.abc import Callable
 from typing import Any
 
 from fastft.bus.signed import ForgedValue
-from fastft.launch.beats import Beats
-from fastft.launch.leasewatch import DONE, WATCHERS, LeaseConfig, LeaseWatch, watched
-from fastft.launch.lives import lost_mark, mark_counter, mark_lost, put_mark
-from fastft.launch.renewer import Renewer, store_sends
+from fastft.launch.nodes.beats import Beats
+from fastft.launch.nodes.renewer import Renewer, store_sends
+from fastft.launch.rules.leasewatch import DONE, WATCHERS, LeaseConfig, LeaseWatch, watched
+from fastft.launch.rules.lives import lost_mark, mark_counter, mark_lost, put_mark
 from fastft.protocol.keys import JobKeys
 
 __all__ = ["GUARD_LEASES", "GUARD_MIN_S", "NodeLease"]

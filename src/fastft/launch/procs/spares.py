@@ -1,4 +1,4 @@
-"""The agent's pool of warm spares (:mod:`fastft.launch.spare` is the spare process):
+"""The agent's pool of warm spares (:mod:`fastft.launch.procs.spare` is the spare process):
 started ahead, told ready through a pipe, handed to a restart (:func:`policy.pick_spare`),
 replaced once the worker it became recovered (:func:`policy.spare_owed_done`)."""
 
@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import fastft.launch.policy as policy
-from fastft.launch.config import LaunchConfig
-from fastft.launch.forks import Forked, Zygote
-from fastft.launch.output import Output
+import fastft.launch.rules.policy as policy
+from fastft.launch.procs.forks import Forked, Zygote
+from fastft.launch.procs.output import Output
+from fastft.launch.settings.config import LaunchConfig
 from fastft.process.env import (
     CUDA_DEVICE,
     PREFAULT_MB,
@@ -96,7 +96,7 @@ class SparePool:
             got = self.zygote.fork(
                 list(self.config.command[:1]),
                 self.output.env(env),
-                call="fastft.launch.spare:main",
+                call="fastft.launch.procs.spare:main",
                 keep={READY_TARGET: ready_w},
                 stdin=True,
             )
@@ -105,9 +105,13 @@ class SparePool:
                 env[READY_FD] = str(ready_w)
         try:
             p = p or subprocess.Popen(
-                # not `-m fastft.launch.spare`: the package imports that module first, and
+                # not `-m fastft.launch.procs.spare`: the package imports that module first, and
                 # runpy warns that it runs a module already in sys.modules
-                [self.config.command[0], "-c", "from fastft.launch.spare import main; main()"],
+                [
+                    self.config.command[0],
+                    "-c",
+                    "from fastft.launch.procs.spare import main; main()",
+                ],
                 env=self.output.env(env),
                 stdin=subprocess.PIPE,
                 pass_fds=(ready_w,),

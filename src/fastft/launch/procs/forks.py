@@ -1,4 +1,4 @@
-"""The agent's end of the node's zygote (:mod:`fastft.launch.zygote`): it starts the
+"""The agent's end of the node's zygote (:mod:`fastft.launch.procs.zygote`): it starts the
 zygote, waits until it is warm, orders forks, and replaces it when it dies.
 
 A worker forked by the zygote is the agent's child (the agent is a child subreaper): the
@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from fastft.launch.output import Output
-from fastft.launch.zygote import MAX_ORDER
+from fastft.launch.procs.output import Output
+from fastft.launch.procs.zygote import MAX_ORDER
 from fastft.process.env import ZYGOTE_FD, ZYGOTE_PRELOAD
 
 __all__ = ["Forked", "Zygote", "forkable"]
@@ -103,7 +103,7 @@ class Zygote:
         env = {**self.env, ZYGOTE_FD: str(theirs.fileno()), ZYGOTE_PRELOAD: ",".join(self.preload)}
         try:
             proc = subprocess.Popen(
-                [self.python, "-c", "from fastft.launch.zygote import main; main()"],
+                [self.python, "-c", "from fastft.launch.procs.zygote import main; main()"],
                 env=self.output.env(env),
                 stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),

@@ -7,7 +7,7 @@ imported: the seconds of a start) and imports the agent's store client, says it 
 (one line), then waits for one line on stdin, touching nothing of the job meanwhile: no
 store, no lease, no event in the run directory. The line (a JSON object of variables to
 set, ``{}`` for none) means "this node's agent is dead": the agent starts with the warm
-zygote and takes the node over (:meth:`fastft.launch.lease.NodeLease.take_over`: the
+zygote and takes the node over (:meth:`fastft.launch.nodes.lease.NodeLease.take_over`: the
 workers the dead agent left are declared dead at once, not after the lease). End of stdin
 instead: the standby was not needed; it exits 0.
 """
@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from fastft.launch.children import die_with_parent
-from fastft.launch.forks import Zygote, start_zygote
-from fastft.launch.output import Output
+from fastft.launch.procs.children import die_with_parent
+from fastft.launch.procs.forks import Zygote, start_zygote
+from fastft.launch.procs.output import Output
 
 __all__ = ["Warm", "node_zygote", "wait_for_go", "warm_up"]
 
@@ -42,7 +42,7 @@ class Warm:
         self.held.append((event, fields))
 
     def hand_over(self, emit: Callable[..., None]) -> tuple[Zygote | None, str | None]:
-        """The zygote for the agent (as :func:`~fastft.launch.forks.start_zygote` returns
+        """The zygote for the agent (as :func:`~fastft.launch.procs.forks.start_zygote` returns
         it), its events from now on in the agent's log (``emit``), the held ones first."""
         for event, fields in self.held:
             emit(event, **fields)

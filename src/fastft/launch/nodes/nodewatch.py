@@ -1,5 +1,5 @@
 """Node liveness for the agent (multi-node): each agent renews its node's lease in the
-store and watches the others' (:class:`~fastft.launch.lease.NodeLease`). This is what the
+store and watches the others' (:class:`~fastft.launch.nodes.lease.NodeLease`). This is what the
 agent does with the lease's verdicts: a node lost (its workers are dead: Fault1 for each,
 on the bus), this node fenced (declared lost while it could not renew: its workers are
 killed and start again as new lives), the store lost (the job cannot go on). The agent's
@@ -13,17 +13,17 @@ import time
 from typing import TYPE_CHECKING
 
 from fastft.bus.natsio import pinned
-from fastft.launch.beats import Beats
-from fastft.launch.lease import NodeLease
-from fastft.launch.leasewatch import (
+from fastft.launch.nodes.beats import Beats
+from fastft.launch.nodes.lease import NodeLease
+from fastft.launch.nodes.renewer import RENEWERS
+from fastft.launch.rules.leasewatch import (
     DEFAULT_MISSES,
     DONE,
     NATS_MISSES,
     NATS_STORE_GRACE_S,
     LeaseConfig,
 )
-from fastft.launch.lives import declared_lives, format_lives
-from fastft.launch.renewer import RENEWERS
+from fastft.launch.rules.lives import declared_lives, format_lives
 from fastft.protocol import Fault, Severity
 
 if TYPE_CHECKING:

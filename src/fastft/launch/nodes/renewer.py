@@ -11,7 +11,7 @@ its own, take them from one queue; one stuck in a retransmission leaves the next
 to an idle one, which reaches the store as soon as the path is back. The same renewals a
 second as before; :data:`RENEWERS` connections a node instead of one.
 
-On the NATS control plane the renewals are core-NATS beats (:mod:`fastft.launch.beats`),
+On the NATS control plane the renewals are core-NATS beats (:mod:`fastft.launch.nodes.beats`),
 each connection held to a server of its own: the same idle-first hand-out also leaves a
 server that stopped answering to the others.
 """

@@ -1,9 +1,9 @@
 """``fastft run``'s configuration: :class:`LaunchConfig`, one field per flag.
 
 Each field carries its flag, its help and its default, in one place: the CLI builds its
-parser from them (:func:`fastft.launch.flags.add_run_flags`), and every flag falls back to
+parser from them (:func:`fastft.launch.settings.flags.add_run_flags`), and every flag falls back to
 a ``FASTFT_*`` variable named after it (``--hang-timeout`` -> ``FASTFT_HANG_TIMEOUT``;
-:func:`fastft.launch.flags.flag_variables` lists them): the flag, then the variable, then
+:func:`fastft.launch.settings.flags.flag_variables` lists them): the flag, then the variable, then
 the default."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fastft.errors import ConfigError
-from fastft.launch.bounds import BUFFERS, check_bounds, check_torchft
-from fastft.launch.offenders import QuarantineRule
+from fastft.launch.rules.offenders import QuarantineRule
+from fastft.launch.settings.bounds import BUFFERS, check_bounds, check_torchft
 from fastft.runtime.contract import RuntimeConfig
 
 __all__ = ["LaunchConfig"]
@@ -224,7 +224,7 @@ class LaunchConfig:
     lighthouse_join_ms: int = _flag(60000, "torchft lighthouse join timeout (ms)")
     exit_trace: bool = _flag(
         True,
-        "trace each worker's exit sentinel (fastft.launch.exit_trace): a death is published "
+        "trace each worker's exit sentinel (fastft.launch.procs.exit_trace): a death is published "
         "before the kernel frees the worker's memory (15-50 ms sooner); off lets a debugger "
         "or py-spy attach",
     )
@@ -426,7 +426,7 @@ class LaunchConfig:
             self.checkpoint_interval_s,
             self.checkpoint_keep,
         )
-        from fastft.launch.leasewatch import DEFAULT_MISSES, LeaseConfig  # (pure)
+        from fastft.launch.rules.leasewatch import DEFAULT_MISSES, LeaseConfig  # (pure)
 
         LeaseConfig(self.node_heartbeat_ms, self.node_lease_misses or DEFAULT_MISSES)
         if "/" in self.job or not self.job:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from fastft.launch import policy
+from fastft.launch.rules import policy
 
 __all__ = ["Ledger"]
 

@@ -6,7 +6,7 @@ the slot and the agent (:class:`Exited`, :class:`AgentSeen`). The agent
 Three steps, because the agent's records change between them: :func:`fault_of` (is the
 exit the worker's own failure, to count against its slot: a count that may quarantine
 the slot), :func:`exit_plan` (restart, done or fail, from the policy of
-:func:`fastft.launch.policy.after_exit` and the start-up rule), and :func:`floor` (a slot
+:func:`fastft.launch.rules.policy.after_exit` and the start-up rule), and :func:`floor` (a slot
 done for good: can the others still form a world? read only when the plan asks)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fastft.launch import policy
+from fastft.launch.rules import policy
 from fastft.protocol.exits import ENDS_THE_JOB, EXIT_DRAINED
 
 __all__ = ["AgentSeen", "ExitPlan", "Exited", "exit_plan", "fault_of", "floor"]

@@ -6,7 +6,7 @@ until a new leader is elected (seconds). So the lease needed 3 s on NATS, and a 
 was declared after 3.1-8.8 s. Here each agent publishes its lease counter as a signed core
 message on the node's subject (``fastft.<job>.beat.<node>``), on clients of its own held
 to different servers (:func:`fastft.bus.natsio.pinned`), each renewal on whichever one is
-idle (:class:`~fastft.launch.renewer.Renewer`); its watchers subscribe through every one
+idle (:class:`~fastft.launch.nodes.renewer.Renewer`); its watchers subscribe through every one
 of theirs. No beat waits for a leader, and a server cut off is only one path of several:
 the lease is 300 ms on NATS as on a TCPStore.
 
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastft.launch.lives import format_lives, parse_lives
+from fastft.launch.rules.lives import format_lives, parse_lives
 
 __all__ = ["Beat", "Beats", "beat_subject", "decode", "encode"]
 
@@ -47,7 +47,7 @@ def beat_subject(job: str, node: int) -> str:
 @dataclass(frozen=True)
 class Beat:
     """One message on a node's subject: its lease ``counter`` and worker ``lives`` (a
-    beat), or a watcher's ``lost`` mark (:func:`fastft.launch.lives.lost_mark`) for it."""
+    beat), or a watcher's ``lost`` mark (:func:`fastft.launch.rules.lives.lost_mark`) for it."""
 
     node: int
     counter: int
@@ -113,7 +113,7 @@ class Beats:
             self._lives = dict(lives)
 
     def sends(self) -> list[Callable[[], None]]:
-        """One blocking renewal per client (for :class:`~fastft.launch.renewer.Renewer`)."""
+        """One blocking renewal per client (for :class:`~fastft.launch.nodes.renewer.Renewer`)."""
         return [functools.partial(self._send, nc) for nc in self.conns]
 
     def _send(self, nc: Any) -> None:

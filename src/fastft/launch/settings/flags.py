@@ -1,4 +1,4 @@
-"""``fastft run``'s flags, built from :class:`~fastft.launch.config.LaunchConfig`'s fields:
+"""``fastft run``'s flags, built from :class:`~fastft.launch.settings.config.LaunchConfig`'s fields:
 the argparse flags with their help and defaults, each falling back to its ``FASTFT_*``
 variable (precedence: the flag, then the variable, then the default), and the config the
 parsed flags describe."""
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fastft.errors import ConfigError
-from fastft.launch.config import LaunchConfig
+from fastft.launch.settings.config import LaunchConfig
 from fastft.process.env import parse_bool
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Slow links, found by probing (issue 50, active identification): a node whose network
 link is slow (a throttled port, a bad cable, a congested switch) makes every step wait in
 its collectives, yet every member computes as fast as before, so the straggler check
-(:mod:`fastft.launch.stragglers`, which compares computes) names no one. Nothing passive
+(:mod:`fastft.launch.gray.stragglers`, which compares computes) names no one. Nothing passive
 can: in a ring or tree every member waits for the same slowest link.
 
 **When.** Node 0's agent asks for a probe round (i) once at the start, when every member
@@ -50,7 +50,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from fastft.launch.linkjudge import (
+from fastft.launch.rules.linkjudge import (
     CHUNK,
     FAILED_S,
     PROBE_BUDGET_S,

@@ -1,4 +1,4 @@
-"""The judgement of link probes (:mod:`fastft.launch.links`), pure: who is slow, which
+"""The judgement of link probes (:mod:`fastft.launch.gray.links`), pure: who is slow, which
 pairs are broken, when to probe. Times in, decisions out; the probes, the store and the
 agent's actions are ``links``'."""
 

@@ -3,7 +3,7 @@
 Detection without polling: a thread per child blocks in ``waitid(WEXITED | WSTOPPED)``, so
 the kernel tells the agent the moment a worker exits, is killed or is stopped (SIGSTOP),
 and a thread traces each worker's exit sentinel, which reports a death before the kernel
-has freed the worker's memory (:mod:`fastft.launch.exit_trace`). Every child gets
+has freed the worker's memory (:mod:`fastft.launch.procs.exit_trace`). Every child gets
 ``PR_SET_PDEATHSIG`` so that none outlives a killed agent.
 """
 
@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fastft.launch.exit_trace import ExitTracer
-from fastft.launch.forks import Forked, Zygote
-from fastft.launch.output import Output
+from fastft.launch.procs.exit_trace import ExitTracer
+from fastft.launch.procs.forks import Forked, Zygote
+from fastft.launch.procs.output import Output
 
 __all__ = ["Children", "Slot", "await_signal_taken", "die_with_parent"]
 
@@ -53,7 +53,7 @@ class Slot:
     ended otherwise (0, a signal, a status of the script's own)."""
     spare_only: bool = False
     """The next life must be a warm spare (the last one failed its health check, or the
-    slot is quarantined: :mod:`fastft.launch.offenders`)."""
+    slot is quarantined: :mod:`fastft.launch.rules.offenders`)."""
 
 
 ExitCallback = Callable[[Slot, int, "int | None", "int | None", float, str], bool]
@@ -88,7 +88,7 @@ class Children:
 
     def popen(self, slot: Slot, command: list[str], env: dict[str, str]) -> str:
         """Start a worker cold and watch it: a fork of the zygote if there is one that can
-        (:mod:`fastft.launch.forks`), else a new process. Returns how ("fork", or
+        (:mod:`fastft.launch.procs.forks`), else a new process. Returns how ("fork", or
         "spawn" with the reason the zygote could not)."""
         env = self.output.env(env)
         forked = self.zygote.fork(command, env) if self.zygote else "spawn"
@@ -121,7 +121,7 @@ class Children:
             return self.by_pid.pop(pid, None) is not None
 
     def trace_exit(self, slot: Slot, pid: int, path: str) -> None:
-        """Hear of this worker's death as it starts (:mod:`fastft.launch.exit_trace`)."""
+        """Hear of this worker's death as it starts (:mod:`fastft.launch.procs.exit_trace`)."""
         claimed = [False]
 
         def report(code: int | None, sig: int | None, t: float) -> None:

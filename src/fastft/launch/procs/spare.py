@@ -13,7 +13,7 @@ before that (building the model, the optimizer, a dataset) is then off the recov
 The script must not need its rank, or anything else the launcher sets per worker, before
 ``fastft.init()``: a spare runs that part before it knows which worker it will be.
 
-    python -c 'from fastft.launch.spare import main; main()'   # the agent (--warm-spares N)
+    python -c 'from fastft.launch.procs.spare import main; main()'   # the agent (--warm-spares N)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import threading
 from types import TracebackType
 from typing import TYPE_CHECKING, NoReturn
 
-from fastft.launch.config import DEFAULT_PREFAULT_MB
+from fastft.launch.settings.config import DEFAULT_PREFAULT_MB
 from fastft.process.env import CHECKPOINT_DIR, CUDA_DEVICE, PREFAULT_MB, SPARE_RUN_AHEAD
 from fastft.process.order import become, tell_ready
 

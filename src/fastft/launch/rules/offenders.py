@@ -77,7 +77,7 @@ class Offenders:
 
     def quarantine(self, rank: int, why: str) -> bool:
         """Quarantine ``rank``'s slot for ``why`` now, whatever its count (a node's link
-        taken out: :mod:`fastft.launch.links`); False if it already is."""
+        taken out: :mod:`fastft.launch.gray.links`); False if it already is."""
         if rank in self.quarantined:
             return False
         self.quarantined[rank] = why

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fastft.launch.config import LaunchConfig
+from fastft.launch.settings.config import LaunchConfig
 from fastft.process.env import SPARE_FEWEST, SPARE_RUN_AHEAD, SPARE_WORLD, WorkerEnv
 
 __all__ = ["cpu_warnings", "worker_environment", "workers_line"]

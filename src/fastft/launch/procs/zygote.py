@@ -2,7 +2,7 @@
 ``torch._dynamo`` import the first optimizer triggers, fastft's runtime, and the modules
 named by ``--preload``) and then only forks, on the agent's order. Every worker start and
 restart of ``fastft run --start-method zygote`` (the default) is such a fork: milliseconds
-instead of seconds (issue 37). The agent's end is :mod:`fastft.launch.forks`.
+instead of seconds (issue 37). The agent's end is :mod:`fastft.launch.procs.forks`.
 
 An order is one message on a Unix socket (``SOCK_SEQPACKET``): a JSON object with the
 worker's ``argv``, ``env`` and ``cwd`` and the descriptors it gets (``fds``: the child's
@@ -30,7 +30,7 @@ and ``torch.set_num_threads`` follows its ``OMP_NUM_THREADS``. The zygote regist
 ``atexit`` handler; those its imports registered (logging's flush) run in each worker as
 in a fresh process. Native thread pools that imports started (OpenBLAS) are fork-aware.
 
-    python -c 'from fastft.launch.zygote import main; main()'   # the agent, FASTFT_ZYGOTE_FD
+    python -c 'from fastft.launch.procs.zygote import main; main()'   # the agent, FASTFT_ZYGOTE_FD
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main() -> None:
     sock = socket.socket(fileno=int(os.environ.pop(ZYGOTE_FD)))
     names = [n for n in os.environ.pop(ZYGOTE_PRELOAD, "").split(",") if n]
     t0 = time.monotonic()
-    from fastft.launch.spare import warm_imports
+    from fastft.launch.procs.spare import warm_imports
 
     warm_imports()
     why = unsafe(sock.fileno()) or _preload(names)
@@ -211,12 +211,12 @@ def _become(order: dict[str, Any], sock: socket.socket, fds: dict[int, int], age
     os.chdir(order["cwd"])
     _reseed()
     argv: list[str] = order["argv"]
-    if order.get("call"):  # a function of fastft's (a warm spare: fastft.launch.spare:main)
+    if order.get("call"):  # a function of fastft's (a warm spare: fastft.launch.procs.spare:main)
         module, _, name = order["call"].partition(":")
         sys.argv = argv[:1]
         getattr(importlib.import_module(module), name)()
         sys.exit(0)
-    from fastft.launch.spare import run_script
+    from fastft.launch.procs.spare import run_script
 
     run_script(argv)  # (its checkpoint writer forked first: one thread here)
 

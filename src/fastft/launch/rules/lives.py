@@ -1,4 +1,4 @@
-"""A lost node's mark and the worker lives it names (:mod:`fastft.launch.lease`): the
+"""A lost node's mark and the worker lives it names (:mod:`fastft.launch.nodes.lease`): the
 lease value that stopped, the node that saw it stop, and ``rank:incarnation`` pairs."""
 
 from __future__ import annotations

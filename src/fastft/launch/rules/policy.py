@@ -108,7 +108,7 @@ def after_exit(
     A drained worker (:data:`EXIT_DRAINED`) left on purpose: in a fixed world it starts
     again (a new life that heals; not counted against ``max_restarts``), in an elastic
     world, or when its agent drains, the slot is done; ``replaced`` (a straggler asked to
-    drain: :mod:`fastft.launch.stragglers`) starts again in either.
+    drain: :mod:`fastft.launch.gray.stragglers`) starts again in either.
 
     A worker that failed its health check (:data:`EXIT_UNHEALTHY`), or a slot
     ``quarantined`` (a repeat offender: why), does not start again in place: a warm spare

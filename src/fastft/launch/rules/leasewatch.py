@@ -1,4 +1,4 @@
-"""The node lease's pure part (:mod:`fastft.launch.lease`): its settings, the nodes an
+"""The node lease's pure part (:mod:`fastft.launch.nodes.lease`): its settings, the nodes an
 agent watches (:func:`watched`), and :class:`LeaseWatch`, which decides from the counters
 read what expired, what returned and whether the store is lost. No I/O; time comes in as
 arguments."""
@@ -34,7 +34,7 @@ DEFAULT_MISSES = 3
 lasts 300 ms by default."""
 NATS_MISSES = DEFAULT_MISSES
 """The default on the NATS control plane: 300 ms, as on a TCPStore, since the leases are
-core-NATS beats on clients held to different servers (:mod:`fastft.launch.beats`). On the
+core-NATS beats on clients held to different servers (:mod:`fastft.launch.nodes.beats`). On the
 bucket's counters it had to be 3 s: a JetStream write waits for the stream's leader, whose
 election after its server is cut off takes seconds (issue 60, case 5)."""
 WATCHERS = 3

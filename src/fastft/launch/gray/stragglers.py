@@ -18,7 +18,7 @@ of the others', by at least :data:`MIN_EXTRA_S`, is *named*, once per life: an e
 asks it to drain (``DrainRequest``: it leaves after its next commit, nothing rolled
 back) and its agent starts it again, on a warm spare when there is one; each
 replacement is a fault of its slot for the repeat-offender count
-(:mod:`fastft.launch.offenders`), so a slot that keeps straggling is quarantined.
+(:mod:`fastft.launch.rules.offenders`), so a slot that keeps straggling is quarantined.
 ``off``: nothing is compared.
 """
 
@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fastft.launch.links import Links
+from fastft.launch.gray.links import Links
 from fastft.process.heartbeat import RECENT_STEPS, read_heartbeat
 from fastft.protocol import DrainRequest, Message
 

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import fastft.launch.policy as policy
-from fastft.launch.children import Slot, await_signal_taken
+import fastft.launch.rules.policy as policy
+from fastft.launch.procs.children import Slot, await_signal_taken
 from fastft.process.heartbeat import STACKS_SIGNAL, Wait, read_heartbeat
 from fastft.protocol import DrainRequest, Fault, HangSuspected, Message, Role, Severity
 

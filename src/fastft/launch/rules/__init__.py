@@ -1,0 +1,1 @@
+"""The agent's pure decisions: an exit's plan and the policy under it, repeat offenders, the agent's ledger, the node lease's and the link probes' judgements, a lost node's marks. No I/O, no torch: the agent and the simulator call them alike."""
