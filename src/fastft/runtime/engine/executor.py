@@ -46,7 +46,7 @@ from fastft.runtime.durable.checkpoints import Checkpoints
 from fastft.runtime.durable.commit import CommitCheckpoints
 from fastft.runtime.endings import FaultStorm, WorkerExit
 from fastft.runtime.engine.coordinator import Coordinator
-from fastft.runtime.engine.core import Core, OnCore, Wait
+from fastft.runtime.engine.core import Core, OnCore, Wait, superseded
 from fastft.runtime.engine.faults import Faults
 from fastft.runtime.engine.inbox import REPEATED, repeats_logged
 from fastft.runtime.engine.membership import Membership
@@ -157,15 +157,33 @@ class Executor(OnCore):
     def feed_locked(self, event: Event) -> None:
         self.core.feed(event, self)
 
-    # (what the parts ask of the core, under the lock)
+    # (what the parts ask of the core: only the executor takes its lock)
     def adopt(self, view: EpochView, source: int | None) -> None:
-        self.core.adopt(view, source, self)
+        with self.lock:
+            self.core.adopt(view, source, self)
 
-    def report(self, severity: Severity, cause: str) -> None:
-        self.core.report(severity, cause, self)
+    def report(self, severity: Severity, cause: str, gen: int | None = None) -> None:
+        """This worker's own fault (``gen``: the count of phase changes when the failed
+        work began): superseded if the machine moved since (:func:`.core.superseded`),
+        else on the bus and into the machine."""
+        with self.lock:
+            s = self.state
+            if superseded(gen, self.phase_changes, severity):
+                self.events.emit("local_fault_superseded", step=s.step, cause=cause[:300])
+                return
+            self.events.emit(
+                "local_fault",
+                step=s.step,
+                epoch=s.epoch,
+                severity=severity.name,
+                cause=cause[:500],
+                incarnation=self.me.incarnation,
+            )
+            self.core.report(severity, cause, self)
 
     def receive(self, m: Message, finished: bool | None = None) -> Message | None:
-        return self.core.receive(m, self, finished)
+        with self.lock:
+            return self.core.receive(m, self, finished)
 
     def declare_silent(self, ranks: frozenset[int]) -> None:
         """Members that never arrived at a formation (:mod:`.survivors`)."""

@@ -1,6 +1,6 @@
 """The worker's faults: its own (reported on the bus and fed to the state machine),
 its peers' (bus messages routed by :mod:`fastft.runtime.engine.inbox`), and planned ones (the
-injector). Performed for the executor, under its lock."""
+injector). Carried out for the executor, which alone takes its lock."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 from fastft.inject import FaultKind, FaultSpec, StateLostFault, execute
 from fastft.protocol import Heartbeat, Message, Severity
 from fastft.protocol.faults import fault_of
-from fastft.runtime.engine.core import superseded
 
 if TYPE_CHECKING:
     from fastft.runtime.engine.ports import Engine
@@ -44,20 +43,7 @@ class Faults:
         severity = Severity.FAULT1 if isinstance(exc, StateLostFault) else Severity.FAULT2
         cause = f"{type(exc).__name__}: {exc}"
         x.kept.fault()
-        with x.lock:
-            s = x.state
-            if superseded(gen, x.phase_changes, severity):
-                x.events.emit("local_fault_superseded", step=s.step, cause=cause[:300])
-                return
-            x.events.emit(
-                "local_fault",
-                step=s.step,
-                epoch=s.epoch,
-                severity=severity.name,
-                cause=cause[:500],
-                incarnation=x.me.incarnation,
-            )
-            x.report(severity, cause)
+        x.report(severity, cause, gen)
 
     def on_message(self, m: Message) -> None:
         """The bus listener's callback."""
@@ -67,8 +53,7 @@ class Faults:
             return
         r = fault_of(m)  # (the store read before the lock: a clean exit only)
         finished = r is not None and r.clean_exit and x.side.job_finished()
-        with x.lock:
-            ack = x.receive(m, finished)
+        ack = x.receive(m, finished)
         if isinstance(ack, Heartbeat):  # (a joiner's answer: one serves them all a while)
             now = time.monotonic()
             if now - self._answered < ANSWER_EVERY_S:

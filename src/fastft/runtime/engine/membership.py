@@ -266,8 +266,7 @@ class Membership:
         )
         self._recover(view)
         x.sv.heartbeat.new_world(view.epoch)  # (its figures start again: a new share)
-        with x.lock:
-            x.adopt(view, self._source(view) if x.dp.heal_apart() else None)
+        x.adopt(view, self._source(view) if x.dp.heal_apart() else None)
 
     def _source(self, view: EpochView) -> int | None:
         """Who sends this member's state (its shard's, with shard groups). A member of an

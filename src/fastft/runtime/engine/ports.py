@@ -5,7 +5,6 @@ them and they import nothing of it."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,17 +26,15 @@ __all__ = ["Engine"]
 
 
 class Engine(Protocol):
-    """One worker's step engine as its parts see it. ``lock`` guards ``state``, ``view``
-    and ``dead``; ``feed_locked`` is called under it."""
+    """One worker's step engine as its parts see it. Its lock is the executor's alone:
+    ``feed``, ``adopt``, ``report`` and ``receive`` take it; ``state``, ``view`` and ``dead``
+    are read as they stand (a part that needs them together asks for a plan with them)."""
 
     @property
     def config(self) -> RuntimeConfig: ...
 
     @property
     def me(self) -> Member: ...
-
-    @property
-    def lock(self) -> threading.RLock: ...
 
     @property
     def events(self) -> EventLog: ...
@@ -76,9 +73,6 @@ class Engine(Protocol):
     def dead(self) -> set[Member]: ...
 
     @property
-    def phase_changes(self) -> int: ...
-
-    @property
     def sv(self) -> Services: ...
 
     @property
@@ -90,16 +84,15 @@ class Engine(Protocol):
 
     def feed(self, event: Event) -> None: ...
 
-    def feed_locked(self, event: Event) -> None: ...
-
     def adopt(self, view: EpochView, source: int | None) -> None:
-        """Enter ``view`` (under the lock): the core's :meth:`~.core.Core.adopt`."""
+        """Enter ``view``: the core's :meth:`~.core.Core.adopt`."""
 
-    def report(self, severity: Severity, cause: str) -> None:
-        """This worker's own fault, on the bus and into the machine (under the lock)."""
+    def report(self, severity: Severity, cause: str, gen: int | None = None) -> None:
+        """This worker's own fault, on the bus and into the machine, unless the machine
+        moved since the failed work began (``gen``)."""
 
     def receive(self, m: Message, finished: bool | None = None) -> Message | None:
-        """A bus message into the core (under the lock); a drain ack to send back."""
+        """A bus message into the core; a drain ack to send back."""
 
     def declare_silent(self, ranks: frozenset[int]) -> None:
         """Declare dead members that never arrived at a formation (the agent kills them)."""
