@@ -17,6 +17,7 @@ from fastft.runtime.endings import JobFinished
 from fastft.runtime.engine import decisions
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.decisions import ADMIT, COMMIT, ROLLBACK, parse_commit
+from fastft.runtime.engine.joiners import Joiners
 from fastft.runtime.engine.survivors import Survivors
 
 pytestmark = pytest.mark.timeout(60)
@@ -90,9 +91,9 @@ def _join_all(cs: list[Coordinator]) -> list[EpochView | None]:
     out: list[EpochView | None] = [None] * len(cs)
 
     def run(i: int) -> None:
-        out[i] = cs[i].form_as_joiner(
-            start_timeout_s=30, cancelled=lambda: False, announce=lambda: None
-        )
+        joiners = Joiners(cs[i])
+        for r in joiners.rounds(joiners.register(start_timeout_s=30, regroup_timeout_s=5.0)):
+            out[i] = r.view
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cs))]
     for t in threads:

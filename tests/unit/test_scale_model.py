@@ -149,16 +149,17 @@ def test_a_joiner_answered_by_a_live_epoch_never_forms_a_world_of_its_own():
     itself: no holder, the job failed. The survivor's answer to its request (the
     listener's Heartbeat, recorded in ``heard``) keeps it waiting; without one it closes
     as before (every worker lost)."""
-    from fastft.runtime.engine.coordinator import ALIVE_S
+    from fastft.runtime.engine.joiners import ALIVE_S, Joiners
 
     store, clock = SimStore(), _Clock()
     survivor = Coordinator(store, JobKeys("j8"), 0, 5, 2, 1, clock=clock, sleep=lambda s: None)
     survivor.close(EpochView(1, (Member(0, 5), Member(1, 6)), 7, frozenset(), None), {})
     joiner = Coordinator(store, JobKeys("j8"), 1, 9, 2, 1, clock=clock, sleep=lambda s: None)
-    wait = joiner.register(start_timeout_s=60.0, regroup_timeout_s=5.0)
+    joining = Joiners(joiner)
+    wait = joining.register(start_timeout_s=60.0, regroup_timeout_s=5.0)
     clock.t = 6.0  # past the regroup timeout
     joiner.heard[1] = clock.t - ALIVE_S / 2  # the survivor answered half a second ago
-    assert joiner.joiner_round(wait) is None
+    assert joining.round(wait).view is None
     clock.t += ALIVE_S  # no answer for a while: every worker of epoch 1 is taken as lost
-    view = joiner.joiner_round(wait)
+    view = joining.round(wait).view
     assert view is not None and view.epoch == 2 and view.ranks == frozenset({1})

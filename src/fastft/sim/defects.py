@@ -13,8 +13,8 @@ from dataclasses import replace
 from typing import Any
 
 import fastft.launch.rules.policy as policy
-import fastft.runtime.engine.coordinator as coordinator
 import fastft.runtime.engine.core as core
+import fastft.runtime.engine.joiners as joiners
 import fastft.runtime.engine.plans as plans
 import fastft.runtime.engine.survivors as survivors
 from fastft.fsm import Deadline, DrainAcked, Phase, StepState
@@ -28,12 +28,12 @@ __all__ = ["DEFECTS", "reintroduce"]
 
 def _old_regroup(mp: contextlib.ExitStack) -> None:
     """ffa6017: after every worker was lost, the restore waited for every slot."""
-    register = coordinator.Coordinator.register
+    register = joiners.Joiners.register
 
     def forever(self: Any, start_timeout_s: float, regroup_timeout_s: float) -> Any:
         return register(self, start_timeout_s, float("inf"))
 
-    _patch(mp, coordinator.Coordinator, "register", forever)
+    _patch(mp, joiners.Joiners, "register", forever)
 
 
 def _old_finished_lost(mp: contextlib.ExitStack) -> None:

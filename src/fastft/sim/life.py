@@ -42,6 +42,7 @@ from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine import decisions
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.core import Core, Wait, superseded
+from fastft.runtime.engine.joiners import Joiners
 from fastft.runtime.engine.survivors import Survivors
 from fastft.sim.ports import Host
 from fastft.sim.replicas import compare
@@ -79,6 +80,7 @@ class Life(Waits):
             recovery=w.recovery,
         )
         self.survivors = Survivors(self.coord)
+        self.joiners = Joiners(self.coord)
         self.h = w.chain[0]  # a fresh process builds the model from the seed: step 0's
         self.held = 0
         self.alive = True

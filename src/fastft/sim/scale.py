@@ -8,7 +8,7 @@ Three scenarios, each the real code paths a job runs:
   over the bus (a push per node from the server: the relay, a node's one subscriber, from
   64 workers); each survivor runs :meth:`Survivors.form` (arrive, the closer's rounds,
   the blocking wait for the closed view) until it holds epoch 2.
-- ``start``: N workers start over ``spread_s`` and run :meth:`Coordinator.form_as_joiner`
+- ``start``: N workers start over ``spread_s`` and run :meth:`Joiners.rounds`
   until each holds epoch 1.
 - ``leases``: K node agents run :class:`~fastft.launch.nodes.lease.NodeLease`'s rounds (renew,
   read the watched nodes) for ``seconds``.
@@ -35,8 +35,9 @@ import greenlet
 from fastft.bus.signed import SignedStore
 from fastft.protocol.auth import JobSecret, ValueAuth
 from fastft.protocol.keys import JobKeys
-from fastft.runtime.contract import EpochView, Member
+from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, Member
 from fastft.runtime.engine.coordinator import Coordinator
+from fastft.runtime.engine.joiners import Joiners
 from fastft.runtime.engine.survivors import Survivors
 from fastft.sim.costs import Hub, ModelKV, ModelStore, Plane, PlaneCosts, costs
 
@@ -318,9 +319,11 @@ def start(
             decision_store=job.client(r, 0.5),
         )
         coord.tries, coord.hub = tries, hub
-        got = coord.form_as_joiner(
-            start_timeout_s=300.0, cancelled=lambda: False, announce=lambda: None
-        )
+        joiners = Joiners(coord)
+        wait = joiners.register(300.0, REGROUP_TIMEOUT_S)
+        got = None
+        for jr in joiners.rounds(wait):  # (a join request goes nowhere: no epoch lives yet)
+            got = jr.view
         assert got is not None
         done.append(hub.now)
 

@@ -2,7 +2,7 @@
 formations (as a survivor and as a joiner), adopting a view, the process group's build and
 the heal. Each is a slice the scheduler runs again until the wait ends, through the real
 coordinator's rounds (:meth:`~fastft.runtime.engine.survivors.Survivors.round`,
-``joiner_round``, ``vote``, ``await_decision``) over the simulated store."""
+``Joiners.round``, ``vote``, ``await_decision``) over the simulated store."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from fastft.fsm import CastVote, CommitApplied, Event, FormEpoch, HealDone, Phas
 from fastft.protocol import JoinRequest, Severity
 from fastft.protocol.exits import EXIT_DRAINED, EXIT_STATE_LOST
 from fastft.runtime.contract import EpochView, Member
-from fastft.runtime.endings import JobFinished
 from fastft.runtime.engine import decisions, plans
 from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.core import Core, OnCore
 from fastft.runtime.engine.formation import JoinerWait, SurvivorWait
+from fastft.runtime.engine.joiners import Joiners
 from fastft.runtime.engine.survivors import Survivors
 from fastft.sim.faults import CORRUPT, corruption
 from fastft.sim.ports import Host
@@ -48,13 +48,13 @@ class Waits(OnCore):
     core: Core
     coord: Coordinator
     survivors: Survivors
+    joiners: Joiners
     h: str
     held: int
     alive: bool
     suspect: bool
     recoveries: int
     commits: int
-    next_announce: float
 
     def feed(self, event: Event) -> None:
         raise NotImplementedError
@@ -214,8 +214,7 @@ class Waits(OnCore):
         return 0.0
 
     def join(self) -> float:
-        wait = self.coord.register(self.w.opts.start_timeout_s, self.w.opts.regroup_timeout_s)
-        self.next_announce = self.w.now
+        wait = self.joiners.register(self.w.opts.start_timeout_s, self.w.opts.regroup_timeout_s)
         return self.wait(("join", wait, self.action_gen), 0.0)
 
     def _join(self, wait: JoinerWait, gen: int) -> float:
@@ -224,18 +223,16 @@ class Waits(OnCore):
             if leaves:
                 raise Ended(EXIT_DRAINED, "drained (while waiting to join)")
             return self.back_to_drive()
-        if self.w.now >= self.next_announce and wait.seen > 0:
+        r = self.joiners.round(wait)
+        if r.announce:
             msg = JoinRequest(job=self.w.keys.job, epoch=0, rank=self.rank, incarnation=self.inc)
             self.w.broadcast(self, msg)
-            self.next_announce = self.w.now + 0.2
-        try:
-            view = self.coord.joiner_round(wait)
-        except JobFinished as e:
-            raise Ended(0, f"the job finished at step {e.step}") from e
-        if view is None:
+        if r.finished is not None:
+            raise Ended(0, f"the job finished at step {r.finished}")
+        if r.view is None:
             return self.wait(("join", wait, gen), 0.01 if wait.seen == 0 else POLL_S)
         self.pc = ("drive",)
-        self.adopt(view)
+        self.adopt(view=r.view)
         return 0.0
 
     def adopt(self, view: EpochView) -> None:

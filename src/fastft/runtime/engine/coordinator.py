@@ -9,7 +9,9 @@ Epoch formation. Epoch ``E`` is *closed* when its member list is written into
 ``epoch_members(E)`` by compare-and-set; every worker adopts the list it reads. Survivors
 of ``E-1`` mark their arrival (:mod:`.survivors`). A survivor left out becomes a joiner.
 Joiners wait for a view that lists them, except when every slot is a joiner (the first
-start, or every worker was lost): the lowest joiner then closes the epoch itself.
+start, or every worker was lost): the lowest joiner then closes the epoch itself
+(:mod:`.joiners`). The coordinator is what both roles share: the store clients, the
+decision, the views and the joiner keys; each role's waits are its own module's.
 """
 
 from __future__ import annotations
@@ -25,15 +27,9 @@ import torch.distributed as dist
 
 from fastft.bus.signed import ForgedValue
 from fastft.protocol.keys import JobKeys
-from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, Member
-from fastft.runtime.endings import JobFinished
+from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine import decisions as d
-from fastft.runtime.engine.formation import (
-    JoinerWait,
-    Recovery,
-    close_first,
-)
-from fastft.runtime.groups.hsdp import whole_groups
+from fastft.runtime.engine.formation import Recovery
 
 __all__ = ["DECISION_WAIT_S", "Coordinator", "form_wait_s"]
 
@@ -44,13 +40,8 @@ DECISION_WAIT_S = 0.5
 """The decision store's timeout: how long one blocking read waits before its caller looks
 whether to go on."""
 _FORM_WAIT_MAX_S = 5.0
-ALIVE_S = 1.0
-"""A member's answer to a joiner's request (sent every 0.2 s) says its epoch lives this
-long: a joiner never forms a world of its own meanwhile (:func:`close_first`)."""
 _CLEARERS = 32
 """Joiner keys a NATS closer clears at once."""
-BLOCK_FROM = 64
-"""From this many workers a TCPStore first start's joiners block instead of polling."""
 
 
 def form_wait_s(members: int) -> float:
@@ -59,10 +50,6 @@ def form_wait_s(members: int) -> float:
     again: N members polling every 0.5 s are 2N requests a second on a server the
     formation needs), at most 5 s."""
     return min(_FORM_WAIT_MAX_S, DECISION_WAIT_S * max(1.0, members / 1024))
-
-
-_SCAN_LATE_S = 0.25
-"""After its timeout, how often a joiner reads every joiner key (the lowest closes)."""
 
 
 class Coordinator:
@@ -118,7 +105,7 @@ class Coordinator:
 
     def answered(self, epoch: int) -> None:
         """A member of ``epoch`` answered this joiner's request (the bus listener): that
-        epoch lives (:meth:`joiner_round` waits to be admitted to it)."""
+        epoch lives (:meth:`.joiners.Joiners.round` waits to be admitted to it)."""
         self.heard[epoch] = self.clock()
 
     # --- decisions -------------------------------------------------------------------------
@@ -229,7 +216,7 @@ class Coordinator:
     def register_joiner(self) -> None:
         """Its joiner key, and one more in the registrations' counter; NATS: the key only
         (an add is a compare-and-set loop there: N joiners at once wrote O(N^2) times,
-        24 s at 256; rank 0 reads the keys instead: :meth:`_registered`)."""
+        24 s at 256; rank 0 reads the keys instead: :meth:`.joiners.Joiners.registered`)."""
         self.store.set(self.keys.joiner(self.me.rank), str(self.me.incarnation))
         if not self.reads_many:
             self.store.add(self.keys.joined, 1)
@@ -260,26 +247,6 @@ class Coordinator:
                 out[r] = inc
         return out
 
-    def _may_close(self, wait: JoinerWait, now: float, latest: int) -> bool:
-        """Whether this joiner reads every joiner key now, to close if it is the one
-        (:func:`close_first`): rank 0 once every slot may be a joiner (the registrations'
-        counter), each a few times a second after the timeout. (Every joiner read every key
-        every 10 ms: O(world^2); 1,024 did not form within 100 s: issue 35.)"""
-        timeout = wait.start_timeout_s if latest == 0 else wait.regroup_timeout_s
-        if now - wait.started > timeout:
-            if now - wait.scanned < _SCAN_LATE_S:
-                return False
-            wait.scanned = now
-            return True
-        return self.me.rank == 0 and self._registered() >= self.world_size
-
-    def _registered(self) -> int:
-        """How many joiners registered: TCPStore the counter (one request); NATS the
-        joiner keys that hold a life, read at once."""
-        if self.reads_many:
-            return len(self.joiners())
-        return int(self.store.add(self.keys.joined, 0))
-
     def close(
         self, view: EpochView, admitted: dict[int, int], prev: EpochView | None = None
     ) -> EpochView:
@@ -307,105 +274,3 @@ class Coordinator:
             return
         for key, inc in items:
             self.store.compare_set(key, inc, "")
-
-    def form_as_joiner(
-        self,
-        *,
-        start_timeout_s: float,
-        regroup_timeout_s: float = REGROUP_TIMEOUT_S,
-        cancelled: Callable[[], bool],
-        announce: Callable[[], None],
-        announce_every_s: float = 0.2,
-    ) -> EpochView | None:
-        """Wait to be admitted to an epoch (registering as a joiner); returns the view or
-        None if ``cancelled()``; raises JobFinished if the members finished meanwhile.
-        One loop of :meth:`register` and :meth:`joiner_round`."""
-        wait = self.register(start_timeout_s, regroup_timeout_s)
-        next_announce = wait.started
-        rank, inc = self.me.rank, self.me.incarnation
-        while True:
-            if cancelled():
-                return None
-            now = self.clock()
-            if now >= next_announce and wait.seen > 0:  # (no epoch yet: nobody to tell)
-                announce()
-                next_announce = now + announce_every_s
-            view = self.joiner_round(wait)
-            if view is not None:
-                return view
-            if wait.seen == 0 and self.me.rank != 0 and self._blocks_at_start():
-                # The first start: block on the first epoch's view (the server answers
-                # every waiter when it is written), a little longer as the world grows;
-                # each wait that runs out is a round (polling every 10 ms x N/64, 1,024
-                # workers made 18 requests each; the scale model).
-                t0 = self.clock()
-                got = self.wait_value(self.keys.epoch_members(1), form_wait_s(self.world_size))
-                if got is not None and EpochView.from_json(got).has(rank, inc):
-                    return EpochView.from_json(got)
-                if got is None and self.clock() - t0 < _POLL_S:
-                    self.sleep(_POLL_S)  # (a forged value answers at once: no busy loop)
-                continue
-            # Rank 0 polls the registrations (10 ms apart, further from 1,024 workers; NATS:
-            # it reads every joiner key, less often from 64); below BLOCK_FROM every joiner
-            # polls so, further apart from 64; a restarted worker as the survivors do.
-            per = 64 if self.reads_many or self.me.rank != 0 else 1024
-            self.sleep(0.01 * max(1.0, self.world_size / per) if wait.seen == 0 else _POLL_S)
-
-    def _blocks_at_start(self) -> bool:
-        """Whether a first start's joiner blocks on the first view rather than polling:
-        on NATS, and on TCPStore from :data:`BLOCK_FROM` workers, where polling costs the
-        store more than what a TCPStore wait that times out may (its client reconnects:
-        torch 2.13 stalled 1 in ~25 for 5 s in jobs)."""
-        if self.decision_store is self.store:
-            return False
-        return self.reads_many or self.world_size >= BLOCK_FROM
-
-    def register(self, start_timeout_s: float, regroup_timeout_s: float) -> JoinerWait:
-        """Register as a joiner; the wait's state for :meth:`joiner_round`."""
-        self.register_joiner()
-        return JoinerWait(self.clock(), self.latest_epoch(), start_timeout_s, regroup_timeout_s)
-
-    def joiner_round(self, wait: JoinerWait) -> EpochView | None:
-        """One round of a joiner's wait: the closed epoch that lists this life, or the one
-        it closes itself when every slot is a joiner (:func:`close_first`), or None.
-        Raises JobFinished if the members finished meanwhile."""
-        done = self.finished_at()
-        if done is not None:
-            raise JobFinished(done)
-        now = self.clock()
-        latest = self.latest_epoch()
-        for e in range(max(wait.seen, 1), latest + 1):
-            view = self.closed(e)
-            if view is not None and view.has(self.me.rank, self.me.incarnation):
-                return view
-        wait.seen = latest
-        if not self._may_close(wait, now, latest):
-            return None
-        joiners = self.joiners()
-        if self.k > 1:  # whole shard groups only
-            whole = whole_groups(joiners, self.k)
-            joiners = {r: i for r, i in joiners.items() if r in whole}
-        arguments = dict(
-            me=self.me.rank,
-            latest=latest,
-            world_size=self.world_size,
-            min_members=self.min_members,
-            waited_s=now - wait.started,
-            start_timeout_s=wait.start_timeout_s,
-            regroup_timeout_s=wait.regroup_timeout_s,
-            # (a member of the latest epoch answered lately: it lives, busy or not)
-            live=now - self.heard.get(latest, float("-inf")) < ALIVE_S,
-        )
-        view = close_first(joiners, **arguments)  # type: ignore[arg-type]
-        if view is not None:  # this joiner closes: with what can replace the state
-            view = close_first(
-                joiners,
-                **arguments,  # type: ignore[arg-type]
-                last_step=self.committed_step(latest),
-                recovery=self.recovery(),
-            )
-            assert view is not None
-            agreed = self.close(view, joiners)
-            if agreed.has(self.me.rank, self.me.incarnation):
-                return agreed
-        return None

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 ANSWER_EVERY_S = 0.25
 """A member answers joiners at most this often: one answer (a broadcast) serves every
-joiner, each of which asks every 0.2 s (:data:`fastft.runtime.engine.coordinator.ALIVE_S`
+joiner, each of which asks every 0.2 s (:data:`fastft.runtime.engine.joiners.ALIVE_S`
 is 1 s)."""
 
 

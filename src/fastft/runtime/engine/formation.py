@@ -135,6 +135,8 @@ class JoinerWait:
     regroup_timeout_s: float
     scanned: float = float("-inf")
     """When it last read every joiner key after its timeout (a few times a second)."""
+    announce_at: float = float("-inf")
+    """When it next asks the members of a live epoch to admit it."""
 
 
 def holds_state(arrived: dict[int, Arrival]) -> bool:

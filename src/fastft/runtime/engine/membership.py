@@ -16,6 +16,7 @@ from fastft.runtime.durable.checkpoints import CheckpointError
 from fastft.runtime.endings import JobFinished, StateLost, WorkerExit
 from fastft.runtime.engine import plans
 from fastft.runtime.engine.formation import SurvivorWait
+from fastft.runtime.engine.joiners import Joiners
 from fastft.runtime.engine.sideclient import KeyCollector
 from fastft.runtime.engine.survivors import Survivors
 from fastft.runtime.groups.hsdp import heal_group, shard_source
@@ -32,6 +33,7 @@ class Membership:
     def __init__(self, x: Engine) -> None:
         self.x = x
         self.survivors = Survivors(x.coord)
+        self.joiners = Joiners(x.coord)
         self.collector = KeyCollector(x.side)
         self._decision_wait_ms: float | None = None
         self._below: tuple[int, int, int] | None = None
@@ -131,16 +133,22 @@ class Membership:
         x.events.emit("join_wait", incarnation=x.me.incarnation)
         t0 = time.monotonic()
         base = x.cancelled(Phase.INIT)
-        try:
-            view = x.coord.form_as_joiner(
-                start_timeout_s=x.config.start_timeout_s,
-                regroup_timeout_s=x.config.regroup_timeout_s,
-                cancelled=lambda: base() or plans.joiner_leaves(x.state),
-                announce=self._announce_join,
-            )
-        except JobFinished as e:
-            self._finished(e, str(e))
-            raise
+
+        def cancelled() -> bool:
+            return base() or plans.joiner_leaves(x.state)
+
+        wait = self.joiners.register(x.config.start_timeout_s, x.config.regroup_timeout_s)
+        view = None
+        for r in () if cancelled() else self.joiners.rounds(wait):
+            if r.announce:
+                self._announce_join()
+            if r.finished is not None:
+                e = JobFinished(r.finished)
+                self._finished(e, str(e))
+                raise e
+            if r.view is not None or cancelled():
+                view = r.view
+                break
         if view is not None:
             self.adopt(view, waited_s=time.monotonic() - t0)
         elif plans.joiner_leaves(x.state):
