@@ -59,7 +59,29 @@ def _figure(run_dir: str | Path) -> Any:
         sharex=True,
         gridspec_kw={"height_ratios": [1.6, max(1.5, 0.55 * len(ranks))]},
     )
-    # progress: the highest committed step over time
+    _progress(top, ev, t0)
+    end = _lives(ax, ev, t0, row, commits)
+    _marks(ax, top, ev, s, t0, row)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_ylim(-0.8, len(ranks) - 0.2)
+    ax.invert_yaxis()
+    ax.set_xlim(-0.5, end)
+    ax.set_xlabel(f"seconds (0: the first commit; start-up took {startup:.1f} s before it)")
+    ax.grid(axis="x", alpha=0.3)
+    gp = s["goodput"]
+    top.set_title(
+        f"{Path(run_dir).name}: {s['outcome']['ended']}, {s['steps_committed']} steps committed, "
+        f"{s['steps_rolled_back']} rolled back, {len(s['faults'])} faults, "
+        f"{s['restarts']} restarts" + (f", goodput {gp:.2f}" if gp is not None else ""),
+        fontsize=10,
+    )
+    _legend(ax)
+    fig.tight_layout()
+    return fig
+
+
+def _progress(top: Any, ev: list[dict[str, Any]], t0: float) -> None:
+    """The progress panel: the highest committed step over time."""
     pts, best = [], -1
     for e in sorted((e for e in ev if e["event"] == "commit"), key=lambda e: e["mono"]):
         if e["step"] > best:
@@ -69,7 +91,12 @@ def _figure(run_dir: str | Path) -> Any:
         top.step([p[0] for p in pts], [p[1] for p in pts], where="post", color="#1f77b4")
     top.set_ylabel("steps\ncommitted")
     top.grid(alpha=0.3)
-    # lives, commits, rollbacks, heals per rank
+
+
+def _lives(
+    ax: Any, ev: list[dict[str, Any]], t0: float, row: dict[int, int], commits: list[float]
+) -> float:
+    """Each rank's row: its lives, commits, rollbacks and heals; the timeline's end."""
     starts: dict[int, float] = {}
     lives: dict[int, int] = {}
     shades = ("#c7c7c7", "#8c8c8c")  # alternate lives of a rank
@@ -102,6 +129,13 @@ def _figure(run_dir: str | Path) -> Any:
     end = (max(commits) if commits else max(e["mono"] for e in ev)) - t0 + 0.2
     for r, t in starts.items():
         life_bar(r, t, end)
+    return end
+
+
+def _marks(
+    ax: Any, top: Any, ev: list[dict[str, Any]], s: dict[str, Any], t0: float, row: dict[int, int]
+) -> None:
+    """New epochs, the faults (detected, next commit) and the stragglers."""
     for t in sorted({e["mono"] - t0 for e in ev if e["event"] == "epoch"}):
         ax.axvline(t, color="#9467bd", ls="--", lw=0.7, alpha=0.5)
         top.axvline(t, color="#9467bd", ls="--", lw=0.7, alpha=0.5)
@@ -137,19 +171,10 @@ def _figure(run_dir: str | Path) -> Any:
             fontsize=8,
             color="#8c564b",
         )
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
-    ax.set_ylim(-0.8, len(ranks) - 0.2)
-    ax.invert_yaxis()
-    ax.set_xlim(-0.5, end)
-    ax.set_xlabel(f"seconds (0: the first commit; start-up took {startup:.1f} s before it)")
-    ax.grid(axis="x", alpha=0.3)
-    gp = s["goodput"]
-    top.set_title(
-        f"{Path(run_dir).name}: {s['outcome']['ended']}, {s['steps_committed']} steps committed, "
-        f"{s['steps_rolled_back']} rolled back, {len(s['faults'])} faults, "
-        f"{s['restarts']} restarts" + (f", goodput {gp:.2f}" if gp is not None else ""),
-        fontsize=10,
-    )
+
+
+def _legend(ax: Any) -> None:
+    """The legend, under the rows."""
     legend: list[tuple[str, dict[str, Any]]] = [
         ("worker life", dict(color="#c7c7c7", lw=6)),
         ("commit", dict(marker="|", color="#1f77b4", ls="")),
@@ -169,8 +194,6 @@ def _figure(run_dir: str | Path) -> Any:
         bbox_to_anchor=(0.5, -0.25),
         frameon=False,
     )
-    fig.tight_layout()
-    return fig
 
 
 def plot_timeline(run_dir: str | Path, out: str | Path) -> Path:

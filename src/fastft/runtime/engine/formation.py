@@ -232,28 +232,9 @@ def close_after(
         log.info("survivors %s are behind step %s: they heal", sorted(behind), top)
     epoch, members_ = prev.epoch + 1, tuple(sorted(members))
     if (v := _rewind_to(arrived)) is not None and len(arrived) >= min_members:
-        # A replica mismatch's repair: every survivor goes back to the state it holds of
-        # the last step the check found equal (joiners wait: none holds it). A survivor
-        # that a peer's repair interrupted before its own verdict arrives holding the
-        # state, and goes back too: the verdict of the members that decided is the one
-        # every member would have reached, and the state it holds may be the corrupted one
-        lost = max([prev.step, *(a.step for a in arrived.values())])
-        waiting = tuple(sorted({*waiting, *joiners}))
-        members_ = tuple(sorted(Member(r, a.incarnation) for r, a in arrived.items()))
-        return EpochView(epoch, members_, v, frozenset(), None, (), waiting, v, lost, rewind=True)
+        return _rewind(prev, arrived, v, (*waiting, *joiners))
     if not with_state:
-        # Every holder of the committed state is gone (at least prev.step was committed).
-        lost = max([prev.step, *(a.step for a in arrived.values())])
-        if recovery.checkpoint is not None:
-            c = recovery.checkpoint
-            return EpochView(epoch, members_, c, frozenset(), None, restore=c, lost=lost)
-        if (recovery.fresh_start or lost == 0) and joiners:
-            # (lost == 0: nothing was committed yet, so a fresh process holds the whole
-            # state: the first heal's source died, found by the simulator)
-            src = min(joiners)
-            needs = frozenset(m.rank for m in members_) - {src}
-            return EpochView(epoch, members_, 0, needs, src, lost=lost)
-        return EpochView(epoch, members_, lost, frozenset(), None, lost=lost)
+        return _lost(prev, arrived, members_, joiners, recovery)
     step = max(steps)
     kept = tuple(
         (r, *a.kept)
@@ -269,6 +250,44 @@ def close_after(
         kept=kept,
         waiting=waiting,
     )
+
+
+def _rewind(
+    prev: EpochView, arrived: dict[int, Arrival], v: int, waiting: tuple[int, ...]
+) -> EpochView:
+    """A replica mismatch's repair: every survivor goes back to the state it holds of the
+    last step the check found equal, ``v`` (``waiting``, the joiners, wait: none holds it).
+    A survivor that a peer's repair interrupted before its own verdict arrives holding the
+    state, and goes back too: the verdict of the members that decided is the one every
+    member would have reached, and the state it holds may be the corrupted one."""
+    lost = max([prev.step, *(a.step for a in arrived.values())])
+    members = tuple(sorted(Member(r, a.incarnation) for r, a in arrived.items()))
+    waits = tuple(sorted(set(waiting)))
+    return EpochView(prev.epoch + 1, members, v, frozenset(), None, (), waits, v, lost, rewind=True)
+
+
+def _lost(
+    prev: EpochView,
+    arrived: dict[int, Arrival],
+    members: tuple[Member, ...],
+    joiners: dict[int, int],
+    recovery: Recovery,
+) -> EpochView:
+    """Every holder of the committed state is gone (at least ``prev.step`` was committed):
+    every member restores the checkpoint, or a joiner (a fresh process) is the source of
+    a start from step 0, or the view is :attr:`EpochView.fatal`."""
+    epoch = prev.epoch + 1
+    lost = max([prev.step, *(a.step for a in arrived.values())])
+    if recovery.checkpoint is not None:
+        c = recovery.checkpoint
+        return EpochView(epoch, members, c, frozenset(), None, restore=c, lost=lost)
+    if (recovery.fresh_start or lost == 0) and joiners:
+        # (lost == 0: nothing was committed yet, so a fresh process holds the whole
+        # state: the first heal's source died, found by the simulator)
+        src = min(joiners)
+        needs = frozenset(m.rank for m in members) - {src}
+        return EpochView(epoch, members, 0, needs, src, lost=lost)
+    return EpochView(epoch, members, lost, frozenset(), None, lost=lost)
 
 
 def close_first(
