@@ -8,14 +8,12 @@ the default."""
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from fastft.errors import ConfigError
 from fastft.launch.rules.offenders import QuarantineRule
-from fastft.launch.settings.bounds import BUFFERS, check_bounds, check_torchft
+from fastft.launch.settings.bounds import BUFFERS
+from fastft.launch.settings.checks import check_config
 from fastft.runtime.contract import RuntimeConfig
 
 __all__ = ["LaunchConfig"]
@@ -42,10 +40,6 @@ def _worker(name: str, help: str, *, flag: str = "", choices: tuple[str, ...] = 
 
 
 _WORKER = {f.name: f for f in fields(RuntimeConfig)}
-
-
-def _dotted(name: str) -> bool:
-    return all(part.isidentifier() for part in name.split("."))
 
 
 @dataclass(frozen=True)
@@ -301,136 +295,7 @@ class LaunchConfig:
     """Extra environment for the workers (not a flag)."""
 
     def __post_init__(self) -> None:
-        if not self.command:
-            raise ConfigError("no worker command: fastft run [flags] script.py [args]")
-        if self.nproc < 1:
-            raise ConfigError(f"--nproc {self.nproc}: must be >= 1")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ConfigError(f"--backend {self.backend!r}: use auto, gloo or nccl")
-        if self.start_method not in ("zygote", "spawn"):
-            raise ConfigError(f"--start-method {self.start_method!r}: use zygote or spawn")
-        bad = [n for n in self.preload.split(",") if n and not _dotted(n)]
-        if bad:
-            raise ConfigError(f"--preload {','.join(bad)}: module names, comma-separated")
-        if self.preload and self.start_method != "zygote":
-            raise ConfigError("--preload: only the zygote preloads (--start-method zygote)")
-        if self.backend == "nccl":  # the workers' own rule, checked before they start
-            import torch
-
-            from fastft.runtime.contract import choose_backend  # (a pure function)
-
-            gpus = torch.cuda.device_count()  # no CUDA context in the agent
-            choose_backend("nccl", {"cuda"}, local_world=self.nproc, gpus=gpus)
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(
-                f"--node-rank {self.node_rank} with --nnodes {self.nnodes}: "
-                "node rank must be in 0..nnodes-1"
-            )
-        if self.control is not None:
-            from fastft.bus.nats import is_nats  # (pure)
-
-            if self.store is not None:
-                raise ConfigError("--control and --store: give one (the control plane)")
-            if not all(is_nats(u.strip()) for u in self.control.split(",") if u.strip()):
-                raise ConfigError(
-                    f"--control {self.control!r}: use nats://HOST:PORT[,nats://HOST:PORT...]"
-                )
-            try:
-                import nats  # noqa: F401
-            except ImportError as e:
-                raise ConfigError(
-                    f"--control nats needs the NATS client: pip install 'fastft[nats]' ({e})"
-                ) from e
-        elif self.nnodes > 1 and not self.store:
-            raise ConfigError(
-                "--nnodes > 1 needs --store HOST:PORT (node 0 hosts it) or --control nats://..."
-            )
-        if self.job_secret_file is not None:
-            from fastft.protocol.auth import JobSecret  # (a file check)
-
-            JobSecret.load(self.job_secret_file)
-        elif self.nnodes > 1:
-            raise ConfigError(
-                "--nnodes > 1 needs --job-secret-file PATH: one secret every node's agent "
-                "reads (create it once with `fastft secret new PATH`, copy it to each node "
-                "with mode 0600)"
-            )
-        if self.store is not None:
-            host, _, port = self.store.rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"--store {self.store!r}: expected HOST:PORT")
-        check_bounds(self)  # (the numbers: counts, timeouts, ports)
-        QuarantineRule.parse(self.quarantine)  # (a malformed --quarantine fails here)
-        world = self.nproc * self.nnodes
-        if self.min_replicas is not None and not 1 <= self.min_replicas <= world:
-            raise ConfigError(f"--min-replicas {self.min_replicas}: must be in 1..{world}")
-        if self.warm_spares and (
-            len(self.command) < 2
-            or os.path.basename(self.command[0]) != os.path.basename(sys.executable)
-        ):
-            raise ConfigError(
-                "--warm-spares needs a Python worker (script.py or -m module), "
-                f"not {self.command[0]!r}"
-            )
-        if self.spare_run_ahead and not self.warm_spares:
-            raise ConfigError("--spare-run-ahead needs warm spares: add --warm-spares N")
-        if self.standby and (self.nnodes < 2 or (self.node_rank == 0 and not self.control)):
-            raise ConfigError(
-                "--standby takes over a node of several (--nnodes > 1), and node 0 only with "
-                "--control nats://... (on a TCPStore node 0 hosts it: its loss ends the job)"
-            )
-        if self.inject is not None:
-            from fastft.inject import FaultPlan
-
-            FaultPlan.load(self.inject)  # fails now, with the plan's own message
-        check_torchft(self)
-        from fastft.runtime.contract import (  # (pure)
-            check_checkpoints,
-            check_decide,
-            check_shard_groups,
-            check_stage,
-            check_sync,
-        )
-
-        if self.shard_size > 1 and self.nproc % self.shard_size:
-            raise ConfigError(
-                f"--shard-size {self.shard_size} does not divide --nproc {self.nproc}: a shard "
-                "group lies on one node; use a divisor of --nproc"
-            )
-        check_shard_groups(self.shard_size, world, self.min_replicas or world)
-        check_sync(self.sync)
-        check_decide(self.decide)
-        check_stage(
-            self.stage,
-            self.flow,
-            self.max_ahead,
-            (self.min_replicas or world) < world,
-            self.shard_size,
-        )
-        if self.stage is not None and self.torchft:
-            raise ConfigError("--stage with --torchft: leave one of them out")
-        if self.sync != "per-step" and self.torchft:
-            raise ConfigError(
-                f"--sync {self.sync} with --torchft: torchft's Manager syncs every step; "
-                "leave one of them out"
-            )
-        if self.shard_size > 1 and (self.checkpoint_dir or self.torchft):
-            raise ConfigError(
-                f"--shard-size with --{'checkpoint-dir' if self.checkpoint_dir else 'torchft'}: "
-                "shard groups do not work with it yet; leave one of them out"
-            )
-
-        check_checkpoints(
-            self.checkpoint_dir,
-            self.checkpoint_every,
-            self.checkpoint_interval_s,
-            self.checkpoint_keep,
-        )
-        from fastft.launch.rules.leasewatch import DEFAULT_MISSES, LeaseConfig  # (pure)
-
-        LeaseConfig(self.node_heartbeat_ms, self.node_lease_misses or DEFAULT_MISSES)
-        if "/" in self.job or not self.job:
-            raise ConfigError(f"--job {self.job!r}: non-empty, without '/'")
+        check_config(self)
 
     @property
     def quarantine_rule(self) -> QuarantineRule | None:
