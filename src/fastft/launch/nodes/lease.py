@@ -118,6 +118,23 @@ class NodeLease:
         self._own_mark = self._failed = ""
         """With beats: this node's lost mark and the job's failed mark, as last read."""
         self._fenced: set[str] = set()
+        self.rejoined = self._make_keys()
+        """The mark this node found at its start (declared lost while its agent was gone;
+        no worker of this agent to fence yet), cleared; "" if none."""
+        # (``renewers``: on connections of their own, :mod:`.renewer`)
+        sends = (
+            beats.sends()
+            if beats is not None
+            else store_sends(store, keys.node_lease(node), renewers, config.lease_s)
+        )
+        if not sends:
+            self._renew()
+        self._renewer = Renewer(sends, period_s=config.period_s) if sends else None
+
+    def _make_keys(self) -> str:
+        """The keys this agent reads, made at its start; the lost mark this node found
+        (cleared)."""
+        keys, node, nnodes, watchers = self.keys, self.node, self.nnodes, self.watchers
         # The keys this agent reads exist from the start, so that one read gets them all
         # (a TCPStore read of a missing key waits for it): its own and its watched nodes'.
         for n in sorted({node, *watched(node, nnodes, {}, watchers)}):
@@ -131,23 +148,13 @@ class NodeLease:
         except ForgedValue as f:  # not the job's own: cleared, never acted on
             self.store.replace(keys.failed, f.raw, "")
         try:
-            self.rejoined = bytes(self.store.get(keys.node_lost(node))).decode(errors="replace")
+            rejoined = bytes(self.store.get(keys.node_lost(node))).decode(errors="replace")
         except ForgedValue as f:  # no mark of this job's: clear it
             self.store.replace(keys.node_lost(node), f.raw, "")
-            self.rejoined = ""
-        """The mark this node found at its start (declared lost while its agent was gone;
-        no worker of this agent to fence yet), cleared; "" if none."""
-        if self.rejoined:
-            self.store.compare_set(keys.node_lost(node), self.rejoined, "")
-        # (``renewers``: on connections of their own, :mod:`.renewer`)
-        sends = (
-            beats.sends()
-            if beats is not None
-            else store_sends(store, keys.node_lease(node), renewers, config.lease_s)
-        )
-        if not sends:
-            self._renew()
-        self._renewer = Renewer(sends, period_s=config.period_s) if sends else None
+            rejoined = ""
+        if rejoined:
+            self.store.compare_set(keys.node_lost(node), rejoined, "")
+        return rejoined
 
     def _renew(self) -> None:
         """Renew in the round (with a :class:`Renewer`, its clock renews instead)."""
