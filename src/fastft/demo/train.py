@@ -42,7 +42,8 @@ def batch(step: int, seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The demo's flags."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--hidden", type=int, default=64)
@@ -71,6 +72,11 @@ def main(argv: list[str] | None = None) -> None:
         default="cpu",
         help="where the model trains (cuda: cuda:LOCAL_RANK, modulo the GPUs visible)",
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     dev = torch.device("cpu")

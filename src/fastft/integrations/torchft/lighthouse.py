@@ -317,19 +317,9 @@ def lighthouse_key(job: str) -> str:
     return f"fastft/{job}/torchft/lighthouse"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The lighthouse process (``fastft.integrations.torchft.lighthouse.main``) that
-    ``fastft run --torchft fastft`` starts on node 0. It is a bus subscriber like any other
-    and publishes its address in the job's store. It runs apart from the agent because
-    gRPC's threads do not survive the agent's fork of a worker."""
+def _parser() -> Any:
+    """The lighthouse process's flags (given by the agent)."""
     import argparse
-    import secrets
-    import signal
-
-    from fastft.bus import BusConfig, connect_store, open_bus
-    from fastft.process.events import EventLog
-    from fastft.protocol import NO_RANK, Role
-    from fastft.protocol.auth import JobSecret
 
     ap = argparse.ArgumentParser(prog="fastft-lighthouse")
     ap.add_argument("--store", required=True)
@@ -342,7 +332,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-quorum", type=int, default=0)
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--secret-file", required=True, help="the job secret (mode 0600)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The lighthouse process (``fastft.integrations.torchft.lighthouse.main``) that
+    ``fastft run --torchft fastft`` starts on node 0. It is a bus subscriber like any other
+    and publishes its address in the job's store. It runs apart from the agent because
+    gRPC's threads do not survive the agent's fork of a worker."""
+    import secrets
+    import signal
+
+    from fastft.bus import BusConfig, connect_store, open_bus
+    from fastft.process.events import EventLog
+    from fastft.protocol import NO_RANK, Role
+    from fastft.protocol.auth import JobSecret
+
+    a = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s lighthouse %(message)s")
     events = EventLog(a.run_dir, "lighthouse")
     store = connect_store(a.store, wait_s=30)
