@@ -31,7 +31,7 @@ from fastft.protocol import (
     RollbackRequest,
     Severity,
 )
-from fastft.protocol.faults import fault_of
+from fastft.protocol.faults import FaultReport, fault_of
 from fastft.runtime.contract import EpochView, Member
 
 __all__ = ["EARLY_KEPT", "Routed", "repeats_logged", "route"]
@@ -86,104 +86,134 @@ def route(
         return Routed(early=True)
     r = fault_of(m)
     if r is not None:
-        if r.clean_exit and finished:
-            # It finished the job after the last step, which this worker voted for too
-            # and is still applying: an end, not a fault. (It acks nothing any more: a
-            # worker draining at that last commit waited for its ack, found by the
-            # simulator.)
-            return Routed(
-                events=(DrainAcked(r.rank),),
-                record=("peer_finished", {"rank": r.rank, "incarnation": r.incarnation}),
-                job_done=True,
-            )
-        in_view = view is not None and view.has(r.rank, r.incarnation)
-        if r.drained and (r.rank in leaving or not in_view):
-            # It left after a drain this worker knew of (its epoch re-forms without it,
-            # with nothing rolled back), or from outside this worker's epoch (a formation
-            # it was waiting in). Only its life is over. A drained member this worker
-            # still counts on is a fault below, like any exit.
-            who = Member(r.rank, r.incarnation)
-            return Routed(
-                # (a worker draining at the same commit waits for no ack from it)
-                events=(DrainAcked(r.rank),),
-                dead=who if r.incarnation and who not in dead else None,
-                record=("peer_drained", {"rank": r.rank, "incarnation": r.incarnation}),
-            )
-        if r.rank == me.rank and r.incarnation in (0, me.incarnation):
-            if isinstance(m, Fault) and m.sender != (me.rank, me.incarnation):
-                # a monitor or an operator reports this worker faulty
-                why = f"reported by {m.role.name.lower()}: {r.cause}"[:200]
-                return Routed(
-                    events=(LocalFault(r.severity, why),),
-                    record=(
-                        "reported_fault",
-                        {
-                            "step": step,
-                            "incarnation": me.incarnation,
-                            "severity": r.severity.name,
-                            "cause": why,
-                        },
-                    ),
-                )
-            return NOTHING
-        healed = (  # (a restore replaces every member's state, as a heal does the healed's)
-            view is not None
-            and (r.rank in view.needs_state or view.restore is not None or view.lost is not None)
-            and view.has(r.rank, r.incarnation)
-        )
-        if r.self_reported and m.epoch < epoch and (r.severity is Severity.FAULT2 or healed):
-            # A peer's own fault in an epoch this worker has left: the peer rolled that
-            # epoch back itself and arrived at the formation this epoch came from (a
-            # transient fault as it formed, it reports again, as one of the new epoch; a
-            # lost state, its arrival said so and this epoch heals it, or restores every
-            # member's from the durable tier after a total loss). Acted on, this
-            # worker alone would roll back an epoch its peers go on in (the simulator:
-            # two losses 1 ms apart, then a formation of one that declared a live peer
-            # dead).
-            return Routed(record=("stale_fault", {"rank": r.rank, "epoch": m.epoch}))
-        newly_dead = None
-        inc = r.incarnation
-        if not inc and view is not None and r.rank in view.ranks:
-            inc = view.incarnation(r.rank)  # (a monitor's "its current life": this one)
-        # a monitor's Fault1 of the current life: its agent kills that life
-        named = bool(inc) and not r.incarnation and r.severity is Severity.FAULT1
-        if r.dead or (named and not r.self_reported):
-            who = Member(r.rank, inc)
-            if who in dead:
-                # one death, several messages (stopped, then killed; declared dead, then
-                # exited): the first one already started the recovery
-                return NOTHING
-            newly_dead = who
-        if (
-            view is not None
-            and r.rank in view.ranks
-            and r.incarnation
-            in (
-                0,
-                view.incarnation(r.rank),
-            )
-        ):
-            record = {
-                "rank": r.rank,
-                "incarnation": r.incarnation,
-                "severity": r.severity.name,
-                "cause": r.cause[:300],
-                "kind": type(m).__name__,
-                "sent": m.wall_time,
-                "epoch": epoch,
-                "step": step,
-            }
-            return Routed(
-                events=(PeerFault(r.rank, r.severity, r.cause[:200]),),
-                dead=newly_dead,
-                record=("peer_fault", record),
-            )
-        return Routed(dead=newly_dead)
+        return _fault(m, r, me, view, epoch, step, dead, finished, leaving)
     if isinstance(m, DrainRequest):  # (latched until the next commit, even before one)
         if m.target_rank != me.rank:
             return NOTHING
         why = m.reason or f"drain requested by {m.role.name.lower()}"
         return Routed(events=(DrainRequested(why[:200]),), record=("drain_requested", {"why": why}))
+    return _control(m, me, view, epoch, dead, world_size)
+
+
+def _fault(
+    m: Message,
+    r: FaultReport,
+    me: Member,
+    view: EpochView | None,
+    epoch: int,
+    step: int,
+    dead: Set[Member],
+    finished: bool,
+    leaving: Set[int],
+) -> Routed:
+    """:func:`route` of a message that reports a fault or an exit (``r``: what it says of
+    whom): a peer's end of the job, a drained peer's exit, a report of this worker, a
+    stale fault of an epoch left, a death, a peer's fault."""
+    if r.clean_exit and finished:
+        # It finished the job after the last step, which this worker voted for too
+        # and is still applying: an end, not a fault. (It acks nothing any more: a
+        # worker draining at that last commit waited for its ack, found by the
+        # simulator.)
+        return Routed(
+            events=(DrainAcked(r.rank),),
+            record=("peer_finished", {"rank": r.rank, "incarnation": r.incarnation}),
+            job_done=True,
+        )
+    in_view = view is not None and view.has(r.rank, r.incarnation)
+    if r.drained and (r.rank in leaving or not in_view):
+        # It left after a drain this worker knew of (its epoch re-forms without it,
+        # with nothing rolled back), or from outside this worker's epoch (a formation
+        # it was waiting in). Only its life is over. A drained member this worker
+        # still counts on is a fault below, like any exit.
+        who = Member(r.rank, r.incarnation)
+        return Routed(
+            # (a worker draining at the same commit waits for no ack from it)
+            events=(DrainAcked(r.rank),),
+            dead=who if r.incarnation and who not in dead else None,
+            record=("peer_drained", {"rank": r.rank, "incarnation": r.incarnation}),
+        )
+    if r.rank == me.rank and r.incarnation in (0, me.incarnation):
+        if isinstance(m, Fault) and m.sender != (me.rank, me.incarnation):
+            # a monitor or an operator reports this worker faulty
+            why = f"reported by {m.role.name.lower()}: {r.cause}"[:200]
+            return Routed(
+                events=(LocalFault(r.severity, why),),
+                record=(
+                    "reported_fault",
+                    {
+                        "step": step,
+                        "incarnation": me.incarnation,
+                        "severity": r.severity.name,
+                        "cause": why,
+                    },
+                ),
+            )
+        return NOTHING
+    healed = (  # (a restore replaces every member's state, as a heal does the healed's)
+        view is not None
+        and (r.rank in view.needs_state or view.restore is not None or view.lost is not None)
+        and view.has(r.rank, r.incarnation)
+    )
+    if r.self_reported and m.epoch < epoch and (r.severity is Severity.FAULT2 or healed):
+        # A peer's own fault in an epoch this worker has left: the peer rolled that
+        # epoch back itself and arrived at the formation this epoch came from (a
+        # transient fault as it formed, it reports again, as one of the new epoch; a
+        # lost state, its arrival said so and this epoch heals it, or restores every
+        # member's from the durable tier after a total loss). Acted on, this
+        # worker alone would roll back an epoch its peers go on in (the simulator:
+        # two losses 1 ms apart, then a formation of one that declared a live peer
+        # dead).
+        return Routed(record=("stale_fault", {"rank": r.rank, "epoch": m.epoch}))
+    newly_dead = None
+    inc = r.incarnation
+    if not inc and view is not None and r.rank in view.ranks:
+        inc = view.incarnation(r.rank)  # (a monitor's "its current life": this one)
+    # a monitor's Fault1 of the current life: its agent kills that life
+    named = bool(inc) and not r.incarnation and r.severity is Severity.FAULT1
+    if r.dead or (named and not r.self_reported):
+        who = Member(r.rank, inc)
+        if who in dead:
+            # one death, several messages (stopped, then killed; declared dead, then
+            # exited): the first one already started the recovery
+            return NOTHING
+        newly_dead = who
+    if (
+        view is not None
+        and r.rank in view.ranks
+        and r.incarnation
+        in (
+            0,
+            view.incarnation(r.rank),
+        )
+    ):
+        record = {
+            "rank": r.rank,
+            "incarnation": r.incarnation,
+            "severity": r.severity.name,
+            "cause": r.cause[:300],
+            "kind": type(m).__name__,
+            "sent": m.wall_time,
+            "epoch": epoch,
+            "step": step,
+        }
+        return Routed(
+            events=(PeerFault(r.rank, r.severity, r.cause[:200]),),
+            dead=newly_dead,
+            record=("peer_fault", record),
+        )
+    return Routed(dead=newly_dead)
+
+
+def _control(
+    m: Message,
+    me: Member,
+    view: EpochView | None,
+    epoch: int,
+    dead: Set[Member],
+    world_size: int | None,
+) -> Routed:
+    """:func:`route` of a member's control message: a rollback request, a drain notice or
+    ack, a join request."""
     if view is None or m.rank == me.rank:
         return NOTHING  # not in an epoch yet (joins are admitted by the formation), or ours
     member = view.has(m.rank, m.incarnation)
