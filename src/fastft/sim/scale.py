@@ -201,6 +201,19 @@ class _Closes(Coordinator):
         hub.suspend()
 
 
+def _first_epoch(job: _Job, n: int) -> EpochView:
+    """The store after a first start of ``n`` members: epoch 1 closed, every joiner key
+    cleared."""
+    keys = job.keys
+    view = EpochView(1, tuple(Member(r, 1) for r in range(n)), 0, frozenset(), None)
+    job.put(keys.epoch_members(1), view.to_json())
+    job.put(keys.latest_epoch, "1")
+    job.put(keys.joined, str(n))
+    for r in range(n):
+        job.put(keys.joiner(r), "")
+    return view
+
+
 def reform(
     n: int,
     plane: str = "tcpstore",
@@ -215,12 +228,7 @@ def reform(
     """One fault among ``n`` members (rank ``dead``), every survivor into epoch 2."""
     job = _Job(plane, n, slow=slow, secret=secret)
     hub, keys = job.hub, job.keys
-    view = EpochView(1, tuple(Member(r, 1) for r in range(n)), 0, frozenset(), None)
-    job.put(keys.epoch_members(1), view.to_json())
-    job.put(keys.latest_epoch, "1")
-    job.put(keys.joined, str(n))
-    for r in range(n):
-        job.put(keys.joiner(r), "")
+    view = _first_epoch(job, n)
     done: list[float] = []
     tries: list[int] = []
     declared: set[int] = set()
