@@ -37,26 +37,14 @@ from typing import Any
 
 from fastft.errors import RayJobError
 from fastft.process.events import EVENTS_FILE
-from fastft.protocol.auth import JobSecret
 from fastft.ray import plan as decide
 from fastft.ray.agent import NodeAgent, file_identity
-from fastft.ray.servers import ServerWatch, node_ports, start_nats
+from fastft.ray.cluster import connect, control_plane, draw_secret, place, stop_all
+from fastft.ray.servers import ServerWatch
 
 __all__ = ["RayJobError", "gather_events", "run"]
 
-PLACE_TIMEOUT_S = 60.0
-"""How long the placement group may stay pending before the job fails at start."""
 POLL_S = 0.1
-
-
-def _ray() -> Any:
-    try:
-        import ray
-    except ImportError as e:
-        raise RayJobError(
-            f"fastft ray run needs Ray: pip install -c constraints.txt 'fastft[ray]' ({e})"
-        ) from None
-    return ray
 
 
 def run(
@@ -102,7 +90,7 @@ def run(
         run_dir = str(default_run_dir("ray"))
     run_dir = os.path.abspath(run_dir)  # (an actor's working directory may be Ray's)
     job = job or f"ray-{secrets.token_hex(3)}"
-    ray, ours = _connect(address, runtime_env)
+    ray, ours = connect(address, runtime_env)
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     actor_env = {} if ours or not runtime_env else {"runtime_env": runtime_env}
@@ -111,7 +99,7 @@ def run(
     created: list[Any] = []  # (every agent actor and standby: all stopped at the end)
     servers: list[Any] = []
     try:
-        pg, bundles = _place(
+        pg, bundles = place(
             ray,
             nodes=nodes,
             nproc=nproc,
@@ -123,7 +111,7 @@ def run(
         def on(i: int) -> Any:
             return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
 
-        plane, where = _plane(
+        plane, where = control_plane(
             ray,
             on,
             control=control,
@@ -133,7 +121,7 @@ def run(
             restarts=max_node_restarts,
             servers=servers,
         )
-        secret_path, blob = _secret(run_dir)
+        secret_path, blob = draw_secret(run_dir)
         cls = ray.remote(NodeAgent)
         argvs = [
             decide.node_argv(
@@ -184,136 +172,7 @@ def run(
         gather_events(ray, actors, Path(run_dir), out)
         return status
     finally:
-        _stop(ray, [*created, *servers], pg, shutdown=ours)
-
-
-def _connect(address: str | None, runtime_env: dict[str, Any] | None) -> tuple[Any, bool]:
-    """Ray, connected to the cluster at ``address`` (None: ``RAY_ADDRESS``, else the one Ray
-    finds on this machine) unless this driver connected already; whether it is this
-    call's connection (then shut down at the end)."""
-    address = address or os.environ.get("RAY_ADDRESS") or "auto"
-    if decide.loopback(address):
-        # A cluster on loopback (this machine's): Ray would replace 127.0.0.1 with the
-        # address of the default route, where no cluster listens; this variable (despite
-        # its name) keeps its single-machine addressing. Before Ray's import reads it.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray = _ray()
-
-    ours = not ray.is_initialized()  # (a driver that called ray.init() keeps its own)
-    if ours:
-        decide.reachable(address)
-        try:
-            ray.init(
-                address=address,
-                log_to_driver=False,
-                logging_level="ERROR",
-                include_dashboard=False,
-                configure_logging=False,
-                # (the job's: Ray uploads a local working_dir at ray.init, not per actor)
-                runtime_env=runtime_env,
-            )
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise RayJobError(f"no Ray cluster at {address}: {e}") from None
-    return ray, ours
-
-
-def _place(
-    ray: Any,
-    *,
-    nodes: int,
-    nproc: int,
-    cpus_per_node: float | None,
-    gpus_per_node: float,
-    placement: str,
-) -> tuple[Any, Any]:
-    """The job's placement group, one bundle per node agent, placed (or RayJobError: what
-    could not be placed); and the bundles' plan."""
-    from ray.util.placement_group import placement_group
-
-    bundles = decide.plan_bundles(
-        nodes=nodes,
-        nproc=nproc,
-        cpus_per_node=cpus_per_node,
-        gpus_per_node=gpus_per_node,
-        placement=placement,
-        have=ray.cluster_resources(),
-        machines=sum(1 for n in ray.nodes() if n.get("Alive")),
-    )
-    pg = placement_group(
-        [dict(bundles.bundle) for _ in range(bundles.count)], strategy=bundles.strategy
-    )
-    try:
-        ray.get(pg.ready(), timeout=PLACE_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        raise RayJobError(bundles.unplaced(PLACE_TIMEOUT_S)) from None
-    return pg, bundles
-
-
-def _plane(
-    ray: Any,
-    on: Any,
-    *,
-    control: str | None,
-    nodes: int,
-    nats_servers: int,
-    run_dir: str,
-    restarts: int,
-    servers: list[Any],
-) -> tuple[list[str], str]:
-    """The control plane's flags for every node's agent, and a line that says where it is:
-    the user's NATS cluster, NATS server actors (added to ``servers``), or node 0's
-    TCPStore (its address, from bundle 0: ``on(i)`` places a task on bundle ``i``)."""
-    if control:  # (a NATS cluster of the user's own)
-        plane, where = ["--control", control], control
-    elif nats_servers:
-        urls = start_nats(
-            ray,
-            cls_on=on,
-            nodes=nodes,
-            servers=nats_servers,
-            run_dir=run_dir,
-            restarts=restarts,
-            into=servers,
-        )
-        plane = ["--control", ",".join(urls)]
-        where = f"NATS, {len(urls)} server actors on {min(nodes, len(urls))} nodes"
-    else:  # (node 0's agent hosts the TCPStore: its address, from bundle 0)
-        first = ray.get(
-            ray.remote(node_ports).options(num_cpus=0, scheduling_strategy=on(0)).remote(1),
-            timeout=60,
-        )
-        address_ = f"{first['ip']}:{first['ports'][0]}"
-        plane, where = ["--store", address_], f"{address_} (node 0's TCPStore)"
-    return plane, where
-
-
-def _secret(run_dir: str) -> tuple[str, bytes]:
-    """The job's secret, drawn and saved in the run directory; its path and its bytes
-    (each actor writes it on its node)."""
-    secret_path = str(Path(run_dir) / "job.secret")
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    Path(secret_path).unlink(missing_ok=True)  # (a run resumed in its directory: its
-    # last job's secret, over; each job draws its own)
-    JobSecret.draw().save(secret_path)  # (the driver's copy: fastft inject, report)
-    blob = Path(secret_path).read_bytes()  # (each actor writes it on its node)
-    return secret_path, blob
-
-
-def _stop(ray: Any, actors: list[Any], pg: Any, *, shutdown: bool) -> None:
-    """Stop the job's ``actors`` (each asked, then killed), free its placement group and,
-    with ``shutdown``, disconnect from Ray."""
-    for a in actors:
-        try:
-            ray.get(a.stop.remote(), timeout=60)
-        except Exception:  # (dead, restarting, or out of restarts)
-            pass
-        ray.kill(a, no_restart=True)
-    if pg is not None:
-        from ray.util.placement_group import remove_placement_group
-
-        remove_placement_group(pg)
-    if shutdown:
-        ray.shutdown()
+        stop_all(ray, [*created, *servers], pg, shutdown=ours)
 
 
 class _Nodes:
