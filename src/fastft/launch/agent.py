@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fastft.errors import BusClosed
 from fastft.inject.plan import planned
 from fastft.launch.control import ControlPlane
 from fastft.launch.exits import Exits, back_line
@@ -39,8 +40,7 @@ from fastft.launch.rules import policy
 from fastft.launch.rules.ledger import Ledger
 from fastft.launch.rules.offenders import Offenders
 from fastft.launch.settings.config import LaunchConfig
-from fastft.launch.settings.workerenv import cpu_warnings, worker_environment, workers_line
-from fastft.process.env import insecure
+from fastft.launch.settings.workerenv import start_lines, worker_environment
 from fastft.process.events import EventLog
 from fastft.process.heartbeat import read_heartbeat
 from fastft.process.rundir import default_run_dir
@@ -137,22 +137,9 @@ class Agent:
             pid=os.getpid(),
             plan=planned(cfg.inject),
         )
-        if insecure():
-            print(
-                "fastft: WARNING: FASTFT_INSECURE_NO_AUTH=1: control messages and decisions "
-                "carry no tags; anything that reaches the store can steer this job",
-                file=sys.stderr,
-                flush=True,
-            )
-        for line in cpu_warnings(cfg, os.environ, len(os.sched_getaffinity(0))):
-            print(f"fastft: {line}", file=sys.stderr, flush=True)
         where = f"store {self.bound} (listening)" if self.bound else f"store {self.store_addr}"
-        print(
-            f"fastft: job {cfg.job!r}, {workers_line(cfg)}, {where}, run dir {self.run_dir}, "
-            f"secret {self.secret_file}",
-            file=sys.stderr,
-            flush=True,
-        )
+        for line in start_lines(cfg, where, self.run_dir, self.secret_file):
+            print(line, file=sys.stderr, flush=True)
         metrics = None
         if cfg.metrics_port is not None:
             from fastft.metrics import Exporter
@@ -439,6 +426,8 @@ class Agent:
     def publish(self, msg: Message) -> None:
         try:
             self.bus.broadcast(msg)
+        except BusClosed:  # (the job ended: a worker's exit claimed after the bus closed)
+            log.debug("agent: %s after the bus closed", type(msg).__name__)
         except Exception:
             log.exception("agent: could not publish %s", type(msg).__name__)
 

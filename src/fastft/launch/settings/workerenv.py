@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fastft.launch.settings.config import LaunchConfig
-from fastft.process.env import SPARE_FEWEST, SPARE_RUN_AHEAD, SPARE_WORLD, WorkerEnv
+from fastft.process.env import SPARE_FEWEST, SPARE_RUN_AHEAD, SPARE_WORLD, WorkerEnv, insecure
 
 __all__ = ["cpu_warnings", "worker_environment", "workers_line"]
 
@@ -132,3 +132,21 @@ def workers_line(cfg: LaunchConfig) -> str:
     if cfg.nproc == 1:
         return "1 worker on this node (--nproc N for more)"
     return f"{cfg.nproc} workers on this node"
+
+
+def start_lines(cfg: LaunchConfig, where: str, run_dir: Any, secret_file: Any) -> list[str]:
+    """The agent's lines at its start: a job without its secret's tags, the CPU warnings,
+    and the job's line (``where``: its store or control plane)."""
+    lines = []
+    if insecure():
+        lines.append(
+            "fastft: WARNING: FASTFT_INSECURE_NO_AUTH=1: control messages and decisions "
+            "carry no tags; anything that reaches the store can steer this job"
+        )
+    cores = len(os.sched_getaffinity(0))
+    lines += [f"fastft: {line}" for line in cpu_warnings(cfg, os.environ, cores)]
+    lines.append(
+        f"fastft: job {cfg.job!r}, {workers_line(cfg)}, {where}, run dir {run_dir}, "
+        f"secret {secret_file}"
+    )
+    return lines
