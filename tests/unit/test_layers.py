@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import fastft
 
 SRC = Path(fastft.__file__).parent
@@ -178,25 +180,6 @@ RUNTIME_WINGS = [
 other; a lower wing never imports a higher one)."""
 
 
-def test_no_runtime_wing_imports_a_higher_one():
-    rank = {w: i for i, wing in enumerate(RUNTIME_WINGS) for w in wing}
-
-    def wing(module: str) -> str | None:
-        parts = module.split(".")
-        return parts[2] if len(parts) > 2 and parts[1] == "runtime" else None
-
-    wings = {w for a in _graph(False) if (w := wing(a)) is not None}
-    assert wings <= set(rank), f"runtime wings without a place: {wings - set(rank)}"
-    up = sorted(
-        f"{a} imports {b}"
-        for a, deps in _graph(False).items()
-        if (wa := wing(a)) is not None
-        for b in deps
-        if (wb := wing(b)) is not None and rank[wb] > rank[wa]
-    )
-    assert up == []
-
-
 LAUNCH_WINGS = [
     {"rules"},  # the agent's pure decisions: no I/O, no torch (the simulator's too)
     {"settings"},  # flags, their bounds, the worker's environment
@@ -209,18 +192,20 @@ LAUNCH_WINGS = [
 """``launch/``'s wings, lowest first (issue 63: 27 modules of six kinds in one folder)."""
 
 
-def test_no_launch_wing_imports_a_higher_one():
-    rank = {w: i for i, wing in enumerate(LAUNCH_WINGS) for w in wing}
+@pytest.mark.parametrize(("pkg", "order"), [("runtime", RUNTIME_WINGS), ("launch", LAUNCH_WINGS)])
+def test_no_wing_imports_a_higher_one(pkg: str, order: list[set[str]]) -> None:
+    rank = {w: i for i, wing in enumerate(order) for w in wing}
 
     def wing(module: str) -> str | None:
         parts = module.split(".")
-        return parts[2] if len(parts) > 2 and parts[1] == "launch" else None
+        return parts[2] if len(parts) > 2 and parts[1] == pkg else None
 
-    wings = {w for a in _graph(False) if (w := wing(a)) is not None}
-    assert wings <= set(rank), f"launch wings without a place: {wings - set(rank)}"
+    graph = _graph(False)
+    wings = {w for a in graph if (w := wing(a)) is not None}
+    assert wings <= set(rank), f"{pkg} wings without a place: {wings - set(rank)}"
     up = sorted(
         f"{a} imports {b}"
-        for a, deps in _graph(False).items()
+        for a, deps in graph.items()
         if (wa := wing(a)) is not None
         for b in deps
         if (wb := wing(b)) is not None and rank[wb] > rank[wa]

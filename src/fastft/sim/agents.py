@@ -157,13 +157,12 @@ class Agents:
         then = do.then
         if do.finished:
             slot.finished = True
-        if then.done:
-            slot.done = True
         if then.failed:
             self.outcome = f"failed: {then.failed}"
             self.checks.job_failed(then.failed)
             return
         if then.done:
+            slot.done = True
             if all(s.done for s in self.slots.values()):
                 self.outcome = (
                     "finished"
