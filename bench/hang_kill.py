@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import summary_ms, table, write  # noqa: E402
 
 from fastft.launch.procs.children import STACKS_MAX_S, await_signal_taken  # noqa: E402
-from fastft.process.heartbeat import STACKS_SIGNAL  # noqa: E402
+from fastft.process.beat import STACKS_SIGNAL  # noqa: E402
 
 HUNG = r"""
 import faulthandler, signal, sys

@@ -21,7 +21,7 @@ import pytest
 from _runs import STEPS, check_s1_s3, fastft_run, finals
 
 from fastft.launch.rules.policy import COLD_RESTART_DELAY_S, SPARE_REFILL_MAX_S
-from fastft.process.heartbeat import HANG_FLOOR_S
+from fastft.process.beat import HANG_FLOOR_S
 from fastft.protocol import EXIT_DRAINED
 from fastft.protocol.auth import JobSecret
 from fastft.report import shards_by_step, unlogged_commits, untiled_steps

@@ -15,8 +15,8 @@ from fastft.bus.natscluster import LocalCluster
 from fastft.bus.natsio import pinned, run
 from fastft.bus.natsstore import connect_nats
 from fastft.bus.signed import SignedStore
+from fastft.launch.nodes.beatlease import BeatLease
 from fastft.launch.nodes.beats import Beat, Beats, beat_subject, decode, encode
-from fastft.launch.nodes.lease import NodeLease
 from fastft.launch.rules.leasewatch import LeaseConfig
 from fastft.protocol.auth import JobSecret, ValueAuth
 from fastft.protocol.keys import JobKeys
@@ -60,7 +60,7 @@ class _Agent:
         self.lost: list[tuple[int, dict[int, int], float]] = []
         self.fenced: list[str] = []
         self.store_lost: list[str] = []
-        self.lease = NodeLease(
+        self.lease = BeatLease(
             self.store, self.keys, node, 2, CFG,
             on_lost=lambda n, lives, c: self.lost.append((n, lives, time.monotonic())),
             on_fenced=self.fenced.append,

@@ -12,8 +12,9 @@ import pytest
 
 from fastft.bus import BusConfig, MemoryHub, RelayHub, host_store, open_bus
 from fastft.bus.endpoint import BusEndpoint
+from fastft.bus.hubtransport import HubTransport
 from fastft.bus.memory import MemoryTransport
-from fastft.bus.relay import HELLO_MAX, HubTransport, sockaddr
+from fastft.bus.relay import HELLO_MAX, sockaddr
 from fastft.bus.relayed import RelayedTransport
 from fastft.bus.tcpstore import StoreTransport, parse_members
 from fastft.errors import RelayUnreachable

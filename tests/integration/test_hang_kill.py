@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from fastft.launch.procs.children import await_signal_taken
-from fastft.process.heartbeat import STACKS_SIGNAL
+from fastft.process.beat import STACKS_SIGNAL
 
 pytestmark = pytest.mark.timeout(60)
 

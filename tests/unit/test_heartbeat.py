@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 
 from fastft.process import heartbeat
-from fastft.process.heartbeat import (
+from fastft.process.beat import (
     HANG_FLOOR_S,
     HANG_PACES,
     PACE_WINDOW,
-    HeartbeatWriter,
     Wait,
     hang_limit,
     pace_of,
     read_heartbeat,
 )
+from fastft.process.heartbeat import HeartbeatWriter
 
 
 class Clock:

@@ -15,7 +15,7 @@ from fastft.launch.rules.policy import (
     startup_failed,
     waiters,
 )
-from fastft.process.heartbeat import HANG_FLOOR_S
+from fastft.process.beat import HANG_FLOOR_S
 from fastft.protocol import EXIT_DRAINED
 from fastft.protocol.exits import (
     EXIT_CHECKPOINTS_FAIL,

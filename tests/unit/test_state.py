@@ -43,7 +43,7 @@ def test_a_replaced_grad_rebuilds_the_bucket_and_rollback_replaces_it():
     again = r.grad_bucket()
     assert again is not flat and torch.equal(first.grad, torch.ones_like(first))
     r.rollback()  # an abandoned allreduce may still write into the old bucket
-    fresh = r._bucket
+    fresh = r.bucket.flat
     assert fresh is not None and fresh is not again and not fresh.any()
     assert all(p.grad.data_ptr() != again.data_ptr() for p in m.parameters())
     again.fill_(7.0)  # the abandoned allreduce writes late: the retry does not see it

@@ -47,7 +47,8 @@ def test_figures_are_compared_only_within_the_newest_epoch():
 
 
 def test_a_new_epoch_starts_the_figures_again(tmp_path):
-    from fastft.process.heartbeat import RECENT_STEPS, HeartbeatWriter, read_heartbeat
+    from fastft.process.beat import RECENT_STEPS, read_heartbeat
+    from fastft.process.heartbeat import HeartbeatWriter
 
     hb = HeartbeatWriter(str(tmp_path / "hb"))
     try:

@@ -16,12 +16,12 @@ import pytest
 
 import fastft.launch.gray.verdicts as verdicts
 from fastft.launch.gray.verdicts import Verdicts
-from fastft.process.heartbeat import _FMT, Beat, Wait
+from fastft.process.beat import BEAT_FORMAT, Beat, Wait
 
 
 def _beat(path: Path, *, last: float, pace: float, **more: Any) -> None:
     b = Beat(last=last, pace=pace, between=0.0, commits=20.0, compute=pace, **more)
-    path.write_bytes(struct.pack(_FMT, *b))
+    path.write_bytes(struct.pack(BEAT_FORMAT, *b))
 
 
 @dataclass

@@ -64,14 +64,15 @@ def open_bus(
 
         return BusEndpoint(config, RelayedTransport(transport, relay, config.idle_pop_s))
     if hub is not None:
-        from fastft.bus.relay import HubTransport
+        from fastft.bus.hubtransport import HubTransport
 
         return BusEndpoint(config, HubTransport(transport, hub, config.idle_pop_s))
     return BusEndpoint(config, transport)
 
 
 def _transport(store: Any, config: BusConfig) -> Transport:
-    from fastft.bus.nats import NatsKV, NatsTransport
+    from fastft.bus.nats import NatsKV
+    from fastft.bus.natsbus import NatsTransport
 
     if isinstance(store, NatsKV):
         return NatsTransport(store, config)

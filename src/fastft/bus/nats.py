@@ -10,7 +10,7 @@
   ``torch.distributed.Store``: everything that used the TCPStore uses it unchanged, the
   process groups' rendezvous included (through a ``PrefixStore``), so no host is special.
   The operator's commands use ``NatsKV`` alone, without importing torch.
-* :class:`NatsTransport` carries the error bus on core NATS: one subject per job
+* :class:`~fastft.bus.natsbus.NatsTransport` carries the error bus on core NATS: one subject per job
   (``fastft.<job>.bus``), one publish per broadcast, which the servers fan out; FIFO per
   publisher. The servers cut off a subscriber that stops reading (slow consumer).
 
@@ -25,25 +25,21 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import queue
 import re
 import time
 import uuid
 from typing import Any
 
-from fastft.bus.contract import BusConfig
-from fastft.bus.endpoint import WAKE, BusEndpoint
 from fastft.bus.natsio import BUCKET, Conn, connection, run, shutdown
 from fastft.errors import StoreTimeout, StoreUnreachable
 
 __all__ = [
     "BUCKET",
     "NatsKV",
-    "NatsTransport",
     "connect_kv",
+    "escape_key",
     "nats_connection",
     "is_nats",
-    "nats_bus",
     "shutdown",
 ]
 
@@ -87,7 +83,7 @@ def connect_kv(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) -> Na
 _KEY_OK = re.compile(r"[A-Za-z0-9_/-]")
 
 
-def _key(key: str) -> str:
+def escape_key(key: str) -> str:
     """A store key in the characters a JetStream key may hold (``=XX`` escapes)."""
     out = "".join(
         c if _KEY_OK.fullmatch(c) else "".join(f"={b:02X}" for b in c.encode()) for c in key
@@ -217,11 +213,11 @@ class NatsKV:
 
     # --- torch.distributed.Store's ------------------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
-        self._write(_key(key), _b(value), None)
+        self._write(escape_key(key), _b(value), None)
 
     def get(self, key: str) -> bytes:
         """The value; waits for a missing key until the store's timeout."""
-        k = _key(key)
+        k = escape_key(key)
         deadline = time.monotonic() + self.timeout_s
         while True:
             e = self._entry(k)
@@ -242,7 +238,7 @@ class NatsKV:
     def add(self, key: str, amount: int) -> int:
         from nats.js.errors import KeyWrongLastSequenceError
 
-        k = _key(key)
+        k = escape_key(key)
         while True:
             e, rev = self._read(k)
             cur = int(e.value or b"0") if e is not None else 0
@@ -260,7 +256,7 @@ class NatsKV:
         key counts as an empty one); return the value that holds."""
         from nats.js.errors import KeyWrongLastSequenceError
 
-        k, want, new = _key(key), _b(expected_value), _b(desired_value)
+        k, want, new = escape_key(key), _b(expected_value), _b(desired_value)
         if not want:  # most often a new key (a decision): try creating it at once
             try:
                 self._write(k, new, 0)
@@ -286,7 +282,7 @@ class NatsKV:
         from nats.js.errors import KeyNotFoundError
 
         kv = self._conn.kv
-        ks = [_key(k) for k in keys]
+        ks = [escape_key(k) for k in keys]
 
         async def read_all() -> list[Any]:
             async def one(k: str) -> Any:
@@ -314,7 +310,7 @@ class NatsKV:
         async def read_all() -> list[Any]:
             async def one(k: str) -> Any:
                 try:
-                    return await kv.get(_key(k), validate_keys=False)
+                    return await kv.get(escape_key(k), validate_keys=False)
                 except KeyNotFoundError:
                     return None
 
@@ -327,7 +323,7 @@ class NatsKV:
             self.set(k, v)
 
     def check(self, keys: list[str]) -> bool:
-        return all(self._entry(_key(k)) is not None for k in keys)
+        return all(self._entry(escape_key(k)) is not None for k in keys)
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         saved = self.timeout_s
@@ -339,18 +335,18 @@ class NatsKV:
         finally:
             self.set_timeout(datetime.timedelta(seconds=saved))
 
-    def delete_key(self, key: str) -> bool:
+    def deleteescape_key(self, key: str) -> bool:
         """Remove ``key`` and every trace of it (a purge of its subject: a KV delete would
         leave a tombstone per key, and a long job deletes two keys per step); True, with
         no read first (nothing here needs to know whether it existed)."""
         js = self._conn.js
-        subject = f"$KV.{BUCKET}.{_key(key)}"
+        subject = f"$KV.{BUCKET}.{escape_key(key)}"
         self._call(lambda: js.purge_stream(f"KV_{BUCKET}", subject=subject))
         return True
 
     # the names torch's C++ side calls
     def deleteKey(self, key: str) -> bool:
-        return self.delete_key(key)
+        return self.deleteescape_key(key)
 
     def getNumKeys(self) -> int:
         return self.num_keys()
@@ -367,84 +363,3 @@ class NatsKV:
                 return 0
 
         return int(self._call(count))
-
-
-# --- the bus --------------------------------------------------------------------------------
-_FROM = "Fastft-From"
-"""Header naming the publishing endpoint, so that it skips its own messages."""
-
-
-class NatsTransport:
-    """The error bus on core NATS: one subject per job, fanned out by the servers."""
-
-    def __init__(self, store: NatsKV, config: BusConfig) -> None:
-        self.config = config
-        self._conn = store.conn
-        self.subject = f"fastft.{_key(config.job).replace('/', '_')}.bus"
-        self._queue: queue.SimpleQueue[bytes] | None = None
-        self._sub: Any = None
-        self.id: str | None = None
-        self.evictions = 0
-        self._timeout_s = store.timeout_s
-
-    def join(self, label: str) -> str:
-        nc = self._conn.nc
-        me = self.id = f"{label}@{id(self):x}"
-        q: queue.SimpleQueue[bytes] = queue.SimpleQueue()
-
-        async def on_msg(msg: Any) -> None:
-            if msg.headers and msg.headers.get(_FROM) == me:
-                return  # the servers echo a publisher's own messages
-            q.put_nowait(msg.data)  # the listener thread blocks on q itself
-
-        async def subscribe() -> Any:
-            sub = await nc.subscribe(self.subject, cb=on_msg, pending_msgs_limit=1 << 20)
-            await nc.flush()
-            return sub
-
-        self._queue = q
-        self._sub = run(subscribe(), self._timeout_s)
-        return me
-
-    def leave(self) -> None:
-        sub, self._sub = self._sub, None
-        if sub is not None:
-            try:
-                run(sub.unsubscribe(), 2.0)
-            except Exception:
-                log.debug("nats: unsubscribe failed", exc_info=True)
-
-    def is_member(self) -> bool:
-        return self._sub is not None
-
-    def push_all(self, data: bytes) -> int:
-        nc = self._conn.nc
-
-        headers = {_FROM: self.id} if self.id else None
-
-        async def publish() -> None:
-            await nc.publish(self.subject, data, headers=headers)
-
-        run(publish(), self._timeout_s)
-        return 1
-
-    def pop(self) -> bytes | None:
-        q = self._queue
-        assert q is not None
-        try:
-            return q.get(timeout=self.config.idle_pop_s)
-        except queue.Empty:
-            return None
-
-    def wake(self) -> None:
-        q = self._queue
-        if q is not None:
-            q.put_nowait(WAKE)
-
-    def close(self) -> None:
-        self.leave()
-
-
-def nats_bus(store: NatsKV, config: BusConfig) -> BusEndpoint:
-    """An endpoint on the NATS control plane (not started)."""
-    return BusEndpoint(config, NatsTransport(store, config))

@@ -11,12 +11,18 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import socket
 import threading
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from fastft.bus.natsconnect import (
+    RECONNECT_WAIT_S,
+    client_options,
+    explain,
+    reachable,
+    with_retries,
+)
 from fastft.errors import StoreUnreachable
 
 __all__ = ["BUCKET", "Conn", "connection", "pinned", "run", "shutdown"]
@@ -25,11 +31,6 @@ log = logging.getLogger(__name__)
 
 BUCKET = "fastft"
 """The JetStream key-value bucket of the control plane."""
-RECONNECT_WAIT_S = 0.05
-"""How long the client waits before it tries the next server after losing one."""
-PING_S = 1.0
-"""The client pings its server this often, and leaves it after 2 pings unanswered (an idle
-connection to a server cut off; nats-py's default waits 2 minutes for each)."""
 PROBE_S = 0.2
 """A call that got no answer in time pings the server: no answer within this long either,
 and the client leaves it for another server (:meth:`Conn.suspect`)..."""
@@ -110,7 +111,7 @@ class Conn:
             nc = await nats.connect(
                 servers=servers,
                 name="fastft",
-                **_options(timeout_s),
+                **client_options(timeout_s),
                 reconnect_to_server_handler=self._next_server,
                 error_cb=quiet,
                 disconnected_cb=self._left,
@@ -118,14 +119,14 @@ class Conn:
             )
             self._url = getattr(nc.connected_url, "netloc", "")
             js = nc.jetstream(timeout=min(timeout_s, 5.0))
-            kv = await _with_retries(lambda: _bucket(js), timeout_s)
+            kv = await with_retries(lambda: _bucket(js), timeout_s)
             if kv is None:
                 for replicas in (3, 1):  # a single server cannot hold 3 replicas
                     config = KeyValueConfig(
                         bucket=BUCKET, history=1, storage=StorageType.MEMORY, replicas=replicas
                     )
                     try:
-                        kv = await _with_retries(lambda c=config: js.create_key_value(c), timeout_s)
+                        kv = await with_retries(lambda c=config: js.create_key_value(c), timeout_s)
                         break
                     except Exception as e:
                         if replicas == 1:
@@ -146,7 +147,7 @@ class Conn:
         try:
             self.nc, self.js, self.kv = run(connect(), timeout_s + 5)
         except Exception as e:
-            raise StoreUnreachable(_explain(servers, e)) from e
+            raise StoreUnreachable(explain(servers, e)) from e
 
     def waiter(self, key: str) -> threading.Event:
         """An event set when ``key`` is next written: a subscription to that key's writes
@@ -254,51 +255,6 @@ class Conn:
             pass
 
 
-def _options(timeout_s: float) -> dict[str, Any]:
-    """nats-py's connection settings fastft's clients share: reconnect at once and for
-    ever, and leave a server whose pings go unanswered (see the module)."""
-    return {
-        "connect_timeout": max(1, int(min(timeout_s, 5))),
-        "reconnect_time_wait": RECONNECT_WAIT_S,
-        "max_reconnect_attempts": -1,
-        "allow_reconnect": True,
-        "ping_interval": PING_S,
-        "max_outstanding_pings": 2,
-    }
-
-
-def _explain(servers: list[str], e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip().splitlines()[0][:200]
-    where = ",".join(servers)
-    if "jetstream" in text.lower() or "503" in text or "ServiceUnavailable" in text:
-        return (
-            f"the NATS servers at {where} have no JetStream ({text}): start them with "
-            "JetStream on (nats-server -js, or fastft nats up)"
-        )
-    return f"no NATS server answers at {where} ({text}): check --control"
-
-
-def _reachable(servers: list[str], wait_s: float) -> None:
-    """Fail at once (after ``wait_s`` of retries) if no server of the list accepts a
-    connection: the client itself would retry forever."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        errors = []
-        for url in servers:
-            host, _, port = url.split("://", 1)[1].rpartition(":")
-            try:
-                with socket.create_connection((host.strip("[]"), int(port or 4222)), timeout=2.0):
-                    return
-            except (OSError, ValueError) as e:
-                errors.append(f"{url}: {getattr(e, 'strerror', None) or e}")
-        if time.monotonic() >= deadline:
-            raise StoreUnreachable(
-                f"no NATS server answers at {','.join(servers)} ({'; '.join(errors)[:300]}): "
-                "check --control"
-            )
-        time.sleep(0.1)
-
-
 @atexit.register
 def shutdown() -> None:
     """Close this process's NATS connections and stop its loop (at exit, or in tests)."""
@@ -351,7 +307,7 @@ def pinned(servers: list[str], count: int, timeout_s: float) -> list[Any]:
             log.debug("nats (pinned to %s): %s", url, e)
 
         return await nats.connect(
-            servers=[url], name="fastft-pinned", **_options(timeout_s), error_cb=quiet
+            servers=[url], name="fastft-pinned", **client_options(timeout_s), error_cb=quiet
         )
 
     async def all_of() -> list[Any]:
@@ -380,27 +336,6 @@ def connection(servers: list[str], timeout_s: float, wait_s: float) -> Conn:
     with _CONNS_LOCK:
         conn = _CONNS.get(key)
         if conn is None:
-            _reachable(servers, wait_s)
+            reachable(servers, wait_s)
             conn = _CONNS[key] = Conn(servers, timeout_s)
         return conn
-
-
-async def _with_retries(call: Any, timeout_s: float) -> Any:
-    """``await call()``, tried again for up to ``timeout_s`` while JetStream does not
-    answer yet (a cluster that just started, or is electing its leader on a loaded
-    machine, times out or has no responders for a few seconds)."""
-    import asyncio
-
-    from nats.errors import NoRespondersError
-    from nats.errors import TimeoutError as NatsTimeout
-
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        try:
-            return await call()
-        except (NatsTimeout, NoRespondersError, asyncio.TimeoutError) as e:
-            if loop.time() + 0.5 > deadline:
-                raise
-            log.info("nats: JetStream not answering yet (%s); trying again", type(e).__name__)
-            await asyncio.sleep(0.5)

@@ -2,6 +2,7 @@
 spares and durable tier for JAX training. See :mod:`fastft.jax.runtime` and
 ``docs/jax.md``."""
 
-from fastft.jax.runtime import JaxRuntime, JaxTransaction, init
+from fastft.jax.runtime import JaxRuntime, init
+from fastft.jax.transaction import JaxTransaction
 
 __all__ = ["JaxRuntime", "JaxTransaction", "init"]

@@ -12,7 +12,6 @@ are forwarded so the job stops cleanly.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -33,16 +32,16 @@ from fastft.launch.gray.verdicts import Verdicts, warn_unfired
 from fastft.launch.nodes.nodewatch import NodeWatch
 from fastft.launch.procs.children import Children, Slot, die_with_parent
 from fastft.launch.procs.output import Output
-from fastft.launch.procs.spare import order_line
 from fastft.launch.procs.spares import SparePool
 from fastft.launch.procs.standby import Warm, node_zygote
 from fastft.launch.rules import policy
 from fastft.launch.rules.ledger import Ledger
 from fastft.launch.rules.offenders import Offenders
 from fastft.launch.settings.config import LaunchConfig
-from fastft.launch.settings.workerenv import start_lines, worker_environment
+from fastft.launch.settings.workerenv import start_lines
+from fastft.launch.spawn import Spawner
+from fastft.process.beat import read_heartbeat
 from fastft.process.events import EventLog
-from fastft.process.heartbeat import read_heartbeat
 from fastft.process.rundir import default_run_dir
 from fastft.protocol import (
     NO_RANK,
@@ -76,6 +75,8 @@ class Agent:
         self.store_addr, self.secret_file = plane.address, plane.secret_file
         self.store, self.bus, self.started = plane.store, plane.bus, plane.started
         self.hub = plane.hub
+        self.spawner = Spawner(self, plane)
+        """Starts the workers' lives (:mod:`.spawn`)."""
         first = config.node_rank * config.nproc
         self.slots = {r: Slot(r) for r in range(first, first + config.nproc)}
         self.exits = Exits(self)
@@ -159,7 +160,7 @@ class Agent:
                 slot.incarnation = secrets.randbits(62) | 1
             self.nodes.record_lives()
             for slot in first:
-                self._spawn(slot, drawn=True)
+                self.spawner.spawn(slot, drawn=True)
             if why is not None:
                 self.fail(why)
             for i in range(cfg.warm_spares):
@@ -239,81 +240,6 @@ class Agent:
         self._wake.set()
 
     # --- workers ---------------------------------------------------------------------------
-    def _local(self, slot: Slot) -> int:
-        """The slot's rank on this node (``LOCAL_RANK``)."""
-        return slot.rank - self.config.node_rank * self.config.nproc
-
-    def _spawn(self, slot: Slot, drawn: bool = False) -> None:
-        """Start ``slot``'s next life (``drawn``: its incarnation drawn and recorded)."""
-        cfg = self.config
-        if not drawn:
-            slot.incarnation = secrets.randbits(62) | 1
-        slot.heartbeat = str(self.run_dir / f".heartbeat-{slot.rank}")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(slot.heartbeat)  # (the last life's: its commits are not this one's)
-        trace_path = str(self.run_dir / f".exit-trace-{slot.rank}-{slot.life}")
-        traced = cfg.exit_trace and self.children.tracer.refused is None
-        env = worker_environment(
-            cfg,
-            rank=slot.rank,
-            life=slot.life,
-            incarnation=slot.incarnation,
-            local_rank=self._local(slot),
-            store_addr=self.store_addr,
-            run_dir=str(self.run_dir),
-            heartbeat_file=slot.heartbeat,
-            exit_trace_file=trace_path if traced else None,
-            lighthouse_addr=self.lighthouse_addr,
-            secret_file=str(self.secret_file),
-            group_gen=self.ledger.generation(slot.rank // cfg.shard_size),
-            relay_socket=self.hub.address if self.hub else None,
-            job_started=self.started,
-        )
-        try:
-            os.unlink(slot.heartbeat)
-        except FileNotFoundError:
-            pass
-        if not drawn:
-            self.nodes.record_lives()
-        gpu = self.spares.gpu_of(self._local(slot))
-        taken = self.spares.take(gpu) if slot.life > 0 else None
-        spare, ready = taken if taken is not None else (None, False)
-        if spare is not None:
-            try:
-                assert spare.stdin is not None
-                spare.stdin.write(order_line(env, list(cfg.command)))
-                spare.stdin.close()
-            except OSError:  # it died before it was needed: start the worker cold
-                log.warning("warm spare %d is gone; starting rank %d cold", spare.pid, slot.rank)
-                spare = None
-        if spare is None and slot.spare_only:  # (the policy saw one a moment ago)
-            self.events.emit("spare_missing", rank=slot.rank)
-            log.warning("rank %d should start on a warm spare; none is left: cold", slot.rank)
-        how = "spare"
-        if spare is not None:
-            self.children.adopt(slot, spare)
-        else:
-            how = self.children.popen(slot, list(cfg.command), env)
-        if slot.spare_only:
-            self.offenders.replaced(slot.rank)
-            slot.spare_only = False
-        assert slot.proc is not None
-        if traced:
-            self.children.trace_exit(slot, slot.proc.pid, trace_path)
-        self._wake.set()
-        self.events.emit(
-            "spawn",
-            rank=slot.rank,
-            life=slot.life,
-            pid=slot.proc.pid,
-            incarnation=slot.incarnation,
-            warm=spare is not None,
-            how=how[:200],
-            **({"spare_ready": ready} if spare is not None else {}),
-        )
-        if spare is not None:  # the next failure gets one too, once this one recovered
-            self.spares.owe(slot)
-
     def _start_spare(self, gpu: int | None) -> None:
         if self.stopping is None and not self.failed:
             self.spares.start(gpu)
@@ -368,10 +294,12 @@ class Agent:
                 if self.draining is not None:  # (no new lives once the node drains)
                     slot.done = True
                     continue
-                self._spawn(slot)
+                self.spawner.spawn(slot)
             if self.spares.owed:
                 self.spares.refill(
-                    time.monotonic(), _committed, lambda s: self.spares.gpu_of(self._local(s))
+                    time.monotonic(),
+                    _committed,
+                    lambda s: self.spares.gpu_of(self.spawner.local(s)),
                 )
             self.nodes.tick(time.monotonic())
             if self.config.torchft == "plain":

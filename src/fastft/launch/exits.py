@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import fastft.launch.rules.policy as policy
 from fastft.launch.procs.children import Slot
 from fastft.launch.rules import exitplan
-from fastft.process.heartbeat import read_heartbeat
+from fastft.process.beat import read_heartbeat
 from fastft.protocol import HangSuspected, ProcessExited
 from fastft.protocol.exits import FASTFT_STATUSES, ending_path
 

@@ -28,6 +28,9 @@ class StoreWatch(Protocol):
     store_gone: bool
     """The store stopped answering this agent: a call to it would not return."""
 
+    def record_lives(self) -> None:
+        """Write this node's worker lives to the store: before a life starts."""
+
 
 class AgentPorts(Protocol):
     """One node's agent as its parts see it."""
@@ -87,6 +90,10 @@ class AgentPorts(Protocol):
 
     @property
     def hosts_store(self) -> bool: ...
+
+    @property
+    def lighthouse_addr(self) -> str:
+        """torchft's lighthouse (``--torchft``), "" without one."""
 
     def publish(self, msg: Message) -> None: ...
 

@@ -84,18 +84,11 @@ def run(
     out = out or sys.stdout
     decide.check_nats_servers(nats_servers)
     argv = decide.with_nproc(argv, nproc)
-    if run_dir is None:
-        from fastft.process.rundir import default_run_dir
-
-        run_dir = str(default_run_dir("ray"))
-    run_dir = os.path.abspath(run_dir)  # (an actor's working directory may be Ray's)
+    run_dir = _run_dir(run_dir)
     job = job or f"ray-{secrets.token_hex(3)}"
     ray, ours = connect(address, runtime_env)
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    actor_env = {} if ours or not runtime_env else {"runtime_env": runtime_env}
     pg = None
-    actors: list[Any] = []
     created: list[Any] = []  # (every agent actor and standby: all stopped at the end)
     servers: list[Any] = []
     try:
@@ -107,72 +100,121 @@ def run(
             gpus_per_node=gpus_per_node,
             placement=placement,
         )
-
-        def on(i: int) -> Any:
-            return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-
-        plane, where = control_plane(
+        agents, where = _start(
             ray,
-            on,
-            control=control,
+            pg,
+            bundles,
+            created,
+            servers,
             nodes=nodes,
-            nats_servers=nats_servers,
+            job=job,
+            argv=argv,
             run_dir=run_dir,
+            control=control,
+            nats_servers=nats_servers,
             restarts=max_node_restarts,
-            servers=servers,
+            gpus_per_node=gpus_per_node,
+            standby=standby,
+            files=files,
+            actor_env={} if ours or not runtime_env else {"runtime_env": runtime_env},
         )
-        secret_path, blob = draw_secret(run_dir)
-        cls = ray.remote(NodeAgent)
-        argvs = [
-            decide.node_argv(
-                i,
-                nodes=nodes,
-                plane=plane,
-                secret_path=secret_path,
-                run_dir=run_dir,
-                job=job,
-                argv=argv,
-            )
-            for i in range(nodes)
-        ]
-
-        def make(i: int, *, holds: bool = True, warm: bool = False) -> Any:
-            """Node ``i``'s agent actor (``holds``: its bundle's CPUs and GPUs) or a
-            standby (``warm``: ``fastft run --standby``, waiting for ``go``), named for
-            Ray's dashboard (``fastft-JOB-node1``, its standbys ``-node1-standby-2``...,
-            a new agent actor ``-node1-5``)."""
-            n = len(created)
-            suffix = (f"-{n}" if warm else "") if holds else f"-standby-{n}"
-            name = f"fastft-{job}-node{i}{suffix}"
-            a = cls.options(
-                num_cpus=bundles.bundle["CPU"] if holds else 0,
-                num_gpus=gpus_per_node if holds else 0,
-                max_restarts=0,  # (the driver replaces a dead agent: two never serve a node)
-                max_task_retries=0,
-                scheduling_strategy=on(i),
-                name=name,
-                **actor_env,
-            ).remote(i, argvs[i], blob, secret_path, run_dir, files, warm)
-            created.append(a)
-            return a
-
-        actors.extend(make(i) for i in range(nodes))
-        # (node 0 hosts a TCPStore: its loss ends the job, and it has no standby)
-        keep = [standby and (i > 0 or plane[0] == "--control") for i in range(nodes)]
-        standbys = [make(i, holds=False, warm=True) if keep[i] else None for i in range(nodes)]
-        print(
-            f"fastft ray: job {job!r}, {nodes} node agents x {nproc} workers on the Ray "
-            f"cluster, control plane {where}, run dir {run_dir}",
-            file=out,
-            flush=True,
-        )
+        print(f"fastft ray: job {job!r}, {nodes} node agents x {nproc} workers on the Ray "
+              f"cluster, control plane {where}, run dir {run_dir}", file=out, flush=True)  # fmt: skip
         tracks = [decide.AgentTrack(i, max_node_restarts) for i in range(nodes)]
-        nodes_ = _Nodes(ray, actors, standbys, make, keep)
-        status = _follow(ray, nodes_, tracks, servers, out)
-        gather_events(ray, actors, Path(run_dir), out)
+        status = _follow(ray, agents, tracks, servers, out)
+        gather_events(ray, agents.actors, Path(run_dir), out)
         return status
     finally:
         stop_all(ray, [*created, *servers], pg, shutdown=ours)
+
+
+def _run_dir(run_dir: str | None) -> str:
+    """The job's run directory as an absolute path (an actor's working directory may be
+    Ray's): ``run_dir``, else a new one as ``fastft ray run``'s default."""
+    if run_dir is None:
+        from fastft.process.rundir import default_run_dir
+
+        run_dir = str(default_run_dir("ray"))
+    return os.path.abspath(run_dir)
+
+
+def _start(
+    ray: Any,
+    pg: Any,
+    bundles: Any,
+    created: list[Any],
+    servers: list[Any],
+    *,
+    nodes: int,
+    job: str,
+    argv: list[str],
+    run_dir: str,
+    control: str | None,
+    nats_servers: int,
+    restarts: int,
+    gpus_per_node: float,
+    standby: bool,
+    files: dict[str, bytes] | None,
+    actor_env: dict[str, Any],
+) -> tuple[_Nodes, str]:
+    """:func:`run`'s start: the control plane (its servers into ``servers``), the job
+    secret, every node's agent actor and its standby (each into ``created``); the agents
+    and where the control plane is."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    def on(i: int) -> Any:
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+
+    plane, where = control_plane(
+        ray,
+        on,
+        control=control,
+        nodes=nodes,
+        nats_servers=nats_servers,
+        run_dir=run_dir,
+        restarts=restarts,
+        servers=servers,
+    )
+    secret_path, blob = draw_secret(run_dir)
+    cls = ray.remote(NodeAgent)
+    argvs = [
+        decide.node_argv(
+            i,
+            nodes=nodes,
+            plane=plane,
+            secret_path=secret_path,
+            run_dir=run_dir,
+            job=job,
+            argv=argv,
+        )
+        for i in range(nodes)
+    ]
+
+    def make(i: int, *, holds: bool = True, warm: bool = False) -> Any:
+        """Node ``i``'s agent actor (``holds``: its bundle's CPUs and GPUs) or a
+        standby (``warm``: ``fastft run --standby``, waiting for ``go``), named for
+        Ray's dashboard (``fastft-JOB-node1``, its standbys ``-node1-standby-2``...,
+        a new agent actor ``-node1-5``)."""
+        n = len(created)
+        suffix = (f"-{n}" if warm else "") if holds else f"-standby-{n}"
+        name = f"fastft-{job}-node{i}{suffix}"
+        a = cls.options(
+            num_cpus=bundles.bundle["CPU"] if holds else 0,
+            num_gpus=gpus_per_node if holds else 0,
+            max_restarts=0,  # (the driver replaces a dead agent: two never serve a node)
+            max_task_retries=0,
+            scheduling_strategy=on(i),
+            name=name,
+            **actor_env,
+        ).remote(i, argvs[i], blob, secret_path, run_dir, files, warm)
+        created.append(a)
+        return a
+
+    actors = [make(i) for i in range(nodes)]
+    # (node 0 hosts a TCPStore: its loss ends the job, and it has no standby)
+    keep = [standby and (i > 0 or plane[0] == "--control") for i in range(nodes)]
+    standbys = [make(i, holds=False, warm=True) if keep[i] else None for i in range(nodes)]
+    return _Nodes(ray, actors, standbys, make, keep), where
 
 
 class _Nodes:

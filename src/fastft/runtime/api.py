@@ -27,7 +27,7 @@ from torch import nn
 import fastft.process.malloc as malloc
 from fastft.bus import connect_store
 from fastft.bus.signed import SignedStore
-from fastft.fsm import DrainRequested, Phase, Shutdown, StepState
+from fastft.fsm import DrainRequested, Phase, StepState
 from fastft.interrupt import Interrupter, StepInterrupted
 from fastft.process.env import SPARE_RUN_AHEAD, insecure
 from fastft.process.events import EventLog
@@ -38,9 +38,9 @@ from fastft.process.teardown import arm_fast_exit
 from fastft.protocol import JobKeys
 from fastft.protocol.auth import JobSecret, ValueAuth
 from fastft.protocol.exits import ending_path
+from fastft.runtime import closing
 from fastft.runtime.attempt import StepAttempts
 from fastft.runtime.contract import Member, RuntimeConfig
-from fastft.runtime.endcheck import end_check
 from fastft.runtime.endings import Drained, JobFinished, ScriptError, WorkerExit
 from fastft.runtime.engine.build import build_engine
 from fastft.runtime.engine.coordinator import DECISION_WAIT_S
@@ -113,7 +113,7 @@ class Runtime:
             Core.run,
             Runtime.close,
         )
-        self._store = control
+        self.control = control  # (the job's store as this worker writes to it: signed)
         self._raw_store = store
         self._mesh: Any = None
         self.registered = False
@@ -148,23 +148,7 @@ class Runtime:
         atexit.register(self._stop_threads)
 
     def _stop_threads(self) -> None:
-        """At interpreter exit without :meth:`close` (an exception, ``sys.exit``, a job that
-        cannot go on): stop the threads that block in torch (the bus listener's store
-        waits, the key collector) while the interpreter can still run them. One that
-        returned from C++ during finalization could not take the GIL and would abort the
-        process ("terminate called without an active exception") instead of letting it end
-        with its status."""
-        x = self.engine
-        if x.closing:
-            return
-        x.closing = True
-        for stop in (x.membership.collector.close, self.bus.close, self.heartbeat.close):
-            try:
-                stop()
-            except Exception:
-                log.debug("stopping %s at exit failed", stop, exc_info=True)
-        if x.durable is not None:
-            x.durable.close(timeout_s=10.0)
+        closing.stop_threads(self)
 
     # --- public API ------------------------------------------------------------------------
     def register(
@@ -201,7 +185,7 @@ class Runtime:
         for name, obj in others.items():
             if isinstance(obj, Batches):
                 obj.guard = self.interrupter.atomic
-                self.attempts.batches.append(obj)
+                self.attempts.agreement.batches.append(obj)
             elif type(obj).__name__ == "StatefulDataLoader":
                 log.warning(
                     "register(%s=StatefulDataLoader): register fastft.Batches(loader) and draw "
@@ -316,53 +300,7 @@ class Runtime:
     def close(self, *, finished: bool = True) -> None:
         """Leave the job. Idempotent. ``finished=False``: this worker leaves on its own
         (a failed health check); a member's close otherwise tells joiners the job ended."""
-        x = self.engine
-        if x.closing:
-            return
-        x.closing = True
-        view = x.view
-        if (
-            finished
-            and x.state.may_end_the_job
-            and view is not None
-            and view.has(self.rank, self.incarnation)
-        ):
-            try:  # a member ends after a committed step: joiners need not wait any more
-                self._store.set(self.keys.finished, str(x.state.step))
-            except Exception:
-                log.debug("could not mark the job finished", exc_info=True)
-            with self.heartbeat.blocked:  # (it waits for the others' sums)
-                end_check(self, self._store)  # (ReplicasDiverged: exit 94, closed by it)
-        x.feed(Shutdown("closed"))
-        with x.lock:
-            x.cond.notify_all()
-        st = self.bus.stats
-        self.events.emit(
-            "worker_stop",
-            step=x.state.step,
-            commits=x.commits,
-            rollbacks=x.rollbacks,
-            rejected={  # what was not acted on: frames without the secret, replays, forgeries
-                "malformed": st.malformed,
-                "forged": st.forged,
-                "replayed": st.replayed,
-                "by_sender": dict(st.rejected_by),
-                "forged_values": getattr(self._store, "forged", None) and self._store.forged.total,
-                "forged_flow": self.flow.forged if self.flow is not None else 0,
-            },
-        )
-        if x.durable is not None:
-            with (
-                self.heartbeat.blocked
-            ):  # alive while it waits (the agent must not kill it as hung)
-                x.settle()  # (the last commit's, after the script's post-commit code)
-                x.checkpoints.last(x.state.step, x.view, x.me)
-                x.durable.close()  # a checkpoint being written is finished: the last counts
-        x.membership.collector.close()
-        self.bus.close()
-        self.interrupter.close()
-        self.heartbeat.close()
-        self.events.close()
+        closing.close(self, finished=finished)
 
     def __enter__(self) -> Runtime:
         return self

@@ -6,19 +6,19 @@ import cycle, and a test can hand them a fake)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from fastft.fsm import Event, StepState
+    from fastft.fsm import StepState
     from fastft.inject.execute import Injector
     from fastft.interrupt import Interrupter
     from fastft.process.events import EventLog
     from fastft.process.heartbeat import HeartbeatWriter
     from fastft.runtime.contract import EpochView, HealthCheck, RuntimeConfig
+    from fastft.runtime.engine.core import Seen
     from fastft.runtime.groups.flow import Flow
     from fastft.runtime.groups.plane import Plane
     from fastft.runtime.state.kept import KeptGradients
@@ -30,7 +30,7 @@ __all__ = ["RuntimePorts", "StepEngine"]
 class StepEngine(Protocol):
     """The step engine as the step's entry and exit, the transaction, the sync policies
     and the in-process restart see it (:class:`~fastft.runtime.engine.executor.Executor`
-    is one). ``lock`` guards ``state`` and ``view``; ``feed_locked`` is called under it."""
+    is one). It never hands out its lock: :meth:`seen` reads under it."""
 
     @property
     def state(self) -> StepState: ...
@@ -42,9 +42,6 @@ class StepEngine(Protocol):
     def phase_changes(self) -> int: ...
 
     @property
-    def lock(self) -> threading.RLock: ...
-
-    @property
     def dp(self) -> Plane: ...
 
     @property
@@ -53,7 +50,12 @@ class StepEngine(Protocol):
     @property
     def closing(self) -> bool: ...
 
-    def feed_locked(self, event: Event) -> None: ...
+    def seen(self) -> Seen:
+        """The state, the view and the phase changes at one moment (read under the
+        engine's lock, which a part never takes)."""
+
+    def grads_ready(self, step: int, agreed: bool) -> None:
+        """The step's gradients are ready: fed unless a fault moved the machine on."""
 
     def local_fault(self, exc: BaseException, gen: int | None = None) -> None:
         """This worker's own fault: on the bus and into the machine, unless the machine

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastft.errors import FastFTError
 from fastft.fsm import Phase
 from fastft.inject import StateLostFault
-from fastft.process.heartbeat import hang_limit
+from fastft.process.beat import hang_limit
 from fastft.runtime.endings import ScriptError, WorkerExit, misuse
 from fastft.runtime.health import admit_or_leave, state_damage
 
@@ -147,9 +147,8 @@ class Restartable:
             rt.events.emit("restart_given_up", step=rt.step, cause=cause, restarts=self.restarts)
             raise e
         t0 = time.monotonic()
-        with x.lock:
-            view = x.view
-            peers = view is not None and len(view.members) > 1
+        view = x.seen().view
+        peers = view is not None and len(view.members) > 1
         lose = self.heal is True
         suspect = self.heal == "auto" and peers
         if suspect and state_damage(rt.registry) is not None:  # damaged for sure: a Fault1

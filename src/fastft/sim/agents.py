@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastft.launch.gray.stragglers import StragglerWatch, slow_members
-from fastft.launch.rules import exitplan
+from fastft.launch.rules import exitplan, policy
 from fastft.launch.rules.offenders import Offenders
 from fastft.protocol import (
     DrainRequest,
@@ -64,6 +64,9 @@ class Agents:
     stragglers: StragglerWatch
     replacing: set[Member]
     offenders: Offenders
+    spares: dict[int, int]
+    owed: list[tuple[Member, float]]
+    draining: set[int]
     now: float
 
     def at(self, delay: float, kind: str, *args: Any) -> None:
@@ -133,6 +136,7 @@ class Agents:
             replaced=who in self.replacing,
         )
         o = self.opts
+        node = who.rank // o.per_node
         seen = exitplan.AgentSeen(
             max_restarts=o.max_restarts,
             world_size=o.world_size,
@@ -140,6 +144,8 @@ class Agents:
             stopping=self.outcome is not None,
             peers_finished=any(s.finished for s in self.slots.values()),
             first_lives={r: s.first for r, s in self.slots.items()},
+            spares_left=self.spares[node] > 0,
+            draining=node in self.draining,
         )
         what = exitplan.fault_of(e, seen)
         if what is not None:
@@ -163,20 +169,83 @@ class Agents:
             return
         if then.done:
             slot.done = True
-            if all(s.done for s in self.slots.values()):
-                self.outcome = (
-                    "finished"
-                    if any(s.finished for s in self.slots.values())
-                    else ("failed: every slot is gone")
-                )
+            self.all_done()
             return
         if do.free:
             slot.drains += 1
         if then.restart:
             if then.spare_only:  # (:meth:`fastft.launch.agent.Agent`'s start on a spare)
                 self.offenders.replaced(slot.rank)
-            lo, hi = self.opts.restart_s
-            self.at(max(then.delay_s, self.draw(lo, hi)), "spawn", slot.rank)
+            node = slot.rank // self.opts.per_node
+            spare = self.spares[node] > 0  # (the agent's restart takes a ready spare)
+            if spare:
+                self.spares[node] -= 1
+            lo, hi = self.opts.spare_s if spare else self.opts.restart_s
+            self.at(max(then.delay_s, self.draw(lo, hi)), "spawn", slot.rank, spare)
+
+    def all_done(self) -> None:
+        """Every slot done: the job finished, was preempted (every node drained), or
+        failed."""
+        if not all(s.done for s in self.slots.values()):
+            return
+        if any(s.finished for s in self.slots.values()):
+            self.outcome = "finished"
+        elif self.draining:
+            self.outcome = "preempted: every worker drained"  # (the agent exits 143)
+        else:
+            self.outcome = "failed: every slot is gone"
+
+    # --- warm spares (:class:`fastft.launch.procs.spares.SparePool`) ---------------------
+    def owe(self, life: Member) -> None:
+        """A spare became ``life``: its replacement is owed (:func:`policy.spare_owed_done`)."""
+        self.owed.append((life, self.now + policy.SPARE_REFILL_MAX_S))
+        if len(self.owed) == 1:
+            self.at(0.05, "spares_owed")
+
+    def _on_spares_owed(self) -> None:
+        keep = []
+        for who, deadline in self.owed:
+            slot, life = self.slots[who.rank], self.lives[who]
+            if policy.spare_owed_done(
+                now=self.now,
+                deadline=deadline,
+                same_life=slot.life == who,
+                slot_done=slot.done,
+                committed=life.commits > 0,
+            ):  # a new spare warms up as a cold start does
+                self.at(
+                    self.draw(*self.opts.restart_s), "spare_ready", who.rank // self.opts.per_node
+                )
+            else:
+                keep.append((who, deadline))
+        self.owed = keep
+        if keep:
+            self.at(0.05, "spares_owed")
+
+    def _on_spare_ready(self, node: int) -> None:
+        if self.outcome is None and node not in self.draining:
+            self.spares[node] += 1
+
+    # --- the agent's own drain (:meth:`fastft.launch.agent.Agent.drain`) -----------------
+    def node_drain(self, node: int) -> None:
+        """The node's agent got a SIGTERM: each of its workers drains at its next commit
+        (its SIGTERM handler, ``ft.drain``), none is restarted; after the grace the agent
+        stops the ones still there."""
+        if node in self.draining:
+            return
+        self.draining.add(node)
+        for life in self.node_lives(node):
+            self.broadcast(
+                None,
+                DrainRequest(
+                    **self.agent_header(life.rank), target_rank=life.rank, reason="SIGTERM"
+                ),
+            )
+        self.at(self.opts.drain_grace_s, "drain_late", node)
+
+    def _on_drain_late(self, node: int) -> None:
+        for life in self.node_lives(node):
+            self.end_life(life, None, 9, "stopped after the drain's grace")
 
     def _on_straggler_check(self) -> None:
         """:class:`fastft.launch.gray.stragglers.Stragglers` with ``--stragglers replace``:

@@ -157,12 +157,16 @@ class Checks:
     def drained(self, life: Life) -> None:
         """A drain never takes away the last copy of the committed state: when ``life``
         leaves drained holding the newest committed step, another member holds it too (one
-        that died as ``life`` left, unknown to it, counts), or the durable tier does."""
+        that died as ``life`` left, unknown to it, counts), or the durable tier does, or
+        the whole job is preempted (every node's agent drains)."""
         w = self.w
         step = life.held
         done = w.outcome is not None or w.store.value(w.keys.finished)
         joiner = life.view is None or not life.view.has(life.me.rank, life.me.incarnation)
-        if done or joiner or life.state.lost_state or life.h != w.chain[step]:
+        # (every node's agent drains: the job is preempted whole, and its state goes with
+        # it unless the durable tier keeps it, as ``fastft run``'s last line says)
+        preempted = len(w.draining) == len(w.spares)
+        if done or joiner or preempted or life.state.lost_state or life.h != w.chain[step]:
             return
         newest = max((o.held for o in w.lives.values() if o.alive), default=0)
         if newest > step or w.checkpoints.get(step) == life.h:
@@ -228,5 +232,5 @@ class Checks:
             missing = [r for r, s in w.slots.items() if not s.done]
             if missing:
                 self.fail(f"the job finished with ranks {missing} still running")
-        elif w.outcome is not None and not w.outcome.startswith("failed: "):
+        elif w.outcome is not None and not w.outcome.startswith(("failed: ", "preempted: ")):
             self.fail(f"the job ended silently: {w.outcome}")

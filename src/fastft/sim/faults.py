@@ -30,6 +30,7 @@ KINDS = (
 GRAY_KINDS = (
     "slow",  # a straggler: its steps compute 3x as long; the agents name it and replace it
     "bitflip",  # its state is corrupted silently: the replica check (every step) repairs it
+    "node_drain",  # the rank's node agent gets a SIGTERM (a preemption): it drains its workers
 )
 """Drawn only when asked for (``kinds``): the default draws stay those of the regression
 seeds."""

@@ -41,8 +41,9 @@ from fastft.protocol.exits import EXIT_DRAINED, EXIT_FAULT_STORM
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine import decisions
 from fastft.runtime.engine.coordinator import Coordinator
-from fastft.runtime.engine.core import Core, Wait, superseded
+from fastft.runtime.engine.core import Core, Wait
 from fastft.runtime.engine.joiners import Joiners
+from fastft.runtime.engine.queue import superseded
 from fastft.runtime.engine.survivors import Survivors
 from fastft.sim.ports import Host
 from fastft.sim.replicas import compare

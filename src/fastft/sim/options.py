@@ -31,6 +31,12 @@ class Options:
     lease_s: float = 0.3
     max_recoveries: int = 50
     max_restarts: int = 1000
+    warm_spares: int = 0
+    """``--warm-spares``: each node's ready spares (a restart takes one if there is one)."""
+    spare_s: tuple[float, float] = (0.02, 0.08)
+    """A spare's start as its worker (its imports done: the order, then the join)."""
+    drain_grace_s: float = 5.0
+    """``--drain-grace``: how long a draining node's agent waits before it stops them."""
     quarantine: str = "off"
     """``--quarantine`` (``N/S``, or ``off``: the simulated faults are drawn, not a slot's)."""
     liveness_s: float = 60.0

@@ -24,22 +24,13 @@ from __future__ import annotations
 
 import functools
 import random
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from typing import Any
 
 import greenlet
 
-from fastft.bus.signed import SignedStore
-from fastft.protocol.auth import JobSecret, ValueAuth
-from fastft.protocol.keys import JobKeys
 from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, Member
-from fastft.runtime.engine.coordinator import Coordinator
 from fastft.runtime.engine.joiners import Joiners
 from fastft.runtime.engine.survivors import Survivors
-from fastft.sim.costs import Hub, ModelKV, ModelStore, Plane, PlaneCosts, costs
+from fastft.sim.scalejob import Result, ScaleJob, finish, memo
 
 __all__ = ["Result", "leases", "memo", "reform", "start"]
 
@@ -51,157 +42,7 @@ ROLLBACK_S = 0.001
 """From the notice to the arrival: the interrupt and the rollback."""
 
 
-@dataclass
-class Result:
-    scenario: str
-    plane: str
-    members: int
-    done_s: float | None
-    """When the last member was done (None: not within the horizon)."""
-    server_busy_s: float
-    requests: int
-    requests_per_member: float
-    critical_requests: int
-    mbytes: float
-    rejected: int
-    repolls: int
-    closers: int
-    false_deaths: int
-    errors: int
-    model_wall_s: float
-    extra: dict[str, Any]
-
-    def row(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("extra")
-        return {**d, **self.extra}
-
-
-def _bytes(raw: str | bytes) -> bytes:
-    return raw.encode() if isinstance(raw, str) else bytes(raw)
-
-
-@contextmanager
-def memo() -> Iterator[None]:
-    """Within a run, a view or a signed value read by every member is decoded once (what
-    is modelled is the servers' time; N members each decoding an N-member view here would
-    cost the model O(N^2) of its own time, not the job's)."""
-    views = functools.lru_cache(maxsize=64)(EpochView.from_json.__func__)  # type: ignore[attr-defined]
-    verify = ValueAuth.verify
-    checked = functools.lru_cache(maxsize=1 << 16)(lambda self, key, raw: verify(self, key, raw))
-    change = EpochView.from_change.__func__  # type: ignore[attr-defined]
-    changes: dict[tuple[int, bytes], Any] = {}
-
-    def from_change(cls: type, prev: EpochView, raw: str | bytes) -> Any:
-        key = (id(prev), _bytes(raw))
-        if key not in changes:
-            changes[key] = change(cls, prev, raw)
-        return changes[key]
-
-    EpochView.from_json = classmethod(lambda cls, raw: views(cls, _bytes(raw)))  # type: ignore[assignment,method-assign,arg-type]
-    EpochView.from_change = classmethod(from_change)  # type: ignore[assignment,method-assign]
-    ValueAuth.verify = lambda self, key, raw: checked(self, key, _bytes(raw))  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        EpochView.from_json = classmethod(views.__wrapped__)  # type: ignore[assignment,method-assign]
-        EpochView.from_change = classmethod(change)  # type: ignore[assignment,method-assign]
-        ValueAuth.verify = verify  # type: ignore[method-assign]
-
-
-class _Job:
-    """One model run's plane, keys, secret and per-process request counts."""
-
-    def __init__(self, plane: str, n: int, *, slow: float, secret: bool) -> None:
-        self.hub = Hub()
-        self.c: PlaneCosts = costs(plane).scaled(slow)
-        self.p = Plane(self.hub, self.c)
-        self.keys = JobKeys("scale")
-        self.auth = ValueAuth(JobSecret(b"s" * 32)) if secret else None
-        self.n = n
-        self.t0 = time.perf_counter()
-        self.by_proc: dict[Any, int] = {}
-        base = self.p.request
-
-        def counted(*a: Any, **kw: Any) -> Any:
-            g = greenlet.getcurrent()
-            self.by_proc[g] = self.by_proc.get(g, 0) + 1
-            return base(*a, **kw)
-
-        self.p.request = counted  # type: ignore[method-assign]
-
-    def client(self, i: int, timeout_s: float = 300.0) -> Any:
-        kind = ModelKV if self.c.servers > 1 else ModelStore
-        raw = kind(self.p, home=i, timeout_s=timeout_s)
-        return SignedStore(raw, self.keys, self.auth) if self.auth is not None else raw
-
-    def put(self, key: str, value: str) -> None:
-        """A key as the job left it (no cost: before the scenario)."""
-        if self.auth is not None and self.keys.signed(key):
-            value = self.auth.sign(key, value)
-        self.p.kv[key] = value.encode()
-
-    def result(self, scenario: str, done: list[float], expected: int, **kw: Any) -> Result:
-        return Result(
-            scenario=scenario,
-            plane=self.c.name,
-            members=self.n,
-            done_s=round(max(done), 4) if len(done) == expected else None,
-            server_busy_s=round(self.p.busy_s(), 4),
-            requests=sum(self.p.ops.values()) - self.p.ops["woken"] - self.p.ops["wait_timeout"],
-            requests_per_member=0.0,
-            critical_requests=kw.pop("critical", 0),
-            mbytes=round(self.p.bytes / 1e6, 3),
-            rejected=self.p.rejected,
-            repolls=self.p.ops["wait_timeout"],
-            closers=kw.pop("closers", 0),
-            false_deaths=kw.pop("false_deaths", 0),
-            errors=len(self.hub.errors),
-            model_wall_s=round(time.perf_counter() - self.t0, 2),
-            extra=kw,
-        )
-
-
-def _finish(r: Result) -> Result:
-    r.requests_per_member = round(r.requests / max(r.members, 1), 2)
-    return r
-
-
-class _Closes(Coordinator):
-    """The real coordinator, its closes counted (and a NATS closer's joiner keys cleared
-    32 at a time by processes of the model, as the coordinator's thread pool does)."""
-
-    tries: list[int]
-    hub: Hub
-
-    def close(
-        self, view: EpochView, admitted: dict[int, int], prev: EpochView | None = None
-    ) -> EpochView:
-        self.tries.append(self.me.rank)
-        return super().close(view, admitted, prev)
-
-    def clear_joiners(self, admitted: dict[int, int]) -> None:
-        if not (self.reads_many and len(admitted) > 1):
-            return super().clear_joiners(admitted)
-        hub: Hub = self.hub
-        left = [len(admitted)]
-        me = greenlet.getcurrent()
-        items = list(admitted.items())
-        width = 32  # (coordinator._CLEARERS: that many at once, as its thread pool)
-
-        def clear(chunk: list[tuple[int, int]]) -> None:
-            for r, inc in chunk:
-                self.store.compare_set(self.keys.joiner(r), str(inc), "")
-                left[0] -= 1
-            if left[0] == 0:
-                hub.resume_at(hub.now, me)
-
-        for i in range(width):
-            hub.spawn(hub.now, functools.partial(clear, items[i::width]))
-        hub.suspend()
-
-
-def _first_epoch(job: _Job, n: int) -> EpochView:
+def _first_epoch(job: ScaleJob, n: int) -> EpochView:
     """The store after a first start of ``n`` members: epoch 1 closed, every joiner key
     cleared."""
     keys = job.keys
@@ -226,8 +67,8 @@ def reform(
     horizon_s: float = 120.0,
 ) -> Result:
     """One fault among ``n`` members (rank ``dead``), every survivor into epoch 2."""
-    job = _Job(plane, n, slow=slow, secret=secret)
-    hub, keys = job.hub, job.keys
+    job = ScaleJob(plane, n, slow=slow, secret=secret)
+    hub = job.hub
     view = _first_epoch(job, n)
     done: list[float] = []
     tries: list[int] = []
@@ -246,19 +87,7 @@ def reform(
 
     def member(r: int) -> None:
         greenlet.getcurrent().rank = r  # (its requests: the critical path's, for the closer)
-        coord = _Closes(
-            job.client(r),
-            keys,
-            r,
-            1,
-            n,
-            1,
-            dead={Member(dead, 1)},
-            clock=hub.clock,
-            sleep=hub.sleep,
-            decision_store=job.client(r, 0.5),
-        )
-        coord.tries, coord.hub = tries, hub
+        coord = job.coordinator(r, 1, tries, dead={Member(dead, 1)})
         if r == 0:  # (rank 0 closed the first start: it made the joiner keys)
             coord.joiner_keys_made()
         survivors = Survivors(coord)
@@ -284,7 +113,7 @@ def reform(
         raise hub.errors[0]
     closer = min((r for r in live if r not in declared), default=-1)
     crit = next((c for g, c in job.by_proc.items() if getattr(g, "rank", None) == closer), 0)
-    return _finish(
+    return finish(
         job.result(
             "reform",
             done,
@@ -308,25 +137,14 @@ def start(
     seed: int = 0,
 ) -> Result:
     """The first start: ``n`` workers register over ``spread_s`` and form epoch 1."""
-    job = _Job(plane, n, slow=slow, secret=secret)
-    hub, keys = job.hub, job.keys
+    job = ScaleJob(plane, n, slow=slow, secret=secret)
+    hub = job.hub
     rng = random.Random(seed)
     done: list[float] = []
     tries: list[int] = []
 
     def worker(r: int) -> None:
-        coord = _Closes(
-            job.client(r),
-            keys,
-            r,
-            1,
-            n,
-            n,
-            clock=hub.clock,
-            sleep=hub.sleep,
-            decision_store=job.client(r, 0.5),
-        )
-        coord.tries, coord.hub = tries, hub
+        coord = job.coordinator(r, n, tries)
         joiners = Joiners(coord)
         wait = joiners.register(300.0, REGROUP_TIMEOUT_S)
         got = None
@@ -340,7 +158,7 @@ def start(
     hub.run(horizon_s, lambda: len(done) == n or bool(hub.errors))
     if hub.errors:
         raise hub.errors[0]
-    return _finish(
+    return finish(
         job.result(
             "start",
             done,
@@ -364,8 +182,8 @@ def leases(
     from fastft.launch.nodes.lease import NodeLease
     from fastft.launch.rules.leasewatch import LeaseConfig
 
-    job = _Job(plane, k, slow=slow, secret=True)
-    hub, keys = job.hub, job.keys
+    job = ScaleJob(plane, k, slow=slow, secret=True)
+    hub = job.hub
     cfg = LeaseConfig(heartbeat_ms=heartbeat_ms, misses=misses)
     lost: list[int] = []
     rounds: list[float] = []
@@ -386,7 +204,7 @@ def leases(
     def agent(node: int) -> None:
         lease = NodeLease(
             job.client(node),
-            keys,
+            job.keys,
             node,
             k,
             cfg,
@@ -412,7 +230,7 @@ def leases(
         raise hub.errors[0]
     rounds.sort()
     pct = (lambda q: round(rounds[min(len(rounds) - 1, int(q * len(rounds)))] * 1e3, 2)) if rounds else (lambda q: None)  # fmt: skip
-    return _finish(
+    return finish(
         job.result(
             "leases",
             [end] * len(renewals),

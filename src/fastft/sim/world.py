@@ -74,6 +74,13 @@ class World(Agents):
         self.stragglers = StragglerWatch()
         self.replacing: set[Member] = set()
         self.offenders = Offenders(QuarantineRule.parse(opts.quarantine))
+        nodes = -(-opts.world_size // opts.per_node)
+        self.spares = dict.fromkeys(range(nodes), opts.warm_spares)
+        """Each node's ready warm spares."""
+        self.owed: list[tuple[Member, float]] = []
+        """Spares handed out (the life each became, the refill's deadline)."""
+        self.draining: set[int] = set()
+        """Nodes whose agent drains its workers."""
         """Lives drained as stragglers (their exit restarts the slot, elastic too)."""
         self.pg_arrivals: dict[int, set[Member]] = {}
         self.heal_arrivals: dict[int, set[Member]] = {}
@@ -218,14 +225,20 @@ class World(Agents):
         life.main_token += 1
         self.at(self.jitter(delay) if delay else 0.0, "main", life.me, life.main_token)
 
-    def _on_spawn(self, rank: int) -> None:
+    def _on_spawn(self, rank: int, spare: bool = False) -> None:
         slot = self.slots[rank]
         if slot.done or self.outcome is not None:
+            return
+        if rank // self.opts.per_node in self.draining:
+            slot.done = True  # (no new lives once the node drains)
+            self.all_done()
             return
         self._next_inc += 1
         life = Life(self, rank, self._next_inc)
         self.lives[life.me] = life
         slot.life, slot.lives = life.me, slot.lives + 1
+        if spare:
+            self.owe(life.me)
         self.trace(life, "started")
         self.schedule_main(life, 0.0)
 
@@ -351,5 +364,7 @@ class World(Agents):
             self.at(STRAGGLER_CHECK_S, "straggler_check")
         elif f.kind == "bitflip":  # silent: its next replica check finds it
             life.h += f"{CORRUPT}{life.me}@{self.now:.6f}"
+        elif f.kind == "node_drain":
+            self.node_drain(f.rank // self.opts.per_node)
         elif f.kind == "partition":
             self.partition(f.rank // self.opts.per_node, f.duration)

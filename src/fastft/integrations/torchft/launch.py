@@ -62,7 +62,7 @@ def start_lighthouse(
         [
             sys.executable,
             "-c",  # not -m: the package imports the module first (runpy warns)
-            "import sys; from fastft.integrations.torchft.lighthouse import main; sys.exit(main())",
+            "import sys; from fastft.integrations.torchft.lighthouse_main import main; sys.exit(main())",
             f"--store={store_addr}",
             f"--job={job}",
             f"--bind={host}:0",

@@ -67,7 +67,7 @@ from fastft.launch.rules.linkjudge import (
     slow_links,
     stuck,
 )
-from fastft.process.heartbeat import RECENT_STEPS
+from fastft.process.beat import RECENT_STEPS
 from fastft.protocol import DrainRequest, Message
 
 if TYPE_CHECKING:

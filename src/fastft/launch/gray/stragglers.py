@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastft.launch.gray.links import Links
-from fastft.process.heartbeat import RECENT_STEPS, read_heartbeat
+from fastft.process.beat import RECENT_STEPS, read_heartbeat
 from fastft.protocol import DrainRequest, Message
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import fastft.launch.rules.policy as policy
 from fastft.launch.procs.children import Slot, await_signal_taken
-from fastft.process.heartbeat import STACKS_SIGNAL, Wait, read_heartbeat
+from fastft.process.beat import STACKS_SIGNAL, Wait, read_heartbeat
 from fastft.protocol import DrainRequest, Fault, HangSuspected, Message, Role, Severity
 
 if TYPE_CHECKING:

@@ -23,8 +23,7 @@ embedded TCPStore, the store host (node 0) is gone, and the job cannot go on.
 :class:`LeaseWatch` decides (pure: time comes in as arguments;
 :mod:`fastft.launch.rules.leasewatch`); :class:`NodeLease` is the thread that reads and writes
 the store and tells the agent. On the NATS control plane the counters are core-NATS beats
-(:mod:`fastft.launch.nodes.beats`), not the bucket's: the marks are read from the bucket by a
-thread of their own, and a declaration goes out on the bus before its mark is written.
+(:class:`~fastft.launch.nodes.beatlease.BeatLease`), not the bucket's.
 """
 
 from __future__ import annotations
@@ -37,10 +36,9 @@ from collections.abc import Callable
 from typing import Any
 
 from fastft.bus.signed import ForgedValue
-from fastft.launch.nodes.beats import Beats
 from fastft.launch.nodes.renewer import Renewer, store_sends
 from fastft.launch.rules.leasewatch import DONE, WATCHERS, LeaseConfig, LeaseWatch, watched
-from fastft.launch.rules.lives import lost_mark, mark_counter, mark_lost, put_mark
+from fastft.launch.rules.lives import mark_lost
 from fastft.protocol.keys import JobKeys
 
 __all__ = ["GUARD_LEASES", "GUARD_MIN_S", "NodeLease"]
@@ -62,7 +60,12 @@ class NodeLease:
     as new incarnations; the mark is cleared after it returns. ``on_store_lost(reason)``:
     the store has not answered for a whole lease. ``on_job_failed(why)``: another node's
     agent failed the job (:meth:`fail`): this node ends too. ``on_returned(node)``:
-    informational. Each store call waits at most one lease (a store client of its own)."""
+    informational. Each store call waits at most one lease (a store client of its own).
+    On the NATS control plane: :class:`~fastft.launch.nodes.beatlease.BeatLease`."""
+
+    ROUNDS_ANSWER = True
+    """Whether a round that read without an error shows the store answering (with beats, a
+    thread of their own reads the store's marks and says)."""
 
     def __init__(
         self,
@@ -81,7 +84,6 @@ class NodeLease:
         clock: Callable[[], float] = time.monotonic,
         watchers: int = WATCHERS,
         renewers: int = 0,
-        beats: Beats | None = None,
     ) -> None:
         self.store = store.clone()
         self.store.set_timeout(datetime.timedelta(seconds=max(config.lease_s, 0.05)))
@@ -113,20 +115,12 @@ class NodeLease:
         """How many nodes this agent watches (nnodes - 1: every other, as before issue 35)."""
         self.marks: dict[int, str] = {}
         """The lost marks of the watched nodes, as last read."""
-        self.beats = beats
-        """The counters as core-NATS beats (None: the store's counters)."""
-        self._own_mark = self._failed = ""
-        """With beats: this node's lost mark and the job's failed mark, as last read."""
         self._fenced: set[str] = set()
         self.rejoined = self._make_keys()
         """The mark this node found at its start (declared lost while its agent was gone;
         no worker of this agent to fence yet), cleared; "" if none."""
         # (``renewers``: on connections of their own, :mod:`.renewer`)
-        sends = (
-            beats.sends()
-            if beats is not None
-            else store_sends(store, keys.node_lease(node), renewers, config.lease_s)
-        )
+        sends = self._sends(store, renewers)
         if not sends:
             self._renew()
         self._renewer = Renewer(sends, period_s=config.period_s) if sends else None
@@ -156,6 +150,10 @@ class NodeLease:
             self.store.compare_set(keys.node_lost(node), rejoined, "")
         return rejoined
 
+    def _sends(self, store: Any, renewers: int) -> list[Callable[[], None]]:
+        """The renewals, each on a connection of its own (none: the rounds renew)."""
+        return store_sends(store, self.keys.node_lease(self.node), renewers, self.config.lease_s)
+
     def _renew(self) -> None:
         """Renew in the round (with a :class:`Renewer`, its clock renews instead)."""
         if self._renewer is None:
@@ -182,9 +180,6 @@ class NodeLease:
             self._renewer.start()
         self._thread = threading.Thread(target=self._run, name="fastft-node-lease", daemon=True)
         self._thread.start()
-        if self.beats is not None:
-            self.beats.watch(watched(self.node, self.nnodes, {}, self.watchers))
-            threading.Thread(target=self._marks, name="fastft-lease-marks", daemon=True).start()
         threading.Thread(target=self._guard, name="fastft-lease-guard", daemon=True).start()
         return self
 
@@ -254,7 +249,7 @@ class NodeLease:
                 error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             if stop.is_set():
                 return
-            if not error and self.beats is None:  # (with beats: :meth:`_marks` says)
+            if not error and self.ROUNDS_ANSWER:
                 self._answered = self.clock()
                 self._store_back()
             v = self.watch.round(self.clock(), counters, error)
@@ -275,62 +270,9 @@ class NodeLease:
                 delay = 0
             stop.wait(max(0.0, delay))
 
-    def say_done(self) -> None:
-        """With beats: tell the watchers this node is done before its beats stop (its
-        done mark in the bucket is read a round later)."""
-        if self.beats is not None:
-            self.beats.declare(self.node, DONE)
-
-    def set_lives(self, lives: dict[int, int]) -> None:
-        """This node's worker lives, which its beats carry (with beats)."""
-        if self.beats is not None:
-            self.beats.set_lives(lives)
-
-    def _marks(self) -> None:
-        """With beats: read the watched nodes' marks, this node's own and the job's failed
-        mark from the bucket every heartbeat, on a thread of its own (a read that waits for
-        a leader election holds up no lease). The bucket failing every read for the
-        store's grace loses the store, as a round's failures would."""
-        ok = self.clock()
-        while not self._stop.wait(self.config.period_s):
-            nodes = watched(self.node, self.nnodes, self.marks, self.watchers)
-            keys = [self.keys.node_lost(n) for n in nodes]
-            try:
-                got = self.store.multi_get(
-                    [*keys, self.keys.node_lost(self.node), self.keys.failed]
-                )
-            except Exception as e:
-                silent = self.clock() - ok
-                if silent >= self.config.grace_s:
-                    why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-                    self._lost_store(f"no answer for {silent * 1000:.0f} ms: {why}")
-                continue
-            ok = self._answered = self.clock()
-            self._store_back()
-            text = [bytes(v).decode(errors="replace") for v in got]
-            self.marks = dict(zip(nodes, text[:-2], strict=True))
-            self._own_mark, self._failed = text[-2], text[-1]
-
-    def _read_beats(self) -> tuple[dict[int, int], str, str]:
-        """:meth:`_read` with beats: the counters heard (none read: no round trip), the
-        marks as :meth:`_marks` last read them. Raises if no beat was heard for a lease,
-        not even this node's own: this agent is the one cut off, and blames nobody."""
-        assert self.beats is not None
-        nodes = watched(self.node, self.nnodes, self.marks, self.watchers)
-        self.beats.watch(nodes)
-        silent = self.beats.silent_for()
-        if silent > self.config.lease_s:
-            raise TimeoutError(
-                f"heard no beat for {silent * 1000:.0f} ms, not even this node's own "
-                "(this node cut off from every NATS server)"
-            )
-        return self.beats.counters(nodes), self._own_mark, self._failed
-
     def _read(self) -> tuple[dict[int, int], str, str]:
         """One round trip: the watched nodes' counters and marks (the next round watches
         past a node found marked), this node's own mark, the job's failed mark."""
-        if self.beats is not None:
-            return self._read_beats()
         nodes = watched(self.node, self.nnodes, self.marks, self.watchers)
         for n in nodes:
             if n not in self.marks:  # (a node newly watched: its keys may not exist yet)
@@ -371,39 +313,9 @@ class NodeLease:
 
     def _declare(self, node: int) -> None:
         counter = self.watch.counter(node)
-        if self.beats is not None:
-            self._declare_by_beats(node, counter)
-            return
         got = self._mark_lost(node, counter)
         if got is not None:
             self.on_lost(node, got[0], counter)
-
-    def _declare_by_beats(self, node: int, counter: int) -> None:
-        """With beats: unless another watcher declared this stop of the node already, tell
-        the others, declare its workers dead (the lives its last beat carried) and write
-        the mark when the bucket answers (the node's fence when it returns)."""
-        assert self.beats is not None
-        heard = self.beats.declared(node)
-        if heard == DONE or (heard and mark_counter(heard) >= counter):
-            return  # (done, or declared by another watcher)
-        lives = self.beats.lives(node)
-        mark = lost_mark(counter, self.node, lives)
-        self.beats.declare(node, mark)
-        self.on_lost(node, lives, counter)
-        threading.Thread(
-            target=self._write_mark, args=(node, mark), name="fastft-lost-mark", daemon=True
-        ).start()
-
-    def _write_mark(self, node: int, mark: str) -> None:
-        deadline = self.clock() + 60.0  # (a leader election takes seconds, not minutes)
-        while not self._stop.is_set() and self.clock() < deadline:
-            try:
-                put_mark(self.store, self.keys, node, mark)
-                return
-            except Exception as e:
-                log.debug("node %d: its lost mark not written yet: %s", node, e)
-                self._stop.wait(self.config.period_s)
-        log.warning("node %d: could not write its lost mark (it is not fenced if it returns)", node)
 
     def _mark_lost(self, node: int, counter: int) -> tuple[dict[int, int], str] | None:
         try:
@@ -412,6 +324,12 @@ class NodeLease:
             log.warning("node %d: could not declare it lost", node, exc_info=True)
             self.watch.lost.discard(node)  # (declared again at the next round)
             return None
+
+    def say_done(self) -> None:
+        """This node is done (with beats, the watchers are told before its beats stop)."""
+
+    def set_lives(self, lives: dict[int, int]) -> None:
+        """This node's worker lives (with beats, which carry them)."""
 
     def take_over(self) -> dict[int, int] | None:
         """This agent replaces its node's dead one (``--standby``, told to go): the lives

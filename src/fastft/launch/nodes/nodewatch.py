@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from fastft.bus.natsio import pinned
+from fastft.launch.nodes.beatlease import BeatLease
 from fastft.launch.nodes.beats import Beats
 from fastft.launch.nodes.lease import NodeLease
 from fastft.launch.nodes.renewer import RENEWERS
@@ -54,7 +56,8 @@ class NodeWatch:
         cfg = a.config
         if cfg.nnodes < 2:
             return  # nobody else to watch; the store is this node's own
-        self.lease = lease = NodeLease(
+        lease_type = partial(BeatLease, beats=self._beats()) if cfg.control else NodeLease
+        self.lease = lease = lease_type(
             a.store,
             a.keys,
             cfg.node_rank,
@@ -71,7 +74,6 @@ class NodeWatch:
             on_returned=self.returned,
             on_job_failed=self.job_failed,
             renewers=0 if cfg.control else RENEWERS,  # (a TCPStore: a connection each)
-            beats=self._beats() if cfg.control else None,
         )
         if lease.rejoined:
             a.events.emit("node_rejoined", mark=lease.rejoined)

@@ -8,7 +8,7 @@ import signal
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
-from fastft.process.heartbeat import HANG_PACES, hang_limit
+from fastft.process.beat import HANG_PACES, hang_limit
 from fastft.protocol.exits import (
     ENDS_THE_JOB,
     EXIT_CHECKPOINTS_FAIL,

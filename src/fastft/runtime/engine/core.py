@@ -5,7 +5,7 @@ The core holds what the engine decides with: the state machine's state, the epoc
 the lives known dead, the main thread's queue and the rollback messages kept for an epoch
 not adopted yet. It feeds events to :func:`fastft.fsm.decide`, performs the *immediate*
 actions through an :class:`Effects` port, hands the main thread its queued actions one at
-a time (stale ones dropped: :func:`stale`), and maps each to a method of a
+a time (stale ones dropped: :func:`fastft.runtime.engine.queue.stale`), and maps each to a method of a
 :class:`MainThread` port (:meth:`Core.run`): the one table in the codebase from an action
 to what performs it. The owner serialises calls (the executor holds its lock; the
 simulator has one thread); the ports perform, the core decides.
@@ -16,7 +16,8 @@ from __future__ import annotations
 import collections
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastft.fsm import (
@@ -53,39 +54,14 @@ from fastft.protocol.faults import fault_of
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine.coreports import Effects, MainThread
 from fastft.runtime.engine.inbox import EARLY_KEPT, route
+from fastft.runtime.engine.queue import MAIN_ACTIONS, moved, stale
 
-__all__ = [
-    "JOIN",
-    "MAIN_ACTIONS",
-    "Core",
-    "Effects",
-    "MainThread",
-    "OnCore",
-    "Wait",
-    "moved",
-    "stale",
-    "superseded",
-]
+__all__ = ["JOIN", "Core", "Effects", "MainThread", "OnCore", "Seen", "Wait"]
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 Check = Callable[[StepState], bool]
-
-MAIN_ACTIONS = (
-    CastVote,
-    ApplyCommit,
-    ZeroGrads,
-    ConfigureProcessGroup,
-    FormEpoch,
-    FetchState,
-    SendState,
-    ExitWorker,
-)
-"""Queued for the main thread (every other action runs on the thread that fed the event)."""
-HEALING_ACTIONS = (FormEpoch, ConfigureProcessGroup, FetchState, SendState)
-EPOCH_ACTIONS = (ZeroGrads, FormEpoch)
-"""Actions of one epoch's rollback: stale in any later epoch."""
 
 
 class _Join(Action):
@@ -109,6 +85,16 @@ class Wait(enum.Enum):
     left for it to train (it ends with status 0)."""
     IDLE = "idle"
     """Nothing to do: wait for an event."""
+
+
+@dataclass(frozen=True)
+class Seen:
+    """The engine at one moment (taken under its owner's lock): what a part reads of it
+    without taking the lock itself."""
+
+    state: StepState
+    view: EpochView | None
+    phase_changes: int
 
 
 class OnCore:
@@ -378,41 +364,3 @@ class Core:
         if isinstance(a, ExitWorker):
             return main.exit(a)
         raise AssertionError(f"no main-thread effect for {a}")  # pragma: no cover
-
-
-def stale(
-    action: Action, queued_changes: int, queued_epoch: int, phase_changes: int, epoch: int
-) -> str | None:
-    """Why a main-thread ``action``, queued when the machine had made ``queued_changes``
-    phase changes and was in ``queued_epoch``, must not run now (``phase_changes``,
-    ``epoch``), or None to run it:
-
-    * ``"healing"``: queued by a healing that a later fault ended (the new one queued its
-      own);
-    * ``"epoch"``: a rollback of an epoch this worker has left (a second notice of a death
-      that the formation in progress had already excluded). Run, it left the new epoch in
-      silence while its peers built their process group and waited for it until the
-      group's 60 s timeout.
-    """
-    if isinstance(action, HEALING_ACTIONS) and queued_changes != phase_changes:
-        return "healing"
-    if isinstance(action, EPOCH_ACTIONS) and queued_epoch != epoch:
-        return "epoch"
-    return None
-
-
-def moved(before: StepState, after: StepState, actions: Sequence[Action]) -> bool:
-    """Whether a transition ends what the main thread waits on (its waits end when the
-    count of such moves changes): the phase changed, or a whole rollback ran inside one
-    transition and queued a new formation (a member left alone goes HEALING -> HEALING
-    through both barriers: its process-group build for the dead peer waited 60 s; found
-    by the simulator)."""
-    return after.phase is not before.phase or any(isinstance(a, FormEpoch) for a in actions)
-
-
-def superseded(gen: int | None, phase_changes: int, severity: Severity) -> bool:
-    """Whether a worker's own transient failure of work begun at ``gen`` phase changes is a
-    consequence of a fault already handled (the machine moved since: a peer's fault rolled
-    the step back): it then starts nothing, since a second rollback cycle would wait for
-    members already past it. A lost state (Fault1) is never superseded."""
-    return gen is not None and gen != phase_changes and severity is Severity.FAULT2

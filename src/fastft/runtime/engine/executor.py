@@ -16,10 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from fastft.fsm import (
-    Action,
     ApplyCommit,
     CastVote,
     CommitApplied,
@@ -29,10 +27,11 @@ from fastft.fsm import (
     ExitWorker,
     FetchState,
     FormEpoch,
+    GradsReady,
     HealDone,
-    InvalidTransition,
     Phase,
     SendState,
+    Shutdown,
     StateLoaded,
     StepState,
     ZeroGrads,
@@ -46,10 +45,11 @@ from fastft.runtime.durable.checkpoints import Checkpoints
 from fastft.runtime.durable.commit import CommitCheckpoints
 from fastft.runtime.endings import FaultStorm, WorkerExit
 from fastft.runtime.engine.coordinator import Coordinator
-from fastft.runtime.engine.core import Core, OnCore, Wait, superseded
+from fastft.runtime.engine.core import Core, OnCore, Seen, Wait
+from fastft.runtime.engine.effects import Immediate
 from fastft.runtime.engine.faults import Faults
-from fastft.runtime.engine.inbox import REPEATED, repeats_logged
 from fastft.runtime.engine.membership import Membership
+from fastft.runtime.engine.queue import superseded
 from fastft.runtime.engine.sideclient import SideClient
 from fastft.runtime.groups.plane import Plane
 from fastft.runtime.state.heal import Healer
@@ -60,7 +60,6 @@ __all__ = ["EngineParts", "Executor"]
 
 log = logging.getLogger(__name__)
 
-_STEP_CYCLE = (Phase.NORMAL, Phase.PREPARED, Phase.COMMIT)
 _WAIT_S = 0.05
 Check = Callable[[StepState], bool]
 
@@ -116,11 +115,13 @@ class Executor(OnCore):
         )
         """The engine's state and rules (:mod:`.core`); the lives known dead are the
         worker's one set (the coordinator it was built with reads it)."""
-        self._repeats: dict[tuple[object, ...], int] = {}
-        """Occurrences of each repeated record (:data:`.inbox.REPEATED`)."""
         self.services: Services | None = None
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
+        self.fx = Immediate(
+            self.cond, self.interrupter, self.side, self.dp, events, lambda: self.sv
+        )
+        """The core's immediate actions, on the thread that fed the event (:mod:`.effects`)."""
         self.closing = False
         self.commits = 0
         self.rollbacks = 0
@@ -155,16 +156,35 @@ class Executor(OnCore):
             self.feed_locked(event)
 
     def feed_locked(self, event: Event) -> None:
-        self.core.feed(event, self)
+        self.core.feed(event, self.fx)
+
+    def shutdown(self, reason: str) -> None:
+        """The worker closes: the machine ends, and the main thread stops waiting."""
+        with self.lock:
+            self.feed_locked(Shutdown(reason))
+            self.cond.notify_all()
+
+    def seen(self) -> Seen:
+        """The engine now, read under the lock (a part never takes it)."""
+        with self.lock:
+            return Seen(self.state, self.view, self.phase_changes)
+
+    def grads_ready(self, step: int, agreed: bool) -> None:
+        """Step ``step``'s gradients are ready (its collective ``agreed``): fed unless a
+        fault moved the machine on meanwhile."""
+        with self.lock:
+            s = self.state
+            if s.phase is Phase.NORMAL and s.step == step:
+                self.feed_locked(GradsReady(agreed=agreed))
 
     # (what the parts ask of the core: only the executor takes its lock)
     def adopt(self, view: EpochView, source: int | None) -> None:
         with self.lock:
-            self.core.adopt(view, source, self)
+            self.core.adopt(view, source, self.fx)
 
     def report(self, severity: Severity, cause: str, gen: int | None = None) -> None:
         """This worker's own fault (``gen``: the count of phase changes when the failed
-        work began): superseded if the machine moved since (:func:`.core.superseded`),
+        work began): superseded if the machine moved since (:func:`.queue.superseded`),
         else on the bus and into the machine."""
         with self.lock:
             s = self.state
@@ -179,16 +199,16 @@ class Executor(OnCore):
                 cause=cause[:500],
                 incarnation=self.me.incarnation,
             )
-            self.core.report(severity, cause, self)
+            self.core.report(severity, cause, self.fx)
 
     def receive(self, m: Message, finished: bool | None = None) -> Message | None:
         with self.lock:
-            return self.core.receive(m, self, finished)
+            return self.core.receive(m, self.fx, finished)
 
     def declare_silent(self, ranks: frozenset[int]) -> None:
         """Members that never arrived at a formation (:mod:`.survivors`)."""
         with self.lock:
-            self.core.perform(DeclareDead(ranks), self)
+            self.core.perform(DeclareDead(ranks), self.fx)
 
     def remind(self) -> None:
         """A rollback request to the members a formation misses (:mod:`.survivors`)."""
@@ -196,65 +216,6 @@ class Executor(OnCore):
         self.events.emit("remind", epoch=s.epoch, step=s.step)
         why = f"epoch {s.epoch + 1} is forming without you"
         self.sv.bus.broadcast(RollbackRequest(**self.core.header(), reason=why))
-
-    # --- effects (core.Effects): the immediate actions, on the thread that fed the event ---
-    def transition(self, before: StepState, after: StepState, event: Event, moved: bool) -> None:
-        if moved and not (before.phase in _STEP_CYCLE and after.phase in _STEP_CYCLE):
-            # the fault-free cycle NORMAL -> PREPARED -> COMMIT is logged as commits
-            self.events.emit(
-                "phase",
-                frm=before.phase.name,
-                to=after.phase.name,
-                epoch=after.epoch,
-                step=after.step,
-                on=type(event).__name__,
-                reason=after.reason or None,
-            )
-
-    def woken(self) -> None:
-        self.cond.notify_all()  # (the main thread wakes once the lock is released)
-
-    def invalid(self, e: InvalidTransition) -> None:
-        log.error("state machine: %s (ignored)", e)
-
-    def failed(self, action: Action, e: Exception) -> None:
-        log.error("action %s failed: %s: %s", type(action).__name__, type(e).__name__, e)
-        self.events.emit("action_failed", action=type(action).__name__, error=str(e)[:300])
-
-    def broadcast(self, m: Message) -> None:
-        self.sv.bus.broadcast(m)
-
-    def interrupt(self, reason: str, epoch: int, step: int) -> None:
-        if self.interrupter.interrupt(reason, epoch=epoch):
-            self.events.emit("interrupt", epoch=epoch, step=step, reason=reason)
-
-    def propose_rollback(self, epoch: int, step: int, reason: str) -> None:
-        got = self.side.propose_rollback(epoch, step, reason)
-        self.events.emit(
-            "propose_rollback", epoch=epoch, step=step, reason=reason, decision=got[:1]
-        )
-
-    def abort_group(self, epoch: int, step: int) -> None:
-        self.sv.injector.fire_due(step, point="rollback")  # tests: death mid-rollback
-        self.dp.abort(epoch)
-
-    def cancel(self) -> None:
-        pass  # the interrupt already failed every pending future of the step
-
-    def declared_dead(self, who: Member, epoch: int) -> None:
-        self.events.emit("declare_dead", rank=who.rank, incarnation=who.incarnation, epoch=epoch)
-
-    def record(self, name: str, fields: dict[str, Any]) -> None:
-        if name in REPEATED:  # (a flood of the same record: 1st, 10th, 100th...)
-            key = (name, *sorted(fields.items()))
-            n = self._repeats[key] = self._repeats.get(key, 0) + 1
-            if repeats_logged(n):
-                self.events.emit(name, **fields, count=n)
-        else:
-            self.events.emit(name, **fields)
-
-    def job_finished(self) -> bool:
-        return self.side.job_finished()
 
     # --- the main thread -------------------------------------------------------------------
     def drive(self, done: Check, *, settled: Check | None = None) -> None:
@@ -269,7 +230,7 @@ class Executor(OnCore):
             with self.lock:
                 if settled is not None and settled(self.state):
                     return
-                got = self.core.next(done, self)
+                got = self.core.next(done, self.fx)
                 if got is Wait.DONE:
                     return
                 if got is Wait.LEFT:

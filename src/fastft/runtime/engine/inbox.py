@@ -107,48 +107,11 @@ def _fault(
     leaving: Set[int],
 ) -> Routed:
     """:func:`route` of a message that reports a fault or an exit (``r``: what it says of
-    whom): a peer's end of the job, a drained peer's exit, a report of this worker, a
-    stale fault of an epoch left, a death, a peer's fault."""
-    if r.clean_exit and finished:
-        # It finished the job after the last step, which this worker voted for too
-        # and is still applying: an end, not a fault. (It acks nothing any more: a
-        # worker draining at that last commit waited for its ack, found by the
-        # simulator.)
-        return Routed(
-            events=(DrainAcked(r.rank),),
-            record=("peer_finished", {"rank": r.rank, "incarnation": r.incarnation}),
-            job_done=True,
-        )
-    in_view = view is not None and view.has(r.rank, r.incarnation)
-    if r.drained and (r.rank in leaving or not in_view):
-        # It left after a drain this worker knew of (its epoch re-forms without it,
-        # with nothing rolled back), or from outside this worker's epoch (a formation
-        # it was waiting in). Only its life is over. A drained member this worker
-        # still counts on is a fault below, like any exit.
-        who = Member(r.rank, r.incarnation)
-        return Routed(
-            # (a worker draining at the same commit waits for no ack from it)
-            events=(DrainAcked(r.rank),),
-            dead=who if r.incarnation and who not in dead else None,
-            record=("peer_drained", {"rank": r.rank, "incarnation": r.incarnation}),
-        )
-    if r.rank == me.rank and r.incarnation in (0, me.incarnation):
-        if isinstance(m, Fault) and m.sender != (me.rank, me.incarnation):
-            # a monitor or an operator reports this worker faulty
-            why = f"reported by {m.role.name.lower()}: {r.cause}"[:200]
-            return Routed(
-                events=(LocalFault(r.severity, why),),
-                record=(
-                    "reported_fault",
-                    {
-                        "step": step,
-                        "incarnation": me.incarnation,
-                        "severity": r.severity.name,
-                        "cause": why,
-                    },
-                ),
-            )
-        return NOTHING
+    whom): a peer's end of the job, a drained peer's exit, a report of this worker
+    (:func:`_ended`), a stale fault of an epoch left, a death, a peer's fault."""
+    ended = _ended(m, r, me, view, step, dead, finished, leaving)
+    if ended is not None:
+        return ended
     healed = (  # (a restore replaces every member's state, as a heal does the healed's)
         view is not None
         and (r.rank in view.needs_state or view.restore is not None or view.lost is not None)
@@ -202,6 +165,61 @@ def _fault(
             record=("peer_fault", record),
         )
     return Routed(dead=newly_dead)
+
+
+def _ended(
+    m: Message,
+    r: FaultReport,
+    me: Member,
+    view: EpochView | None,
+    step: int,
+    dead: Set[Member],
+    finished: bool,
+    leaving: Set[int],
+) -> Routed | None:
+    """:func:`_fault`'s first cases: a peer that finished the job, a drained peer's exit,
+    a report of this worker itself; None: none of them."""
+    if r.clean_exit and finished:
+        # It finished the job after the last step, which this worker voted for too
+        # and is still applying: an end, not a fault. (It acks nothing any more: a
+        # worker draining at that last commit waited for its ack, found by the
+        # simulator.)
+        return Routed(
+            events=(DrainAcked(r.rank),),
+            record=("peer_finished", {"rank": r.rank, "incarnation": r.incarnation}),
+            job_done=True,
+        )
+    in_view = view is not None and view.has(r.rank, r.incarnation)
+    if r.drained and (r.rank in leaving or not in_view):
+        # It left after a drain this worker knew of (its epoch re-forms without it,
+        # with nothing rolled back), or from outside this worker's epoch (a formation
+        # it was waiting in). Only its life is over. A drained member this worker
+        # still counts on is a fault below, like any exit.
+        who = Member(r.rank, r.incarnation)
+        return Routed(
+            # (a worker draining at the same commit waits for no ack from it)
+            events=(DrainAcked(r.rank),),
+            dead=who if r.incarnation and who not in dead else None,
+            record=("peer_drained", {"rank": r.rank, "incarnation": r.incarnation}),
+        )
+    if r.rank == me.rank and r.incarnation in (0, me.incarnation):
+        if isinstance(m, Fault) and m.sender != (me.rank, me.incarnation):
+            # a monitor or an operator reports this worker faulty
+            why = f"reported by {m.role.name.lower()}: {r.cause}"[:200]
+            return Routed(
+                events=(LocalFault(r.severity, why),),
+                record=(
+                    "reported_fault",
+                    {
+                        "step": step,
+                        "incarnation": me.incarnation,
+                        "severity": r.severity.name,
+                        "cause": why,
+                    },
+                ),
+            )
+        return NOTHING
+    return None
 
 
 def _control(

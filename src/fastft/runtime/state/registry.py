@@ -14,7 +14,6 @@ the step and needs no transfer.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,7 +22,9 @@ import torch
 from torch import nn
 
 from fastft.runtime.groups.hsdp import is_sharded, load_model_shards, local, optimizer_shards
+from fastft.runtime.state import digests
 from fastft.runtime.state.attributes import ModuleAttributes, module_attributes
+from fastft.runtime.state.bucket import GradBucket
 from fastft.runtime.state.optimizers import Optimizers
 from fastft.runtime.state.refusals import (
     unregistered_loader,
@@ -32,7 +33,6 @@ from fastft.runtime.state.refusals import (
 )
 from fastft.runtime.state.verified import Verified
 from fastft.runtime.state.wire import (
-    _bytes,
     _tensors,
     clone,
     pack_state,
@@ -87,8 +87,8 @@ class StateRegistry:
         self.optimizer: torch.optim.Optimizer | None = None
         self._others: dict[str, Stateful] = {}
         self._step_snapshot: dict[str, Any] | None = None
-        self._bucket: torch.Tensor | None = None
-        self._bucket_ptrs: list[int] = []
+        self.bucket = GradBucket()
+        """The gradients' flat bucket (:meth:`grad_bucket`)."""
         self._sharded: bool | None = None
         self._average: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """A sync step's averaged parameters and optimizer state, applied at its commit."""
@@ -96,8 +96,6 @@ class StateRegistry:
         """``--sync diloco``: the anchor and the outer optimizer (:mod:`fastft.runtime.sync`)."""
         self.by_reference: ByReference | None = None
         """State kept by reference (:class:`ByReference`: ``fastft.jax``'s pytrees)."""
-        self._bucket_extra = 0
-        """The bucket's tail: elements past the gradients (:meth:`grad_bucket`'s carry)."""
         self._versions: list[int] = []
         """The parameters' version counters as the step began."""
         self.resume: int | None = None
@@ -233,7 +231,7 @@ class StateRegistry:
             self.outer.rollback()  # (an outer step whose step did not commit)
         if self.by_reference is not None:
             self.by_reference.rollback()  # (the step's proposal is dropped)
-        old, self._bucket, self._bucket_ptrs = self._bucket, None, []
+        old = self.bucket.drop()
         if old is not None and self.model is not None:
             for p in self.model.parameters():
                 p.grad = None  # views of the old bucket: nothing in them is worth copying
@@ -290,53 +288,20 @@ class StateRegistry:
         their total size plus one (:attr:`bucket_tail`; ``--buffers average``)."""
         if self.model is None:
             raise RuntimeError("register(model=...) before reducing gradients")
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if not params or len({(p.dtype, p.device) for p in params}) != 1 or self.sharded:
+        if self.sharded:
             return None  # (FSDP2 sets its own sharded gradients)
-        if carry is None:  # (a rollback's rebuild: the tail the step used)
-            extra = self._bucket_extra
-        else:
-            like = (params[0].dtype, params[0].device)
-            fits = carry and all((c.dtype, c.device) == like for c in carry)
-            extra = sum(c.numel() for c in carry) + 1 if fits else 0
-        flat = self._bucket
-        if (
-            flat is not None
-            and all(
-                p.grad is not None and p.grad.data_ptr() == ptr
-                for p, ptr in zip(params, self._bucket_ptrs, strict=False)
-            )
-            and len(params) == len(self._bucket_ptrs)
-            and self._bucket_extra == extra
-        ):
-            return flat
-        flat = torch.zeros(
-            sum(p.numel() for p in params) + extra, dtype=params[0].dtype, device=params[0].device
-        )
-        self._bucket_extra = extra
-        off = 0
-        for p in params:
-            view = flat[off : off + p.numel()].view_as(p)
-            if p.grad is not None:
-                view.copy_(p.grad)
-            p.grad = view
-            off += p.numel()
-        self._bucket = flat
-        self._bucket_ptrs = [p.grad.data_ptr() for p in params]  # type: ignore[union-attr]
-        return flat
+        return self.bucket.of([p for p in self.model.parameters() if p.requires_grad], carry)
 
     @property
     def bucket_tail(self) -> torch.Tensor | None:
         """The gradient bucket's tail (:meth:`grad_bucket`'s ``carry``), None without one."""
-        if self._bucket is None or not self._bucket_extra:
-            return None
-        return self._bucket[-self._bucket_extra :]
+        return self.bucket.tail
 
     def zero_grads(self) -> None:
         """Zero the gradients, in place in the bucket when there is one (keeping the
         views), else by dropping them."""
-        if self._bucket is not None:
-            self._bucket.zero_()
+        if self.bucket.flat is not None:
+            self.bucket.flat.zero_()
         elif self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         elif self.model is not None:
@@ -419,28 +384,9 @@ class StateRegistry:
     def digest(self, step: int) -> str:
         """Hash of the replicated state (parameters, optimizer state, step): equal on
         every member after every commit (S3)."""
-        h = hashlib.sha256(str(step).encode())
-        if self.model is not None:
-            for name, p in self.model.named_parameters():
-                h.update(name.encode())
-                h.update(_bytes(local(p)))  # (with FSDP2: this member's shard)
-        if self.optimizer is not None:
-            for t in _tensors(local(self.optimizer.state_dict()["state"])):
-                h.update(_bytes(t))
-        if self.outer is not None:
-            for t in self.outer.tensors():
-                h.update(_bytes(t))
-        if self.by_reference is not None:
-            for t in _tensors(self.by_reference.state_dict()):
-                h.update(_bytes(t))
-        return h.hexdigest()[:16]
+        return digests.state_digest(step, self.model, self.optimizer, self.outer, self.by_reference)
 
     def outer_digest(self) -> str | None:
         """``diloco``: hash of the outer state, equal on every member of a shard index after
         every commit (the parameters are each group's own between outer steps)."""
-        if self.outer is None:
-            return None
-        h = hashlib.sha256()
-        for t in self.outer.tensors():
-            h.update(_bytes(t))
-        return h.hexdigest()[:16]
+        return None if self.outer is None else digests.outer_digest(self.outer)
