@@ -68,6 +68,37 @@ def test_a_seed_is_a_run_bit_for_bit():
             Options(world_size=2, kinds=("bitflip",), checkpoint_every=2),
             200,
         ),
+        # the agent's warm spares and quarantine, and its own drain (issue 63: the same
+        # exit plan as fastft run's agent)
+        (
+            "warm spares and a quarantine",
+            Options(
+                world_size=4,
+                per_node=2,
+                warm_spares=1,
+                quarantine="2/60",
+                faults=3,
+                kinds=("kill", "exception", "hang"),
+            ),
+            300,
+        ),  # fmt: skip
+        (
+            "a node's agent drains, elastic",
+            Options(
+                world_size=4,
+                per_node=2,
+                elastic=True,
+                min_replicas=2,
+                faults=3,
+                kinds=("node_drain", "kill", "exception"),
+            ),
+            300,
+        ),  # fmt: skip
+        (
+            "the whole job preempted",
+            Options(world_size=3, per_node=3, kinds=("node_drain", "kill"), faults=2),
+            300,
+        ),
         pytest.param(
             "durable tier, two ranks a node",
             Options(world_size=4, per_node=2, checkpoint_every=2, steps=8, faults=3),
@@ -87,7 +118,31 @@ def test_random_seeds_keep_every_invariant(name, opts, count):
     # (most jobs do finish; two flipped bits with no majority, or a flip right after a
     # heal, stop theirs: the replica check never lets a job train on)
     least = 0.8 if "bitflip" in opts.kinds else 0.9
-    assert rep.outcomes.get("finished", 0) > rep.ran * least
+    ended = rep.outcomes.get("finished", 0) + rep.outcomes.get("preempted", 0)
+    assert ended > rep.ran * least, rep.outcomes
+
+
+def test_a_restart_takes_a_warm_spare_and_the_agent_refills_it():
+    """The simulated agent's spares (:class:`fastft.launch.procs.spares.SparePool`'s
+    rules): a restart takes the node's ready spare and starts within ``spare_s``; a new
+    one is ready once the worker it became committed."""
+    from fastft.sim import Plan, SimFault
+
+    opts = Options(world_size=3, warm_spares=1, steps=200)  # (long enough to refill it)
+    w = World(opts, 0, plan=Plan([SimFault("kill", 1, 0.08)]), trace=True).run()
+    assert w.outcome == "finished" and not w.checks.failures
+    assert w.spare_starts == 1 and w.spares[1] == 1, (w.spare_starts, w.spares)
+    cold = World(Options(world_size=3, steps=12), 0, plan=Plan([SimFault("kill", 1, 0.08)])).run()
+    assert cold.spare_starts == 0 and cold.outcome == "finished"
+
+
+def test_a_node_drain_ends_a_one_node_job_as_preempted():
+    from fastft.sim import Plan, SimFault
+
+    opts = Options(world_size=3, per_node=3, steps=12)
+    w = World(opts, 0, plan=Plan([SimFault("node_drain", 0, 0.08)])).run()
+    assert w.outcome == "preempted: every worker drained", w.outcome
+    assert not w.checks.failures and all(s.done and s.lives == 1 for s in w.slots.values())
 
 
 @pytest.mark.parametrize("case", REGRESSIONS, ids=lambda c: f"{c['defect']}-{c['seed']}")

@@ -67,6 +67,7 @@ class Agents:
     spares: dict[int, int]
     owed: list[tuple[Member, float]]
     draining: set[int]
+    spare_starts: int
     now: float
 
     def at(self, delay: float, kind: str, *args: Any) -> None:
@@ -180,6 +181,7 @@ class Agents:
             spare = self.spares[node] > 0  # (the agent's restart takes a ready spare)
             if spare:
                 self.spares[node] -= 1
+                self.spare_starts += 1
             lo, hi = self.opts.spare_s if spare else self.opts.restart_s
             self.at(max(then.delay_s, self.draw(lo, hi)), "spawn", slot.rank, spare)
 

@@ -77,6 +77,8 @@ class World(Agents):
         nodes = -(-opts.world_size // opts.per_node)
         self.spares = dict.fromkeys(range(nodes), opts.warm_spares)
         """Each node's ready warm spares."""
+        self.spare_starts = 0
+        """Lives started on a warm spare."""
         self.owed: list[tuple[Member, float]] = []
         """Spares handed out (the life each became, the refill's deadline)."""
         self.draining: set[int] = set()
