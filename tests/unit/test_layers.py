@@ -165,7 +165,7 @@ def test_the_agents_flag_checks_import_no_torch():
 
 
 RUNTIME_WINGS = [
-    {"checks", "contract", "endings"},  # settings, views, typed endings: no torch
+    {"checks", "contract", "endings", "view"},  # settings, views, typed endings: no torch
     {"groups"},  # process groups, the data plane, shard layout
     {"state"},  # what is registered, healed, compared
     {"durable"},  # checkpoints

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import secrets
 import signal
 import sys
 import threading
@@ -25,7 +24,7 @@ from typing import Any
 
 from fastft.errors import BusClosed
 from fastft.inject.plan import planned
-from fastft.launch.control import ControlPlane
+from fastft.launch.control import ControlPlane, first_lives_base
 from fastft.launch.exits import Exits, back_line
 from fastft.launch.gray.stragglers import Stragglers
 from fastft.launch.gray.verdicts import Verdicts, warn_unfired
@@ -156,8 +155,9 @@ class Agent:
             self.children.zygote, why = node_zygote(cfg, self.warm, out, self.events.emit)
             self.spares.zygote = self.children.zygote  # (spares are its forks too)
             first = list(self.slots.values()) if why is None else []
+            base = first_lives_base(self.store, self.keys, cfg.node_rank) if first else 0
             for slot in first:  # (the node's first lives: recorded in one write, not one each)
-                slot.incarnation = secrets.randbits(62) | 1
+                slot.incarnation = base + slot.rank
             self.nodes.record_lives()
             for slot in first:
                 self.spawner.spawn(slot, drawn=True)

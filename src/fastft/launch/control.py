@@ -6,6 +6,7 @@ the endpoint starts)."""
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ from fastft.process.env import insecure
 from fastft.protocol import NO_RANK, JobKeys, Role
 from fastft.protocol.auth import JobSecret, ValueAuth
 
-__all__ = ["ControlPlane"]
+__all__ = ["ControlPlane", "first_lives_base"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,6 +72,26 @@ def job_start(store: Any, keys: JobKeys) -> float:
         return float(bytes(store.compare_set(keys.started, "", now)).decode() or now)
     except (ValueError, RuntimeError, OSError):
         return float(now)  # (the job's clock is a convenience: never a failed start)
+
+
+def first_lives_base(store: Any, keys: JobKeys, node: int) -> int:
+    """The base of this node's first lives' incarnations (rank ``r``'s is base + r): the
+    job's, shared by every node's first agent, so that a first start's view is one run of
+    ranks and incarnations that reads in a few bytes (16,384 random incarnations made
+    every joiner read 160 KB: O(N^2) through the servers, issue 64). A node's later agent
+    (a standby, one started again) draws its own: its lives are new. Incarnations only
+    tell a rank's lives apart; the messages carry the job secret's tag."""
+    mine = secrets.randbits(60) + 1
+    try:
+        token = secrets.token_hex(8)
+        if bytes(store.compare_set(keys.node_first(node), "", token)).decode() != token:
+            return mine  # (this node had an agent before)
+        got = bytes(store.compare_set(keys.first_lives, "", str(mine))).decode()
+        base = int(got)
+    except (ValueError, RuntimeError, OSError) as e:
+        log.warning("the first lives' incarnations: %s; drawn by this node", e)
+        return mine
+    return base if 0 < base < 1 << 61 else mine
 
 
 SHARED = ("decide", "compare_every", "shard_size", "sync")

@@ -125,6 +125,17 @@ class JobKeys:
         return f"{self.root}/started"
 
     @property
+    def first_lives(self) -> str:
+        """The base of the first lives' incarnations (rank ``r``'s is base + r), set once
+        by the job's first agent: a first start's view is one run (issue 64)."""
+        return f"{self.root}/first-lives"
+
+    def node_first(self, node: int) -> str:
+        """Set once by the first agent of ``node``: a later one (a standby, an agent
+        started again) draws its lives' incarnations afresh."""
+        return f"{self.root}/node/{node}/first"
+
+    @property
     def settings(self) -> str:
         """The settings every node must share (JSON), set once by the first agent; a later
         agent with others fails at its start (``fastft.launch.control``)."""

@@ -8,10 +8,8 @@ build it directly.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 from fastft.errors import ConfigError
@@ -35,6 +33,7 @@ from fastft.runtime.checks import (
     check_stage,
     check_sync,
 )
+from fastft.runtime.view import EpochView, Member
 
 __all__ = [
     "EXIT_STATE_LOST",
@@ -270,130 +269,3 @@ def choose_backend(
             f"{gpus} GPU(s), and NCCL needs one GPU per worker"
         )
     return "nccl", ""
-
-
-@dataclass(frozen=True, order=True)
-class Member:
-    """One life of one worker: its slot ``rank`` and ``incarnation``."""
-
-    rank: int
-    incarnation: int
-
-
-@dataclass(frozen=True)
-class EpochView:
-    """An agreed epoch: its members (sorted by rank), the committed ``step`` it resumes
-    from, the members that must receive state, and the member that sends it (None when
-    no member holds the state). ``kept``: ``(rank, lo, hi, n)``
-    for each survivor holding the weighted local gradient of samples ``[lo, hi)`` of
-    ``step``'s batch of ``n`` (elastic worlds; see :mod:`fastft.protocol.shards`).
-    ``waiting``: workers registered to join that this epoch left out (an elastic world's
-    re-formation after a rollback: the survivors retry without waiting for their heal);
-    they are admitted after the next commit. ``restore``: every member loads the durable
-    checkpoint of this step (``step``) first. ``lost``: no live member held the committed
-    state, which was at least this step (restored from ``restore``, started again from 0
-    by ``source``, or :attr:`fatal`). ``rewind``: ``restore`` is the step of the state
-    each member holds as verified by the replica check, which it loads instead of a
-    durable checkpoint (a replica mismatch's repair)."""
-
-    epoch: int
-    members: tuple[Member, ...]
-    step: int
-    needs_state: frozenset[int]
-    source: int | None
-    kept: tuple[tuple[int, int, int, int], ...] = ()
-    waiting: tuple[int, ...] = ()
-    restore: int | None = None
-    lost: int | None = None
-    rewind: bool = False
-
-    @property
-    def fatal(self) -> bool:
-        """No member holds the committed state and nothing can restore it: the job fails
-        (or, with ``allow_fresh_start``, its members start again as new workers)."""
-        return self.lost is not None and self.restore is None and self.source is None
-
-    @property
-    def ranks(self) -> frozenset[int]:
-        return frozenset(m.rank for m in self.members)
-
-    @cached_property
-    def _at(self) -> dict[int, int]:
-        """Each member's place (a survivor's round asks for every member's incarnation: a
-        scan each was O(N^2) a round, seconds at 16,384 members; the scale model)."""
-        at: dict[int, int] = {}
-        for i, m in enumerate(self.members):
-            at.setdefault(m.rank, i)
-        return at
-
-    def index(self, rank: int) -> int:
-        """Dense rank of ``rank`` in this epoch's process group."""
-        i = self._at.get(rank)
-        if i is None:
-            raise KeyError(f"rank {rank} is not a member of epoch {self.epoch}")
-        return i
-
-    def incarnation(self, rank: int) -> int:
-        return self.members[self.index(rank)].incarnation
-
-    def has(self, rank: int, incarnation: int) -> bool:
-        i = self._at.get(rank)
-        return i is not None and self.members[i].incarnation == incarnation
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "epoch": self.epoch,
-                "members": [[m.rank, m.incarnation] for m in self.members],
-                "step": self.step,
-                "needs_state": sorted(self.needs_state),
-                "source": self.source,
-                "kept": [list(k) for k in self.kept],
-                "waiting": list(self.waiting),
-                **({"restore": self.restore} if self.restore is not None else {}),
-                **({"lost": self.lost} if self.lost is not None else {}),
-                **({"rewind": True} if self.rewind else {}),
-            },
-            separators=(",", ":"),
-        )
-
-    def change_from(self, prev: EpochView) -> str:
-        """This view as a change of ``prev`` (JSON): the members that left and the lives
-        that came in, and the rest of the view. A survivor of ``prev`` reads this, O(change)
-        bytes, instead of the member list (issue 51: N members reading O(N) bytes each is
-        O(N^2) through one server, ~5 GB a fault at 16,384)."""
-        before = {m.rank: m.incarnation for m in prev.members}
-        now = {m.rank: m.incarnation for m in self.members}
-        d = json.loads(self.to_json())
-        del d["members"]
-        d["from"] = prev.epoch
-        d["gone"] = sorted(r for r, i in before.items() if now.get(r) != i)
-        d["came"] = sorted([r, i] for r, i in now.items() if before.get(r) != i)
-        return json.dumps(d, separators=(",", ":"))
-
-    @classmethod
-    def from_change(cls, prev: EpochView, raw: str | bytes) -> EpochView | None:
-        """The view a change of ``prev`` describes (:meth:`change_from`); None if it is a
-        change of another epoch."""
-        d = json.loads(raw)
-        if int(d["from"]) != prev.epoch:
-            return None
-        gone = set(d["gone"])
-        members = [[m.rank, m.incarnation] for m in prev.members if m.rank not in gone]
-        return cls.from_json(json.dumps({**d, "members": members + d["came"]}))
-
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> EpochView:
-        d = json.loads(raw)
-        return cls(
-            epoch=int(d["epoch"]),
-            members=tuple(sorted(Member(int(r), int(i)) for r, i in d["members"])),
-            step=int(d["step"]),
-            needs_state=frozenset(int(r) for r in d["needs_state"]),
-            source=None if d["source"] is None else int(d["source"]),
-            kept=tuple(tuple(int(v) for v in k) for k in d.get("kept", ())),  # type: ignore[misc]
-            waiting=tuple(int(r) for r in d.get("waiting", ())),
-            restore=None if d.get("restore") is None else int(d["restore"]),
-            lost=None if d.get("lost") is None else int(d["lost"]),
-            rewind=bool(d.get("rewind", False)),
-        )
