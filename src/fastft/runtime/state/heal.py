@@ -146,8 +146,9 @@ class Healer:
         lost its state)."""
         t0 = time.monotonic()
         with self.heartbeat.blocked:
+            gpu = any(f.is_cuda for f in tail.flats)
             for work in tail.works:
-                wait_work(work, self.interrupter)
+                wait_work(work, self.interrupter, gpu=gpu)
         waited = time.monotonic() - t0
         if tail.receiving:
             self.registry.load_packed(tail.header, tail.flats, part="tail")
