@@ -84,10 +84,45 @@ def test_a_gpu_work_is_waited_for_until_the_gpu_finishes_it() -> None:
     waited = time.monotonic() - t0
     assert work.is_completed() and waited >= 0.05
     assert waited < 0.05 + 0.25  # noticed within the poll interval (loose: a loaded machine)
-    # a CPU work is polled the same way (no Python callback on its future: see wait_work)
-    later = _GpuLikeWork(after_s=0.05)
-    wait_work(later, Interrupter())  # type: ignore[arg-type]
-    assert later.is_completed()
+
+
+class _CpuLikeWork(_GpuLikeWork):
+    """A Gloo work: ``wait(timeout)`` blocks until it completes, or raises as torch's
+    ``Work.wait`` does when the timeout runs out first (the work left as it was)."""
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        left = None if self._done_at is None else self._done_at - time.monotonic()
+        if timeout is not None and (left is None or left > timeout.total_seconds()):
+            time.sleep(timeout.total_seconds())
+            raise RuntimeError("Operation timed out!")
+        if left is None:
+            raise AssertionError("waited without a timeout on a work that never finishes")
+        time.sleep(max(0.0, left))
+        return super().wait()
+
+
+def test_a_cpu_work_is_waited_for_in_slices_and_its_error_is_a_collective_failure() -> None:
+    work = _CpuLikeWork(after_s=0.03)
+    wait_work(work, Interrupter())  # type: ignore[arg-type]
+    assert work.is_completed()
+    failed = _CpuLikeWork(after_s=0.01, error=RuntimeError("Connection closed by peer"))
+    with pytest.raises(CollectiveFailed, match="Connection closed by peer"):
+        wait_work(failed, Interrupter())  # type: ignore[arg-type]
+
+
+def test_an_interrupt_ends_the_wait_for_a_cpu_work_that_never_finishes() -> None:
+    it = Interrupter().install()
+    try:
+        it.begin_step(1, 7)
+        timer = threading.Timer(0.05, it.interrupt, ("peer 2 died",))
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(StepInterrupted, match="peer 2 died"):
+            wait_work(_CpuLikeWork(after_s=None), it)  # type: ignore[arg-type]
+        assert time.monotonic() - t0 < 1.0  # (within a slice of the interrupt)
+        timer.join()
+    finally:
+        it.close()
 
 
 def test_an_interrupt_ends_the_wait_for_a_gpu_work_that_never_finishes() -> None:
