@@ -95,6 +95,11 @@ def test_a_seed_is_a_run_bit_for_bit():
             300,
         ),  # fmt: skip
         (
+            "a node drained and replaced, fixed world",
+            Options(world_size=4, per_node=2, kinds=("node_drain", "kill"), faults=2),
+            300,
+        ),
+        (
             "the whole job preempted",
             Options(world_size=3, per_node=3, kinds=("node_drain", "kill"), faults=2),
             300,

@@ -187,9 +187,7 @@ class EpochView:
         del d["members"]
         d["from"] = prev.epoch
         d["gone"] = int_runs(sorted(r for r, i in before.items() if now.get(r) != i))
-        d["came"] = member_runs(
-            sorted(Member(r, i) for r, i in now.items() if before.get(r) != i)
-        )
+        d["came"] = member_runs(sorted(Member(r, i) for r, i in now.items() if before.get(r) != i))
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod

@@ -229,12 +229,15 @@ class Agents:
             self.spares[node] += 1
 
     # --- the agent's own drain (:meth:`fastft.launch.agent.Agent.drain`) -----------------
-    def node_drain(self, node: int) -> None:
+    def node_drain(self, node: int, replaced_after: float = 0.0) -> None:
         """The node's agent got a SIGTERM: each of its workers drains at its next commit
         (its SIGTERM handler, ``ft.drain``), none is restarted; after the grace the agent
-        stops the ones still there."""
+        stops the ones still there. ``replaced_after``: then the scheduler starts the
+        node's agent again (its workers new lives, which join), unless the job ended."""
         if node in self.draining:
             return
+        if replaced_after:
+            self.at(replaced_after, "node_replaced", node)
         self.draining.add(node)
         for life in self.node_lives(node):
             self.broadcast(
@@ -246,8 +249,23 @@ class Agents:
         self.at(self.opts.drain_grace_s, "drain_late", node)
 
     def _on_drain_late(self, node: int) -> None:
-        for life in self.node_lives(node):
+        if node in self.draining:
+            for life in self.node_lives(node):
+                self.end_life(life, None, 9, "stopped after the drain's grace")
+
+    def _on_node_replaced(self, node: int) -> None:
+        """A new agent on the drained node (the old one ended once its workers left, or
+        stopped them at its grace): its ranks start again as new lives."""
+        if self.outcome is not None or node not in self.draining:
+            return
+        for life in self.node_lives(node):  # (the old agent's grace: it stops the rest)
             self.end_life(life, None, 9, "stopped after the drain's grace")
+        self.draining.discard(node)
+        per = self.opts.per_node
+        for r, slot in sorted(self.slots.items()):
+            if r // per == node and slot.done and not slot.finished:
+                slot.done = False
+                self.at(self.draw(*self.opts.restart_s), "spawn", r)
 
     def _on_straggler_check(self) -> None:
         """:class:`fastft.launch.gray.stragglers.Stragglers` with ``--stragglers replace``:

@@ -165,7 +165,7 @@ class Checks:
         joiner = life.view is None or not life.view.has(life.me.rank, life.me.incarnation)
         # (every node's agent drains: the job is preempted whole, and its state goes with
         # it unless the durable tier keeps it, as ``fastft run``'s last line says)
-        preempted = len(w.draining) == len(w.spares)
+        preempted = len(w.draining) == -(-w.opts.world_size // w.opts.per_node)
         if done or joiner or preempted or life.state.lost_state or life.h != w.chain[step]:
             return
         newest = max((o.held for o in w.lives.values() if o.alive), default=0)

@@ -30,7 +30,8 @@ KINDS = (
 GRAY_KINDS = (
     "slow",  # a straggler: its steps compute 3x as long; the agents name it and replace it
     "bitflip",  # its state is corrupted silently: the replica check (every step) repairs it
-    "node_drain",  # the rank's node agent gets a SIGTERM (a preemption): it drains its workers
+    "node_drain",  # a SIGTERM to the rank's node agent (a preemption): it drains its workers;
+    # the node is replaced 0.5 s or 2 s later (its agent started again: new lives)
 )
 """Drawn only when asked for (``kinds``): the default draws stay those of the regression
 seeds."""
@@ -73,6 +74,8 @@ class Plan:
             rank = rng.randrange(opts.world_size)
             t = rng.uniform(0.0, 0.05 + 0.02 * opts.steps)
             duration = rng.choice((0.1, 1.0)) if kind == "partition" else 0.0
+            if kind == "node_drain":  # (the scheduler starts the node's agent again)
+                duration = rng.choice((0.5, 2.0))
             out.append(SimFault(kind, rank, t, duration))
         return cls(out)
 

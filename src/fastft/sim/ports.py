@@ -49,6 +49,8 @@ class Host(Protocol):
     outcome: str | None
     slots: dict[int, Any]
     plan: Any
+    draining: set[int]
+    """Nodes whose agent drains its workers."""
 
     @property
     def checks(self) -> Verifier: ...

@@ -367,6 +367,6 @@ class World(Agents):
         elif f.kind == "bitflip":  # silent: its next replica check finds it
             life.h += f"{CORRUPT}{life.me}@{self.now:.6f}"
         elif f.kind == "node_drain":
-            self.node_drain(f.rank // self.opts.per_node)
+            self.node_drain(f.rank // self.opts.per_node, f.duration)
         elif f.kind == "partition":
             self.partition(f.rank // self.opts.per_node, f.duration)
