@@ -316,3 +316,39 @@ def test_an_elastic_world_drained_below_its_floor_across_nodes_fails(tmp_path):
         assert job.close() == [], job.logs()
     mine = [e["step"] for e in job.events() if e["event"] == "commit" and e["src"] == "rank 0"]
     assert mine == list(range(len(mine))) and len(mine) >= 17
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("returns", [False, True], ids=["never-back", "started-again"])
+def test_a_fixed_world_waits_for_a_drained_node_then_fails_saying_why(tmp_path, returns):
+    """Fixed world, 2 nodes: node 1 is preempted (SIGTERM: its agent drains its worker and
+    ends, 143). Node 0 cannot go on without it: it says so, waits ``--store-wait`` for the
+    node's agent to start again, and fails the job with the reason (it waited for ever,
+    saying nothing: found by issue 63's simulator). Started again within the wait, the
+    node's new worker joins and heals, and every member ends with the same state."""
+    run = tmp_path / ("back" if returns else "gone")
+    job = Nodes(run, 2, steps=STEPS, flags=("--store-wait", "20" if returns else "3"),
+                train=SLOW_STEPS)  # fmt: skip
+    try:
+        job.start_all()
+        job.wait_commit(8)
+        job.signal(1, signal.SIGTERM)
+        job.wait_event(lambda e: e["event"] == "node_left" and e["node"] == 1, 30)
+        assert job.agent(1).wait(30) == 143
+        if returns:
+            job.start(1)
+        codes = job.wait(120)
+        log0 = (run / "node0-0.log").read_text()
+        assert "node 1 left the job before it finished" in log0, log0[-2000:]
+        if returns:
+            assert codes == {0: 0, 1: 0}, job.logs()
+            assert "node 1's agent started again" in log0, log0[-2000:]
+        else:
+            assert codes[0] == 1, job.logs()
+            assert "did not start again within 3 s (--store-wait)" in log0, log0[-2000:]
+    finally:
+        assert job.close() == [], job.logs()
+    if returns:
+        check_s1_s3(job.run, steps=STEPS)
+        got = finals(job.run)
+        assert sorted(got) == [0, 1] and len({v["digest"] for v in got.values()}) == 1

@@ -326,3 +326,38 @@ def test_a_lost_node_is_declared_by_its_watchers_in_a_larger_job():
                 lease.close()
     finally:
         del store
+
+
+@pytest.mark.timeout(30)
+def test_a_watched_node_whose_agent_ended_is_told_and_so_is_its_return():
+    """Node 1's agent ends (its mark says done: the job's end or a drain); node 0's lease
+    tells its agent once, and again when a new agent on node 1 clears the mark."""
+    store = host_store()
+    keys = JobKeys("done")
+    try:
+        told: list[tuple[int, bool]] = []
+
+        def never(*a: object) -> None:
+            raise AssertionError(a)
+
+        a = NodeLease(
+            store, keys, 0, 2, CFG, on_lost=never, on_fenced=never, on_store_lost=never,
+            on_done=lambda n, done: told.append((n, done)),
+        )  # fmt: skip
+        b = NodeLease(store, keys, 1, 2, CFG, on_lost=never, on_fenced=never, on_store_lost=never)
+        a.start(), b.start()
+        time.sleep(0.3)
+        store.compare_set(keys.node_lost(1), "", "done")  # (what NodeWatch.finish writes)
+        b.close()
+        deadline = time.monotonic() + 5
+        while not told and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert told == [(1, True)]
+        b2 = NodeLease(store, keys, 1, 2, CFG, on_lost=never, on_fenced=never, on_store_lost=never)
+        b2.start()
+        while len(told) < 2 and time.monotonic() < deadline + 5:
+            time.sleep(0.02)
+        assert told == [(1, True), (1, False)]
+        a.close(), b2.close()
+    finally:
+        del store

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from fastft.launch.nodes.nodewatch import NodeWatch
 from fastft.launch.rules.ledger import Ledger
 from fastft.launch.rules.lives import lost_mark
@@ -57,3 +59,85 @@ def test_a_mark_that_names_no_lives_fences_every_running_worker():
     agent = _Agent({2: _Slot(2, 9), 3: _Slot(3, 15, done=True)})
     NodeWatch(agent).fenced("41@0")  # type: ignore[arg-type]
     assert agent.children.killed == [(2, 9)]
+
+
+# --- a node that left before the job finished (issue 63's simulator found the wait) -------
+
+
+@dataclass
+class _Cfg:
+    world_size: int = 4
+    nproc: int = 2
+    min_replicas: int | None = None
+    store_wait_s: float = 60.0
+
+
+class _Store:
+    def __init__(self, finished: bool = False) -> None:
+        self.finished = finished
+
+    def check(self, keys: list[str]) -> bool:
+        return self.finished
+
+
+class _Keys:
+    finished = "j/finished"
+
+
+class _Leaving(_Agent):
+    def __init__(self, cfg: _Cfg, finished: bool = False) -> None:
+        super().__init__({})
+        self.config, self.store, self.keys = cfg, _Store(finished), _Keys()
+        self.failed: str | None = None
+        self.stopping = self.draining = None
+
+    def fail(self, why: str) -> None:
+        self.failed = self.failed or why
+
+
+def test_a_fixed_world_waits_for_a_node_that_left_then_fails_saying_why(capsys):
+    import time
+
+    agent = _Leaving(_Cfg())
+    w = NodeWatch(agent)  # type: ignore[arg-type]
+    w.node_done(1, True)
+    assert "node 1 left the job before it finished" in capsys.readouterr().err
+    assert [n for n, _ in agent.events.got] == ["node_left"]
+    w.node_done(1, True)  # (told again: one wait)
+    w.tick(time.monotonic())
+    assert agent.failed is None
+    w.tick(time.monotonic() + 61)
+    assert agent.failed and "did not start again within 60 s" in agent.failed
+
+
+def test_a_node_back_in_time_ends_the_wait():
+    import time
+
+    agent = _Leaving(_Cfg())
+    w = NodeWatch(agent)  # type: ignore[arg-type]
+    w.node_done(1, True)
+    w.node_done(1, False)  # (a new agent cleared its mark)
+    w.tick(time.monotonic() + 61)
+    assert agent.failed is None and [n for n, _ in agent.events.got] == ["node_left", "node_back"]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "finished"),
+    [(_Cfg(min_replicas=2), False), (_Cfg(), True), (_Cfg(world_size=8, min_replicas=5), False)],
+    ids=["elastic-goes-on", "the-jobs-end", "the-rest-reach-the-floor"],
+)
+def test_no_wait_where_the_job_goes_on_or_ended(cfg, finished):
+    import time
+
+    agent = _Leaving(cfg, finished)
+    w = NodeWatch(agent)  # type: ignore[arg-type]
+    w.node_done(1, True)
+    w.tick(time.monotonic() + 61)
+    assert agent.failed is None and agent.events.got == []
+
+
+def test_whether_a_job_needs_a_node():
+    from fastft.launch.rules.leftnodes import needs_node
+
+    assert needs_node(4, 2, None) and needs_node(8, 2, 7)
+    assert not needs_node(4, 2, 2) and not needs_node(8, 2, 6)

@@ -60,7 +60,9 @@ class NodeLease:
     as new incarnations; the mark is cleared after it returns. ``on_store_lost(reason)``:
     the store has not answered for a whole lease. ``on_job_failed(why)``: another node's
     agent failed the job (:meth:`fail`): this node ends too. ``on_returned(node)``:
-    informational. Each store call waits at most one lease (a store client of its own).
+    informational. ``on_done(node, done)``: a watched node's agent ended (its mark says
+    done), or a new one cleared the mark. Each store call waits at most one lease (a store
+    client of its own).
     On the NATS control plane: :class:`~fastft.launch.nodes.beatlease.BeatLease`."""
 
     ROUNDS_ANSWER = True
@@ -81,6 +83,7 @@ class NodeLease:
         on_returned: Callable[[int], None] = lambda node: None,
         on_store_back: Callable[[], None] = lambda: None,
         on_job_failed: Callable[[str], None] = lambda why: None,
+        on_done: Callable[[int, bool], None] = lambda node, done: None,
         clock: Callable[[], float] = time.monotonic,
         watchers: int = WATCHERS,
         renewers: int = 0,
@@ -97,6 +100,9 @@ class NodeLease:
         self.on_returned = on_returned
         self.on_store_back = on_store_back
         self.on_job_failed = on_job_failed
+        self.on_done = on_done
+        self._done: set[int] = set()
+        """Watched nodes whose mark says their agent is done, as last told."""
         self.failed = ""
         """Why the job failed (another node's :meth:`fail`, or this one's), once read."""
         self.clock = clock
@@ -260,6 +266,7 @@ class NodeLease:
                 self.on_job_failed(failed)
             if mark and mark != DONE:
                 self._fence(mark)
+            self._done_changes()
             for n in v.expired:
                 self._declare(n)
             for n in v.returned:
@@ -324,6 +331,14 @@ class NodeLease:
             log.warning("node %d: could not declare it lost", node, exc_info=True)
             self.watch.lost.discard(node)  # (declared again at the next round)
             return None
+
+    def _done_changes(self) -> None:
+        """``on_done(node, True)`` when a watched node's mark turns to done (its agent
+        ended: the job's end, or a drain), ``False`` when it is cleared (a new agent)."""
+        for n, m in list(self.marks.items()):
+            if (m == DONE) != (n in self._done):
+                (self._done.add if m == DONE else self._done.discard)(n)
+                self.on_done(n, m == DONE)
 
     def say_done(self) -> None:
         """This node is done (with beats, the watchers are told before its beats stop)."""

@@ -25,6 +25,7 @@ from fastft.launch.rules.leasewatch import (
     NATS_STORE_GRACE_S,
     LeaseConfig,
 )
+from fastft.launch.rules.leftnodes import LeftNodes, needs_node
 from fastft.launch.rules.lives import declared_lives, format_lives
 from fastft.protocol import Fault, Severity
 
@@ -48,6 +49,8 @@ class NodeWatch:
         self.lease: NodeLease | None = None
         """This node's lease (several nodes only), its one owner."""
         self.alone_until = 0.0
+        self.left = LeftNodes()
+        """Nodes that left before the job finished, which this world cannot do without."""
         """The store's host with every other node lost and too few workers of its own to
         go on: when the job fails unless one returns (0: not so)."""
 
@@ -73,6 +76,7 @@ class NodeWatch:
             on_store_back=self.store_back,
             on_returned=self.returned,
             on_job_failed=self.job_failed,
+            on_done=self.node_done,
             renewers=0 if cfg.control else RENEWERS,  # (a TCPStore: a connection each)
         )
         if lease.rejoined:
@@ -186,6 +190,41 @@ class NodeWatch:
             self.alone_until = 0.0
             print(f"fastft: node {node} is back", file=sys.stderr, flush=True)
 
+    def node_done(self, node: int, done: bool) -> None:
+        """A node this agent watches ended (``done``), or a new agent started on it. A node
+        that ended before the job finished drained (a SIGTERM to its agent: a preemption);
+        where the job cannot go on without its workers (a fixed world), its survivors
+        wait for them as for a lost node's: said now, and the job fails after
+        ``--store-wait`` unless the node's agent starts again (a scheduler's replacement)."""
+        a, cfg = self.agent, self.agent.config
+        wait = cfg.store_wait_s
+        if not done:
+            if self.left.back(node):
+                a.events.emit("node_back", node=node)
+                print(f"fastft: node {node}'s agent started again", file=sys.stderr, flush=True)
+            return
+        if a.failed or a.stopping is not None or a.draining is not None:
+            return  # (this node ends too)
+        if not needs_node(cfg.world_size, cfg.nproc, cfg.min_replicas):
+            return  # (an elastic world goes on without its workers)
+        try:
+            if a.store.check([a.keys.finished]):
+                return  # the job's end: every node ends
+        except Exception as e:  # (the store's own trouble: its watch says so)
+            log.debug("could not read the finished mark: %s", e)
+            return
+        if not self.left.left(node, time.monotonic() + wait):
+            return
+        a.events.emit("node_left", node=node, wait_s=wait)
+        print(
+            f"fastft: node {node} left the job before it finished (its agent drained: a "
+            f"preemption); the job cannot go on without its workers (--min-replicas lets the "
+            f"world shrink): waiting up to {wait:g} s (--store-wait) for its agent to start "
+            "again",
+            file=sys.stderr,
+            flush=True,
+        )
+
     def fenced(self, mark: str) -> None:
         """This node was declared lost while it could not renew (a partition, a stop): the
         workers it named are dead to the job; kill them, and they restart as new
@@ -296,6 +335,15 @@ class NodeWatch:
     def tick(self, now: float) -> None:
         """From the agent's loop: the job fails once the store has not answered for
         ``--store-wait``."""
+        for node in self.left.overdue(now):
+            if not self.agent.failed:
+                self.agent.fail(
+                    f"node {node} left the job before it finished (its agent drained) and "
+                    f"did not start again within {self.agent.config.store_wait_s:g} s "
+                    "(--store-wait): the job cannot go on without its workers (--min-replicas "
+                    "lets the world shrink; an agent started again on the node within the "
+                    "wait rejoins the job)"
+                )
         if self.alone_until and now > self.alone_until and not self.agent.failed:
             self.agent.fail(
                 f"every other node is lost and none came back within "

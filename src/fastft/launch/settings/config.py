@@ -99,7 +99,8 @@ class LaunchConfig:
     store_wait_s: float = _flag(
         60.0,
         "seconds to wait for node 0's store: at the start, and when it stops answering (this "
-        "node cut off, or node 0 gone)",
+        "node cut off, or node 0 gone); and for a node that left before the job finished "
+        "(drained) to start again, where the job cannot go on without it",
         flag="--store-wait",
     )
     min_replicas: int | None = _worker(
