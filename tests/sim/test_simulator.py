@@ -80,7 +80,7 @@ def test_a_seed_is_a_run_bit_for_bit():
                 faults=3,
                 kinds=("kill", "exception", "hang"),
             ),
-            300,
+            150,
         ),  # fmt: skip
         (
             "a node's agent drains, elastic",
@@ -92,17 +92,17 @@ def test_a_seed_is_a_run_bit_for_bit():
                 faults=3,
                 kinds=("node_drain", "kill", "exception"),
             ),
-            300,
+            150,
         ),  # fmt: skip
         (
             "a node drained and replaced, fixed world",
             Options(world_size=4, per_node=2, kinds=("node_drain", "kill"), faults=2),
-            300,
+            150,
         ),
         (
             "the whole job preempted",
             Options(world_size=3, per_node=3, kinds=("node_drain", "kill"), faults=2),
-            300,
+            150,
         ),
         pytest.param(
             "durable tier, two ranks a node",
