@@ -178,7 +178,19 @@ def members(address: str, first: int, count: int, world: int, secret: bool = Fal
                 a = self.main.get()
             exclude = a.exclude | {m.rank for m in self.dead}
             kw = dict(step=0, lost_state=False, timeout_s=form_s, cancelled=lambda: False)
-            if Survivors is not None:
+            if Survivors is not None and hasattr(Survivors, "rounds"):  # (issue 63: rounds)
+                survivors = Survivors(self.coord)
+                wait = survivors.arrive(
+                    view, frozenset(exclude), step=0, lost_state=False, timeout_s=form_s
+                )
+                got = None
+                for rd in survivors.rounds(wait):  # (what a worker's executor carries out)
+                    if rd.silent:
+                        self.silent(rd.silent)
+                    if rd.remind:
+                        self.remind()
+                    got = rd.view
+            elif Survivors is not None:  # (sessions before issue 63: callbacks)
                 got = Survivors(self.coord).form(
                     view, frozenset(exclude), silent=self.silent, remind=self.remind, **kw
                 )
