@@ -1,7 +1,7 @@
 """The first start at scale (issue 35): N workers registering as joiners and forming the
 first epoch, this code against an earlier commit's, side by side in one run.
 
-N simulated workers (the real ``Coordinator.form_as_joiner``, one thread and one store
+N simulated workers (the real joiner's rounds, ``Joiners.rounds``, one thread and one store
 client each, spread over a few processes) start together against one TCPStore hosted by a
 process of its own. Reported: the time from the start until every worker holds the first
 epoch's view (or that it did not form within the cap), and the store host's CPU over it.
@@ -38,6 +38,11 @@ def joiners(port: int, first: int, count: int, world: int, cap: float) -> None:
     from fastft.protocol.keys import JobKeys
     from fastft.runtime.engine.coordinator import Coordinator
 
+    try:  # (this code: the joiner's rounds, issue 63)
+        from fastft.runtime.engine.joiners import Joiners
+    except ImportError:  # (an earlier commit)
+        Joiners = None  # noqa: N806
+
     keys = JobKeys("first")
     clients = [
         dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300))
@@ -51,7 +56,17 @@ def joiners(port: int, first: int, count: int, world: int, cap: float) -> None:
 
     def one(rank: int, store: object) -> None:
         c = Coordinator(store, keys, rank, 1, world, world)
-        view = c.form_as_joiner(start_timeout_s=3600, cancelled=stop.is_set, announce=lambda: None)
+        if Joiners is None:  # (before issue 63: the coordinator's own loop)
+            view = c.form_as_joiner(  # type: ignore[attr-defined]
+                start_timeout_s=3600, cancelled=stop.is_set, announce=lambda: None
+            )
+        else:  # the rounds a worker's executor carries out (nobody to announce to yet)
+            joiners = Joiners(c)
+            view = None
+            for jr in joiners.rounds(joiners.register(3600, 5.0)):
+                view = jr.view
+                if stop.is_set():
+                    break
         if view is not None:
             formed[rank] = time.monotonic() - t0
 
