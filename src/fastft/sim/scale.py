@@ -6,7 +6,7 @@ Three scenarios, each the real code paths a job runs:
 
 - ``reform``: N members in epoch 1, one dies; its agent's exit notice reaches every node
   over the bus (a push per node from the server: the relay, a node's one subscriber, from
-  64 workers); each survivor runs :meth:`Survivors.form` (arrive, the closer's rounds,
+  64 workers); each survivor runs :meth:`Survivors.rounds` (arrive, the closer's rounds,
   the blocking wait for the closed view) until it holds epoch 2.
 - ``start``: N workers start over ``spread_s`` and run :meth:`Joiners.rounds`
   until each holds epoch 1.
