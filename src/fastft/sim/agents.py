@@ -258,8 +258,7 @@ class Agents:
         stopped them at its grace): its ranks start again as new lives."""
         if self.outcome is not None or node not in self.draining:
             return
-        for life in self.node_lives(node):  # (the old agent's grace: it stops the rest)
-            self.end_life(life, None, 9, "stopped after the drain's grace")
+        self._on_drain_late(node)  # (the old agent's grace: it stopped the rest)
         self.draining.discard(node)
         per = self.opts.per_node
         for r, slot in sorted(self.slots.items()):

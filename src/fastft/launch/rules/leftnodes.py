@@ -35,4 +35,5 @@ class LeftNodes:
 
     def overdue(self, now: float) -> list[int]:
         """The nodes whose wait ran out."""
-        return sorted(n for n, t in self.until.items() if now > t)
+        # (a copy first: the lease's thread adds nodes while the agent's loop asks)
+        return sorted(n for n, t in list(self.until.items()) if now > t)
