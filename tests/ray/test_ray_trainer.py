@@ -37,13 +37,32 @@ def test_the_trainer_example_survives_a_worker_kill_and_returns_its_result(clust
     run = Path(result["path"])
     assert run == tmp_path / "runs" / "ray-example"  # (RunConfig(name, storage_path): Ray's)
     assert result["metrics"]["step"] == 16 and isinstance(result["metrics"]["loss"], float)
-    assert Path(result["checkpoint"]).name == "step-00000015"  # (the newest that verifies)
-    assert result["summary"]["steps_committed"] == 16 and result["summary"]["faults"] == 1
+    # the newest that verifies: step 15's, or step 16's where 15's was skipped behind a
+    # running write and deferred to the next commit (a slow machine's disk)
+    newest = max((run / "checkpoints").glob("step-*"))
+    assert Path(result["checkpoint"]) == newest
+    assert newest.name in ("step-00000015", "step-00000016")
+    assert result["summary"]["steps_committed"] == 16
+    # (the run's own fault list on failure: which events a second fault was made of)
+    assert result["summary"]["faults"] == 1, (_faults(run), _said(p.stdout + p.stderr))
     check_s1_s3(run, 16)
     ev = read_events(run)
     digests = {e["metrics"]["digest"] for e in ev if e["event"] == "train_result"}
     assert len(digests) == 1  # every worker's function ended on the same state
     assert any(e["event"] == "restart" and e["rank"] == 1 for e in ev)
+
+
+def _faults(run: Path) -> list[dict[str, Any]]:
+    from fastft.report import summarize
+
+    keep = ("rank", "incarnation", "kind", "cause", "seen_as", "step", "epoch")
+    return [{k: f.get(k) for k in keep} for f in summarize(run)["faults"]]
+
+
+def _said(out: str) -> list[str]:
+    """The agents' lines that say why a process died (a worker aborting at its exit)."""
+    words = ("terminate", "Abort", "Fatal", "core dumped", "Traceback", "Error")
+    return [line for line in out.splitlines() if any(w in line for w in words)][-40:]
 
 
 def test_code_shipped_with_the_working_dir_runs_on_every_node(cluster, tmp_path):
