@@ -67,3 +67,76 @@ def test_the_scripts_own_exception_ends_the_member_and_its_group_restarts(ended)
     with pytest.raises(_GroupEnded):
         a.exit(SimpleNamespace(step=8), ValueError, ValueError("the script's own"))
     assert [s for s, _ in ended] == [EXIT_GROUP_FAULT] and faults == []
+
+
+class _Engine:
+    """An engine whose machine a peer's fault moves on while the step is being set up."""
+
+    def __init__(self) -> None:
+        self.state = SimpleNamespace(phase=attempt.Phase.NORMAL, epoch=1, step=7)
+        self.view = SimpleNamespace(index=lambda rank: 0, members=(0, 1))
+        self.phase_changes = 4
+        self.kept = SimpleNamespace(begin_attempt=lambda: None)
+
+    def seen(self) -> Any:
+        return SimpleNamespace(state=self.state, view=self.view, phase_changes=self.phase_changes)
+
+    def peer_fault(self) -> None:
+        self.state = SimpleNamespace(phase=attempt.Phase.HEALING, epoch=1, step=7)
+        self.phase_changes += 1
+
+
+def _entering(fault_in_window: bool) -> tuple[StepAttempts, list[tuple[str, int, int]]]:
+    x = _Engine()
+    interrupts: list[tuple[str, int, int]] = []
+    armed: list[tuple[int, int]] = []
+
+    def begin_step() -> None:  # (the registry's begin of a step: the window)
+        if fault_in_window:
+            x.peer_fault()
+
+    def interrupt(reason: str, *, epoch: int, step: int) -> bool:
+        assert armed == [(epoch, step)]  # (armed first: else the interrupt is dropped)
+        interrupts.append((reason, epoch, step))
+        return True
+
+    rt = SimpleNamespace(
+        registered=True,
+        engine=x,
+        sharded=False,
+        rank=0,
+        config=SimpleNamespace(reseed=False, compare_every=0),
+        registry=SimpleNamespace(
+            check_schedulers=lambda: None,
+            begin_step=begin_step,
+            verified=SimpleNamespace(step=None),
+        ),
+        heartbeat=SimpleNamespace(between=lambda waiting: None, beat=lambda: None),
+        interrupter=SimpleNamespace(
+            begin_step=lambda epoch, step: armed.append((epoch, step)), interrupt=interrupt
+        ),
+        injector=SimpleNamespace(fire_due=lambda step: None),
+    )
+    a = StepAttempts(rt)
+    a._begin_attempt = lambda: True  # type: ignore[method-assign]
+    a.agreement.begin = lambda epoch, step, world: False  # type: ignore[method-assign]
+    return a, interrupts
+
+
+def test_a_fault_as_the_step_is_set_up_interrupts_it_and_its_failures_are_that_faults():
+    """A peer's fault landing after the attempt saw NORMAL and before its step was armed
+    (seen in a Ray run: rank 0's step then failed on the dead peer's reset connection, was
+    reported as its own fault and cost a second rollback cycle): the step is interrupted
+    once armed, and the attempt's generation is the one before the fault, so its failures
+    are superseded (a consequence of the fault already handled)."""
+    a, interrupts = _entering(fault_in_window=True)
+    tx = a.enter(SimpleNamespace())
+    assert (tx.step, tx.epoch) == (7, 1)
+    assert interrupts == [("a fault as the step began", 1, 7)]
+    assert a.step_gen == 4  # (before the fault: a failure of this attempt is superseded)
+
+
+def test_a_step_set_up_without_a_fault_is_not_interrupted():
+    a, interrupts = _entering(fault_in_window=False)
+    a.enter(SimpleNamespace())
+    assert interrupts == [] and a.step_gen == 4

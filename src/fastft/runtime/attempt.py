@@ -61,9 +61,15 @@ class StepAttempts:
                 self._script_error(self.rt.step, str(e), e)
         self.rt.heartbeat.between(False)
         x = self.rt.engine
-        while not self._begin_attempt():
-            pass
-        s, view = x.state, x.view
+        while True:
+            while not self._begin_attempt():
+                pass
+            # the attempt's step and the count of phase changes it began at, read together
+            # (a fault may land between the wait above and this read)
+            now = x.seen()
+            if now.state.phase is Phase.NORMAL:
+                break
+        s, view, gen = now.state, now.view, now.phase_changes
         assert view is not None
         tx.step, tx.epoch = s.step, s.epoch
         tx.rank, tx.world = view.index(self.rt.rank), len(view.members)
@@ -82,7 +88,8 @@ class StepAttempts:
             batches.start_step()
         self.rt.heartbeat.beat()
         self.rt.interrupter.begin_step(s.epoch, s.step)
-        self.step_gen = x.phase_changes
+        self.step_gen = gen
+        self._armed_late(s.epoch, s.step, gen)
         if self.rt.sharded:  # FSDP's collectives inside the group finish; the reduce is interrupted
             self.rt.interrupter.defer(self.rt.config.rollback_timeout_s / 2)
             if self.gate_gen != self.step_gen:  # a fault came after the gate: the mates run
@@ -170,6 +177,20 @@ class StepAttempts:
                 return False
             return True
         return False  # KeyboardInterrupt, SystemExit, ...
+
+    def _armed_late(self, epoch: int, step: int, gen: int) -> None:
+        """A fault that moved the machine on after the attempt began (``gen``) and before
+        its step was armed: its interrupt found nothing to interrupt and was dropped. The
+        step is interrupted now, before its first collective, rather than running into the
+        fault's broken group (a dead peer's reset connection then failed it as this
+        worker's own fault, another rollback cycle: a hung peer would hold it until
+        Gloo's timeout)."""
+        now = self.rt.engine.seen()
+        if now.phase_changes == gen:
+            return
+        st = now.state
+        if st.phase is not Phase.NORMAL or (st.epoch, st.step) != (epoch, step):
+            self.rt.interrupter.interrupt("a fault as the step began", epoch=epoch, step=step)
 
     def _script_error(self, step: int, why: str, cause: BaseException | None = None) -> None:
         script_error(self.rt, step, why, cause)
