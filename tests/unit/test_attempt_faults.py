@@ -77,6 +77,7 @@ class _Engine:
         self.view = SimpleNamespace(index=lambda rank: 0, members=(0, 1))
         self.phase_changes = 4
         self.kept = SimpleNamespace(begin_attempt=lambda: None)
+        self.dp = SimpleNamespace(gate=None)
 
     def seen(self) -> Any:
         return SimpleNamespace(state=self.state, view=self.view, phase_changes=self.phase_changes)

@@ -65,9 +65,11 @@ class StepAttempts:
             while not self._begin_attempt():
                 pass
             # the attempt's step and the count of phase changes it began at, read together
-            # (a fault may land between the wait above and this read)
+            # (a fault may land between the wait above and this read: wait again). A shard
+            # group's member crossed its gate with its mates, who run the body now: it runs
+            # it too, and the gate's own check below interrupts it (FSDP pairs them)
             now = x.seen()
-            if now.state.phase is Phase.NORMAL:
+            if now.state.phase is Phase.NORMAL or self.rt.sharded or x.dp.gate is not None:
                 break
         s, view, gen = now.state, now.view, now.phase_changes
         assert view is not None
