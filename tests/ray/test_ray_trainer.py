@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from _runs import check_s1_s3
 
+from fastft.report import summarize
 from fastft.runtime import read_events
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,8 +54,6 @@ def test_the_trainer_example_survives_a_worker_kill_and_returns_its_result(clust
 
 
 def _faults(run: Path) -> list[dict[str, Any]]:
-    from fastft.report import summarize
-
     keep = ("rank", "incarnation", "kind", "cause", "seen_as", "step", "epoch")
     return [{k: f.get(k) for k in keep} for f in summarize(run)["faults"]]
 

@@ -87,7 +87,9 @@ class _Engine:
         self.phase_changes += 1
 
 
-def _entering(fault_in_window: bool) -> tuple[StepAttempts, list[tuple[str, int, int]]]:
+def _entering(
+    fault_in_window: bool, sharded: bool = False
+) -> tuple[StepAttempts, list[tuple[str, int, int]]]:
     x = _Engine()
     interrupts: list[tuple[str, int, int]] = []
     armed: list[tuple[int, int]] = []
@@ -98,15 +100,18 @@ def _entering(fault_in_window: bool) -> tuple[StepAttempts, list[tuple[str, int,
 
     def interrupt(reason: str, *, epoch: int, step: int) -> bool:
         assert armed == [(epoch, step)]  # (armed first: else the interrupt is dropped)
+        assert deferred or not sharded  # (a shard group's mates run the body first)
         interrupts.append((reason, epoch, step))
         return True
+
+    deferred: list[float] = []
 
     rt = SimpleNamespace(
         registered=True,
         engine=x,
-        sharded=False,
+        sharded=sharded,
         rank=0,
-        config=SimpleNamespace(reseed=False, compare_every=0),
+        config=SimpleNamespace(reseed=False, compare_every=0, rollback_timeout_s=10.0),
         registry=SimpleNamespace(
             check_schedulers=lambda: None,
             begin_step=begin_step,
@@ -114,12 +119,15 @@ def _entering(fault_in_window: bool) -> tuple[StepAttempts, list[tuple[str, int,
         ),
         heartbeat=SimpleNamespace(between=lambda waiting: None, beat=lambda: None),
         interrupter=SimpleNamespace(
-            begin_step=lambda epoch, step: armed.append((epoch, step)), interrupt=interrupt
+            begin_step=lambda epoch, step: armed.append((epoch, step)),
+            interrupt=interrupt,
+            defer=deferred.append,
         ),
         injector=SimpleNamespace(fire_due=lambda step: None),
     )
     a = StepAttempts(rt)
     a._begin_attempt = lambda: True  # type: ignore[method-assign]
+    a.gate_gen = x.phase_changes  # (crossed the gate before the fault)
     a.agreement.begin = lambda epoch, step, world: False  # type: ignore[method-assign]
     return a, interrupts
 
@@ -141,3 +149,11 @@ def test_a_step_set_up_without_a_fault_is_not_interrupted():
     a, interrupts = _entering(fault_in_window=False)
     a.enter(SimpleNamespace())
     assert interrupts == [] and a.step_gen == 4
+
+
+def test_a_shard_groups_member_is_interrupted_after_its_deferral():
+    """The same fault in the window of a shard group's member: interrupted only once its
+    interrupts are deferred (its mates run the body's FSDP collectives with it)."""
+    a, interrupts = _entering(fault_in_window=True, sharded=True)
+    a.enter(SimpleNamespace())
+    assert interrupts == [("a fault as the step began", 1, 7)] and a.step_gen == 4

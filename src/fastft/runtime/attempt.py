@@ -91,7 +91,6 @@ class StepAttempts:
         self.rt.heartbeat.beat()
         self.rt.interrupter.begin_step(s.epoch, s.step)
         self.step_gen = gen
-        self._armed_late(s.epoch, s.step, gen)
         if self.rt.sharded:  # FSDP's collectives inside the group finish; the reduce is interrupted
             self.rt.interrupter.defer(self.rt.config.rollback_timeout_s / 2)
             if self.gate_gen != self.step_gen:  # a fault came after the gate: the mates run
@@ -99,6 +98,7 @@ class StepAttempts:
                 self.rt.interrupter.interrupt(
                     "a fault as the step began", epoch=s.epoch, step=s.step
                 )
+        self._armed_late(s.epoch, s.step, gen)  # (after the deferral: a shard group's too)
         try:
             self.rt.injector.fire_due(s.step)
         except Exception as e:  # an injected exception: a local fault of this step
@@ -187,10 +187,10 @@ class StepAttempts:
         fault's broken group (a dead peer's reset connection then failed it as this
         worker's own fault, another rollback cycle: a hung peer would hold it until
         Gloo's timeout)."""
-        now = self.rt.engine.seen()
-        if now.phase_changes == gen:
+        x = self.rt.engine
+        if x.phase_changes == gen:  # (the usual case: one int read, no lock)
             return
-        st = now.state
+        st = x.seen().state
         if st.phase is not Phase.NORMAL or (st.epoch, st.step) != (epoch, step):
             self.rt.interrupter.interrupt("a fault as the step began", epoch=epoch, step=step)
 
