@@ -39,15 +39,25 @@ from _common import table, write  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def model_rows(sizes: list[int], planes: list[str], leases: list[int]) -> list[dict[str, object]]:
+def model_rows(
+    sizes: list[int], planes: list[str], leases: list[int], real: list[int] | None = None
+) -> list[dict[str, object]]:
+    """The model's rows; a reform runs as a job would (a node's voice from 64 workers,
+    where the relay is on), and also without the voice at the sizes the real servers'
+    harness runs (its members speak for themselves: no agents)."""
     from fastft.sim import scale
 
     rows: list[dict[str, object]] = []
     for plane in planes:
         for n in sizes:
-            for scenario in ("reform", "start"):
+            runs = [("reform", None)] + ([("reform", False)] if n in (real or []) else [])
+            for scenario, voice in [*runs, ("start", None)]:
                 with scale.memo():
-                    r = scale.reform(n, plane) if scenario == "reform" else scale.start(n, plane)
+                    r = (
+                        scale.reform(n, plane, voice=voice)
+                        if scenario == "reform"
+                        else scale.start(n, plane)
+                    )
                 done = r.done_s if scenario == "reform" else r.extra.get("after_last_start_s")
                 rows.append(_row(r.row(), "model", done))
                 print(json.dumps(rows[-1]), flush=True)
@@ -78,6 +88,8 @@ def _row(r: dict[str, object], source: str, done: object) -> dict[str, object]:
         "model_wall_s",
     ]
     out = {"source": source, **{k: r[k] for k in keep if k in r}}
+    if "voice" in r:  # (reform: who spoke to the servers, a node's agent or each worker)
+        out["voice"] = "node" if r["voice"] else "worker"
     out["done_ms"] = round(float(done) * 1e3, 1) if isinstance(done, int | float) else None
     return out
 
@@ -128,12 +140,13 @@ def main() -> None:
     ap.add_argument("--real", type=int, nargs="*", default=[64, 256])
     args = ap.parse_args()
     rows = real_rows(args.real, args.planes) if args.real else []
-    rows += model_rows(args.sizes, args.planes, args.leases)
+    rows += model_rows(args.sizes, args.planes, args.leases, args.real)
     cols = [
         "scenario",
         "plane",
         "members",
         "source",
+        "voice",
         "done_ms",
         "server_busy_s",
         "requests_per_member",

@@ -160,6 +160,24 @@ def test_deaths_while_healing(tmp_path, clean):  # (~8 s: a newcomer's make test
     assert ("rank 2", 15) in sent, sent
 
 
+def test_under_the_bus_relay_the_agent_speaks_for_its_workers(tmp_path, clean):
+    """One voice per node (issue 64): with the relay, the workers' arrivals at each
+    formation go through their agent, which writes them together and waits for the closed
+    epoch once for the node; the run ends bitwise equal to a clean one."""
+    plan = [
+        {"kind": "exception", "rank": 1, "at_step": 6},
+        {"kind": "sigkill", "rank": 2, "at_step": 12},
+    ]
+    run = fastft_run(tmp_path, "voiced", "--bus-relay", "on", plan=plan)
+    check_s1_s3(run)
+    assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
+    ev = read_events(run)
+    (stop,) = [e for e in ev if e["event"] == "agent_stop"]
+    # two formations: 3 survivors' arrivals, then 2 (the killed one joins): all through it
+    assert stop["relay"]["voice_written"] >= 5 and stop["relay"]["voice_bad"] == 0, stop
+    assert sum(e["event"] == "restart" for e in ev) == 1
+
+
 @pytest.mark.slow
 def test_a_heal_sends_the_optimizer_state_while_the_step_runs(tmp_path):
     """With a model whose Adam moments are large (a 512x512 layer: 1 MiB each), a heal

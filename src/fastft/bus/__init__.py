@@ -26,6 +26,7 @@ __all__ = [
     "host_store",
     "is_nats",
     "memory_bus",
+    "node_voice",
     "open_bus",
     "tcpstore_bus",
 ]
@@ -68,6 +69,19 @@ def open_bus(
 
         return BusEndpoint(config, HubTransport(transport, hub, config.idle_pop_s))
     return BusEndpoint(config, transport)
+
+
+def node_voice(endpoint: BusEndpoint) -> Any:
+    """The node's voice (:class:`~fastft.bus.relayvoice.RelayVoice`) for a worker that
+    hears the bus through its agent's relay; None for any other endpoint."""
+    from fastft.bus.relayed import RelayedTransport
+
+    transport = endpoint.transport
+    if not isinstance(transport, RelayedTransport):
+        return None
+    from fastft.bus.relayvoice import RelayVoice
+
+    return RelayVoice(transport)
 
 
 def _transport(store: Any, config: BusConfig) -> Transport:

@@ -58,6 +58,12 @@ class BusEndpoint:
         self._replays = ReplayGuard(time.time())
 
     # --- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def transport(self) -> Transport:
+        """What this endpoint sends and receives through (a relay's client, a store's)."""
+        return self._transport
+
     def start(self) -> BusEndpoint:
         if self._closed.is_set():
             raise BusClosed("bus endpoint is closed")

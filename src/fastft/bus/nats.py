@@ -319,8 +319,18 @@ class NatsKV:
         return [bytes(e.value or b"") if e is not None else None for e in self._call(read_all)]
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
-        for k, v in zip(keys, values, strict=True):
-            self.set(k, v)
+        """Put every value, concurrently (one round trip: a node's voice writes its
+        workers' arrivals so); each put carries its message id across retries."""
+        js = self._conn.js
+        puts = [
+            (f"$KV.{BUCKET}.{escape_key(k)}", _b(v), {"Nats-Msg-Id": uuid.uuid4().hex})
+            for k, v in zip(keys, values, strict=True)
+        ]
+
+        async def put_all() -> None:
+            await asyncio.gather(*(js.publish(s, v, headers=h) for s, v, h in puts))
+
+        self._call(put_all)
 
     def check(self, keys: list[str]) -> bool:
         return all(self._entry(escape_key(k)) is not None for k in keys)

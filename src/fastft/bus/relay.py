@@ -21,7 +21,10 @@ each of its workers over a Unix socket. A broadcast then costs the store one pus
 
 Wire: the client sends its label and a newline; the hub registers it and answers with an
 empty frame (the join is then complete: every frame the agent pops after it reaches the
-client); then frames, each a 4-byte big-endian length and the bytes.
+client); then frames, each a 4-byte big-endian length and the bytes. A client's own
+frames up the socket are its requests to the node's voice (:mod:`fastft.launch.nodes.voice`:
+its arrivals at a formation), handed to :attr:`RelayHub.on_frame`; the answers come down
+as frames that begin with :data:`VOICE`.
 """
 
 from __future__ import annotations
@@ -36,15 +39,20 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastft.bus.contract import HARD_CAP
 
-__all__ = ["HEADER", "HubStats", "RelayHub", "sockaddr"]
+__all__ = ["HEADER", "VOICE", "HubStats", "RelayHub", "sockaddr"]
 
 log = logging.getLogger(__name__)
 
 HEADER = struct.Struct(">I")
+VOICE = b"\xfffastft-voice\n"
+"""The start of a frame from the node's voice to one worker (no bus frame starts so)."""
+MAX_UP = 1 << 20
+"""A longer frame up a client's socket means it is out of step: the client is dropped."""
 HELLO_MAX = 256
 """Longest label a client may send (bytes, the newline included)."""
 HELLO_S = 2.0
@@ -75,12 +83,14 @@ class HubStats:
 
 
 class _Client:
-    __slots__ = ("sock", "label", "hello", "since", "backlog", "progress_t", "mask")
+    __slots__ = ("sock", "label", "hello", "up", "since", "backlog", "progress_t", "mask")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.label = ""
         self.hello = bytearray()
+        self.up = bytearray()
+        """What the client sent up since its hello: its frames to the node's voice."""
         self.since = time.monotonic()
         self.backlog: deque[memoryview] = deque()
         self.progress_t = self.since
@@ -111,6 +121,9 @@ class RelayHub:
         os.set_blocking(self._wake_w, False)
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self.on_frame: Callable[[object, bytes], None] | None = None
+        """Called (on the hub's thread: hand the work on) with a client's token and each
+        frame it sends up; :meth:`send_to` answers that client."""
 
     def start(self) -> RelayHub:
         if self._thread is not None:
@@ -165,31 +178,48 @@ class RelayHub:
         with self._lock:
             self.stats.frames += 1
             for c in list(self._clients.values()):
-                if not c.backlog:
-                    try:
-                        sent = c.sock.send(frame)
-                    except BlockingIOError:
-                        sent = 0
-                    except OSError:
-                        self._drop(c, None)
-                        continue
-                    if sent == len(frame):
-                        n += 1
-                        continue
-                    c.progress_t = time.monotonic()  # (a queue starts: its reader's clock)
-                    c.backlog.append(memoryview(frame)[sent:])
-                    self.stats.queued += 1
-                    poke = True
-                elif len(c.backlog) >= HARD_CAP * self.max_queue:
-                    self._drop(c, f"{len(c.backlog)} frames queued")
-                    continue
-                else:
-                    c.backlog.append(memoryview(frame))
-                    self.stats.queued += 1
-                n += 1
+                went = self._send_locked(c, frame)
+                n += went is not None
+                poke |= went is False
         if poke:
             self._poke()
         return n
+
+    def send_to(self, token: object, data: bytes) -> bool:
+        """Write ``data`` to the one client ``token`` (from :attr:`on_frame`), queued if
+        its socket is full; False if it is gone."""
+        with self._lock:
+            c = token if isinstance(token, _Client) else None
+            if c is None or self._clients.get(c.sock.fileno()) is not c:
+                return False
+            went = self._send_locked(c, HEADER.pack(len(data)) + data)
+        if went is False:
+            self._poke()
+        return went is not None
+
+    def _send_locked(self, c: _Client, frame: bytes) -> bool | None:
+        """Under the lock: ``frame`` to ``c``, at once (True) or queued behind what its
+        socket would not take (False); None: ``c`` is gone or cut off (dropped)."""
+        if c.backlog:
+            if len(c.backlog) >= HARD_CAP * self.max_queue:
+                self._drop(c, f"{len(c.backlog)} frames queued")
+                return None
+            c.backlog.append(memoryview(frame))
+            self.stats.queued += 1
+            return False
+        try:
+            sent = c.sock.send(frame)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._drop(c, None)
+            return None
+        if sent == len(frame):
+            return True
+        c.progress_t = time.monotonic()  # (a queue starts: its reader's clock)
+        c.backlog.append(memoryview(frame)[sent:])
+        self.stats.queued += 1
+        return False
 
     def _drop(self, c: _Client, why: str | None) -> None:
         """Under the lock: forget ``c``; the serving thread closes it. ``why``: it was cut
@@ -272,14 +302,14 @@ class RelayHub:
 
     def _on_readable(self, c: _Client, pending: dict[int, _Client]) -> None:
         try:
-            chunk = c.sock.recv(HELLO_MAX)
+            chunk = c.sock.recv(HELLO_MAX if c.sock.fileno() in pending else 1 << 16)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             chunk = b""
         fd = c.sock.fileno()
-        if fd not in pending:  # a registered client sends nothing more: this is its end
-            if not chunk:
+        if fd not in pending:  # a registered client: its end, or frames to the voice
+            if not chunk or not self._frames_up(c, chunk):
                 with self._lock:
                     self._drop(c, None)
             return
@@ -301,6 +331,28 @@ class RelayHub:
             self._clients[fd] = c
             self.stats.accepted += 1
             self.stats.clients = len(self._clients)
+
+    def _frames_up(self, c: _Client, chunk: bytes) -> bool:
+        """Hand each whole frame ``c`` sent up to :attr:`on_frame`; False if its stream is
+        out of step (it is dropped, and connects again)."""
+        c.up += chunk
+        at = 0
+        while len(c.up) - at >= HEADER.size:
+            (size,) = HEADER.unpack_from(c.up, at)
+            if size == 0 or size > MAX_UP:
+                log.warning("bus relay: %s sent a frame of %d bytes up: dropped", c.label, size)
+                return False
+            if len(c.up) - at - HEADER.size < size:
+                break
+            frame = bytes(c.up[at + HEADER.size : at + HEADER.size + size])
+            at += HEADER.size + size
+            if self.on_frame is not None:
+                try:
+                    self.on_frame(c, frame)
+                except Exception:  # noqa: BLE001 - a bad frame must not end the relay
+                    log.exception("bus relay: a frame from %s", c.label)
+        del c.up[:at]
+        return True
 
     def _refuse(self, c: _Client, pending: dict[int, _Client], why: str) -> None:
         pending.pop(c.sock.fileno(), None)

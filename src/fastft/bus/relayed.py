@@ -16,10 +16,11 @@ import select
 import socket
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from fastft.bus.contract import Transport
 from fastft.bus.endpoint import WAKE
-from fastft.bus.relay import HEADER, HELLO_MAX, HELLO_S, sockaddr
+from fastft.bus.relay import HEADER, HELLO_MAX, HELLO_S, VOICE, sockaddr
 from fastft.errors import RelayUnreachable
 
 __all__ = ["MAX_FRAME", "RelayedTransport"]
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 MAX_FRAME = 16 << 20
 """A longer length on the relay's stream means it is out of step: the connection is
 dropped and made again."""
+UP_S = 0.5
+"""How long a frame up to the agent may wait for the socket to take it."""
 _ECHOES = 4096
 """Own frames remembered until their echo from the hub comes back (oldest forgotten)."""
 
@@ -52,6 +55,10 @@ class RelayedTransport:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.id: str | None = None
+        self.on_voice: Callable[[bytes], None] | None = None
+        """Called (on the popping thread) with each frame from the node's voice, its
+        :data:`~fastft.bus.relay.VOICE` prefix removed (:mod:`fastft.bus.relayvoice`)."""
+        self._up_lock = threading.Lock()
         self.lost = 0
         """Connections to the hub that ended under this transport (cut off, or broken)."""
 
@@ -145,11 +152,41 @@ class RelayedTransport:
                 break
             frame = bytes(buf[at + HEADER.size : at + HEADER.size + size])
             at += HEADER.size + size
+            if frame.startswith(VOICE):
+                if self.on_voice is not None:
+                    self.on_voice(frame[len(VOICE) :])
+                continue
             with self._sent_lock:
                 own = self._sent.pop(frame, False) is None
             if not own:
                 self._frames.append(frame)
         del buf[:at]
+        return True
+
+    def send_up(self, data: bytes, timeout_s: float = UP_S) -> bool:
+        """Send ``data`` up to the node's agent (a request to its voice); False if there
+        is no connection or it would not take the frame within ``timeout_s``."""
+        frame = memoryview(HEADER.pack(len(data)) + data)
+        with self._up_lock:
+            sock = self._sock
+            if sock is None:
+                return False
+            poll = select.poll()
+            poll.register(sock, select.POLLOUT)
+            whole = len(frame)
+            while frame:
+                try:
+                    frame = frame[sock.send(frame) :]
+                    continue
+                except (BlockingIOError, InterruptedError):
+                    if poll.poll(int(timeout_s * 1000)):
+                        continue
+                except OSError:
+                    pass
+                if len(frame) < whole:  # (half a frame: the stream is out of step; the
+                    with contextlib.suppress(OSError):  # popping thread connects again)
+                        sock.shutdown(socket.SHUT_RDWR)
+                return False
         return True
 
     def _lose(self, sock: socket.socket) -> None:

@@ -102,6 +102,9 @@ class SignedStore:
     def get(self, key: str) -> bytes:
         return self._in(key, self.raw.get(key))
 
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self.raw.multi_set(keys, [self._out(k, v) for k, v in zip(keys, values, strict=True)])
+
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         exp = self._out(key, expected)
         return self._in(key, self.raw.compare_set(key, exp, self._out(key, desired)))

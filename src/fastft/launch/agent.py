@@ -29,6 +29,7 @@ from fastft.launch.exits import Exits, back_line
 from fastft.launch.gray.stragglers import Stragglers
 from fastft.launch.gray.verdicts import Verdicts, warn_unfired
 from fastft.launch.nodes.nodewatch import NodeWatch
+from fastft.launch.nodes.voice import AgentVoice
 from fastft.launch.procs.children import Children, Slot, die_with_parent
 from fastft.launch.procs.output import Output
 from fastft.launch.procs.spares import SparePool
@@ -74,6 +75,11 @@ class Agent:
         self.store_addr, self.secret_file = plane.address, plane.secret_file
         self.store, self.bus, self.started = plane.store, plane.bus, plane.started
         self.hub = plane.hub
+        self.voice = (
+            AgentVoice(self.hub, self.store, self.keys, self._running) if self.hub else None
+        )
+        """The node's voice (:mod:`.nodes.voice`): its workers' arrivals at a formation
+        written together, and the closed epoch waited for once (with the relay)."""
         self.spawner = Spawner(self, plane)
         """Starts the workers' lives (:mod:`.spawn`)."""
         first = config.node_rank * config.nproc
@@ -127,6 +133,8 @@ class Agent:
         for part in (self.verdicts, self.stragglers):
             self.bus.subscribe(part.on_message)
         self.bus.start()
+        if self.voice is not None:
+            self.voice.start()
         cfg = self.config
         self.events.emit(
             "agent_start",
@@ -184,6 +192,10 @@ class Agent:
             if metrics is not None:
                 metrics.close()
             relay = dataclasses.asdict(self.hub.stats) if self.hub else None
+            if self.voice is not None:
+                self.voice.stop()
+                assert relay is not None
+                relay.update(voice_written=self.voice.written, voice_bad=self.voice.bad)
             self.events.emit(
                 "agent_stop", restarts=self.ledger.restarts, failed=self.failed, relay=relay
             )
@@ -192,6 +204,14 @@ class Agent:
             sys.stderr.flush()
             os._exit(code)
         return code
+
+    def _running(self) -> int:
+        """How many of the node's workers run now (the voice's batch waits for them)."""
+        return sum(
+            1
+            for s in self.slots.values()
+            if s.proc is not None and not s.done and s.proc.returncode is None
+        )
 
     def _finish(self) -> int:
         self.children.output.flush(timeout_s=2.0)  # (the workers' last lines first)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fastft.process.malloc as malloc
-from fastft.bus import connect_store
+from fastft.bus import connect_store, node_voice
 from fastft.bus.signed import SignedStore
 from fastft.fsm import DrainRequested, Phase, StepState
 from fastft.interrupt import Interrupter, StepInterrupted
@@ -131,6 +131,7 @@ class Runtime:
             events=self.events,
         )
         x.attach(sv)
+        x.coord.voice = node_voice(sv.bus)  # (under a bus relay: its agent speaks for it)
         self.bus = sv.bus
         self.injector = sv.injector
         self.heartbeat: HeartbeatWriter = sv.heartbeat

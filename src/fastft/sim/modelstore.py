@@ -48,6 +48,18 @@ class ModelStore:
         v = _b(value)
         self.p.request(self._w(), "set", self.p.c.set_s, lambda: self._put(key, v), len(v))
 
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        """TCPStore: one request; NATS: a put per key at the leader, sent at once."""
+        vs = [_b(v) for v in values]
+        per = self.p.c.set_s if self.p.c.servers > 1 else self.p.c.per_key_s
+        cost = self.p.c.set_s + per * (len(keys) - 1)
+
+        def apply() -> None:
+            for k, v in zip(keys, vs, strict=True):
+                self._put(k, v)
+
+        self.p.request(self._w(), "multi_set", cost, apply, sum(map(len, vs)))
+
     def get(self, key: str) -> bytes:
         self.p.wait_key(self.home, key, self.timeout_s)
         return self.p.request(self.home, "get", self.p.c.get_s, lambda: self.p.kv[key])

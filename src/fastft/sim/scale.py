@@ -28,9 +28,11 @@ import random
 import greenlet
 
 from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, Member
+from fastft.runtime.engine.coordinator import form_wait_s
 from fastft.runtime.engine.joiners import Joiners
 from fastft.runtime.engine.survivors import Survivors
 from fastft.sim.scalejob import Result, ScaleJob, finish, memo
+from fastft.sim.scalevoice import ModelVoice
 
 __all__ = ["Result", "leases", "memo", "reform", "start"]
 
@@ -65,8 +67,11 @@ def reform(
     secret: bool = True,
     timeout_s: float = 5.0,
     horizon_s: float = 120.0,
+    voice: bool | None = None,
 ) -> Result:
-    """One fault among ``n`` members (rank ``dead``), every survivor into epoch 2."""
+    """One fault among ``n`` members (rank ``dead``), every survivor into epoch 2.
+    ``voice``: each node's agent speaks for its workers (:mod:`fastft.sim.scalevoice`);
+    by default where the bus relay is on (``--bus-relay auto``: from 64 workers)."""
     job = ScaleJob(plane, n, slow=slow, secret=secret)
     hub = job.hub
     view = _first_epoch(job, n)
@@ -77,6 +82,11 @@ def reform(
     live = [r for r in range(n) if r != dead]
     nodes = -(-n // per_node)
     relay = n >= RELAY_FROM
+    voice = relay if voice is None else voice
+    voices = [
+        ModelVoice(job, node, sum(1 for r in live if r // per_node == node), form_wait_s(n))
+        for node in range(nodes)
+    ] if voice else []  # fmt: skip
 
     def bus_push(targets: int) -> list[float]:
         """A broadcast: when each of ``targets`` subscribers has it (one push each)."""
@@ -90,6 +100,8 @@ def reform(
         coord = job.coordinator(r, 1, tries, dead={Member(dead, 1)})
         if r == 0:  # (rank 0 closed the first start: it made the joiner keys)
             coord.joiner_keys_made()
+        if voices:
+            coord.voice = voices[r // per_node]
         survivors = Survivors(coord)
         wait = survivors.arrive(
             view, frozenset({dead}), step=0, lost_state=False, timeout_s=timeout_s
@@ -122,6 +134,7 @@ def reform(
             closers=len(set(tries)),
             false_deaths=len(declared & set(live)),
             nodes=nodes,
+            voice=voice,
         )
     )
 

@@ -39,6 +39,11 @@ class SimStore:
         self._op("set")
         self.kv[key] = _b(value)
 
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._op("multi_set")
+        for k, v in zip(keys, values, strict=True):
+            self.kv[k] = _b(v)
+
     def get(self, key: str) -> bytes:
         self._op("get")
         if key not in self.kv:

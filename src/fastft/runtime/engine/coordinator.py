@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Set
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -30,6 +30,9 @@ from fastft.protocol.keys import JobKeys
 from fastft.runtime.contract import EpochView, Member
 from fastft.runtime.engine import decisions as d
 from fastft.runtime.engine.formation import Recovery
+
+if TYPE_CHECKING:
+    from fastft.runtime.engine.voice import VoicePort
 
 __all__ = ["DECISION_WAIT_S", "Coordinator", "form_wait_s"]
 
@@ -95,6 +98,9 @@ class Coordinator:
         self.recovery = recovery
         """What can replace a lost state (the durable tier's newest checkpoint): asked only
         when an epoch closes without a holder, or at a first start."""
+        self.voice: VoicePort | None = None
+        """The node's voice (:mod:`.voice`): arrivals handed to the agent, which writes
+        them with its other workers' and waits for the closed epoch once for the node."""
         self.heard: dict[int, float] = {}
         """Epoch -> when a member of it last answered this joiner (a live epoch)."""
 

@@ -129,26 +129,38 @@ class Survivors:
         :meth:`round`."""
         epoch = prev.epoch + 1
         arrival = Arrival(self.c.me.incarnation, step, lost_state, kept, suspect, rewind)
-        self.c.store.set(self.c.keys.epoch_arrival(epoch, self.c.me.rank), arrival.to_json())
-        if self.c.reads_many:  # (NATS: an add is a compare-and-set loop; one try here)
-            me = str(self.c.me.rank)
-            first = d.decide_once(self.c.store, self.c.keys.epoch_first(epoch), me) == me
-        else:
-            first = int(self.c.store.add(self.c.keys.epoch_arrivals(epoch), 1)) == 1
+        voice = self.c.voice
+        first = voice.arrive(epoch, self.c.me.rank, arrival.to_json()) if voice else None
+        if first is None:  # (no voice, or its agent did not answer: written here)
+            first = self._write_arrival(epoch, arrival)
         expected = sorted(m.rank for m in prev.members if m.rank not in exclude)
         started = self.c.clock()
         deadline = started + timeout_s + len(expected) * ARRIVAL_S
         return SurvivorWait(prev, expected, step, lost_state, admit, started, deadline, first=first)
+
+    def _write_arrival(self, epoch: int, arrival: Arrival) -> bool:
+        """This survivor's arrival key and count (without its node's voice); whether it
+        was the epoch's first."""
+        self.c.store.set(self.c.keys.epoch_arrival(epoch, self.c.me.rank), arrival.to_json())
+        if self.c.reads_many:  # (NATS: an add is a compare-and-set loop; one try here)
+            me = str(self.c.me.rank)
+            return d.decide_once(self.c.store, self.c.keys.epoch_first(epoch), me) == me
+        return int(self.c.store.add(self.c.keys.epoch_arrivals(epoch), 1)) == 1
 
     def await_closed(self, wait: SurvivorWait) -> EpochView | None:
         """The view of the epoch once closed, as its change of the epoch this survivor
         leaves (a few bytes; :meth:`EpochView.change_from`), waiting for it up to
         :func:`~.coordinator.form_wait_s` (one blocking read: the server answers every
         waiter when it is written; a wait that ran out reads again, so the wait grows with
-        the world: 0.5 s waits polled again 16,384 times a second at 16,384 members)."""
-        got = self.c.wait_value(
-            self.c.keys.epoch_change(wait.epoch), form_wait_s(len(wait.prev.members))
-        )
+        the world: 0.5 s waits polled again 16,384 times a second at 16,384 members). With
+        a node's voice (:mod:`.voice`) its agent waits for the node's workers, and this
+        worker waits for its agent."""
+        timeout_s = form_wait_s(len(wait.prev.members))
+        asked, got = (False, None)
+        if self.c.voice is not None:  # (the node's agent waits for the node's workers)
+            asked, got = self.c.voice.closed(wait.epoch, timeout_s)
+        if not asked:
+            got = self.c.wait_value(self.c.keys.epoch_change(wait.epoch), timeout_s)
         return EpochView.from_change(wait.prev, got) if got is not None else None
 
     def round(self, wait: SurvivorWait) -> Round:
