@@ -160,6 +160,7 @@ def test_deaths_while_healing(tmp_path, clean):  # (~8 s: a newcomer's make test
     assert ("rank 2", 15) in sent, sent
 
 
+@pytest.mark.slow  # (~12 s: make test stays under its 10 minutes on 2 cores)
 def test_under_the_bus_relay_the_agent_speaks_for_its_workers(tmp_path, clean):
     """One voice per node (issue 64): with the relay, the workers' arrivals at each
     formation go through their agent, which writes them together and waits for the closed
