@@ -78,6 +78,42 @@ def test_many_keys_read_at_once_with_none_for_the_missing(store, request):
     assert got == [b"signed", None, None] and signed.forged.total == 1
 
 
+def test_a_watch_is_pushed_the_keys_under_its_prefix_then_and_since(store, request):
+    """The closer of a formation watches the epoch's arrivals on NATS, and reads the
+    joiners so (fastft.bus.natswatch: pushed, not read key by key); through the signed
+    store a forged value is left out and counted; the keys' escape reads back."""
+    from fastft.bus.nats import escape_key
+    from fastft.bus.natswatch import unescape_key
+    from fastft.bus.signed import SignedStore
+    from fastft.protocol.auth import JobSecret, ValueAuth
+    from fastft.protocol.keys import JobKeys
+
+    keys = JobKeys(request.node.name[:40])
+    signed = SignedStore(store, keys, ValueAuth(JobSecret.draw()))
+    prefix = keys.epoch_arrived(3)
+    signed.multi_set([keys.epoch_arrival(3, 0), keys.epoch_arrival(3, 1)], ["a0", "a1"])
+    signed.set(keys.epoch_arrival(4, 0), "another epoch")
+    assert signed.read_prefix(prefix) == {
+        keys.epoch_arrival(3, 0): b"a0",
+        keys.epoch_arrival(3, 1): b"a1",
+    }
+    w = signed.watch(prefix)
+    try:
+        signed.set(keys.epoch_arrival(3, 12), "a12")
+        store.set(keys.epoch_arrival(3, 13), "forged")  # (no tag)
+        deadline = time.monotonic() + 5
+        while keys.epoch_arrival(3, 12) not in w.values() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        got = w.values()
+        assert got[keys.epoch_arrival(3, 12)] == b"a12" and len(got) == 3, got
+        assert signed.forged.total == 1
+    finally:
+        w.close()
+    assert store.read_prefix(keys.epoch_arrived(9)) == {}  # (nothing there: at once)
+    for k in ("fastft/j/pg/3//0", "/a/", "a.b=c/d", "x y/é"):
+        assert unescape_key(escape_key(k)) == k
+
+
 def test_a_missing_key_is_waited_for_until_the_timeout(store, request):
     key = request.node.name
     short = store.clone()

@@ -28,10 +28,13 @@ import logging
 import re
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastft.bus.natsio import BUCKET, Conn, connection, run, shutdown
 from fastft.errors import StoreTimeout, StoreUnreachable
+
+if TYPE_CHECKING:
+    from fastft.bus.natswatch import NatsWatch
 
 __all__ = [
     "BUCKET",
@@ -84,11 +87,19 @@ _KEY_OK = re.compile(r"[A-Za-z0-9_/-]")
 
 
 def escape_key(key: str) -> str:
-    """A store key in the characters a JetStream key may hold (``=XX`` escapes)."""
-    out = "".join(
-        c if _KEY_OK.fullmatch(c) else "".join(f"={b:02X}" for b in c.encode()) for c in key
-    )
-    return out or "=00"
+    """A store key in the characters a JetStream key may hold (``=XX`` escapes), each part
+    of its path a token of the subject (``/`` as ``.``, but where it would leave a token
+    empty), so that the keys under a prefix can be watched
+    (:mod:`fastft.bus.natswatch`)."""
+    out = []
+    for i, c in enumerate(key):
+        if c == "/" and 0 < i < len(key) - 1 and key[i - 1] != "/":
+            out.append(".")
+        elif _KEY_OK.fullmatch(c) and c != "/":
+            out.append(c)
+        else:
+            out.append("".join(f"={b:02X}" for b in c.encode()))
+    return "".join(out) or "=00"
 
 
 def _b(value: bytes | str | list[int]) -> bytes:
@@ -331,6 +342,24 @@ class NatsKV:
             await asyncio.gather(*(js.publish(s, v, headers=h) for s, v, h in puts))
 
         self._call(put_all)
+
+    def watch(self, prefix: str) -> NatsWatch:
+        """Every value under ``prefix`` (a path ending in ``/``), now and as written: the
+        servers push them (:mod:`fastft.bus.natswatch`)."""
+        from fastft.bus.natswatch import NatsWatch
+
+        subject = escape_key(prefix.rstrip("/")) + ".>"
+        return NatsWatch(self._conn, prefix, subject, self.timeout_s)
+
+    def read_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every value under ``prefix`` now (a watch's first values, pushed)."""
+        w = self.watch(prefix)
+        try:
+            if not w.ready.wait(self.timeout_s):
+                raise self._Timeout(f"NATS store: no answer to a watch of {prefix!r}")
+            return w.values()
+        finally:
+            w.close()
 
     def check(self, keys: list[str]) -> bool:
         return all(self._entry(escape_key(k)) is not None for k in keys)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import logging
 import threading
 import time
@@ -77,6 +78,11 @@ def run(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
     except TimeoutError:
         fut.cancel()
         raise
+
+
+def spawn(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Run ``coro`` on the loop without waiting for it."""
+    return asyncio.run_coroutine_threadsafe(coro, _Loop.get())
 
 
 class Conn:

@@ -19,7 +19,7 @@ from fastft.errors import ControlPlaneError
 from fastft.protocol.auth import ValueAuth
 from fastft.protocol.keys import JobKeys
 
-__all__ = ["ForgedValue", "SignedStore"]
+__all__ = ["ForgedValue", "SignedStore", "SignedWatch"]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class SignedStore:
         text = value.decode() if isinstance(value, bytes) else value
         return self.auth.sign(key, text) if self.keys.signed(key) and not self.insecure else text
 
-    def _in(self, key: str, raw: Any) -> bytes:
+    def verified(self, key: str, raw: Any) -> bytes:
         raw = bytes(raw)
         if not self.keys.signed(key) or self.insecure:
             return raw
@@ -100,18 +100,18 @@ class SignedStore:
         self.raw.set(key, self._out(key, value))
 
     def get(self, key: str) -> bytes:
-        return self._in(key, self.raw.get(key))
+        return self.verified(key, self.raw.get(key))
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         self.raw.multi_set(keys, [self._out(k, v) for k, v in zip(keys, values, strict=True)])
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         exp = self._out(key, expected)
-        return self._in(key, self.raw.compare_set(key, exp, self._out(key, desired)))
+        return self.verified(key, self.raw.compare_set(key, exp, self._out(key, desired)))
 
     def replace(self, key: str, forged: bytes, desired: str) -> bytes:
         """Compare-and-set over a forged value (one that pre-empted a decision is none)."""
-        return self._in(key, self.raw.compare_set(key, forged, self._out(key, desired)))
+        return self.verified(key, self.raw.compare_set(key, forged, self._out(key, desired)))
 
     def read_many(self, keys: list[str]) -> list[bytes | None]:
         """Values or None (absent, or forged: counted) of ``keys``, where the store reads
@@ -119,17 +119,64 @@ class SignedStore:
         out: list[bytes | None] = []
         for k, raw in zip(keys, self.raw.read_many(keys), strict=True):
             try:
-                out.append(None if raw is None else self._in(k, raw))
+                out.append(None if raw is None else self.verified(k, raw))
             except ForgedValue:
                 out.append(None)
         return out
+
+    def read_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every value under ``prefix`` whose tag holds (NATS; a forged one left out, and
+        counted)."""
+        return SignedWatch(self, _Fixed(self.raw.read_prefix(prefix))).values()
+
+    def watch(self, prefix: str) -> SignedWatch:
+        """The store's watch of ``prefix`` (NATS), its values checked as they are read."""
+        return SignedWatch(self, self.raw.watch(prefix))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """Values of ``keys``; a forged one reads as ``b""`` (no value), and is counted."""
         out = []
         for k, raw in zip(keys, self.raw.multi_get(keys), strict=True):
             try:
-                out.append(self._in(k, raw))
+                out.append(self.verified(k, raw))
             except ForgedValue:
                 out.append(b"")
         return out
+
+
+class SignedWatch:
+    """A watch's values with their tags checked (a forged one is left out, and counted);
+    each value checked once."""
+
+    def __init__(self, store: SignedStore, watch: Any) -> None:
+        self.store = store
+        self.w = watch
+        self._checked: dict[str, tuple[bytes, bytes | None]] = {}
+
+    def values(self) -> dict[str, bytes]:
+        out = {}
+        for k, raw in list(self.w.values().items()):
+            got = self._checked.get(k)
+            if got is None or got[0] != raw:
+                try:
+                    got = (raw, self.store.verified(k, raw))
+                except ForgedValue:
+                    got = (raw, None)
+                self._checked[k] = got
+            if got[1] is not None:
+                out[k] = got[1]
+        return out
+
+    def close(self) -> None:
+        self.w.close()
+
+
+class _Fixed:
+    def __init__(self, values: dict[str, bytes]) -> None:
+        self._values = values
+
+    def values(self) -> dict[str, bytes]:
+        return self._values
+
+    def close(self) -> None:
+        pass

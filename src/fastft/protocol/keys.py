@@ -90,7 +90,11 @@ class JobKeys:
 
     def epoch_arrival(self, epoch: int, rank: int) -> str:
         """A member of the previous epoch arrived at the formation of ``epoch``."""
-        return f"{self.root}/ep/{epoch}/arrived/{rank}"
+        return f"{self.epoch_arrived(epoch)}{rank}"
+
+    def epoch_arrived(self, epoch: int) -> str:
+        """The prefix of every arrival key of ``epoch`` (NATS: the closer watches it)."""
+        return f"{self.root}/ep/{epoch}/arrived/"
 
     def epoch_first(self, epoch: int) -> str:
         """The rank that arrived first at the formation of ``epoch`` (by compare-and-set,
@@ -155,7 +159,12 @@ class JobKeys:
 
     def joiner(self, rank: int) -> str:
         """A started or restarted worker waiting to be admitted (its incarnation)."""
-        return f"{self.root}/join/{rank}"
+        return f"{self.joiners}{rank}"
+
+    @property
+    def joiners(self) -> str:
+        """The prefix of every joiner key (NATS: the closer reads them pushed)."""
+        return f"{self.root}/join/"
 
     @property
     def joined(self) -> str:

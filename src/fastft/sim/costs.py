@@ -28,7 +28,7 @@ from typing import Any
 import greenlet
 import torch.distributed as dist
 
-__all__ = ["Hub", "Plane", "PlaneCosts", "Server", "costs"]
+__all__ = ["Hub", "Plane", "PlaneCosts", "Server", "Watch", "costs"]
 
 CALIBRATION = Path(__file__).with_name("calibration.json")
 
@@ -171,6 +171,24 @@ class _Waiter:
         self.done = False
 
 
+class Watch:
+    """A subscription to every write of the keys under ``prefix`` (NATS KV's watch of a
+    subject's last values and its new ones): each pushed by the client's server, here
+    when its push arrived."""
+
+    def __init__(self, prefix: str, server: Server) -> None:
+        self.prefix = prefix
+        self.server = server
+        self.seen: dict[str, bytes] = {}
+        self.closed = False
+
+    def values(self) -> dict[str, bytes]:
+        return self.seen
+
+    def close(self) -> None:
+        self.closed = True
+
+
 class Plane:
     """The control plane's state: the keys (with a revision each), the servers, the
     waiters, and what was counted."""
@@ -186,6 +204,7 @@ class Plane:
         self.bytes = 0
         self.rejected = 0
         """Compare-and-set writes that lost (NATS: an ``add`` tried again)."""
+        self.watches: list[Watch] = []
 
     @property
     def leader(self) -> Server:
@@ -230,8 +249,10 @@ class Plane:
         self.ops["wait"] += 1
 
         def serve() -> None:
-            if key in self.kv:
-                hub.resume_at(server.serve(hub.now, self.c.check_s) + self.c.rtt_s / 2, g)
+            if key in self.kv:  # (TCPStore answers the wait; on NATS the client's
+                # subscription made it, and its read after it is a request of its own)
+                cost = self.c.check_s if self.c.servers == 1 else self.c.push_s
+                hub.resume_at(server.serve(hub.now, cost) + self.c.rtt_s / 2, g)
                 return
             w = _Waiter(g)
             self.waiters.setdefault(key, []).append(w)
@@ -247,9 +268,22 @@ class Plane:
         hub.at(hub.now + self.c.rtt_s / 2, serve)
         hub.suspend()
 
+    def push(self, w: Watch, key: str) -> None:
+        """``key``'s value to watch ``w`` (a message from its server)."""
+        value = self.kv[key]
+        self.ops["pushed"] += 1
+        done = w.server.serve(self.hub.now, self.c.push_s + len(value) * self.c.per_byte_s)
+        self.hub.at(done + self.c.rtt_s / 2, lambda: w.seen.__setitem__(key, value))
+
     def written(self, key: str, server: Server) -> None:
-        """``key`` was written: wake its waiters (each a push from ``server``)."""
+        """``key`` was written: wake its waiters (each a push from ``server``), and push it
+        to the watches of its prefix."""
         self.rev[key] += 1
+        if self.watches:
+            self.watches = [w for w in self.watches if not w.closed]
+            for watch in self.watches:
+                if key.startswith(watch.prefix):
+                    self.push(watch, key)
         for w in self.waiters.pop(key, []):
             if not w.done:
                 w.done = True

@@ -9,7 +9,7 @@ import datetime
 
 import torch.distributed as dist
 
-from fastft.sim.costs import Plane, Server
+from fastft.sim.costs import Plane, Server, Watch
 
 __all__ = ["ModelKV", "ModelStore"]
 
@@ -167,6 +167,26 @@ class ModelKV(ModelStore):
         return self.p.request(
             self.home, "read_many", cost, lambda: [self.p.kv.get(k) for k in keys]
         )
+
+    def watch(self, prefix: str) -> Watch:
+        """Every value under ``prefix``, now and as written (one request: a consumer of
+        the keys' last values; each then a push from this client's server)."""
+        w = Watch(prefix, self.home)
+
+        def apply() -> None:
+            self.p.watches.append(w)
+            for k in [k for k in self.p.kv if k.startswith(prefix)]:
+                self.p.push(w, k)
+
+        self.p.request(self.home, "watch", self.p.c.get_s, apply)
+        return w
+
+    def read_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every value under ``prefix`` (one request: a watch's last values, each pushed,
+        then its end)."""
+        w = self.watch(prefix)  # (its answer comes after the pushes of what is there)
+        w.close()
+        return dict(w.seen)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         got = self.read_many(keys)

@@ -141,7 +141,10 @@ class ScaleJob:
             members=self.n,
             done_s=round(max(done), 4) if len(done) == expected else None,
             server_busy_s=round(self.p.busy_s(), 4),
-            requests=sum(self.p.ops.values()) - self.p.ops["woken"] - self.p.ops["wait_timeout"],
+            requests=sum(self.p.ops.values())
+            - self.p.ops["woken"]
+            - self.p.ops["wait_timeout"]
+            - self.p.ops["pushed"],
             requests_per_member=0.0,
             critical_requests=kw.pop("critical", 0),
             mbytes=round(self.p.bytes / 1e6, 3),

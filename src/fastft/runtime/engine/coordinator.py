@@ -92,6 +92,9 @@ class Coordinator:
         self.dead: Set[Member] = dead if dead is not None else set()
         """Lives known dead (the worker's one set, read here): never admitted as joiners."""
         self._joiner_keys_exist = False
+        self.watches = hasattr(getattr(store, "raw", store), "watch")
+        """The store pushes every write of a prefix's keys to a watch (NATS): the closer
+        watches the arrivals instead of reading them."""
         self.reads_many = hasattr(getattr(store, "raw", store), "read_many")
         """The store reads many keys in one round trip and its ``add`` is a compare-and-set
         loop (NATS): formations read arrivals instead of counting them."""
@@ -234,7 +237,11 @@ class Coordinator:
         blocks for the store's whole timeout)."""
         keys = [self.keys.joiner(r) for r in range(self.world_size)]
         if self.reads_many:  # (one round trip, no key made first)
-            got = self.store.read_many(keys)
+            if self.watches:  # (the keys there, pushed by the server: none read one by one)
+                there = self.store.read_prefix(self.keys.joiners)
+                got = [there.get(k) for k in keys]
+            else:
+                got = self.store.read_many(keys)
             lives = {r: int(v) for r, v in enumerate(got) if v and r not in exclude}
             return {r: inc for r, inc in lives.items() if Member(r, inc) not in self.dead}
         if not self._joiner_keys_exist and not self.store.check(keys):

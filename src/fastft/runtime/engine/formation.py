@@ -10,6 +10,7 @@ import json
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, Member
 
@@ -103,6 +104,9 @@ class SurvivorWait:
     arrived: dict[int, Arrival] = field(default_factory=dict)
     """... and what it read (NATS: ``read_at``, when)."""
     read_at: float = float("-inf")
+    watch: Any = None
+    """NATS: the closer's watch of the epoch's arrival keys (their values pushed as they
+    are written, none read key by key), once it closes; closed with the wait."""
     checked: float = float("-inf")
     """When it last asked whether the job finished."""
     reminded: float = float("-inf")

@@ -91,6 +91,13 @@ class Survivors:
         the arrivals' counter; the others block on the closed view (the decision store's
         short timeout) when there is one. :mod:`fastft.sim` runs the same :meth:`round`
         from its scheduler."""
+        try:
+            yield from self._rounds(wait)
+        finally:
+            if wait.watch is not None:
+                wait.watch.close()
+
+    def _rounds(self, wait: SurvivorWait) -> Iterator[Round]:
         look = False  # (read the closed view: the closer each poll, a waiter after a wait)
         while True:
             if look:
@@ -268,7 +275,12 @@ class Survivors:
         deadline). Was key by key always: 2N round trips in a row (issue 51)."""
         ranks = [m.rank for m in wait.prev.members]
         key = {r: self.c.keys.epoch_arrival(wait.epoch, r) for r in ranks}
-        if self.c.reads_many:
+        if self.c.watches:  # (NATS: what the closer's watch was pushed so far)
+            if wait.watch is None:
+                wait.watch = self.c.store.watch(self.c.keys.epoch_arrived(wait.epoch))
+            seen = wait.watch.values()
+            got = {r: seen.get(key[r]) for r in ranks}
+        elif self.c.reads_many:
             got = dict(zip(ranks, self.c.store.read_many(list(key.values())), strict=True))
         else:
             got = {}
@@ -287,7 +299,8 @@ class Survivors:
         timed_out = self.c.clock() >= wait.deadline
         now = self.c.clock()
         if self.c.reads_many:  # (NATS: every arrival in one read, less often as N grows)
-            if now - wait.read_at < _POLL_S * max(1.0, len(expected) / 16) and not timed_out:
+            every = _POLL_S * (1.0 if self.c.watches else max(1.0, len(expected) / 16))
+            if now - wait.read_at < every and not timed_out:
                 return Round()
             wait.read_at = now
             wait.arrived = self._read_arrivals(wait)
