@@ -52,10 +52,41 @@ def _signed(store: object, keys: object) -> object:
     return SignedStore(store, keys, ValueAuth(JobSecret(SECRET)))
 
 
-def members(address: str, first: int, count: int, world: int, secret: bool = False) -> None:
+PER_NODE = 8
+"""With ``--voice``: workers a node (a node of this harness: its members in one process)."""
+
+
+def _nodes(address: str, first: int, count: int, keys: object, secret: bool, counts: dict[str, int], lock: object) -> dict[int, tuple[object, object]]:  # fmt: skip
+    """With ``--voice``: each node's relay hub, with the agent's bus endpoint (the node's
+    one subscriber) and its voice (:class:`~fastft.launch.nodes.voice.AgentVoice`), as a
+    job's agent runs them under ``--bus-relay``: node -> (hub, voice)."""
+    from fastft.bus import BusConfig, RelayHub, connect_store, open_bus
+    from fastft.launch.nodes.voice import AgentVoice
+    from fastft.protocol import Role
+    from fastft.protocol.auth import JobSecret
+    from fastft.testing import CountingStore
+
+    out = {}
+    for node in sorted({r // PER_NODE for r in range(first, first + count)}):
+        here = len([r for r in range(first, first + count) if r // PER_NODE == node])
+        raw = connect_store(address)
+        hub = RelayHub()
+        cfg = BusConfig(job=JOB, rank=-1, incarnation=node + 1, role=Role.AGENT,
+                        secret=JobSecret(SECRET) if secret else None)  # fmt: skip
+        open_bus(raw.clone(), cfg, hub=hub).start()  # (it starts the hub)
+        store = CountingStore(raw, counts, lock)
+        store = _signed(store, keys) if secret else store
+        out[node] = (hub, AgentVoice(hub, store, keys, lambda here=here: here).start())
+    return out
+
+
+def members(
+    address: str, first: int, count: int, world: int, secret: bool = False, voice: bool = False
+) -> None:
     """A child: ``count`` members (ranks first..) in epoch 1, each a bus endpoint, the
     state machine and a coordinator; after "go", waits for each to hold epoch 2's view.
-    One JSON line: when each did, the deliveries and the store requests."""
+    One JSON line: when each did, the deliveries and the store requests. ``voice``: under
+    a relay per node of :data:`PER_NODE`, which speaks for them (issue 64)."""
     import datetime
     import queue
 
@@ -84,6 +115,7 @@ def members(address: str, first: int, count: int, world: int, secret: bool = Fal
     done: dict[int, float] = {}
     delivered = [0]
     form_s = 5.0 + world * 0.02  # (the formation's deadline: every live member arrives)
+    nodes = _nodes(address, first, count, keys, secret, counts, lock) if voice else {}
 
     class One:
         def __init__(self, rank: int) -> None:
@@ -115,12 +147,18 @@ def members(address: str, first: int, count: int, world: int, secret: bool = Fal
                 from fastft.protocol.auth import JobSecret
 
                 bus_secret = JobSecret(SECRET)
+            hub = nodes[rank // PER_NODE][0].address if nodes else None  # type: ignore[attr-defined]
             self.bus = open_bus(
                 raw.clone(),
                 BusConfig(job=JOB, rank=rank, incarnation=1, secret=bus_secret),
+                relay=hub,
             )
             self.bus.subscribe(self.on_message)
             self.bus.start()
+            if nodes:
+                from fastft.bus import node_voice
+
+                self.coord.voice = node_voice(self.bus)
 
         def header(self) -> dict[str, object]:
             s = self.state
@@ -226,9 +264,16 @@ def members(address: str, first: int, count: int, world: int, secret: bool = Fal
 
 
 def one_row(
-    src: Path, control: str, world: int, procs: int, nats: str | None, secret: bool = False
+    src: Path,
+    control: str,
+    world: int,
+    procs: int,
+    nats: str | None,
+    secret: bool = False,
+    voice: bool = False,
 ) -> dict[str, object]:
-    """One fault among ``world`` members with the code under ``src``."""
+    """One fault among ``world`` members with the code under ``src`` (``voice``: each node
+    of :data:`PER_NODE` members under a relay, its agent speaking for them)."""
     from fastft.bus import BusConfig, connect_store, open_bus
     from fastft.protocol import ProcessExited
     from fastft.protocol.keys import JobKeys
@@ -250,6 +295,7 @@ def one_row(
         (_signed(store, keys) if secret else store).set(keys.latest_epoch, "1")
         live = world - 1
         per = -(-live // procs)
+        per = -(-per // PER_NODE) * PER_NODE if voice else per  # (whole nodes a process)
         env = {**os.environ, "PYTHONPATH": str(src), "TORCH_CPP_LOG_LEVEL": "ERROR"}
         for first in range(0, live, per):
             kids.append(
@@ -263,6 +309,7 @@ def one_row(
                         str(min(per, live - first)),
                         str(world),
                         *(["--secret"] if secret else []),
+                        *(["--voice"] if voice else []),
                     ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -326,7 +373,7 @@ def _agent_role() -> object:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         a = sys.argv[2:]
-        members(a[0], int(a[1]), int(a[2]), int(a[3]), secret="--secret" in a)
+        members(a[0], int(a[1]), int(a[2]), int(a[3]), secret="--secret" in a, voice="--voice" in a)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256, 1024])

@@ -13,7 +13,9 @@ coordinator, survivors and leases, one simulated process per member, the job sec
 
 **Real servers** (``bench/barrier.py``'s harness, ``--real``): the reform scenario with
 N - 1 members as threads over 4 processes, each with a worker's three store connections and
-the job secret, against a real TCPStore host or a local 3-server NATS cluster. Their
+the job secret, against a real TCPStore host or a local 3-server NATS cluster; each member
+speaking for itself (``worker``), and under a relay per 8 members whose agent speaks for
+them (``node``: the real hub, agent endpoint and voice, as ``--bus-relay`` runs them). Their
 members share this machine's 2 cores, so their times include the members' own CPU (a
 formation of 256 is 256 Python threads parsing, signing and waiting), which the model
 leaves out: the model is the servers' side.
@@ -107,12 +109,15 @@ def real_rows(sizes: list[int], planes: list[str]) -> list[dict[str, object]]:
                 cluster = LocalCluster(Path(tmp) / "nats").start()
                 address = cluster.address
             try:
-                for n in sizes:
-                    got = barrier.one_row(ROOT / "src", plane, n, 4, address, secret=True)
+                for n, voice in [(n, v) for n in sizes for v in (False, True)]:
+                    got = barrier.one_row(
+                        ROOT / "src", plane, n, 4, address, secret=True, voice=voice
+                    )
                     live = n - 1
                     rows.append(
                         {
                             "source": "real servers",
+                            "voice": "node" if voice else "worker",
                             "scenario": "reform",
                             "plane": plane,
                             "members": n,

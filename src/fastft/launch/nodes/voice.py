@@ -4,8 +4,8 @@ workers hand their arrivals at a formation to the agent over the bus relay's soc
 epoch once for the node (:mod:`fastft.bus.relayvoice` is the workers' side and the wire).
 
 One thread of its own writes the batches (the relay's thread only queues what comes up),
-and one thread per epoch waits for it, each over a store client of its own: a wait that
-blocks holds up no write, no lease and no bus frame.
+and another waits for the closed epochs, each over a store client of its own made at the
+start: a wait that blocks holds up no write, no lease and no bus frame.
 """
 
 from __future__ import annotations
@@ -48,22 +48,29 @@ class AgentVoice:
         self._q: queue.Queue[tuple[Any, dict[str, Any]] | None] = queue.Queue()
         self._asked: dict[tuple[int, int], Any] = {}
         """(epoch, rank) -> the client to answer once its arrival is written."""
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
         self._listeners: dict[int, set[Any]] = {}
         """Epoch -> the clients waiting for it (answered when it closes or the wait runs out)."""
-        self._waiting: set[int] = set()
+        self._want: dict[int, float] = {}
+        """Epochs asked for and not yet waited for -> how long to wait."""
         self._voice: NodeVoice | None = None
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fastft-voice", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._run, name="fastft-voice", daemon=True),
+            threading.Thread(target=self._waits, name="fastft-voice-waits", daemon=True),
+        ]
 
     def start(self) -> AgentVoice:
         self.hub.on_frame = self.on_frame
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         return self
 
     def stop(self) -> None:
         self._stopped.set()
         self._q.put(None)
+        with self._cv:
+            self._cv.notify_all()
 
     # --- the relay's thread --------------------------------------------------------------------
     def on_frame(self, client: Any, raw: bytes) -> None:
@@ -137,42 +144,45 @@ class AgentVoice:
             del self._asked[key]  # (asked long ago, never written: its worker went on)
 
     def _wait(self, client: Any, epoch: int, wait_s: float) -> None:
-        with self._lock:
+        with self._cv:
             self._listeners.setdefault(epoch, set()).add(client)
-            if epoch in self._waiting:
-                return
-            self._waiting.add(epoch)
-        wait_s = min(max(wait_s, 0.01), _MAX_WAIT_S)
-        threading.Thread(
-            target=self._await, args=(epoch, wait_s), name="fastft-voice-wait", daemon=True
-        ).start()
+            self._want[epoch] = min(max(wait_s, 0.01), _MAX_WAIT_S)
+            self._cv.notify()
 
-    def _await(self, epoch: int, wait_s: float) -> None:
-        """One wait for the node (a client of its own), then every listener answered."""
-        change: bytes | None = None
+    def _waits(self) -> None:
+        """The node's waits for closed epochs, one at a time, the newest asked for first,
+        over a client made at the start (a connection opened during a formation cost the
+        TCPStore's one thread a stall of 5 s at 256 members: it blocks the formation)."""
         try:
-            store = self.store.clone()
+            voice = NodeVoice(self.store.clone(), self.keys)
+        except Exception as e:  # noqa: BLE001 - the workers then wait for themselves
+            log.warning("node voice: no store client for its waits (%s)", e)
+            return
+        while not self._stopped.is_set():
+            with self._cv:
+                if not self._want:
+                    self._cv.wait(0.5)
+                    continue
+                epoch = max(self._want)
+                wait_s = self._want.pop(epoch)
+                stale = [k for k in self._want if k < epoch]  # (answered: look yourselves)
+                for k in stale:
+                    del self._want[k]
+            for k in stale:
+                self._answer(k, None)
+            change: bytes | None = None
             try:
-                change = NodeVoice(store, self.keys).wait_change(epoch, wait_s)
-            finally:
-                _close(store)
-        except Exception as e:  # noqa: BLE001 - answered as a wait that ran out
-            log.warning("node voice: waiting for epoch %d: %s", epoch, e)
-        with self._lock:
-            self._waiting.discard(epoch)
+                change = voice.wait_change(epoch, wait_s)
+            except Exception as e:  # noqa: BLE001 - answered as a wait that ran out
+                log.warning("node voice: waiting for epoch %d: %s", epoch, e)
+            self._answer(epoch, change)
+
+    def _answer(self, epoch: int, change: bytes | None) -> None:
+        """Every worker that waits for ``epoch``: its change, or None (the wait ran out)."""
+        with self._cv:
             clients = self._listeners.pop(epoch, set())
             for old in [k for k in self._listeners if k < epoch - 2]:
                 del self._listeners[old]
         text = change.decode("utf-8", "surrogateescape") if change is not None else None
         for c in clients:
             self.hub.send_to(c, answer(op="closed", epoch=epoch, change=text))
-
-
-def _close(store: Any) -> None:
-    raw = getattr(store, "raw", store)
-    close = getattr(raw, "close", None)
-    if close is not None:
-        try:
-            close()
-        except Exception:  # noqa: BLE001, S110 - a client that will not close is dropped
-            pass

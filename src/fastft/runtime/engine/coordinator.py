@@ -34,7 +34,7 @@ from fastft.runtime.engine.formation import Recovery
 if TYPE_CHECKING:
     from fastft.runtime.engine.voice import VoicePort
 
-__all__ = ["DECISION_WAIT_S", "Coordinator", "form_wait_s"]
+__all__ = ["DECISION_WAIT_S", "WATCH_FROM", "Coordinator", "form_wait_s"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,10 @@ whether to go on."""
 _FORM_WAIT_MAX_S = 5.0
 _CLEARERS = 32
 """Joiner keys a NATS closer clears at once."""
+
+
+WATCH_FROM = 32
+"""The world from which a closer on NATS watches keys rather than reading them."""
 
 
 def form_wait_s(members: int) -> float:
@@ -92,9 +96,10 @@ class Coordinator:
         self.dead: Set[Member] = dead if dead is not None else set()
         """Lives known dead (the worker's one set, read here): never admitted as joiners."""
         self._joiner_keys_exist = False
-        self.watches = hasattr(getattr(store, "raw", store), "watch")
+        self.watches = hasattr(getattr(store, "raw", store), "watch") and world_size >= WATCH_FROM
         """The store pushes every write of a prefix's keys to a watch (NATS): the closer
-        watches the arrivals instead of reading them."""
+        watches the arrivals and reads the joiners so, instead of key by key (from
+        :data:`WATCH_FROM` members: below, a few reads cost less than a consumer)."""
         self.reads_many = hasattr(getattr(store, "raw", store), "read_many")
         """The store reads many keys in one round trip and its ``add`` is a compare-and-set
         loop (NATS): formations read arrivals instead of counting them."""
