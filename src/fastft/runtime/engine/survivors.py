@@ -280,6 +280,10 @@ class Survivors:
                 wait.watch = self.c.store.watch(self.c.keys.epoch_arrived(wait.epoch))
             seen = wait.watch.values()
             got = {r: seen.get(key[r]) for r in ranks}
+            missing = [r for r in ranks if got[r] is None]
+            if missing and self.c.clock() >= wait.deadline:  # (read before any is silent)
+                again = self.c.store.read_many([key[r] for r in missing])
+                got.update(zip(missing, again, strict=True))
         elif self.c.reads_many:
             got = dict(zip(ranks, self.c.store.read_many(list(key.values())), strict=True))
         else:
