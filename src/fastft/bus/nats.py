@@ -86,6 +86,22 @@ def connect_kv(address: str, timeout_s: float = 30.0, wait_s: float = 0.0) -> Na
 _KEY_OK = re.compile(r"[A-Za-z0-9_/-]")
 
 
+async def _publish(js: Any, subject: str, value: bytes, headers: dict[str, str]) -> int:
+    """One write to the bucket: its stream sequence. A wrong last sequence raises
+    KeyWrongLastSequenceError; a retry still in process, ``_InProcess`` (retried)."""
+    from nats.js.errors import APIError, KeyWrongLastSequenceError
+
+    try:
+        ack = await js.publish(subject, value, headers=headers)
+    except APIError as e:
+        if e.err_code in (10071, 10164):  # wrong last sequence
+            raise KeyWrongLastSequenceError(description=e.description) from e
+        if e.err_code == 10158:  # duplicate message id is in process
+            raise _InProcess(e.description) from e
+        raise
+    return int(ack.seq)
+
+
 def escape_key(key: str) -> str:
     """A store key in the characters a JetStream key may hold (``=XX`` escapes), each part
     of its path a token of the subject (``/`` as ``.``, but where it would leave a token
@@ -179,26 +195,12 @@ class NatsKV:
     def _write(self, key: str, value: bytes, last: int | None) -> int:
         """Put ``value`` (``last``: only if the key's revision is that, 0 for a new key);
         raises KeyWrongLastSequenceError when it is not. Idempotent under retries."""
-        from nats.js.errors import APIError, KeyWrongLastSequenceError
-
         js = self._conn.js
         headers = {"Nats-Msg-Id": uuid.uuid4().hex}
         if last is not None:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(last)
         subject = f"$KV.{BUCKET}.{key}"
-
-        async def publish() -> int:
-            try:
-                ack = await js.publish(subject, value, headers=headers)
-            except APIError as e:
-                if e.err_code in (10071, 10164):  # wrong last sequence
-                    raise KeyWrongLastSequenceError(description=e.description) from e
-                if e.err_code == 10158:  # duplicate message id is in process
-                    raise _InProcess(e.description) from e
-                raise
-            return int(ack.seq)
-
-        return int(self._call(publish))
+        return int(self._call(lambda: _publish(js, subject, value, headers)))
 
     def _entry(self, key: str) -> Any:
         """The key's entry, or None if it does not exist."""
@@ -338,8 +340,8 @@ class NatsKV:
             for k, v in zip(keys, values, strict=True)
         ]
 
-        async def put_all() -> None:
-            await asyncio.gather(*(js.publish(s, v, headers=h) for s, v, h in puts))
+        async def put_all() -> None:  # (each as a write: a retry in process is retried)
+            await asyncio.gather(*(_publish(js, s, v, h) for s, v, h in puts))
 
         self._call(put_all)
 
