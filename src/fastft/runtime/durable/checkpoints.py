@@ -9,9 +9,9 @@ the rest (every holder lost at once, or the whole job stopped): ``fastft run
   (:func:`due`). Every member holds the same state (S3), so one member writes: the
   epoch's first. RNG needs no saving: the runtime reseeds from (seed, step, rank).
 * **Asynchronous.** The step loop pays for a copy of the tensors into a shared-memory
-  buffer; a writer process (:mod:`fastft.runtime.durable.writer`) saves them with
-  ``torch.distributed.checkpoint`` plus the state's structure, then the manifest (sizes
-  and SHA-256 of every file), then renames the directory into place: a checkpoint is
+  buffer; a writer process (:mod:`fastft.runtime.durable.writer`) writes that buffer as
+  one file (directly, not through the page cache: :mod:`.disk`) plus the state's
+  structure, then the manifest (sizes and SHA-256 of every file), then renames the directory into place: a checkpoint is
   visible whole or not at all. A checkpoint due while the previous one is still being
   written is deferred to the first commit after it (an event), never waited for. A
   failed write is an event and a warning, never a training fault.
@@ -19,10 +19,11 @@ the rest (every holder lost at once, or the whole job stopped): ``fastft run
   and falls back to the one before it, with an error in the log, if a file is missing,
   truncated or altered; it first waits (up to 30 s) for a newer one that a writer whose
   worker died is still completing. The structure is JSON (``fastft.runtime.state.tree``),
-  which cannot run code when read; DCP's own ``.metadata`` is a pickle torch reads, so
-  the directory must be as private as the job's other files.
+  and the tensors raw bytes at the manifest's offsets: reading a checkpoint runs no code
+  (a format-2 checkpoint of an earlier fastft is DCP's, whose ``.metadata`` is a pickle
+  torch reads: still loaded).
 
-Layout: ``DIR/step-00000040/{.metadata, *.distcp, structure.json, fastft.json}``; a write
+Layout: ``DIR/step-00000040/{tensors.bin, structure.json, fastft.json}``; a write
 in progress is ``DIR/.tmp-step-00000040-<host>-<writer pid>`` (never read; removed by the
 next writer on that host once that process is gone, by any after a day).
 """
@@ -49,15 +50,20 @@ from fastft.runtime.durable.disk import (
     STRUCTURE,
     CheckpointError,
     checkpoint_name,
+    layout,
+    load_tensors,
+    padded,
     parse_tmp,
+    staged,
     tmp_name,
     verify,
+    views,
     write_checkpoint,
+    write_flat,
 )
-from fastft.runtime.durable.writer import SharedBuffer, WriterProcess, layout, process_alive, views
-from fastft.runtime.state.wire import clone
+from fastft.runtime.durable.writer import SharedBuffer, WriterProcess, process_alive
 
-warnings.filterwarnings(  # no_dist=True says so already
+warnings.filterwarnings(  # no_dist=True says so already (format 2's load)
     "ignore", message="torch.distributed is disabled", category=UserWarning
 )
 
@@ -161,7 +167,7 @@ class Checkpoints:
             target: Any = self._after_start
             args: tuple[Any, ...] = (step, job, self._starting)
         else:
-            target, args = self._save, (step, epoch, clone(state))
+            target, args = self._save, (step, epoch, staged(state))
         self._thread = threading.Thread(target=target, args=args, name="fastft-ckpt", daemon=True)
         self._thread.start()
         join_at_exit(self._thread)  # a process that ends meanwhile finishes the write
@@ -179,7 +185,7 @@ class Checkpoints:
             b = self._buf
             if (
                 b is None
-                or b.nbytes < nbytes
+                or b.nbytes < padded(nbytes)
                 or not (self._writer.mapped == b.path or os.path.exists(b.path))
             ):  # none yet, too small, or unlinked by a writer that died since
                 if b is not None:
@@ -195,7 +201,7 @@ class Checkpoints:
         with torch.no_grad():
             for t, v in zip(tensors, views(b.flat, entries), strict=True):
                 v.copy_(t.detach().to("cpu"))
-        job = {"step": step, "epoch": epoch, "root": str(self.root)}
+        job = {"step": step, "epoch": epoch, "root": str(self.root), "nbytes": nbytes}
         return {**job, "structure": structure, "entries": entries}
 
     def wait(self, timeout_s: float = JOIN_AT_CLOSE_S) -> None:
@@ -245,10 +251,10 @@ class Checkpoints:
             answer = {"ok": False, "error": f"writer process: {type(e).__name__}: {e}"}
         self._done(step, answer)
 
-    def _save(self, step: int, epoch: int, state: dict[str, Any]) -> None:
+    def _save(self, step: int, epoch: int, staged: tuple[Any, ...]) -> None:
         t0 = time.monotonic()
         try:
-            path, size = write_checkpoint(self.root, step, epoch, state)
+            path, size = write_flat(self.root, step, epoch, *staged)
             answer = {"ok": True, "path": str(path), "size": size}
         except Exception as e:
             answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -342,15 +348,8 @@ class Checkpoints:
     @staticmethod
     def load(path: Path) -> dict[str, Any]:
         """The state saved in ``path`` (as ``StateRegistry.state`` gave it)."""
-        import torch.distributed.checkpoint as dcp
-
         manifest = verify(path)
-        tensors = {
-            f"t{i}": torch.empty(shape, dtype=getattr(torch, dtype))
-            for i, (dtype, shape) in enumerate(manifest["shapes"])
-        }
-        dcp.load(tensors, checkpoint_id=path, no_dist=True)
-        by_index = {int(k[1:]): v for k, v in tensors.items()}
+        by_index = load_tensors(path, manifest)
         try:
             state = tree.load((path / STRUCTURE).read_bytes(), by_index)
         except ValueError as e:

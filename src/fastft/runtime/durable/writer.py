@@ -9,15 +9,16 @@ its own instead, as torch's ``async_save`` with a process checkpointer:
 * the worker stages the committed state's tensors into one shared-memory buffer (the step
   loop's only cost: that copy) and hands the writer a small header (the state's structure
   with its tensors as references, and where each tensor lies in the buffer);
-* the writer maps the buffer, saves with :func:`fastft.runtime.durable.checkpoints.write_checkpoint`
-  and answers with the result; one write at a time.
+* the writer maps the buffer, writes it with :func:`fastft.runtime.durable.disk.write_flat`
+  (one direct write of the buffer as it lies) and answers with the result; one write at a
+  time.
 * A worker forked from the node's zygote forks its writer at its start, before the
-  script runs (:func:`fork_writer`: the process has one thread then, and torch and the
-  checkpoint modules imported): ready at once. Otherwise the writer is started as
-  ``python -c`` :func:`main` (not with ``multiprocessing``: a spawned child would import
-  the user's script again) when the first member registers, and is up ~3 s later
-  (``import torch`` and DCP): checkpoints due meanwhile waited for it, and a total loss
-  in those seconds restored an older one (issue 48, 6).
+  script runs (:func:`fork_writer`: the process has one thread then, and torch
+  imported): ready at once. Otherwise the writer is started as ``python -c``
+  :func:`main` (not with ``multiprocessing``: a spawned child would import the user's
+  script again) when the first member registers, and is up ~3 s later (``import
+  torch``): checkpoints due meanwhile waited for it, and a total loss in those seconds
+  restored an older one (issue 48, 6).
 * The writer ends when told or when its pipe closes, after the write in progress: a
   checkpoint staged just before every worker died is still completed.
 
@@ -27,7 +28,6 @@ processes of the same job: trusted like the checkpoint directory itself).
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
 import struct
@@ -39,6 +39,8 @@ from typing import IO, Any
 
 import torch
 
+from fastft.runtime.durable.disk import padded
+
 __all__ = ["SharedBuffer", "WriterProcess", "fork_writer", "main", "process_alive"]
 
 _LEN = struct.Struct("<Q")
@@ -48,7 +50,6 @@ own interpreter), so a low priority inverts nothing (a writer *thread* at nice 1
 the step loop behind the GIL it held: +16.8 %)."""
 _MAIN = "import sys; from fastft.runtime.durable.writer import main; sys.exit(main())"
 """(Not ``-m fastft.runtime.durable.writer``: the package imports this module first.)"""
-_ALIGN = 64
 _PREFIX = "fastft-ckpt-"
 
 
@@ -73,7 +74,8 @@ class SharedBuffer:
     """A flat byte tensor in shared memory (a file under /dev/shm, unlinked once the writer
     has mapped it), reused from one checkpoint to the next while it is large enough."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, used: int) -> None:
+        nbytes = padded(used)  # (a direct write's whole blocks)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         _sweep(shm)
         fd, self.path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=shm)
@@ -130,26 +132,6 @@ def process_alive(pid: str) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[str, list[int], int]], int]:
-    """Where each tensor goes in a buffer: (dtype, shape, offset) each, and the total."""
-    entries, off = [], 0
-    for t in tensors:
-        off = -(-off // _ALIGN) * _ALIGN
-        entries.append((str(t.dtype).removeprefix("torch."), list(t.shape), off))
-        off += t.numel() * t.element_size()
-    return entries, off
-
-
-def views(flat: torch.Tensor, entries: list[tuple[str, list[int], int]]) -> list[torch.Tensor]:
-    """The tensors ``layout`` placed in ``flat``."""
-    out = []
-    for dtype, shape, off in entries:
-        dt = getattr(torch, dtype)
-        nbytes = math.prod(shape) * dt.itemsize
-        out.append(flat[off : off + nbytes].view(dt).view(shape))
-    return out
 
 
 class _Child:
@@ -299,12 +281,10 @@ class WriterProcess:
 def main() -> int:
     """The writer: answer each job on stdin, until it closes. A job: ``step``, ``epoch``,
     ``root``, ``structure`` (the state's JSON structure, its tensors as references),
-    ``entries`` (their layout in the buffer), and ``map`` (path, size) when the buffer is
+    ``entries`` (their layout in the buffer), ``nbytes`` (the buffer's bytes in use), and
+    ``map`` (path, size) when the buffer is
     new."""
-    import torch.distributed.checkpoint
-
-    import fastft.runtime.state.tree as tree
-    from fastft.runtime.durable.disk import write_checkpoint
+    from fastft.runtime.durable.disk import write_flat
 
     try:
         os.setpriority(os.PRIO_PROCESS, 0, WRITER_NICE)
@@ -334,9 +314,15 @@ def main() -> int:
                 except FileNotFoundError:
                     pass
             assert flat is not None, "no buffer mapped"
-            tensors = dict(enumerate(views(flat, job["entries"])))
-            state = tree.load(job["structure"], tensors)
-            path_out, size = write_checkpoint(job["root"], job["step"], job["epoch"], state)
+            path_out, size = write_flat(
+                job["root"],
+                job["step"],
+                job["epoch"],
+                job["structure"],
+                job["entries"],
+                flat,
+                job["nbytes"],
+            )
             answer = {"ok": True, "path": str(path_out), "size": size}
         except Exception as e:
             answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
