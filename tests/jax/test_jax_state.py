@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastft.jax.state import PyTrees, StateMisuse
-from fastft.jax.trees import as_tensor, from_tensor, layout_of, split, to_flat
+from fastft.jax.trees import as_tensor, from_tensor, from_tensors, layout_of, split, to_flat
 from fastft.runtime.state.registry import StateRegistry
 
 
@@ -28,6 +28,30 @@ def test_a_leaf_leaves_without_a_copy_and_comes_back_as_a_new_array():
     back = from_tensor(t * 2, x)
     assert back.dtype == x.dtype and back.sharding == x.sharding
     assert np.array_equal(np.asarray(back), [0, 2, 4, 6])
+
+
+def test_a_heals_leaves_are_placed_in_one_call_as_copies_placed_as_before():
+    """(from_tensors: one ``device_put`` that copies, ``may_alias=False``; the receive
+    buffer is reused after the load, so a view of it would change under the state.)"""
+    cpu = jax.devices("cpu")[0]
+    likes = [
+        jnp.arange(6.0).reshape(2, 3),
+        jnp.zeros((), jnp.int32),
+        jnp.ones(4, jnp.bfloat16),
+        jax.device_put(jnp.ones(3), cpu),  # committed to its device
+    ]
+    recv = [torch.randn(2, 3), torch.tensor(7, dtype=torch.int32)]
+    recv += [torch.randn(4).to(torch.bfloat16), torch.randn(3)]
+    want = [t.clone() for t in recv]
+    placed = from_tensors(recv, likes)
+    for t in recv:
+        t.fill_(0)  # the receive buffer, reused
+    for x, w, like in zip(placed, want, likes, strict=True):
+        assert x.dtype == like.dtype and x.shape == like.shape
+        assert x.committed == like.committed
+        got = np.asarray(x.view(jnp.int16) if x.dtype == jnp.bfloat16 else x)
+        ref = (w.view(torch.int16) if w.dtype == torch.bfloat16 else w).numpy()
+        assert np.array_equal(got, ref)
 
 
 def test_the_flat_buffer_is_the_tensor_the_collective_writes():

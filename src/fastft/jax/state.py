@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import torch
 
-from fastft.jax.trees import Layout, as_tensor, from_tensor, layout_of
+from fastft.jax.trees import Layout, as_tensor, from_tensors, layout_of
 
 __all__ = ["FROM_LOCALS", "NO_PROPOSAL", "PyTrees", "StateMisuse"]
 
@@ -246,10 +246,8 @@ class PyTrees:
                         f"as {want[bad]} ({len(got)} and {len(want)} leaves): every worker "
                         "must register the same pytrees"
                     )
-                leaves = [
-                    _unwire(from_tensor(t, _wire_like(like)), like)
-                    for t, like in zip(tensors, old, strict=True)
-                ]
+                placed = from_tensors(list(tensors), [_wire_like(like) for like in old])
+                leaves = [_unwire(x, like) for x, like in zip(placed, old, strict=True)]
                 loaded[name] = jax.tree_util.tree_unflatten(self._defs[name], leaves)
             self._committed.update(loaded)
             self._proposed.clear()

@@ -21,7 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-__all__ = ["Layout", "as_tensor", "from_tensor", "layout_of", "padded", "split", "to_flat"]
+__all__ = [
+    "Layout",
+    "as_tensor",
+    "from_tensor",
+    "from_tensors",
+    "layout_of",
+    "padded",
+    "split",
+    "to_flat",
+]
 
 Layout = tuple[tuple[tuple[int, ...], str], ...]
 """Each leaf's (shape, dtype name), in tree order."""
@@ -52,6 +61,31 @@ def from_tensor(t: torch.Tensor, like: Any) -> jax.Array:
             return jax.device_put(host, like.sharding) if committed else jax.device_put(host)
     x = jnp.array(jax.dlpack.from_dlpack(t.contiguous()), copy=True)
     return jax.device_put(x, like.sharding) if like.sharding is not None else x
+
+
+def from_tensors(tensors: list[torch.Tensor], likes: list[Any]) -> list[jax.Array]:
+    """:func:`from_tensor` of each: the CPU tensors copied to numpy, then placed by one
+    ``jax.device_put`` (a heal of the 4.2M transformer has 135 leaves: ~30 % less than
+    one call per leaf, measured ad hoc). A copy: ``device_put`` of a numpy array on the
+    CPU aliases its memory (``may_alias=False`` did not stop it in jax 0.10.2), and a
+    caller's tensor may be a buffer it reuses (the verified copy's)."""
+    out: list[Any] = [None] * len(tensors)
+    batches: dict[bool, tuple[list[int], list[np.ndarray], list[Any]]] = {}
+    for i, (t, like) in enumerate(zip(tensors, likes, strict=True)):
+        host = None if t.is_cuda else _host_copy(t.detach())
+        if host is None:
+            out[i] = from_tensor(t, like)
+            continue
+        committed = bool(getattr(like, "_committed", False))
+        idx, hosts, where = batches.setdefault(committed, ([], [], []))
+        idx.append(i)
+        hosts.append(host)
+        where.append(like.sharding)
+    for committed, (idx, hosts, where) in batches.items():
+        placed = jax.device_put(hosts, where) if committed else jax.device_put(hosts)
+        for i, x in zip(idx, placed, strict=True):
+            out[i] = x
+    return out
 
 
 def _host_copy(t: torch.Tensor) -> np.ndarray | None:
