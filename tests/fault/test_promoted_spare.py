@@ -32,7 +32,7 @@ while ft.step < {STEPS}:
     if tx.committed:  # read after the block, as scripts do
         seen.append([tx.step, tx.rank, tx.world, ft.step])
 with open(os.path.join(sys.argv[1], f"after-{{os.getpid()}}.json"), "w") as f:
-    json.dump(seen, f)
+    json.dump({{"seen": seen, "digest": ft.digest()}}, f)
 ft.close()
 """
 
@@ -53,7 +53,9 @@ def test_a_promoted_spare_that_ran_ahead_reads_tx_after_the_block(tmp_path):
     ev = read_events(run)
     promoted = [e["pid"] for e in ev if e["event"] == "worker_start" and e["ran_ahead"]]
     assert len(promoted) == 1, [e for e in ev if e["event"] == "worker_start"]
-    seen = {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in out.glob("after-*")}
+    ends = {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in out.glob("after-*")}
+    assert len({e["digest"] for e in ends.values()}) == 1, ends  # the same state on every rank
+    seen = {pid: e["seen"] for pid, e in ends.items()}
     assert len(seen) == 3 and promoted[0] in seen, (promoted, sorted(seen))  # (rank 1 died)
     for pid, rows in seen.items():
         steps = [r[0] for r in rows]

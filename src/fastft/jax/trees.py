@@ -48,35 +48,31 @@ def as_tensor(leaf: jax.Array) -> torch.Tensor:
 
 
 def from_tensor(t: torch.Tensor, like: Any) -> jax.Array:
-    """A new JAX array with ``t``'s values, placed as ``like`` is (a copy: ``t`` is a view
-    of a receive buffer that is reused or freed). An array JAX placed by default
-    (uncommitted, as a script's own arrays are) comes back uncommitted: a committed one
-    is another signature to every jitted function, which would trace and compile again at
-    the first step after a heal."""
-    t = t.detach()
-    committed = getattr(like, "_committed", False)  # (an abstract leaf: placed by default)
-    if not t.is_cuda:
-        host = _host_copy(t)
-        if host is not None:  # (one memcpy: 5x faster than a copy through DLPack here)
-            return jax.device_put(host, like.sharding) if committed else jax.device_put(host)
-    x = jnp.array(jax.dlpack.from_dlpack(t.contiguous()), copy=True)
-    return jax.device_put(x, like.sharding) if like.sharding is not None else x
+    """A new JAX array with ``t``'s values, placed as ``like`` is: :func:`from_tensors`
+    of one."""
+    return from_tensors([t], [like])[0]
 
 
 def from_tensors(tensors: list[torch.Tensor], likes: list[Any]) -> list[jax.Array]:
-    """:func:`from_tensor` of each: the CPU tensors copied to numpy, then placed by one
-    ``jax.device_put`` (a heal of the 4.2M transformer has 135 leaves: ~30 % less than
-    one call per leaf, measured ad hoc). A copy: ``device_put`` of a numpy array on the
-    CPU aliases its memory (``may_alias=False`` did not stop it in jax 0.10.2), and a
-    caller's tensor may be a buffer it reuses (the verified copy's)."""
+    """New JAX arrays with the tensors' values, each placed as its ``like`` is. Copies:
+    ``t`` may be a buffer its caller reuses (a heal's receive buffer, the verified copy),
+    and ``device_put`` of a numpy array on the CPU aliases its memory (``may_alias=False``
+    did not stop it in jax 0.10.2). An array JAX placed by default (uncommitted, as a
+    script's own arrays are) comes back uncommitted: a committed one is another signature
+    to every jitted function, which would trace and compile again at the first step after
+    a heal. The CPU tensors are numpy copies (one memcpy: 5x faster than a copy through
+    DLPack here) placed by one ``device_put`` (a heal of the 4.2M transformer has 135
+    leaves: ~30 % less than one call per leaf, ad hoc)."""
     out: list[Any] = [None] * len(tensors)
     batches: dict[bool, tuple[list[int], list[np.ndarray], list[Any]]] = {}
     for i, (t, like) in enumerate(zip(tensors, likes, strict=True)):
-        host = None if t.is_cuda else _host_copy(t.detach())
-        if host is None:
-            out[i] = from_tensor(t, like)
+        t = t.detach()
+        host = None if t.is_cuda else _host_copy(t)
+        if host is None:  # a GPU tensor, or a dtype numpy lacks: through DLPack
+            x = jnp.array(jax.dlpack.from_dlpack(t.contiguous()), copy=True)
+            out[i] = jax.device_put(x, like.sharding) if like.sharding is not None else x
             continue
-        committed = bool(getattr(like, "_committed", False))
+        committed = bool(getattr(like, "_committed", False))  # (abstract: placed by default)
         idx, hosts, where = batches.setdefault(committed, ([], [], []))
         idx.append(i)
         hosts.append(host)

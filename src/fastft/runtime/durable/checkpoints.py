@@ -11,8 +11,8 @@ the rest (every holder lost at once, or the whole job stopped): ``fastft run
 * **Asynchronous.** The step loop pays for a copy of the tensors into a shared-memory
   buffer; a writer process (:mod:`fastft.runtime.durable.writer`) writes that buffer as
   one file (directly, not through the page cache: :mod:`.disk`) plus the state's
-  structure, then the manifest (sizes and SHA-256 of every file), then renames the directory into place: a checkpoint is
-  visible whole or not at all. A checkpoint due while the previous one is still being
+  structure, then the manifest (sizes and SHA-256 of every file), then renames the
+  directory into place: a checkpoint is visible whole or not at all. A checkpoint due while the previous one is still being
   written is deferred to the first commit after it (an event), never waited for. A
   failed write is an event and a warning, never a training fault.
 * **Restore.** :meth:`Checkpoints.latest` verifies the manifest of the newest checkpoint
@@ -50,6 +50,7 @@ from fastft.runtime.durable.disk import (
     STRUCTURE,
     CheckpointError,
     checkpoint_name,
+    fill,
     layout,
     load_tensors,
     padded,
@@ -57,7 +58,6 @@ from fastft.runtime.durable.disk import (
     staged,
     tmp_name,
     verify,
-    views,
     write_checkpoint,
     write_flat,
 )
@@ -198,9 +198,7 @@ class Checkpoints:
             self._writer.close(timeout_s=5.0)  # (started by prepare: idle, ends at once)
             self._writer = None
             return None
-        with torch.no_grad():
-            for t, v in zip(tensors, views(b.flat, entries), strict=True):
-                v.copy_(t.detach().to("cpu"))
+        fill(b.flat, entries, tensors)
         job = {"step": step, "epoch": epoch, "root": str(self.root), "nbytes": nbytes}
         return {**job, "structure": structure, "entries": entries}
 

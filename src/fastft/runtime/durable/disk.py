@@ -38,6 +38,7 @@ __all__ = [
     "TENSORS",
     "CheckpointError",
     "checkpoint_name",
+    "fill",
     "flat_buffer",
     "layout",
     "load_tensors",
@@ -105,10 +106,15 @@ def flat_buffer(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[Entry],
     bytes used). The in-process write's staging; the writer process gets the shared one."""
     entries, nbytes = layout(tensors)
     flat = torch.zeros(padded(nbytes), dtype=torch.uint8)
+    fill(flat, entries, tensors)
+    return flat, entries, nbytes
+
+
+def fill(flat: torch.Tensor, entries: list[Entry], tensors: list[torch.Tensor]) -> None:
+    """Copy ``tensors`` into ``flat`` where ``entries`` (their :func:`layout`) place them."""
     with torch.no_grad():
         for t, v in zip(tensors, views(flat, entries), strict=True):
             v.copy_(t.detach().to("cpu"))
-    return flat, entries, nbytes
 
 
 def verify(path: Path) -> dict[str, Any]:
