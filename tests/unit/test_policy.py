@@ -217,3 +217,19 @@ def test_a_drain_whose_grace_ran_out_says_whom_it_stopped():
     )
     assert stopped_by(signal.SIGTERM, None, []) == "signal 15"
     assert stopped_by(signal.SIGINT, None, []) == "Ctrl-C"
+
+
+def test_a_worker_the_machine_kept_off_the_cpu_is_judged_by_the_rest_of_its_silence():
+    # (CI, a Ray job on 2 cores: a worker whose GIL holder waited 0.38 s of 0.7 s for a
+    # core was silent 0.5 s in its commit and killed as hung by its 0.5 s pace)
+    kw = dict(started=0.0, hang_timeout_s=30.0, by_pace=True, start_grace_s=120.0, pace=0.03)
+    assert hang_verdict(now=20.6, beat=20.0, kept_off=0.5, **kw) is None  # 0.3 s of its own
+    h = hang_verdict(now=21.2, beat=20.0, kept_off=0.5, **kw)  # 0.6 s of its own: hung
+    assert h is not None and h.paced and h.timeout_s == HANG_FLOOR_S and h.kept_off == 0.5
+    assert "kept it off the CPU 50% of that time" in hang_reason(1, 2, h)
+    h = hang_verdict(now=20.6, beat=20.0, kept_off=0.0, **kw)  # on a machine that ran it
+    assert h is not None and h.kept_off == 0.0 and "off the CPU" not in hang_reason(1, 2, h)
+    # never run at all: its pace says nothing; --hang-timeout still ends it
+    assert hang_verdict(now=49.0, beat=20.0, kept_off=1.0, **kw) is None
+    h = hang_verdict(now=51.0, beat=20.0, kept_off=1.0, **kw)
+    assert h is not None and not h.paced and h.timeout_s == 30.0

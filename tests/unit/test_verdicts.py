@@ -1,11 +1,15 @@
-"""The agent's hang verdict at the job's end: once a member marked the job finished (it
+"""The agent's hang verdicts. At the job's end: once a member marked the job finished (it
 closed after the last step), a worker still in that step holds up no peer, so its pace
 proves no hang (a busy machine: found by CI, where a worker killed 0.6 s into its last
-step never ran the script's code after the loop); only ``--hang-timeout`` ends it."""
+step never ran the script's code after the loop); only ``--hang-timeout`` ends it. On a
+busy machine: the time a worker was kept off the CPU is no silence of its own."""
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,3 +150,42 @@ def test_a_declared_death_kills_the_life_it_names_never_a_newer_one(agent):
     assert agent.killed == [2] and slot.declared[0] == 7
     v.on_message(declared(0, Role.MONITOR))  # an outside monitor names no life: the live one
     assert agent.killed == [2, 2]
+
+
+def _pinned(code: str, cpu: int) -> subprocess.Popen[bytes]:
+    p = subprocess.Popen([sys.executable, "-c", code])
+    os.sched_setaffinity(p.pid, {cpu})
+    return p
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("starved", [True, False])
+def test_a_worker_the_machine_does_not_run_is_not_hung_by_its_pace(agent, starved):
+    """CI, a Ray job on 2 cores: rank 3's GIL holder waited 0.38 s of 0.7 s for a core
+    after a peer's SIGKILL; silent 0.5 s in its commit, it was killed by its 0.5 s pace,
+    a second fault of a job that had one. Kept off the CPU, only the rest of its silence
+    counts; asleep in a step (a real hang) it is hung on time."""
+    cpu = min(os.sched_getaffinity(0))
+    code = "while True: pass" if starved else "import time; time.sleep(30)"
+    worker = _pinned(code, cpu)
+    others = [_pinned("while True: pass", cpu) for _ in range(3 if starved else 0)]
+    try:
+        time.sleep(0.3)
+        now = time.monotonic()
+        _beat(agent.heartbeat, last=now - 0.3, pace=0.05)  # its limit: 0.5 s
+        slot = _slot(agent, now - 10)
+        slot.proc = SimpleNamespace(pid=worker.pid, returncode=None)
+        v = Verdicts(agent)
+        v.check_hang(slot, now)  # type: ignore[arg-type]  # past half: its waits are read
+        time.sleep(0.4)
+        v.check_hang(slot, time.monotonic())  # type: ignore[arg-type]  # 0.7 s silent
+    finally:
+        for p in [worker, *others]:
+            p.kill()
+            p.wait(timeout=10)
+    if starved:  # (4 busy on one core: it ran ~1/4 of the 0.4 s)
+        assert agent.killed == [] and agent.published == []
+        (deferred,) = agent.hung
+        assert deferred["kept_off"] > 0.5 and deferred["timeout_s"] == 0.5
+    else:
+        assert agent.killed == [2, 2] and agent.hung[0]["timeout_s"] == 0.5

@@ -56,6 +56,7 @@ from fastft.errors import FastFTError
 from fastft.fsm import Phase
 from fastft.inject import StateLostFault
 from fastft.process.beat import hang_limit
+from fastft.process.sched import KeptOff
 from fastft.runtime.endings import ScriptError, WorkerExit, misuse
 from fastft.runtime.health import admit_or_leave, state_damage
 
@@ -187,6 +188,9 @@ class _Watchdog:
         self._thread = threading.Thread(target=self._run, name="fastft-watchdog", daemon=True)
         self._soft_at: float | None = None
         """The beat the soft timeout fired for (once per stall)."""
+        self._kept = KeptOff(os.getpid())
+        """How long the machine kept this process off the CPU in a stall (paced limits
+        count only the rest: :func:`fastft.launch.rules.policy.hang_verdict`)."""
 
     def start(self) -> None:
         self._thread.start()
@@ -208,17 +212,22 @@ class _Watchdog:
                 limit = hang_limit(hb.pace, cfg.hang_timeout_s, by_pace=cfg.hang_pace)
             soft, hard = timeouts(limit, self.soft_s, self.hard_s)
             last = hb.last
-            idle = time.monotonic() - last
-            if idle > hard:
+            now = time.monotonic()
+            idle = own = now - last
+            if not hb.between_since and limit < cfg.hang_timeout_s:  # (paced)
+                own = idle * (1.0 - self._kept.share(last, idle, soft, now))
+                if idle > 0.9 * cfg.hang_timeout_s:
+                    own = idle  # (never past the agent's own --hang-timeout)
+            if own > hard:
                 self._hard(idle, hard)
                 return
-            if idle > soft:
+            if own > soft:
                 if self._soft_at != last:
                     self._soft_at = last
                     self._soft(idle, soft)
                 else:  # not raised yet (the main thread was in the runtime's machinery)
                     rt.interrupter.raise_in_main(rt.interrupter.forced)
-            else:
+            elif idle <= soft:  # (the stall ended)
                 self._soft_at = None
 
     def _soft(self, idle: float, soft: float) -> None:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import fastft.launch.rules.policy as policy
 from fastft.launch.procs.children import Slot, await_signal_taken
-from fastft.process.beat import STACKS_SIGNAL, Wait, read_heartbeat
+from fastft.process.beat import STACKS_SIGNAL, Beat, Wait, hang_limit, read_heartbeat
+from fastft.process.sched import KeptOff
 from fastft.protocol import DrainRequest, Fault, HangSuspected, Message, Role, Severity
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class Verdicts:
         """A member marked the job finished (read once a paced verdict asks; never undone)."""
         self._told: set[tuple[int, int, int, int]] = set()
         """The in-process faults already given their line: (rank, incarnation, epoch, step)."""
+        self._kept: dict[int, KeptOff] = {}
+        """By rank: how long the machine kept its worker off the CPU in its silence."""
 
     def _fault_line(self, m: Fault) -> None:
         """One ``fastft:`` line for a fault a worker of ours reports of itself and lives
@@ -78,8 +81,10 @@ class Verdicts:
                 unsettled_since=hb.unsettled if hb is not None else 0.0,
                 main_beat=hb.main if hb is not None else 0.0,
                 waiting_since=hb.waiting if hb is not None else 0.0,
+                kept_off=kept_off,
             )
 
+        kept_off = self._kept_off(slot, hb, now) if a.config.hang_pace else 0.0
         hung = verdict(a.config.hang_pace and not self.job_done)
         if hung is not None and hung.paced and self._job_finished():
             # Its peers finished the job: none waits for this worker's last step, so a
@@ -88,6 +93,7 @@ class Verdicts:
             # Only --hang-timeout ends it now.
             hung = verdict(False)
         if hung is None:
+            self._deferred(slot, hb, now, kept_off)
             return
         held = self._waiters(slot)
         a.events.emit(
@@ -120,6 +126,40 @@ class Verdicts:
         if slot.proc is not None:
             await_signal_taken(slot.proc.pid, STACKS_SIGNAL)
         a.children.kill(slot, incarnation=inc)  # never the restarted life in the slot
+
+    def _kept_off(self, slot: Slot, hb: Beat | None, now: float) -> float:
+        """The share of ``slot``'s silence in a step the machine kept it off the CPU
+        (:class:`~fastft.process.sched.KeptOff`; 0 between steps, or unpaced)."""
+        if hb is None or hb.between or slot.proc is None:
+            return 0.0
+        limit = hang_limit(hb.pace, self.agent.config.hang_timeout_s)
+        if limit >= self.agent.config.hang_timeout_s:
+            return 0.0
+        kept = self._kept.get(slot.rank)
+        if kept is None or kept.pid != slot.proc.pid:
+            kept = self._kept[slot.rank] = KeptOff(slot.proc.pid)
+        silent = now - max(hb.last, slot.started)
+        return kept.share((slot.incarnation, hb.last), silent, limit, now)
+
+    def _deferred(self, slot: Slot, hb: Beat | None, now: float, kept_off: float) -> None:
+        """One event when a worker silent past its paced limit is spared because the
+        machine kept it off the CPU (``hang_deferred``: its pace no longer judges it)."""
+        kept = self._kept.get(slot.rank)
+        if hb is None or kept is None or kept.told or kept_off <= 0.0:
+            return
+        silent = now - max(hb.last, slot.started)
+        limit = hang_limit(hb.pace, self.agent.config.hang_timeout_s)
+        if silent <= limit or not kept.measured(now, limit):
+            return  # (not past the limit, or not measured yet)
+        kept.told = True
+        self.agent.events.emit(
+            "hang_deferred",
+            rank=slot.rank,
+            incarnation=slot.incarnation,
+            silent_s=round(silent, 3),
+            timeout_s=round(limit, 3),
+            kept_off=round(kept_off, 3),
+        )
 
     def _waiters(self, slot: Slot) -> tuple[tuple[int, int], ...]:
         """The lives of this node that wait on ``slot``'s, directly or through each other

@@ -208,6 +208,9 @@ class Hung:
     between: bool = False
     paced: bool = False
     """The timeout came from the worker's pace (else ``--hang-timeout``)."""
+    kept_off: float = 0.0
+    """The share of its silence the machine kept it off the CPU (a paced verdict counts
+    only the rest: :func:`hang_verdict`)."""
 
 
 def hang_verdict(
@@ -224,6 +227,7 @@ def hang_verdict(
     unsettled_since: float = 0.0,
     main_beat: float = 0.0,
     waiting_since: float = 0.0,
+    kept_off: float = 0.0,
 ) -> Hung | None:
     """Whether a worker started at ``started`` whose last heartbeat is ``beat`` (None: none
     yet) and whose pace is ``pace`` (:class:`fastft.process.heartbeat.Beat`) is hung at
@@ -236,7 +240,10 @@ def hang_verdict(
     the interpreter runs: a compile is not a hang); its main thread may stay away from the
     runtime for ``hang_timeout_s`` (from ``main_beat``, its own last beat). While it waits
     in the runtime (``waiting_since``) it is no hang: it waits on a peer, whose own
-    heartbeat is judged (the chain's end; :func:`waiters`)."""
+    heartbeat is judged (the chain's end; :func:`waiters`). ``kept_off``: the share of the
+    silence its threads waited for a CPU (:mod:`fastft.process.sched`): a pace measured
+    while the machine ran the worker says nothing of a worker it does not run, so a paced
+    limit counts only the rest of the silence (a whole share: ``hang_timeout_s`` alone)."""
     if beat is None or beat < started:
         if now - started <= start_grace_s:
             return None  # still starting (imports): no heartbeat yet
@@ -248,8 +255,13 @@ def hang_verdict(
         idle = now - between_since
         return Hung(idle, between_timeout_s, between=True) if idle > between_timeout_s else None
     timeout = hang_limit(pace, hang_timeout_s, by_pace=by_pace)
+    if timeout < hang_timeout_s:  # (paced)
+        share = min(max(kept_off, 0.0), 1.0)
+        if silent * (1.0 - share) > timeout:
+            return Hung(silent, timeout, paced=True, kept_off=share)
+        timeout = hang_timeout_s
     if silent > timeout:
-        return Hung(silent, timeout, paced=timeout < hang_timeout_s)
+        return Hung(silent, timeout)
     if unsettled_since >= started and unsettled_since > 0 and not waiting_since:
         own = max(unsettled_since, main_beat)  # (the step's start, or the main thread's beat)
         if now - own > hang_timeout_s:
@@ -287,6 +299,8 @@ def hang_reason(rank: int, life: int, hung: Hung) -> str:
         if hung.paced
         else f"--hang-timeout {hung.timeout_s:g}"
     )
+    if hung.kept_off >= 0.005:
+        why += f"; the machine kept it off the CPU {hung.kept_off:.0%} of that time"
     return (
         f"rank {rank} (life {life}) hung: no progress for {t} in a step ({why}); killing "
         "it, its stacks follow. Long work between steps is not a hang; inside a step or a "
