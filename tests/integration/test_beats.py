@@ -15,7 +15,7 @@ from fastft.bus.natscluster import LocalCluster
 from fastft.bus.natsio import pinned, run
 from fastft.bus.natsstore import connect_nats
 from fastft.bus.signed import SignedStore
-from fastft.launch.nodes.beatlease import BeatLease
+from fastft.launch.nodes.beatlease import BeatLease, marks_every
 from fastft.launch.nodes.beats import Beat, Beats, beat_subject, decode, encode
 from fastft.launch.rules.leasewatch import LeaseConfig
 from fastft.protocol.auth import JobSecret, ValueAuth
@@ -50,7 +50,9 @@ def cluster(tmp_path_factory):
 class _Agent:
     """One node's lease on the cluster, with what it was told."""
 
-    def __init__(self, cluster: LocalCluster, job: str, node: int, lives: dict[int, int]):
+    def __init__(
+        self, cluster: LocalCluster, job: str, node: int, lives: dict[int, int], nnodes: int = 2
+    ):
         self.keys = JobKeys(job)
         self.store = SignedStore(connect_nats(cluster.address, 10.0), self.keys, AUTH)
         servers = cluster.address.split(",")
@@ -61,7 +63,7 @@ class _Agent:
         self.fenced: list[str] = []
         self.store_lost: list[str] = []
         self.lease = BeatLease(
-            self.store, self.keys, node, 2, CFG,
+            self.store, self.keys, node, nnodes, CFG,
             on_lost=lambda n, lives, c: self.lost.append((n, lives, time.monotonic())),
             on_fenced=self.fenced.append,
             on_store_lost=lambda why, silent: self.store_lost.append(why),
@@ -141,6 +143,26 @@ def test_a_server_killed_costs_no_node(tmp_path):
             assert a.store_lost == [] and b.store_lost == []
         finally:
             a.lease.close(), b.lease.close()
+
+
+def test_a_declaration_heard_fences_the_node_before_the_bucket_is_read(cluster):
+    """At 5,000 nodes an agent reads the bucket's marks every 5 s (the job's agents 1,000
+    reads a second in all, not 50,000); a declaration of its node travels with the beats,
+    and it fences at once."""
+    assert marks_every(0.1, 64) == 0.1 and marks_every(0.1, 5000) == 5.0
+    a = _Agent(cluster, "beats5", 0, {0: 5}, nnodes=5000).start()
+    b = _Agent(cluster, "beats5", 1, {1: 7}, nnodes=5000).start()
+    try:
+        time.sleep(0.5)
+        mark = f"{a.beats.counters([1])[1]}@0/1:7"
+        a.beats.declare(1, mark)  # (as a watcher that found its lease expired)
+        told = time.monotonic()
+        while not b.fenced and time.monotonic() < told + 3.0:
+            time.sleep(0.01)
+        assert b.fenced == [mark], "fenced only once the bucket was read"
+        assert a.lost == [] and b.store_lost == []
+    finally:
+        a.lease.close(), b.lease.close()
 
 
 def test_threads_end_with_the_leases(cluster):

@@ -60,6 +60,16 @@ def test_leases_of_256_agents_keep_their_rounds_with_no_false_loss():
     assert r.extra["rounds_per_s"] >= 9.0
 
 
+def test_nats_leases_are_core_beats_and_a_backstop_read_of_the_marks():
+    # (issue 64: the model ran the bucket's counters, which a job's agents no longer
+    # use; at 256 nodes each agent reads the marks every 0.256 s, not every round)
+    r = scale.leases(256, "nats", seconds=2.0)
+    assert r.errors == 0 and r.false_deaths == 0
+    assert r.extra["rounds_per_s"] >= 9.0
+    assert r.extra["beats"] >= 256 * 10 * 2  # (every round's renewal, from every agent)
+    assert 0 < r.extra["marks_reads"] < 256 * 10 * 2.5 / 2  # (fewer than half the rounds)
+
+
 def test_a_view_travels_as_its_change():
     prev = EpochView(4, tuple(Member(r, 10 + r) for r in range(6)), 7, frozenset(), None)
     view = EpochView(

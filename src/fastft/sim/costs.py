@@ -17,6 +17,7 @@ and ties go by the order events were scheduled.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 from collections import Counter
@@ -205,13 +206,23 @@ class Plane:
         self.rejected = 0
         """Compare-and-set writes that lost (NATS: an ``add`` tried again)."""
         self.watches: list[Watch] = []
+        self.subs: dict[str, list[tuple[Server, Callable[[bytes], None]]]] = {}
+        """Core-NATS subscriptions by subject: each subscriber's server and callback."""
+        self.cores = {id(s): Server(f"{s.name}-core") for s in self.servers}
+        """Each server's core-NATS routing: its clients' connections' own goroutines in a
+        real server, never queued behind the stream's writes (a write waits for its
+        replicas; a message is handed on at once)."""
 
     @property
     def leader(self) -> Server:
         return self.servers[0]
 
     def busy_s(self) -> float:
-        return max(s.busy for s in self.servers)
+        return max(s.busy for s in self.threads())
+
+    def threads(self) -> list[Server]:
+        """Every queue of work: each server's, and its core routing's."""
+        return [*self.servers, *self.cores.values()]
 
     def request(
         self,
@@ -241,6 +252,38 @@ class Plane:
 
         hub.at(hub.now + self.c.rtt_s / 2, serve)
         return hub.suspend()
+
+    def subscribe(self, server: Server, subject: str, cb: Callable[[bytes], None]) -> None:
+        """A core-NATS subscription of a client of ``server`` (one request)."""
+        self.request(
+            server, "subscribe", self.c.push_s, lambda: self.subs.setdefault(subject, []).append((server, cb))
+        )  # fmt: skip
+
+    def publish(self, server: Server, subject: str, data: bytes) -> None:
+        """A core-NATS message from a client of ``server``, which does not wait: taken in
+        by its server, then pushed by each subscriber's (routed there first when that is
+        another server)."""
+        hub, c = self.hub, self.c
+        self.ops["publish"] += 1
+        size = len(data) * c.per_byte_s
+
+        def routed(core: Server, cb: Callable[[bytes], None]) -> None:
+            done = core.serve(hub.now, 2 * (c.push_s + size))  # (taken in, then pushed)
+            hub.at(done + c.rtt_s / 2, functools.partial(cb, data))
+
+        def arrive() -> None:
+            home = self.cores[id(server)]
+            taken = home.serve(hub.now, c.push_s + size)
+            for srv, cb in self.subs.get(subject, []):
+                self.ops["pushed"] += 1
+                core = self.cores[id(srv)]
+                if core is home:  # (its queue's next: no later arrival goes before it)
+                    done = home.serve(taken, c.push_s + size)
+                    hub.at(done + c.rtt_s / 2, functools.partial(cb, data))
+                else:  # (a server serves in the order work arrives: there, at its time)
+                    hub.at(taken + c.rtt_s / 2, functools.partial(routed, core, cb))
+
+        hub.at(hub.now + c.rtt_s / 2, arrive)
 
     def wait_key(self, server: Server, key: str, timeout_s: float) -> None:
         """A request that returns when ``key`` exists (TCPStore's wait; a NATS watch), or

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import random
+from typing import Any
 
 import greenlet
 
@@ -191,21 +192,32 @@ def leases(
     heartbeat_ms: int = 100,
     misses: int = 3,
 ) -> Result:
-    """``k`` node agents' lease rounds for ``seconds`` (after every agent started)."""
+    """``k`` node agents' lease rounds for ``seconds`` (after every agent started): on a
+    TCPStore the store's counters (:class:`~fastft.launch.nodes.lease.NodeLease`), on NATS
+    core beats with the bucket's marks read as a backstop
+    (:class:`~fastft.launch.nodes.beatlease.BeatLease`, :mod:`fastft.sim.scalebeats`)."""
+    from fastft.launch.nodes.beatlease import BeatLease
     from fastft.launch.nodes.lease import NodeLease
-    from fastft.launch.rules.leasewatch import LeaseConfig
+    from fastft.launch.rules.leasewatch import NATS_STORE_GRACE_S, LeaseConfig, watched
+    from fastft.sim.scalebeats import ModelBeats
 
     job = ScaleJob(plane, k, slow=slow, secret=True)
     hub = job.hub
-    cfg = LeaseConfig(heartbeat_ms=heartbeat_ms, misses=misses)
+    grace = NATS_STORE_GRACE_S if job.c.servers > 1 else None  # (as an agent's)
+    cfg = LeaseConfig(heartbeat_ms=heartbeat_ms, misses=misses, store_grace_s=grace)
     lost: list[int] = []
     rounds: list[float] = []
     renewals: list[int] = []
-    end = 1.0 + seconds
+    built: list[int] = []
+    window: list[float] = []  # (its start once every agent is built; the busy then)
+    busy: dict[str, list[float]] = {}
+
+    def snap(at: str) -> None:
+        busy[at] = [s.busy for s in job.p.threads()]
 
     class Stop:
         def is_set(self) -> bool:
-            return hub.now >= end
+            return bool(window) and hub.now >= window[0] + seconds
 
         def wait(self, s: float) -> bool:
             hub.sleep(s)
@@ -214,8 +226,17 @@ def leases(
         def set(self) -> None:
             pass
 
+    def beats(node: int) -> ModelBeats:
+        auth = job.auth
+        assert auth is not None  # (ScaleJob(secret=True))
+        return ModelBeats(job.p, node, job.keys.job, node, auth.sign, auth.verify, hub.clock)
+
     def agent(node: int) -> None:
-        lease = NodeLease(
+        kind: Any = NodeLease
+        if job.c.servers > 1:  # (a mark's write: a process of its own, as a thread is)
+            later = lambda name, fn: hub.spawn(hub.now, fn)  # noqa: E731
+            kind = functools.partial(BeatLease, beats=beats(node), spawn=later)
+        lease = kind(
             job.client(node),
             job.keys,
             node,
@@ -228,19 +249,30 @@ def leases(
         )
 
         def timed(began: float, ended: float) -> None:
-            if began >= 1.0:
+            if window and began >= window[0]:
                 rounds.append(ended - began)
 
-        hub.sleep(max(0.0, 1.0 - hub.now))  # (every agent starts its rounds together)
-        lease.rounds(Stop(), on_read=timed)
+        if isinstance(lease, BeatLease):  # (its start(), in simulated time)
+            lease.beats.watch(watched(node, k, {}, lease.watchers))
+            hub.spawn(hub.now, functools.partial(lease.marks_rounds, Stop()))
+        built.append(node)
+        if len(built) == k:  # (the window: once every agent made its keys, which on NATS
+            window.append(hub.now + 0.5)  # are JetStream writes: seconds at 2,048)
+            hub.at(window[0], lambda: snap("start"))
+            hub.at(window[0] + seconds, lambda: snap("end"))
+        lease.rounds(Stop(), on_read=timed)  # (from its start, as an agent's)
         renewals.append(lease.renewals)
 
     rng = random.Random(0)
     for node in range(k):
         hub.spawn(rng.uniform(0, 0.5), functools.partial(agent, node))
-    hub.run(end + 1.0, lambda: len(renewals) == k or bool(hub.errors))
+    hub.run(3600.0, lambda: len(renewals) == k or bool(hub.errors))
     if hub.errors:
         raise hub.errors[0]
+    end = window[0] + seconds
+    used, busiest = max(
+        (e - s, t.name) for s, e, t in zip(busy["start"], busy["end"], job.p.threads(), strict=True)
+    )
     rounds.sort()
     pct = (lambda q: round(rounds[min(len(rounds) - 1, int(q * len(rounds)))] * 1e3, 2)) if rounds else (lambda q: None)  # fmt: skip
     return finish(
@@ -252,6 +284,9 @@ def leases(
             read_p50_ms=pct(0.5),
             read_p99_ms=pct(0.99),
             rounds_per_s=round(len(rounds) / k / seconds, 2),
-            utilisation=round(job.p.busy_s() / end, 3),
+            utilisation=round(used / seconds, 3),
+            busiest=busiest,
+            beats=job.p.ops["publish"],
+            marks_reads=job.p.ops["read_many"],
         )
     )

@@ -1,12 +1,24 @@
 """A node's lease on the NATS control plane: the counters are core-NATS beats
 (:mod:`fastft.launch.nodes.beats`), not the bucket's. The marks are read from the bucket
 by a thread of their own (a read that waits for a leader election holds up no lease), and
-a declaration goes out on the beats' subject before its mark is written."""
+a declaration goes out on the beats' subject before its mark is written.
+
+The bucket's marks are the durable record, read as a backstop: every round in a job of up
+to :data:`MARKS_READS_PER_S` x the heartbeat nodes (100 at 100 ms), less often above, so
+that the job's agents read them :data:`MARKS_READS_PER_S` times a second in all (every
+2 s at 2,048 nodes: a read every round was 20,480 a second, ~7.6 s of the servers' work
+a second). What must act at once travels with the beats: a watcher's declaration (the
+node's own agent fences on hearing it; its other watchers do not declare again) and a
+node's end (:meth:`BeatLease.say_done`). What waits for the backstop: a watcher moving
+past a lost node on the ring, and another node's failure of the job (its workers' faults
+travel on the bus meanwhile)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from fastft.launch.nodes.beats import Beats
@@ -14,9 +26,23 @@ from fastft.launch.nodes.lease import NodeLease
 from fastft.launch.rules.leasewatch import DONE, watched
 from fastft.launch.rules.lives import lost_mark, mark_counter, put_mark
 
-__all__ = ["BeatLease"]
+__all__ = ["MARKS_READS_PER_S", "BeatLease", "marks_every"]
 
 log = logging.getLogger(__name__)
+
+MARKS_READS_PER_S = 1000.0
+"""The job's reads of the bucket's marks a second, in all (each ~0.37 ms of a server: 5
+keys, :mod:`fastft.sim.calibration`), once it has more nodes than that many heartbeats."""
+
+
+def _thread(name: str, fn: Callable[[], None]) -> None:
+    threading.Thread(target=fn, name=name, daemon=True).start()
+
+
+def marks_every(period_s: float, nnodes: int) -> float:
+    """How often one agent reads the bucket's marks: every round, or every
+    ``nnodes / MARKS_READS_PER_S`` seconds in a larger job."""
+    return max(period_s, nnodes / MARKS_READS_PER_S)
 
 
 class BeatLease(NodeLease):
@@ -25,8 +51,17 @@ class BeatLease(NodeLease):
 
     ROUNDS_ANSWER = False
 
-    def __init__(self, *args: Any, beats: Beats, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        beats: Beats,
+        spawn: Callable[[str, Callable[[], None]], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.beats = beats
+        self._spawn = spawn or _thread
+        """Runs work that may wait long (a mark's write) off the rounds (a thread; the
+        scale model's: a process in simulated time)."""
         self._own_mark = self._failed = ""
         """This node's lost mark and the job's failed mark, as last read."""
         super().__init__(*args, **kwargs)
@@ -36,9 +71,18 @@ class BeatLease(NodeLease):
 
     def start(self) -> BeatLease:
         self.beats.watch(watched(self.node, self.nnodes, {}, self.watchers))
-        threading.Thread(target=self._marks, name="fastft-lease-marks", daemon=True).start()
+        threading.Thread(
+            target=self.marks_rounds, args=(self._stop,), name="fastft-lease-marks", daemon=True
+        ).start()
         super().start()
         return self
+
+    def _renew(self) -> None:
+        """Beat in the round (without clients of their own for a
+        :class:`~fastft.launch.nodes.renewer.Renewer`: the scale model's)."""
+        if self._renewer is None:
+            self.beats.beat()
+            self._renewals += 1
 
     def say_done(self) -> None:
         """With beats: tell the watchers this node is done before its beats stop (its
@@ -49,13 +93,15 @@ class BeatLease(NodeLease):
         """This node's worker lives, which its beats carry (with beats)."""
         self.beats.set_lives(lives)
 
-    def _marks(self) -> None:
-        """With beats: read the watched nodes' marks, this node's own and the job's failed
-        mark from the bucket every heartbeat, on a thread of its own (a read that waits for
-        a leader election holds up no lease). The bucket failing every read for the
-        store's grace loses the store, as a round's failures would."""
+    def marks_rounds(self, stop: Any) -> None:
+        """Read the watched nodes' marks, this node's own and the job's failed mark from
+        the bucket every :func:`marks_every` until ``stop.is_set()`` (waiting with
+        ``stop.wait(s)``), on a thread of its own: a read that waits for a leader election
+        holds up no lease. The bucket failing every read for the store's grace loses the
+        store, as a round's failures would."""
         ok = self.clock()
-        while not self._stop.wait(self.config.period_s):
+        every = marks_every(self.config.period_s, self.nnodes)
+        while not stop.wait(every):
             nodes = watched(self.node, self.nnodes, self.marks, self.watchers)
             keys = [self.keys.node_lost(n) for n in nodes]
             try:
@@ -76,7 +122,7 @@ class BeatLease(NodeLease):
 
     def _read(self) -> tuple[dict[int, int], str, str]:
         """One round's read with beats: the counters heard (none read: no round trip), the
-        marks as :meth:`_marks` last read them. Raises if no beat was heard for a lease,
+        marks as :meth:`marks_rounds` last read them. Raises if no beat was heard for a lease,
         not even this node's own: this agent is the one cut off, and blames nobody."""
         nodes = watched(self.node, self.nnodes, self.marks, self.watchers)
         self.beats.watch(nodes)
@@ -86,7 +132,10 @@ class BeatLease(NodeLease):
                 f"heard no beat for {silent * 1000:.0f} ms, not even this node's own "
                 "(this node cut off from every NATS server)"
             )
-        return self.beats.counters(nodes), self._own_mark, self._failed
+        # (a declaration of this node heard on its subject: fenced now, not at the read)
+        heard = self.beats.declared(self.node)
+        own = self._own_mark or ("" if heard == DONE else heard)
+        return self.beats.counters(nodes), own, self._failed
 
     def _declare(self, node: int) -> None:
         """With beats: unless another watcher declared this stop of the node already, tell
@@ -100,9 +149,7 @@ class BeatLease(NodeLease):
         mark = lost_mark(counter, self.node, lives)
         self.beats.declare(node, mark)
         self.on_lost(node, lives, counter)
-        threading.Thread(
-            target=self._write_mark, args=(node, mark), name="fastft-lost-mark", daemon=True
-        ).start()
+        self._spawn("fastft-lost-mark", functools.partial(self._write_mark, node, mark))
 
     def _write_mark(self, node: int, mark: str) -> None:
         deadline = self.clock() + 60.0  # (a leader election takes seconds, not minutes)

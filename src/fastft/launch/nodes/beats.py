@@ -116,6 +116,10 @@ class Beats:
         """One blocking renewal per client (for :class:`~fastft.launch.nodes.renewer.Renewer`)."""
         return [functools.partial(self._send, nc) for nc in self.conns]
 
+    def beat(self) -> None:
+        """One beat now, on the first client (the rounds' own, without a renewer)."""
+        self._send(self.conns[0])
+
     def _send(self, nc: Any) -> None:
         from fastft.bus.natsio import run
 
