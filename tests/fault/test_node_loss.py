@@ -35,6 +35,12 @@ def nats_cluster(tmp_path_factory):
         yield c
 
 
+def beats(plane: str) -> tuple[str, ...]:
+    """``tcpstore-peers``: a TCPStore job whose agents beat to each other (issue 64; the
+    default above 256 nodes)."""
+    return ("--node-beats", "peers") if plane == "tcpstore-peers" else ()
+
+
 def control(cluster, plane: str) -> str | None:
     """The ``--control`` value of ``plane``: None (TCPStore, hosted by node 0's agent) or
     the module's 3-server NATS cluster (a fixture of every test that may use it: started
@@ -45,7 +51,11 @@ def control(cluster, plane: str) -> str | None:
 @pytest.mark.parametrize(
     "plane, lost",
     # (NATS: in the slow tier, to keep make test under its 10 minutes on 2 cores)
-    [("tcpstore", 2), pytest.param("nats", 0, marks=pytest.mark.slow)],
+    [
+        ("tcpstore", 2),
+        pytest.param("tcpstore-peers", 2, marks=pytest.mark.slow),
+        pytest.param("nats", 0, marks=pytest.mark.slow),
+    ],
 )
 def test_a_lost_node_is_declared_dead_and_the_elastic_world_goes_on(
     tmp_path, nats_cluster, plane, lost
@@ -58,7 +68,7 @@ def test_a_lost_node_is_declared_dead_and_the_elastic_world_goes_on(
     job = Nodes(
         tmp_path / "elastic",
         3,
-        flags=("--min-replicas", "2"),
+        flags=("--min-replicas", "2", *beats(plane)),
         steps=steps,
         train=("--batch", str(batch), *SLOW_STEPS),
         control=control(nats_cluster, plane),
@@ -73,10 +83,12 @@ def test_a_lost_node_is_declared_dead_and_the_elastic_world_goes_on(
     finally:
         assert job.close() in ([], [job.agent(lost).pid]), job.logs()
     ev = job.events()
+    how = {e["beats"] for e in ev if e["event"] == "node_lease"}
+    assert how == {{"nats": "nats", "tcpstore": "store"}.get(plane, "peers")}, how
     # declared by one agent (with NATS by one or both of the node's two lease watchers, on
     # the same lease: one verdict, as tests/net's NATS cut)
     verdicts = lost_events(ev, lost)
-    assert 1 <= len(verdicts) <= (1 if plane == "tcpstore" else 2), verdicts
+    assert 1 <= len(verdicts) <= (2 if plane == "nats" else 1), verdicts
     assert len({(e["lease"], e["lives"]) for e in verdicts}) == 1, verdicts
     declared = verdicts[0]
     assert declared["src"] in [f"agent {n}" for n in survivors] and declared["lives"] == 1
@@ -186,6 +198,7 @@ def test_losing_the_store_host_ends_the_job_with_one_clear_line(tmp_path):
     # (the slow tier, to keep make test under its 10 minutes on 2 cores)
     [
         pytest.param("tcpstore", 2, marks=pytest.mark.slow),
+        pytest.param("tcpstore-peers", 2, marks=pytest.mark.slow),
         pytest.param("nats", 1, marks=pytest.mark.slow),
     ],
 )
@@ -198,6 +211,7 @@ def test_a_partitioned_node_is_fenced_and_heals(tmp_path, clean, nats_cluster, p
         tmp_path / "partition",
         3,
         steps=STEPS,
+        flags=beats(plane),
         train=SLOW_STEPS,
         control=control(nats_cluster, plane),
     )
@@ -213,6 +227,9 @@ def test_a_partitioned_node_is_fenced_and_heals(tmp_path, clean, nats_cluster, p
     finally:
         assert job.close() == [], job.logs()
     ev = job.events()
+    assert {e["beats"] for e in ev if e["event"] == "node_lease"} == {
+        {"nats": "nats", "tcpstore": "store"}.get(plane, "peers")
+    }
     assert len(lost_events(ev, node)) == 1
     assert [e for e in ev if e["event"] == "node_fenced" and e["src"] == f"agent {node}"]
     assert any(e["event"] == "heal" and e["src"] == f"rank {node}" for e in ev)

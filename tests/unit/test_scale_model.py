@@ -67,7 +67,17 @@ def test_nats_leases_are_core_beats_and_a_backstop_read_of_the_marks():
     assert r.errors == 0 and r.false_deaths == 0
     assert r.extra["rounds_per_s"] >= 9.0
     assert r.extra["beats"] >= 256 * 10 * 2  # (every round's renewal, from every agent)
-    assert 0 < r.extra["marks_reads"] < 256 * 10 * 2.5 / 2  # (fewer than half the rounds)
+    assert 0 < r.extra["store_reads"] < 256 * 10 * 2.5 / 2  # (marks: < half the rounds')
+
+
+def test_tcpstore_leases_beat_from_agent_to_agent_and_the_store_reads_only_marks():
+    # (issue 64: a renewal per agent per round is the store's whole thread at 2,048)
+    store = scale.leases(256, "tcpstore", seconds=2.0, beats="store")
+    peers = scale.leases(256, "tcpstore", seconds=2.0, beats="peers")
+    assert peers.errors == 0 and peers.false_deaths == 0
+    assert peers.extra["rounds_per_s"] >= 9.0 and peers.extra["beats"] >= 256 * 10 * 2
+    assert peers.extra["store_reads"] < store.extra["store_reads"] / 2
+    assert peers.extra["utilisation"] < store.extra["utilisation"] / 3
 
 
 def test_a_view_travels_as_its_change():

@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # torch is imported where a torch store is made: not by the o
     import torch.distributed as dist
 
 __all__ = [
+    "address_toward",
     "is_local_address",
     "StoreTransport",
     "tcpstore_bus",
@@ -126,6 +127,17 @@ def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) 
 
 
 WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def address_toward(toward: str) -> str:
+    """This host's address on the route to ``toward`` (HOST[:PORT]; no packet is sent)."""
+    host = toward.split("://")[-1].split(",")[0].rpartition(":")[0] or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host.strip("[]"), 9))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
 
 
 def is_local_address(host: str) -> bool:

@@ -27,13 +27,13 @@ class JobKeys:
     def signed(self, key: str) -> bool:
         """Whether ``key``'s value carries the job secret's tag (``fastft.bus.signed``):
         decisions, drain marks, epochs and arrivals, joiners, the committed, finished and
-        failed marks, node marks and lives. Counters (votes, leases) and the bus's and process
+        failed marks, node marks, lives and beat servers. Counters (votes, leases) and the bus's and process
         groups' keys do not."""
         if key.startswith(self._signed):
             return not key.endswith("/votes")
         if key in self._signed_exact:
             return True
-        return key.startswith(f"{self.root}/node/") and key.endswith(("/lost", "/lives"))
+        return key.startswith(f"{self.root}/node/") and key.endswith(("/lost", "/lives", "/beats"))
 
     # --- error bus -------------------------------------------------------------------------
     @property
@@ -185,6 +185,10 @@ class JobKeys:
         """The node's workers' recent compute per step, for the straggler check
         (:mod:`fastft.launch.gray.stragglers`): ``{rank: [incarnation, seconds]}``."""
         return f"{self.root}/node/{node}/computes"
+
+    def node_beats(self, node: int) -> str:
+        """HOST:PORT of the node's beat server (:mod:`fastft.launch.nodes.peerbeats`)."""
+        return f"{self.root}/node/{node}/beats"
 
     def node_probe(self, node: int) -> str:
         """HOST:PORT of the node's probe server (:mod:`fastft.launch.gray.links`)."""

@@ -264,7 +264,7 @@ class Plane:
         by its server, then pushed by each subscriber's (routed there first when that is
         another server)."""
         hub, c = self.hub, self.c
-        self.ops["publish"] += 1
+        self.ops["message"] += 1
         size = len(data) * c.per_byte_s
 
         def routed(core: Server, cb: Callable[[bytes], None]) -> None:

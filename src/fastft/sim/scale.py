@@ -191,15 +191,19 @@ def leases(
     slow: float = 1.0,
     heartbeat_ms: int = 100,
     misses: int = 3,
+    beats: str = "auto",
 ) -> Result:
     """``k`` node agents' lease rounds for ``seconds`` (after every agent started): on a
     TCPStore the store's counters (:class:`~fastft.launch.nodes.lease.NodeLease`), on NATS
     core beats with the bucket's marks read as a backstop
-    (:class:`~fastft.launch.nodes.beatlease.BeatLease`, :mod:`fastft.sim.scalebeats`)."""
+    (:class:`~fastft.launch.nodes.beatlease.BeatLease`, :mod:`fastft.sim.scalebeats`);
+    ``beats``: a TCPStore's ``--node-beats`` (``peers``: from agent to agent,
+    :class:`~fastft.launch.nodes.peerbeats.PeerLease`)."""
     from fastft.launch.nodes.beatlease import BeatLease
     from fastft.launch.nodes.lease import NodeLease
+    from fastft.launch.nodes.peerbeats import PeerLease, peer_beats
     from fastft.launch.rules.leasewatch import NATS_STORE_GRACE_S, LeaseConfig, watched
-    from fastft.sim.scalebeats import ModelBeats
+    from fastft.sim.scalebeats import ModelBeats, ModelPeerBeats
 
     job = ScaleJob(plane, k, slow=slow, secret=True)
     hub = job.hub
@@ -226,16 +230,31 @@ def leases(
         def set(self) -> None:
             pass
 
-    def beats(node: int) -> ModelBeats:
+    peers: dict[int, ModelPeerBeats] = {}
+
+    def renewer(own: ModelBeats | ModelPeerBeats) -> None:  # (a real agent's Renewer thread)
+        stop = Stop()
+        while not stop.is_set():
+            own.renew()
+            stop.wait(cfg.period_s)
+
+    def nats_beats(node: int) -> ModelBeats:
         auth = job.auth
         assert auth is not None  # (ScaleJob(secret=True))
         return ModelBeats(job.p, node, job.keys.job, node, auth.sign, auth.verify, hub.clock)
 
     def agent(node: int) -> None:
         kind: Any = NodeLease
+        later = lambda name, fn: hub.spawn(hub.now, fn)  # noqa: E731
         if job.c.servers > 1:  # (a mark's write: a process of its own, as a thread is)
-            later = lambda name, fn: hub.spawn(hub.now, fn)  # noqa: E731
-            kind = functools.partial(BeatLease, beats=beats(node), spawn=later)
+            kind = functools.partial(BeatLease, beats=nats_beats(node), spawn=later)
+        elif peer_beats(beats, k):
+            auth = job.auth
+            assert auth is not None
+            own = ModelPeerBeats(
+                job.p, job.client(node), peers, job.keys, node, auth.sign, auth.verify, hub.clock
+            )
+            kind = functools.partial(PeerLease, beats=own, spawn=later)
         lease = kind(
             job.client(node),
             job.keys,
@@ -252,8 +271,12 @@ def leases(
             if window and began >= window[0]:
                 rounds.append(ended - began)
 
-        if isinstance(lease, BeatLease):  # (its start(), in simulated time)
-            lease.beats.watch(watched(node, k, {}, lease.watchers))
+        if isinstance(lease, BeatLease):  # (its start(), in simulated time; peers too)
+            own_beats: Any = lease.beats
+            if isinstance(own_beats, ModelPeerBeats):
+                own_beats.listen()
+            own_beats.watch(watched(node, k, {}, lease.watchers))
+            hub.spawn(hub.now, functools.partial(renewer, own_beats))
             hub.spawn(hub.now, functools.partial(lease.marks_rounds, Stop()))
         built.append(node)
         if len(built) == k:  # (the window: once every agent made its keys, which on NATS
@@ -286,7 +309,7 @@ def leases(
             rounds_per_s=round(len(rounds) / k / seconds, 2),
             utilisation=round(used / seconds, 3),
             busiest=busiest,
-            beats=job.p.ops["publish"],
-            marks_reads=job.p.ops["read_many"],
+            beats=job.p.ops["message"],
+            store_reads=job.p.ops["read_many"] + job.p.ops["multi_get"],
         )
     )

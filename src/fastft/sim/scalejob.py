@@ -145,7 +145,7 @@ class ScaleJob:
             - self.p.ops["woken"]
             - self.p.ops["wait_timeout"]
             - self.p.ops["pushed"]
-            - self.p.ops["publish"],  # (core messages: no request, no answer)
+            - self.p.ops["message"],  # (beats: no request, no answer)
             requests_per_member=0.0,
             critical_requests=kw.pop("critical", 0),
             mbytes=round(self.p.bytes / 1e6, 3),

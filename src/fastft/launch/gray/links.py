@@ -50,6 +50,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from fastft.bus.tcpstore import address_toward
 from fastft.launch.rules.linkjudge import (
     CHUNK,
     FAILED_S,
@@ -136,17 +137,6 @@ def probe(address: str, nbytes: int = PROBE_BYTES, timeout_s: float = PROBE_TIME
     return min(took * nbytes / sent, FAILED_S / 10)
 
 
-def _local_address(toward: str) -> str:
-    """This host's address on the route to ``toward`` (HOST[:PORT]; no packet is sent)."""
-    host = toward.split("://")[-1].split(",")[0].rpartition(":")[0] or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host.strip("[]"), 9))
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
-
-
 class Links:
     """The agent's part (see the module): :meth:`tick` from the straggler check's, every
     agent's; node 0's with every member's (step time, seconds waited in the runtime) and
@@ -214,7 +204,7 @@ class Links:
     def _listen(self) -> None:
         a = self.agent
         toward = a.config.store or a.config.control or "127.0.0.1:0"
-        sock = socket.create_server((_local_address(toward), 0))
+        sock = socket.create_server((address_toward(toward), 0))
         threading.Thread(target=_serve, args=(sock,), name="fastft-probes", daemon=True).start()
         host, port = sock.getsockname()[:2]
         a.store.set(a.keys.node_probe(a.config.node_rank), f"{host}:{port}")

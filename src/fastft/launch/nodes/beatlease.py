@@ -69,6 +69,10 @@ class BeatLease(NodeLease):
     def _sends(self, store: Any, renewers: int) -> list[Any]:
         return self.beats.sends()
 
+    @property
+    def answers_every(self) -> float:
+        return marks_every(self.config.period_s, self.nnodes)
+
     def start(self) -> BeatLease:
         self.beats.watch(watched(self.node, self.nnodes, {}, self.watchers))
         threading.Thread(

@@ -69,6 +69,11 @@ class NodeLease:
     """Whether a round that read without an error shows the store answering (with beats, a
     thread of their own reads the store's marks and says)."""
 
+    @property
+    def answers_every(self) -> float:
+        """How often the store is asked something, at least (the guard allows two)."""
+        return self.config.period_s
+
     def __init__(
         self,
         store: Any,
@@ -210,7 +215,8 @@ class NodeLease:
         """The store lost when no round got an answer for the store's grace: a round
         blocked in a call to a host that vanished (its link cut: no reset, no error) says
         nothing by itself (a TCPStore client's socket has no read timeout)."""
-        limit = max(GUARD_LEASES * self.config.grace_s, GUARD_MIN_S) + self.config.period_s
+        grace = max(GUARD_LEASES * self.config.grace_s, GUARD_MIN_S, 2 * self.answers_every)
+        limit = grace + self.config.period_s
         while not self._stop.wait(self.config.period_s):
             silent = self.clock() - self._answered
             if silent > limit:

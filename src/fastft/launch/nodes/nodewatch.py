@@ -10,13 +10,15 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastft.bus.natsio import pinned
 from fastft.launch.nodes.beatlease import BeatLease
 from fastft.launch.nodes.beats import Beats
 from fastft.launch.nodes.lease import NodeLease
+from fastft.launch.nodes.peerbeats import PeerBeats, PeerLease, peer_beats
 from fastft.launch.nodes.renewer import RENEWERS
 from fastft.launch.rules.leasewatch import (
     DEFAULT_MISSES,
@@ -59,7 +61,12 @@ class NodeWatch:
         cfg = a.config
         if cfg.nnodes < 2:
             return  # nobody else to watch; the store is this node's own
-        lease_type = partial(BeatLease, beats=self._beats()) if cfg.control else NodeLease
+        lease_type: Any = NodeLease
+        how = "store"
+        if cfg.control:
+            lease_type, how = partial(BeatLease, beats=self._beats()), "nats"
+        elif peer_beats(cfg.node_beats, cfg.nnodes):
+            lease_type, how = partial(PeerLease, beats=self._peer_beats()), "peers"
         self.lease = lease = lease_type(
             a.store,
             a.keys,
@@ -79,6 +86,7 @@ class NodeWatch:
             on_done=self.node_done,
             renewers=0 if cfg.control else RENEWERS,  # (a TCPStore: a connection each)
         )
+        a.events.emit("node_lease", beats=how, lease_s=lease.config.lease_s)
         if lease.rejoined:
             a.events.emit("node_rejoined", mark=lease.rejoined)
         lives = lease.take_over() if cfg.standby else None  # (told to go: the agent died)
@@ -86,20 +94,39 @@ class NodeWatch:
             self.took_over(lives)
         lease.start()
 
+    def _peer_beats(self) -> PeerBeats:
+        """A TCPStore job's lease beats from agent to agent (``--node-beats``)."""
+        a = self.agent
+        sign, verify = self._signature()
+        misses = a.config.node_lease_misses or DEFAULT_MISSES
+        return PeerBeats(
+            a.store,
+            a.keys,
+            a.config.node_rank,
+            sign,
+            verify,
+            toward=a.config.store or "127.0.0.1:0",
+            timeout_s=a.config.node_heartbeat_ms / 1000 * misses,
+        )
+
+    def _signature(self) -> tuple[Callable[[str, str], str], Callable[[str, bytes], str | None]]:
+        """The job secret's value signature (none with the store insecure)."""
+        store = self.agent.store
+        auth = getattr(store, "auth", None)
+        if auth is None or getattr(store, "insecure", False):
+            return (
+                (lambda key, value: value),
+                (lambda key, raw: bytes(raw).decode(errors="replace")),
+            )
+        return auth.sign, auth.verify
+
     def _beats(self) -> Beats:
         """The NATS control plane's lease beats: clients of their own, one per server of
         the cluster (up to :data:`RENEWERS`), signed with the job secret."""
         a = self.agent
         store = a.store
         conns = pinned(store.conn.servers, RENEWERS, timeout_s=10.0)
-        auth = getattr(store, "auth", None)
-        if auth is None or getattr(store, "insecure", False):
-            sign, verify = (
-                (lambda key, value: value),
-                (lambda key, raw: bytes(raw).decode(errors="replace")),
-            )
-        else:
-            sign, verify = auth.sign, auth.verify
+        sign, verify = self._signature()
         lease_s = a.config.node_heartbeat_ms / 1000 * (a.config.node_lease_misses or NATS_MISSES)
         return Beats(conns, a.keys.job, a.config.node_rank, sign, verify, timeout_s=lease_s)
 

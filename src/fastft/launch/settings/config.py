@@ -286,6 +286,14 @@ class LaunchConfig:
     node_lease_misses: int | None = _flag(
         None, "multi-node: heartbeats a node may miss before it is lost (default 3)"
     )
+    node_beats: str = _flag(
+        "auto",
+        "multi-node on a TCPStore: how the agents' lease beats travel: through the store "
+        "(store), from agent to agent over TCP, the store reading only the marks and "
+        "deciding each declaration (peers), or peers above 256 nodes (auto); NATS: core "
+        "messages always",
+        choices=("auto", "store", "peers"),
+    )
     job_secret_file: str | None = _flag(
         None,
         "the job secret (a file of mode 0600, the same on every node; fastft secret new PATH "

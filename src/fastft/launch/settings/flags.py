@@ -43,7 +43,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "several nodes": (
         "nnodes", "node_rank", "store", "control", "job", "job_secret_file", "store_wait_s",
         "bus_relay", "standby",
-        "node_heartbeat_ms", "node_lease_misses",
+        "node_heartbeat_ms", "node_lease_misses", "node_beats",
     ),
     "shard groups, sync policies, pipeline stages": (
         "shard_size", "sync", "stage", "flow", "flow_name", "max_ahead",

@@ -1,0 +1,328 @@
+"""Node leases as beats from agent to agent (issue 64), on the TCPStore plane of a large job.
+
+A TCPStore's one thread serves a request in ~50 µs here: one renewal per agent per 100 ms
+round is all of it at 2,048 nodes, before a single read (the scale model: 103 % busy, 3.3
+rounds a second). Here each agent runs a beat server (a TCP port the OS picks on the
+address it reaches the store from; ``node_beats`` in the store); the agents that watch its
+node connect to it, and it writes every beat (the signed message of the NATS plane's
+beats, :mod:`fastft.launch.nodes.beats`) to each of them. The store serves only the marks'
+backstop reads (:class:`~fastft.launch.nodes.beatlease.BeatLease`) and, at a declaration,
+the compare-and-set that decides it (:class:`PeerLease`): a watcher that cannot reach the
+store (the one cut off) declares nobody, and of several watchers one wins.
+
+TCP, not UDP: a beat on a congested or throttled link is late, as a store request from that
+node would be, and is never dropped while the link carries the job's traffic (a datagram is
+dropped at a full queue: a node declared lost for a busy link). A beat never waits: a
+watcher whose socket buffer is full misses it (its path is broken; its connection is
+closed and made again). A connection that ends is made again, the node's address read
+again (a node's new agent listens on a new port). Up the same connection a watcher tells
+the node it declared it lost, and the node fences at once; a node that is done tells its
+watchers so before its beats stop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastft.bus.tcpstore import address_toward
+from fastft.launch.nodes.beatlease import BeatLease
+from fastft.launch.nodes.beats import Beat, Beats, beat_subject, encode
+from fastft.launch.rules.leasewatch import DONE
+from fastft.protocol.keys import JobKeys
+
+__all__ = ["PEERS_ABOVE", "PeerBeats", "PeerLease", "peer_beats"]
+
+log = logging.getLogger(__name__)
+
+PEERS_ABOVE = 256
+"""``--node-beats auto``: beats from agent to agent above this many nodes (the store's
+renewals alone would be ~25 % of its thread at 100 ms), through the store up to it."""
+MAX_FRAME = 4096
+"""A frame longer than this is no beat: its connection is closed (counted as forged)."""
+_LEN = struct.Struct(">I")
+
+
+def peer_beats(mode: str, nnodes: int) -> bool:
+    """Whether a TCPStore job's agents beat to each other (``--node-beats``)."""
+    return mode == "peers" or (mode == "auto" and nnodes > PEERS_ABOVE)
+
+
+class _Conn:
+    """One connection: a watcher's to a node (``node``), or a node's from a watcher (-1)."""
+
+    def __init__(self, sock: socket.socket, node: int) -> None:
+        self.sock = sock
+        self.node = node
+        self.buf = bytearray()
+
+
+class PeerBeats(Beats):
+    """This agent's beat server and its connections to the nodes it watches (see the
+    module); the rest is :class:`~fastft.launch.nodes.beats.Beats`'. ``store``: the job's
+    (a client of its own is cloned), ``toward``: the store's address (the server listens
+    on the address that reaches it)."""
+
+    def __init__(
+        self,
+        store: Any,
+        keys: JobKeys,
+        node: int,
+        sign: Callable[[str, str], str],
+        verify: Callable[[str, bytes], str | None],
+        *,
+        toward: str,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__([], keys.job, node, sign, verify, timeout_s=timeout_s, clock=clock)
+        self.keys = keys
+        self.store = store.clone()
+        self._server = socket.create_server((address_toward(toward), 0))
+        self._server.setblocking(False)
+        host, port = self._server.getsockname()[:2]
+        self.address = f"{host}:{port}"
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._server, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._watchers: list[_Conn] = []
+        """Connections from the agents that watch this node: each beat goes to each."""
+        self._to: dict[int, _Conn] = {}
+        """This agent's connection to each node it watches."""
+        self._new: list[_Conn] = []
+        self._want: list[int] = []
+        """The nodes to watch, as the rounds last said (the dialer connects to them)."""
+        self._dial = threading.Event()
+        self._closed = threading.Event()
+        self.store.set_timeout(datetime.timedelta(seconds=max(timeout_s, 1.0)))
+        self.store.set(keys.node_beats(node), self.address)
+        self._threads = [
+            threading.Thread(target=self._loop, name="fastft-peer-beats", daemon=True),
+            threading.Thread(target=self._dialer, name="fastft-peer-dial", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # --- sending ---------------------------------------------------------------------------
+    def sends(self) -> list[Callable[[], None]]:
+        return [self.beat]  # (never waits: one "connection" for the renewer)
+
+    def beat(self) -> None:
+        with self._lock:
+            self._counter += 1
+            beat = Beat(self.node, self._counter, self._lives)
+            watchers = list(self._watchers)
+        frame = self._frame(beat)
+        for c in watchers:
+            self._write(c, frame)
+
+    def declare(self, node: int, mark: str) -> None:
+        """Tell ``node`` it was declared lost (up this agent's connection to it), or, for
+        this node (``DONE``), tell its watchers."""
+        with self._lock:
+            self._declared[node] = mark
+            to = list(self._watchers) if node == self.node else [self._to.get(node)]
+        frame = self._frame(Beat(node, 0, lost=mark))
+        for c in to:
+            if c is not None:
+                self._write(c, frame)
+
+    def _frame(self, beat: Beat) -> bytes:
+        data = encode(beat, self.sign, beat_subject(self.job, beat.node))
+        return _LEN.pack(len(data)) + data
+
+    def _write(self, c: _Conn, frame: bytes) -> None:
+        try:
+            sent = c.sock.send(frame, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            sent = -1
+        if sent != len(frame):  # (a full buffer or a broken path: made again)
+            self._kill(c)
+
+    def _kill(self, c: _Conn) -> None:
+        """No more beats on ``c``; the loop closes it (its read ends), the dialer makes a
+        watched node's again."""
+        with self._lock:
+            if c in self._watchers:
+                self._watchers.remove(c)
+            if c.node >= 0 and self._to.get(c.node) is c:
+                del self._to[c.node]
+        try:
+            c.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._dial.set()
+
+    # --- hearing ---------------------------------------------------------------------------
+    def watch(self, nodes: list[int]) -> None:
+        """Watch ``nodes`` (the rounds' thread: it never waits here; the dialer connects)."""
+        want = [n for n in nodes if n != self.node]
+        with self._lock:
+            changed = want != self._want or any(n not in self._to for n in want)
+            self._want = want
+        if changed:
+            self._dial.set()
+
+    def _dialer(self) -> None:
+        """Connect to the beat servers of the watched nodes not connected yet, their
+        addresses read from the store (a thread of its own: a connection to a host that is
+        gone waits a lease, and a store read may wait; neither holds up a round or a beat
+        heard). One not there yet, or refused, is tried again a lease later."""
+        retry: dict[int, float] = {}
+        while not self._closed.is_set():
+            self._dial.wait(self.timeout_s)
+            self._dial.clear()
+            with self._lock:
+                todo = [n for n in self._want if n not in self._to]
+            now = self.clock()
+            for n in todo:
+                if retry.get(n, 0.0) > now or self._closed.is_set():
+                    continue
+                retry[n] = now + self.timeout_s
+                c = self._connect(n)
+                if c is not None:
+                    with self._lock:  # (a node's new agent counts from 1 again: its
+                        self._heard.pop(n, None)  # beats are heard from the first)
+                        self._to[n] = c
+                        self._new.append(c)
+                    self._wake_w.send(b"\0")
+
+    def _connect(self, n: int) -> _Conn | None:
+        try:
+            key = self.keys.node_beats(n)
+            if not self.store.check([key]):
+                return None
+            host, _, port = bytes(self.store.get(key)).decode().rpartition(":")
+            sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+        except Exception as e:  # (not started, gone, or the store slow: next time)
+            log.debug("peer beats: node %d not reached: %s", n, e)
+            return None
+        sock.setblocking(False)
+        return _Conn(sock, n)
+
+    def silent_for(self) -> float:
+        """Never "cut off" by silence: a watcher's declaration is the store's to decide
+        (:class:`PeerLease`), which one cut off cannot reach."""
+        return 0.0
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                events = self._sel.select(timeout=1.0)
+            except OSError:
+                return  # (closed)
+            with self._lock:
+                new, self._new = self._new, []
+            for c in new:
+                self._sel.register(c.sock, selectors.EVENT_READ, c)
+            for key, _ in events:
+                if key.fileobj is self._server:
+                    self._accept()
+                elif key.fileobj is self._wake_r:
+                    try:
+                        self._wake_r.recv(4096)
+                    except OSError:
+                        pass
+                else:
+                    self._read(key.data)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._server.accept()
+        except OSError:
+            return
+        sock.setblocking(False)
+        c = _Conn(sock, -1)
+        self._sel.register(sock, selectors.EVENT_READ, c)
+        with self._lock:
+            self._watchers.append(c)
+
+    def _read(self, c: _Conn) -> None:
+        try:
+            data = c.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(c)
+            return
+        c.buf += data
+        while len(c.buf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(c.buf)
+            if n > MAX_FRAME:
+                with self._lock:
+                    self.forged += 1
+                self._drop(c)
+                return
+            if len(c.buf) < _LEN.size + n:
+                break
+            raw = bytes(c.buf[_LEN.size : _LEN.size + n])
+            del c.buf[: _LEN.size + n]
+            # (from a watcher: only a declaration of this node; from a node: its own beats)
+            node = self.node if c.node < 0 else c.node
+            self._heard_msg(beat_subject(self.job, node), raw)
+
+    def _drop(self, c: _Conn) -> None:
+        """Close ``c`` (the loop's thread only)."""
+        self._kill(c)
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        c.sock.close()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._dial.set()
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(self.timeout_s + 2.0)
+        with self._lock:
+            conns = [*self._watchers, *self._to.values(), *self._new]
+        for c in conns:
+            c.sock.close()
+        for sock in (self._server, self._wake_r, self._wake_w):
+            sock.close()
+        self._sel.close()
+
+
+class PeerLease(BeatLease):
+    """:class:`~fastft.launch.nodes.beatlease.BeatLease` over :class:`PeerBeats` (or the
+    scale model's), on a TCPStore: a declaration is the store's compare-and-set first, as
+    :class:`~fastft.launch.nodes.lease.NodeLease`'s (the store answers in microseconds,
+    and a watcher cut off from it must declare nobody), then told to the node itself."""
+
+    def _declare(self, node: int) -> None:
+        if self.beats.declared(node) == DONE:
+            return  # (it said so before its beats stopped)
+        counter = self.watch.counter(node)
+        got = self._mark_lost(node, counter)
+        if got is None:
+            return  # (another watcher's, or the store did not answer: the next round)
+        lives, mark = got
+        self.beats.declare(node, mark)  # (alive after all, it fences at once)
+        self.on_lost(node, lives, counter)
+
+    def stop(self) -> None:
+        super().stop()
+        close = getattr(self.beats, "close", None)
+        if close is not None:
+            close()
