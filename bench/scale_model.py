@@ -8,8 +8,10 @@ coordinator, survivors and leases, one simulated process per member, the job sec
 - ``reform``: one member of N dies; from its agent's exit notice to the last survivor
   holding the next epoch.
 - ``start``: N workers start over 1 s; from the last start to the last holding epoch 1.
-- ``leases``: K node agents' rounds for 5 s: the read's p50/p99, rounds a second (10 is
-  the target), false losses.
+- ``leases``: K node agents' rounds for 5 s once every agent started: the read's
+  p50/p99, rounds a second (10 is the target), false losses, the busiest server thread's
+  share (``utilisation``; 50 % the target); on a TCPStore with the beats through the store
+  and from agent to agent (``--node-beats``), on NATS core beats.
 
 **Real servers** (``bench/barrier.py``'s harness, ``--real``): the reform scenario with
 N - 1 members as threads over 4 processes, each with a worker's three store connections and
@@ -63,10 +65,11 @@ def model_rows(
                 done = r.done_s if scenario == "reform" else r.extra.get("after_last_start_s")
                 rows.append(_row(r.row(), "model", done))
                 print(json.dumps(rows[-1]), flush=True)
-        for k in leases:
-            r = scale.leases(k, plane)
-            rows.append(_row(r.row(), "model", None))
-            print(json.dumps(rows[-1]), flush=True)
+        for k in leases:  # (a TCPStore's beats through the store beside from agent to
+            for beats in ("store", "peers") if plane == "tcpstore" else ("nats",):  # agent)
+                r = scale.leases(k, plane, beats=beats if beats != "nats" else "auto")
+                rows.append({**_row(r.row(), "model", None), "beats": beats})
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -87,6 +90,7 @@ def _row(r: dict[str, object], source: str, done: object) -> dict[str, object]:
         "read_p99_ms",
         "rounds_per_s",
         "utilisation",
+        "busiest",
         "model_wall_s",
     ]
     out = {"source": source, **{k: r[k] for k in keep if k in r}}
@@ -162,6 +166,9 @@ def main() -> None:
         "false_deaths",
         "read_p99_ms",
         "rounds_per_s",
+        "beats",
+        "utilisation",
+        "busiest",
     ]
     print(table([{c: r.get(c) for c in cols} for r in rows], cols))
     print(write("scale_model", rows, {"sizes": args.sizes, "real": args.real}))
