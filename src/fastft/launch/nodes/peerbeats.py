@@ -98,7 +98,6 @@ class PeerBeats(Beats):
         """Connections from the agents that watch this node: each beat goes to each."""
         self._to: dict[int, _Conn] = {}
         """This agent's connection to each node it watches."""
-        self._new: list[_Conn] = []
         self._want: list[int] = []
         """The nodes to watch, as the rounds last said (the dialer connects to them)."""
         self._dial = threading.Event()
@@ -117,6 +116,8 @@ class PeerBeats(Beats):
         return [self.beat]  # (never waits: one "connection" for the renewer)
 
     def beat(self) -> None:
+        if self._closed.is_set():
+            return
         with self._lock:
             self._counter += 1
             beat = Beat(self.node, self._counter, self._lives)
@@ -151,8 +152,9 @@ class PeerBeats(Beats):
             self._kill(c)
 
     def _kill(self, c: _Conn) -> None:
-        """No more beats on ``c``; the loop closes it (its read ends), the dialer makes a
-        watched node's again."""
+        """No more beats on ``c``: a watcher's is closed by the loop (its read ends), a
+        watched node's now (only the rounds' thread reads or writes it), and the dialer
+        makes it again."""
         with self._lock:
             if c in self._watchers:
                 self._watchers.remove(c)
@@ -162,6 +164,8 @@ class PeerBeats(Beats):
             c.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        if c.node >= 0:
+            c.sock.close()
         self._dial.set()
 
     # --- hearing ---------------------------------------------------------------------------
@@ -195,8 +199,6 @@ class PeerBeats(Beats):
                     with self._lock:  # (a node's new agent counts from 1 again: its
                         self._heard.pop(n, None)  # beats are heard from the first)
                         self._to[n] = c
-                        self._new.append(c)
-                    self._wake_w.send(b"\0")
 
     def _connect(self, n: int) -> _Conn | None:
         try:
@@ -222,10 +224,6 @@ class PeerBeats(Beats):
                 events = self._sel.select(timeout=1.0)
             except OSError:
                 return  # (closed)
-            with self._lock:
-                new, self._new = self._new, []
-            for c in new:
-                self._sel.register(c.sock, selectors.EVENT_READ, c)
             for key, _ in events:
                 if key.fileobj is self._server:
                     self._accept()
@@ -249,30 +247,46 @@ class PeerBeats(Beats):
             self._watchers.append(c)
 
     def _read(self, c: _Conn) -> None:
-        try:
-            data = c.sock.recv(65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
+        """A watcher's connection is readable (the loop's thread)."""
+        if not self._receive(c):
             self._drop(c)
-            return
-        c.buf += data
-        while len(c.buf) >= _LEN.size:
-            (n,) = _LEN.unpack_from(c.buf)
-            if n > MAX_FRAME:
-                with self._lock:
-                    self.forged += 1
-                self._drop(c)
-                return
-            if len(c.buf) < _LEN.size + n:
-                break
-            raw = bytes(c.buf[_LEN.size : _LEN.size + n])
-            del c.buf[: _LEN.size + n]
-            # (from a watcher: only a declaration of this node; from a node: its own beats)
-            node = self.node if c.node < 0 else c.node
-            self._heard_msg(beat_subject(self.job, node), raw)
+
+    def counters(self, nodes: list[int]) -> dict[int, int]:
+        """The beats that arrived are taken in first, in the caller's thread (the rounds'):
+        a round judges what the network delivered, not what a busy thread got to (a store's
+        counter is read in the round as well)."""
+        with self._lock:
+            to = list(self._to.values())
+        for c in to:
+            if not self._receive(c):
+                self._kill(c)
+        return super().counters(nodes)
+
+    def _receive(self, c: _Conn) -> bool:
+        """Take in what ``c`` holds (never waits); False once it ended or sent no beat."""
+        while True:
+            try:
+                data = c.sock.recv(65536)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            if not data:
+                return False
+            c.buf += data
+            while len(c.buf) >= _LEN.size:
+                (n,) = _LEN.unpack_from(c.buf)
+                if n > MAX_FRAME:
+                    with self._lock:
+                        self.forged += 1
+                    return False
+                if len(c.buf) < _LEN.size + n:
+                    break
+                raw = bytes(c.buf[_LEN.size : _LEN.size + n])
+                del c.buf[: _LEN.size + n]
+                # (from a watcher: only a declaration of this node; from a node: its beats)
+                node = self.node if c.node < 0 else c.node
+                self._heard_msg(beat_subject(self.job, node), raw)
 
     def _drop(self, c: _Conn) -> None:
         """Close ``c`` (the loop's thread only)."""
@@ -283,20 +297,24 @@ class PeerBeats(Beats):
             pass
         c.sock.close()
 
-    def close(self) -> None:
-        if self._closed.is_set():
-            return
+    def stop(self) -> None:
+        """No more beats; the threads end (:meth:`close` waits for them)."""
         self._closed.set()
         self._dial.set()
         try:
             self._wake_w.send(b"\0")
         except OSError:
             pass
+
+    def close(self) -> None:
+        if self._server.fileno() < 0:
+            return  # (closed already)
+        self.stop()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(self.timeout_s + 2.0)
         with self._lock:
-            conns = [*self._watchers, *self._to.values(), *self._new]
+            conns = [*self._watchers, *self._to.values()]
         for c in conns:
             c.sock.close()
         for sock in (self._server, self._wake_r, self._wake_w):
@@ -323,6 +341,12 @@ class PeerLease(BeatLease):
 
     def stop(self) -> None:
         super().stop()
+        stop = getattr(self.beats, "stop", None)  # (the scale model's have none)
+        if stop is not None:
+            stop()
+
+    def close(self) -> None:
+        super().close()
         close = getattr(self.beats, "close", None)
         if close is not None:
             close()
