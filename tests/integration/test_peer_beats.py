@@ -108,6 +108,28 @@ def test_the_node_hears_its_declaration_at_once_and_a_node_done_is_not_declared(
     assert a.lost == [] and c.lost == []
 
 
+def test_a_watcher_holds_three_connections_and_each_beat_goes_on_one(job):
+    # (issue 60, case 6: a beat lost in a flap waits for TCP's retransmission, and every
+    # beat behind it on the same connection; the next goes on one with nothing in flight)
+    _, (a, b) = _start(job, "peers7", [0, 1], 2)
+    time.sleep(1.0)
+    with b.beats._lock:
+        conns = list(b.beats._watchers)
+    assert len(conns) == 3 and {c.watcher for c in conns} == {0}
+    frames = [0]
+    heard = a.beats._heard_msg
+
+    def counted(subject: str, raw: bytes) -> None:
+        frames[0] += 1
+        heard(subject, raw)
+
+    a.beats._heard_msg = counted  # type: ignore[method-assign]
+    before = a.beats.counters([1])[1]
+    time.sleep(1.0)
+    beats = a.beats.counters([1])[1] - before
+    assert beats >= 7 and frames[0] <= beats + 1, (beats, frames)  # (not 3 copies each)
+
+
 def test_a_forged_or_oversized_frame_moves_nothing(job):
     keys, (a, b) = _start(job, "peers3", [0, 1], 2)
     time.sleep(0.6)
@@ -135,6 +157,23 @@ def test_a_nodes_new_agent_is_heard_on_its_new_port(job):
     while a.beats.counters([1])[1] <= heard and time.monotonic() < deadline:
         time.sleep(0.05)
     assert a.beats.counters([1])[1] > heard  # (its counter starts again from 1: a new high)
+
+
+def test_a_node_newly_watched_that_never_started_costs_no_store(job):
+    """Node 2 stops and is declared; nodes 0 and 1 then watch past it, up to node 4, which
+    never started: its mark is made (a TCPStore read of a missing key waits for it, and a
+    marks read that failed once was taken for the store lost)."""
+    keys, (a, b, c, d) = _start(job, "peers6", [0, 1, 2, 3], 5)
+    time.sleep(0.6)
+    job[0].delete_key(keys.node_lost(4))  # (as if no agent had ever watched node 4)
+    c.lease.close()
+    deadline = time.monotonic() + 5.0
+    while not (a.lost or b.lost) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(1.5)  # (the marks read again: the ring now reaches node 4)
+    assert a.lost + b.lost == [(2, {2: 12})]
+    assert 4 in a.lease.marks and a.store.get(keys.node_lost(4)) == b""
+    assert [x.store_lost for x in (a, b, d)] == [[], [], []]
 
 
 def test_threads_end_with_the_leases(job):

@@ -66,10 +66,15 @@ def logs(tmp: Path, nodes: int = NODES) -> str:
     )
 
 
+BEATS = pytest.mark.parametrize("beats", ["store", "peers"])
+"""Through the store (the default up to 256 nodes) and from agent to agent (above)."""
+
+
 @pytest.mark.timeout(240)
-def test_a_node_cut_off_is_declared_lost_fenced_and_rejoins_as_new_lives(tmp_path):
+@BEATS
+def test_a_node_cut_off_is_declared_lost_fenced_and_rejoins_as_new_lives(tmp_path, beats):
     with NetLab(NODES) as lab:
-        run, procs = start(lab, tmp_path, 160)
+        run, procs = start(lab, tmp_path, 160, "--node-beats", beats)
         wait_step(run, 20)
         t_cut = time.monotonic()
         lab.cut(2)
@@ -98,7 +103,8 @@ def test_a_node_cut_off_is_declared_lost_fenced_and_rejoins_as_new_lives(tmp_pat
 
 
 @pytest.mark.timeout(240)
-def test_flaps_of_the_path_within_the_lease_lose_nothing_at_the_defaults(tmp_path):
+@BEATS
+def test_flaps_of_the_path_within_the_lease_lose_nothing_at_the_defaults(tmp_path, beats):
     """Issue 60, case 6. Node 1's packets dropped for 200 ms, three times (the path flaps,
     its link stays up), at the default lease (300 ms): no node lost, nothing restarted.
     A renewal lost in the flap waited for TCP's retransmission (200 ms at least) with every
@@ -110,7 +116,7 @@ def test_flaps_of_the_path_within_the_lease_lose_nothing_at_the_defaults(tmp_pat
     and a fence uses up no restart (four flaps failed a job on --max-restarts 3). The
     job ends equal everywhere."""
     with NetLab(NODES) as lab:
-        run, procs = start(lab, tmp_path, 400, "--max-restarts", "1")
+        run, procs = start(lab, tmp_path, 400, "--max-restarts", "1", "--node-beats", beats)
         wait_step(run, 20)
         wait_event(run, "probe_times")  # (the start's link probe: a flap in it, docs/guide.md)
         for _ in range(3):

@@ -104,20 +104,26 @@ class BeatLease(NodeLease):
         holds up no lease. The bucket failing every read for the store's grace loses the
         store, as a round's failures would."""
         ok = self.clock()
+        failed = 0
         every = marks_every(self.config.period_s, self.nnodes)
         while not stop.wait(every):
             nodes = watched(self.node, self.nnodes, self.marks, self.watchers)
             keys = [self.keys.node_lost(n) for n in nodes]
             try:
+                for n in nodes:  # (a node newly watched: its mark may not exist yet, and a
+                    if n not in self.marks:  # read of a missing key waits for it)
+                        self.store.compare_set(self.keys.node_lost(n), "", "")
                 got = self.store.multi_get(
                     [*keys, self.keys.node_lost(self.node), self.keys.failed]
                 )
             except Exception as e:
+                failed += 1
                 silent = self.clock() - ok
-                if silent >= self.config.grace_s:
+                if failed >= 2 and silent >= self.config.grace_s:  # (one read is no verdict)
                     why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                     self._lost_store(f"no answer for {silent * 1000:.0f} ms: {why}")
                 continue
+            failed = 0
             ok = self._answered = self.clock()
             self._store_back()
             text = [bytes(v).decode(errors="replace") for v in got]

@@ -12,10 +12,14 @@ store (the one cut off) declares nobody, and of several watchers one wins.
 
 TCP, not UDP: a beat on a congested or throttled link is late, as a store request from that
 node would be, and is never dropped while the link carries the job's traffic (a datagram is
-dropped at a full queue: a node declared lost for a busy link). A beat never waits: a
-watcher whose socket buffer is full misses it (its path is broken; its connection is
-closed and made again). A connection that ends is made again, the node's address read
-again (a node's new agent listens on a new port). Up the same connection a watcher tells
+dropped at a full queue: a node declared lost for a busy link). A beat never waits, and
+none waits behind a lost one: each watcher holds :data:`~fastft.launch.nodes.renewer.
+RENEWERS` connections to the node (each introduced by a signed hello), and each beat goes on
+the one with the least in flight (``SIOCOUTQ``), as the store's renewals go on idle clients
+(issue 60, case 6: a packet lost in a 100-200 ms flap waits for TCP's retransmission, at
+least 200 ms, and all sent behind it too). A watcher whose socket buffer is full misses
+the beat (that connection is closed and made again). A connection that ends is made again,
+the node's address read again (a node's new agent listens on a new port). Up the same connection a watcher tells
 the node it declared it lost, and the node fences at once; a node that is done tells its
 watchers so before its beats stop.
 """
@@ -23,10 +27,12 @@ watchers so before its beats stop.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import logging
 import selectors
 import socket
 import struct
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +40,8 @@ from typing import Any
 
 from fastft.bus.tcpstore import address_toward
 from fastft.launch.nodes.beatlease import BeatLease
-from fastft.launch.nodes.beats import Beat, Beats, beat_subject, encode
+from fastft.launch.nodes.beats import Beat, Beats, beat_subject, decode, encode
+from fastft.launch.nodes.renewer import RENEWERS
 from fastft.launch.rules.leasewatch import DONE
 from fastft.protocol.keys import JobKeys
 
@@ -47,7 +54,19 @@ PEERS_ABOVE = 256
 renewals alone would be ~25 % of its thread at 100 ms), through the store up to it."""
 MAX_FRAME = 4096
 """A frame longer than this is no beat: its connection is closed (counted as forged)."""
+HELLO = "watch"
+"""A watcher's first frame on each connection (signed, its node as the beat's): the node
+sends each beat on one of that watcher's connections, not on all."""
 _LEN = struct.Struct(">I")
+
+
+def _in_flight(sock: socket.socket) -> int:
+    """Bytes sent on ``sock`` not yet acknowledged (``SIOCOUTQ``; 0 where not told)."""
+    try:
+        got = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+        return int(struct.unpack("i", got)[0])
+    except OSError:
+        return 0
 
 
 def peer_beats(mode: str, nnodes: int) -> bool:
@@ -56,11 +75,13 @@ def peer_beats(mode: str, nnodes: int) -> bool:
 
 
 class _Conn:
-    """One connection: a watcher's to a node (``node``), or a node's from a watcher (-1)."""
+    """One connection: a watcher's to a node (``node``), or a node's from a watcher (-1;
+    ``watcher``: its node once its hello came)."""
 
     def __init__(self, sock: socket.socket, node: int) -> None:
         self.sock = sock
         self.node = node
+        self.watcher = -1
         self.buf = bytearray()
 
 
@@ -95,9 +116,10 @@ class PeerBeats(Beats):
         self._wake_r.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._watchers: list[_Conn] = []
-        """Connections from the agents that watch this node: each beat goes to each."""
-        self._to: dict[int, _Conn] = {}
-        """This agent's connection to each node it watches."""
+        """Connections from the agents that watch this node (several each: a beat goes on
+        one of each watcher's)."""
+        self._to: dict[int, list[_Conn]] = {}
+        """This agent's connections to each node it watches."""
         self._want: list[int] = []
         """The nodes to watch, as the rounds last said (the dialer connects to them)."""
         self._dial = threading.Event()
@@ -123,22 +145,26 @@ class PeerBeats(Beats):
             beat = Beat(self.node, self._counter, self._lives)
             watchers = list(self._watchers)
         frame = self._frame(beat)
-        for c in watchers:
-            self._write(c, frame)
+        groups: dict[int, list[_Conn]] = {}
+        for c in watchers:  # (one beat per watcher: on a connection with nothing in flight)
+            groups.setdefault(c.watcher if c.watcher >= 0 else -id(c), []).append(c)
+        for conns in groups.values():
+            self._write(min(conns, key=lambda c: _in_flight(c.sock)), frame)
 
     def declare(self, node: int, mark: str) -> None:
         """Tell ``node`` it was declared lost (up this agent's connection to it), or, for
         this node (``DONE``), tell its watchers."""
         with self._lock:
             self._declared[node] = mark
-            to = list(self._watchers) if node == self.node else [self._to.get(node)]
+            to = list(self._watchers) if node == self.node else self._to.get(node, [])[:1]
         frame = self._frame(Beat(node, 0, lost=mark))
         for c in to:
-            if c is not None:
-                self._write(c, frame)
+            self._write(c, frame)
 
-    def _frame(self, beat: Beat) -> bytes:
-        data = encode(beat, self.sign, beat_subject(self.job, beat.node))
+    def _frame(self, beat: Beat, about: int | None = None) -> bytes:
+        """``beat`` framed, signed for the subject of ``about`` (its own node's else)."""
+        subject = beat_subject(self.job, beat.node if about is None else about)
+        data = encode(beat, self.sign, subject)
         return _LEN.pack(len(data)) + data
 
     def _write(self, c: _Conn, frame: bytes) -> None:
@@ -158,8 +184,10 @@ class PeerBeats(Beats):
         with self._lock:
             if c in self._watchers:
                 self._watchers.remove(c)
-            if c.node >= 0 and self._to.get(c.node) is c:
-                del self._to[c.node]
+            if c.node >= 0 and c in self._to.get(c.node, []):
+                self._to[c.node].remove(c)
+                if not self._to[c.node]:
+                    del self._to[c.node]
         try:
             c.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -173,7 +201,7 @@ class PeerBeats(Beats):
         """Watch ``nodes`` (the rounds' thread: it never waits here; the dialer connects)."""
         want = [n for n in nodes if n != self.node]
         with self._lock:
-            changed = want != self._want or any(n not in self._to for n in want)
+            changed = want != self._want or any(len(self._to.get(n, [])) < RENEWERS for n in want)
             self._want = want
         if changed:
             self._dial.set()
@@ -188,17 +216,22 @@ class PeerBeats(Beats):
             self._dial.wait(self.timeout_s)
             self._dial.clear()
             with self._lock:
-                todo = [n for n in self._want if n not in self._to]
+                todo = [n for n in self._want if len(self._to.get(n, [])) < RENEWERS]
             now = self.clock()
             for n in todo:
                 if retry.get(n, 0.0) > now or self._closed.is_set():
                     continue
                 retry[n] = now + self.timeout_s
-                c = self._connect(n)
-                if c is not None:
-                    with self._lock:  # (a node's new agent counts from 1 again: its
-                        self._heard.pop(n, None)  # beats are heard from the first)
-                        self._to[n] = c
+                with self._lock:
+                    have = len(self._to.get(n, []))
+                for _ in range(RENEWERS - have):
+                    c = self._connect(n)
+                    if c is None:
+                        break
+                    with self._lock:
+                        if n not in self._to:  # (a node's new agent counts from 1 again:
+                            self._heard.pop(n, None)  # its beats are heard from the first)
+                        self._to.setdefault(n, []).append(c)
 
     def _connect(self, n: int) -> _Conn | None:
         try:
@@ -207,6 +240,7 @@ class PeerBeats(Beats):
                 return None
             host, _, port = bytes(self.store.get(key)).decode().rpartition(":")
             sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+            sock.sendall(self._frame(Beat(self.node, 0, lost=HELLO), about=n))
         except Exception as e:  # (not started, gone, or the store slow: next time)
             log.debug("peer beats: node %d not reached: %s", n, e)
             return None
@@ -256,7 +290,7 @@ class PeerBeats(Beats):
         a round judges what the network delivered, not what a busy thread got to (a store's
         counter is read in the round as well)."""
         with self._lock:
-            to = list(self._to.values())
+            to = [c for conns in self._to.values() for c in conns]
         for c in to:
             if not self._receive(c):
                 self._kill(c)
@@ -284,9 +318,15 @@ class PeerBeats(Beats):
                     break
                 raw = bytes(c.buf[_LEN.size : _LEN.size + n])
                 del c.buf[: _LEN.size + n]
-                # (from a watcher: only a declaration of this node; from a node: its beats)
-                node = self.node if c.node < 0 else c.node
-                self._heard_msg(beat_subject(self.job, node), raw)
+                # (from a watcher: its hello, or a declaration of this node; from a node:
+                # its beats)
+                subject = beat_subject(self.job, self.node if c.node < 0 else c.node)
+                if c.node < 0:
+                    hello = decode(raw, self.verify, subject)
+                    if hello is not None and hello.lost == HELLO:
+                        c.watcher = hello.node if c.watcher < 0 else c.watcher
+                        continue
+                self._heard_msg(subject, raw)
 
     def _drop(self, c: _Conn) -> None:
         """Close ``c`` (the loop's thread only)."""
@@ -314,7 +354,7 @@ class PeerBeats(Beats):
             if t is not threading.current_thread():
                 t.join(self.timeout_s + 2.0)
         with self._lock:
-            conns = [*self._watchers, *self._to.values()]
+            conns = [*self._watchers, *(c for cs in self._to.values() for c in cs)]
         for c in conns:
             c.sock.close()
         for sock in (self._server, self._wake_r, self._wake_w):
