@@ -87,6 +87,9 @@ def test_a_node_cut_off_is_declared_lost_fenced_and_rejoins_as_new_lives(tmp_pat
     ev = read_events(run)
     lost = [e for e in ev if e["event"] == "node_lost" and e.get("node") == 2]
     assert lost, logs(tmp_path)
+    # (the cut-off node declared nobody, not even once its link returned: with peer beats
+    # its calls to the store waited for the link, then declared both others: job failed)
+    assert [e["node"] for e in ev if e["event"] == "node_lost"] == [2] * len(lost)
     assert lost[0]["mono"] - t_cut < 1.5, lost[0]  # within the lease (300 ms) and a round
     check_s1_s3(run, steps=160)
     got = finals(run)

@@ -69,6 +69,10 @@ class BeatLease(NodeLease):
     def _sends(self, store: Any, renewers: int) -> list[Any]:
         return self.beats.sends()
 
+    def _doubted(self) -> None:
+        """The store did not answer a marks read (:class:`~fastft.launch.nodes.peerbeats.
+        PeerLease` then doubts what it heard; NATS's beats say for themselves)."""
+
     @property
     def answers_every(self) -> float:
         return marks_every(self.config.period_s, self.nnodes)
@@ -109,6 +113,7 @@ class BeatLease(NodeLease):
         while not stop.wait(every):
             nodes = watched(self.node, self.nnodes, self.marks, self.watchers)
             keys = [self.keys.node_lost(n) for n in nodes]
+            began = self.clock()
             try:
                 for n in nodes:  # (a node newly watched: its mark may not exist yet, and a
                     if n not in self.marks:  # read of a missing key waits for it)
@@ -116,8 +121,11 @@ class BeatLease(NodeLease):
                 got = self.store.multi_get(
                     [*keys, self.keys.node_lost(self.node), self.keys.failed]
                 )
+                if self.clock() - began > self.config.lease_s:
+                    self._doubted()  # (it waited for this agent's own link, likely)
             except Exception as e:
                 failed += 1
+                self._doubted()
                 silent = self.clock() - ok
                 if failed >= 2 and silent >= self.config.grace_s:  # (one read is no verdict)
                     why = f"{type(e).__name__}: {e}".splitlines()[0][:300]

@@ -42,7 +42,8 @@ from fastft.bus.tcpstore import address_toward
 from fastft.launch.nodes.beatlease import BeatLease
 from fastft.launch.nodes.beats import Beat, Beats, beat_subject, decode, encode
 from fastft.launch.nodes.renewer import RENEWERS
-from fastft.launch.rules.leasewatch import DONE
+from fastft.launch.rules.leasewatch import DONE, watched
+from fastft.launch.rules.lives import mark_lost
 from fastft.protocol.keys import JobKeys
 
 __all__ = ["PEERS_ABOVE", "PeerBeats", "PeerLease", "peer_beats"]
@@ -248,9 +249,17 @@ class PeerBeats(Beats):
         return _Conn(sock, n)
 
     def silent_for(self) -> float:
-        """Never "cut off" by silence: a watcher's declaration is the store's to decide
-        (:class:`PeerLease`), which one cut off cannot reach."""
+        """Never "cut off" by silence in a round: a watcher's declaration is the store's to
+        decide (:class:`PeerLease`), which one cut off cannot reach."""
         return 0.0
+
+    def quiet_for(self) -> float:
+        """Seconds since a beat of any watched node was heard."""
+        return super().silent_for()
+
+    def heard(self, nodes: list[int]) -> dict[int, int]:
+        """:meth:`counters` as last taken in (from any thread: it reads no connection)."""
+        return super().counters(nodes)
 
     def _loop(self) -> None:
         while not self._closed.is_set():
@@ -366,15 +375,56 @@ class PeerLease(BeatLease):
     """:class:`~fastft.launch.nodes.beatlease.BeatLease` over :class:`PeerBeats` (or the
     scale model's), on a TCPStore: a declaration is the store's compare-and-set first, as
     :class:`~fastft.launch.nodes.lease.NodeLease`'s (the store answers in microseconds,
-    and a watcher cut off from it must declare nobody), then told to the node itself."""
+    and a watcher cut off from it must declare nobody), then told to the node itself.
+
+    A watcher whose store did not answer (a declaration's compare-and-set or a marks read
+    failed) was likely the one cut off: what it last heard of the others is stale, and
+    their beats reach it again only after TCP's backed-off retransmissions (seconds after
+    a cut of seconds). Until a node's counter moves past what it was then, this agent does
+    not declare it (tests/net: a node cut for 2 s declared both others once its link
+    returned, and the job failed); a node that did die then is declared by its other
+    watchers."""
+
+    _doubt: dict[int, int] | None = None
+    """Since this agent's store failed: each watched node's counter then."""
+
+    def _doubted(self) -> None:
+        nodes = watched(self.node, self.nnodes, self.marks, self.watchers)
+        heard = getattr(self.beats, "heard", self.beats.counters)(nodes)  # (any thread's)
+        self._doubt = {**heard, **(self._doubt or {})}
 
     def _declare(self, node: int) -> None:
         if self.beats.declared(node) == DONE:
             return  # (it said so before its beats stopped)
+        if self._doubt is not None and node in self._doubt:
+            if self.beats.counters([node])[node] <= self._doubt[node]:
+                self.watch.lost.discard(node)  # (not heard since: judged again later)
+                return
+            del self._doubt[node]
+        quiet = getattr(self.beats, "quiet_for", lambda: 0.0)()
+        if quiet > self.config.lease_s and self._answered < self.clock() - quiet:
+            # (no watched node heard, and the store not since: this agent may be the one
+            # cut off, and a store call would only wait for the link, then declare)
+            self.watch.lost.discard(node)
+            self._doubted()
+            return
         counter = self.watch.counter(node)
-        got = self._mark_lost(node, counter)
+        began = self.clock()
+        try:
+            got = mark_lost(self.store, self.keys, node, self.node, counter)
+        except Exception as e:
+            log.warning("node %d: not declared, the store did not answer: %s", node, e)
+            self.watch.lost.discard(node)
+            self._doubted()
+            return
+        if got is not None and self.clock() - began > self.config.lease_s:
+            # (the call waited for this agent's own link: the verdict is stale; undone)
+            self.store.compare_set(self.keys.node_lost(node), got[1], "")
+            self.watch.lost.discard(node)
+            self._doubted()
+            return
         if got is None:
-            return  # (another watcher's, or the store did not answer: the next round)
+            return  # (another watcher's)
         lives, mark = got
         self.beats.declare(node, mark)  # (alive after all, it fences at once)
         self.on_lost(node, lives, counter)
