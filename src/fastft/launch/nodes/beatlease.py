@@ -159,6 +159,9 @@ class BeatLease(NodeLease):
         """With beats: unless another watcher declared this stop of the node already, tell
         the others, declare its workers dead (the lives its last beat carried) and write
         the mark when the bucket answers (the node's fence when it returns)."""
+        if self.clock() - self.beats.back_at < 2 * self.config.lease_s:
+            self.watch.lost.discard(node)  # (this node was just cut off itself: judged later)
+            return
         counter = self.watch.counter(node)
         heard = self.beats.declared(node)
         if heard == DONE or (heard and mark_counter(heard) >= counter):

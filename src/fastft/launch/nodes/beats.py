@@ -105,6 +105,11 @@ class Beats:
         self._declared: dict[int, str] = {}
         """node -> the newest lost mark heard for it."""
         self._last_any = clock()
+        self._last_own = clock()
+        self.back_at = 0.0
+        """When this node's own beats were heard again after a gap (it was cut off: what it
+        hears of the others may still be in retransmission)."""
+        self.period_s = timeout_s / 3
         self._subscribed: set[int] = set()
 
     # --- sending ---------------------------------------------------------------------------
@@ -196,7 +201,12 @@ class Beats:
             if beat.lost:
                 self._declared[beat.node] = beat.lost
                 return
-            self._last_any = self.clock()
+            now = self.clock()
+            self._last_any = now
+            if beat.node == self.node:  # (its own beat back after a gap: this node was cut)
+                if now - self._last_own > 2 * self.period_s:
+                    self.back_at = now
+                self._last_own = now
             old = self._heard.get(beat.node)
             if old is None or beat.counter > old[0]:
                 self._heard[beat.node] = (beat.counter, beat.lives)
