@@ -109,7 +109,6 @@ class Beats:
         self.back_at = 0.0
         """When this node's own beats were heard again after a gap (it was cut off: what it
         hears of the others may still be in retransmission)."""
-        self.period_s = timeout_s / 3
         self._subscribed: set[int] = set()
 
     # --- sending ---------------------------------------------------------------------------
@@ -204,7 +203,7 @@ class Beats:
             now = self.clock()
             self._last_any = now
             if beat.node == self.node:  # (its own beat back after a gap: this node was cut)
-                if now - self._last_own > 2 * self.period_s:
+                if now - self._last_own > self.timeout_s * 2 / 3:  # (2 of 3 beats)
                     self.back_at = now
                 self._last_own = now
             old = self._heard.get(beat.node)
