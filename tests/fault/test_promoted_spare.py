@@ -57,9 +57,21 @@ def test_a_promoted_spare_that_ran_ahead_reads_tx_after_the_block(tmp_path):
     assert len({e["digest"] for e in ends.values()}) == 1, ends  # the same state on every rank
     seen = {pid: e["seen"] for pid, e in ends.items()}
     assert len(seen) == 3 and promoted[0] in seen, (promoted, sorted(seen))  # (rank 1 died)
+    rank_of = {e["pid"]: e["src"] for e in ev if e["event"] == "worker_start"}
     for pid, rows in seen.items():
         steps = [r[0] for r in rows]
-        assert steps == list(range(steps[0], STEPS)), (pid, steps)
+        assert steps == sorted(set(steps)) and steps[-1] == STEPS - 1, (pid, steps)
+        # A step missing on a survivor: a peer's death raced that step's collective, this
+        # member rolled it back while the others committed it, and it healed from them
+        # at the next step (its state carries the step, post-commit code included; the
+        # collective decision's documented split, docs/architecture.md)
+        fetched = {
+            e["step"]
+            for e in ev
+            if e["event"] == "heal" and e["role"] == "fetch" and e["src"] == rank_of[pid]
+        }
+        for gap in sorted(set(range(steps[0], STEPS)) - set(steps)):
+            assert gap + 1 in fetched, (pid, steps, gap, sorted(fetched))
         assert {(r[1], r[2]) for r in rows} == {(rows[0][1], 3)}, (pid, rows)
         assert all(r[3] == r[0] + 1 for r in rows), (pid, rows)  # ft.step: the next one
     mine = seen[promoted[0]]
