@@ -1,7 +1,9 @@
 """A training script that counts its worker's control-store requests (issue 35): the
 coordinator's store clients (the main thread's, the decision waits', and the side
 client's clones) are wrapped in a counter before the runtime builds on them. After each
-commit it records the count so far; it writes ``counts-rank{R}.json``."""
+commit it records the count so far; it writes ``counts-rank{R}.json``. It counts the
+allreduces its process groups run too (every one, fastft's and the script's: issue 65's
+in-band vote), in ``allreduces-rank{R}.json``."""
 
 from __future__ import annotations
 
@@ -19,6 +21,17 @@ from fastft.demo.train import batch, build
 from fastft.testing import CountingStore
 
 
+def _count_allreduces(kind: type, reduces: list[int]) -> None:
+    """Count every allreduce of process groups of ``kind`` (fastft's epochs use Gloo's)."""
+    allreduce = kind.allreduce
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        reduces[0] += 1
+        return allreduce(self, *args, **kwargs)
+
+    kind.allreduce = counted
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
@@ -34,12 +47,16 @@ def main() -> None:
         return real(config, me, keys, store, control, decisions, *rest)
 
     api.build_engine = counted
+    reduces = [0]
+    for kind in (torch.distributed.ProcessGroup, torch.distributed.ProcessGroupGloo):
+        _count_allreduces(kind, reduces)
     torch.set_num_threads(1)
     model = build(64, 0, 2)
     ft = fastft.init()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ft.register(model=model, optimizer=opt)
     after: list[dict[str, int]] = []
+    collectives: list[int] = []
     while ft.step < a.steps:
         with ft.transaction() as tx:
             x, y = batch(tx.step, 0, 96)
@@ -49,8 +66,10 @@ def main() -> None:
         if tx.committed:
             with lock:
                 after.append(dict(counts))
+            collectives.append(reduces[0])
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"counts-rank{ft.rank}.json").write_text(json.dumps(after))
+    (a.out / f"allreduces-rank{ft.rank}.json").write_text(json.dumps(collectives))
 
 
 if __name__ == "__main__":

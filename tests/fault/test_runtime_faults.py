@@ -45,7 +45,7 @@ def test_exception_sigkill_and_sigstop_end_bitwise_equal_to_a_clean_run(tmp_path
     heals = [e for e in ev if e["event"] == "heal" and e["role"] == "fetch" and e["step"] > 0]
     assert {"rank 2", "rank 0"} <= {e["src"] for e in heals}  # S4: restarted ones healed
     # (and a survivor that a death's notice cut short of the previous step's decision, as
-    # the collective decision allows (make test-collective), fetches its peers' step: the
+    # the collective decision allows (make test's default), fetches its peers' step: the
     # history check above holds it to that step)
     # the exception was a Fault2: rolled back without any restart or transfer for rank 1
     assert not [e for e in heals if e["src"] == "rank 1" and e["step"] == 6], heals
@@ -113,7 +113,7 @@ def test_two_ranks_in_one_step_and_a_death_between_decision_and_apply(tmp_path, 
         {"kind": "sigkill", "rank": 0, "at_step": 14, "point": "commit"},
     ]
     # the store's decision: every survivor reads the one COMMIT. (Deciding by the step's
-    # collective, which `make test-collective` sets, a survivor whose allreduce the dying
+    # collective, `make test`'s default, a survivor whose allreduce the dying
     # rank 0 cut short rolls step 14 back and heals it at the next formation instead: seen
     # in CI; tests/fault/test_decide.py covers that case.)
     run = fastft_run(tmp_path, "same-step", "--decide", "store", plan=plan)

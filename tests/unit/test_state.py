@@ -52,6 +52,33 @@ def test_a_replaced_grad_rebuilds_the_bucket_and_rollback_replaces_it():
     assert all(torch.equal(p.grad, w) for p, w in zip(m.parameters(), want, strict=True))
 
 
+def test_the_buckets_vote_slots_follow_its_tail_and_survive_its_rebuild():
+    """The in-band vote's slots (fastft.runtime.inband) end the bucket, after the tail of
+    the buffers it carries: neither the gradients' views nor the tail move, what is
+    weighed and averaged stops before them, and a rollback's rebuild keeps both sizes."""
+    m, r = _setup()
+    m(torch.ones(2, 4)).sum().backward()
+    want = [p.grad.clone() for p in m.parameters()]
+    n = sum(p.numel() for p in m.parameters())
+    buffers = [torch.full((3,), 2.0)]
+    flat = r.grad_bucket(buffers, 5)
+    assert flat is not None and flat.numel() == n + 3 + 1 + 5
+    assert all(torch.equal(p.grad, w) for p, w in zip(m.parameters(), want, strict=True))
+    tail, slots, reduced = r.bucket_tail, r.bucket.slots, r.bucket.reduced
+    assert tail is not None and slots is not None and reduced is not None
+    assert tail.numel() == 4 and tail.data_ptr() == flat[n:].data_ptr()
+    assert slots.numel() == 5 and slots.data_ptr() == flat[n + 4 :].data_ptr()
+    assert reduced.numel() == n + 4
+    slots.fill_(9.0)
+    reduced.div_(2)  # the average leaves the vote's sums alone
+    assert torch.equal(slots, torch.full((5,), 9.0))
+    assert r.grad_bucket(buffers, 5) is flat  # the same sizes: the same bucket
+    r.rollback()
+    fresh = r.bucket.flat
+    assert fresh is not None and fresh is not flat and fresh.numel() == n + 4 + 5
+    assert r.bucket.slots is not None and r.bucket.slots.numel() == 5
+
+
 def test_packed_state_round_trips_for_healing():
     """The heal's wire form: a header and flat tensors, loaded by a fresh worker's registry
     (other parameters, no optimizer state yet), gives the same digest, optimizer state and

@@ -73,11 +73,11 @@ FAULT_SEVERITY = {k: (2 if k is FaultKind.EXCEPTION else 0 if k in _GRAY else 1)
 """Severity (1 = Fault1, 2 = Fault2; 0: no fault of the step, a gray failure) of each kind."""
 
 
-POINTS = ("step", "commit", "heal", "collective", "rollback", "formation")
+POINTS = ("step", "commit", "heal", "collective", "reduced", "rollback", "formation")
 """Where a scheduled fault fires: at the start of the step (``step``); after the step was
 decided COMMIT and before this worker applied it (``commit``); while healing to the step,
 before the state transfer (``heal``); as its gradient collective starts (``collective``);
-just before this worker requests the step's rollback (``rollback``); once it has arrived
+once it returned (``reduced``: the step's vote rode it, the others may commit); just before this worker requests the step's rollback (``rollback``); once it has arrived
 for the next epoch's formation at the step, as a survivor (``formation``)."""
 
 
@@ -145,7 +145,7 @@ class FaultSpec:
             if self.at_step is None:
                 raise ConfigError(f"fault point={self.point!r} needs an at_step")
             if self.kind in (FaultKind.STATE_LOST, FaultKind.SLOW, FaultKind.BITFLIP) or (
-                self.kind is FaultKind.EXCEPTION and self.point != "collective"
+                self.kind is FaultKind.EXCEPTION and self.point not in ("collective", "reduced")
             ):
                 raise ConfigError(
                     f"fault {self.kind.value} at point={self.point!r}: only process faults "

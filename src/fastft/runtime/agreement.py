@@ -17,6 +17,7 @@ from fastft.inject import StateLostFault
 from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.runtime.checks import by_collective
 from fastft.runtime.endings import DataDiverged, ReplicaMismatch, ReplicasDiverged, ScriptError
+from fastft.runtime.inband import SLOTS, InBand, exact
 from fastft.runtime.state.compare import (
     checksums,
     differs,
@@ -62,6 +63,13 @@ class Agreement:
         """The step (and items) the last mismatch without a majority ran again."""
         self.compared: tuple[int, int] = (-1, 0)
         """(epoch, step) of this member's first attempt in its current epoch."""
+        self.inband = InBand()
+        """The vote the attempt's gradients' allreduce carried (:mod:`fastft.runtime.inband`)."""
+        self.drawn: tuple[int, ...] = ()
+        """The batch digests the in-band vote carried."""
+        self.late: tuple[int, ...] | None = None
+        """The digests of a decided step that drew batches after its gradients' allreduce:
+        the next in-band vote carries them too (every batch is compared once)."""
 
     def begin(self, epoch: int, step: int, world: int) -> bool:
         """This attempt begins: whether the in-band replica check runs in it: every ``--compare-every``
@@ -70,6 +78,7 @@ class Agreement:
         registered objects, such as JAX parameters kept in the script's own variables);
         with 2 members or more, not with shard groups (members hold different shards).
         Every member of an epoch began it at the same step: all decide alike."""
+        self.inband.begin()
         if self.compared[0] != epoch:
             self.compared = (epoch, step)
         every = self.rt.config.compare_every
@@ -77,6 +86,41 @@ class Agreement:
             step % every == 0 or step - self.compared[1] < 2
         )
         return self.compare
+
+    def slots(self) -> int:
+        """Slots the gradients' bucket holds for the in-band vote: none with shard groups
+        (FSDP reduces inside each group), the same number on every member of an epoch
+        (one configuration). With the store's vote too, unused: the bucket's size sets
+        how Gloo's ring splits it, so the sums' order (and the model's bits) would
+        depend on how the steps are decided."""
+        return 0 if self.rt.sharded else SLOTS
+
+    def carry(self, slots: torch.Tensor | None) -> bool:
+        """Before the gradients' allreduce: this member's vote into ``slots`` (the flags it
+        would raise in :meth:`run`'s allreduce, its batch digest). False: nothing to carry
+        (no slots, one member, a bucket type that would not sum them exactly, or
+        ``--decide store``)."""
+        world = self.rt.world
+        if slots is None or world < 2 or not exact(slots.dtype, world):
+            return False
+        if self.rt.config.decide == "store":
+            return False
+        now = self.rt.engine.seen().state
+        self.drawn = self._drawn()
+        digest = self._digest() if self.late is None else batch_digest((self.late, self.drawn))
+        self.late = None
+        self.inband.fill(slots, now.want_drain, now.joining, digest)
+        return True
+
+    def carried(self, slots: torch.Tensor) -> None:
+        """After the gradients' allreduce completed: what every member's vote said."""
+        self.inband.read(slots, self.rt.world)
+
+    def _drawn(self) -> tuple[int, ...]:
+        return tuple(-1 if b.digest is None else b.digest for b in self.batches)
+
+    def _digest(self) -> int:
+        return batch_digest(self._drawn()) if self.batches else 0
 
     def _replica_sums(self, step: int) -> list[tuple[str, int]]:
         """The checksums, by item, of the state this attempt began with."""
@@ -101,9 +145,14 @@ class Agreement:
         (:mod:`fastft.runtime.state.data`; a difference raises DataDiverged)."""
         rt = self.rt
         x = rt.engine
-        collective = by_collective(
+        inband = self.inband.take()
+        collective = inband is not None or by_collective(
             rt.config.decide, tx.world, x.dp.backend(), is_nats(rt.config.store)
         )
+        if inband is not None and inband.same_batches and not self.compare:
+            if self.batches and self._drawn() != self.drawn:
+                self.late = self._drawn()  # (drawn after the gradients: the next vote's)
+            return not inband.flagged  # (decided by the gradients' allreduce: no second)
         t0 = time.perf_counter()
         try:
             compare = self._replica_sums(tx.step) if self.compare else None
@@ -116,8 +165,7 @@ class Agreement:
         flags = [int(now.want_drain), int(now.joining)]
         if tx.world == 1:
             return collective and not any(flags)
-        digests = tuple(-1 if b.digest is None else b.digest for b in self.batches)
-        mine = batch_digest(digests) if self.batches else 0
+        mine = self._digest()
         sums = vector(compare) if compare is not None else []
         both = torch.tensor(
             [mine, -mine, *flags, *sums], dtype=torch.int64, device=x.dp.comm_device()

@@ -39,6 +39,7 @@ from fastft.protocol import JobKeys
 from fastft.protocol.auth import JobSecret, ValueAuth
 from fastft.protocol.exits import ending_path
 from fastft.runtime import closing
+from fastft.runtime.agreement import Agreement
 from fastft.runtime.attempt import StepAttempts
 from fastft.runtime.contract import Member, RuntimeConfig
 from fastft.runtime.endings import Drained, JobFinished, ScriptError, WorkerExit
@@ -233,6 +234,10 @@ class Runtime:
     def sharded(self) -> bool:
         """Whether this worker is a member of a shard group (``--shard-size`` > 1)."""
         return self.config.shard_size > 1
+
+    @property
+    def agreement(self) -> Agreement:
+        return self.attempts.agreement
 
     def shard_mesh(self, device_type: str | None = None) -> Any:
         """The 1-D ``DeviceMesh`` of this worker's shard group (``--shard-size K``): shard

@@ -78,9 +78,10 @@ class RuntimeConfig:
     ``compare_every``: the in-band replica check every N steps (0: off;
     :mod:`fastft.runtime.state.compare`); ``buffers``: ``average`` the model's floating
     buffers over the members with each step's gradients, or keep each member's ``local``;
-    ``decide``: how a fault-free step is decided, ``collective`` (an allreduce of four
-    int64 after the gradients; the store only when a drain or a join is in flight),
-    ``store`` (every member votes in the store) or ``auto``, the cheaper of the two
+    ``decide``: how a fault-free step is decided, ``collective`` (the vote rides the
+    gradients' allreduce, :mod:`fastft.runtime.inband`, or an allreduce of its own after
+    them; the store only when a drain or a join is in flight), ``store`` (every member
+    votes in the store) or ``auto``, the cheaper of the two
     (:func:`fastft.runtime.checks.by_collective`; docs/architecture.md);
     ``keep_gradients``: in an elastic world, keep a copy of the weighted local gradient
     before each step's allreduce (one more gradient-sized buffer), so that a retry after

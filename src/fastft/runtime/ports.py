@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from fastft.interrupt import Interrupter
     from fastft.process.events import EventLog
     from fastft.process.heartbeat import HeartbeatWriter
+    from fastft.runtime.agreement import Agreement
     from fastft.runtime.contract import EpochView, HealthCheck, RuntimeConfig
     from fastft.runtime.engine.core import Seen
     from fastft.runtime.groups.flow import Flow
@@ -112,6 +113,10 @@ class RuntimePorts(Protocol):
 
     @property
     def sharded(self) -> bool: ...
+
+    @property
+    def agreement(self) -> Agreement:
+        """The step's agreement (its vote rides the gradients' allreduce: :mod:`.inband`)."""
 
     def drive(
         self,

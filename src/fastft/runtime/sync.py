@@ -46,16 +46,22 @@ def reduce_gradients(rt: RuntimePorts) -> None:
     cfg, x, registry = rt.config, rt.engine, rt.registry
     every = cfg.sync_every
     buffers = registry.float_buffers() if cfg.buffers == "average" and not rt.sharded else []
-    # the bucket's tail carries the buffers (and their weight) in the same collective
-    flat = registry.grad_bucket(buffers)  # (built on first use: backward accumulates into it)
+    # the bucket's tail carries the buffers (and their weight) in the same collective, its
+    # slots the step's vote (fastft.runtime.inband): the agreement needs no allreduce then
+    agreement = rt.agreement
+    # (built on first use: backward accumulates into it)
+    whole = registry.grad_bucket(buffers, agreement.slots())
     if cfg.sync_kind == "diloco" or (every > 1 and (x.state.step + 1) % every):
         return  # a local step (FSDP averaged the group's shards already)
     grads: list[torch.Tensor] = []
     tail = registry.bucket_tail
-    if flat is None:  # mixed dtypes or devices, or FSDP's shards: flatten a copy
+    slots = registry.bucket.slots if whole is not None else None
+    flat = registry.bucket.reduced  # (the gradients and the tail: weighed and averaged)
+    if whole is None or flat is None:  # mixed dtypes or devices, or FSDP's shards: a copy
         grads = registry.gradients()
-        flat = flatten(grads)
+        whole = flat = flatten(grads)
         tail = None
+    voted = agreement.carry(slots)
     if buffers and tail is not None:
         tail[:-1].copy_(flatten(buffers))
         tail[-1] = 1.0
@@ -66,7 +72,10 @@ def reduce_gradients(rt: RuntimePorts) -> None:
     if buffers and tail is None:
         _allreduce_with_buffers(rt, flat, buffers)
     else:
-        _allreduce(rt, flat)
+        _allreduce(rt, whole)
+    if voted:
+        assert slots is not None
+        agreement.carried(slots)
     if buffers and tail is not None:
         _set_buffers(buffers, tail)
     if kept.share is None or rt.sharded:

@@ -87,6 +87,7 @@ class Transaction:
         the optimizer state (applied at its commit)."""
         self._rt.injector.fire_due(self.step, point="collective")
         self._rt.reduce_gradients(model)
+        self._rt.injector.fire_due(self.step, point="reduced")
 
     def allreduce(self, tensors: list[torch.Tensor]) -> None:
         """Sum ``tensors`` in place over the epoch's members (interruptible). Tensors of

@@ -184,11 +184,12 @@ class LaunchConfig:
     )
     decide: str = _worker(
         "decide",
-        "how a fault-free step is decided: collective (every member's yes vote rides an "
-        "allreduce of four int64 after the gradients: no store request; the store decides "
-        "only when a drain or a join is in flight), store (every member votes in the store "
-        "every step: 2-3 requests per member and step) or auto (collective on NCCL, on NATS "
-        "and from 16 members; store for a small Gloo job)",
+        "how a fault-free step is decided: collective (every member's yes vote rides its "
+        "gradients' allreduce, or an allreduce of its own after them where it cannot: no "
+        "store request; the store decides only when a drain or a join is in flight), store "
+        "(every member votes in the store every step: 2-3 requests per member and step) or "
+        "auto (collective where the vote rides the gradients, on NCCL, on NATS and from 16 "
+        "members; else the store's vote)",
     )
     start_method: str = _flag(
         "zygote",

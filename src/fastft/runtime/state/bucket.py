@@ -19,16 +19,23 @@ class GradBucket:
         self._ptrs: list[int] = []
         self.extra = 0
         """The tail: elements past the gradients (:meth:`of`'s carry)."""
+        self.slots_n = 0
+        """Elements past the tail: the step's in-band vote (:mod:`fastft.runtime.inband`)."""
 
     def of(
-        self, params: list[torch.Tensor], carry: list[torch.Tensor] | None
+        self,
+        params: list[torch.Tensor],
+        carry: list[torch.Tensor] | None,
+        slots: int | None = None,
     ) -> torch.Tensor | None:
         """The bucket of ``params`` (copying any gradients that exist into a new one); None
         if they do not share a dtype and device. ``carry``: tensors of the same dtype that
-        ride the allreduce, in a tail of their total size plus one; None: the tail the
-        bucket has (a rollback's rebuild)."""
+        ride the allreduce, in a tail of their total size plus one; ``slots``: elements
+        after the tail (the in-band vote's); None for either: what the bucket has (a
+        rollback's rebuild)."""
         if not params or len({(p.dtype, p.device) for p in params}) != 1:
             return None
+        slots = self.slots_n if slots is None else slots
         if carry is None:
             extra = self.extra
         else:
@@ -43,13 +50,15 @@ class GradBucket:
                 p.grad is not None and p.grad.data_ptr() == ptr
                 for p, ptr in zip(params, self._ptrs, strict=True)
             )
-            and self.extra == extra
+            and (self.extra, self.slots_n) == (extra, slots)
         ):
             return flat
         flat = torch.zeros(
-            sum(p.numel() for p in params) + extra, dtype=params[0].dtype, device=params[0].device
+            sum(p.numel() for p in params) + extra + slots,
+            dtype=params[0].dtype,
+            device=params[0].device,
         )
-        self.extra = extra
+        self.extra, self.slots_n = extra, slots
         off = 0
         for p in params:
             view = flat[off : off + p.numel()].view_as(p)
@@ -66,7 +75,22 @@ class GradBucket:
         """The tail (:meth:`of`'s ``carry``), None without one."""
         if self.flat is None or not self.extra:
             return None
-        return self.flat[-self.extra :]
+        end = self.flat.numel() - self.slots_n
+        return self.flat[end - self.extra : end]
+
+    @property
+    def reduced(self) -> torch.Tensor | None:
+        """The gradients and the tail: what is weighed and averaged (not the slots)."""
+        if self.flat is None or not self.slots_n:
+            return self.flat
+        return self.flat[: self.flat.numel() - self.slots_n]
+
+    @property
+    def slots(self) -> torch.Tensor | None:
+        """The in-band vote's slots (:meth:`of`'s ``slots``), None without them."""
+        if self.flat is None or not self.slots_n:
+            return None
+        return self.flat[self.flat.numel() - self.slots_n :]
 
     def drop(self) -> torch.Tensor | None:
         """Forget the bucket (an allreduce abandoned on a dead peer may still write into

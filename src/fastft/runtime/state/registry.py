@@ -278,19 +278,23 @@ class StateRegistry:
                 for target, value in held:
                     target.copy_(value)
 
-    def grad_bucket(self, carry: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+    def grad_bucket(
+        self, carry: list[torch.Tensor] | None = None, slots: int | None = None
+    ) -> torch.Tensor | None:
         """One flat tensor that every trainable parameter's ``.grad`` is a view of (as
         DDP's ``gradient_as_bucket_view``): backward accumulates straight into it and the
         allreduce runs on it in place, without a flatten and an unflatten copy per step.
         Built on first use (copying any gradients that exist), rebuilt if something
         replaced a ``.grad``; None if the parameters do not share a dtype and device.
         ``carry``: tensors of the same dtype that ride the same allreduce, in a tail of
-        their total size plus one (:attr:`bucket_tail`; ``--buffers average``)."""
+        their total size plus one (:attr:`bucket_tail`; ``--buffers average``); ``slots``:
+        the in-band vote's elements after it (:attr:`bucket`'s ``slots``)."""
         if self.model is None:
             raise RuntimeError("register(model=...) before reducing gradients")
         if self.sharded:
             return None  # (FSDP2 sets its own sharded gradients)
-        return self.bucket.of([p for p in self.model.parameters() if p.requires_grad], carry)
+        params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
+        return self.bucket.of(params, carry, slots)
 
     @property
     def bucket_tail(self) -> torch.Tensor | None:
