@@ -64,9 +64,9 @@ class Outcome:
 
 def decode(summed: list[float], members: int) -> Outcome:
     """Read the summed slots of ``members`` members."""
-    s = [round(v) for v in summed]
+    s = list(map(round, summed))
     sums, squares = s[2 : 2 + NIBBLES], s[2 + NIBBLES :]
-    same = all(a * a == members * b for a, b in zip(sums, squares, strict=True))
+    same = [a * a for a in sums] == [members * b for b in squares]
     return Outcome(flagged=bool(s[0] or s[1]), same_batches=same)
 
 
@@ -76,6 +76,9 @@ class InBand:
 
     def __init__(self) -> None:
         self.outcome: Outcome | None = None
+        self._mine: tuple[tuple[bool, bool, int, torch.dtype, torch.device], torch.Tensor]
+        self._mine = ((False, False, -1, torch.float32, torch.device("cpu")), torch.empty(0))
+        """The last slots filled, by what they encode (a step's are usually the last's)."""
 
     def begin(self) -> None:
         """An attempt begins: nothing said yet."""
@@ -83,7 +86,11 @@ class InBand:
 
     def fill(self, slots: torch.Tensor, drain: bool, join: bool, digest: int) -> None:
         """Before the allreduce: this member's slots."""
-        slots.copy_(torch.tensor(encode(drain, join, digest), dtype=slots.dtype))
+        key = (drain, join, digest, slots.dtype, slots.device)
+        if self._mine[0] != key:
+            values = encode(drain, join, digest)
+            self._mine = (key, torch.tensor(values, dtype=slots.dtype, device=slots.device))
+        slots.copy_(self._mine[1])
 
     def read(self, slots: torch.Tensor, members: int) -> None:
         """After the allreduce completed: what every member's slots summed to."""
