@@ -1,4 +1,4 @@
-"""The step's vote carried in its gradients' allreduce (fastft.runtime.inband): the sums'
+"""The step's vote carried in its gradients' allreduce (fastft.runtime.state.inband): the sums'
 reading is the same on every member, and exact where it says so."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from fastft.runtime.inband import SLOTS, decode, encode, exact
+from fastft.runtime.state.inband import SLOTS, decode, encode, exact
 
 
 def _sum(rows: list[list[float]], dtype: torch.dtype) -> list[float]:

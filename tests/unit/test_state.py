@@ -53,7 +53,7 @@ def test_a_replaced_grad_rebuilds_the_bucket_and_rollback_replaces_it():
 
 
 def test_the_buckets_vote_slots_follow_its_tail_and_survive_its_rebuild():
-    """The in-band vote's slots (fastft.runtime.inband) end the bucket, after the tail of
+    """The in-band vote's slots (fastft.runtime.state.inband) end the bucket, after the tail of
     the buffers it carries: neither the gradients' views nor the tail move, what is
     weighed and averaged stops before them, and a rollback's rebuild keeps both sizes."""
     m, r = _setup()

@@ -17,7 +17,6 @@ from fastft.inject import StateLostFault
 from fastft.interrupt import allreduce as interruptible_allreduce
 from fastft.runtime.checks import by_collective
 from fastft.runtime.endings import DataDiverged, ReplicaMismatch, ReplicasDiverged, ScriptError
-from fastft.runtime.inband import SLOTS, InBand, exact
 from fastft.runtime.state.compare import (
     checksums,
     differs,
@@ -28,6 +27,7 @@ from fastft.runtime.state.compare import (
     verdict,
 )
 from fastft.runtime.state.data import Batches, batch_digest
+from fastft.runtime.state.inband import SLOTS, InBand, exact
 
 if TYPE_CHECKING:
     from fastft.runtime.ports import RuntimePorts
@@ -64,7 +64,7 @@ class Agreement:
         self.compared: tuple[int, int] = (-1, 0)
         """(epoch, step) of this member's first attempt in its current epoch."""
         self.inband = InBand()
-        """The vote the attempt's gradients' allreduce carried (:mod:`fastft.runtime.inband`)."""
+        """The vote the attempt's gradients' allreduce carried (:mod:`fastft.runtime.state.inband`)."""
         self.drawn: tuple[int, ...] = ()
         """The batch digests the in-band vote carried."""
         self.late: tuple[int, ...] | None = None

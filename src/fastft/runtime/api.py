@@ -236,7 +236,7 @@ class Runtime:
         return self.config.shard_size > 1
 
     @property
-    def agreement(self) -> Agreement:
+    def vote(self) -> Agreement:
         return self.attempts.agreement
 
     def shard_mesh(self, device_type: str | None = None) -> Any:

@@ -43,7 +43,7 @@ def check_decide(decide: str) -> str:
 def by_collective(decide: str, members: int, backend: str, nats: bool) -> bool:
     """Whether an epoch of ``members`` decides a fault-free step by an allreduce of its
     own after the gradients (else every member votes in the store), where the vote could
-    not ride the gradients' allreduce (:mod:`fastft.runtime.inband`: where it did, every
+    not ride the gradients' allreduce (:mod:`fastft.runtime.state.inband`: where it did, every
     mode but ``store`` takes its word). ``auto`` picks the cheaper: the collective on
     NCCL (a small allreduce on the job's own network costs less than a store round
     trip), on the NATS control plane (whose vote is a compare-and-set loop on replicated

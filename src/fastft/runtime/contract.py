@@ -79,7 +79,7 @@ class RuntimeConfig:
     :mod:`fastft.runtime.state.compare`); ``buffers``: ``average`` the model's floating
     buffers over the members with each step's gradients, or keep each member's ``local``;
     ``decide``: how a fault-free step is decided, ``collective`` (the vote rides the
-    gradients' allreduce, :mod:`fastft.runtime.inband`, or an allreduce of its own after
+    gradients' allreduce, :mod:`fastft.runtime.state.inband`, or an allreduce of its own after
     them; the store only when a drain or a join is in flight), ``store`` (every member
     votes in the store) or ``auto``, the cheaper of the two
     (:func:`fastft.runtime.checks.by_collective`; docs/architecture.md);

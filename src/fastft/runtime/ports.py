@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from fastft.fsm import StepState
@@ -17,7 +18,6 @@ if TYPE_CHECKING:
     from fastft.interrupt import Interrupter
     from fastft.process.events import EventLog
     from fastft.process.heartbeat import HeartbeatWriter
-    from fastft.runtime.agreement import Agreement
     from fastft.runtime.contract import EpochView, HealthCheck, RuntimeConfig
     from fastft.runtime.engine.core import Seen
     from fastft.runtime.groups.flow import Flow
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from fastft.runtime.state.kept import KeptGradients
     from fastft.runtime.state.registry import StateRegistry
 
-__all__ = ["RuntimePorts", "StepEngine"]
+__all__ = ["RuntimePorts", "StepEngine", "VotePorts"]
 
 
 class StepEngine(Protocol):
@@ -66,6 +66,20 @@ class StepEngine(Protocol):
 
     def finish_heal_tail(self) -> None:
         """Before the vote: the optimizer state a heal sent while the step ran."""
+
+
+class VotePorts(Protocol):
+    """The step's vote as the gradients' allreduce carries it (:mod:`.state.inband`;
+    :class:`~fastft.runtime.agreement.Agreement` is one)."""
+
+    def slots(self) -> int:
+        """Slots the gradient bucket holds for the vote."""
+
+    def carry(self, slots: torch.Tensor | None) -> bool:
+        """Before the allreduce: this member's vote into ``slots`` (False: none)."""
+
+    def carried(self, slots: torch.Tensor) -> None:
+        """After the allreduce completed: what every member's vote said."""
 
 
 class RuntimePorts(Protocol):
@@ -115,8 +129,8 @@ class RuntimePorts(Protocol):
     def sharded(self) -> bool: ...
 
     @property
-    def agreement(self) -> Agreement:
-        """The step's agreement (its vote rides the gradients' allreduce: :mod:`.inband`)."""
+    def vote(self) -> VotePorts:
+        """The step's vote, as the gradients' allreduce carries it (:mod:`.state.inband`)."""
 
     def drive(
         self,

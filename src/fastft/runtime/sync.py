@@ -47,10 +47,10 @@ def reduce_gradients(rt: RuntimePorts) -> None:
     every = cfg.sync_every
     buffers = registry.float_buffers() if cfg.buffers == "average" and not rt.sharded else []
     # the bucket's tail carries the buffers (and their weight) in the same collective, its
-    # slots the step's vote (fastft.runtime.inband): the agreement needs no allreduce then
-    agreement = rt.agreement
+    # slots the step's vote (fastft.runtime.state.inband): the agreement needs no allreduce then
+    vote = rt.vote
     # (built on first use: backward accumulates into it)
-    whole = registry.grad_bucket(buffers, agreement.slots())
+    whole = registry.grad_bucket(buffers, vote.slots())
     if cfg.sync_kind == "diloco" or (every > 1 and (x.state.step + 1) % every):
         return  # a local step (FSDP averaged the group's shards already)
     grads: list[torch.Tensor] = []
@@ -61,7 +61,7 @@ def reduce_gradients(rt: RuntimePorts) -> None:
         grads = registry.gradients()
         whole = flat = flatten(grads)
         tail = None
-    voted = agreement.carry(slots)
+    voted = vote.carry(slots)
     if buffers and tail is not None:
         tail[:-1].copy_(flatten(buffers))
         tail[-1] = 1.0
@@ -75,7 +75,7 @@ def reduce_gradients(rt: RuntimePorts) -> None:
         _allreduce(rt, whole)
     if voted:
         assert slots is not None
-        agreement.carried(slots)
+        vote.carried(slots)
     if buffers and tail is not None:
         _set_buffers(buffers, tail)
     if kept.share is None or rt.sharded:

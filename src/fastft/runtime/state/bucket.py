@@ -20,7 +20,7 @@ class GradBucket:
         self.extra = 0
         """The tail: elements past the gradients (:meth:`of`'s carry)."""
         self.slots_n = 0
-        """Elements past the tail: the step's in-band vote (:mod:`fastft.runtime.inband`)."""
+        """Elements past the tail: the step's in-band vote (:mod:`fastft.runtime.state.inband`)."""
 
     def of(
         self,

@@ -6,7 +6,7 @@ member flagged (a drain, a joiner, different batches). That allreduce is a secon
 wake-ups per step: on 3 Gloo workers sharing 2 cores it cost more than the store's vote,
 and on NCCL at scale it is one more latency-bound collective. The gradients' allreduce is
 already one every member enters only with its gradients ready, so the vote rides it: the
-gradient bucket ends in :data:`SLOTS` elements (:class:`~.state.bucket.GradBucket`) that
+gradient bucket ends in :data:`SLOTS` elements (:class:`~.bucket.GradBucket`) that
 each member fills with its flags and its batch digest before the allreduce, and reads
 summed after it. What the sums say is the same on every member that completed it:
 
