@@ -112,3 +112,68 @@ def test_a_fault_after_the_gradients_allreduce_that_carried_the_vote(tmp_path, c
         faults = [e for e in ev if e["event"] == "local_fault" and e["src"] == "rank 1"]
         assert faults and faults[0]["step"] == 6, faults
     print(f"{kind}: step 6 committed on {sorted(committed)}")
+
+
+LATE = """
+import json, os, sys, torch, fastft
+
+class Numbers:  # a stateful loader of the numbers 1, 2, 3, ... as tensors
+    def __init__(self, bump):
+        self.pos, self.bump = 0, bump
+    def state_dict(self):
+        return {"pos": self.pos}
+    def load_state_dict(self, st):
+        self.pos = st["pos"]
+    def __iter__(self):
+        while True:
+            self.pos += 1
+            yield torch.full((4,), self.pos + (0.5 if self.pos == self.bump else 0.0))
+
+ft = fastft.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+# (rank 1's loader gives another number at the 12th draw: step 5's late one)
+data = fastft.Batches(Numbers(12 if sys.argv[2] == "perturb" and ft.rank == 1 else -1))
+ft.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), data=data)
+it = iter(data)
+reduces = [0]
+real = torch.distributed.ProcessGroupGloo.allreduce
+def counted(self, *a, **k):
+    reduces[0] += 1
+    return real(self, *a, **k)
+torch.distributed.ProcessGroupGloo.allreduce = counted
+per_step = []
+while ft.step < 8:
+    with ft.transaction() as tx:
+        before = reduces[0]
+        model(next(it)).sum().backward()
+        tx.allreduce_gradients()
+        late = next(it)  # drawn after the gradients' allreduce (a prefetch, say)
+    if tx.committed:
+        per_step.append(reduces[0] - before)
+with open(os.path.join(sys.argv[1], f"late-{ft.rank}.json"), "w") as f:
+    json.dump(per_step, f)
+ft.close()
+"""
+
+
+@pytest.mark.slow  # (~20 s)
+def test_batches_drawn_after_the_gradients_are_compared_in_the_same_step(tmp_path):
+    """A step that draws a batch after its gradients' allreduce (which carried the vote)
+    compares every batch it drew in the agreement's own allreduce: a second allreduce in
+    that step, and a difference in the late batch stops the job at that step."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE)
+    for mode in ("same", "perturb"):
+        run, out = tmp_path / mode, tmp_path / f"{mode}-out"
+        out.mkdir()
+        cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2", "--run-dir", str(run)]
+        cmd += [str(script), str(out), mode]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+        if mode == "same":
+            assert p.returncode == 0, p.stderr[-3000:]
+            for f in out.glob("late-*.json"):
+                assert json.loads(f.read_text()) == [2] * 8, f.read_text()
+        else:
+            assert p.returncode == 1, p.stderr[-3000:]
+            assert "drew different batches in step 5" in p.stderr, p.stderr[-3000:]

@@ -66,10 +66,8 @@ class Agreement:
         self.inband = InBand()
         """The vote the attempt's gradients' allreduce carried (:mod:`fastft.runtime.state.inband`)."""
         self.drawn: tuple[int, ...] = ()
-        """The batch digests the in-band vote carried."""
-        self.late: tuple[int, ...] | None = None
-        """The digests of a decided step that drew batches after its gradients' allreduce:
-        the next in-band vote carries them too (every batch is compared once)."""
+        """The batch digests the in-band vote carried (a step that draws more after its
+        gradients' allreduce compares them all in the agreement's own allreduce)."""
 
     def begin(self, epoch: int, step: int, world: int) -> bool:
         """This attempt begins: whether the in-band replica check runs in it: every ``--compare-every``
@@ -107,9 +105,7 @@ class Agreement:
             return False
         now = self.rt.engine.seen().state
         self.drawn = self._drawn()
-        digest = self._digest() if self.late is None else batch_digest((self.late, self.drawn))
-        self.late = None
-        self.inband.fill(slots, now.want_drain, now.joining, digest)
+        self.inband.fill(slots, now.want_drain, now.joining, self._digest())
         return True
 
     def carried(self, slots: torch.Tensor) -> None:
@@ -149,9 +145,8 @@ class Agreement:
         collective = inband is not None or by_collective(
             rt.config.decide, tx.world, x.dp.backend(), is_nats(rt.config.store)
         )
-        if inband is not None and inband.same_batches and not self.compare:
-            if self.batches and self._drawn() != self.drawn:
-                self.late = self._drawn()  # (drawn after the gradients: the next vote's)
+        late = bool(self.batches) and self._drawn() != self.drawn  # (after the gradients)
+        if inband is not None and inband.same_batches and not self.compare and not late:
             return not inband.flagged  # (decided by the gradients' allreduce: no second)
         t0 = time.perf_counter()
         try:
