@@ -92,3 +92,46 @@ def test_a_spare_that_ran_ahead_has_nothing_left_to_compile(tmp_path, clean):
     assert [e for e in after if e["event"] == "jax_build"] == []
     (first,) = [e for e in after if e["event"] == "jax_first_step" and e["src"] == "rank 1"]
     assert first["ran_ahead"] and first["traces"] == 0 and first["compile_ms"] == 0, first
+
+
+COUNTED = """
+import json, sys, torch, jax, jax.numpy as jnp, fastft.jax
+reduces = [0]
+real = torch.distributed.ProcessGroupGloo.allreduce
+def counted(self, *a, **k):
+    reduces[0] += 1
+    return real(self, *a, **k)
+torch.distributed.ProcessGroupGloo.allreduce = counted
+ft = fastft.jax.init()
+ft.register(w=jnp.ones(8))
+grad = jax.jit(jax.grad(lambda w, x: jnp.sum((w * x) ** 2)))
+per_step = []
+while ft.step < 10:
+    with ft.transaction() as tx:
+        before = reduces[0]
+        g = tx.pmean(grad(ft.state["w"], jnp.full(8, 1.0 + tx.rank)))
+        tx.propose(w=ft.state["w"] - 0.01 * g)
+    if tx.committed:
+        per_step.append(reduces[0] - before)
+with open(f"{sys.argv[1]}/reduces-{ft.rank}.json", "w") as f:
+    json.dump(per_step, f)
+ft.close()
+"""
+
+
+def test_a_jax_step_makes_one_allreduce_its_pmean_which_carries_the_vote(tmp_path):
+    """The step's vote rides its gradients' pmean (issue 65: fastft.runtime.state.inband),
+    so a fault-free JAX step decided by its collective makes one allreduce, not a second
+    of the agreement's."""
+    script, out = tmp_path / "counted.py", tmp_path / "out"
+    script.write_text(COUNTED)
+    out.mkdir()
+    cmd = [sys.executable, "-m", "fastft.cli", "run", "--nproc", "2", "--run-dir"]
+    # (decided by the collective: before the vote rode the pmean, its own allreduce)
+    cmd += [str(tmp_path / "run"), "--decide", "collective", str(script), str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    counts = [json.loads(f.read_text()) for f in sorted(out.glob("reduces-*.json"))]
+    assert len(counts) == 2
+    # (from step 2: an epoch's first two steps run the replica check, its own allreduce)
+    assert all(c[2:] == [1] * 8 for c in counts), counts

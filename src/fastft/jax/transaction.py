@@ -17,6 +17,7 @@ from fastft.jax.state import FROM_LOCALS, NO_PROPOSAL, PyTrees, StateMisuse
 from fastft.jax.trees import layout_of, padded, split, to_flat
 from fastft.runtime.api import Runtime
 from fastft.runtime.endings import ScriptError
+from fastft.runtime.state.inband import SLOTS
 from fastft.runtime.sync import reduce_flat
 from fastft.runtime.transaction import Transaction
 
@@ -160,11 +161,13 @@ class JaxTransaction:
         if rt is not None:
             rt.injector.fire_due(self.step, point="collective")
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        # (the step's vote rides the buffer's last SLOTS elements, a rehearsal's too: the
+        # promoted spare's buffer then has the shape its functions were compiled for)
         flat, t = to_flat(
-            [leaf for _, leaf in leaves], [jax.tree_util.keystr(p) for p, _ in leaves]
+            [leaf for _, leaf in leaves], [jax.tree_util.keystr(p) for p, _ in leaves], SLOTS
         )
         if rt is not None:  # (a rehearsal has no peers: its own tree is the mean)
-            reduce_flat(rt, t)
+            reduce_flat(rt, t, SLOTS)
             if t.is_cuda:  # (JAX reads the buffer on its own stream: the sum must be there)
                 torch.cuda.current_stream(t.device).synchronize()
         layout = layout_of([leaf for _, leaf in leaves])

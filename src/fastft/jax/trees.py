@@ -94,18 +94,20 @@ def _host_copy(t: torch.Tensor) -> np.ndarray | None:
         return None
 
 
-@jax.jit
-def _concat(leaves: list[jax.Array]) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(1,))
+def _concat(leaves: list[jax.Array], extra: int) -> jax.Array:
     dt = jnp.promote_types(jnp.result_type(*leaves), jnp.float32)
-    return jnp.concatenate([jnp.ravel(leaf).astype(dt) for leaf in leaves])
+    tail = [jnp.zeros(extra, dt)] if extra else []
+    return jnp.concatenate([*(jnp.ravel(leaf).astype(dt) for leaf in leaves), *tail])
 
 
 def to_flat(
-    leaves: list[jax.Array], paths: list[str] | None = None
+    leaves: list[jax.Array], paths: list[str] | None = None, extra: int = 0
 ) -> tuple[jax.Array, torch.Tensor]:
     """The leaves in one new flat buffer, and that buffer as a torch tensor (the same
     memory: a collective that writes the tensor writes the buffer). ``paths``: the
-    leaves' key paths, for errors."""
+    leaves' key paths, for errors; ``extra``: zeros after them (the step's vote:
+    :mod:`fastft.runtime.state.inband`)."""
     if not leaves:
         raise ValueError("tx.pmean: the tree has no leaves")
     bad = [
@@ -121,7 +123,7 @@ def to_flat(
             "computes the same value from the same global batch); a sum over members of an "
             "integer is tx.allreduce([torch.from_dlpack(x)]) (psum)"
         )
-    flat = _concat(leaves)
+    flat = _concat(leaves, extra)
     return flat, as_tensor(flat)
 
 

@@ -86,7 +86,8 @@ class Agreement:
         return self.compare
 
     def slots(self) -> int:
-        """Slots the gradients' bucket holds for the in-band vote: none with shard groups
+        """Slots the gradients' bucket holds for the in-band vote (``fastft.jax``'s pmean
+        buffer always holds :data:`SLOTS`: no shard groups there): none with shard groups
         (FSDP reduces inside each group), the same number on every member of an epoch
         (one configuration). With the store's vote too, unused: the bucket's size sets
         how Gloo's ring splits it, so the sums' order (and the model's bits) would

@@ -92,12 +92,13 @@ def reduce_gradients(rt: RuntimePorts) -> None:
         registry.hold_average(held, unflatten(avg, held))
 
 
-def reduce_flat(rt: RuntimePorts, flat: torch.Tensor) -> None:
+def reduce_flat(rt: RuntimePorts, flat: torch.Tensor, slots: int = 0) -> None:
     """A gradient that is not a registered model's (``fastft.jax``'s, in one flat buffer)
     averaged in place over the epoch as :func:`reduce_gradients` averages a model's:
     weighed by this member's share when the step used ``tx.shard`` (and, in an elastic
     world, kept for a retry), summed (interruptible), divided by the members otherwise.
-    Per-step sync without shard groups only."""
+    Its last ``slots`` elements carry the step's vote (:mod:`.state.inband`), neither
+    weighed nor averaged. Per-step sync without shard groups only."""
     cfg, x = rt.config, rt.engine
     if cfg.sync_kind != "per-step" or cfg.shard_size > 1:
         raise RuntimeError(
@@ -105,10 +106,15 @@ def reduce_flat(rt: RuntimePorts, flat: torch.Tensor) -> None:
             "registered torch model's is averaged at every step over every member "
             "(--sync per-step, --shard-size 1)"
         )
-    x.kept.weigh(flat, x.state.step)
+    body, tail = (flat[:-slots], flat[-slots:]) if slots else (flat, None)
+    voted = rt.vote.carry(tail)
+    x.kept.weigh(body, x.state.step)
     _allreduce(rt, flat)
+    if voted:
+        assert tail is not None
+        rt.vote.carried(tail)
     if x.kept.share is None:
-        flat.div_(rt.world)
+        body.div_(rt.world)
 
 
 def outer_due(rt: RuntimePorts, step: int) -> bool:

@@ -20,7 +20,8 @@ summed after it. What the sums say is the same on every member that completed it
 
 Each sum is an integer below 2**24 up to 74,565 members (15² · N), exact in float32 and
 float64; a bucket of another type (bf16, fp16) carries no vote and the agreement runs its
-own allreduce as before. A step of the in-band replica check (every ``--compare-every``)
+own allreduce as before. ``fastft.jax``'s ``tx.pmean`` ends its flat buffer in the same
+slots (:func:`fastft.runtime.sync.reduce_flat`). A step of the in-band replica check (every ``--compare-every``)
 also runs it: the checksums are many 64-bit integers (an allreduce every 40 steps).
 
 The pure part (:func:`encode`, :func:`decode`) is tested alone; :class:`InBand` holds what
