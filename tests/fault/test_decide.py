@@ -93,7 +93,11 @@ def test_faults_under_the_collective_decision_end_bitwise_equal(tmp_path, clean)
     assert {v["digest"] for v in finals(run).values()} == {clean[0]["digest"]}
 
 
-@pytest.mark.parametrize("kind", ["exception", "sigkill"])
+@pytest.mark.parametrize(
+    # (the death's case in the slow tier: make test under its 10 minutes on 2 cores)
+    "kind",
+    ["exception", pytest.param("sigkill", marks=pytest.mark.slow)],
+)
 def test_a_fault_after_the_gradients_allreduce_that_carried_the_vote(tmp_path, clean, kind):
     """The step's vote rode its gradients' allreduce (issue 65): a member that raises or
     dies once it returned leaves a step the others may commit. They commit it (or, if the
