@@ -144,7 +144,7 @@ def test_replica_fault_inside_allreduce(tmp_path: Path, kind: str) -> None:
         rolled = {e["src"] for e in rollbacks if e["mono"] >= t_fault}
         # a survivor that rolled back was told by the bus (there was no timeout, above);
         # one whose quorum already left rank 1 out had nothing to roll back
-        assert rolled <= told, (rolled, told, listing)  # (failed once in a loaded slow tier)
+        assert rolled <= told, (rolled, told, listing)  # (failed once in a slow tier, session 37)
         # (a survivor still in its forward pass has nothing in flight: its allreduce then
         # fails at once on the poisoned communicator, so `interrupted` may be 0)
 
