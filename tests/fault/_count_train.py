@@ -19,17 +19,7 @@ import fastft
 import fastft.runtime.api as api
 from fastft.demo.train import batch, build
 from fastft.testing import CountingStore
-
-
-def _count_allreduces(kind: type, reduces: list[int]) -> None:
-    """Count every allreduce of process groups of ``kind`` (fastft's epochs use Gloo's)."""
-    allreduce = kind.allreduce
-
-    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        reduces[0] += 1
-        return allreduce(self, *args, **kwargs)
-
-    kind.allreduce = counted
+from fastft.testing.collectives import count_allreduces
 
 
 def main() -> None:
@@ -47,9 +37,7 @@ def main() -> None:
         return real(config, me, keys, store, control, decisions, *rest)
 
     api.build_engine = counted
-    reduces = [0]
-    for kind in (torch.distributed.ProcessGroup, torch.distributed.ProcessGroupGloo):
-        _count_allreduces(kind, reduces)
+    reduces = count_allreduces()
     torch.set_num_threads(1)
     model = build(64, 0, 2)
     ft = fastft.init()

@@ -120,6 +120,7 @@ def test_a_fault_after_the_gradients_allreduce_that_carried_the_vote(tmp_path, c
 
 LATE = """
 import json, os, sys, torch, fastft
+from fastft.testing.collectives import count_allreduces
 
 class Numbers:  # a stateful loader of the numbers 1, 2, 3, ... as tensors
     def __init__(self, bump):
@@ -140,12 +141,7 @@ model = torch.nn.Linear(4, 1)
 data = fastft.Batches(Numbers(12 if sys.argv[2] == "perturb" and ft.rank == 1 else -1))
 ft.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), data=data)
 it = iter(data)
-reduces = [0]
-real = torch.distributed.ProcessGroupGloo.allreduce
-def counted(self, *a, **k):
-    reduces[0] += 1
-    return real(self, *a, **k)
-torch.distributed.ProcessGroupGloo.allreduce = counted
+reduces = count_allreduces()
 per_step = []
 while ft.step < 8:
     with ft.transaction() as tx:
