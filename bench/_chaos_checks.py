@@ -33,7 +33,10 @@ def check(
     ev = read_events(run)
     life: dict[str, int] = {}
     history: dict[tuple[str, int, int], list[int]] = defaultdict(list)
-    """(worker, life, restores it went through) -> the steps it committed, in order."""
+    """(worker, life, restores and heals it went through) -> the steps it committed, in
+    order: each stretch between two is contiguous (S1)."""
+    healed_to: dict[tuple[str, int, int], int] = {}
+    """The step a stretch that began with a fetched heal must begin at."""
     wrong: list[tuple[str, int]] = []
     first_commit: dict[int, float] = {}
     regressions: list[dict[str, Any]] = []
@@ -47,6 +50,11 @@ def check(
             # a total loss restored, or a worker left out while it healed itself in place
             # joining again: the life goes on from the step it is given
             restores[e["src"]] += 1
+        elif e["event"] == "heal" and e.get("role") == "fetch":
+            # healed from a peer: its state is that step's (a member that rolled a step
+            # back while the others committed it heals forward: the gap is the heal's)
+            restores[e["src"]] += 1
+            healed_to[(e["src"], life.get(e["src"], 0), restores[e["src"]])] = e["step"]
         elif e["event"] == "commit":
             s = e["step"]
             history[(e["src"], life.get(e["src"], 0), restores[e["src"]])].append(s)
@@ -58,7 +66,9 @@ def check(
                 regressions.append({"step": s, "by": e["src"]})
             top = max(top, s)
     skipped = [
-        (who, seq) for who, seq in history.items() if seq != list(range(seq[0], seq[0] + len(seq)))
+        (who, seq)
+        for who, seq in history.items()
+        if seq != list(range(seq[0], seq[0] + len(seq))) or healed_to.get(who, seq[0]) != seq[0]
     ]
     untiled: list[int] = []
     if elastic:
@@ -69,7 +79,10 @@ def check(
         "untiled_steps": untiled[:20],
         "holders_alive_at_a_loss": _holders_alive(ev, losses),
         "applied_twice_or_skipped": [
-            f"{w[0]} life {w[1]}" + (f" after restore {w[2]}" if w[2] else "") + f": {q}"
+            f"{w[0]} life {w[1]}"
+            + (f" after restore or heal {w[2]}" if w[2] else "")
+            + (f" (healed to {healed_to[w]})" if w in healed_to else "")
+            + f": {q}"
             for w, q in skipped
         ][:10],
         "never_committed": sorted(set(range(steps)) - set(first_commit))[:20],
