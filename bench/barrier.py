@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import StoreHost, table, write  # noqa: E402
+from _common import QUICK_RESOLVER, StoreHost, table, write  # noqa: E402
 
 BEFORE = "88f5b36"
 """The last commit with the bus barrier (ROLLBACK_REQ/ROLLBACK_SYNC)."""
@@ -296,7 +296,12 @@ def one_row(
         live = world - 1
         per = -(-live // procs)
         per = -(-per // PER_NODE) * PER_NODE if voice else per  # (whole nodes a process)
-        env = {**os.environ, "PYTHONPATH": str(src), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        env = {
+            **os.environ,
+            **QUICK_RESOLVER,
+            "PYTHONPATH": str(src),
+            "TORCH_CPP_LOG_LEVEL": "ERROR",
+        }
         for first in range(0, live, per):
             kids.append(
                 subprocess.Popen(
