@@ -247,14 +247,17 @@ def members(
         t.start()
     print("ready", flush=True)
     sys.stdin.readline()
+    cpu0 = time.process_time()
     for t in threads:
         t.join(timeout=600)
+    cpu = time.process_time() - cpu0  # (this process's every thread, until all formed)
     time.sleep(0.5)  # (late messages: counted)
     print(
         json.dumps(
             {
                 "done": done,
                 "delivered": delivered[0],
+                "cpu_s": cpu,
                 "requests": sum(v for k, v in counts.items() if k != "set_timeout"),
             }
         )
@@ -365,6 +368,7 @@ def one_row(
         "deliveries_per_member": round(delivered / live, 1),
         "store_requests": sum(int(o["requests"]) for o in outs),
         "reformed_ms": round((max(ends) - t0) * 1e3, 1),
+        "member_cpu_ms": round(sum(float(o["cpu_s"]) for o in outs) / live * 1e3, 3),
         "store_cpu_ms": round(cpu * 1e3, 1) if cpu is not None else None,
     }
 

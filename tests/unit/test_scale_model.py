@@ -31,6 +31,24 @@ def test_one_fault_among_1024_costs_each_member_a_few_requests_and_bytes(plane):
     assert r.mbytes < 1.0
 
 
+def test_members_sharing_a_hosts_cores_wait_for_them():
+    """The real servers' harness: hundreds of members on one machine's cores. Their CPU
+    is the bound there (255 members x 1 ms on 2 cores: at least 128 ms), more cores
+    shorten it, and a member's CPU is its latency alone on a host of its own."""
+    with scale.memo():
+        alone = scale.reform(256, "tcpstore", voice=False)
+        two = scale.reform(256, "tcpstore", voice=False, host=(2, 0.001))
+        eight = scale.reform(256, "tcpstore", voice=False, host=(8, 0.001))
+        own = scale.reform(256, "tcpstore", voice=False, host=(256, 0.001))
+    assert alone.done_s is not None and two.done_s is not None and eight.done_s is not None
+    assert own.done_s is not None
+    assert two.done_s >= 255 * 0.001 / 2 > alone.done_s
+    assert two.done_s > eight.done_s > own.done_s >= alone.done_s
+    assert own.done_s - alone.done_s < 0.01  # (1 ms each, and the servers' queue)
+    for r in (alone, two, eight, own):  # (arrivals spread out: the closer reads more often)
+        assert r.closers == 1 and r.false_deaths == 0 and r.repolls == 0, r
+
+
 def test_the_model_is_deterministic():
     with scale.memo():
         a, b = scale.reform(256, "nats"), scale.reform(256, "nats")

@@ -29,7 +29,7 @@ from typing import Any
 import greenlet
 import torch.distributed as dist
 
-__all__ = ["Hub", "Plane", "PlaneCosts", "Server", "Watch", "costs"]
+__all__ = ["Cores", "Hub", "Plane", "PlaneCosts", "Server", "Watch", "costs"]
 
 CALIBRATION = Path(__file__).with_name("calibration.json")
 
@@ -102,6 +102,19 @@ class Server:
         self.free = start + cost
         self.busy += cost
         return self.free
+
+
+class Cores:
+    """A host's cores, shared by the processes on it: a piece of CPU work runs on the core
+    that is free first (the real servers' harness runs hundreds of members on one
+    machine's few cores; a job runs a few on each host)."""
+
+    def __init__(self, n: int) -> None:
+        self.cores = [Server(f"core{i}") for i in range(n)]
+
+    def run(self, at: float, cost: float) -> float:
+        """When CPU work of ``cost`` s, ready at ``at``, is done."""
+        return min(self.cores, key=lambda c: max(c.free, at)).serve(at, cost)
 
 
 @dataclass(order=True)

@@ -32,6 +32,7 @@ from fastft.runtime.contract import REGROUP_TIMEOUT_S, EpochView, Member
 from fastft.runtime.engine.coordinator import form_wait_s
 from fastft.runtime.engine.joiners import Joiners
 from fastft.runtime.engine.survivors import Survivors
+from fastft.sim.costs import Cores
 from fastft.sim.scalejob import Result, ScaleJob, finish, memo
 from fastft.sim.scalevoice import ModelVoice
 
@@ -69,10 +70,16 @@ def reform(
     timeout_s: float = 5.0,
     horizon_s: float = 120.0,
     voice: bool | None = None,
+    host: tuple[int, float] | None = None,
 ) -> Result:
     """One fault among ``n`` members (rank ``dead``), every survivor into epoch 2.
     ``voice``: each node's agent speaks for its workers (:mod:`fastft.sim.scalevoice`);
-    by default where the bus relay is on (``--bus-relay auto``: from 64 workers)."""
+    by default where the bus relay is on (``--bus-relay auto``: from 64 workers).
+    ``host``: ``(cores, cpu_s)``, every member on one host of that many cores, each
+    spending ``cpu_s`` of CPU on the formation (half as it takes in the notice, half as it
+    takes in the closed view), as the real servers' harness runs them (``bench/barrier.py``
+    measures ``cpu_s``); by default each member on a host of its own, its CPU a latency
+    (:data:`ROLLBACK_S`)."""
     job = ScaleJob(plane, n, slow=slow, secret=secret)
     hub = job.hub
     view = _first_epoch(job, n)
@@ -96,8 +103,15 @@ def reform(
     def remind() -> None:  # (a rollback request: one broadcast)
         bus_push(nodes if relay else n)
 
+    cores = Cores(host[0]) if host else None
+
+    def cpu() -> None:  # (half the member's CPU on the host's cores, when one is free)
+        if cores is not None and host is not None:
+            hub.sleep(cores.run(hub.now, host[1] / 2) - hub.now)
+
     def member(r: int) -> None:
         greenlet.getcurrent().rank = r  # (its requests: the critical path's, for the closer)
+        cpu()
         coord = job.coordinator(r, 1, tries, dead={Member(dead, 1)})
         if r == 0:  # (rank 0 closed the first start: it made the joiner keys)
             coord.joiner_keys_made()
@@ -114,6 +128,7 @@ def reform(
                 remind()
             got = rd.view
         assert got is not None and got.epoch == 2
+        cpu()
         holders[got.epoch] = holders.get(got.epoch, 0) + 1
         done.append(hub.now)
 
