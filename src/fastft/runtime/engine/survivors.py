@@ -140,7 +140,7 @@ class Survivors:
         first = voice.arrive(epoch, self.c.me.rank, arrival.to_json()) if voice else None
         if first is None:  # (no voice, or its agent did not answer: written here)
             first = self._write_arrival(epoch, arrival)
-        expected = sorted(m.rank for m in prev.members if m.rank not in exclude)
+        expected = sorted(prev.ranks - exclude)
         started = self.c.clock()
         deadline = started + timeout_s + len(expected) * ARRIVAL_S
         return SurvivorWait(prev, expected, step, lost_state, admit, started, deadline, first=first)
