@@ -102,11 +102,17 @@ async def _publish(js: Any, subject: str, value: bytes, headers: dict[str, str])
     return int(ack.seq)
 
 
+_PLAIN = re.compile(r"[A-Za-z0-9_-]+(?:/[A-Za-z0-9_-]+)*")
+"""A key whose every path part is plain characters: its escape is its ``/`` made ``.``."""
+
+
 def escape_key(key: str) -> str:
     """A store key in the characters a JetStream key may hold (``=XX`` escapes), each part
     of its path a token of the subject (``/`` as ``.``, but where it would leave a token
     empty), so that the keys under a prefix can be watched
     (:mod:`fastft.bus.natswatch`)."""
+    if _PLAIN.fullmatch(key):  # (the job's keys, but for a leading /: one C-level check,
+        return key.replace("/", ".")  # where a check per character cost ~15 us a key)
     out = []
     for i, c in enumerate(key):
         if c == "/" and 0 < i < len(key) - 1 and key[i - 1] != "/":
