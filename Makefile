@@ -144,7 +144,7 @@ bench: $(VENV)/.installed
 	$(MAKE) bench-ray
 
 # the control plane at 1,024 and 16,384 members: the scale model (fastft.sim.scale) beside
-# the real servers at 64 and 256 (docs/simulation.md "The scale model"; ~10 min)
+# the real servers at 64, 256 and 512 (docs/simulation.md "The scale model"; ~15 min)
 scale-model: $(VENV)/.installed
 	TORCH_CPP_LOG_LEVEL=ERROR $(BIN)/python bench/scale_model.py
 

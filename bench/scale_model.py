@@ -1,5 +1,5 @@
 """The control plane at 1,024 and 16,384 members (issue 51): the scale model's figures, and
-the real servers' beside them where this machine can run both (64 and 256 members).
+the real servers' beside them where this machine can run both (64, 256 and 512 members).
 
 **Model** (:mod:`fastft.sim.scale`; its costs: ``src/fastft/sim/calibration.json``, from
 ``bench/calibrate.py`` against the real TCPStore and NATS servers here): the project's real
@@ -28,8 +28,8 @@ spending the CPU the real run measured, and ``real_over_model`` (the issue's "mo
 
 Printed: the table; written: bench/results/scale_model.json.
 
-    python bench/scale_model.py [--sizes 64 256 1024 16384] [--planes tcpstore nats]
-                                [--leases 2048] [--real 64 256] [--trials 3]
+    python bench/scale_model.py [--sizes 64 256 512 1024 16384] [--planes tcpstore nats]
+                                [--leases 2048] [--real 64 256 512] [--trials 3]
 """
 
 from __future__ import annotations
@@ -182,10 +182,10 @@ def _on_this_host(plane: str, n: int, voice: bool, member_cpu_ms: float) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="*", default=[64, 256, 1024, 16384])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[64, 256, 512, 1024, 16384])
     ap.add_argument("--planes", nargs="+", default=["tcpstore", "nats"])
     ap.add_argument("--leases", type=int, nargs="*", default=[2048])
-    ap.add_argument("--real", type=int, nargs="*", default=[64, 256])
+    ap.add_argument("--real", type=int, nargs="*", default=[64, 256, 512])
     ap.add_argument(
         "--trials", type=int, default=3, help="runs of each real row (the median is shown)"
     )
