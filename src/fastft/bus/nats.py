@@ -112,7 +112,7 @@ def escape_key(key: str) -> str:
     empty), so that the keys under a prefix can be watched
     (:mod:`fastft.bus.natswatch`)."""
     if _PLAIN.fullmatch(key):  # (the job's keys, but for a leading /: one C-level check,
-        return key.replace("/", ".")  # where a check per character cost ~15 us a key)
+        return key.replace("/", ".")  # where a check per character cost ~6 us a key)
     out = []
     for i, c in enumerate(key):
         if c == "/" and 0 < i < len(key) - 1 and key[i - 1] != "/":
