@@ -294,12 +294,12 @@ def one_row(
     try:
         store = connect_store(address)
         view = EpochView(1, tuple(Member(r, 1) for r in range(world)), 0, frozenset(), None)
-        first = _signed(store, keys) if secret else store
-        first.set(keys.epoch_members(1), view.to_json())  # (as a first start leaves the
-        first.set(keys.latest_epoch, "1")  # store: epoch 1 closed, the joiners admitted
-        first.set(keys.joined, str(world))  # and their keys cleared, as the scale model's
+        kv = _signed(store, keys) if secret else store
+        kv.set(keys.epoch_members(1), view.to_json())  # (as a first start leaves the
+        kv.set(keys.latest_epoch, "1")  # store: epoch 1 closed, the joiners admitted
+        kv.set(keys.joined, str(world))  # and their keys cleared, as the scale model's
         for r in range(world):  # _first_epoch; without them the closer made each joiner
-            first.set(keys.joiner(r), "")  # key, one request after another, as it closed)
+            kv.set(keys.joiner(r), "")  # key, one request after another, as it closed)
         live = world - 1
         per = -(-live // procs)
         per = -(-per // PER_NODE) * PER_NODE if voice else per  # (whole nodes a process)
