@@ -40,6 +40,7 @@ __all__ = [
     "BUCKET",
     "NatsKV",
     "connect_kv",
+    "escape_by_character",
     "escape_key",
     "nats_connection",
     "is_nats",
@@ -113,6 +114,12 @@ def escape_key(key: str) -> str:
     (:mod:`fastft.bus.natswatch`)."""
     if _PLAIN.fullmatch(key):  # (the job's keys, but for a leading /: one C-level check,
         return key.replace("/", ".")  # where a check per character cost ~6 us a key)
+    return escape_by_character(key)
+
+
+def escape_by_character(key: str) -> str:
+    """:func:`escape_key` one character at a time (any key; its fast path is tested
+    against this)."""
     out = []
     for i, c in enumerate(key):
         if c == "/" and 0 < i < len(key) - 1 and key[i - 1] != "/":
