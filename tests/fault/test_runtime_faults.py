@@ -98,7 +98,18 @@ def test_rank0_killed_and_a_state_loss_are_survived_with_a_warm_spare(tmp_path, 
         if e["event"] == "heal" and e["role"] == "fetch" and e["step"] > 0
     ]
     # the restarted rank 0 healed from a survivor, then rank 1 healed its lost state
-    assert fetched == [("rank 0", 5), ("rank 1", 14)]
+    assert [f for f in fetched if f in (("rank 0", 5), ("rank 1", 14))] == [
+        ("rank 0", 5),
+        ("rank 1", 14),
+    ], fetched
+    # and no other heal but the decision's documented split (docs/architecture.md): a
+    # member interrupted by rank 1's fault after step 13's gradients' allreduce rolled 13
+    # back while the others committed it, and healed forward at 14 (seen once in make test)
+    committed = {(e["src"], e["step"]) for e in ev if e["event"] == "commit"}
+    rolled = {(e["src"], e["step"]) for e in ev if e["event"] == "rollback"}
+    for src, step in [f for f in fetched if f not in (("rank 0", 5), ("rank 1", 14))]:
+        assert (src, step - 1) in rolled and (src, step - 1) not in committed, (src, fetched)
+        assert any(s == step - 1 and w != src for w, s in committed), (src, fetched)
     assert sum(e["event"] == "restart" for e in ev) == 1  # the state loss restarts nothing
     assert sum(e["event"] == "epoch" and e["src"] == "rank 2" for e in ev) == 3
 
