@@ -23,7 +23,7 @@ from typing import Any
 
 from fastft.launch.nodes.beats import Beats
 from fastft.launch.nodes.lease import NodeLease
-from fastft.launch.rules.leasewatch import DONE, watched
+from fastft.launch.rules.leasewatch import DONE, held_after_return, watched
 from fastft.launch.rules.lives import lost_mark, mark_counter, put_mark
 
 __all__ = ["MARKS_READS_PER_S", "BeatLease", "marks_every"]
@@ -159,8 +159,11 @@ class BeatLease(NodeLease):
         """With beats: unless another watcher declared this stop of the node already, tell
         the others, declare its workers dead (the lives its last beat carried) and write
         the mark when the bucket answers (the node's fence when it returns)."""
-        if self.clock() - self.beats.back_at < 2 * self.config.lease_s:
-            self.watch.lost.discard(node)  # (this node was just cut off itself: judged later)
+        b = self.beats
+        if held_after_return(
+            self.clock(), b.own_at(), b.back_at, b.back_gap, b.heard_at(node), self.config.lease_s
+        ):
+            self.watch.lost.discard(node)  # (this node may be the one cut off: judged later)
             return
         counter = self.watch.counter(node)
         heard = self.beats.declared(node)

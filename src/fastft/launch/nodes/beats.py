@@ -109,6 +109,10 @@ class Beats:
         self.back_at = 0.0
         """When this node's own beats were heard again after a gap (it was cut off: what it
         hears of the others may still be in retransmission)."""
+        self.back_gap = 0.0
+        """How long that gap lasted (s)."""
+        self._heard_at: dict[int, float] = {}
+        """node -> when a new counter of it was last heard."""
         self._subscribed: set[int] = set()
 
     # --- sending ---------------------------------------------------------------------------
@@ -203,17 +207,29 @@ class Beats:
             now = self.clock()
             self._last_any = now
             if beat.node == self.node:  # (its own beat back after a gap: this node was cut)
-                if now - self._last_own > self.timeout_s * 2 / 3:  # (2 of 3 beats)
-                    self.back_at = now
+                gap = now - self._last_own
+                if gap > self.timeout_s * 2 / 3:  # (2 of 3 beats)
+                    self.back_at, self.back_gap = now, gap
                 self._last_own = now
             old = self._heard.get(beat.node)
             if old is None or beat.counter > old[0]:
                 self._heard[beat.node] = (beat.counter, beat.lives)
+                self._heard_at[beat.node] = now
 
     def counters(self, nodes: list[int]) -> dict[int, int]:
         """The highest counter heard from each of ``nodes`` (0: none yet)."""
         with self._lock:
             return {n: self._heard.get(n, (0, {}))[0] for n in nodes}
+
+    def heard_at(self, node: int) -> float:
+        """When a new counter of ``node`` was last heard (0: never)."""
+        with self._lock:
+            return self._heard_at.get(node, 0.0)
+
+    def own_at(self) -> float:
+        """When this node's own beat was last heard (its start, before the first)."""
+        with self._lock:
+            return self._last_own
 
     def lives(self, node: int) -> dict[int, int]:
         """The worker lives ``node``'s newest beat carried."""

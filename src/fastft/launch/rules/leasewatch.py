@@ -19,6 +19,7 @@ __all__ = [
     "LeaseWatch",
     "Verdict",
     "WATCHERS",
+    "held_after_return",
     "watched",
 ]
 
@@ -56,6 +57,35 @@ def watched(me: int, nnodes: int, marks: dict[int, str], width: int = WATCHERS) 
             if clear == width:
                 break
     return out
+
+
+def held_after_return(
+    now: float, own_at: float, back_at: float, gap_s: float, heard_at: float, lease_s: float
+) -> bool:
+    """Whether a watcher holds its verdict on a node whose lease ran out because it may be
+    the one cut off: it last heard its own beats at ``own_at``; they came back at
+    ``back_at`` (0: never) after ``gap_s`` of silence; it last heard the node at
+    ``heard_at`` (0: never). Pure.
+
+    Its own beats unheard for two thirds of a lease: held (the others' last beats may have
+    come a round before its own last one: a watcher cut off with its node judged them
+    before it found itself silent, and declared both healthy nodes of three lost). For two
+    leases after its own beats' return it declares nobody (what it hears may still be in
+    retransmission). Past that, a node it has not heard since its return is held for
+    ``gap_s`` more: a cut node's connections come back one by one, each when TCP next
+    retransmits, and the retransmissions back off as long as the cut lasted (after an 8 s
+    cut the others' beats were unheard for up to 5.9 s after the mend while the returning
+    node heard its own). A node heard after the return and silent for a lease since is
+    judged as usual; one never heard is declared once the hold ends (it died while this
+    watcher was cut off; its other watchers have declared it already)."""
+    if now - own_at > lease_s * 2 / 3:
+        return True
+    if not back_at:
+        return False
+    since = now - back_at
+    if since < 2 * lease_s:
+        return True
+    return heard_at < back_at and since < gap_s + 2 * lease_s
 
 
 @dataclass(frozen=True)
