@@ -67,6 +67,30 @@ def test_a_rollback_proposed_first_beats_the_commit(store):
     assert decisions.propose_rollback(cs[0].store, keys, 1, 6, "late") == COMMIT
 
 
+def test_a_late_commit_is_confirmed_unless_a_rollback_came_first(store):
+    """A step decided by its collective long after a member's last contact
+    (:class:`fastft.fsm.GradsReady` ``confirm``): the first compare-and-set holds; a
+    rollback a member proposed first (the others left the epoch while this member was cut
+    off) turns the late commit into a rollback, and a store that cannot answer does too."""
+    cs = [coord(store, r, 10 + r) for r in range(3)]
+    keys = JobKeys(JOB)
+    assert cs[0].confirm(2, 7) == COMMIT
+    assert cs[1].confirm(2, 7) == COMMIT  # (another late member reads the same)
+    assert decisions.propose_rollback(cs[2].store, keys, 2, 7, "late") == COMMIT
+    assert decisions.propose_rollback(cs[2].store, keys, 2, 8, "node 1 lost") == (
+        ROLLBACK + "node 1 lost"
+    )
+    assert cs[1].confirm(2, 8) == ROLLBACK + "node 1 lost"
+
+    class Down:
+        def compare_set(self, *a: object) -> None:
+            raise TimeoutError("no answer within 0.8 s")
+
+    cs[0].store = Down()
+    got = cs[0].confirm(2, 9)
+    assert got.startswith(ROLLBACK) and "TimeoutError: no answer within 0.8 s" in got
+
+
 def test_forget_removes_a_decided_steps_keys(store):
     c = coord(store, 0, 1, world=1)
     assert c.vote(1, 0, 1) == COMMIT

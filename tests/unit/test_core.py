@@ -77,6 +77,17 @@ def test_a_fault_free_step_runs_vote_then_commit_then_returns():
     assert port.take() == [("vote", 1, 0), ("commit", 0)]
 
 
+def test_a_late_collective_commit_is_voted_for_confirmation_and_a_rollback_held_undoes_it():
+    port = RecordingPort()
+    core = _running(port)
+    core.feed(GradsReady(agreed=True, confirm=True), port)
+    a = core.next(NEVER, port)
+    assert isinstance(a, CastVote) and a.agreed and a.confirm  # (membership confirms it)
+    assert Core.run(a, port) == "vote"
+    core.feed(Decision(commit=False), port)  # (a rollback proposed first held)
+    assert core.state.phase is not Phase.COMMIT and core.state.step == 0
+
+
 def test_a_peer_fault_interrupts_and_proposes_at_once_then_rolls_back_on_the_main_thread():
     port = RecordingPort()
     core = _running(port)

@@ -29,6 +29,9 @@ PREV = EpochView(4, (A, B, C), 10, frozenset(), None)
 def test_a_step_decided_by_its_collective_needs_no_store_and_the_first_member_forgets():
     assert plans.voted(CastVote(4, 10, agreed=True)) == Decision(commit=True)
     assert plans.voted(CastVote(4, 10)) is None
+    late = CastVote(4, 10, agreed=True, confirm=True)
+    assert plans.voted(late) is None and plans.confirms(late)  # (the store confirms it)
+    assert not plans.confirms(CastVote(4, 10, agreed=True)) and not plans.confirms(CastVote(4, 10))
     do = plans.decided(PREV, 0, 10, "C")
     assert do.decision == Decision(commit=True) and do.forget == 9 and do.quiet
     later = plans.decided(PREV, 1, 10, "CJL2")  # (not the first member: it forgets nothing)

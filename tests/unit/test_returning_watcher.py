@@ -83,3 +83,28 @@ def test_beats_record_the_own_gap_and_when_each_node_was_last_heard():
     subject = beat_subject("job", 2)
     beats._heard_msg(subject, encode(Beat(2, 9), forged.sign, subject))
     assert beats.heard_at(2) == 0.0 and beats.forged == 1
+
+
+def test_a_second_shorter_gap_does_not_cut_the_first_ones_hold_short_and_a_fence_holds():
+    auth = ValueAuth(JobSecret.draw())
+    clock = _Clock()
+    beats = Beats([], "job", 1, auth.sign, auth.verify, timeout_s=LEASE, clock=clock)
+    subject = beat_subject("job", 1)
+
+    def own(counter: int) -> None:
+        beats._heard_msg(subject, encode(Beat(1, counter), auth.sign, subject))
+
+    own(1)
+    clock.now = 18.0  # (back after 8 s: held until 18 + 8 + 2 leases)
+    own(2)
+    clock.now = 18.7  # (its own beats lost again for 0.7 s as its connections come back)
+    own(3)
+    assert beats.back_at == 18.7 and abs(beats.back_at + beats.back_gap - 26.0) < 1e-9
+    end = beats.back_at + beats.back_gap + 2 * LEASE
+    assert held_after_return(end - 0.01, end - 0.01, beats.back_at, beats.back_gap, 5.0, LEASE)
+    fresh = Beats([], "job", 1, auth.sign, auth.verify, timeout_s=LEASE, clock=clock)
+    clock.now = 40.05
+    fresh.fenced()  # (its own mark read: it was declared lost)
+    assert fresh.back_at == 40.05 and fresh.back_gap == LEASE
+    assert held_after_return(40.05 + 2.3, 40.05 + 2.3, fresh.back_at, LEASE, 39.0, LEASE)
+    assert not held_after_return(40.05 + 2.3, 40.05 + 2.3, fresh.back_at, LEASE, 40.1, LEASE)

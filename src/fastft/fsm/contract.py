@@ -148,6 +148,11 @@ class GradsReady(Event):
     store (DESIGN S2, as revised in docs/architecture.md "The fault-free decision")."""
 
     agreed: bool = False
+    confirm: bool = False
+    """With ``agreed``: the collective completed so long after this member's previous
+    contact with every member that they may have left the epoch meanwhile (a Gloo
+    operation they abandoned completes later, when a cut mends): the commit is confirmed
+    in the store first (:class:`CastVote`)."""
 
 
 @dataclass(frozen=True)
@@ -280,6 +285,9 @@ class CastVote(Action):
     agreed: bool = False
     """Decided already, by the step's collective (:class:`GradsReady`): commit; no store
     vote."""
+    confirm: bool = False
+    """With ``agreed``: compare-and-set the commit as the step's decision first; a
+    rollback a member proposed already holds instead (:class:`GradsReady`)."""
 
 
 @dataclass(frozen=True)

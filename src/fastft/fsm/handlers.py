@@ -145,7 +145,9 @@ def grads_ready(s: StepState, e: Event) -> Result:
         # state this worker does not hold (S4); the caller must feed StateLoaded first
         raise InvalidTransition(s.phase, e)
     assert isinstance(e, GradsReady)
-    vote = CastVote(s.epoch, s.step, s.want_drain, joining=s.joining, agreed=e.agreed)
+    vote = CastVote(
+        s.epoch, s.step, s.want_drain, joining=s.joining, agreed=e.agreed, confirm=e.confirm
+    )
     return replace(s, phase=Phase.PREPARED), (vote,)
 
 

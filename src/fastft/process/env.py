@@ -155,6 +155,12 @@ class WorkerEnv:
         "FASTFT_HEALTH_HOST_MB",
         "health check: MiB of host memory that must be available before this worker joins",
     )
+    node_silence_ms: int | None = _var(
+        "FASTFT_NODE_SILENCE_MS",
+        "several nodes: the shortest silence of a node after which it may be declared lost; a "
+        "step decided by its collective this long after the member's previous commit is "
+        "confirmed in the store before it commits",
+    )
     hang_timeout_s: float | None = _var(
         "FASTFT_HANG_TIMEOUT", "seconds without progress before the agent kills this worker"
     )

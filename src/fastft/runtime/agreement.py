@@ -68,6 +68,9 @@ class Agreement:
         self.drawn: tuple[int, ...] = ()
         """The batch digests the in-band vote carried (a step that draws more after its
         gradients' allreduce compares them all in the agreement's own allreduce)."""
+        self.contact = time.monotonic()
+        """When this member last knew every member of its epoch was in it: its last commit,
+        or its epoch's first attempt (:meth:`late`)."""
 
     def begin(self, epoch: int, step: int, world: int) -> bool:
         """This attempt begins: whether the in-band replica check runs in it: every ``--compare-every``
@@ -79,11 +82,26 @@ class Agreement:
         self.inband.begin()
         if self.compared[0] != epoch:
             self.compared = (epoch, step)
+            self.contact = time.monotonic()
         every = self.rt.config.compare_every
         self.compare = bool(every and world >= 2 and not self.rt.sharded) and (
             step % every == 0 or step - self.compared[1] < 2
         )
         return self.compare
+
+    def late(self) -> bool:
+        """Whether a step decided by its collective now must confirm its commit in the
+        store (:class:`~fastft.fsm.GradsReady`): the collective completed so long after
+        this member's last :attr:`contact` that its node may have been declared lost
+        meanwhile (``node_silence_ms``), and the others left the epoch. A Gloo operation
+        they abandoned goes on without them and completes when the cut mends: a node cut
+        off for 8 s committed a step the others had rolled back and re-formed without it
+        (1 run in 2 of ``tests/net``'s cut with the key-value leader). An abandoned NCCL
+        communicator is aborted (nothing completes on it); one node has no lease."""
+        silence = self.rt.config.node_silence_ms
+        if silence is None or self.rt.engine.dp.backend() == "nccl":
+            return False
+        return time.monotonic() - self.contact > silence / 1000 * 0.75
 
     def slots(self) -> int:
         """Slots the gradients' bucket holds for the in-band vote (``fastft.jax``'s pmean

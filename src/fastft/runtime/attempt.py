@@ -7,6 +7,7 @@ runtime through its ports (:class:`~fastft.runtime.ports.RuntimePorts`)."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from fastft.fsm import Phase
@@ -133,7 +134,7 @@ class StepAttempts:
         self.rt.heartbeat.beat()
         step = tx.step
         if et is None:
-            x.grads_ready(step, agreed)
+            x.grads_ready(step, agreed, confirm=agreed and self.agreement.late())
             self.rt.drive(
                 lambda s: (
                     s.step != step
@@ -146,6 +147,7 @@ class StepAttempts:
             tx.committed = x.state.step > step
             if tx.committed:
                 self.retries = 0
+                self.agreement.contact = time.monotonic()  # (every member was there)
             return False
         if isinstance(ev, StepInterrupted):
             self.rt.events.emit(

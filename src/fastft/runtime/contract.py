@@ -83,7 +83,10 @@ class RuntimeConfig:
     them; the store only when a drain or a join is in flight), ``store`` (every member
     votes in the store) or ``auto``, the cheaper of the two
     (:func:`fastft.runtime.checks.by_collective`; docs/architecture.md);
-    ``keep_gradients``: in an elastic world, keep a copy of the weighted local gradient
+    ``node_silence_ms``: several nodes (``fastft run`` sets it): the shortest silence after
+    which a node may be declared lost; a Gloo step decided by its collective this long
+    after the member's previous commit confirms the commit in the store
+    (:class:`~fastft.fsm.GradsReady`); ``keep_gradients``: in an elastic world, keep a copy of the weighted local gradient
     before each step's allreduce (one more gradient-sized buffer), so that a retry after
     the world shrank computes only the lost members' samples (:mod:`fastft.protocol.shards`);
     ``checkpoint_dir``, ``checkpoint_every`` (steps), ``checkpoint_interval_s``,
@@ -128,6 +131,7 @@ class RuntimeConfig:
     buffers: str = "average"
     decide: str = "auto"
     keep_gradients: bool = True
+    node_silence_ms: int | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     checkpoint_interval_s: float = 0.0

@@ -55,7 +55,7 @@ class StepEngine(Protocol):
         """The state, the view and the phase changes at one moment (read under the
         engine's lock, which a part never takes)."""
 
-    def grads_ready(self, step: int, agreed: bool) -> None:
+    def grads_ready(self, step: int, agreed: bool, confirm: bool = False) -> None:
         """The step's gradients are ready: fed unless a fault moved the machine on."""
 
     def local_fault(self, exc: BaseException, gen: int | None = None) -> None:

@@ -155,6 +155,11 @@ class BeatLease(NodeLease):
         own = self._own_mark or ("" if heard == DONE else heard)
         return self.beats.counters(nodes), own, self._failed
 
+    def _fence(self, mark: str) -> None:
+        if mark not in self._fenced:
+            self.beats.fenced()
+        super()._fence(mark)
+
     def _declare(self, node: int) -> None:
         """With beats: unless another watcher declared this stop of the node already, tell
         the others, declare its workers dead (the lives its last beat carried) and write

@@ -209,7 +209,7 @@ class Beats:
             if beat.node == self.node:  # (its own beat back after a gap: this node was cut)
                 gap = now - self._last_own
                 if gap > self.timeout_s * 2 / 3:  # (2 of 3 beats)
-                    self.back_at, self.back_gap = now, gap
+                    self._cut_off(now, gap)
                 self._last_own = now
             old = self._heard.get(beat.node)
             if old is None or beat.counter > old[0]:
@@ -220,6 +220,20 @@ class Beats:
         """The highest counter heard from each of ``nodes`` (0: none yet)."""
         with self._lock:
             return {n: self._heard.get(n, (0, {}))[0] for n in nodes}
+
+    def _cut_off(self, now: float, gap: float) -> None:
+        """This node was cut off for ``gap`` s until ``now`` (under the lock). A hold that
+        runs still (:func:`~fastft.launch.rules.leasewatch.held_after_return`) is not cut
+        short: a node whose connections come back one by one hears its own beats, loses
+        them again, and the second gap is shorter than the first."""
+        left = self.back_at + self.back_gap - now if self.back_at else 0.0
+        self.back_at, self.back_gap = now, max(gap, left)
+
+    def fenced(self) -> None:
+        """This node learned it was declared lost (it was cut off, for at least a lease):
+        what it hears of the others is judged as after a return."""
+        with self._lock:
+            self._cut_off(self.clock(), self.timeout_s)
 
     def heard_at(self, node: int) -> float:
         """When a new counter of ``node`` was last heard (0: never)."""

@@ -37,7 +37,23 @@ def _contract(cfg: LaunchConfig, **life: Any) -> WorkerEnv:
     for name in life:  # (this life's own: the store's address, the run directory, ...)
         shared.pop(name, None)
     lighthouse = "bus" if cfg.torchft == "fastft" else None
-    return WorkerEnv(world_size=cfg.world_size, lighthouse=lighthouse, **shared, **life)
+    return WorkerEnv(
+        world_size=cfg.world_size,
+        lighthouse=lighthouse,
+        node_silence_ms=node_silence_ms(cfg),
+        **shared,
+        **life,
+    )
+
+
+def node_silence_ms(cfg: LaunchConfig) -> int | None:
+    """The shortest silence after which a watcher may declare a node lost (several nodes):
+    its lease less the one renewal that may have come just before the silence."""
+    if cfg.nnodes < 2:
+        return None
+    from fastft.launch.rules.leasewatch import DEFAULT_MISSES  # (pure)
+
+    return cfg.node_heartbeat_ms * ((cfg.node_lease_misses or DEFAULT_MISSES) - 1)
 
 
 def worker_environment(

@@ -169,6 +169,17 @@ class Coordinator:
             return d.decide_once(self.store, self.keys.decision(epoch, step), decision)
         return None
 
+    def confirm(self, epoch: int, step: int) -> str:
+        """A collective's commit that came late (:class:`~fastft.fsm.GradsReady`), made the
+        decision of (epoch, step) by compare-and-set: the decision that holds. A rollback
+        proposed first holds (the others left the epoch while this member was cut off), as
+        it does if the store cannot be reached (this member may still be cut off)."""
+        try:
+            return d.decide_once(self.store, self.keys.decision(epoch, step), d.COMMIT)
+        except Exception as e:  # noqa: BLE001 - any store failure: not confirmed
+            why = f"{type(e).__name__}: {e}".splitlines()[0]
+            return f"{d.ROLLBACK}the commit could not be confirmed: {why}"[:200]
+
     def await_decision(self, epoch: int, step: int) -> str | None:
         """The decision of (epoch, step), or None if it was not made within the decision
         store's timeout (one blocking ``get``: the server answers when the key is set)."""

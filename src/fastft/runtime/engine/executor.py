@@ -169,13 +169,14 @@ class Executor(OnCore):
         with self.lock:
             return Seen(self.state, self.view, self.phase_changes)
 
-    def grads_ready(self, step: int, agreed: bool) -> None:
-        """Step ``step``'s gradients are ready (its collective ``agreed``): fed unless a
-        fault moved the machine on meanwhile."""
+    def grads_ready(self, step: int, agreed: bool, confirm: bool = False) -> None:
+        """Step ``step``'s gradients are ready (its collective ``agreed``, to ``confirm``
+        in the store: :class:`~fastft.fsm.GradsReady`): fed unless a fault moved the
+        machine on meanwhile."""
         with self.lock:
             s = self.state
             if s.phase is Phase.NORMAL and s.step == step:
-                self.feed_locked(GradsReady(agreed=agreed))
+                self.feed_locked(GradsReady(agreed=agreed, confirm=confirm))
 
     # (what the parts ask of the core: only the executor takes its lock)
     def adopt(self, view: EpochView, source: int | None) -> None:

@@ -37,6 +37,9 @@ class Membership:
         self.collector = KeyCollector(x.side)
         self._decision_wait_ms: float | None = None
         self._below: tuple[int, int, int] | None = None
+        self._confirmed: tuple[int, int] | None = None
+        """The last step whose commit this member confirmed: its key is deleted at the next
+        vote (every member has read it by then: they all entered the next step)."""
 
     def _below_min(self, have: int, need: int) -> None:
         """Said once per formation and count: an elastic world waits for restarted workers
@@ -70,21 +73,29 @@ class Membership:
         view = x.view
         assert view is not None
         t0 = time.monotonic()
+        if self._confirmed is not None:
+            self.collector.put(*self._confirmed)
+            self._confirmed = None
         known = plans.voted(a)
         if known is not None:  # decided by the step's collective: no store request
             self._decision_wait_ms = 0.0
             x.feed(known)
             return
-        joiners = x.coord.joiners() if plans.needs_joiners(a, x.dp.k) else None
-        joining = plans.vote_joining(a, x.dp.k, joiners)
-        got = x.coord.vote(
-            a.epoch,
-            a.step,
-            len(view.members),
-            leaving=a.want_drain,
-            joining=joining,
-            ranks=tuple(sorted(view.ranks)),
-        )
+        if plans.confirms(a):  # (a late collective's commit, GradsReady.confirm)
+            confirmed = x.coord.confirm(a.epoch, a.step)
+            x.events.emit("vote_confirmed", epoch=a.epoch, step=a.step, decision=confirmed[:1])
+            got: str | None = confirmed
+            self._confirmed = (a.epoch, a.step)
+        else:
+            joiners = x.coord.joiners() if plans.needs_joiners(a, x.dp.k) else None
+            got = x.coord.vote(
+                a.epoch,
+                a.step,
+                len(view.members),
+                leaving=a.want_drain,
+                joining=plans.vote_joining(a, x.dp.k, joiners),
+                ranks=tuple(sorted(view.ranks)),
+            )
         while got is None:
             got = x.coord.await_decision(a.epoch, a.step)
             if x.closing:

@@ -24,6 +24,7 @@ __all__ = [
     "Drain",
     "Form",
     "Recover",
+    "confirms",
     "decided",
     "drain",
     "form",
@@ -41,8 +42,14 @@ __all__ = [
 # --- the vote and its decision ------------------------------------------------------------
 def voted(a: CastVote) -> Decision | None:
     """The decision a vote carries already: a step decided by its collective commits with
-    no store request; None: the store decides."""
-    return Decision(commit=True) if a.agreed else None
+    no store request; None: the store decides (or confirms: ``a.confirm``)."""
+    return Decision(commit=True) if a.agreed and not a.confirm else None
+
+
+def confirms(a: CastVote) -> bool:
+    """Whether a step decided by its collective confirms its commit in the store first (it
+    completed late: :class:`~fastft.fsm.GradsReady`), instead of a vote."""
+    return a.agreed and a.confirm
 
 
 def vote_joining(a: CastVote, k: int, joiners: Mapping[int, int] | None) -> bool:
