@@ -38,8 +38,8 @@ class Membership:
         self._decision_wait_ms: float | None = None
         self._below: tuple[int, int, int] | None = None
         self._confirmed: tuple[int, int] | None = None
-        """The last step whose commit this member confirmed: its key is deleted at the next
-        vote (every member has read it by then: they all entered the next step)."""
+        """The first member: the last step whose commit it confirmed, its key deleted at the
+        next vote (every member has read it by then: they all entered the next step)."""
 
     def _below_min(self, have: int, need: int) -> None:
         """Said once per formation and count: an elastic world waits for restarted workers
@@ -85,7 +85,8 @@ class Membership:
             confirmed = x.coord.confirm(a.epoch, a.step)
             x.events.emit("vote_confirmed", epoch=a.epoch, step=a.step, decision=confirmed[:1])
             got: str | None = confirmed
-            self._confirmed = (a.epoch, a.step)
+            if plans.records(view, x.me.rank):  # (the first member deletes it, as a vote's)
+                self._confirmed = (a.epoch, a.step)
         else:
             joiners = x.coord.joiners() if plans.needs_joiners(a, x.dp.k) else None
             got = x.coord.vote(
