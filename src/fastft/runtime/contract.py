@@ -86,8 +86,8 @@ class RuntimeConfig:
     ``node_silence_ms``: several nodes (``fastft run`` sets it): the shortest silence after
     which a node may be declared lost; a Gloo step decided by its collective this long
     after the member's previous commit confirms the commit in the store
-    (:class:`~fastft.fsm.GradsReady`); ``keep_gradients``: in an elastic world, keep a copy of the weighted local gradient
-    before each step's allreduce (one more gradient-sized buffer), so that a retry after
+    (:class:`~fastft.fsm.GradsReady`); ``keep_gradients``: in an elastic world, keep a
+    copy of the weighted local gradient before each step's allreduce (one more gradient-sized buffer), so that a retry after
     the world shrank computes only the lost members' samples (:mod:`fastft.protocol.shards`);
     ``checkpoint_dir``, ``checkpoint_every`` (steps), ``checkpoint_interval_s``,
     ``checkpoint_keep``: the durable tier (:mod:`fastft.runtime.durable.checkpoints`); with a directory
