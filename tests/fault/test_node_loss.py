@@ -237,6 +237,31 @@ def test_a_partitioned_node_is_fenced_and_heals(tmp_path, clean, nats_cluster, p
     assert {v["digest"] for v in finals(job.run).values()} == {clean[0]["digest"]}
 
 
+def test_slow_steps_across_nodes_confirm_each_commit_in_the_store_and_stay_equal(tmp_path, clean):
+    """Steps slower than the shortest node silence a watcher may declare (the lease less one
+    renewal: 400 ms here, so 300 ms after the last commit): each commit decided by the
+    gradients' allreduce is confirmed in the store first (a member cut off meanwhile would
+    find the others' rollback there; docs/architecture.md, *A late completion is
+    confirmed*). Fault-free, every step of every member is confirmed as a commit, nothing
+    rolls back, and the run ends bitwise equal to the clean one."""
+    job = Nodes(tmp_path / "slow", 3, steps=STEPS, train=("--step-time", "0.35"))
+    try:
+        job.start_all()
+        codes = job.wait(150)
+        assert codes == {0: 0, 1: 0, 2: 0}, job.logs()
+    finally:
+        assert job.close() == [], job.logs()
+    ev = job.events()
+    for r in range(3):
+        confirmed = [e for e in ev if e["event"] == "vote_confirmed" and e["src"] == f"rank {r}"]
+        assert {e["decision"] for e in confirmed} == {"C"}, confirmed
+        commits = [e["step"] for e in ev if e["event"] == "commit" and e["src"] == f"rank {r}"]
+        assert sorted(e["step"] for e in confirmed) == commits == list(range(STEPS))
+    assert not [e for e in ev if e["event"] in ("rollback", "node_lost")], job.logs()
+    check_s1_s3(job.run, steps=STEPS)
+    assert {v["digest"] for v in finals(job.run).values()} == {clean[0]["digest"]}
+
+
 # --- losing NATS servers --------------------------------------------------------------------
 @pytest.mark.slow
 def test_with_nats_losing_a_server_then_another_stalls_but_loses_nothing(tmp_path, clean):
