@@ -239,12 +239,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_the_torchrun_recipe_runs_as_written(tmp_path: Path) -> None:
-    """The example's torchrun lines, run as its docstring writes them (ports of the OS's,
-    the secret in tmp): both documented recipes failed at start (issue 53: the README's
-    without TORCHFT_LIGHTHOUSE, the example's without a job secret)."""
+_IN_USE = ("EADDRINUSE", "Address already in use", "address already in use")
+"""What a process of the recipe prints when a port the test drew was taken before it bound
+it (the OS hands the same ephemeral ports to the recipe's own connections)."""
+
+
+def _recipe(tmp: Path) -> tuple[list[int], list[str]]:
+    """Run the example's torchrun lines once, on ports of the OS's, in ``tmp``: each
+    process's exit status (-9: killed, still running when the groups were done) and output."""
     import shlex
     import signal
     import time
@@ -254,7 +256,7 @@ def test_the_torchrun_recipe_runs_as_written(tmp_path: Path) -> None:
         doc.index("    fastft secret new") : doc.index("\n\n", doc.index("    fastft secret new"))
     ]
     ports = {p: str(_free_port()) for p in ("29600", "29510", "29501", "29502")}
-    text = block.replace("\\\n", " ").replace("/tmp/ddp.secret", str(tmp_path / "ddp.secret"))
+    text = block.replace("\\\n", " ").replace("/tmp/ddp.secret", str(tmp / "ddp.secret"))
     for old, new in ports.items():
         text = text.replace(old, new)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -262,7 +264,6 @@ def test_the_torchrun_recipe_runs_as_written(tmp_path: Path) -> None:
     bin_dir = Path(sys.executable).parent
     base = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     procs: list[subprocess.Popen[str]] = []
-    outs: list[str] = []  # the replica groups' output
     try:
         for line in lines:
             words = shlex.split(line.rstrip("&"))
@@ -274,8 +275,7 @@ def test_the_torchrun_recipe_runs_as_written(tmp_path: Path) -> None:
                 words = [sys.executable, "-m", "fastft.cli", *words[1:]]
             # (a file, not a pipe: torchft logs every step, and an unread pipe that filled
             # up stopped one group, whose peer's quorum then timed out)
-            log = tmp_path / f"{len(procs)}.log"
-            with open(log, "w") as f:
+            with open(tmp / f"{len(procs)}.log", "w") as f:
                 p = subprocess.Popen(
                     words,
                     cwd=EXAMPLE.parents[1],
@@ -289,17 +289,43 @@ def test_the_torchrun_recipe_runs_as_written(tmp_path: Path) -> None:
             if "torchrun" in words:
                 continue  # (both groups run at once: each waits for the other's quorum)
             if not line.endswith("&"):
-                assert p.wait(timeout=60) == 0, log.read_text()[-3000:]
+                p.wait(timeout=60)
             else:
                 time.sleep(1.0)  # (the store and the lighthouse listen before the replicas)
-        for i, p in enumerate(procs[-2:], len(procs) - 2):
-            out = (tmp_path / f"{i}.log").read_text() if p.wait(timeout=180) == 0 else ""
-            assert p.returncode == 0, (tmp_path / f"{i}.log").read_text()[-3000:]
-            outs.append(out)
-        digests = set(re.findall(r"replica \d step \d+ digest (\w+)", "".join(outs)))
-        assert len(digests) == 1 and len(re.findall("digest", "".join(outs))) == 2, outs
+        for p in procs[-2:]:
+            try:
+                p.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                pass
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+    codes = [int(p.returncode) for p in procs]
+    return codes, [(tmp / f"{i}.log").read_text() for i in range(len(procs))]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_the_torchrun_recipe_runs_as_written(tmp_path: Path) -> None:
+    """The example's torchrun lines, run as its docstring writes them (ports of the OS's,
+    the secret in tmp): both documented recipes failed at start (issue 53: the README's
+    without TORCHFT_LIGHTHOUSE, the example's without a job secret). A port the test drew
+    that was taken before its process bound it runs the lines once more, on new ports, and
+    only that; a failure shows every process's output (CI's one failure showed only the
+    replica whose quorum timed out)."""
+    for attempt in range(2):
+        tmp = tmp_path / f"try{attempt}"
+        tmp.mkdir()
+        codes, logs = _recipe(tmp)
+        if codes[-2:] == [0, 0] or not any(w in log for log in logs for w in _IN_USE):
+            break
+    shown = "\n".join(
+        f"--- line {i} exited {c}:\n{log[-2500:]}"
+        for i, (c, log) in enumerate(zip(codes, logs, strict=True))
+    )
+    assert codes[0] == 0 and codes[-2:] == [0, 0], shown
+    outs = "".join(logs[-2:])
+    digests = set(re.findall(r"replica \d step \d+ digest (\w+)", outs))
+    assert len(digests) == 1 and len(re.findall("digest", outs)) == 2, shown

@@ -227,8 +227,12 @@ def test_a_preempted_job_resumes_with_its_scheduler_exact(tmp_path, script):
     ck = tmp_path / "ck"
     flags = ("--checkpoint-dir", str(ck), "--checkpoint-every", "1000")
     run = tmp_path / "preempted"
-    cmd = command(run, script, *flags) + [str(ZOO / script), *args, "--out", str(run / "out")]
-    preempt(tmp_path, run, cmd, 6)
+    # (every rank's steps from step 6 on compute 100x as long, a pace and nothing else: the
+    # GAN's 16 steps took 0.1 s in all, and its last ones were done before the SIGTERM came
+    # in CI, which then ended the finished job with 0)
+    pace = [{"kind": "slow", "rank": r, "at_step": 6, "arg": 100} for r in range(3)]
+    cmd = command(run, script, *flags, plan=pace)
+    preempt(tmp_path, run, cmd + [str(ZOO / script), *args, "--out", str(run / "out")], 6)
     resumed = zoo_run(tmp_path, "preempted", script, *flags, args=args)
     assert any(e["event"] == "restore" for e in read_events(resumed))
     assert same_everywhere(resumed, 16) == clean
@@ -245,7 +249,9 @@ def test_a_stream_resumed_from_the_scripts_own_checkpoint_is_exact(tmp_path):
     clean = same_everywhere(zoo_run(tmp_path, "clean", "stream.py", args=args), 16)
     own = ("--save", str(tmp_path / "own.pt"))
     run = tmp_path / "own"
-    cmd = command(run, "stream.py", plan=EVERY_KIND[:2]) + [str(ZOO / "stream.py"), *args, *own]
+    pace = {"kind": "slow", "rank": 0, "at_step": 9, "arg": 100}  # (the SIGTERM before the end)
+    cmd = command(run, "stream.py", plan=[*EVERY_KIND[:2], pace])
+    cmd += [str(ZOO / "stream.py"), *args, *own]
     preempt(tmp_path, run, [*cmd, "--out", str(run / "out")], 9)
     faults_happened(run)
     resumed = zoo_run(tmp_path, "own2", "stream.py", args=(*args, *own))
