@@ -285,3 +285,28 @@ def test_fastft_nats_up_prints_the_control_plane_and_stops_cleanly(tmp_path):
         ).stdout.split()
     ]
     assert pids == []  # the servers stopped with it
+
+
+def test_a_local_cluster_whose_drawn_port_was_taken_starts_on_new_ports(tmp_path):
+    """A port drawn free and bound by another process before the server bound it (the
+    OS hands ephemeral ports out again): the cluster starts again on new ones, and a
+    server that fails for any other reason still fails at once."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    try:
+        cluster = LocalCluster(tmp_path / "a", servers=1)
+        taken = held.getsockname()[1]
+        cluster.ports[0] = taken
+        with cluster as c:
+            assert c.ports[0] != taken
+            assert isinstance(connect_store(c.address), NatsStore)
+        assert "address already in use" in (tmp_path / "a" / "n0.log").read_text().lower()
+    finally:
+        held.close()
+    broken = LocalCluster(tmp_path / "b", servers=1)
+    broken.binary = sys.executable  # (exits at once: not a nats-server)
+    with pytest.raises(StoreUnreachable, match="exited"):
+        broken.start(timeout_s=10)

@@ -32,10 +32,15 @@ def server_binary() -> str:
 
 
 def free_port() -> int:
-    """A port the OS picked for 127.0.0.1 (free when this returns)."""
+    """A port the OS picked for 127.0.0.1 (free when this returns; a process may bind it
+    before the server does: :meth:`LocalCluster.start` then starts again)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+PROBE = {"connect_timeout": 1, "allow_reconnect": False, "max_reconnect_attempts": 1}
+"""nats-py's settings for a probe's connection: one try of each server, then fail."""
 
 
 def write_config(
@@ -72,7 +77,10 @@ def wait_jetstream(
 
     async def ready(url: str) -> bool:
         try:
-            nc = await nats.connect(url, connect_timeout=1, allow_reconnect=False, error_cb=quiet)
+            # (one try: nats-py retries a refused first connection 60 times, 2 s apart,
+            # whatever allow_reconnect says, and a server that died before it listened
+            # then held the wait for 2 minutes instead of failing it at once)
+            nc = await nats.connect(url, **PROBE, error_cb=quiet)
         except Exception:
             return False
         try:
@@ -132,16 +140,27 @@ class LocalCluster:
         )
         log.close()
 
-    def start(self, timeout_s: float = 30.0) -> LocalCluster:
+    def start(self, timeout_s: float = 30.0, tries: int = 3) -> LocalCluster:
+        """Start every server and wait until JetStream answers. A port drawn free that
+        another process bound before its server did (the OS hands the same ephemeral
+        ports out again) starts the cluster again on new ports, ``tries`` times at most."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        for i in range(self.n):
-            self.start_server(i)
-        try:
-            self.wait_ready(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        for attempt in range(tries):
+            for i in range(self.n):
+                self.start_server(i)
+            try:
+                self.wait_ready(timeout_s)
+                return self
+            except StoreUnreachable as e:
+                self.stop()
+                if attempt == tries - 1 or "address already in use" not in str(e).lower():
+                    raise
+                self.ports = [free_port() for _ in range(self.n)]
+                self.routes = [free_port() for _ in range(self.n)]
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")  # (the last try returned or raised)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Until JetStream answers through every server (a meta leader was elected)."""
@@ -166,7 +185,7 @@ class LocalCluster:
 
         async def ask() -> str | None:
             live = [u for i, u in enumerate(self.urls) if self.procs[i] is not None]
-            nc = await nats.connect(live, connect_timeout=1, allow_reconnect=False)
+            nc = await nats.connect(live, **PROBE)
             try:
                 info = await nc.jetstream(timeout=2.0).stream_info(stream)
                 return info.cluster.leader if info.cluster else None
