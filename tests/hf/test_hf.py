@@ -134,9 +134,12 @@ def test_a_preempted_trainer_resumes_from_the_durable_tier_exactly(tmp_path, cle
     flags = ("--checkpoint-dir", str(ck), "--checkpoint-every", "1000")
     run = tmp_path / "preempted"
     run.mkdir()
+    # (every rank's steps from step 5 on compute 20x as long, a pace and nothing else: the
+    # SIGTERM comes before the 16 steps' end, 0.37 s after step 5 here otherwise)
+    pace = [{"kind": "slow", "rank": r, "at_step": 5, "arg": 20} for r in range(3)]
     with open(tmp_path / "preempted.log", "w") as log:
         p = subprocess.Popen(
-            command(run, *flags), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path
+            command(run, *flags, plan=pace), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path
         )
         try:
             deadline = time.monotonic() + 240

@@ -160,7 +160,10 @@ def test_a_preempted_lightning_job_resumes_from_the_durable_tier_exactly(tmp_pat
     ck = tmp_path / "ck"
     flags = ("--checkpoint-dir", str(ck), "--checkpoint-every", "1000")
     run = tmp_path / "preempted"
-    cmd = [*command(run, *flags), *STEPS, "--out", str(run / "out")]
+    # (every rank's steps from step 6 on compute 20x as long, a pace and nothing else: the
+    # SIGTERM comes before the 24 steps' end, 0.41 s after step 6 here otherwise)
+    pace = [{"kind": "slow", "rank": r, "at_step": 6, "arg": 20} for r in range(3)]
+    cmd = [*command(run, *flags, plan=pace), *STEPS, "--out", str(run / "out")]
     with open(tmp_path / "preempted.log", "w") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
         try:
