@@ -87,11 +87,12 @@ class RuntimeConfig:
     which a node may be declared lost; a Gloo step decided by its collective this long
     after the member's previous commit confirms the commit in the store
     (:class:`~fastft.fsm.GradsReady`); ``keep_gradients``: in an elastic world, keep a
-    copy of the weighted local gradient before each step's allreduce (one more gradient-sized buffer), so that a retry after
-    the world shrank computes only the lost members' samples (:mod:`fastft.protocol.shards`);
-    ``checkpoint_dir``, ``checkpoint_every`` (steps), ``checkpoint_interval_s``,
-    ``checkpoint_keep``: the durable tier (:mod:`fastft.runtime.durable.checkpoints`); with a directory
-    and no schedule, every ``CHECKPOINT_INTERVAL_S``; ``allow_fresh_start``: when every
+    copy of the weighted local gradient before each step's allreduce (one more
+    gradient-sized buffer), so that a retry after the world shrank computes only the lost
+    members' samples (:mod:`fastft.protocol.shards`); ``checkpoint_dir``,
+    ``checkpoint_every`` (steps), ``checkpoint_interval_s``, ``checkpoint_keep``: the
+    durable tier (:mod:`fastft.runtime.durable.checkpoints`); with a directory and no
+    schedule, every ``CHECKPOINT_INTERVAL_S``; ``allow_fresh_start``: when every
     holder of the committed state is lost and no checkpoint exists, start again from step
     0 instead of failing the job. ``secret_file``: the job secret every process of the job
     shares (``fastft run`` hands it to its workers): it authenticates control messages and
